@@ -1,0 +1,31 @@
+//! `hypura-forge`: synthetic GGUF models that plain llama.cpp loads as real architectures.
+//!
+//! Real large models cannot be downloaded in our test and benchmark environments, so the
+//! forge writes them: any shape up to tens of GB, quantized with ggml's own functions,
+//! deterministic from a seed, with a small SentencePiece vocabulary and knobs for router skew
+//! and temporal locality. The text they produce is meaningless but their logits are real, so
+//! every correctness invariant and benchmark applies to them. Presets are named after the
+//! benchmark scenarios (`dense-1b`, `dense-8b`, `moe-8x`, `moe-30b`) plus `tiny-*` variants
+//! for tests.
+mod spec;
+mod vocab;
+mod write;
+
+use std::path::PathBuf;
+
+pub use spec::{preset, Arch, ForgeSpec, Init, QuantMix, Shape, TensorPlan, PRESETS};
+pub use vocab::Vocabulary;
+pub use write::{metadata, write_model, ForgeSummary};
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ForgeError {
+    #[error("cannot write {path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("preset {name}: {reason}")]
+    BadShape { name: String, reason: String },
+    #[error(transparent)]
+    Gguf(#[from] hypura_gguf::GgufError),
+    #[error(transparent)]
+    Quantize(#[from] hypura_sys::SysError),
+}

@@ -1,0 +1,240 @@
+//! Writes a forged model: header first, then every tensor's rows generated, quantized with
+//! ggml's own functions and written at their final offsets in parallel.
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use hypura_gguf::{GgmlType, GgufWriter, Value};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
+
+use crate::spec::{ForgeSpec, Init, TensorPlan};
+use crate::vocab::Vocabulary;
+use crate::ForgeError;
+
+/// Rows are generated and written in pieces of about this many output bytes, so memory stays
+/// at a few MiB per thread whatever the model size.
+const PIECE_BYTES: u64 = 4 << 20;
+
+/// ggml's K-quant quantizers search scales per block and run at about 20 M values/s per core,
+/// which would make a 30B-parameter model take over ten minutes. Pieces with many blocks are
+/// therefore assembled from a pool of this many blocks that ggml quantized, each block position
+/// drawing a random pool entry. Every byte is still a block that ggml produced, blocks differ
+/// between positions, experts and tensors, and the value statistics are unchanged.
+const BLOCK_POOL: u64 = 2048;
+
+/// What was written.
+#[derive(Clone, Debug)]
+pub struct ForgeSummary {
+    pub file_bytes: u64,
+    pub tensor_count: usize,
+    pub n_vocab: u64,
+}
+
+/// Every metadata key llama.cpp needs to load the spec as its architecture.
+pub fn metadata(spec: &ForgeSpec, vocabulary: &Vocabulary) -> Vec<(String, Value)> {
+    let arch = spec.arch.name();
+    let shape = &spec.shape;
+    let key = |suffix: &str| format!("{arch}.{suffix}");
+    let mut entries = vec![
+        ("general.architecture".to_string(), Value::String(arch.into())),
+        ("general.name".to_string(), Value::String(format!("hypura-forge {}", spec.name))),
+        ("general.file_type".to_string(), Value::U32(spec.quant.file_type())),
+        ("general.quantization_version".to_string(), Value::U32(2)),
+        ("hypura.forge.seed".to_string(), Value::U64(spec.seed)),
+        ("hypura.forge.router_skew".to_string(), Value::F32(spec.router_skew)),
+        ("hypura.forge.router_locality".to_string(), Value::F32(spec.router_locality)),
+        (key("context_length"), Value::U32(shape.n_ctx_train as u32)),
+        (key("embedding_length"), Value::U32(shape.n_embd as u32)),
+        (key("block_count"), Value::U32(shape.n_layer as u32)),
+        (key("feed_forward_length"), Value::U32(shape.n_ff as u32)),
+        (key("attention.head_count"), Value::U32(shape.n_head as u32)),
+        (key("attention.head_count_kv"), Value::U32(shape.n_head_kv as u32)),
+        (key("attention.key_length"), Value::U32(shape.head_dim as u32)),
+        (key("attention.value_length"), Value::U32(shape.head_dim as u32)),
+        (key("attention.layer_norm_rms_epsilon"), Value::F32(1e-6)),
+        (key("rope.freq_base"), Value::F32(shape.rope_freq_base)),
+        (key("rope.dimension_count"), Value::U32(shape.head_dim as u32)),
+        (key("vocab_size"), Value::U32(vocabulary.len() as u32)),
+    ];
+    if spec.is_moe() {
+        entries.push((key("expert_count"), Value::U32(shape.n_expert as u32)));
+        entries.push((key("expert_used_count"), Value::U32(shape.n_expert_used as u32)));
+        entries.push((key("expert_feed_forward_length"), Value::U32(shape.n_ff as u32)));
+    }
+    entries.extend(vocabulary.metadata());
+    entries
+}
+
+/// One piece of work: rows `first_row..first_row + row_count` of tensor `tensor`.
+struct Piece {
+    tensor: usize,
+    first_row: u64,
+    row_count: u64,
+}
+
+/// Write `spec` to `path`. `progress(done_bytes, total_bytes)` is called as pieces land.
+pub fn write_model(spec: &ForgeSpec, path: &Path, progress: &(dyn Fn(u64, u64) + Sync)) -> Result<ForgeSummary, ForgeError> {
+    validate(spec)?;
+    let vocabulary = Vocabulary::build();
+    let plans = spec.tensors(vocabulary.len());
+    let mut writer = GgufWriter::new();
+    for (key, value) in metadata(spec, &vocabulary) {
+        writer.add_metadata(key, value);
+    }
+    for plan in &plans {
+        writer.add_tensor(plan.name.clone(), &plan.dims, plan.ggml_type);
+    }
+    let layout = writer.layout()?;
+    let io_error = |source| ForgeError::Io { path: path.to_path_buf(), source };
+    let file = File::create(path).map_err(io_error)?;
+    file.set_len(layout.file_bytes).map_err(io_error)?;
+    file.write_all_at(&layout.header, 0).map_err(io_error)?;
+
+    let pieces = pieces(&plans);
+    let total = layout.file_bytes;
+    let done = AtomicU64::new(layout.header.len() as u64);
+    let locality_direction = unit_direction(spec.seed, spec.shape.n_embd);
+    pieces.par_iter().try_for_each(|piece| -> Result<(), ForgeError> {
+        let plan = &plans[piece.tensor];
+        let row_elements = plan.dims[0];
+        let row_bytes = plan.ggml_type.row_bytes(row_elements).expect("validated by layout");
+        let bytes = piece_bytes(spec, plan, piece, &locality_direction)?;
+        let offset = layout.tensor_offsets[piece.tensor] + piece.first_row * row_bytes;
+        file.write_all_at(&bytes, offset).map_err(io_error)?;
+        let now = done.fetch_add(bytes.len() as u64, Ordering::Relaxed) + bytes.len() as u64;
+        progress(now, total);
+        Ok(())
+    })?;
+    file.sync_all().map_err(io_error)?;
+    progress(total, total);
+    Ok(ForgeSummary { file_bytes: layout.file_bytes, tensor_count: plans.len(), n_vocab: vocabulary.len() })
+}
+
+fn validate(spec: &ForgeSpec) -> Result<(), ForgeError> {
+    let shape = &spec.shape;
+    let bad = |reason: String| Err(ForgeError::BadShape { name: spec.name.clone(), reason });
+    if shape.n_layer == 0 || shape.n_embd == 0 || shape.n_head == 0 || shape.n_head_kv == 0 || shape.head_dim == 0 || shape.n_ff == 0 {
+        return bad("every dimension must be positive".into());
+    }
+    if shape.n_head % shape.n_head_kv != 0 {
+        return bad(format!("n_head {} is not a multiple of n_head_kv {}", shape.n_head, shape.n_head_kv));
+    }
+    if shape.head_dim % 2 != 0 {
+        return bad(format!("head_dim {} must be even for RoPE", shape.head_dim));
+    }
+    if shape.n_embd % 32 != 0 || shape.n_ff % 32 != 0 {
+        return bad(format!("n_embd {} and n_ff {} must be multiples of 32", shape.n_embd, shape.n_ff));
+    }
+    if shape.n_expert > 0 && (shape.n_expert_used == 0 || shape.n_expert_used > shape.n_expert) {
+        return bad(format!("n_expert_used {} must be in 1..={}", shape.n_expert_used, shape.n_expert));
+    }
+    Ok(())
+}
+
+/// Split every tensor into pieces of whole rows of about PIECE_BYTES.
+fn pieces(plans: &[TensorPlan]) -> Vec<Piece> {
+    let mut pieces = Vec::new();
+    for (tensor, plan) in plans.iter().enumerate() {
+        let row_bytes = plan.ggml_type.row_bytes(plan.dims[0]).unwrap_or(1).max(1);
+        let rows: u64 = plan.dims[1..].iter().product();
+        let rows_per_piece = (PIECE_BYTES / row_bytes).max(1);
+        let mut first_row = 0;
+        while first_row < rows {
+            let row_count = rows_per_piece.min(rows - first_row);
+            pieces.push(Piece { tensor, first_row, row_count });
+            first_row += row_count;
+        }
+    }
+    pieces
+}
+
+/// A deterministic generator for one piece: the same spec gives the same bytes whatever the
+/// number of threads.
+fn piece_rng(seed: u64, tensor: usize, first_row: u64) -> ChaCha8Rng {
+    let mut key = [0u8; 32];
+    key[..8].copy_from_slice(&seed.to_le_bytes());
+    key[8..16].copy_from_slice(&(tensor as u64).to_le_bytes());
+    key[16..24].copy_from_slice(&first_row.to_le_bytes());
+    key[24..].copy_from_slice(b"hypura-f");
+    ChaCha8Rng::from_seed(key)
+}
+
+fn unit_direction(seed: u64, width: u64) -> Vec<f32> {
+    let mut rng = piece_rng(seed, usize::MAX, u64::MAX);
+    let mut direction: Vec<f32> = (0..width).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+    let norm = direction.iter().map(|value| value * value).sum::<f32>().sqrt().max(f32::MIN_POSITIVE);
+    direction.iter_mut().for_each(|value| *value /= norm);
+    direction
+}
+
+fn generate_rows(spec: &ForgeSpec, plan: &TensorPlan, piece: &Piece, locality_direction: &[f32]) -> Vec<f32> {
+    let row_elements = plan.dims[0] as usize;
+    let mut rng = piece_rng(spec.seed, piece.tensor, piece.first_row);
+    let mut values = vec![0f32; row_elements * piece.row_count as usize];
+    match plan.init {
+        Init::Norm => values.iter_mut().for_each(|value| *value = 1.0 + rng.gen_range(-0.1f32..0.1)),
+        Init::Projection { fan_in } => {
+            // Uniform with unit variance per output: keeps activations in range through layers.
+            let limit = (3.0 / fan_in as f32).sqrt();
+            values.iter_mut().for_each(|value| *value = rng.gen_range(-limit..limit));
+        }
+        Init::Embedding => {
+            let sqrt_width = (row_elements as f32).sqrt();
+            for row in values.chunks_mut(row_elements) {
+                for (value, shared) in row.iter_mut().zip(locality_direction) {
+                    *value = rng.gen_range(-1.0f32..1.0) + spec.router_locality * shared * sqrt_width;
+                }
+            }
+        }
+        Init::Router { fan_in } => {
+            let limit = (3.0 / fan_in as f32).sqrt();
+            let n_expert = spec.shape.n_expert.max(1) as f32;
+            for (offset, row) in values.chunks_mut(row_elements).enumerate() {
+                let expert = (piece.first_row + offset as u64) as f32;
+                // Larger router norm -> larger logit spread -> wins top-k more often.
+                let scale = (-spec.router_skew * expert / n_expert).exp();
+                for (value, shared) in row.iter_mut().zip(locality_direction) {
+                    let aligned = spec.router_locality * shared * (expert + 1.0).recip().sqrt();
+                    *value = scale * (rng.gen_range(-limit..limit) + aligned);
+                }
+            }
+        }
+    }
+    values
+}
+
+/// The encoded bytes of one piece, pooled where quantizing every block would be too slow.
+fn piece_bytes(spec: &ForgeSpec, plan: &TensorPlan, piece: &Piece, locality_direction: &[f32]) -> Result<Vec<u8>, ForgeError> {
+    let ggml_type = plan.ggml_type;
+    let row_elements = plan.dims[0];
+    let block_elements = ggml_type.block_size();
+    let blocks = row_elements / block_elements * piece.row_count;
+    let pooled = block_elements == 256 && matches!(plan.init, Init::Projection { .. }) && blocks > 4 * BLOCK_POOL;
+    if !pooled {
+        let values = generate_rows(spec, plan, piece, locality_direction);
+        return encode(ggml_type, &values, row_elements);
+    }
+    // The pool: BLOCK_POOL one-block rows drawn like the tensor's own rows.
+    let pool_plan = TensorPlan { dims: vec![block_elements, BLOCK_POOL], ..plan.clone() };
+    let pool_piece = Piece { tensor: piece.tensor, first_row: piece.first_row, row_count: BLOCK_POOL };
+    let pool_values = generate_rows(spec, &pool_plan, &pool_piece, locality_direction);
+    let pool = encode(ggml_type, &pool_values, block_elements)?;
+    let block_bytes = ggml_type.type_size() as usize;
+    let mut rng = piece_rng(spec.seed ^ 0x706f_6f6c, piece.tensor, piece.first_row);
+    let mut bytes = Vec::with_capacity(blocks as usize * block_bytes);
+    for _ in 0..blocks {
+        let entry = rng.gen_range(0..BLOCK_POOL as usize) * block_bytes;
+        bytes.extend_from_slice(&pool[entry..entry + block_bytes]);
+    }
+    Ok(bytes)
+}
+
+fn encode(ggml_type: GgmlType, values: &[f32], row_elements: u64) -> Result<Vec<u8>, ForgeError> {
+    match ggml_type {
+        GgmlType::F32 => Ok(values.iter().flat_map(|value| value.to_le_bytes()).collect()),
+        other => Ok(hypura_sys::quantize_rows(other.id(), values, row_elements as usize)?),
+    }
+}

@@ -1,0 +1,2 @@
+pub mod inspect;
+pub mod profile;

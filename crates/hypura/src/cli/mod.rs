@@ -1,0 +1,14 @@
+//! The command line: clap parses (`args`), settings resolve flags, environment and defaults,
+//! and each command is one thin file in `commands` that calls the library.
+pub mod args;
+pub mod commands;
+
+use args::{Cli, Command};
+
+/// Run the parsed command line.
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Profile(args) => commands::profile::run(&args),
+        Command::Inspect(args) => commands::inspect::run(&args),
+    }
+}

@@ -1,0 +1,10 @@
+//! Hypura: an LLM inference scheduler that knows the storage hierarchy.
+//!
+//! llama.cpp computes; Hypura decides where every weight lives (GPU memory, RAM or NVMe) and
+//! streams the rest from disk just in time. Data flow: `model` (the inventory read from the
+//! GGUF index) and `hw` (the measured machine) feed the pure planner; `store` moves bytes;
+//! `engine` runs llama.cpp through `hypura-sys`; `cli`, `bench` and `server` sit on top.
+pub mod cli;
+pub mod hw;
+pub mod model;
+pub mod store;

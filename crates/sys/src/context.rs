@@ -1,0 +1,164 @@
+//! An inference context: KV cache, compute buffers, decode and logits.
+use std::ptr::NonNull;
+
+use llama_cpp_sys_2 as raw;
+
+use crate::batch::Batch;
+use crate::error::SysError;
+use crate::model::Model;
+
+/// Options for `Context::new`. Zero means "llama.cpp's default" where llama.cpp allows it.
+#[derive(Clone, Debug)]
+pub struct ContextParams {
+    pub n_ctx: u32,
+    pub n_batch: u32,
+    pub n_ubatch: u32,
+    pub n_seq_max: u32,
+    pub n_threads: i32,
+    pub n_threads_batch: i32,
+    pub embeddings: bool,
+    /// Let ggml move large host-weight ops (prefill batches) to a GPU by itself.
+    pub op_offload: bool,
+}
+
+impl Default for ContextParams {
+    fn default() -> Self {
+        let threads = std::thread::available_parallelism().map(|count| count.get() as i32).unwrap_or(4);
+        ContextParams {
+            n_ctx: 4096,
+            n_batch: 512,
+            n_ubatch: 512,
+            n_seq_max: 1,
+            n_threads: threads,
+            n_threads_batch: threads,
+            embeddings: false,
+            op_offload: true,
+        }
+    }
+}
+
+/// A llama.cpp context. Keeps its model alive. Not shared between threads.
+pub struct Context {
+    pointer: NonNull<raw::llama_context>,
+    model: Model,
+    n_vocab: i32,
+    /// Tokens in the last decoded batch; logits are addressed by batch index.
+    batch_tokens: i32,
+    params: ContextParams,
+}
+
+// SAFETY: a context may move between threads as long as only one uses it at a time, which
+// `&mut self` on every mutating method enforces.
+unsafe impl Send for Context {}
+
+impl Context {
+    pub fn new(model: &Model, params: &ContextParams) -> Result<Context, SysError> {
+        // SAFETY: returns a plain struct by value.
+        let mut raw_params = unsafe { raw::llama_context_default_params() };
+        raw_params.n_ctx = params.n_ctx;
+        raw_params.n_batch = params.n_batch;
+        raw_params.n_ubatch = params.n_ubatch;
+        raw_params.n_seq_max = params.n_seq_max.max(1);
+        raw_params.n_threads = params.n_threads;
+        raw_params.n_threads_batch = params.n_threads_batch;
+        raw_params.embeddings = params.embeddings;
+        raw_params.op_offload = params.op_offload;
+        raw_params.no_perf = true;
+        crate::log::clear_last_error();
+        // SAFETY: the model pointer is valid and outlives the context (we keep a clone of the
+        // Model, which holds the Arc); raw_params holds no borrowed pointers.
+        let pointer = unsafe { raw::llama_init_from_model(model.as_ptr(), raw_params) };
+        let pointer = NonNull::new(pointer).ok_or_else(|| SysError::ContextCreate {
+            n_ctx: params.n_ctx,
+            n_batch: params.n_batch,
+            reason: crate::log::take_last_error().unwrap_or_else(|| "unknown reason".to_string()),
+        })?;
+        Ok(Context { pointer, model: model.clone(), n_vocab: model.vocab().n_tokens(), batch_tokens: 0, params: params.clone() })
+    }
+
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    pub fn params(&self) -> &ContextParams {
+        &self.params
+    }
+
+    pub fn n_ctx(&self) -> u32 {
+        // SAFETY: the context pointer is valid while `self` lives.
+        unsafe { raw::llama_n_ctx(self.pointer.as_ptr()) }
+    }
+
+    pub fn n_vocab(&self) -> i32 {
+        self.n_vocab
+    }
+
+    /// Run the model over a batch. On success the batch's outputs have logits.
+    pub fn decode(&mut self, batch: &Batch) -> Result<(), SysError> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        crate::log::clear_last_error();
+        // SAFETY: the context is valid and used by this thread only (&mut self); the batch's
+        // arrays are valid for its n_tokens entries, which `Batch::push` checked.
+        let code = unsafe { raw::llama_decode(self.pointer.as_ptr(), batch.raw()) };
+        match code {
+            0 => {
+                self.batch_tokens = batch.len() as i32;
+                Ok(())
+            }
+            2 => Err(SysError::Aborted),
+            code => Err(SysError::Decode {
+                code,
+                reason: crate::log::take_last_error().unwrap_or_else(|| match code {
+                    1 => "no KV cache slot for the batch (context full)".to_string(),
+                    _ => "see the llama.cpp log (HYPURA_LOG=llama=debug)".to_string(),
+                }),
+            }),
+        }
+    }
+
+    /// Logits of the token at `index` in the last decoded batch (it must have asked for
+    /// logits); -1 means the last output.
+    pub fn logits(&self, index: i32) -> Result<&[f32], SysError> {
+        if index < -1 || index >= self.batch_tokens || self.batch_tokens == 0 {
+            return Err(SysError::NoLogits { index, batch_tokens: self.batch_tokens });
+        }
+        // SAFETY: `index` is -1 or inside the last batch (checked above); llama.cpp returns null
+        // for a token that asked for no logits, else n_vocab floats that stay valid until the
+        // next decode, which needs &mut self and so cannot happen while this borrow lives.
+        let pointer = unsafe { raw::llama_get_logits_ith(self.pointer.as_ptr(), index) };
+        if pointer.is_null() {
+            return Err(SysError::NoLogits { index, batch_tokens: self.batch_tokens });
+        }
+        // SAFETY: see above; n_vocab floats are readable.
+        Ok(unsafe { std::slice::from_raw_parts(pointer, self.n_vocab as usize) })
+    }
+
+    /// Forget every sequence in the KV cache.
+    pub fn clear_memory(&mut self) {
+        // SAFETY: the context is valid; its memory handle lives as long as the context.
+        unsafe {
+            let memory = raw::llama_get_memory(self.pointer.as_ptr());
+            raw::llama_memory_clear(memory, true);
+        }
+        self.batch_tokens = 0;
+    }
+
+    /// Remove positions `from..` of one sequence from the KV cache.
+    pub fn truncate_sequence(&mut self, seq_id: i32, from: i32) -> bool {
+        // SAFETY: the context is valid; -1 means "to the end".
+        unsafe {
+            let memory = raw::llama_get_memory(self.pointer.as_ptr());
+            raw::llama_memory_seq_rm(memory, seq_id, from, -1)
+        }
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: the pointer came from llama_init_from_model and is freed exactly once, before
+        // our clone of the Model (and so possibly the model itself) is dropped.
+        unsafe { raw::llama_free(self.pointer.as_ptr()) };
+    }
+}

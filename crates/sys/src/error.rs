@@ -1,0 +1,29 @@
+use std::path::PathBuf;
+
+/// Errors raised at the FFI fence. Each names the file, the value and the limit involved.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SysError {
+    #[error("llama.cpp could not load {path}: {reason}")]
+    ModelLoad { path: PathBuf, reason: String },
+    #[error("path {0} contains a NUL byte")]
+    PathNul(PathBuf),
+    #[error("llama.cpp could not create a context (n_ctx {n_ctx}, n_batch {n_batch}): {reason}")]
+    ContextCreate { n_ctx: u32, n_batch: u32, reason: String },
+    #[error("batch holds {capacity} tokens; cannot add token {index}")]
+    BatchFull { capacity: usize, index: usize },
+    #[error("sequence id {seq_id} is outside 0..{n_seq_max}")]
+    BadSequence { seq_id: i32, n_seq_max: u32 },
+    #[error("llama_decode failed with code {code}: {reason}")]
+    Decode { code: i32, reason: String },
+    #[error("decode was aborted")]
+    Aborted,
+    #[error("token {index} of the last batch ({batch_tokens} tokens) has no logits")]
+    NoLogits { index: i32, batch_tokens: i32 },
+    #[error("token id {token} is outside the vocabulary of {n_vocab} tokens")]
+    BadToken { token: i32, n_vocab: i32 },
+    #[error("text of {bytes} bytes is too long to tokenize")]
+    TextTooLong { bytes: usize },
+    #[error("quantize: {0}")]
+    Quantize(String),
+}

@@ -1,0 +1,32 @@
+//! The FFI fence. This is the only crate that names `llama_cpp_sys_2` or a raw pointer.
+//!
+//! It wraps libllama and ggml (built by the pinned `llama-cpp-sys-2` crate) in types that free
+//! themselves on drop, and it checks shapes and indices in Rust before they reach C, because a
+//! ggml assert aborts the whole process. Everything above this crate (`hypura::engine`, the forge)
+//! speaks safe Rust.
+#![allow(unsafe_code)] // The fence: every unsafe block below carries its own SAFETY note.
+
+mod backend;
+mod batch;
+mod context;
+mod error;
+mod log;
+mod model;
+mod quantize;
+mod vocab;
+
+pub use backend::{Backend, DeviceInfo, DeviceKind};
+pub use batch::Batch;
+pub use context::{Context, ContextParams};
+pub use error::SysError;
+pub use model::{LoadMode, Model, ModelParams};
+pub use quantize::{ggml_type_block_size, ggml_type_name, ggml_type_size, quantize_rows};
+pub use vocab::{Token, Vocab};
+
+/// The exact llama.cpp build this crate links, for bench reports.
+pub fn llama_build_info() -> String {
+    // SAFETY: llama_print_system_info returns a pointer to a static, NUL-terminated buffer
+    // owned by libllama that stays valid until the next call; we copy it out at once.
+    let system = unsafe { std::ffi::CStr::from_ptr(llama_cpp_sys_2::llama_print_system_info()) };
+    system.to_string_lossy().into_owned()
+}

@@ -1,0 +1,162 @@
+//! Model loading with placement: devices, `n_gpu_layers`, load mode and repacking.
+use std::ffi::CString;
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use llama_cpp_sys_2 as raw;
+
+use crate::backend::Backend;
+use crate::error::SysError;
+use crate::vocab::Vocab;
+
+/// How llama.cpp reads tensor bytes at load time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LoadMode {
+    /// mmap the file (llama.cpp's default on CPU).
+    Mmap,
+    /// Read into allocated buffers (`--no-mmap`).
+    Read,
+}
+
+/// Placement and load options for `Model::load`.
+#[derive(Clone, Debug)]
+pub struct ModelParams {
+    /// Layers to place on the GPU; negative means all. Ignored without a GPU device.
+    pub n_gpu_layers: i32,
+    pub load_mode: LoadMode,
+    /// llama.cpp's "extra buffer types" repack some CPU weights at load. Repacking changes the
+    /// numerics, so comparisons must use the same setting on both sides.
+    pub use_extra_bufts: bool,
+    /// Only load the vocabulary (used by tests and by tokenizer-only tools).
+    pub vocab_only: bool,
+}
+
+impl Default for ModelParams {
+    fn default() -> Self {
+        ModelParams { n_gpu_layers: -1, load_mode: LoadMode::Mmap, use_extra_bufts: true, vocab_only: false }
+    }
+}
+
+pub(crate) struct ModelHandle {
+    pointer: NonNull<raw::llama_model>,
+}
+
+// SAFETY: a llama_model is immutable after load; llama.cpp documents that several contexts on
+// different threads may share one model.
+unsafe impl Send for ModelHandle {}
+// SAFETY: as above, all methods we call on a shared model only read it.
+unsafe impl Sync for ModelHandle {}
+
+impl Drop for ModelHandle {
+    fn drop(&mut self) {
+        // SAFETY: the pointer came from llama_model_load_from_file and is freed exactly once,
+        // here; every Context holds an Arc to this handle, so none outlives it.
+        unsafe { raw::llama_model_free(self.pointer.as_ptr()) };
+    }
+}
+
+/// A loaded model. Cheap to clone; contexts keep it alive.
+#[derive(Clone)]
+pub struct Model {
+    pub(crate) handle: Arc<ModelHandle>,
+    path: PathBuf,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.debug_struct("Model").field("path", &self.path).finish()
+    }
+}
+
+impl Model {
+    /// Load a GGUF file. The caller should have validated the file with `hypura-gguf` first:
+    /// llama.cpp throws (and we turn that into an error) on most bad input, but some malformed
+    /// shapes reach a ggml assert, which aborts.
+    pub fn load(_backend: &Backend, path: &Path, params: &ModelParams) -> Result<Model, SysError> {
+        let c_path = CString::new(path.as_os_str().as_encoded_bytes())
+            .map_err(|_| SysError::PathNul(path.to_path_buf()))?;
+        // SAFETY: returns a plain struct by value.
+        let mut raw_params = unsafe { raw::llama_model_default_params() };
+        raw_params.n_gpu_layers = params.n_gpu_layers;
+        raw_params.load_mode = match params.load_mode {
+            LoadMode::Mmap => raw::LLAMA_LOAD_MODE_MMAP,
+            LoadMode::Read => raw::LLAMA_LOAD_MODE_NONE,
+        };
+        raw_params.use_extra_bufts = params.use_extra_bufts;
+        raw_params.vocab_only = params.vocab_only;
+        crate::log::clear_last_error();
+        // SAFETY: c_path is a valid NUL-terminated string for the call; raw_params holds no
+        // pointers (devices and overrides are null, meaning llama.cpp's defaults).
+        let pointer = unsafe { raw::llama_model_load_from_file(c_path.as_ptr(), raw_params) };
+        match NonNull::new(pointer) {
+            Some(pointer) => Ok(Model { handle: Arc::new(ModelHandle { pointer }), path: path.to_path_buf() }),
+            None => Err(SysError::ModelLoad {
+                path: path.to_path_buf(),
+                reason: crate::log::take_last_error().unwrap_or_else(|| "unknown reason".to_string()),
+            }),
+        }
+    }
+
+    pub(crate) fn as_ptr(&self) -> *mut raw::llama_model {
+        self.handle.pointer.as_ptr()
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn vocab(&self) -> Vocab {
+        Vocab::new(self.clone())
+    }
+
+    pub fn n_layer(&self) -> i32 {
+        // SAFETY: the model pointer is valid while `self` lives.
+        unsafe { raw::llama_model_n_layer(self.as_ptr()) }
+    }
+
+    pub fn n_embd(&self) -> i32 {
+        // SAFETY: the model pointer is valid while `self` lives.
+        unsafe { raw::llama_model_n_embd(self.as_ptr()) }
+    }
+
+    pub fn n_ctx_train(&self) -> i32 {
+        // SAFETY: the model pointer is valid while `self` lives.
+        unsafe { raw::llama_model_n_ctx_train(self.as_ptr()) }
+    }
+
+    pub fn n_params(&self) -> u64 {
+        // SAFETY: the model pointer is valid while `self` lives.
+        unsafe { raw::llama_model_n_params(self.as_ptr()) }
+    }
+
+    /// Bytes of all weights as llama.cpp counts them.
+    pub fn size_bytes(&self) -> u64 {
+        // SAFETY: the model pointer is valid while `self` lives.
+        unsafe { raw::llama_model_size(self.as_ptr()) }
+    }
+
+    /// llama.cpp's one-line description, e.g. "gemma3 270M Q4_K - Medium".
+    pub fn description(&self) -> String {
+        let mut buffer = vec![0u8; 256];
+        // SAFETY: the buffer is writable for its full length; llama.cpp writes at most
+        // buffer_size bytes including the NUL.
+        let written = unsafe {
+            raw::llama_model_desc(self.as_ptr(), buffer.as_mut_ptr().cast(), buffer.len())
+        };
+        buffer.truncate(written.clamp(0, 255) as usize);
+        String::from_utf8_lossy(&buffer).into_owned()
+    }
+
+    /// The model's own chat template (`tokenizer.chat_template`), if any.
+    pub fn chat_template(&self) -> Option<String> {
+        // SAFETY: the model pointer is valid; a null name asks for the default template; the
+        // returned string is owned by the model and copied out at once.
+        let pointer = unsafe { raw::llama_model_chat_template(self.as_ptr(), std::ptr::null()) };
+        if pointer.is_null() {
+            return None;
+        }
+        // SAFETY: non-null, NUL-terminated, owned by the model which we hold.
+        Some(unsafe { std::ffi::CStr::from_ptr(pointer) }.to_string_lossy().into_owned())
+    }
+}
