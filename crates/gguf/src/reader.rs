@@ -76,7 +76,10 @@ pub struct Gguf {
 impl Gguf {
     /// Reads the header and tensor index of the file at `path`; tensor data is never read.
     pub fn open(path: &Path) -> Result<Gguf> {
-        let io_error = |source| GgufError::Io { path: path.to_path_buf(), source };
+        let io_error = |source| GgufError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
         let file = File::open(path).map_err(io_error)?;
         let file_bytes = file.metadata().map_err(io_error)?.len();
         Parser::new(file, file_bytes, path.to_path_buf()).parse()
@@ -119,7 +122,9 @@ impl Gguf {
         }
         self.tensor_index.clear();
         for (position, tensor) in self.tensors.iter().enumerate() {
-            self.tensor_index.entry(tensor.name.clone()).or_insert(position);
+            self.tensor_index
+                .entry(tensor.name.clone())
+                .or_insert(position);
         }
     }
 
@@ -154,7 +159,9 @@ impl Gguf {
     pub fn tensor_data_bytes(&self) -> u64 {
         // Cannot overflow for a parsed file (the tensors fit in the file without overlapping),
         // but the fields are public, so saturate rather than trust them.
-        self.tensors.iter().fold(0u64, |sum, tensor| sum.saturating_add(tensor.bytes))
+        self.tensors
+            .iter()
+            .fold(0u64, |sum, tensor| sum.saturating_add(tensor.bytes))
     }
 }
 
@@ -187,7 +194,11 @@ impl<R: Read> Parser<R> {
     }
 
     fn truncated(&self, needed: u64, context: &dyn Fn() -> String) -> GgufError {
-        GgufError::Truncated { at: self.position, needed, context: context() }
+        GgufError::Truncated {
+            at: self.position,
+            needed,
+            context: context(),
+        }
     }
 
     fn need(&self, needed: u64, context: &dyn Fn() -> String) -> Result<()> {
@@ -209,7 +220,10 @@ impl<R: Read> Parser<R> {
             Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => {
                 Err(self.truncated(needed, context))
             }
-            Err(source) => Err(GgufError::Io { path: self.path.clone(), source }),
+            Err(source) => Err(GgufError::Io {
+                path: self.path.clone(),
+                source,
+            }),
         }
     }
 
@@ -230,7 +244,11 @@ impl<R: Read> Parser<R> {
     fn string(&mut self, context: &dyn Fn() -> String) -> Result<String> {
         let length = self.u64(context)?;
         if length > MAX_STRING_BYTES {
-            return Err(GgufError::StringTooLong { context: context(), length, max: MAX_STRING_BYTES });
+            return Err(GgufError::StringTooLong {
+                context: context(),
+                length,
+                max: MAX_STRING_BYTES,
+            });
         }
         // Checked before allocating: `length` is bounded by what the file can still hold.
         self.need(length, context)?;
@@ -299,15 +317,22 @@ impl<R: Read> Parser<R> {
             padded_end.unwrap_or(header_end)
         } else {
             let data_offset = padded_end.ok_or_else(|| GgufError::Truncated {
-                    at: header_end,
-                    needed: alignment - header_end % alignment,
-                    context: "padding before the data section".to_string(),
-                })?;
+                at: header_end,
+                needed: alignment - header_end % alignment,
+                context: "padding before the data section".to_string(),
+            })?;
             check_layout(&tensors, alignment, data_offset, self.file_bytes)?;
             data_offset
         };
 
-        Ok(Gguf::from_parts(version, metadata, tensors, alignment, data_offset, self.file_bytes))
+        Ok(Gguf::from_parts(
+            version,
+            metadata,
+            tensors,
+            alignment,
+            data_offset,
+            self.file_bytes,
+        ))
     }
 
     fn metadata(&mut self, key_count: u64) -> Result<Vec<(String, Value)>> {
@@ -324,8 +349,10 @@ impl<R: Read> Parser<R> {
                 return Err(GgufError::DuplicateKey { key });
             }
             let type_id = self.u32(&|| format!("type of key '{key}'"))?;
-            let value_type =
-                ValueType::from_id(type_id).ok_or(GgufError::UnknownValueType { key: key.clone(), id: type_id })?;
+            let value_type = ValueType::from_id(type_id).ok_or(GgufError::UnknownValueType {
+                key: key.clone(),
+                id: type_id,
+            })?;
             let value = self.value(&key, value_type, 0)?;
             metadata.push((key, value));
         }
@@ -354,14 +381,24 @@ impl<R: Read> Parser<R> {
 
     fn array_value(&mut self, key: &str, depth: u32) -> Result<Value> {
         if depth > MAX_ARRAY_DEPTH {
-            return Err(GgufError::ArrayTooDeep { key: key.to_string(), depth, max: MAX_ARRAY_DEPTH });
+            return Err(GgufError::ArrayTooDeep {
+                key: key.to_string(),
+                depth,
+                max: MAX_ARRAY_DEPTH,
+            });
         }
         let type_id = self.u32(&|| format!("array element type of key '{key}'"))?;
-        let element_type =
-            ValueType::from_id(type_id).ok_or(GgufError::UnknownValueType { key: key.to_string(), id: type_id })?;
+        let element_type = ValueType::from_id(type_id).ok_or(GgufError::UnknownValueType {
+            key: key.to_string(),
+            id: type_id,
+        })?;
         let count = self.u64(&|| format!("array length of key '{key}'"))?;
         if count > MAX_ARRAY_ELEMENTS {
-            return Err(GgufError::TooMany { what: "array elements", count, max: MAX_ARRAY_ELEMENTS });
+            return Err(GgufError::TooMany {
+                what: "array elements",
+                count,
+                max: MAX_ARRAY_ELEMENTS,
+            });
         }
         let total = self.array_elements_read.saturating_add(count);
         if total > MAX_TOTAL_ARRAY_ELEMENTS {
@@ -373,7 +410,9 @@ impl<R: Read> Parser<R> {
         }
         self.array_elements_read = total;
         let minimum_bytes = count * element_type.min_encoded_size();
-        self.need(minimum_bytes, &|| format!("{count} array elements of key '{key}'"))?;
+        self.need(minimum_bytes, &|| {
+            format!("{count} array elements of key '{key}'")
+        })?;
 
         let mut values = Vec::with_capacity(count as usize);
         if let Some(element_bytes) = element_type.fixed_size() {
@@ -420,11 +459,19 @@ impl<R: Read> Parser<R> {
                 dims.push(self.u64(&|| format!("dimension {axis} of tensor '{name}'"))?);
             }
             let type_id = self.u32(&|| format!("type of tensor '{name}'"))?;
-            let ggml_type =
-                GgmlType::from_id(type_id).ok_or(GgufError::UnknownGgmlType { tensor: name.clone(), id: type_id })?;
+            let ggml_type = GgmlType::from_id(type_id).ok_or(GgufError::UnknownGgmlType {
+                tensor: name.clone(),
+                id: type_id,
+            })?;
             let bytes = checked_tensor_bytes(&name, &dims, ggml_type)?;
             let offset = self.u64(&|| format!("offset of tensor '{name}'"))?;
-            tensors.push(TensorInfo { name, dims, ggml_type, offset, bytes });
+            tensors.push(TensorInfo {
+                name,
+                dims,
+                ggml_type,
+                offset,
+                bytes,
+            });
         }
         Ok(tensors)
     }
@@ -460,9 +507,16 @@ fn decode_fixed(value_type: ValueType, bytes: &[u8]) -> Value {
 
 /// Validates a tensor's shape the way llama.cpp does (plus: no zero dims) and returns its size.
 pub(crate) fn checked_tensor_bytes(name: &str, dims: &[u64], ggml_type: GgmlType) -> Result<u64> {
-    let bad = |reason: String| GgufError::BadDims { tensor: name.to_string(), dims: dims.to_vec(), reason };
+    let bad = |reason: String| GgufError::BadDims {
+        tensor: name.to_string(),
+        dims: dims.to_vec(),
+        reason,
+    };
     if dims.is_empty() || dims.len() > MAX_DIMS as usize {
-        return Err(bad(format!("{} dimensions, expected 1 to {MAX_DIMS}", dims.len())));
+        return Err(bad(format!(
+            "{} dimensions, expected 1 to {MAX_DIMS}",
+            dims.len()
+        )));
     }
     // ggml counts elements in int64_t.
     let mut elements: u64 = 1;
@@ -483,21 +537,34 @@ pub(crate) fn checked_tensor_bytes(name: &str, dims: &[u64], ggml_type: GgmlType
             ggml_type.block_size()
         )));
     }
-    ggml_type.tensor_bytes(dims).ok_or_else(|| bad("size in bytes overflows u64".to_string()))
+    ggml_type
+        .tensor_bytes(dims)
+        .ok_or_else(|| bad("size in bytes overflows u64".to_string()))
 }
 
 /// Checks that every tensor is aligned, inside the file, and disjoint from the others.
-pub(crate) fn check_layout(tensors: &[TensorInfo], alignment: u64, data_offset: u64, file_bytes: u64) -> Result<()> {
+pub(crate) fn check_layout(
+    tensors: &[TensorInfo],
+    alignment: u64,
+    data_offset: u64,
+    file_bytes: u64,
+) -> Result<()> {
     let data_bytes = file_bytes.saturating_sub(data_offset);
     for tensor in tensors {
         if tensor.offset % alignment != 0 {
-            return Err(GgufError::Misaligned { tensor: tensor.name.clone(), offset: tensor.offset, alignment });
+            return Err(GgufError::Misaligned {
+                tensor: tensor.name.clone(),
+                offset: tensor.offset,
+                alignment,
+            });
         }
         let end = tensor.offset.checked_add(tensor.bytes);
         if end.is_none_or(|end| end > data_bytes) {
             return Err(GgufError::OutOfBounds {
                 tensor: tensor.name.clone(),
-                end: data_offset.saturating_add(tensor.offset).saturating_add(tensor.bytes),
+                end: data_offset
+                    .saturating_add(tensor.offset)
+                    .saturating_add(tensor.bytes),
                 file_bytes,
             });
         }
@@ -509,7 +576,12 @@ pub(crate) fn check_layout(tensors: &[TensorInfo], alignment: u64, data_offset: 
         // Both ends were checked above, so this cannot overflow.
         let a_end = a.offset + a.bytes;
         if b.offset < a_end {
-            return Err(GgufError::Overlap { a: a.name.clone(), a_end, b: b.name.clone(), b_offset: b.offset });
+            return Err(GgufError::Overlap {
+                a: a.name.clone(),
+                a_end,
+                b: b.name.clone(),
+                b_offset: b.offset,
+            });
         }
     }
     Ok(())

@@ -6,7 +6,9 @@ use hypura_gguf::{GgmlType, Gguf, GgufError, GgufWriter, Value, ValueType};
 use proptest::prelude::*;
 
 fn pattern(index: usize, length: u64) -> Vec<u8> {
-    (0..length).map(|byte| (byte as usize * 31 + index * 7 + 1) as u8).collect()
+    (0..length)
+        .map(|byte| (byte as usize * 31 + index * 7 + 1) as u8)
+        .collect()
 }
 
 fn read_at(path: &std::path::Path, offset: u64, length: u64) -> Vec<u8> {
@@ -28,12 +30,17 @@ fn basic_round_trip() {
         .add_metadata("llama.rope.freq_base", Value::F32(10000.0))
         .add_metadata(
             "tokenizer.ggml.tokens",
-            Value::Array(ValueType::String, vec![Value::String("<s>".into()), Value::String("é".into())]),
+            Value::Array(
+                ValueType::String,
+                vec![Value::String("<s>".into()), Value::String("é".into())],
+            ),
         )
         .add_tensor("token_embd.weight", &[256, 4], GgmlType::Q4_K)
         .add_tensor("output_norm.weight", &[7], GgmlType::F32)
         .add_tensor("blk.0.attn_q.weight", &[32, 3], GgmlType::Q8_0);
-    let layout = writer.write_file(&path, |index| pattern(index, writer_bytes(&writer, index))).unwrap();
+    let layout = writer
+        .write_file(&path, |index| pattern(index, writer_bytes(&writer, index)))
+        .unwrap();
 
     let gguf = Gguf::open(&path).unwrap();
     assert_eq!(gguf.version, 3);
@@ -41,7 +48,14 @@ fn basic_round_trip() {
     assert_eq!(gguf.architecture(), Some("llama"));
     assert_eq!(gguf.get_u64("llama.block_count"), Some(2));
     assert_eq!(gguf.get_f64("llama.rope.freq_base"), Some(10000.0));
-    assert_eq!(gguf.get("tokenizer.ggml.tokens").unwrap().as_array().unwrap().len(), 2);
+    assert_eq!(
+        gguf.get("tokenizer.ggml.tokens")
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .len(),
+        2
+    );
     assert_eq!(gguf.metadata, writer.metadata);
     assert_eq!(gguf.data_offset, layout.data_offset);
     assert_eq!(gguf.data_offset % 32, 0);
@@ -57,8 +71,14 @@ fn basic_round_trip() {
     assert_eq!(gguf.tensor_data_bytes(), 4 * 144 + 28 + 3 * 34);
     assert!(gguf.tensor("missing").is_none());
     for (index, tensor) in gguf.tensors.iter().enumerate() {
-        assert_eq!(gguf.data_offset + tensor.offset, layout.tensor_offsets[index]);
-        assert_eq!(read_at(&path, layout.tensor_offsets[index], tensor.bytes), pattern(index, tensor.bytes));
+        assert_eq!(
+            gguf.data_offset + tensor.offset,
+            layout.tensor_offsets[index]
+        );
+        assert_eq!(
+            read_at(&path, layout.tensor_offsets[index], tensor.bytes),
+            pattern(index, tensor.bytes)
+        );
     }
 
     // The same bytes through the streaming entry point.
@@ -77,9 +97,16 @@ fn writer_bytes(writer: &GgufWriter, index: usize) -> u64 {
 fn custom_alignment_is_written_and_read() {
     let directory = tempfile::tempdir().unwrap();
     let path = directory.path().join("aligned.gguf");
-    let mut writer = GgufWriter { alignment: 4096, ..GgufWriter::default() };
-    writer.add_tensor("a", &[3], GgmlType::F32).add_tensor("b", &[5], GgmlType::I8);
-    let layout = writer.write_file(&path, |index| pattern(index, writer_bytes(&writer, index))).unwrap();
+    let mut writer = GgufWriter {
+        alignment: 4096,
+        ..GgufWriter::default()
+    };
+    writer
+        .add_tensor("a", &[3], GgmlType::F32)
+        .add_tensor("b", &[5], GgmlType::I8);
+    let layout = writer
+        .write_file(&path, |index| pattern(index, writer_bytes(&writer, index)))
+        .unwrap();
     assert_eq!(layout.tensor_offsets, vec![4096, 8192]);
     let gguf = Gguf::open(&path).unwrap();
     assert_eq!(gguf.alignment, 4096);
@@ -98,11 +125,15 @@ fn empty_file_has_no_tensors() {
 #[test]
 fn writer_rejects_invalid_specs() {
     let mut writer = GgufWriter::new();
-    writer.add_metadata("a", Value::U8(1)).add_metadata("a", Value::U8(2));
+    writer
+        .add_metadata("a", Value::U8(1))
+        .add_metadata("a", Value::U8(2));
     assert!(matches!(writer.layout(), Err(GgufError::DuplicateKey { key }) if key == "a"));
 
     let mut writer = GgufWriter::new();
-    writer.add_tensor("t", &[3], GgmlType::F32).add_tensor("t", &[3], GgmlType::F32);
+    writer
+        .add_tensor("t", &[3], GgmlType::F32)
+        .add_tensor("t", &[3], GgmlType::F32);
     assert!(matches!(writer.layout(), Err(GgufError::DuplicateTensor { name }) if name == "t"));
 
     let mut writer = GgufWriter::new();
@@ -119,24 +150,46 @@ fn writer_rejects_invalid_specs() {
 
     let mut writer = GgufWriter::new();
     writer.add_tensor("x".repeat(64), &[1], GgmlType::F32);
-    assert!(matches!(writer.layout(), Err(GgufError::TensorNameTooLong { length: 64, .. })));
+    assert!(matches!(
+        writer.layout(),
+        Err(GgufError::TensorNameTooLong { length: 64, .. })
+    ));
 
-    let writer = GgufWriter { alignment: 48, ..GgufWriter::default() };
-    assert!(matches!(writer.layout(), Err(GgufError::BadAlignment { alignment: 48 })));
+    let writer = GgufWriter {
+        alignment: 48,
+        ..GgufWriter::default()
+    };
+    assert!(matches!(
+        writer.layout(),
+        Err(GgufError::BadAlignment { alignment: 48 })
+    ));
 
     let mut writer = GgufWriter::new();
-    writer.add_metadata("mixed", Value::Array(ValueType::U8, vec![Value::U8(1), Value::I8(1)]));
+    writer.add_metadata(
+        "mixed",
+        Value::Array(ValueType::U8, vec![Value::U8(1), Value::I8(1)]),
+    );
     assert!(matches!(writer.layout(), Err(GgufError::BadValue { key, .. }) if key == "mixed"));
 
     let mut writer = GgufWriter::new();
     writer.add_metadata("general.alignment", Value::U64(64));
-    assert!(matches!(writer.layout(), Err(GgufError::WrongKeyType { .. })));
+    assert!(matches!(
+        writer.layout(),
+        Err(GgufError::WrongKeyType { .. })
+    ));
 
     let directory = tempfile::tempdir().unwrap();
     let mut writer = GgufWriter::new();
     writer.add_tensor("t", &[4], GgmlType::F32);
     let result = writer.write_file(&directory.path().join("short.gguf"), |_| vec![0; 15]);
-    assert!(matches!(result, Err(GgufError::DataLength { expected: 16, actual: 15, .. })));
+    assert!(matches!(
+        result,
+        Err(GgufError::DataLength {
+            expected: 16,
+            actual: 15,
+            ..
+        })
+    ));
 }
 
 // ---- property test ----
@@ -211,12 +264,15 @@ fn same_value(a: &Value, b: &Value) -> bool {
 }
 
 fn tensor_strategy() -> impl Strategy<Value = (Vec<u64>, GgmlType)> {
-    (prop::sample::select(&GgmlType::ALL[..]), prop::collection::vec(1u64..4, 1..=4), 1u64..3).prop_map(
-        |(ggml_type, mut dims, blocks)| {
+    (
+        prop::sample::select(&GgmlType::ALL[..]),
+        prop::collection::vec(1u64..4, 1..=4),
+        1u64..3,
+    )
+        .prop_map(|(ggml_type, mut dims, blocks)| {
             dims[0] = ggml_type.block_size() * blocks;
             (dims, ggml_type)
-        },
-    )
+        })
 }
 
 proptest! {
@@ -275,7 +331,9 @@ proptest! {
 #[test]
 #[ignore]
 fn write_fuzz_seeds() {
-    let directory = std::path::PathBuf::from(std::env::var_os("HYPURA_FUZZ_SEED_DIR").expect("HYPURA_FUZZ_SEED_DIR"));
+    let directory = std::path::PathBuf::from(
+        std::env::var_os("HYPURA_FUZZ_SEED_DIR").expect("HYPURA_FUZZ_SEED_DIR"),
+    );
     let mut seeds = Vec::new();
 
     let mut writer = GgufWriter::new();
@@ -285,10 +343,25 @@ fn write_fuzz_seeds() {
         .add_tensor("token_embd.weight", &[32, 2], GgmlType::Q8_0);
     seeds.push(("llama_q8.gguf.bin", writer));
 
-    let mut writer = GgufWriter { alignment: 64, ..GgufWriter::default() };
+    let mut writer = GgufWriter {
+        alignment: 64,
+        ..GgufWriter::default()
+    };
     writer
-        .add_metadata("a", Value::Array(ValueType::String, vec![Value::String("x".into()), Value::String("yz".into())]))
-        .add_metadata("b", Value::Array(ValueType::Array, vec![Value::Array(ValueType::F32, vec![Value::F32(1.5)])]))
+        .add_metadata(
+            "a",
+            Value::Array(
+                ValueType::String,
+                vec![Value::String("x".into()), Value::String("yz".into())],
+            ),
+        )
+        .add_metadata(
+            "b",
+            Value::Array(
+                ValueType::Array,
+                vec![Value::Array(ValueType::F32, vec![Value::F32(1.5)])],
+            ),
+        )
         .add_metadata("c", Value::Bool(true))
         .add_metadata("d", Value::I64(-5))
         .add_metadata("e", Value::F64(2.5))
@@ -297,9 +370,23 @@ fn write_fuzz_seeds() {
     seeds.push(("all_types_aligned_64.gguf.bin", writer));
 
     let mut writer = GgufWriter::new();
-    writer.add_metadata("split.no", Value::U16(0)).add_metadata("split.count", Value::U16(2));
-    for (index, ggml_type) in [GgmlType::IQ4_XS, GgmlType::Q6_K, GgmlType::MXFP4, GgmlType::BF16].into_iter().enumerate() {
-        writer.add_tensor(format!("t{index}"), &[ggml_type.block_size() * 2], ggml_type);
+    writer
+        .add_metadata("split.no", Value::U16(0))
+        .add_metadata("split.count", Value::U16(2));
+    for (index, ggml_type) in [
+        GgmlType::IQ4_XS,
+        GgmlType::Q6_K,
+        GgmlType::MXFP4,
+        GgmlType::BF16,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        writer.add_tensor(
+            format!("t{index}"),
+            &[ggml_type.block_size() * 2],
+            ggml_type,
+        );
     }
     seeds.push(("split_many_types.gguf.bin", writer));
 
@@ -307,7 +394,9 @@ fn write_fuzz_seeds() {
 
     for (name, writer) in seeds {
         let path = directory.join(name);
-        writer.write_file(&path, |index| pattern(index, writer_bytes(&writer, index))).unwrap();
+        writer
+            .write_file(&path, |index| pattern(index, writer_bytes(&writer, index)))
+            .unwrap();
         assert!(Gguf::open(&path).is_ok(), "{name}");
     }
 }

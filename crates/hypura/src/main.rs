@@ -6,7 +6,21 @@ fn main() {
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
     let cli = hypura::cli::args::Cli::parse();
     if let Err(error) = hypura::cli::run(cli) {
-        eprintln!("hypura: {error:#}");
+        eprintln!("hypura: {}", one_line(&error));
         std::process::exit(1);
     }
+}
+
+/// The error and its causes on one line, skipping a cause that the message already quotes
+/// (most of our errors embed their source in their own text).
+fn one_line(error: &anyhow::Error) -> String {
+    let mut message = error.to_string();
+    for cause in error.chain().skip(1) {
+        let text = cause.to_string();
+        if !message.contains(&text) {
+            message.push_str(": ");
+            message.push_str(&text);
+        }
+    }
+    message.replace('\n', " ")
 }

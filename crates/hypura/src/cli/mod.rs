@@ -2,6 +2,7 @@
 //! and each command is one thin file in `commands` that calls the library.
 pub mod args;
 pub mod commands;
+pub mod progress;
 
 use args::{Cli, Command};
 

@@ -5,7 +5,7 @@
 //! memory's. The probe either reads an existing large file read-only (the model file itself, so
 //! its own volume is measured) or writes, measures and deletes a scratch file.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, OpenOptions};
 use std::io::Write;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};

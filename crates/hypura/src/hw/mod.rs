@@ -24,6 +24,7 @@ use serde::{Deserialize, Serialize};
 
 pub use cache::{default_cache_dir, machine_key, ProfileCache};
 pub use cpu::{cpu_info, CpuInfo};
+pub use format::{format_bytes, format_bytes_per_sec};
 pub use disk::{measure_disk, volume_of, DiskOptions, DiskProfile, ReadPoint, Volume};
 pub use memory::{memory_info, CgroupLimit, MemoryInfo};
 

@@ -1,0 +1,102 @@
+//! `hypura inspect` end to end: good files print the inventory, bad files give one clear line
+//! on stderr and exit 1, never a panic or an abort.
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use hypura_gguf::{GgmlType, GgufWriter, Value};
+
+fn hypura(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_hypura")).args(args).env("HYPURA_LOG", "off").output().expect("run hypura")
+}
+
+/// Exit status 1 (an error, not a panic's 101 or a signal) and exactly one line on stderr.
+fn assert_clean_failure(output: &Output, must_mention: &str) -> String {
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert_eq!(output.status.code(), Some(1), "stderr: {stderr}");
+    assert_eq!(stderr.trim_end().lines().count(), 1, "one line expected, got: {stderr}");
+    assert!(stderr.starts_with("hypura: "), "{stderr}");
+    assert!(stderr.contains(must_mention), "{stderr:?} should mention {must_mention:?}");
+    assert!(output.stdout.is_empty());
+    stderr
+}
+
+#[test]
+fn inspect_gemma_reports_architecture_layers_and_tensors() {
+    let path = common::gemma_path();
+    let output = hypura(&["inspect", path.to_str().unwrap()]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains("architecture gemma3"), "{stdout}");
+    assert!(stdout.contains("n_layer 18"), "{stdout}");
+    assert!(stdout.contains("236 tensors"), "{stdout}");
+
+    let output = hypura(&["inspect", path.to_str().unwrap(), "--json", "--tensors"]);
+    assert!(output.status.success());
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(report["arch"], "gemma3");
+    assert_eq!(report["tensor_count"], 236);
+    assert_eq!(report["tensors"].as_array().unwrap().len(), 236);
+    let role_total: u64 = report["bytes_by_role"].as_array().unwrap().iter().map(|pair| pair[1].as_u64().unwrap()).sum();
+    assert_eq!(role_total, report["tensor_data_bytes"].as_u64().unwrap());
+}
+
+#[test]
+fn inspect_moe_shows_expert_slices() {
+    let directory = tempfile::tempdir().unwrap();
+    let path = common::forge("tiny-moe-30b", directory.path());
+    let output = hypura(&["inspect", path.to_str().unwrap()]);
+    assert!(output.status.success());
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains("16 experts, 4 used per token"), "{stdout}");
+    assert!(stdout.contains("blk.0.ffn_down_exps.weight"), "{stdout}");
+}
+
+#[test]
+fn bad_inputs_fail_with_one_clear_line() {
+    let directory = tempfile::tempdir().unwrap();
+    let dir = directory.path();
+
+    let missing = dir.join("no-such-model.gguf");
+    assert_clean_failure(&hypura(&["inspect", missing.to_str().unwrap()]), "no-such-model.gguf");
+
+    assert_clean_failure(&hypura(&["inspect", dir.to_str().unwrap()]), dir.to_str().unwrap());
+
+    let text = dir.join("notes.txt");
+    std::fs::write(&text, "this is not a model\n").unwrap();
+    assert_clean_failure(&hypura(&["inspect", text.to_str().unwrap()]), "notes.txt");
+
+    let empty = dir.join("empty.gguf");
+    std::fs::write(&empty, b"").unwrap();
+    assert_clean_failure(&hypura(&["inspect", empty.to_str().unwrap()]), "empty.gguf");
+
+    // A real model cut inside its index, inside its data, and one byte short.
+    let gemma = std::fs::read(common::gemma_path()).unwrap();
+    for cut in [7usize, 1000, 3_000_000, gemma.len() - 1] {
+        let truncated = dir.join(format!("cut-{cut}.gguf"));
+        std::fs::write(&truncated, &gemma[..cut]).unwrap();
+        assert_clean_failure(&hypura(&["inspect", truncated.to_str().unwrap()]), &format!("cut-{cut}.gguf"));
+    }
+
+    // A hostile header: a tensor count no file could hold.
+    let hostile = dir.join("hostile.gguf");
+    let mut bytes = b"GGUF".to_vec();
+    bytes.extend_from_slice(&3u32.to_le_bytes());
+    bytes.extend_from_slice(&u64::MAX.to_le_bytes());
+    bytes.extend_from_slice(&0u64.to_le_bytes());
+    std::fs::write(&hostile, bytes).unwrap();
+    assert_clean_failure(&hypura(&["inspect", hostile.to_str().unwrap()]), "hostile.gguf");
+
+    let alien = dir.join("alien.gguf");
+    write_alien(&alien);
+    let stderr = assert_clean_failure(&hypura(&["inspect", alien.to_str().unwrap()]), "alien.gguf");
+    assert!(stderr.contains("unknown architecture \"alien9000\""), "{stderr}");
+}
+
+fn write_alien(path: &Path) {
+    let mut writer = GgufWriter::new();
+    writer.add_metadata("general.architecture", Value::String("alien9000".into()));
+    writer.add_tensor("token_embd.weight", &[32, 4], GgmlType::F32);
+    writer.write_file(path, |_| vec![0; 32 * 4 * 4]).unwrap();
+}

@@ -1,0 +1,104 @@
+//! The inventory on the real Gemma file and on every forge architecture.
+mod common;
+
+use hypura::model::{Inventory, ModelError, Role};
+use hypura_gguf::{GgmlType, GgufWriter, Value};
+
+#[test]
+fn gemma_inventory_matches_the_file() {
+    let inventory = Inventory::open(&common::gemma_path()).unwrap();
+    assert_eq!(inventory.arch, "gemma3");
+    assert_eq!(inventory.hparams.n_layer, 18);
+    assert_eq!(inventory.tensors.len(), 236);
+    assert_eq!(inventory.hparams.n_embd, 640);
+    assert_eq!(inventory.hparams.n_vocab, 262_144);
+    let by_role: u64 = inventory.bytes_by_role().values().sum();
+    assert_eq!(by_role, inventory.tensor_data_bytes(), "role totals must add up to the tensor data");
+    let by_layer: u64 = inventory.bytes_by_layer().iter().sum();
+    let outside_layers: u64 = inventory.tensors.iter().filter(|tensor| tensor.layer.is_none()).map(|tensor| tensor.bytes).sum();
+    assert_eq!(by_layer + outside_layers, inventory.tensor_data_bytes());
+    assert!(inventory.tensor_data_bytes() < inventory.file_bytes);
+    // Gemma 3: 13 tensors per layer (q/k norms, post-attention and post-FFN norms included).
+    for layer in 0..18 {
+        let count = inventory.tensors.iter().filter(|tensor| tensor.layer == Some(layer)).count();
+        assert_eq!(count, 13, "layer {layer}");
+    }
+    assert_eq!(inventory.tensors.iter().filter(|tensor| tensor.role.is_dense_ffn()).count(), 54);
+    assert_eq!(inventory.tensors.iter().filter(|tensor| tensor.role == Role::Other).count(), 0);
+    assert!(inventory.expert_tensors().next().is_none());
+}
+
+#[test]
+fn forged_moe_has_expert_slices_that_tile_each_tensor() {
+    let directory = tempfile::tempdir().unwrap();
+    for (preset, arch, n_expert, n_used) in [("tiny-moe-8x", "llama", 8, 2), ("tiny-moe-30b", "qwen3moe", 16, 4)] {
+        let path = common::forge(preset, directory.path());
+        let inventory = Inventory::open(&path).unwrap();
+        assert_eq!(inventory.arch, arch);
+        assert_eq!(inventory.hparams.n_expert, n_expert);
+        assert_eq!(inventory.hparams.n_expert_used, n_used);
+        let experts: Vec<_> = inventory.expert_tensors().collect();
+        assert_eq!(experts.len() as u64, 3 * inventory.hparams.n_layer, "{preset}: gate, up, down per layer");
+        for tensor in experts {
+            let slices = tensor.experts.unwrap();
+            assert_eq!(slices.n_expert, n_expert);
+            assert_eq!(slices.slice_bytes * n_expert, tensor.bytes);
+            let last = slices.range(tensor.file_offset, n_expert - 1);
+            assert_eq!(last.end, tensor.file_offset + tensor.bytes, "{}: slices must end at the tensor's end", tensor.name);
+            // A slice is exactly one expert's rows: [ne0, ne1] elements of the tensor's type.
+            let per_expert = tensor.ggml_type.tensor_bytes(&tensor.dims[..2]).unwrap();
+            assert_eq!(slices.slice_bytes, per_expert);
+        }
+        assert_eq!(inventory.tensors.iter().filter(|tensor| tensor.role == Role::Router).count() as u64, inventory.hparams.n_layer);
+        assert_eq!(inventory.tensors.iter().filter(|tensor| tensor.role == Role::Other).count(), 0, "{preset}");
+    }
+}
+
+#[test]
+fn forged_dense_models_classify_every_tensor() {
+    let directory = tempfile::tempdir().unwrap();
+    for preset in ["tiny-dense-1b", "tiny-dense-8b", "tiny-qwen3"] {
+        let path = common::forge(preset, directory.path());
+        let inventory = Inventory::open(&path).unwrap();
+        let spec = hypura_forge::preset(preset).unwrap();
+        assert_eq!(inventory.hparams.n_layer, spec.shape.n_layer);
+        assert_eq!(inventory.hparams.n_head_kv, spec.shape.n_head_kv);
+        assert_eq!(inventory.hparams.head_dim_k, spec.shape.head_dim);
+        assert_eq!(inventory.tensors.iter().filter(|tensor| tensor.role.is_dense_ffn()).count() as u64, 3 * spec.shape.n_layer);
+        assert_eq!(inventory.tensors.iter().filter(|tensor| tensor.role == Role::Other).count(), 0, "{preset}");
+        let mix = inventory.quantization_mix();
+        assert!(mix.iter().any(|(ggml_type, _, _)| *ggml_type == GgmlType::Q4_K), "{preset}: Q4_K_M mix has q4_K");
+        assert!(mix.iter().any(|(ggml_type, _, _)| *ggml_type == GgmlType::Q6_K), "{preset}: Q4_K_M mix has q6_K");
+        let by_role: u64 = inventory.bytes_by_role().values().sum();
+        assert_eq!(by_role, inventory.tensor_data_bytes());
+    }
+}
+
+#[test]
+fn unknown_architecture_is_refused_with_its_name() {
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("alien.gguf");
+    let mut writer = GgufWriter::new();
+    writer.add_metadata("general.architecture", Value::String("alien9000".into()));
+    writer.add_metadata("alien9000.block_count", Value::U32(1));
+    writer.add_metadata("alien9000.embedding_length", Value::U32(32));
+    writer.add_tensor("token_embd.weight", &[32, 4], GgmlType::F32);
+    writer.write_file(&path, |_| vec![0; 32 * 4 * 4]).unwrap();
+    match Inventory::open(&path) {
+        Err(ModelError::UnknownArchitecture { arch, .. }) => assert_eq!(arch, "alien9000"),
+        other => panic!("expected UnknownArchitecture, got {other:?}"),
+    }
+}
+
+#[test]
+fn layer_beyond_block_count_is_refused() {
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("bad-layer.gguf");
+    let mut writer = GgufWriter::new();
+    writer.add_metadata("general.architecture", Value::String("llama".into()));
+    writer.add_metadata("llama.block_count", Value::U32(1));
+    writer.add_metadata("llama.embedding_length", Value::U32(32));
+    writer.add_tensor("blk.5.ffn_up.weight", &[32, 4], GgmlType::F32);
+    writer.write_file(&path, |_| vec![0; 32 * 4 * 4]).unwrap();
+    assert!(matches!(Inventory::open(&path), Err(ModelError::LayerOutOfRange { layer: 5, .. })));
+}
