@@ -4,7 +4,9 @@
 //! streams the rest from disk just in time. Data flow: `model` (the inventory read from the
 //! GGUF index) and `hw` (the measured machine) feed the pure planner; `store` moves bytes;
 //! `engine` runs llama.cpp through `hypura-sys`; `cli`, `bench` and `server` sit on top.
+pub mod bench;
 pub mod cli;
+pub mod engine;
 pub mod hw;
 pub mod model;
 pub mod store;

@@ -1,5 +1,8 @@
 //! An inference context: KV cache, compute buffers, decode and logits.
+use std::ffi::c_void;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use llama_cpp_sys_2 as raw;
 
@@ -45,6 +48,15 @@ pub struct Context {
     /// Tokens in the last decoded batch; logits are addressed by batch index.
     batch_tokens: i32,
     params: ContextParams,
+    /// Set by another thread to stop a decode between graph nodes; kept alive here because
+    /// llama.cpp holds a raw pointer to it.
+    abort: Arc<AtomicBool>,
+}
+
+unsafe extern "C" fn should_abort(data: *mut c_void) -> bool {
+    // SAFETY: `data` is the pointer of the Arc<AtomicBool> owned by the Context that
+    // registered this callback; the Context outlives every decode that can call it.
+    unsafe { &*(data as *const AtomicBool) }.load(Ordering::Relaxed)
 }
 
 // SAFETY: a context may move between threads as long as only one uses it at a time, which
@@ -73,7 +85,29 @@ impl Context {
             n_batch: params.n_batch,
             reason: crate::log::take_last_error().unwrap_or_else(|| "unknown reason".to_string()),
         })?;
-        Ok(Context { pointer, model: model.clone(), n_vocab: model.vocab().n_tokens(), batch_tokens: 0, params: params.clone() })
+        let abort = Arc::new(AtomicBool::new(false));
+        // SAFETY: the context is valid; the callback data points into `abort`, which the
+        // Context owns and which is dropped only after llama_free (see Drop).
+        unsafe {
+            raw::llama_set_abort_callback(pointer.as_ptr(), Some(should_abort), Arc::as_ptr(&abort) as *mut c_void);
+        }
+        Ok(Context { pointer, model: model.clone(), n_vocab: model.vocab().n_tokens(), batch_tokens: 0, params: params.clone(), abort })
+    }
+
+    pub(crate) fn as_ptr(&self) -> *mut raw::llama_context {
+        self.pointer.as_ptr()
+    }
+
+    /// Use `flag` to abort decodes: once another thread sets it, the running decode stops
+    /// between graph nodes with `SysError::Aborted` (CPU backend; GPU ops finish first).
+    pub fn set_abort_flag(&mut self, flag: Arc<AtomicBool>) {
+        // SAFETY: the context is valid; the new data pointer points into `flag`, which we store
+        // in self (replacing the old one only after llama.cpp stops using it, i.e. after this
+        // call, since decodes need &mut self and none is running).
+        unsafe {
+            raw::llama_set_abort_callback(self.pointer.as_ptr(), Some(should_abort), Arc::as_ptr(&flag) as *mut c_void);
+        }
+        self.abort = flag;
     }
 
     pub fn model(&self) -> &Model {

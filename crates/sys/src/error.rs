@@ -24,6 +24,10 @@ pub enum SysError {
     BadToken { token: i32, n_vocab: i32 },
     #[error("text of {bytes} bytes is too long to tokenize")]
     TextTooLong { bytes: usize },
+    #[error("invalid sampling value {name} = {value}: must be {allowed}")]
+    BadSampling { name: &'static str, value: f64, allowed: &'static str },
+    #[error("llama.cpp could not allocate {0}")]
+    Allocation(&'static str),
     #[error("quantize: {0}")]
     Quantize(String),
 }

@@ -8,18 +8,22 @@
 
 mod backend;
 mod batch;
+mod chat;
 mod context;
 mod error;
 mod log;
 mod model;
 mod quantize;
+mod sampler;
 mod vocab;
 
 pub use backend::{Backend, DeviceInfo, DeviceKind};
 pub use batch::Batch;
+pub use chat::{apply_builtin_template, ChatTurn};
 pub use context::{Context, ContextParams};
 pub use error::SysError;
 pub use model::{LoadMode, Model, ModelParams};
+pub use sampler::{Sampler, SamplerParams};
 pub use quantize::{ggml_type_block_size, ggml_type_name, ggml_type_size, quantize_rows};
 pub use vocab::{Token, Vocab};
 

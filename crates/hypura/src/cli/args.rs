@@ -16,6 +16,10 @@ pub enum Command {
     Profile(ProfileArgs),
     /// Show what a model file holds, without loading tensor data.
     Inspect(InspectArgs),
+    /// Generate text from a prompt, or chat interactively.
+    Run(RunArgs),
+    /// Benchmark Hypura against plain llama.cpp on the same file, in one process.
+    Bench(BenchArgs),
 }
 
 #[derive(Args, Debug)]
@@ -42,4 +46,109 @@ pub struct InspectArgs {
     /// Print JSON instead of tables.
     #[arg(long)]
     pub json: bool,
+}
+
+/// Sampling flags shared by `run` and `bench`, with llama.cpp's names and defaults.
+#[derive(Args, Debug, Clone)]
+pub struct SamplingArgs {
+    /// 0 means greedy.
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f32,
+    /// 0 disables.
+    #[arg(long, default_value_t = 40)]
+    pub top_k: i32,
+    /// 1 disables.
+    #[arg(long, default_value_t = 0.9)]
+    pub top_p: f32,
+    /// 0 disables.
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    /// 1 disables.
+    #[arg(long, default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    #[arg(long, default_value_t = 0.0)]
+    pub presence_penalty: f32,
+    #[arg(long, default_value_t = 0.0)]
+    pub frequency_penalty: f32,
+    /// Tokens the penalties look back over (0 disables, -1 the whole context).
+    #[arg(long, default_value_t = 64, allow_negative_numbers = true)]
+    pub repeat_last_n: i32,
+    /// Seed for sampling (default: random).
+    #[arg(long)]
+    pub seed: Option<u32>,
+}
+
+/// Model and context flags shared by `run` and `bench`.
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// Context length in tokens (0 = the model's training context).
+    #[arg(long, short = 'c', default_value_t = 4096)]
+    pub context: u32,
+    /// CPU threads (default: every core).
+    #[arg(long, short = 't')]
+    pub threads: Option<i32>,
+    /// Logical batch size for prompt processing.
+    #[arg(long, default_value_t = 512)]
+    pub batch_size: u32,
+    /// Turn off llama.cpp's CPU weight repacking.
+    #[arg(long)]
+    pub no_repack: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// A GGUF file; default: the Gemma 3 270M test model fetched by scripts/fetch-test-model.
+    pub model: Option<PathBuf>,
+    /// The prompt (rendered with the model's chat template unless --raw).
+    #[arg(long, short = 'p', conflicts_with = "interactive")]
+    pub prompt: Option<String>,
+    /// Chat in a loop, keeping the model loaded and the conversation (Ctrl-C stops an answer;
+    /// Ctrl-D or /bye quits).
+    #[arg(long, short = 'i')]
+    pub interactive: bool,
+    /// A system prompt for chat.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Send the prompt to the tokenizer as is, without the chat template.
+    #[arg(long)]
+    pub raw: bool,
+    /// Stop after this many tokens (default: until the model stops or the context is full).
+    #[arg(long, short = 'n')]
+    pub max_tokens: Option<u32>,
+    /// Stop strings (repeatable).
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Print timing statistics after each answer.
+    #[arg(long)]
+    pub stats: bool,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub model_args: ModelArgs,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// A GGUF file; default: the Gemma 3 270M test model.
+    pub model: Option<PathBuf>,
+    /// Prompt tokens for the prompt-processing test (pp).
+    #[arg(short = 'p', long = "n-prompt", default_value_t = 512)]
+    pub n_prompt: usize,
+    /// Generated tokens for the text-generation test (tg).
+    #[arg(short = 'n', long = "n-gen", default_value_t = 128)]
+    pub n_gen: usize,
+    /// Repetitions of each test (alternating Hypura and llama.cpp).
+    #[arg(short = 'r', long, default_value_t = 5)]
+    pub reps: usize,
+    /// Only run Hypura; skip the llama.cpp baseline.
+    #[arg(long)]
+    pub no_baseline: bool,
+    /// Run the llama.cpp baseline even when the model exceeds available memory minus 4 GiB.
+    #[arg(long)]
+    pub force: bool,
+    /// Also write the results as JSON.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    #[command(flatten)]
+    pub model_args: ModelArgs,
 }

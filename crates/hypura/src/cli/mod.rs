@@ -3,6 +3,7 @@
 pub mod args;
 pub mod commands;
 pub mod progress;
+pub mod settings;
 
 use args::{Cli, Command};
 
@@ -11,5 +12,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Profile(args) => commands::profile::run(&args),
         Command::Inspect(args) => commands::inspect::run(&args),
+        Command::Run(args) => commands::run::run(&args),
+        Command::Bench(args) => commands::bench::run(&args),
     }
 }

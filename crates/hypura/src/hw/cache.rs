@@ -13,7 +13,9 @@ use super::{HwError, Profile, PROFILE_SCHEMA_VERSION};
 pub fn machine_key() -> String {
     let read = |path: &str| std::fs::read_to_string(path).unwrap_or_default();
     let hostname = read("/proc/sys/kernel/hostname");
-    let cpu_model = parse_cpuinfo(&read("/proc/cpuinfo")).model_name.unwrap_or_default();
+    let cpu_model = parse_cpuinfo(&read("/proc/cpuinfo"))
+        .model_name
+        .unwrap_or_default();
     let total_ram_bytes = parse_meminfo(&read("/proc/meminfo")).map_or(0, |(total, _)| total);
     machine_key_from(hostname.trim(), &cpu_model, total_ram_bytes)
 }
@@ -22,7 +24,11 @@ fn machine_key_from(hostname: &str, cpu_model: &str, total_ram_bytes: u64) -> St
     // FNV-1a rather than std's hasher, whose output may change between Rust releases and would
     // silently orphan every cached profile.
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    let fields = [hostname.as_bytes(), cpu_model.as_bytes(), &total_ram_bytes.to_le_bytes()];
+    let fields = [
+        hostname.as_bytes(),
+        cpu_model.as_bytes(),
+        &total_ram_bytes.to_le_bytes(),
+    ];
     for field in fields {
         // A separator keeps ("ab", "c") and ("a", "bc") apart.
         for &byte in field.iter().chain([&0xffu8]) {
@@ -36,10 +42,18 @@ fn machine_key_from(hostname: &str, cpu_model: &str, total_ram_bytes: u64) -> St
 /// Where profiles live: `$HYPURA_CACHE_DIR` if set, else the platform cache directory plus
 /// "hypura" (`~/.cache/hypura` on Linux), else `~/.cache/hypura`, else a temp-dir folder.
 pub fn default_cache_dir() -> PathBuf {
-    cache_dir_from(std::env::var_os("HYPURA_CACHE_DIR"), dirs::cache_dir(), dirs::home_dir())
+    cache_dir_from(
+        std::env::var_os("HYPURA_CACHE_DIR"),
+        dirs::cache_dir(),
+        dirs::home_dir(),
+    )
 }
 
-fn cache_dir_from(environment: Option<OsString>, platform_cache: Option<PathBuf>, home: Option<PathBuf>) -> PathBuf {
+fn cache_dir_from(
+    environment: Option<OsString>,
+    platform_cache: Option<PathBuf>,
+    home: Option<PathBuf>,
+) -> PathBuf {
     if let Some(directory) = environment.filter(|value| !value.is_empty()) {
         return PathBuf::from(directory);
     }
@@ -72,7 +86,13 @@ impl ProfileCache {
         // Keys are hex, but keep the file name safe whatever a caller passes.
         let safe_key: String = machine_key
             .chars()
-            .map(|character| if character.is_ascii_alphanumeric() || character == '-' { character } else { '_' })
+            .map(|character| {
+                if character.is_ascii_alphanumeric() || character == '-' {
+                    character
+                } else {
+                    '_'
+                }
+            })
             .collect();
         self.dir.join(format!("profile-{safe_key}.json"))
     }
@@ -99,12 +119,17 @@ impl ProfileCache {
     /// Write `profile` under its own machine key, creating the directory. Written to a temporary
     /// name and renamed, so a crash never leaves half a JSON file to be read back.
     pub fn save(&self, profile: &Profile) -> Result<PathBuf, HwError> {
-        std::fs::create_dir_all(&self.dir).map_err(|source| HwError::file("create cache directory", &self.dir, source))?;
+        std::fs::create_dir_all(&self.dir)
+            .map_err(|source| HwError::file("create cache directory", &self.dir, source))?;
         let path = self.path_for(&profile.machine_key);
-        let json = serde_json::to_string_pretty(profile)
-            .map_err(|source| HwError::CacheFormat { path: path.clone(), source })?;
+        let json =
+            serde_json::to_string_pretty(profile).map_err(|source| HwError::CacheFormat {
+                path: path.clone(),
+                source,
+            })?;
         let temporary = path.with_extension(format!("json.tmp-{}", std::process::id()));
-        std::fs::write(&temporary, json).map_err(|source| HwError::file("write", &temporary, source))?;
+        std::fs::write(&temporary, json)
+            .map_err(|source| HwError::file("write", &temporary, source))?;
         std::fs::rename(&temporary, &path).map_err(|source| {
             let _ = std::fs::remove_file(&temporary);
             HwError::file("rename into place", &path, source)
@@ -124,7 +149,12 @@ mod tests {
         let cache = ProfileCache::new(directory.path().join("hypura"));
         let profile = sample_profile();
         let path = cache.save(&profile).unwrap();
-        assert_eq!(path, directory.path().join("hypura/profile-0123456789abcdef.json"));
+        assert_eq!(
+            path,
+            directory
+                .path()
+                .join("hypura/profile-0123456789abcdef.json")
+        );
         assert_eq!(cache.load(&profile.machine_key), Some(profile.clone()));
         assert_eq!(cache.load("fedcba9876543210"), None);
         // Only the final file remains, no temporary.
@@ -143,7 +173,11 @@ mod tests {
         // A file renamed by hand to another machine's key is not trusted.
         let profile = sample_profile();
         cache.save(&profile).unwrap();
-        std::fs::copy(cache.path_for(&profile.machine_key), cache.path_for("aaaaaaaaaaaaaaaa")).unwrap();
+        std::fs::copy(
+            cache.path_for(&profile.machine_key),
+            cache.path_for("aaaaaaaaaaaaaaaa"),
+        )
+        .unwrap();
         assert_eq!(cache.load("aaaaaaaaaaaaaaaa"), None);
 
         std::fs::write(cache.path_for("bbbbbbbbbbbbbbbb"), "{ not json").unwrap();
@@ -168,7 +202,10 @@ mod tests {
         assert_ne!(key, machine_key_from("host2", "AMD EPYC", 24 << 30));
         assert_ne!(key, machine_key_from("host", "AMD EPYC 9654", 24 << 30));
         assert_ne!(key, machine_key_from("host", "AMD EPYC", 48 << 30));
-        assert_ne!(machine_key_from("ab", "c", 0), machine_key_from("a", "bc", 0));
+        assert_ne!(
+            machine_key_from("ab", "c", 0),
+            machine_key_from("a", "bc", 0)
+        );
         // Pinned (computed independently in Python), so a change of hash, which orphans every
         // cached profile, is a deliberate one.
         assert_eq!(key, "799958f4df31eaf3");
@@ -183,8 +220,17 @@ mod tests {
             cache_dir_from(Some("/srv/cache".into()), platform.clone(), home.clone()),
             PathBuf::from("/srv/cache")
         );
-        assert_eq!(cache_dir_from(Some("".into()), platform.clone(), home.clone()), PathBuf::from("/home/u/.cache/hypura"));
-        assert_eq!(cache_dir_from(None, platform, home.clone()), PathBuf::from("/home/u/.cache/hypura"));
-        assert_eq!(cache_dir_from(None, None, home), PathBuf::from("/home/u/.cache/hypura"));
+        assert_eq!(
+            cache_dir_from(Some("".into()), platform.clone(), home.clone()),
+            PathBuf::from("/home/u/.cache/hypura")
+        );
+        assert_eq!(
+            cache_dir_from(None, platform, home.clone()),
+            PathBuf::from("/home/u/.cache/hypura")
+        );
+        assert_eq!(
+            cache_dir_from(None, None, home),
+            PathBuf::from("/home/u/.cache/hypura")
+        );
     }
 }

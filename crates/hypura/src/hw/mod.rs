@@ -24,8 +24,8 @@ use serde::{Deserialize, Serialize};
 
 pub use cache::{default_cache_dir, machine_key, ProfileCache};
 pub use cpu::{cpu_info, CpuInfo};
-pub use format::{format_bytes, format_bytes_per_sec};
 pub use disk::{measure_disk, volume_of, DiskOptions, DiskProfile, ReadPoint, Volume};
+pub use format::{format_bytes, format_bytes_per_sec};
 pub use memory::{memory_info, CgroupLimit, MemoryInfo};
 
 use crate::store::io::IoError;
@@ -70,18 +70,33 @@ pub enum HwError {
     Io(#[from] IoError),
 
     #[error("cannot {action} {path}: {source}")]
-    File { action: &'static str, path: PathBuf, source: std::io::Error },
+    File {
+        action: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
 
     #[error("disk probe {path}: {reason}")]
     Probe { path: PathBuf, reason: String },
 
     #[error("cannot parse cached profile {path}: {source}")]
-    CacheFormat { path: PathBuf, source: serde_json::Error },
+    CacheFormat {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
 }
 
 impl HwError {
-    pub(crate) fn file(action: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> HwError {
-        HwError::File { action, path: path.into(), source }
+    pub(crate) fn file(
+        action: &'static str,
+        path: impl Into<PathBuf>,
+        source: std::io::Error,
+    ) -> HwError {
+        HwError::File {
+            action,
+            path: path.into(),
+            source,
+        }
     }
 }
 

@@ -47,7 +47,9 @@ fn unescape(field: &str) -> String {
             bytes[index] == b'\\' && digits.iter().all(|digit| (b'0'..=b'7').contains(digit))
         });
         if let Some(digits) = escape {
-            let value = digits.iter().fold(0u32, |value, digit| value * 8 + u32::from(digit - b'0'));
+            let value = digits
+                .iter()
+                .fold(0u32, |value, digit| value * 8 + u32::from(digit - b'0'));
             output.push(value as u8);
             index += 4;
             continue;

@@ -26,7 +26,11 @@ pub(super) fn render_profile(profile: &Profile) -> String {
         "{indent}{} logical / {} physical cores, {} usable by this process",
         cpu.logical_cores, cpu.physical_cores, cpu.available_parallelism
     );
-    let simd = if cpu.simd.is_empty() { "none detected".to_string() } else { cpu.simd.join(" ") };
+    let simd = if cpu.simd.is_empty() {
+        "none detected".to_string()
+    } else {
+        cpu.simd.join(" ")
+    };
     let _ = writeln!(out, "{indent}SIMD: {simd}");
 
     let memory = &profile.memory;
@@ -53,13 +57,23 @@ pub(super) fn render_profile(profile: &Profile) -> String {
             let _ = writeln!(out, "{indent}no cgroup memory limit");
         }
     }
-    let _ = writeln!(out, "{indent}effective available {}", format_bytes(memory.effective_available_bytes()));
+    let _ = writeln!(
+        out,
+        "{indent}effective available {}",
+        format_bytes(memory.effective_available_bytes())
+    );
 
     let _ = writeln!(out, "\nDevices");
     if profile.devices.is_empty() {
         let _ = writeln!(out, "{indent}none listed");
     } else {
-        let name_width = profile.devices.iter().map(|device| device.name.len()).max().unwrap_or(0).max(4);
+        let name_width = profile
+            .devices
+            .iter()
+            .map(|device| device.name.len())
+            .max()
+            .unwrap_or(0)
+            .max(4);
         let _ = writeln!(
             out,
             "{indent}{:<name_width$}  {:<5}  {:>11}  {:>11}  {:<9}  description",
@@ -73,7 +87,11 @@ pub(super) fn render_profile(profile: &Profile) -> String {
                 device.kind,
                 format_bytes(device.free_bytes),
                 format_bytes(device.total_bytes),
-                if device.unified_memory { "unified" } else { "dedicated" },
+                if device.unified_memory {
+                    "unified"
+                } else {
+                    "dedicated"
+                },
                 device.description
             );
         }
@@ -107,7 +125,11 @@ fn render_disk(out: &mut String, disk: &DiskProfile, indent: &str) {
     }
     let blocks: BTreeSet<u64> = disk.direct.iter().map(|point| point.block_bytes).collect();
     let depths: BTreeSet<u32> = disk.direct.iter().map(|point| point.queue_depth).collect();
-    let _ = write!(out, "{indent}sequential direct reads, GB/s\n{indent}{:>9}", "block");
+    let _ = write!(
+        out,
+        "{indent}sequential direct reads, GB/s\n{indent}{:>9}",
+        "block"
+    );
     for depth in &depths {
         let _ = write!(out, "{:>9}", format!("QD {depth}"));
     }
@@ -119,7 +141,10 @@ fn render_disk(out: &mut String, disk: &DiskProfile, indent: &str) {
                 .direct
                 .iter()
                 .find(|point| point.block_bytes == block && point.queue_depth == depth)
-                .map_or_else(|| "-".to_string(), |point| format!("{:.2}", point.bytes_per_sec / 1e9));
+                .map_or_else(
+                    || "-".to_string(),
+                    |point| format!("{:.2}", point.bytes_per_sec / 1e9),
+                );
             let _ = write!(out, "{cell:>9}");
         }
         out.push('\n');
@@ -149,9 +174,9 @@ fn render_disk(out: &mut String, disk: &DiskProfile, indent: &str) {
 
 /// "1 MiB", "64 KiB": exact sizes for table labels, where "1.00 MiB" would be noise.
 fn block_label(bytes: u64) -> String {
-    if bytes >= 1 << 20 && bytes % (1 << 20) == 0 {
+    if bytes > 0 && bytes.trailing_zeros() >= 20 {
         format!("{} MiB", bytes >> 20)
-    } else if bytes >= 1 << 10 && bytes % (1 << 10) == 0 {
+    } else if bytes > 0 && bytes.trailing_zeros() >= 10 {
         format!("{} KiB", bytes >> 10)
     } else {
         format!("{bytes} B")
@@ -190,11 +215,17 @@ mod tests {
     #[test]
     fn disk_table_is_blocks_by_queue_depths() {
         let text = sample_profile().render_human();
-        let header = text.lines().find(|line| line.contains("QD 1")).expect("table header");
+        let header = text
+            .lines()
+            .find(|line| line.contains("QD 1"))
+            .expect("table header");
         let columns: Vec<&str> = header.split_whitespace().collect();
         assert_eq!(columns, ["block", "QD", "1", "QD", "4", "QD", "16"]);
         // Sample rates are 0.5 GB/s × block/4 MiB + 0.1 GB/s × depth.
-        let row = text.lines().find(|line| line.trim_start().starts_with("4 MiB")).expect("4 MiB row");
+        let row = text
+            .lines()
+            .find(|line| line.trim_start().starts_with("4 MiB"))
+            .expect("4 MiB row");
         let cells: Vec<&str> = row.split_whitespace().collect();
         assert_eq!(cells, ["4", "MiB", "0.60", "0.90", "2.10"]);
     }

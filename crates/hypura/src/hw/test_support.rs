@@ -2,10 +2,19 @@
 
 use std::path::PathBuf;
 
-use super::{CgroupLimit, CpuInfo, DeviceInfo, DiskProfile, MemoryInfo, Profile, ReadPoint, PROFILE_SCHEMA_VERSION};
+use super::{
+    CgroupLimit, CpuInfo, DeviceInfo, DiskProfile, MemoryInfo, Profile, ReadPoint,
+    PROFILE_SCHEMA_VERSION,
+};
 
 pub(crate) fn point(block_bytes: u64, queue_depth: u32, bytes_per_sec: f64) -> ReadPoint {
-    ReadPoint { block_bytes, queue_depth, bytes_per_sec, bytes_read: 1 << 29, seconds: (1u64 << 29) as f64 / bytes_per_sec }
+    ReadPoint {
+        block_bytes,
+        queue_depth,
+        bytes_per_sec,
+        bytes_read: 1 << 29,
+        seconds: (1u64 << 29) as f64 / bytes_per_sec,
+    }
 }
 
 pub(crate) fn sample_profile() -> Profile {
@@ -13,7 +22,13 @@ pub(crate) fn sample_profile() -> Profile {
     let direct: Vec<ReadPoint> = [mib, 4 * mib, 16 * mib]
         .iter()
         .flat_map(|&block| {
-            [1u32, 4, 16].map(|depth| point(block, depth, 0.5e9 * (block / mib) as f64 / 4.0 + 0.1e9 * f64::from(depth)))
+            [1u32, 4, 16].map(|depth| {
+                point(
+                    block,
+                    depth,
+                    0.5e9 * (block / mib) as f64 / 4.0 + 0.1e9 * f64::from(depth),
+                )
+            })
         })
         .collect();
     let best_direct = direct

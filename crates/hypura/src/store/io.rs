@@ -41,16 +41,34 @@ pub enum IoError {
     Metadata { path: PathBuf, source: io::Error },
 
     #[error("reading {len} bytes at offset {offset} of {path} failed: {source}")]
-    Read { path: PathBuf, offset: u64, len: usize, source: io::Error },
+    Read {
+        path: PathBuf,
+        offset: u64,
+        len: usize,
+        source: io::Error,
+    },
 
-    #[error("short read of {path} at offset {offset}: wanted {wanted} bytes, got {got} (end of file)")]
-    ShortRead { path: PathBuf, offset: u64, wanted: usize, got: usize },
+    #[error(
+        "short read of {path} at offset {offset}: wanted {wanted} bytes, got {got} (end of file)"
+    )]
+    ShortRead {
+        path: PathBuf,
+        offset: u64,
+        wanted: usize,
+        got: usize,
+    },
 
     #[error(
         "direct read of {path} at offset {offset} ({len} bytes, buffer address {buffer_address:#x}) \
          is not aligned to {alignment_bytes} bytes"
     )]
-    Unaligned { path: PathBuf, offset: u64, len: usize, buffer_address: usize, alignment_bytes: u64 },
+    Unaligned {
+        path: PathBuf,
+        offset: u64,
+        len: usize,
+        buffer_address: usize,
+        alignment_bytes: u64,
+    },
 
     #[error("cannot evict {path} from the page cache: {source}")]
     Evict { path: PathBuf, source: io::Error },
@@ -62,7 +80,10 @@ pub enum IoError {
         "invalid aligned buffer: alignment {alignment_bytes} must be a power of two >= 512, \
          and {len_bytes} bytes rounded up to it must fit in memory"
     )]
-    BufferLayout { len_bytes: usize, alignment_bytes: usize },
+    BufferLayout {
+        len_bytes: usize,
+        alignment_bytes: usize,
+    },
 }
 
 /// A zero-initialised heap buffer whose start address and length are multiples of its alignment,
@@ -95,7 +116,10 @@ impl AlignedBuf {
 
     /// A zeroed buffer of `len_bytes` rounded up to `alignment_bytes` (a power of two >= 512).
     pub fn with_alignment(len_bytes: usize, alignment_bytes: usize) -> Result<AlignedBuf, IoError> {
-        let layout_error = || IoError::BufferLayout { len_bytes, alignment_bytes };
+        let layout_error = || IoError::BufferLayout {
+            len_bytes,
+            alignment_bytes,
+        };
         if !alignment_bytes.is_power_of_two() || alignment_bytes < MIN_ALIGNMENT_BYTES {
             return Err(layout_error());
         }
@@ -105,14 +129,19 @@ impl AlignedBuf {
         // A zero-sized allocation is undefined behaviour for `alloc_zeroed`, so an empty buffer
         // still owns one alignment unit; `len()` reports 0.
         let allocated_bytes = rounded_bytes.max(alignment_bytes);
-        let layout = Layout::from_size_align(allocated_bytes, alignment_bytes).map_err(|_| layout_error())?;
+        let layout = Layout::from_size_align(allocated_bytes, alignment_bytes)
+            .map_err(|_| layout_error())?;
         // SAFETY: `layout` has a non-zero size (at least one alignment unit) and a valid
         // power-of-two alignment, which is all `alloc_zeroed` requires.
         let raw_pointer = unsafe { alloc::alloc_zeroed(layout) };
         let Some(pointer) = NonNull::new(raw_pointer) else {
             alloc::handle_alloc_error(layout);
         };
-        Ok(AlignedBuf { pointer, len_bytes: rounded_bytes, layout })
+        Ok(AlignedBuf {
+            pointer,
+            len_bytes: rounded_bytes,
+            layout,
+        })
     }
 
     /// Length in bytes (the requested length rounded up to the alignment).
@@ -204,7 +233,11 @@ impl DirectFile {
     /// Open read-only with `O_DIRECT`. If the filesystem refuses `O_DIRECT` (EINVAL), open buffered
     /// instead and record [`ReadPath::Buffered`]. Never opens for writing.
     pub fn open(path: &Path) -> Result<DirectFile, IoError> {
-        match OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path) {
+        match OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)
+        {
             Ok(file) => DirectFile::from_file(file, path, ReadPath::Direct),
             Err(error) if error.raw_os_error() == Some(libc::EINVAL) => {
                 tracing::warn!(
@@ -213,7 +246,10 @@ impl DirectFile {
                 );
                 DirectFile::open_buffered(path)
             }
-            Err(source) => Err(IoError::Open { path: path.to_path_buf(), source }),
+            Err(source) => Err(IoError::Open {
+                path: path.to_path_buf(),
+                source,
+            }),
         }
     }
 
@@ -222,14 +258,18 @@ impl DirectFile {
         let file = OpenOptions::new()
             .read(true)
             .open(path)
-            .map_err(|source| IoError::Open { path: path.to_path_buf(), source })?;
+            .map_err(|source| IoError::Open {
+                path: path.to_path_buf(),
+                source,
+            })?;
         DirectFile::from_file(file, path, ReadPath::Buffered)
     }
 
     fn from_file(file: File, path: &Path, read_path: ReadPath) -> Result<DirectFile, IoError> {
-        let metadata = file
-            .metadata()
-            .map_err(|source| IoError::Metadata { path: path.to_path_buf(), source })?;
+        let metadata = file.metadata().map_err(|source| IoError::Metadata {
+            path: path.to_path_buf(),
+            source,
+        })?;
         Ok(DirectFile {
             file,
             path: path.to_path_buf(),
@@ -282,7 +322,12 @@ impl DirectFile {
         let wanted = buffer.len();
         let got = self.read_at(buffer, offset)?;
         if got < wanted {
-            return Err(IoError::ShortRead { path: self.path.clone(), offset, wanted, got });
+            return Err(IoError::ShortRead {
+                path: self.path.clone(),
+                offset,
+                wanted,
+                got,
+            });
         }
         Ok(())
     }
@@ -302,7 +347,8 @@ impl DirectFile {
                 Ok(count) => filled += count,
                 Err(error) if error.kind() == io::ErrorKind::Interrupted => continue,
                 Err(error)
-                    if error.raw_os_error() == Some(libc::EINVAL) && self.read_path() == ReadPath::Direct =>
+                    if error.raw_os_error() == Some(libc::EINVAL)
+                        && self.read_path() == ReadPath::Direct =>
                 {
                     // The filesystem accepted O_DIRECT at open but refuses this read (e.g. a device
                     // with a logical block larger than our alignment). Buffered reads still work.
@@ -323,7 +369,9 @@ impl DirectFile {
 
     fn pread(&self, buffer: &mut [u8], offset: u64) -> io::Result<usize> {
         #[cfg(test)]
-        if self.read_path() == ReadPath::Direct && self.inject_direct_einval.swap(false, Ordering::Relaxed) {
+        if self.read_path() == ReadPath::Direct
+            && self.inject_direct_einval.swap(false, Ordering::Relaxed)
+        {
             return Err(io::Error::from_raw_os_error(libc::EINVAL));
         }
         self.file.read_at(buffer, offset)
@@ -332,7 +380,12 @@ impl DirectFile {
     fn check_alignment(&self, buffer: &[u8], offset: u64) -> Result<(), IoError> {
         let alignment = self.alignment_bytes;
         let buffer_address = buffer.as_ptr() as usize;
-        if offset % alignment != 0 || buffer.len() as u64 % alignment != 0 || buffer_address as u64 % alignment != 0 {
+        // The alignment is a power of two, so the low bits below it must all be zero.
+        let misaligned = |value: u64| value & (alignment - 1) != 0;
+        if misaligned(offset)
+            || misaligned(buffer.len() as u64)
+            || misaligned(buffer_address as u64)
+        {
             return Err(IoError::Unaligned {
                 path: self.path.clone(),
                 offset,
@@ -348,7 +401,10 @@ impl DirectFile {
     /// this file's life. Idempotent, so racing reader threads may all call it.
     fn switch_to_buffered(&self, offset: u64) -> Result<(), IoError> {
         let descriptor = self.file.as_raw_fd();
-        let switch_error = |source| IoError::SwitchToBuffered { path: self.path.clone(), source };
+        let switch_error = |source| IoError::SwitchToBuffered {
+            path: self.path.clone(),
+            source,
+        };
         // SAFETY: `descriptor` belongs to `self.file`, which is open for as long as `&self` lives;
         // F_GETFL reads only the descriptor's status flags.
         let flags = unsafe { libc::fcntl(descriptor, libc::F_GETFL) };
@@ -362,7 +418,12 @@ impl DirectFile {
         }
         if self
             .path_kind
-            .compare_exchange(PATH_DIRECT, PATH_BUFFERED, Ordering::Relaxed, Ordering::Relaxed)
+            .compare_exchange(
+                PATH_DIRECT,
+                PATH_BUFFERED,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            )
             .is_ok()
         {
             tracing::warn!(
@@ -378,14 +439,23 @@ impl DirectFile {
 /// Drop the cached pages of the file at `path`, so the next read comes from the device.
 /// Opens read-only; model files are never written, so there are no dirty pages to flush first.
 pub fn evict_from_page_cache(path: &Path) -> Result<(), IoError> {
-    let file = File::open(path).map_err(|source| IoError::Open { path: path.to_path_buf(), source })?;
-    advise_dont_need(&file).map_err(|source| IoError::Evict { path: path.to_path_buf(), source })
+    let file = File::open(path).map_err(|source| IoError::Open {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    advise_dont_need(&file).map_err(|source| IoError::Evict {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 /// Drop the cached pages of an open file. `POSIX_FADV_DONTNEED` skips dirty pages, so for a file
 /// this process wrote, call `file.sync_all()` first.
 pub fn evict_file(file: &File) -> Result<(), IoError> {
-    advise_dont_need(file).map_err(|source| IoError::Evict { path: describe_descriptor(file), source })
+    advise_dont_need(file).map_err(|source| IoError::Evict {
+        path: describe_descriptor(file),
+        source,
+    })
 }
 
 fn advise_dont_need(file: &File) -> io::Result<()> {
@@ -424,7 +494,9 @@ mod tests {
 
     /// Bytes that differ at every offset, so a read from the wrong offset cannot pass.
     fn patterned_bytes(len: usize) -> Vec<u8> {
-        (0..len).map(|index| ((index * 7 + index / 4096) % 251) as u8).collect()
+        (0..len)
+            .map(|index| ((index * 7 + index / 4096) % 251) as u8)
+            .collect()
     }
 
     fn write_file(directory: &Path, name: &str, contents: &[u8]) -> PathBuf {
@@ -466,8 +538,14 @@ mod tests {
 
     #[test]
     fn read_path_serialises_lowercase() {
-        assert_eq!(serde_json::to_string(&ReadPath::Direct).unwrap(), "\"direct\"");
-        assert_eq!(serde_json::from_str::<ReadPath>("\"buffered\"").unwrap(), ReadPath::Buffered);
+        assert_eq!(
+            serde_json::to_string(&ReadPath::Direct).unwrap(),
+            "\"direct\""
+        );
+        assert_eq!(
+            serde_json::from_str::<ReadPath>("\"buffered\"").unwrap(),
+            ReadPath::Buffered
+        );
     }
 
     fn assert_reads_match(file: &DirectFile, expected: &[u8]) {
@@ -475,7 +553,11 @@ mod tests {
         for offset in [0u64, 4096, 8192 * 3, 65536] {
             file.read_exact_at(buffer.as_mut_slice(), offset).unwrap();
             let start = offset as usize;
-            assert_eq!(buffer.as_slice(), &expected[start..start + buffer.len()], "offset {offset}");
+            assert_eq!(
+                buffer.as_slice(),
+                &expected[start..start + buffer.len()],
+                "offset {offset}"
+            );
         }
     }
 
@@ -486,7 +568,11 @@ mod tests {
         let expected = std::fs::read(&path).unwrap();
 
         let direct = DirectFile::open(&path).unwrap();
-        assert_eq!(direct.read_path(), ReadPath::Direct, "the build disk should support O_DIRECT");
+        assert_eq!(
+            direct.read_path(),
+            ReadPath::Direct,
+            "the build disk should support O_DIRECT"
+        );
         assert_eq!(direct.len(), 1 << 20);
         evict_from_page_cache(&path).unwrap();
         assert_reads_match(&direct, &expected);
@@ -506,13 +592,24 @@ mod tests {
         // Not a multiple of the alignment, like a real GGUF file's tail.
         let path = write_file(directory.path(), "tail.bin", &patterned_bytes(10_000));
         let expected = std::fs::read(&path).unwrap();
-        for file in [DirectFile::open(&path).unwrap(), DirectFile::open_buffered(&path).unwrap()] {
+        for file in [
+            DirectFile::open(&path).unwrap(),
+            DirectFile::open_buffered(&path).unwrap(),
+        ] {
             let mut buffer = AlignedBuf::new(4096);
             match file.read_exact_at(buffer.as_mut_slice(), 8192) {
-                Err(IoError::ShortRead { offset, wanted, got, .. }) => {
+                Err(IoError::ShortRead {
+                    offset,
+                    wanted,
+                    got,
+                    ..
+                }) => {
                     assert_eq!((offset, wanted, got), (8192, 4096, 10_000 - 8192));
                 }
-                other => panic!("expected ShortRead from {:?} path, got {other:?}", file.read_path()),
+                other => panic!(
+                    "expected ShortRead from {:?} path, got {other:?}",
+                    file.read_path()
+                ),
             }
             // read_at returns the partial tail instead.
             let got = file.read_at(buffer.as_mut_slice(), 8192).unwrap();
@@ -571,9 +668,17 @@ mod tests {
         let path = write_file(directory.path(), "data.bin", &patterned_bytes(1 << 20));
         let expected = std::fs::read(&path).unwrap();
         // tmpfs refused O_DIRECT before Linux 6.6 and accepts it since; ask the kernel directly.
-        let kernel_accepts_direct = OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(&path).is_ok();
+        let kernel_accepts_direct = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&path)
+            .is_ok();
         let file = DirectFile::open(&path).unwrap();
-        let expected_path = if kernel_accepts_direct { ReadPath::Direct } else { ReadPath::Buffered };
+        let expected_path = if kernel_accepts_direct {
+            ReadPath::Direct
+        } else {
+            ReadPath::Buffered
+        };
         assert_eq!(file.read_path(), expected_path);
         evict_from_page_cache(&path).unwrap();
         assert_reads_match(&file, &expected);
@@ -595,6 +700,47 @@ mod tests {
         assert_eq!(odd, &expected[4097..4097 + 777]);
     }
 
+    /// How many of the file's pages are in the page cache, via mmap + mincore.
+    fn resident_pages(path: &Path) -> usize {
+        let file = File::open(path).unwrap();
+        let len = file.metadata().unwrap().len() as usize;
+        let page_bytes = 4096;
+        // SAFETY: a fresh read-only shared mapping of a file we keep open for the call; the
+        // kernel picks the address. Mapping does not fault pages in, so it does not change the
+        // residency we measure.
+        let mapping = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, file.as_raw_fd(), 0)
+        };
+        assert_ne!(mapping, libc::MAP_FAILED, "{}", io::Error::last_os_error());
+        let mut residency = vec![0u8; len.div_ceil(page_bytes)];
+        // SAFETY: `mapping` is the page-aligned start of a live mapping of `len` bytes, and
+        // `residency` has one byte per page of it, as mincore requires.
+        let status = unsafe { libc::mincore(mapping, len, residency.as_mut_ptr()) };
+        assert_eq!(status, 0, "{}", io::Error::last_os_error());
+        // SAFETY: unmapping exactly the mapping created above, which nothing else references.
+        unsafe { libc::munmap(mapping, len) };
+        residency.iter().filter(|&&page| page & 1 != 0).count()
+    }
+
+    #[test]
+    fn eviction_empties_the_page_cache_and_direct_reads_do_not_fill_it() {
+        let directory = disk_test_directory();
+        let path = write_file(directory.path(), "data.bin", &patterned_bytes(4 << 20));
+        std::fs::read(&path).unwrap();
+        assert!(resident_pages(&path) > 0, "a buffered read should leave pages cached");
+        evict_from_page_cache(&path).unwrap();
+        assert_eq!(resident_pages(&path), 0);
+
+        let file = DirectFile::open(&path).unwrap();
+        let mut buffer = AlignedBuf::new(1 << 20);
+        file.read_exact_at(buffer.as_mut_slice(), 0).unwrap();
+        assert_eq!(resident_pages(&path), 0, "direct reads must bypass the page cache");
+
+        std::fs::read(&path).unwrap();
+        evict_file(&File::open(&path).unwrap()).unwrap();
+        assert_eq!(resident_pages(&path), 0);
+    }
+
     #[test]
     fn eviction_works_on_paths_and_open_files() {
         let directory = disk_test_directory();
@@ -602,6 +748,9 @@ mod tests {
         evict_from_page_cache(&path).unwrap();
         evict_file(&File::open(&path).unwrap()).unwrap();
         let missing = directory.path().join("missing");
-        assert!(matches!(evict_from_page_cache(&missing), Err(IoError::Open { .. })));
+        assert!(matches!(
+            evict_from_page_cache(&missing),
+            Err(IoError::Open { .. })
+        ));
     }
 }

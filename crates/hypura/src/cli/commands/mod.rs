@@ -1,2 +1,4 @@
+pub mod bench;
 pub mod inspect;
 pub mod profile;
+pub mod run;

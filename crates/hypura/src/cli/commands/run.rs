@@ -1,0 +1,115 @@
+//! `hypura run`: one prompt, or an interactive chat that keeps the model and the conversation.
+use std::io::{BufRead, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use anyhow::Context;
+
+use crate::cli::args::RunArgs;
+use crate::cli::settings;
+use crate::engine::{ChatMessage, Control, DoneReason, Engine, GenerateOutput, GenerateRequest, Prompt, Session};
+
+pub fn run(args: &RunArgs) -> anyhow::Result<()> {
+    let path = settings::model_path(args.model.as_ref())?;
+    let sampling = settings::sampler_params(&args.sampling)?;
+    let engine = Arc::new(Engine::load(&path, settings::engine_options(&args.model_args)).with_context(|| format!("loading {}", path.display()))?);
+    let mut session = Session::new(engine)?;
+    // Ctrl-C stops the answer being generated, not the program.
+    let cancel = Arc::new(AtomicBool::new(false));
+    {
+        let cancel = cancel.clone();
+        ctrlc::set_handler(move || cancel.store(true, Ordering::Relaxed)).context("installing the Ctrl-C handler")?;
+    }
+    let request = |prompt: Prompt| GenerateRequest {
+        prompt,
+        max_tokens: args.max_tokens,
+        sampling: sampling.clone(),
+        stop: args.stop.clone(),
+        ignore_eos: false,
+        cancel: Some(cancel.clone()),
+    };
+    let mut messages = Vec::new();
+    if let Some(system) = &args.system {
+        messages.push(ChatMessage::new("system", system.clone()));
+    }
+    if !args.interactive {
+        let text = match &args.prompt {
+            Some(text) => text.clone(),
+            None => {
+                let mut text = String::new();
+                std::io::stdin().read_line(&mut text).context("reading the prompt from stdin")?;
+                text
+            }
+        };
+        let prompt = if args.raw {
+            Prompt::Raw(text)
+        } else {
+            messages.push(ChatMessage::new("user", text));
+            Prompt::Chat(messages)
+        };
+        let output = answer(&mut session, &request(prompt))?;
+        print_stats(args.stats, &output);
+        return Ok(());
+    }
+    let stdin = std::io::stdin();
+    loop {
+        eprint!(">>> ");
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line)? == 0 {
+            eprintln!();
+            return Ok(());
+        }
+        let line = line.trim_end_matches(['\n', '\r']);
+        match line.trim() {
+            "" => continue,
+            "/bye" | "/exit" => return Ok(()),
+            "/clear" => {
+                messages.retain(|message: &ChatMessage| message.role == "system");
+                session.reset();
+                continue;
+            }
+            _ => {}
+        }
+        cancel.store(false, Ordering::Relaxed);
+        messages.push(ChatMessage::new("user", line));
+        let output = answer(&mut session, &request(Prompt::Chat(messages.clone())))?;
+        if output.done_reason == DoneReason::Cancelled {
+            eprintln!("[stopped]");
+        }
+        messages.push(ChatMessage::new("assistant", output.text.clone()));
+        print_stats(args.stats, &output);
+    }
+}
+
+fn answer(session: &mut Session, request: &GenerateRequest) -> anyhow::Result<GenerateOutput> {
+    let mut stdout = std::io::stdout().lock();
+    let output = session.generate(request, &mut |text| {
+        // A closed stdout (a pipe into `head`) ends the answer, not the program with a panic.
+        if stdout.write_all(text.as_bytes()).and_then(|()| stdout.flush()).is_err() {
+            return Control::Stop;
+        }
+        Control::Continue
+    })?;
+    let _ = writeln!(stdout);
+    Ok(output)
+}
+
+fn print_stats(enabled: bool, output: &GenerateOutput) {
+    if !enabled {
+        return;
+    }
+    let stats = &output.stats;
+    eprintln!(
+        "load {:.2} s | prompt {} tokens in {:.3} s ({:.1} tok/s, {} reused) | eval {} tokens in {:.3} s ({:.1} tok/s) | total {:.3} s | done: {:?}",
+        stats.load_duration.as_secs_f64(),
+        stats.prompt_eval_count,
+        stats.prompt_eval_duration.as_secs_f64(),
+        stats.prompt_tokens_per_sec(),
+        stats.reused_prompt_tokens,
+        stats.eval_count,
+        stats.eval_duration.as_secs_f64(),
+        stats.eval_tokens_per_sec(),
+        stats.total_duration.as_secs_f64(),
+        output.done_reason
+    );
+}

@@ -1,0 +1,78 @@
+//! Invariant 2: with the same placement, Hypura's engine gives llama.cpp's tokens and logits.
+mod common;
+
+use std::sync::Arc;
+
+use hypura::bench::peer::PlainLlama;
+use hypura::engine::{Control, DoneReason, Engine, EngineOptions, GenerateRequest, Prompt, SamplerParams, Session};
+
+// One thread each: tests run in parallel on small machines, and ggml threads spin at barriers.
+const THREADS: i32 = 1;
+
+fn engine(path: &std::path::Path, repack: bool) -> Arc<Engine> {
+    let options = EngineOptions { n_ctx: 512, n_threads: Some(THREADS), repack, ..EngineOptions::default() };
+    Arc::new(Engine::load(path, options).unwrap())
+}
+
+fn greedy(session: &mut Session, prompt: &str, count: u32) -> hypura::engine::GenerateOutput {
+    let request = GenerateRequest {
+        max_tokens: Some(count),
+        sampling: SamplerParams::greedy(),
+        ignore_eos: true,
+        ..GenerateRequest::new(Prompt::Raw(prompt.to_string()))
+    };
+    session.generate(&request, &mut |_| Control::Continue).unwrap()
+}
+
+#[test]
+fn gemma_first_32_greedy_tokens_equal_plain_llama_cpp() {
+    let path = common::gemma_path();
+    let engine = engine(&path, true);
+    let mut session = Session::new(engine).unwrap();
+    let mut peer = PlainLlama::load(&path, 512, THREADS, true).unwrap();
+    for prompt in ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):"] {
+        let ours = greedy(&mut session, prompt, 32);
+        assert_eq!(ours.done_reason, DoneReason::Length);
+        let theirs = peer.greedy(&peer.tokenize(prompt).unwrap(), 32).unwrap();
+        assert_eq!(ours.tokens, theirs, "prompt {prompt:?}: Hypura {:?}", ours.text);
+    }
+}
+
+/// The test file is the base (not instruction-tuned) Gemma 3 270M. Its greedy continuation of
+/// "The capital of France is" circles ("the capital of the country of France. It is the largest
+/// city in France."; llama.cpp gives the same tokens), so the question is put the way a base
+/// model answers it.
+#[test]
+fn gemma_knows_the_capital_of_france() {
+    let engine = engine(&common::gemma_path(), true);
+    let mut session = Session::new(engine).unwrap();
+    let output = greedy(&mut session, "Question: What is the capital of France?\nAnswer: The capital of France is", 8);
+    assert!(output.text.contains("Paris"), "{:?}", output.text);
+}
+
+#[test]
+fn every_tiny_preset_has_llama_cpp_logits() {
+    let directory = tempfile::tempdir().unwrap();
+    for preset in ["tiny-dense-1b", "tiny-dense-8b", "tiny-qwen3", "tiny-moe-8x", "tiny-moe-30b"] {
+        let path = common::forge(preset, directory.path());
+        for repack in [false, true] {
+            let mut session = Session::new(engine(&path, repack)).unwrap();
+            let mut peer = PlainLlama::load(&path, 512, THREADS, repack).unwrap();
+            let prompt = "the king of paris and the queen of the sea";
+            let ours = session.prompt_logits(&Prompt::Raw(prompt.into())).unwrap();
+            peer.prefill(&peer.tokenize(prompt).unwrap()).unwrap();
+            let theirs = peer.last_logits().unwrap();
+            assert_eq!(ours.len(), theirs.len());
+            let range = theirs.iter().fold(f32::MIN, |a, &b| a.max(b)) - theirs.iter().fold(f32::MAX, |a, &b| a.min(b));
+            let max_difference = ours.iter().zip(&theirs).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+            assert!(max_difference <= 1e-3 * range, "{preset} repack={repack}: max |Δlogit| {max_difference} over range {range}");
+            // Same placement, same kernels: in fact bit-identical.
+            assert_eq!(ours, theirs, "{preset} repack={repack}");
+            // From an empty cache, so both sides batch the prompt the same way.
+            session.reset();
+            let ours_tokens = greedy(&mut session, prompt, 16).tokens;
+            let theirs_tokens = peer.greedy(&peer.tokenize(prompt).unwrap(), 16).unwrap();
+            assert_eq!(ours_tokens, theirs_tokens, "{preset} repack={repack}");
+        }
+    }
+}
