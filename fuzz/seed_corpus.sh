@@ -4,4 +4,4 @@
 set -e
 mkdir -p fuzz/corpus/gguf_parse
 cp crates/gguf/tests/corpus/*.bin fuzz/corpus/gguf_parse/
-HYPURA_FUZZ_SEED_DIR="$PWD/fuzz/corpus/gguf_parse" cargo test --release -p hypura-gguf --test roundtrip write_fuzz_seeds -- --ignored
+HYPURA_FUZZ_SEED_DIR="$PWD/fuzz/corpus/gguf_parse" cargo test --release -p hypura-gguf --test roundtrip write_fuzz_seeds

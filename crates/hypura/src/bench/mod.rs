@@ -1,3 +1,244 @@
-//! Benchmarks: Hypura against plain llama.cpp in the same process, alternating, with
-//! llama-bench-like tables and JSON. A benchmark reports; it never asserts timings.
+//! Benchmarks: Hypura against plain llama.cpp in the same process, on the same file,
+//! alternating, with llama-bench-like tables and JSON. A benchmark reports; it never asserts
+//! timings. Ratios measured side by side are what we quote: absolute times on shared machines
+//! drift.
 pub mod peer;
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+use crate::engine::{Control, Engine, EngineError, EngineOptions, GenerateRequest, Prompt, SamplerParams, Session};
+use hypura_sys::Token;
+use peer::PlainLlama;
+
+#[derive(Clone, Debug)]
+pub struct BenchOptions {
+    pub n_prompt: usize,
+    pub n_gen: usize,
+    pub reps: usize,
+    pub baseline: bool,
+    pub engine: EngineOptions,
+    pub threads: i32,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error("llama.cpp baseline: {0}")]
+    Baseline(#[from] hypura_sys::SysError),
+    #[error("the test needs {needed} tokens of context but the model's context is {n_ctx}")]
+    ContextTooSmall { needed: usize, n_ctx: u32 },
+}
+
+/// Tokens per second over repetitions.
+#[derive(Clone, Debug, Serialize)]
+pub struct Rate {
+    pub mean: f64,
+    pub sd: f64,
+    pub samples: Vec<f64>,
+}
+
+impl Rate {
+    fn from_samples(samples: Vec<f64>) -> Rate {
+        let count = samples.len().max(1) as f64;
+        let mean = samples.iter().sum::<f64>() / count;
+        let variance = if samples.len() > 1 {
+            samples.iter().map(|sample| (sample - mean).powi(2)).sum::<f64>() / (samples.len() - 1) as f64
+        } else {
+            0.0
+        };
+        Rate { mean, sd: variance.sqrt(), samples }
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct TestResult {
+    /// llama-bench's names: `pp512`, `tg128`.
+    pub test: String,
+    pub hypura: Rate,
+    pub llama_cpp: Option<Rate>,
+    /// Hypura's mean ÷ llama.cpp's mean.
+    pub ratio: Option<f64>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchReport {
+    pub model: PathBuf,
+    pub model_description: String,
+    pub file_bytes: u64,
+    pub n_params: u64,
+    pub mode: &'static str,
+    pub threads: i32,
+    pub repack: bool,
+    pub reps: usize,
+    pub hypura_version: &'static str,
+    pub llama_build: String,
+    pub results: Vec<TestResult>,
+    /// sha256 of the token ids each side generated in the first tg run.
+    pub hypura_output_sha256: String,
+    pub llama_cpp_output_sha256: Option<String>,
+    pub same_output: Option<bool>,
+}
+
+/// Deterministic prompt tokens, like llama-bench's random ones but repeatable: ordinary tokens
+/// only (control tokens can end generation or confuse templates).
+fn bench_tokens(engine: &Engine, count: usize) -> Vec<Token> {
+    let vocab = engine.model().vocab();
+    let n_vocab = vocab.n_tokens().max(1) as u64;
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut tokens = vec![vocab.bos()];
+    while tokens.len() < count {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        let token = (state % n_vocab) as Token;
+        if !vocab.is_end_of_generation(token) && token != vocab.bos() {
+            tokens.push(token);
+        }
+    }
+    tokens.truncate(count);
+    tokens
+}
+
+fn token_hash(tokens: &[Token]) -> String {
+    let mut hasher = Sha256::new();
+    for token in tokens {
+        hasher.update(token.to_le_bytes());
+    }
+    format!("{:x}", hasher.finalize())
+}
+
+/// Run pp and tg on Hypura and, if asked, on plain llama.cpp, alternating the order each rep.
+pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Result<BenchReport, BenchError> {
+    let engine = Arc::new(Engine::load(path, options.engine.clone())?);
+    let mut session = Session::new(engine.clone())?;
+    let needed = options.n_prompt.max(1 + options.n_gen) + 1;
+    if needed > session.n_ctx() as usize {
+        return Err(BenchError::ContextTooSmall { needed, n_ctx: session.n_ctx() });
+    }
+    let mut peer = if options.baseline {
+        Some(PlainLlama::load(path, session.n_ctx(), options.threads, true)?)
+    } else {
+        None
+    };
+    let prompt = bench_tokens(&engine, options.n_prompt);
+    let start = bench_tokens(&engine, 1);
+
+    let hypura_pp = |session: &mut Session| -> Result<f64, BenchError> {
+        session.reset();
+        let request = GenerateRequest { max_tokens: Some(0), sampling: SamplerParams::greedy(), ..GenerateRequest::new(Prompt::Tokens(prompt.clone())) };
+        let output = session.generate(&request, &mut |_| Control::Continue)?;
+        Ok(output.stats.prompt_tokens_per_sec())
+    };
+    let hypura_tg = |session: &mut Session| -> Result<(f64, Vec<Token>), BenchError> {
+        session.reset();
+        let request = GenerateRequest {
+            max_tokens: Some(options.n_gen as u32),
+            sampling: SamplerParams::greedy(),
+            ignore_eos: true,
+            ..GenerateRequest::new(Prompt::Tokens(start.clone()))
+        };
+        let output = session.generate(&request, &mut |_| Control::Continue)?;
+        Ok((output.stats.eval_tokens_per_sec(), output.tokens))
+    };
+    let rate = |count: usize, duration: Duration| count as f64 / duration.as_secs_f64().max(1e-9);
+
+    // Warm-up, as llama-bench does: first runs pay for page faults and thread start-up.
+    progress("warm-up");
+    hypura_pp(&mut session)?;
+    let (_, hypura_tokens) = hypura_tg(&mut session)?;
+    let mut peer_tokens = None;
+    if let Some(peer) = peer.as_mut() {
+        peer.time_prefill(&prompt)?;
+        peer_tokens = Some(peer.greedy(&start, options.n_gen)?);
+    }
+
+    let mut samples: [Vec<f64>; 4] = Default::default();
+    for rep in 0..options.reps {
+        progress(&format!("rep {}/{}", rep + 1, options.reps));
+        let peer_first = rep % 2 == 1;
+        for test in 0..2 {
+            let mut run_peer = |samples: &mut [Vec<f64>; 4]| -> Result<(), BenchError> {
+                if let Some(peer) = peer.as_mut() {
+                    let value = if test == 0 {
+                        rate(options.n_prompt, peer.time_prefill(&prompt)?)
+                    } else {
+                        rate(options.n_gen, peer.time_generate(&start, options.n_gen)?)
+                    };
+                    samples[2 + test].push(value);
+                }
+                Ok(())
+            };
+            if peer_first {
+                run_peer(&mut samples)?;
+            }
+            let value = if test == 0 { hypura_pp(&mut session)? } else { hypura_tg(&mut session)?.0 };
+            samples[test].push(value);
+            if !peer_first {
+                run_peer(&mut samples)?;
+            }
+        }
+    }
+    let [hypura_pp_samples, hypura_tg_samples, peer_pp_samples, peer_tg_samples] = samples;
+    let result = |test: String, ours: Vec<f64>, theirs: Vec<f64>| {
+        let hypura = Rate::from_samples(ours);
+        let llama_cpp = (!theirs.is_empty()).then(|| Rate::from_samples(theirs));
+        let ratio = llama_cpp.as_ref().map(|peer| hypura.mean / peer.mean);
+        TestResult { test, hypura, llama_cpp, ratio }
+    };
+    let inventory = engine.inventory();
+    Ok(BenchReport {
+        model: path.to_path_buf(),
+        model_description: engine.model().description(),
+        file_bytes: inventory.file_bytes,
+        n_params: inventory.n_params(),
+        mode: "resident",
+        threads: options.threads,
+        repack: options.engine.repack,
+        reps: options.reps,
+        hypura_version: env!("CARGO_PKG_VERSION"),
+        llama_build: hypura_sys::llama_build_info(),
+        results: vec![
+            result(format!("pp{}", options.n_prompt), hypura_pp_samples, peer_pp_samples),
+            result(format!("tg{}", options.n_gen), hypura_tg_samples, peer_tg_samples),
+        ],
+        hypura_output_sha256: token_hash(&hypura_tokens),
+        same_output: peer_tokens.as_ref().map(|tokens| tokens == &hypura_tokens),
+        llama_cpp_output_sha256: peer_tokens.as_deref().map(token_hash),
+    })
+}
+
+/// A llama-bench-like markdown table.
+pub fn render(report: &BenchReport) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "| model | size | params | mode | threads | test | hypura t/s | llama.cpp t/s | ratio |");
+    let _ = writeln!(out, "| --- | ---: | ---: | --- | ---: | --- | ---: | ---: | ---: |");
+    for result in &report.results {
+        let peer = result.llama_cpp.as_ref().map_or_else(|| "-".to_string(), |rate| format!("{:.2} ± {:.2}", rate.mean, rate.sd));
+        let ratio = result.ratio.map_or_else(|| "-".to_string(), |ratio| format!("{ratio:.3}"));
+        let _ = writeln!(
+            out,
+            "| {} | {} | {:.1} M | {} | {} | {} | {:.2} ± {:.2} | {} | {} |",
+            report.model_description,
+            crate::hw::format::format_bytes(report.file_bytes),
+            report.n_params as f64 / 1e6,
+            report.mode,
+            report.threads,
+            result.test,
+            result.hypura.mean,
+            result.hypura.sd,
+            peer,
+            ratio
+        );
+    }
+    if let Some(same) = report.same_output {
+        let _ = writeln!(out, "\ngreedy tg output identical to llama.cpp: {same} (sha256 {})", &report.hypura_output_sha256[..16]);
+    }
+    out
+}

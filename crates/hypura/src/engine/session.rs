@@ -29,6 +29,8 @@ pub enum Prompt {
     Raw(String),
     /// A conversation rendered with the model's chat template, the assistant's turn opened.
     Chat(Vec<ChatMessage>),
+    /// Token ids, used as they are (benchmarks, and Ollama's `context`).
+    Tokens(Vec<Token>),
 }
 
 #[derive(Clone, Debug)]
@@ -136,6 +138,13 @@ impl Session {
     pub fn tokenize_prompt(&self, prompt: &Prompt) -> Result<Vec<Token>, EngineError> {
         let vocab = self.engine.model().vocab();
         let text = match prompt {
+            Prompt::Tokens(tokens) => {
+                let n_vocab = vocab.n_tokens();
+                if let Some(&bad) = tokens.iter().find(|&&token| token < 0 || token >= n_vocab) {
+                    return Err(SysError::BadToken { token: bad, n_vocab }.into());
+                }
+                return Ok(tokens.clone());
+            }
             Prompt::Raw(text) => text.clone(),
             Prompt::Chat(messages) => self.engine.template().render(messages, true).map_err(|reason| EngineError::Template {
                 path: self.engine.inventory().path.clone(),

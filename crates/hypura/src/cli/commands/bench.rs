@@ -1,1 +1,34 @@
-pub fn run(_args: &crate::cli::args::BenchArgs) -> anyhow::Result<()> { anyhow::bail!("bench: not built yet") }
+//! `hypura bench MODEL`: Hypura against plain llama.cpp, alternating, in one process.
+use anyhow::Context;
+
+use crate::bench::{self, BenchOptions};
+use crate::cli::args::BenchArgs;
+use crate::cli::settings;
+use crate::hw::format::format_bytes;
+
+/// The baseline loads the whole model the way llama.cpp does; refuse it when that cannot fit.
+const BASELINE_HEADROOM_BYTES: u64 = 4 << 30;
+
+pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
+    let path = settings::model_path(args.model.as_ref())?;
+    let file_bytes = std::fs::metadata(&path).with_context(|| format!("reading {}", path.display()))?.len();
+    let available = crate::hw::memory_info().effective_available_bytes();
+    let baseline = !args.no_baseline;
+    if baseline && !args.force && file_bytes > available.saturating_sub(BASELINE_HEADROOM_BYTES) {
+        anyhow::bail!(
+            "the llama.cpp baseline would map {} but only {} is available (minus {} headroom); pass --force to run it anyway, or --no-baseline",
+            format_bytes(file_bytes),
+            format_bytes(available),
+            format_bytes(BASELINE_HEADROOM_BYTES)
+        );
+    }
+    let engine = settings::engine_options(&args.model_args);
+    let threads = engine.n_threads.unwrap_or_else(|| hypura_sys::ContextParams::default().n_threads);
+    let options = BenchOptions { n_prompt: args.n_prompt, n_gen: args.n_gen, reps: args.reps.max(1), baseline, engine, threads };
+    let report = bench::run(&path, &options, &|stage| tracing::info!("bench: {stage}"))?;
+    print!("{}", bench::render(&report));
+    if let Some(json) = &args.json {
+        std::fs::write(json, serde_json::to_string_pretty(&report)? + "\n").with_context(|| format!("writing {}", json.display()))?;
+    }
+    Ok(())
+}
