@@ -23,7 +23,7 @@ pub use chat::{apply_builtin_template, ChatTurn};
 pub use context::{Context, ContextParams};
 pub use error::SysError;
 pub use model::{LoadMode, Model, ModelParams};
-pub use sampler::{Sampler, SamplerParams};
+pub use sampler::{first_maximum, Sampler, SamplerParams};
 pub use quantize::{ggml_type_block_size, ggml_type_name, ggml_type_size, quantize_rows};
 pub use vocab::{Token, Vocab};
 

@@ -82,6 +82,10 @@ impl SamplerParams {
 /// An owned sampler chain. Freed on drop.
 pub struct Sampler {
     chain: NonNull<raw::llama_sampler>,
+    /// Greedy without penalties: take the first maximum of the logits directly. llama.cpp's
+    /// chain would copy all n_vocab candidates per token first (3 MB for a 262k vocabulary),
+    /// which costs several percent of decode time on small models. Same choice, bit for bit.
+    plain_greedy: bool,
 }
 
 // SAFETY: the chain is owned and only used through &mut self.
@@ -97,10 +101,10 @@ impl Sampler {
         // SAFETY: chain_init returns a new owned chain (or null on allocation failure).
         let chain = NonNull::new(unsafe { raw::llama_sampler_chain_init(chain_params) })
             .ok_or(SysError::Allocation("a sampler chain"))?;
-        let sampler = Sampler { chain };
         let penalty_last_n = if params.penalty_last_n < 0 { context.n_ctx() as i32 } else { params.penalty_last_n };
         let penalties_active = penalty_last_n > 0
             && (params.repeat_penalty != 1.0 || params.presence_penalty != 0.0 || params.frequency_penalty != 0.0);
+        let sampler = Sampler { chain, plain_greedy: params.temperature <= 0.0 && !penalties_active };
         // SAFETY: every llama_sampler_init_* returns a new sampler that chain_add takes
         // ownership of; the chain is valid (created above); values were validated.
         unsafe {
@@ -137,7 +141,12 @@ impl Sampler {
     /// output) and record the choice in the chain's history (for penalties).
     pub fn sample(&mut self, context: &mut Context, index: i32) -> Result<Token, SysError> {
         // Check that logits exist first: llama.cpp aborts on a missing output.
-        context.logits(index)?;
+        let logits = context.logits(index)?;
+        if self.plain_greedy {
+            let token = first_maximum(logits);
+            self.accept(token);
+            return Ok(token);
+        }
         // SAFETY: the chain and the context are valid and used by this thread only; the index
         // was checked to have logits just above.
         Ok(unsafe { raw::llama_sampler_sample(self.chain.as_ptr(), context.as_ptr(), index) })
@@ -148,6 +157,17 @@ impl Sampler {
         // SAFETY: the chain is valid; accept only records the token.
         unsafe { raw::llama_sampler_accept(self.chain.as_ptr(), token) };
     }
+}
+
+/// Index of the first maximum, as llama.cpp's greedy sampler picks it.
+pub fn first_maximum(logits: &[f32]) -> Token {
+    let mut best = 0;
+    for (index, &logit) in logits.iter().enumerate() {
+        if logit > logits[best] {
+            best = index;
+        }
+    }
+    best as Token
 }
 
 impl Drop for Sampler {

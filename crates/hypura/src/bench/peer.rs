@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use hypura_sys::{Backend, Batch, Context, ContextParams, Model, ModelParams, SysError, Token};
+use hypura_sys::{first_maximum, Backend, Batch, Context, ContextParams, Model, ModelParams, SysError, Token};
 
 pub struct PlainLlama {
     context: Context,
@@ -57,7 +57,7 @@ impl PlainLlama {
         self.prefill(prompt)?;
         let mut out = Vec::with_capacity(count);
         for _ in 0..count {
-            let token = argmax(self.context.logits(-1)?);
+            let token = first_maximum(self.context.logits(-1)?);
             out.push(token);
             self.append(&[token])?;
         }
@@ -77,21 +77,10 @@ impl PlainLlama {
         self.prefill(prompt)?;
         let started = Instant::now();
         for _ in 0..count {
-            let token = argmax(self.context.logits(-1)?);
+            let token = first_maximum(self.context.logits(-1)?);
             self.append(&[token])?;
         }
         self.context.logits(-1)?;
         Ok(started.elapsed())
     }
-}
-
-/// Index of the first maximum.
-pub fn argmax(logits: &[f32]) -> Token {
-    let mut best = 0;
-    for (index, &logit) in logits.iter().enumerate() {
-        if logit > logits[best] {
-            best = index;
-        }
-    }
-    best as Token
 }

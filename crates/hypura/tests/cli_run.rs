@@ -1,0 +1,85 @@
+//! `hypura run` and `hypura bench` end to end, including bad input: each gives one clear line
+//! and exit status 1, never a panic.
+mod common;
+
+use std::process::{Command, Output};
+
+fn hypura(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_hypura")).args(args).env("HYPURA_LOG", "off").output().expect("run hypura")
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+fn assert_fails_with(output: &Output, needle: &str) {
+    let text = stderr(output);
+    assert_eq!(output.status.code(), Some(1), "{text}");
+    assert_eq!(text.trim_end().lines().count(), 1, "{text}");
+    assert!(text.contains(needle), "{text:?} should contain {needle:?}");
+}
+
+#[test]
+fn run_generates_and_reports_stats() {
+    let directory = tempfile::tempdir().unwrap();
+    let model = common::forge("tiny-dense-1b", directory.path());
+    let output = hypura(&["run", model.to_str().unwrap(), "-p", "hello world", "-n", "6", "--temperature", "0", "--stats", "-t", "1"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let stats = stderr(&output);
+    assert!(stats.contains("eval 6 tokens"), "{stats}");
+    assert!(stats.contains("done: Length"), "{stats}");
+    assert!(!output.stdout.is_empty());
+}
+
+#[test]
+fn run_greedy_is_deterministic_and_raw_differs_from_chat() {
+    let path = common::gemma_path();
+    let model = path.to_str().unwrap();
+    let run = |extra: &[&str]| {
+        let mut args = vec!["run", model, "-n", "8", "--temperature", "0", "-t", "1"];
+        args.extend_from_slice(extra);
+        let output = hypura(&args);
+        assert!(output.status.success(), "{}", stderr(&output));
+        String::from_utf8(output.stdout).unwrap()
+    };
+    let raw = run(&["--raw", "-p", "Question: What is the capital of France?\nAnswer:"]);
+    assert!(raw.contains("Paris"), "{raw}");
+    assert_eq!(raw, run(&["--raw", "-p", "Question: What is the capital of France?\nAnswer:"]));
+    let chat = run(&["-p", "Question: What is the capital of France?\nAnswer:"]);
+    assert_ne!(raw, chat, "the chat template must change the prompt");
+}
+
+#[test]
+fn run_rejects_bad_input_clearly() {
+    let directory = tempfile::tempdir().unwrap();
+    let model = common::forge("tiny-dense-1b", directory.path());
+    let model = model.to_str().unwrap();
+    assert_fails_with(&hypura(&["run", model, "-p", "hi", "--temperature", "-1"]), "temperature");
+    assert_fails_with(&hypura(&["run", model, "-p", "hi", "--top-p", "1.5"]), "top_p");
+    assert_fails_with(&hypura(&["run", model, "-p", "hi", "--min-p", "-0.1"]), "min_p");
+    assert_fails_with(&hypura(&["run", model, "-p", "hi", "--repeat-penalty", "0"]), "repeat_penalty");
+    let long_prompt = "the king of paris ".repeat(40);
+    assert_fails_with(&hypura(&["run", model, "--raw", "-p", &long_prompt, "--context", "32"]), "tokens but the context holds");
+    let missing = directory.path().join("absent.gguf");
+    assert_fails_with(&hypura(&["run", missing.to_str().unwrap(), "-p", "hi"]), "absent.gguf");
+}
+
+#[test]
+fn bench_prints_a_table_and_json_against_llama_cpp() {
+    let directory = tempfile::tempdir().unwrap();
+    let model = common::forge("tiny-moe-8x", directory.path());
+    let json = directory.path().join("bench.json");
+    let output = hypura(&["bench", model.to_str().unwrap(), "-p", "32", "-n", "8", "-r", "2", "-t", "1", "--json", json.to_str().unwrap()]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let table = String::from_utf8_lossy(&output.stdout);
+    assert!(table.contains("| pp32 |") && table.contains("| tg8 |"), "{table}");
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(json).unwrap()).unwrap();
+    assert_eq!(report["results"].as_array().unwrap().len(), 2);
+    for result in report["results"].as_array().unwrap() {
+        assert_eq!(result["hypura"]["samples"].as_array().unwrap().len(), 2);
+        assert_eq!(result["llama_cpp"]["samples"].as_array().unwrap().len(), 2);
+        assert!(result["ratio"].as_f64().unwrap() > 0.0);
+    }
+    assert_eq!(report["same_output"], true, "greedy output must match llama.cpp");
+    assert_eq!(report["mode"], "resident");
+}
