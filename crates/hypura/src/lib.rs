@@ -9,4 +9,5 @@ pub mod cli;
 pub mod engine;
 pub mod hw;
 pub mod model;
+pub mod plan;
 pub mod store;

@@ -8,10 +8,11 @@ use llama_cpp_sys_2 as raw;
 
 use crate::batch::Batch;
 use crate::error::SysError;
+use crate::eval_hook::{eval_callback, EvalHook};
 use crate::model::Model;
 
 /// Options for `Context::new`. Zero means "llama.cpp's default" where llama.cpp allows it.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct ContextParams {
     pub n_ctx: u32,
     pub n_batch: u32,
@@ -22,6 +23,22 @@ pub struct ContextParams {
     pub embeddings: bool,
     /// Let ggml move large host-weight ops (prefill batches) to a GPU by itself.
     pub op_offload: bool,
+    /// Decisions at chosen graph nodes (streaming modes).
+    pub eval_hook: Option<Arc<dyn EvalHook>>,
+}
+
+impl std::fmt::Debug for ContextParams {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("ContextParams")
+            .field("n_ctx", &self.n_ctx)
+            .field("n_batch", &self.n_batch)
+            .field("n_ubatch", &self.n_ubatch)
+            .field("n_seq_max", &self.n_seq_max)
+            .field("n_threads", &self.n_threads)
+            .field("eval_hook", &self.eval_hook.is_some())
+            .finish()
+    }
 }
 
 impl Default for ContextParams {
@@ -36,6 +53,7 @@ impl Default for ContextParams {
             n_threads_batch: threads,
             embeddings: false,
             op_offload: true,
+            eval_hook: None,
         }
     }
 }
@@ -51,6 +69,8 @@ pub struct Context {
     /// Set by another thread to stop a decode between graph nodes; kept alive here because
     /// llama.cpp holds a raw pointer to it.
     abort: Arc<AtomicBool>,
+    /// The eval hook, boxed so llama.cpp can hold a thin pointer to it.
+    _hook: Option<Box<Arc<dyn EvalHook>>>,
 }
 
 unsafe extern "C" fn should_abort(data: *mut c_void) -> bool {
@@ -76,6 +96,11 @@ impl Context {
         raw_params.embeddings = params.embeddings;
         raw_params.op_offload = params.op_offload;
         raw_params.no_perf = true;
+        let hook = params.eval_hook.clone().map(Box::new);
+        if let Some(hook) = &hook {
+            raw_params.cb_eval = Some(eval_callback);
+            raw_params.cb_eval_user_data = &**hook as *const Arc<dyn EvalHook> as *mut c_void;
+        }
         crate::log::clear_last_error();
         // SAFETY: the model pointer is valid and outlives the context (we keep a clone of the
         // Model, which holds the Arc); raw_params holds no borrowed pointers.
@@ -91,7 +116,7 @@ impl Context {
         unsafe {
             raw::llama_set_abort_callback(pointer.as_ptr(), Some(should_abort), Arc::as_ptr(&abort) as *mut c_void);
         }
-        Ok(Context { pointer, model: model.clone(), n_vocab: model.vocab().n_tokens(), batch_tokens: 0, params: params.clone(), abort })
+        Ok(Context { pointer, model: model.clone(), n_vocab: model.vocab().n_tokens(), batch_tokens: 0, params: params.clone(), abort, _hook: hook })
     }
 
     pub(crate) fn as_ptr(&self) -> *mut raw::llama_context {

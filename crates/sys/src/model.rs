@@ -8,7 +8,18 @@ use llama_cpp_sys_2 as raw;
 
 use crate::backend::Backend;
 use crate::error::SysError;
+use crate::load_reader::{new_cookie, open_stream, LoadReader};
+use crate::stream::StreamBufferType;
 use crate::vocab::Vocab;
+
+/// Where tensors go beyond llama.cpp's defaults, and who reads the file.
+#[derive(Default)]
+pub struct Placement {
+    /// Tensors (by exact name) placed in a stream buffer type.
+    pub streamed: Vec<(String, Arc<StreamBufferType>)>,
+    /// Serve llama.cpp's reads (requires `LoadMode::Read`; single-file models).
+    pub reader: Option<Box<dyn LoadReader>>,
+}
 
 /// How llama.cpp reads tensor bytes at load time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,6 +51,8 @@ impl Default for ModelParams {
 
 pub(crate) struct ModelHandle {
     pointer: NonNull<raw::llama_model>,
+    /// Buffer types the model's tensors live in; dropped only after the model is freed.
+    _stream_types: Vec<Arc<StreamBufferType>>,
 }
 
 // SAFETY: a llama_model is immutable after load; llama.cpp documents that several contexts on
@@ -73,9 +86,28 @@ impl Model {
     /// Load a GGUF file. The caller should have validated the file with `hypura-gguf` first:
     /// llama.cpp throws (and we turn that into an error) on most bad input, but some malformed
     /// shapes reach a ggml assert, which aborts.
-    pub fn load(_backend: &Backend, path: &Path, params: &ModelParams) -> Result<Model, SysError> {
+    pub fn load(backend: &Backend, path: &Path, params: &ModelParams) -> Result<Model, SysError> {
+        Model::load_placed(backend, path, params, Placement::default())
+    }
+
+    /// Load with Hypura's placement: streamed tensors in their buffer types, and (optionally)
+    /// every byte read through `placement.reader`.
+    pub fn load_placed(_backend: &Backend, path: &Path, params: &ModelParams, placement: Placement) -> Result<Model, SysError> {
         let c_path = CString::new(path.as_os_str().as_encoded_bytes())
             .map_err(|_| SysError::PathNul(path.to_path_buf()))?;
+        // Exact-name regexes, in llama.cpp's override format, terminated by a null entry.
+        let patterns: Vec<CString> = placement
+            .streamed
+            .iter()
+            .map(|(name, _)| CString::new(format!("^{}$", name.replace('.', "\\."))).map_err(|_| SysError::PathNul(path.to_path_buf())))
+            .collect::<Result<_, _>>()?;
+        let mut overrides: Vec<raw::llama_model_tensor_buft_override> = patterns
+            .iter()
+            .zip(&placement.streamed)
+            .map(|(pattern, (_, buft))| raw::llama_model_tensor_buft_override { pattern: pattern.as_ptr(), buft: buft.as_raw() })
+            .collect();
+        overrides.push(raw::llama_model_tensor_buft_override { pattern: std::ptr::null(), buft: std::ptr::null_mut() });
+        let stream_types: Vec<Arc<StreamBufferType>> = placement.streamed.iter().map(|(_, buft)| buft.clone()).collect();
         // SAFETY: returns a plain struct by value.
         let mut raw_params = unsafe { raw::llama_model_default_params() };
         raw_params.n_gpu_layers = params.n_gpu_layers;
@@ -85,15 +117,41 @@ impl Model {
         };
         raw_params.use_extra_bufts = params.use_extra_bufts;
         raw_params.vocab_only = params.vocab_only;
+        if !placement.streamed.is_empty() {
+            raw_params.tensor_buft_overrides = overrides.as_ptr();
+        }
         crate::log::clear_last_error();
-        // SAFETY: c_path is a valid NUL-terminated string for the call; raw_params holds no
-        // pointers (devices and overrides are null, meaning llama.cpp's defaults).
-        let pointer = unsafe { raw::llama_model_load_from_file(c_path.as_ptr(), raw_params) };
+        let mut read_error = None;
+        let pointer = match placement.reader {
+            None => {
+                // SAFETY: c_path is a valid NUL-terminated string for the call; the override
+                // array (null-terminated) and its pattern strings outlive the call.
+                unsafe { raw::llama_model_load_from_file(c_path.as_ptr(), raw_params) }
+            }
+            Some(reader) => {
+                if params.load_mode != LoadMode::Read {
+                    return Err(SysError::ModelLoad { path: path.to_path_buf(), reason: "a custom reader needs LoadMode::Read".into() });
+                }
+                let mut cookie = new_cookie(reader);
+                let stream = open_stream(&mut cookie).ok_or(SysError::Allocation("a stdio stream for the model file"))?;
+                // SAFETY: the stream is valid until fclose below and its cookie outlives it; the
+                // override array and its strings outlive the call.
+                let pointer = unsafe { raw::llama_model_load_from_file_ptr(stream.cast(), raw_params) };
+                // SAFETY: the stream came from fopencookie and is closed once; llama.cpp does
+                // not keep it (the loader is gone when the load returns).
+                unsafe { libc::fclose(stream) };
+                read_error = cookie.error.take();
+                pointer
+            }
+        };
         match NonNull::new(pointer) {
-            Some(pointer) => Ok(Model { handle: Arc::new(ModelHandle { pointer }), path: path.to_path_buf() }),
+            Some(pointer) => Ok(Model { handle: Arc::new(ModelHandle { pointer, _stream_types: stream_types }), path: path.to_path_buf() }),
             None => Err(SysError::ModelLoad {
                 path: path.to_path_buf(),
-                reason: crate::log::take_last_error().unwrap_or_else(|| "unknown reason".to_string()),
+                reason: match read_error {
+                    Some(error) => format!("read error: {error}"),
+                    None => crate::log::take_last_error().unwrap_or_else(|| "unknown reason".to_string()),
+                },
             }),
         }
     }

@@ -1,12 +1,23 @@
 //! `Engine`: a loaded model with its inventory and chat template.
+use std::collections::HashMap;
+use std::ops::Range;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hypura_sys::{Backend, ContextParams, LoadMode, Model, ModelParams};
+use hypura_sys::{Backend, ContextParams, LoadMode, Model, ModelParams, Placement, StreamBufferType};
 
 use super::template::ChatTemplate;
 use super::EngineError;
 use crate::model::Inventory;
+use crate::plan::{Mode, Plan};
+use crate::store::io::{DirectFile, Region};
+use crate::store::load::StoreLoadReader;
+use crate::store::{DenseWindow, IoStats, Residency, StreamUnit};
+
+/// Gaps smaller than this between a layer's streamed tensors are read along with them: one
+/// larger read beats two small ones.
+const MERGE_GAP_BYTES: u64 = 1 << 20;
 
 /// How to load and run a model. Defaults match llama.cpp's own.
 #[derive(Clone, Debug)]
@@ -24,6 +35,10 @@ pub struct EngineOptions {
     pub repack: bool,
     pub load_mode: LoadMode,
     pub n_gpu_layers: i32,
+    /// Placement. None (or a resident plan) loads the way plain llama.cpp does.
+    pub plan: Option<Plan>,
+    /// Reader threads for streaming (the queue depth).
+    pub io_workers: usize,
 }
 
 impl Default for EngineOptions {
@@ -37,13 +52,25 @@ impl Default for EngineOptions {
             repack: true,
             load_mode: LoadMode::Mmap,
             n_gpu_layers: -1,
+            plan: None,
+            io_workers: 4,
         }
     }
 }
 
+/// The streaming machinery of a dense-stream engine.
+pub struct Streaming {
+    pub window: Arc<DenseWindow>,
+    pub stats: Arc<IoStats>,
+    /// Bytes read at load (resident tensors), not counting streamed ones.
+    pub load_bytes: u64,
+}
+
 /// A loaded model. Share it between sessions with `Arc`.
 pub struct Engine {
+    // Declared first so it drops first: streamed tensors point into the region below.
     pub(super) model: Model,
+    streaming: Option<Streaming>,
     inventory: Inventory,
     template: ChatTemplate,
     options: EngineOptions,
@@ -57,18 +84,38 @@ impl Engine {
         let started = Instant::now();
         let inventory = Inventory::open(path)?;
         let backend = Backend::get();
-        let params = ModelParams {
-            n_gpu_layers: options.n_gpu_layers,
-            load_mode: options.load_mode,
-            use_extra_bufts: options.repack,
-            vocab_only: false,
+        let streams = options.plan.as_ref().is_some_and(|plan| plan.mode != Mode::Resident && plan.streamed_tensors().next().is_some());
+        let (model, streaming) = if streams {
+            let plan = options.plan.as_ref().expect("checked above");
+            let (model, streaming) = load_streaming(backend, path, &inventory, plan, &options)?;
+            (model, Some(streaming))
+        } else {
+            let params = ModelParams {
+                n_gpu_layers: options.n_gpu_layers,
+                load_mode: options.load_mode,
+                use_extra_bufts: options.repack,
+                vocab_only: false,
+            };
+            (Model::load(backend, path, &params)?, None)
         };
-        let model = Model::load(backend, path, &params)?;
         let vocab = model.vocab();
         let token_text = |token| vocab.token_bytes(token, true).map(|bytes| String::from_utf8_lossy(&bytes).into_owned()).unwrap_or_default();
         let template = ChatTemplate::resolve(model.chat_template(), &inventory.arch, token_text(vocab.bos()), token_text(vocab.eos()));
         tracing::debug!("chat template: {}", template.describe());
-        Ok(Engine { model, inventory, template, options, load_duration: started.elapsed() })
+        Ok(Engine { model, streaming, inventory, template, options, load_duration: started.elapsed() })
+    }
+
+    /// The streaming machinery, in dense-stream mode.
+    pub fn streaming(&self) -> Option<&Streaming> {
+        self.streaming.as_ref()
+    }
+
+    pub fn mode(&self) -> Mode {
+        if self.streaming.is_some() {
+            Mode::DenseStream
+        } else {
+            Mode::Resident
+        }
     }
 
     pub fn inventory(&self) -> &Inventory {
@@ -110,7 +157,62 @@ impl Engine {
             n_seq_max: self.options.n_seq_max,
             n_threads: threads,
             n_threads_batch: threads,
+            eval_hook: self.streaming.as_ref().map(|streaming| streaming.window.clone() as Arc<dyn hypura_sys::EvalHook>),
             ..defaults
         }
     }
+}
+
+/// Load for dense-stream: streamed tensors go to a stream buffer type over a region that
+/// mirrors the file, llama.cpp's reads are served by the store (resident bytes with direct
+/// I/O, streamed bytes skipped), and the dense window drives residency from the eval hook.
+fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &Plan, options: &EngineOptions) -> Result<(Model, Streaming), EngineError> {
+    let store_error = |error: crate::store::io::IoError| EngineError::Store(error.to_string());
+    if inventory.split_paths.len() > 1 {
+        return Err(EngineError::Store(format!("streaming split models ({} files) is not supported yet", inventory.split_paths.len())));
+    }
+    let region = Arc::new(Region::reserve(inventory.file_bytes).map_err(store_error)?);
+    let entries: HashMap<&str, &crate::model::TensorEntry> = inventory.tensors.iter().map(|tensor| (tensor.name.as_str(), tensor)).collect();
+    let streamed: Vec<&crate::model::TensorEntry> = plan.streamed_tensors().map(|placement| entries[placement.name.as_str()]).collect();
+    let offsets: HashMap<String, u64> = streamed.iter().map(|tensor| (tensor.name.clone(), tensor.file_offset)).collect();
+    let buffer_type = Arc::new(StreamBufferType::new(region.address(), region.len(), offsets)?);
+    let stats = Arc::new(IoStats::default());
+    let streamed_ranges: Vec<Range<u64>> = streamed.iter().map(|tensor| tensor.file_offset..tensor.file_offset + tensor.bytes).collect();
+    let reader = StoreLoadReader::new(DirectFile::open(path).map_err(store_error)?, Some(region.clone()), streamed_ranges, stats.clone());
+    let placement = Placement {
+        streamed: streamed.iter().map(|tensor| (tensor.name.clone(), buffer_type.clone())).collect(),
+        reader: Some(Box::new(reader)),
+    };
+    // Streamed tensors cannot be repacked, and resident ones must not be either, or streamed
+    // and resident runs would compute with different kernels.
+    let params = ModelParams { n_gpu_layers: options.n_gpu_layers, load_mode: LoadMode::Read, use_extra_bufts: false, vocab_only: false };
+    let model = Model::load_placed(backend, path, &params, placement)?;
+    let load_bytes = stats.snapshot().bytes_read;
+
+    // One unit per streamed layer: its tensors' ranges, merged across small gaps.
+    let dense = plan.dense.as_ref().ok_or_else(|| EngineError::Store("a streaming plan without a dense layout".into()))?;
+    let mut unit_of_layer = vec![None; inventory.hparams.n_layer as usize];
+    let mut units = Vec::new();
+    for &layer in &dense.streamed_layers {
+        let mut ranges: Vec<Range<u64>> = streamed
+            .iter()
+            .filter(|tensor| tensor.layer == Some(layer))
+            .map(|tensor| tensor.file_offset..tensor.file_offset + tensor.bytes)
+            .collect();
+        ranges.sort_by_key(|range| range.start);
+        let mut merged: Vec<Range<u64>> = Vec::new();
+        for range in ranges {
+            match merged.last_mut() {
+                Some(last) if range.start <= last.end + MERGE_GAP_BYTES => last.end = last.end.max(range.end),
+                _ => merged.push(range),
+            }
+        }
+        unit_of_layer[layer as usize] = Some(units.len());
+        units.push(StreamUnit { ranges: merged });
+    }
+    let file = Arc::new(DirectFile::open(path).map_err(store_error)?);
+    let residency = Arc::new(Residency::new(region, file, units, options.io_workers, stats.clone()));
+    let window = Arc::new(DenseWindow::new(residency, unit_of_layer, dense.window_layers));
+    window.prefetch_start().map_err(|error| EngineError::Store(error.to_string()))?;
+    Ok((model, Streaming { window, stats, load_bytes }))
 }

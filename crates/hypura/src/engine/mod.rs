@@ -12,7 +12,7 @@ mod text;
 
 use std::path::PathBuf;
 
-pub use load::{Engine, EngineOptions};
+pub use load::{Engine, EngineOptions, Streaming};
 pub use session::{ChatMessage, Control, DoneReason, GenerateOutput, GenerateRequest, GenerationStats, Prompt, Session};
 pub use template::ChatTemplate;
 pub use text::{StopMatcher, Utf8Stream};
@@ -30,6 +30,8 @@ pub enum EngineError {
     PromptTooLong { tokens: usize, n_ctx: u32 },
     #[error("the prompt is empty")]
     EmptyPrompt,
+    #[error("weight streaming: {0}")]
+    Store(String),
     #[error("chat template of {path}: {reason}")]
     Template { path: PathBuf, reason: String },
 }

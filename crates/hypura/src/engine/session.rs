@@ -82,6 +82,8 @@ pub struct GenerationStats {
     pub total_duration: Duration,
     /// Prompt tokens whose KV entries were reused from the previous turn.
     pub reused_prompt_tokens: u32,
+    /// Streaming I/O during this request (streaming modes only).
+    pub io: Option<crate::store::IoSnapshot>,
 }
 
 impl GenerationStats {
@@ -195,6 +197,7 @@ impl Session {
         let cancelled = || request.cancel.as_ref().is_some_and(|flag| flag.load(Ordering::Relaxed));
 
         let mut stats = GenerationStats { load_duration: self.engine.load_duration(), ..GenerationStats::default() };
+        let io_before = self.engine.streaming().map(|streaming| streaming.stats.snapshot());
         let reused = self.reuse_prefix(&prompt);
         stats.reused_prompt_tokens = reused as u32;
         let prefill_started = Instant::now();
@@ -268,6 +271,9 @@ impl Session {
             emit(&tail, &mut text);
         }
         stats.total_duration = started.elapsed();
+        if let (Some(before), Some(streaming)) = (io_before, self.engine.streaming()) {
+            stats.io = Some(streaming.stats.snapshot() - before);
+        }
         Ok(GenerateOutput { text, tokens, done_reason, stats })
     }
 
@@ -303,6 +309,10 @@ impl Session {
             if let Err(error) = self.context.decode(&self.batch) {
                 // The KV cache may hold part of this batch: start the next request from scratch.
                 self.reset();
+                // A read failure aborts the graph from the eval hook: report the read, not the abort.
+                if let Some(failure) = self.engine.streaming().and_then(|streaming| streaming.window.take_failure()) {
+                    return Err(EngineError::Store(failure.to_string()));
+                }
                 return Err(error.into());
             }
             self.cached.extend_from_slice(chunk);

@@ -37,6 +37,12 @@ pub enum IoError {
     #[error("cannot open {path} for reading: {source}")]
     Open { path: PathBuf, source: io::Error },
 
+    #[error("cannot reserve {len_bytes} bytes of address space for a stream region: {source}")]
+    Reserve { len_bytes: u64, source: io::Error },
+
+    #[error("cannot release {len_bytes} bytes at region offset {offset}: {source}")]
+    Release { offset: u64, len_bytes: u64, source: io::Error },
+
     #[error("cannot read the metadata of {path}: {source}")]
     Metadata { path: PathBuf, source: io::Error },
 
@@ -433,6 +439,144 @@ impl DirectFile {
             );
         }
         Ok(())
+    }
+}
+
+/// A fixed range of address space that mirrors a model file: byte `o` of the file lives at
+/// `address() + o`. It is reserved with `MAP_NORESERVE`, so only pages the store reads into are
+/// ever backed by memory, and [`Region::release`] gives them back with `MADV_DONTNEED`.
+///
+/// The stream buffer type points llama.cpp's streamed tensors into this range, so the addresses
+/// stay fixed for the life of the model: the store never rewrites a tensor pointer.
+pub struct Region {
+    base: NonNull<u8>,
+    len_bytes: usize,
+}
+
+// SAFETY: the region is plain anonymous memory; who may touch which bytes when is governed by
+// the store's slice state machine, not by this type.
+unsafe impl Send for Region {}
+// SAFETY: as above.
+unsafe impl Sync for Region {}
+
+/// The page size the region's bookkeeping assumes (Linux on x86-64 and arm64 default).
+pub const PAGE_BYTES: u64 = 4096;
+
+impl Region {
+    /// Reserve `len_bytes` (rounded up to a page) of address space. No memory is committed.
+    pub fn reserve(len_bytes: u64) -> Result<Region, IoError> {
+        let len_bytes = usize::try_from(len_bytes.div_ceil(PAGE_BYTES) * PAGE_BYTES).map_err(|_| IoError::BufferLayout {
+            len_bytes: usize::MAX,
+            alignment_bytes: PAGE_BYTES as usize,
+        })?;
+        // SAFETY: an anonymous private mapping with no address hint; the kernel picks a free
+        // range or fails. We own the mapping until Drop unmaps it.
+        let pointer = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len_bytes.max(1),
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if pointer == libc::MAP_FAILED {
+            return Err(IoError::Reserve { len_bytes: len_bytes as u64, source: io::Error::last_os_error() });
+        }
+        let base = NonNull::new(pointer as *mut u8).expect("mmap returned a non-null mapping");
+        Ok(Region { base, len_bytes })
+    }
+
+    /// The start of the range, as a number (handed to the stream buffer type).
+    pub fn address(&self) -> usize {
+        self.base.as_ptr() as usize
+    }
+
+    pub fn len(&self) -> usize {
+        self.len_bytes
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len_bytes == 0
+    }
+
+    /// Whether `address .. address + len` lies inside the region.
+    pub fn contains(&self, address: usize, len: usize) -> bool {
+        address >= self.address() && address.checked_add(len).is_some_and(|end| end <= self.address() + self.len_bytes)
+    }
+
+    fn page_span(&self, range: &std::ops::Range<u64>) -> std::ops::Range<u64> {
+        let start = range.start / PAGE_BYTES * PAGE_BYTES;
+        let end = (range.end.div_ceil(PAGE_BYTES) * PAGE_BYTES).min(self.len_bytes as u64);
+        start..end
+    }
+
+    /// Read the file bytes `range` into their mirror position. The read covers whole pages
+    /// (direct I/O needs them), so it also rewrites neighbouring bytes of the same pages with
+    /// their own file contents, which is harmless: every byte of the region only ever holds
+    /// its file byte or nothing.
+    ///
+    /// The caller must ensure no compute reads these pages while they are being written (the
+    /// store's state machine: a slice is `Loading` until this returns).
+    pub fn read_in(&self, file: &DirectFile, range: std::ops::Range<u64>) -> Result<u64, IoError> {
+        let span = self.page_span(&range);
+        let span = span.start..span.end.min(file.len().div_ceil(PAGE_BYTES) * PAGE_BYTES);
+        if span.is_empty() {
+            return Ok(0);
+        }
+        let len = (span.end - span.start) as usize;
+        // SAFETY: `span` is inside the region (page_span clamps to it) and the mapping lives as
+        // long as `self`. Writers of these pages are serialised by the store's state machine
+        // (documented contract above), and no Rust reference into the region outlives a call.
+        let target = unsafe { std::slice::from_raw_parts_mut(self.base.as_ptr().add(span.start as usize), len) };
+        let available = file.len().saturating_sub(span.start);
+        let read = file.read_at(target, span.start)?;
+        if (read as u64) < (len as u64).min(available) {
+            return Err(IoError::ShortRead { path: file.path().to_path_buf(), offset: span.start, wanted: len, got: read });
+        }
+        Ok(read as u64)
+    }
+
+    /// Give the pages wholly inside `range` back to the kernel; they read as zeros afterwards.
+    /// Pages shared with bytes outside `range` are kept (a neighbour may still need them).
+    pub fn release(&self, range: std::ops::Range<u64>) -> Result<(), IoError> {
+        let start = range.start.div_ceil(PAGE_BYTES) * PAGE_BYTES;
+        let end = (range.end / PAGE_BYTES * PAGE_BYTES).min(self.len_bytes as u64);
+        if start >= end {
+            return Ok(());
+        }
+        // SAFETY: the page-aligned range lies inside our mapping; MADV_DONTNEED on a private
+        // anonymous mapping only drops contents (they read back as zeros), which the state
+        // machine allows because the slice is `Evicting` and no compute reads it.
+        let status = unsafe { libc::madvise(self.base.as_ptr().add(start as usize).cast(), (end - start) as usize, libc::MADV_DONTNEED) };
+        if status != 0 {
+            return Err(IoError::Release { offset: start, len_bytes: end - start, source: io::Error::last_os_error() });
+        }
+        Ok(())
+    }
+
+    /// A copy of the bytes at `range` (tests and checksums).
+    pub fn copy_out(&self, range: std::ops::Range<u64>) -> Vec<u8> {
+        assert!(range.end as usize <= self.len_bytes && range.start <= range.end, "range {range:?} outside the region");
+        // SAFETY: the range was checked to lie inside the live mapping; we copy it out at once.
+        unsafe { std::slice::from_raw_parts(self.base.as_ptr().add(range.start as usize), (range.end - range.start) as usize) }.to_vec()
+    }
+
+    /// Copy `source` into the region at `offset`, bypassing the file (load-time fills of small
+    /// edge pieces). Same contract as `read_in`.
+    pub fn write(&self, offset: u64, source: &[u8]) {
+        assert!(offset as usize + source.len() <= self.len_bytes, "write outside the region");
+        // SAFETY: checked to lie inside the mapping; writers are serialised by the store.
+        unsafe { std::ptr::copy_nonoverlapping(source.as_ptr(), self.base.as_ptr().add(offset as usize), source.len()) };
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the mapping created in `reserve`, once. The engine drops the
+        // model (whose tensors point here) before the region.
+        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len_bytes.max(1)) };
     }
 }
 

@@ -1,0 +1,328 @@
+//! The placement planner: `(inventory, machine facts, options) -> Plan`. Pure: no I/O, no ggml.
+//!
+//! It decides the mode (resident, dense-stream, expert-stream), the tier of every tensor, the
+//! dense layout (which FFN layers are pinned in RAM, which stream through a window of `D`
+//! layers), and checks that weights + window + KV cache + compute buffers fit the budget. For a
+//! cyclic sweep over layers, LRU caching gets nothing; a fixed pinned set gets exactly its share,
+//! so the planner pins a fixed set and streams the rest.
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+use crate::hw::format::format_bytes;
+use crate::model::{Inventory, TensorEntry};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Mode {
+    Resident,
+    DenseStream,
+    ExpertStream,
+}
+
+impl Mode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Resident => "resident",
+            Mode::DenseStream => "dense-stream",
+            Mode::ExpertStream => "expert-stream",
+        }
+    }
+}
+
+/// `--mode`: automatic, or forced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModeChoice {
+    Auto,
+    Forced(Mode),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Tier {
+    /// Host memory, loaded once.
+    Ram,
+    /// Read from disk on demand through the stream window.
+    Stream,
+}
+
+/// Facts about the machine the planner needs (from `hw`, resolved by the caller).
+#[derive(Clone, Debug, PartialEq)]
+pub struct MachineFacts {
+    /// Memory Hypura may use in total (weights, KV cache, compute buffers).
+    pub memory_budget_bytes: u64,
+    /// Direct-read bandwidth of the model's volume; None if not measured.
+    pub disk_bytes_per_sec: Option<f64>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlanOptions {
+    pub mode: ModeChoice,
+    pub n_ctx: u32,
+    pub n_ubatch: u32,
+    /// Streamed layers prefetched ahead of the one computing (dense-stream).
+    pub window_layers: usize,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        PlanOptions { mode: ModeChoice::Auto, n_ctx: 4096, n_ubatch: 512, window_layers: 2 }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TensorPlacement {
+    pub name: String,
+    pub tier: Tier,
+    pub bytes: u64,
+    pub why: &'static str,
+}
+
+/// The dense-stream layout.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct DenseLayout {
+    pub streamed_layers: Vec<u32>,
+    pub pinned_layers: Vec<u32>,
+    pub window_layers: usize,
+}
+
+/// Where the budget goes.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct BudgetUse {
+    pub budget_bytes: u64,
+    /// Weights loaded once into RAM (everything not streamed).
+    pub resident_weight_bytes: u64,
+    /// Streamed bytes that can be in memory at once (the window, plus the layer computing).
+    pub window_bytes: u64,
+    pub kv_cache_bytes: u64,
+    pub compute_buffer_bytes: u64,
+    pub total_bytes: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Plan {
+    pub mode: Mode,
+    pub budget: BudgetUse,
+    pub tensors: Vec<TensorPlacement>,
+    pub dense: Option<DenseLayout>,
+    /// Bytes that must come from disk for every token (the streamed FFN layers).
+    pub streamed_bytes_per_token: u64,
+    /// Upper bound from the disk alone: bandwidth ÷ streamed bytes per token.
+    pub io_bound_tokens_per_sec: Option<f64>,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum PlanError {
+    #[error(
+        "the memory budget of {} is too small: even streaming every FFN layer needs {} \
+         ({} resident weights + {} window of {} layers + {} KV cache + {} compute buffers)",
+        format_bytes(*budget), format_bytes(*needed), format_bytes(*resident), format_bytes(*window), layers,
+        format_bytes(*kv), format_bytes(*compute)
+    )]
+    BudgetTooSmall { budget: u64, needed: u64, resident: u64, window: u64, layers: usize, kv: u64, compute: u64 },
+    #[error("{mode} mode needs {what}, which this model does not have")]
+    ModeUnavailable { mode: &'static str, what: &'static str },
+    #[error("the model fits in the budget ({} of {}), but {mode} was forced: nothing would stream", format_bytes(*needed), format_bytes(*budget))]
+    NothingToStream { mode: &'static str, needed: u64, budget: u64 },
+}
+
+/// KV cache bytes at f16 for `n_ctx` tokens (an upper bound for sliding-window models).
+pub fn kv_cache_bytes(inventory: &Inventory, n_ctx: u32) -> u64 {
+    let hparams = &inventory.hparams;
+    hparams.n_layer * u64::from(n_ctx) * hparams.n_head_kv * (hparams.head_dim_k + hparams.head_dim_v) * 2
+}
+
+/// llama.cpp's CPU compute buffer, estimated: logits and activations for one ubatch, plus
+/// attention scores. Deliberately generous: an underestimate would break the budget.
+pub fn compute_buffer_bytes(inventory: &Inventory, n_ctx: u32, n_ubatch: u32) -> u64 {
+    let hparams = &inventory.hparams;
+    let ff = hparams.n_ff.max(hparams.n_ff_expert * hparams.n_expert_used.max(1));
+    let per_token = hparams.n_vocab + 4 * hparams.n_embd + 2 * ff + hparams.n_head * u64::from(n_ctx);
+    4 * u64::from(n_ubatch) * per_token + (64 << 20)
+}
+
+/// Tensors the dense-stream mode may stream: dense FFN weights and routed experts.
+fn is_streamable(tensor: &TensorEntry) -> bool {
+    tensor.layer.is_some() && (tensor.role.is_dense_ffn() || tensor.role.is_expert())
+}
+
+/// Per-layer bytes of streamable tensors.
+fn ffn_bytes_by_layer(inventory: &Inventory) -> Vec<u64> {
+    let mut bytes = vec![0; inventory.hparams.n_layer as usize];
+    for tensor in inventory.tensors.iter().filter(|tensor| is_streamable(tensor)) {
+        bytes[tensor.layer.expect("streamable tensors have a layer") as usize] += tensor.bytes;
+    }
+    bytes
+}
+
+/// `count` of `total` indices spread evenly (so streaming I/O overlaps pinned layers' compute).
+fn spread(count: usize, total: usize) -> Vec<usize> {
+    (0..count).map(|index| (index * total + total / 2) / count.max(1)).map(|index| index.min(total - 1)).collect()
+}
+
+pub fn plan(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions) -> Result<Plan, PlanError> {
+    let weights: u64 = inventory.tensor_data_bytes();
+    let kv = kv_cache_bytes(inventory, options.n_ctx);
+    let compute = compute_buffer_bytes(inventory, options.n_ctx, options.n_ubatch);
+    let budget = machine.memory_budget_bytes;
+    let everything = weights + kv + compute;
+    let mode = match options.mode {
+        ModeChoice::Forced(mode) => mode,
+        ModeChoice::Auto if everything <= budget => Mode::Resident,
+        // Expert streaming arrives with its own store; until then MoE layers stream whole.
+        ModeChoice::Auto => Mode::DenseStream,
+    };
+    if mode == Mode::ExpertStream {
+        return Err(PlanError::ModeUnavailable { mode: "expert-stream", what: "the expert store (not built yet)" });
+    }
+    if mode == Mode::Resident {
+        let tensors = inventory
+            .tensors
+            .iter()
+            .map(|tensor| TensorPlacement { name: tensor.name.clone(), tier: Tier::Ram, bytes: tensor.bytes, why: "the whole model fits" })
+            .collect();
+        return Ok(Plan {
+            mode,
+            budget: BudgetUse {
+                budget_bytes: budget,
+                resident_weight_bytes: weights,
+                window_bytes: 0,
+                kv_cache_bytes: kv,
+                compute_buffer_bytes: compute,
+                total_bytes: everything,
+            },
+            tensors,
+            dense: None,
+            streamed_bytes_per_token: 0,
+            io_bound_tokens_per_sec: None,
+        });
+    }
+
+    let layer_ffn = ffn_bytes_by_layer(inventory);
+    let n_layer = layer_ffn.len();
+    if layer_ffn.iter().all(|&bytes| bytes == 0) {
+        return Err(PlanError::ModeUnavailable { mode: "dense-stream", what: "FFN tensors in layers" });
+    }
+    let streamable_total: u64 = layer_ffn.iter().sum();
+    let fixed_weights = weights - streamable_total;
+    let window_layers = options.window_layers.clamp(1, n_layer);
+    // The window holds D prefetched layers plus the one computing.
+    let largest = layer_ffn.iter().copied().max().unwrap_or(0);
+    let window_bytes = largest * (window_layers as u64 + 1).min(n_layer as u64);
+    let needed = fixed_weights + window_bytes + kv + compute;
+    if needed > budget {
+        return Err(PlanError::BudgetTooSmall {
+            budget,
+            needed,
+            resident: fixed_weights,
+            window: window_bytes,
+            layers: window_layers,
+            kv,
+            compute,
+        });
+    }
+    // Pin as many layers as the rest of the budget holds (largest-first would favour few big
+    // layers; layers are nearly equal, so count by the largest to stay safe).
+    let spare = budget - needed;
+    let mut pinned_count = if largest == 0 { n_layer } else { (spare / largest) as usize };
+    if options.mode == ModeChoice::Forced(Mode::DenseStream) && pinned_count >= n_layer {
+        if everything <= budget {
+            // Forced streaming of a model that fits: keep streaming the layers the window
+            // cannot hold, so the mode is exercised (tests, benchmarks), but pin the rest.
+            pinned_count = n_layer.saturating_sub(window_layers + 1);
+        } else {
+            pinned_count = n_layer - 1;
+        }
+    }
+    let pinned_count = pinned_count.min(n_layer);
+    let streamed_count = n_layer - pinned_count;
+    let streamed_set = spread(streamed_count, n_layer);
+    let streamed_layers: Vec<u32> = (0..n_layer as u32).filter(|layer| streamed_set.contains(&(*layer as usize))).collect();
+    let pinned_layers: Vec<u32> = (0..n_layer as u32).filter(|layer| !streamed_set.contains(&(*layer as usize))).collect();
+    let streamed_bytes_per_token: u64 = streamed_layers.iter().map(|&layer| layer_ffn[layer as usize]).sum();
+    let tensors = inventory
+        .tensors
+        .iter()
+        .map(|tensor| {
+            let streamed = is_streamable(tensor) && streamed_layers.contains(&tensor.layer.expect("streamable tensors have a layer"));
+            let (tier, why) = match (streamed, is_streamable(tensor)) {
+                (true, _) => (Tier::Stream, "FFN of a streamed layer: read through the window each token"),
+                (false, true) => (Tier::Ram, "FFN of a pinned layer: the budget holds it"),
+                (false, false) => (Tier::Ram, "touched by every token and small: always resident"),
+            };
+            TensorPlacement { name: tensor.name.clone(), tier, bytes: tensor.bytes, why }
+        })
+        .collect();
+    let resident_weight_bytes = weights - streamed_bytes_per_token;
+    let window_bytes = if streamed_layers.is_empty() { 0 } else { largest * (window_layers as u64 + 1).min(streamed_layers.len() as u64) };
+    Ok(Plan {
+        mode,
+        budget: BudgetUse {
+            budget_bytes: budget,
+            resident_weight_bytes,
+            window_bytes,
+            kv_cache_bytes: kv,
+            compute_buffer_bytes: compute,
+            total_bytes: resident_weight_bytes + window_bytes + kv + compute,
+        },
+        tensors,
+        dense: Some(DenseLayout { streamed_layers, pinned_layers, window_layers }),
+        streamed_bytes_per_token,
+        io_bound_tokens_per_sec: machine
+            .disk_bytes_per_sec
+            .filter(|_| streamed_bytes_per_token > 0)
+            .map(|bandwidth| bandwidth / streamed_bytes_per_token as f64),
+    })
+}
+
+impl Plan {
+    pub fn streamed_tensors(&self) -> impl Iterator<Item = &TensorPlacement> {
+        self.tensors.iter().filter(|tensor| tensor.tier == Tier::Stream)
+    }
+
+    /// The human explanation `inspect` prints.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let budget = &self.budget;
+        let _ = writeln!(out, "plan         mode {}", self.mode.name());
+        let _ = writeln!(
+            out,
+            "memory       {} of a {} budget: {} resident weights + {} stream window + {} KV cache + {} compute buffers",
+            format_bytes(budget.total_bytes),
+            format_bytes(budget.budget_bytes),
+            format_bytes(budget.resident_weight_bytes),
+            format_bytes(budget.window_bytes),
+            format_bytes(budget.kv_cache_bytes),
+            format_bytes(budget.compute_buffer_bytes)
+        );
+        if let Some(dense) = &self.dense {
+            let _ = writeln!(
+                out,
+                "dense        {} FFN layers pinned in RAM {:?}; {} streamed {:?} through a window of {} layers",
+                dense.pinned_layers.len(),
+                dense.pinned_layers,
+                dense.streamed_layers.len(),
+                dense.streamed_layers,
+                dense.window_layers
+            );
+            let _ = writeln!(out, "per token    {} read from disk", format_bytes(self.streamed_bytes_per_token));
+            if let Some(bound) = self.io_bound_tokens_per_sec {
+                let _ = writeln!(out, "bound        at most {bound:.2} tok/s from disk bandwidth alone");
+            }
+        }
+        let mut reasons: Vec<(&str, Tier, usize, u64)> = Vec::new();
+        for tensor in &self.tensors {
+            match reasons.iter_mut().find(|(why, tier, _, _)| *why == tensor.why && *tier == tensor.tier) {
+                Some(entry) => {
+                    entry.2 += 1;
+                    entry.3 += tensor.bytes;
+                }
+                None => reasons.push((tensor.why, tensor.tier, 1, tensor.bytes)),
+            }
+        }
+        for (why, tier, count, bytes) in reasons {
+            let _ = writeln!(out, "  {:<6} {:>4} tensors {:>12}  {why}", format!("{tier:?}").to_lowercase(), count, format_bytes(bytes));
+        }
+        out
+    }
+}

@@ -1,0 +1,110 @@
+//! Dense-FFN streaming: attention and norms stay resident; the FFN weights of streamed layers
+//! pass through a window of `D` layers prefetched ahead of the forward pass.
+//!
+//! The eval hook stops once per layer, at `ffn_norm-L` (the node just before layer L's FFN).
+//! There it releases the previous streamed layer (its FFN has run), asks for the next `D`
+//! streamed layers in forward order (wrapping to the first layers for the next token), and
+//! blocks until layer L's FFN bytes are ready. Pinned layers are ordinary resident tensors.
+use std::sync::{Arc, Mutex};
+
+use hypura_sys::{EvalHook, ObservedNode};
+
+use super::residency::{Residency, ResidencyError};
+
+/// The node each architecture names just before its FFN (llama.cpp's `cb(cur, "ffn_norm", il)`).
+const FFN_ENTRY_NODE: &str = "ffn_norm-";
+
+/// Drives the dense window from the eval hook.
+pub struct DenseWindow {
+    residency: Arc<Residency>,
+    /// unit index per layer (None: the layer is pinned).
+    unit_of_layer: Vec<Option<usize>>,
+    /// Streamed layers in forward order.
+    streamed_layers: Vec<u32>,
+    window: usize,
+    /// The first read error, reported to the request that hit it.
+    failure: Mutex<Option<ResidencyError>>,
+}
+
+impl DenseWindow {
+    /// `unit_of_layer[L]` is the residency unit holding layer L's FFN, if it streams.
+    pub fn new(residency: Arc<Residency>, unit_of_layer: Vec<Option<usize>>, window: usize) -> DenseWindow {
+        let streamed_layers = unit_of_layer.iter().enumerate().filter(|(_, unit)| unit.is_some()).map(|(layer, _)| layer as u32).collect();
+        DenseWindow { residency, unit_of_layer, streamed_layers, window: window.max(1), failure: Mutex::new(None) }
+    }
+
+    pub fn residency(&self) -> &Arc<Residency> {
+        &self.residency
+    }
+
+    /// Load the first window before the first token.
+    pub fn prefetch_start(&self) -> Result<(), ResidencyError> {
+        for &layer in self.streamed_layers.iter().take(self.window) {
+            if let Some(unit) = self.unit_of_layer[layer as usize] {
+                self.residency.request(unit)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The error that made the hook abort a decode, if any (taken once).
+    pub fn take_failure(&self) -> Option<ResidencyError> {
+        self.failure.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take()
+    }
+
+    fn layer_of(name: &str) -> Option<usize> {
+        name.strip_prefix(FFN_ENTRY_NODE)?.parse().ok()
+    }
+
+    /// The work at the entry of layer `layer`'s FFN.
+    fn enter_layer(&self, layer: usize) -> Result<(), ResidencyError> {
+        let n_streamed = self.streamed_layers.len();
+        if n_streamed == 0 {
+            return Ok(());
+        }
+        // Position of the first streamed layer at or after `layer`.
+        let position = self.streamed_layers.partition_point(|&streamed| (streamed as usize) < layer);
+        // Release the streamed layer before this one: its FFN has run. At the first layer, that
+        // is the last streamed layer of the previous sweep, unless it is in the coming window.
+        let previous = (position + n_streamed - 1) % n_streamed;
+        let previous_layer = self.streamed_layers[previous] as usize;
+        let in_window = |candidate: usize| (0..self.window.min(n_streamed)).any(|step| (position + step) % n_streamed == candidate);
+        if previous_layer != layer && !in_window(previous) {
+            if let Some(unit) = self.unit_of_layer[previous_layer] {
+                self.residency.release(unit)?;
+            }
+        }
+        // Ask for the window ahead, in forward order, wrapping into the next token's sweep.
+        for step in 0..self.window.min(n_streamed) {
+            let streamed = self.streamed_layers[(position + step) % n_streamed] as usize;
+            if let Some(unit) = self.unit_of_layer[streamed] {
+                self.residency.request(unit)?;
+            }
+        }
+        if let Some(unit) = self.unit_of_layer[layer] {
+            self.residency.wait_ready(unit)?;
+        }
+        Ok(())
+    }
+}
+
+impl EvalHook for DenseWindow {
+    fn wants(&self, name: &str) -> bool {
+        Self::layer_of(name).is_some_and(|layer| layer < self.unit_of_layer.len())
+    }
+
+    fn observe(&self, node: &ObservedNode<'_>) -> bool {
+        let Some(layer) = Self::layer_of(node.name()) else {
+            return true;
+        };
+        self.residency.stats().record_observation();
+        match self.enter_layer(layer) {
+            Ok(()) => true,
+            Err(error) => {
+                tracing::error!("dense streaming at layer {layer}: {error}");
+                self.failure.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).get_or_insert(error);
+                false
+            }
+        }
+    }
+}

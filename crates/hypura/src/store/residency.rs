@@ -1,0 +1,301 @@
+//! Residency of stream units: one state machine per unit (empty, loading, ready, evicting)
+//! with a generation counter, a pool of reader threads, and waits that compute blocks on.
+//!
+//! A unit is whatever the planner streams as one piece: a dense layer's FFN tensors, or one
+//! expert's slices of a layer. Its bytes are one or more file ranges read into their mirror
+//! position in the region. Compute may touch a unit only while it is `Ready`.
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use super::io::{DirectFile, IoError, Region};
+use super::stats::IoStats;
+
+/// Reads are issued in pieces of this size, spread over the worker threads.
+pub const CHUNK_BYTES: u64 = 4 << 20;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SliceState {
+    Empty,
+    Loading,
+    Ready,
+    Evicting,
+}
+
+/// One streamed unit: its file ranges (sorted, disjoint).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StreamUnit {
+    pub ranges: Vec<Range<u64>>,
+}
+
+impl StreamUnit {
+    pub fn bytes(&self) -> u64 {
+        self.ranges.iter().map(|range| range.end - range.start).sum()
+    }
+}
+
+#[derive(Debug)]
+struct UnitState {
+    state: SliceState,
+    generation: u64,
+    pending_chunks: usize,
+    /// The first read error of the current load.
+    error: Option<String>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    units: Mutex<Vec<UnitState>>,
+    changed: Condvar,
+    queue: Mutex<VecDeque<Chunk>>,
+    queue_changed: Condvar,
+    shutdown: std::sync::atomic::AtomicBool,
+}
+
+#[derive(Clone, Debug)]
+struct Chunk {
+    unit: usize,
+    generation: u64,
+    range: Range<u64>,
+}
+
+/// The reader of a unit's bytes. Tests substitute failing readers.
+pub trait UnitReader: Send + Sync {
+    fn read(&self, region: &Region, range: Range<u64>) -> Result<u64, IoError>;
+}
+
+impl UnitReader for DirectFile {
+    fn read(&self, region: &Region, range: Range<u64>) -> Result<u64, IoError> {
+        region.read_in(self, range)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ResidencyError {
+    #[error("reading stream unit {unit} failed: {reason}")]
+    Read { unit: usize, reason: String },
+    #[error("stream unit {unit} does not exist (there are {count})")]
+    NoSuchUnit { unit: usize, count: usize },
+    #[error(transparent)]
+    Io(#[from] IoError),
+}
+
+/// Owns the region's residency and the reader threads.
+pub struct Residency {
+    region: Arc<Region>,
+    units: Vec<StreamUnit>,
+    shared: Arc<Shared>,
+    stats: Arc<IoStats>,
+    workers: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Residency {
+    pub fn new(region: Arc<Region>, reader: Arc<dyn UnitReader>, units: Vec<StreamUnit>, workers: usize, stats: Arc<IoStats>) -> Residency {
+        let shared = Arc::new(Shared {
+            units: Mutex::new(
+                units.iter().map(|_| UnitState { state: SliceState::Empty, generation: 0, pending_chunks: 0, error: None }).collect(),
+            ),
+            changed: Condvar::new(),
+            queue: Mutex::new(VecDeque::new()),
+            queue_changed: Condvar::new(),
+            shutdown: std::sync::atomic::AtomicBool::new(false),
+        });
+        let workers = (0..workers.max(1))
+            .map(|index| {
+                let shared = shared.clone();
+                let region = region.clone();
+                let reader = reader.clone();
+                let stats = stats.clone();
+                std::thread::Builder::new()
+                    .name(format!("hypura-io-{index}"))
+                    .spawn(move || worker(&shared, &region, reader.as_ref(), &stats))
+                    .expect("spawning an I/O worker")
+            })
+            .collect();
+        Residency { region, units, shared, stats, workers }
+    }
+
+    pub fn units(&self) -> &[StreamUnit] {
+        &self.units
+    }
+
+    pub fn region(&self) -> &Arc<Region> {
+        &self.region
+    }
+
+    pub fn stats(&self) -> &Arc<IoStats> {
+        &self.stats
+    }
+
+    fn check(&self, unit: usize) -> Result<(), ResidencyError> {
+        if unit >= self.units.len() {
+            return Err(ResidencyError::NoSuchUnit { unit, count: self.units.len() });
+        }
+        Ok(())
+    }
+
+    pub fn state(&self, unit: usize) -> Option<(SliceState, u64)> {
+        let units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        units.get(unit).map(|state| (state.state, state.generation))
+    }
+
+    /// Start loading `unit` if it is empty. Never blocks on I/O.
+    pub fn request(&self, unit: usize) -> Result<(), ResidencyError> {
+        self.check(unit)?;
+        let mut units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let state = &mut units[unit];
+        if state.state != SliceState::Empty {
+            return Ok(());
+        }
+        let chunks: Vec<Chunk> = self.units[unit]
+            .ranges
+            .iter()
+            .flat_map(|range| {
+                let mut pieces = Vec::new();
+                let mut start = range.start;
+                while start < range.end {
+                    let end = (start + CHUNK_BYTES).min(range.end);
+                    pieces.push(start..end);
+                    start = end;
+                }
+                pieces
+            })
+            .map(|range| Chunk { unit, generation: state.generation, range })
+            .collect();
+        if chunks.is_empty() {
+            state.state = SliceState::Ready;
+            return Ok(());
+        }
+        state.state = SliceState::Loading;
+        state.pending_chunks = chunks.len();
+        state.error = None;
+        drop(units);
+        let mut queue = self.shared.queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        queue.extend(chunks);
+        self.shared.queue_changed.notify_all();
+        Ok(())
+    }
+
+    /// Block until `unit` is ready (loading it if needed). Returns the time spent waiting.
+    pub fn wait_ready(&self, unit: usize) -> Result<Duration, ResidencyError> {
+        self.request(unit)?;
+        let started = Instant::now();
+        let mut units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut waited = false;
+        loop {
+            let state = &mut units[unit];
+            if state.state == SliceState::Evicting {
+                if let Some(reason) = state.error.take() {
+                    // Drop what the failed load wrote and forget it, so a later request tries
+                    // again from scratch.
+                    drop(units);
+                    for range in &self.units[unit].ranges {
+                        let _ = self.region.release(range.clone());
+                    }
+                    let mut units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                    units[unit].state = SliceState::Empty;
+                    units[unit].generation += 1;
+                    self.shared.changed.notify_all();
+                    return Err(ResidencyError::Read { unit, reason });
+                }
+            }
+            match state.state {
+                SliceState::Ready => break,
+                SliceState::Empty => {
+                    drop(units);
+                    self.request(unit)?;
+                    units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                }
+                SliceState::Loading | SliceState::Evicting => {
+                    waited = true;
+                    units = self.shared.changed.wait(units).unwrap_or_else(|poisoned| poisoned.into_inner());
+                }
+            }
+        }
+        let elapsed = started.elapsed();
+        if waited {
+            self.stats.record_stall(elapsed);
+        }
+        Ok(if waited { elapsed } else { Duration::ZERO })
+    }
+
+    /// Drop `unit`'s pages. A unit still loading is waited for first (a read must never land
+    /// in released pages); an empty unit is left alone.
+    pub fn release(&self, unit: usize) -> Result<(), ResidencyError> {
+        self.check(unit)?;
+        let mut units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        while units[unit].state == SliceState::Loading {
+            units = self.shared.changed.wait(units).unwrap_or_else(|poisoned| poisoned.into_inner());
+        }
+        if units[unit].state != SliceState::Ready {
+            return Ok(());
+        }
+        units[unit].state = SliceState::Evicting;
+        drop(units);
+        let mut result = Ok(());
+        for range in &self.units[unit].ranges {
+            if let Err(error) = self.region.release(range.clone()) {
+                result = Err(error.into());
+            }
+        }
+        let mut units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        units[unit].state = SliceState::Empty;
+        units[unit].generation += 1;
+        self.stats.record_unit_released();
+        self.shared.changed.notify_all();
+        result
+    }
+}
+
+fn worker(shared: &Shared, region: &Region, reader: &dyn UnitReader, stats: &IoStats) {
+    loop {
+        let chunk = {
+            let mut queue = shared.queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            loop {
+                if shared.shutdown.load(std::sync::atomic::Ordering::Relaxed) {
+                    return;
+                }
+                if let Some(chunk) = queue.pop_front() {
+                    break chunk;
+                }
+                queue = shared.queue_changed.wait(queue).unwrap_or_else(|poisoned| poisoned.into_inner());
+            }
+        };
+        let started = Instant::now();
+        let result = reader.read(region, chunk.range.clone());
+        let mut units = shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let state = &mut units[chunk.unit];
+        if state.generation != chunk.generation || state.state != SliceState::Loading {
+            continue; // a stale chunk of a load that was abandoned
+        }
+        match result {
+            Ok(bytes) => stats.record_read(bytes, started.elapsed()),
+            Err(error) => {
+                state.error.get_or_insert_with(|| error.to_string());
+            }
+        }
+        state.pending_chunks -= 1;
+        if state.pending_chunks == 0 {
+            if state.error.is_none() {
+                state.state = SliceState::Ready;
+                stats.record_unit_loaded();
+            } else {
+                // The waiter reports the error and resets the unit; keep it Loading until then
+                // so nobody computes on it.
+                state.state = SliceState::Evicting;
+            }
+            shared.changed.notify_all();
+        }
+    }
+}
+
+impl Drop for Residency {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.shared.queue_changed.notify_all();
+        for worker in self.workers.drain(..) {
+            let _ = worker.join();
+        }
+    }
+}

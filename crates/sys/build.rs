@@ -1,0 +1,40 @@
+//! Builds the C shim for Hypura's stream buffer type against the exact ggml headers that
+//! llama-cpp-sys-2 vendors (`ggml-backend-impl.h` lives in `ggml/src`).
+use std::path::PathBuf;
+
+fn main() {
+    let ggml = find_vendored_ggml();
+    println!("cargo:rerun-if-changed=csrc/stream_buft.c");
+    cc::Build::new()
+        .file("csrc/stream_buft.c")
+        .include(ggml.join("include"))
+        .include(ggml.join("src"))
+        .warnings(true)
+        .compile("hypura_stream_buft");
+}
+
+/// The `ggml` directory of the llama-cpp-sys-2 source this build links.
+fn find_vendored_ggml() -> PathBuf {
+    println!("cargo:rerun-if-env-changed=HYPURA_LLAMA_CPP_DIR");
+    // Cargo places the crate source next to ours in the registry; find it by its pinned version.
+    let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
+    let candidates = [
+        std::env::var("HYPURA_LLAMA_CPP_DIR").ok().map(PathBuf::from),
+        home_registry().map(|registry| registry.join(concat!("llama-cpp-sys-2-", "0.1.161")).join("llama.cpp")),
+        Some(manifest.join("../../vendor/llama-cpp-sys-2/llama.cpp")),
+    ];
+    for candidate in candidates.into_iter().flatten() {
+        if candidate.join("ggml/include/ggml.h").exists() {
+            return candidate.join("ggml");
+        }
+    }
+    panic!("cannot find the llama.cpp sources of llama-cpp-sys-2 0.1.161; set HYPURA_LLAMA_CPP_DIR");
+}
+
+fn home_registry() -> Option<PathBuf> {
+    let cargo_home = std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cargo")))?;
+    let sources = cargo_home.join("registry/src");
+    std::fs::read_dir(sources).ok()?.flatten().map(|entry| entry.path()).find(|path| path.join("llama-cpp-sys-2-0.1.161").exists())
+}

@@ -1,0 +1,76 @@
+//! Hypura's stream buffer type (C shim in `csrc/stream_buft.c`): a ggml host buffer type whose
+//! tensors live at `region base + file offset` in a reservation that Hypura's store owns, and
+//! are never filled by llama.cpp's loader.
+use std::collections::HashMap;
+use std::ffi::{c_char, c_void, CStr};
+use std::ptr::NonNull;
+
+use llama_cpp_sys_2 as raw;
+
+use crate::error::SysError;
+
+extern "C" {
+    fn hypura_stream_buft_new(
+        base: *mut c_void,
+        size: usize,
+        offset_of: unsafe extern "C" fn(*mut c_void, *const c_char) -> i64,
+        user: *mut c_void,
+    ) -> raw::ggml_backend_buffer_type_t;
+    fn hypura_stream_buft_free(buft: raw::ggml_backend_buffer_type_t);
+}
+
+unsafe extern "C" fn offset_of(user: *mut c_void, name: *const c_char) -> i64 {
+    if user.is_null() || name.is_null() {
+        return -1;
+    }
+    // SAFETY: `user` is the Box<HashMap> owned by the StreamBufferType that registered this
+    // callback; ggml calls it only while tensors of that type are being allocated, which is
+    // while the type is alive. `name` is a tensor's NUL-terminated name.
+    let (offsets, name) = unsafe { (&*(user as *const HashMap<String, u64>), CStr::from_ptr(name)) };
+    name.to_str().ok().and_then(|name| offsets.get(name)).map_or(-1, |&offset| offset as i64)
+}
+
+/// A buffer type placing each named tensor at `region_address + its file offset`.
+pub struct StreamBufferType {
+    buft: NonNull<raw::ggml_backend_buffer_type>,
+    // Boxed so its address is stable for the C side.
+    _offsets: Box<HashMap<String, u64>>,
+}
+
+// SAFETY: the type is immutable after creation; ggml only reads it.
+unsafe impl Send for StreamBufferType {}
+// SAFETY: as above.
+unsafe impl Sync for StreamBufferType {}
+
+impl StreamBufferType {
+    /// `region_address .. + region_bytes` must be a mapping that the caller keeps alive longer
+    /// than every model loaded with this type (the store's region; `hypura::engine` orders the
+    /// drops). `offsets` maps tensor names to their absolute file offsets.
+    pub fn new(region_address: usize, region_bytes: usize, offsets: HashMap<String, u64>) -> Result<StreamBufferType, SysError> {
+        let offsets = Box::new(offsets);
+        // SAFETY: the region is the caller's live reservation (documented contract above); the
+        // callback data is the boxed map, which lives as long as the returned value.
+        let buft = unsafe {
+            hypura_stream_buft_new(
+                region_address as *mut c_void,
+                region_bytes,
+                offset_of,
+                &*offsets as *const HashMap<String, u64> as *mut c_void,
+            )
+        };
+        let buft = NonNull::new(buft).ok_or(SysError::Allocation("a stream buffer type"))?;
+        Ok(StreamBufferType { buft, _offsets: offsets })
+    }
+
+    pub(crate) fn as_raw(&self) -> raw::ggml_backend_buffer_type_t {
+        self.buft.as_ptr()
+    }
+}
+
+impl Drop for StreamBufferType {
+    fn drop(&mut self) {
+        // SAFETY: created by hypura_stream_buft_new; models holding it keep an Arc, so this
+        // runs only after they are freed.
+        unsafe { hypura_stream_buft_free(self.buft.as_ptr()) };
+    }
+}
