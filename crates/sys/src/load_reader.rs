@@ -28,6 +28,8 @@ extern "C" {
     fn setvbuf(stream: *mut libc::FILE, buffer: *mut c_char, mode: c_int, size: usize) -> c_int;
 }
 
+const STDIO_BUFFER_BYTES: usize = 64 << 10;
+
 pub(crate) struct Cookie {
     reader: Box<dyn LoadReader>,
     position: u64,
@@ -77,8 +79,11 @@ unsafe extern "C" fn cookie_close(_cookie: *mut c_void) -> c_int {
     0 // the Box<Cookie> is owned and dropped by Rust
 }
 
-/// An unbuffered stdio stream over `cookie`: every fread reaches `read_at` with the caller's
-/// own buffer (so tensor reads can be recognised by their destination).
+/// A stdio stream over `cookie`. It is fully buffered with a small buffer, so the header's many
+/// tiny reads are cheap, while glibc hands the bulk of every large read (all but the last
+/// `STDIO_BUFFER_BYTES` remainder) to `read_at` with the caller's own destination, which is how
+/// tensor reads are recognised. The remainder of a streamed tensor arrives through the buffer
+/// and is copied into its place: correct bytes, at most one buffer per tensor.
 pub(crate) fn open_stream(cookie: &mut Box<Cookie>) -> Option<*mut libc::FILE> {
     let functions = CookieIoFunctions { read: Some(cookie_read), write: None, seek: Some(cookie_seek), close: Some(cookie_close) };
     let pointer = &mut **cookie as *mut Cookie as *mut c_void;
@@ -88,8 +93,9 @@ pub(crate) fn open_stream(cookie: &mut Box<Cookie>) -> Option<*mut libc::FILE> {
     if stream.is_null() {
         return None;
     }
-    // SAFETY: called before any I/O on the stream, as setvbuf requires; _IONBF needs no buffer.
-    unsafe { setvbuf(stream, std::ptr::null_mut(), libc::_IONBF, 0) };
+    // SAFETY: called before any I/O on the stream, as setvbuf requires; a null buffer makes
+    // glibc allocate (and later free) its own.
+    unsafe { setvbuf(stream, std::ptr::null_mut(), libc::_IOFBF, STDIO_BUFFER_BYTES) };
     Some(stream)
 }
 

@@ -74,6 +74,13 @@ pub struct BenchReport {
     pub file_bytes: u64,
     pub n_params: u64,
     pub mode: &'static str,
+    /// Streaming: bytes read from disk per generated token (tg runs, averaged).
+    pub bytes_read_per_token: Option<f64>,
+    /// Streaming: share of tg wall time that compute waited for I/O.
+    pub stall_fraction: Option<f64>,
+    /// Streaming: bytes the plan streams per token, and the disk-only bound it implies.
+    pub planned_bytes_per_token: Option<u64>,
+    pub io_bound_tokens_per_sec: Option<f64>,
     pub threads: i32,
     pub repack: bool,
     pub reps: usize,
@@ -136,6 +143,7 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         let output = session.generate(&request, &mut |_| Control::Continue)?;
         Ok(output.stats.prompt_tokens_per_sec())
     };
+    let io_totals = std::cell::RefCell::new((0u64, 0.0f64, 0u64, 0.0f64));
     let hypura_tg = |session: &mut Session| -> Result<(f64, Vec<Token>), BenchError> {
         session.reset();
         let request = GenerateRequest {
@@ -145,6 +153,13 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
             ..GenerateRequest::new(Prompt::Tokens(start.clone()))
         };
         let output = session.generate(&request, &mut |_| Control::Continue)?;
+        if let Some(io) = output.stats.io {
+            let mut totals = io_totals.borrow_mut();
+            totals.0 += io.bytes_read;
+            totals.1 += io.stall_seconds;
+            totals.2 += u64::from(output.stats.eval_count);
+            totals.3 += output.stats.total_duration.as_secs_f64();
+        }
         Ok((output.stats.eval_tokens_per_sec(), output.tokens))
     };
     let rate = |count: usize, duration: Duration| count as f64 / duration.as_secs_f64().max(1e-9);
@@ -193,12 +208,18 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         TestResult { test, hypura, llama_cpp, ratio }
     };
     let inventory = engine.inventory();
+    let (io_bytes, io_stall, io_tokens, io_seconds) = *io_totals.borrow();
+    let plan = engine.options().plan.as_ref().filter(|_| engine.streaming().is_some());
     Ok(BenchReport {
         model: path.to_path_buf(),
         model_description: engine.model().description(),
         file_bytes: inventory.file_bytes,
         n_params: inventory.n_params(),
-        mode: "resident",
+        mode: engine.mode().name(),
+        bytes_read_per_token: (io_tokens > 0).then(|| io_bytes as f64 / io_tokens as f64),
+        stall_fraction: (io_seconds > 0.0).then(|| io_stall / io_seconds),
+        planned_bytes_per_token: plan.map(|plan| plan.streamed_bytes_per_token),
+        io_bound_tokens_per_sec: plan.and_then(|plan| plan.io_bound_tokens_per_sec),
         threads: options.threads,
         repack: options.engine.repack,
         reps: options.reps,
@@ -235,6 +256,16 @@ pub fn render(report: &BenchReport) -> String {
             result.hypura.sd,
             peer,
             ratio
+        );
+    }
+    if let Some(bytes) = report.bytes_read_per_token {
+        let _ = writeln!(
+            out,
+            "\nstreaming: {:.1} MB read per token (plan: {:.1} MB), compute waited for I/O {:.0}% of the time{}",
+            bytes / 1e6,
+            report.planned_bytes_per_token.unwrap_or(0) as f64 / 1e6,
+            100.0 * report.stall_fraction.unwrap_or(0.0),
+            report.io_bound_tokens_per_sec.map_or_else(String::new, |bound| format!("; disk bound {bound:.2} tok/s"))
         );
     }
     if let Some(same) = report.same_output {

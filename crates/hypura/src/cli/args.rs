@@ -46,6 +46,11 @@ pub struct InspectArgs {
     /// Print JSON instead of tables.
     #[arg(long)]
     pub json: bool,
+    /// Context length the plan reserves KV cache for.
+    #[arg(long, short = 'c', default_value_t = 4096)]
+    pub context: u32,
+    #[command(flatten)]
+    pub plan: PlanArgs,
 }
 
 /// Sampling flags shared by `run` and `bench`, with llama.cpp's names and defaults.
@@ -78,6 +83,24 @@ pub struct SamplingArgs {
     pub seed: Option<u32>,
 }
 
+/// Placement flags: how the planner may use memory.
+#[derive(Args, Debug, Clone, Default)]
+pub struct PlanArgs {
+    /// Memory Hypura may use, e.g. 8GiB, 4.5G, 512MiB (default: available memory, cgroup-aware,
+    /// minus headroom).
+    #[arg(long)]
+    pub memory_budget: Option<String>,
+    /// auto, resident, dense-stream or expert-stream.
+    #[arg(long, default_value = "auto")]
+    pub mode: String,
+    /// Streamed layers prefetched ahead of the computing one (dense-stream).
+    #[arg(long, default_value_t = 2)]
+    pub window: usize,
+    /// Reader threads (queue depth) for streaming.
+    #[arg(long, default_value_t = 4)]
+    pub io_workers: usize,
+}
+
 /// Model and context flags shared by `run` and `bench`.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
@@ -93,6 +116,8 @@ pub struct ModelArgs {
     /// Turn off llama.cpp's CPU weight repacking.
     #[arg(long)]
     pub no_repack: bool,
+    #[command(flatten)]
+    pub plan: PlanArgs,
 }
 
 #[derive(Args, Debug)]

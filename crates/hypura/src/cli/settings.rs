@@ -3,8 +3,11 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 
-use crate::cli::args::{ModelArgs, SamplingArgs};
+use crate::cli::args::{ModelArgs, PlanArgs, SamplingArgs};
 use crate::engine::{EngineOptions, SamplerParams};
+use crate::hw::{default_cache_dir, machine_key, memory_info, ProfileCache};
+use crate::model::Inventory;
+use crate::plan::{self, MachineFacts, Mode, ModeChoice, Plan, PlanOptions};
 
 /// The model path, or the default model that `scripts/fetch-test-model` put in the cache.
 pub fn model_path(model: Option<&PathBuf>) -> anyhow::Result<PathBuf> {
@@ -18,15 +21,85 @@ pub fn model_path(model: Option<&PathBuf>) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
-pub fn engine_options(args: &ModelArgs) -> EngineOptions {
-    EngineOptions {
+/// Engine options for a model: flags, plus the plan for this machine's memory.
+pub fn engine_options(args: &ModelArgs, model: &std::path::Path) -> anyhow::Result<EngineOptions> {
+    let inventory = Inventory::open(model)?;
+    let plan = make_plan(&inventory, &args.plan, args.context, args.batch_size)?;
+    Ok(EngineOptions {
         n_ctx: args.context,
         n_batch: args.batch_size,
         n_ubatch: args.batch_size,
         n_threads: args.threads,
         repack: !args.no_repack,
+        plan: Some(plan),
+        io_workers: args.plan.io_workers.max(1),
         ..EngineOptions::default()
+    })
+}
+
+/// Parse a byte size: `8GiB`, `4.5G`, `512MiB`, `300MB`, `1000000`. Binary units for both
+/// spellings of K/M/G/T (as memory sizes usually are), decimal for KB/MB/GB/TB.
+pub fn parse_bytes(text: &str) -> anyhow::Result<u64> {
+    let trimmed = text.trim();
+    let split = trimmed.find(|character: char| !(character.is_ascii_digit() || character == '.')).unwrap_or(trimmed.len());
+    let (number, unit) = trimmed.split_at(split);
+    let value: f64 = number.parse().with_context(|| format!("{text:?} is not a size like 8GiB or 512MB"))?;
+    let multiplier: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kib" => 1024.0,
+        "m" | "mib" => 1024.0 * 1024.0,
+        "g" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        "t" | "tib" => 1024.0f64.powi(4),
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        other => anyhow::bail!("unknown size unit {other:?} in {text:?} (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"),
+    };
+    let bytes = value * multiplier;
+    if !bytes.is_finite() || bytes < 1.0 || bytes > u64::MAX as f64 {
+        anyhow::bail!("size {text:?} is out of range");
     }
+    Ok(bytes as u64)
+}
+
+/// What the default budget leaves for the rest of the machine: 10% of what is available,
+/// between 256 MiB and 2 GiB.
+pub fn headroom_bytes(available: u64) -> u64 {
+    (available / 10).clamp(256 << 20, 2 << 30)
+}
+
+pub fn parse_mode(text: &str) -> anyhow::Result<ModeChoice> {
+    Ok(match text {
+        "auto" => ModeChoice::Auto,
+        "resident" => ModeChoice::Forced(Mode::Resident),
+        "dense-stream" => ModeChoice::Forced(Mode::DenseStream),
+        "expert-stream" => ModeChoice::Forced(Mode::ExpertStream),
+        other => anyhow::bail!("unknown mode {other:?}: use auto, resident, dense-stream or expert-stream"),
+    })
+}
+
+/// The machine facts the planner needs: the budget (flag, or available memory minus headroom)
+/// and the disk bandwidth from the cached profile, if `hypura profile` has run.
+pub fn machine_facts(args: &PlanArgs) -> anyhow::Result<MachineFacts> {
+    let memory_budget_bytes = match &args.memory_budget {
+        Some(text) => parse_bytes(text).context("--memory-budget")?,
+        None => {
+            let available = memory_info().effective_available_bytes();
+            available.saturating_sub(headroom_bytes(available))
+        }
+    };
+    let disk_bytes_per_sec = ProfileCache::new(default_cache_dir())
+        .load(&machine_key())
+        .and_then(|profile| profile.disk)
+        .map(|disk| disk.best_direct.bytes_per_sec);
+    Ok(MachineFacts { memory_budget_bytes, disk_bytes_per_sec })
+}
+
+pub fn make_plan(inventory: &Inventory, args: &PlanArgs, n_ctx: u32, n_ubatch: u32) -> anyhow::Result<Plan> {
+    let facts = machine_facts(args)?;
+    let options = PlanOptions { mode: parse_mode(&args.mode)?, n_ctx, n_ubatch, window_layers: args.window.max(1) };
+    Ok(plan::plan(inventory, &facts, &options)?)
 }
 
 pub fn sampler_params(args: &SamplingArgs) -> anyhow::Result<SamplerParams> {
@@ -48,4 +121,37 @@ pub fn sampler_params(args: &SamplingArgs) -> anyhow::Result<SamplerParams> {
 fn rand_seed() -> u32 {
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|elapsed| elapsed.subsec_nanos()).unwrap_or(0);
     nanos ^ std::process::id()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_units() {
+        assert_eq!(parse_bytes("8GiB").unwrap(), 8 << 30);
+        assert_eq!(parse_bytes("8G").unwrap(), 8 << 30);
+        assert_eq!(parse_bytes("4.5g").unwrap(), (4.5 * (1u64 << 30) as f64) as u64);
+        assert_eq!(parse_bytes("512MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_bytes("300MB").unwrap(), 300_000_000);
+        assert_eq!(parse_bytes("1000").unwrap(), 1000);
+        assert_eq!(parse_bytes(" 2 TiB ").unwrap(), 2 << 40);
+        for bad in ["", "GiB", "-1G", "8 parsecs", "0", "1e400"] {
+            assert!(parse_bytes(bad).is_err(), "{bad:?} should be refused");
+        }
+    }
+
+    #[test]
+    fn headroom_is_a_tenth_within_limits() {
+        assert_eq!(headroom_bytes(1 << 30), 256 << 20);
+        assert_eq!(headroom_bytes(10 << 30), 1 << 30);
+        assert_eq!(headroom_bytes(100 << 30), 2 << 30);
+    }
+
+    #[test]
+    fn modes_parse() {
+        assert_eq!(parse_mode("dense-stream").unwrap(), ModeChoice::Forced(Mode::DenseStream));
+        assert_eq!(parse_mode("auto").unwrap(), ModeChoice::Auto);
+        assert!(parse_mode("fast").is_err());
+    }
 }

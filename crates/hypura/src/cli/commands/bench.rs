@@ -22,7 +22,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             format_bytes(BASELINE_HEADROOM_BYTES)
         );
     }
-    let engine = settings::engine_options(&args.model_args);
+    let engine = settings::engine_options(&args.model_args, &path)?;
     let threads = engine.n_threads.unwrap_or_else(|| hypura_sys::ContextParams::default().n_threads);
     let options = BenchOptions { n_prompt: args.n_prompt, n_gen: args.n_gen, reps: args.reps.max(1), baseline, engine, threads };
     let report = bench::run(&path, &options, &|stage| tracing::info!("bench: {stage}"))?;

@@ -23,6 +23,7 @@ struct InspectReport<'a> {
     bytes_by_layer: Vec<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     tensors: Option<&'a [crate::model::TensorEntry]>,
+    plan: &'a crate::plan::Plan,
 }
 
 #[derive(Serialize)]
@@ -34,6 +35,7 @@ struct QuantRow {
 
 pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
     let inventory = Inventory::open(&args.model)?;
+    let plan = crate::cli::settings::make_plan(&inventory, &args.plan, args.context, 512)?;
     let output = if args.json {
         let report = InspectReport {
             path: &inventory.path,
@@ -52,10 +54,11 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
             bytes_by_role: inventory.bytes_by_role().into_iter().collect(),
             bytes_by_layer: inventory.bytes_by_layer(),
             tensors: args.tensors.then_some(inventory.tensors.as_slice()),
+            plan: &plan,
         };
         serde_json::to_string_pretty(&report).context("serialising the report")? + "\n"
     } else {
-        render(&inventory, args.tensors)
+        render(&inventory, args.tensors) + "\n" + &plan.render()
     };
     print!("{output}");
     Ok(())

@@ -12,7 +12,13 @@ use crate::engine::{ChatMessage, Control, DoneReason, Engine, GenerateOutput, Ge
 pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     let path = settings::model_path(args.model.as_ref())?;
     let sampling = settings::sampler_params(&args.sampling)?;
-    let engine = Arc::new(Engine::load(&path, settings::engine_options(&args.model_args)).with_context(|| format!("loading {}", path.display()))?);
+    let options = settings::engine_options(&args.model_args, &path)?;
+    let engine = Arc::new(Engine::load(&path, options).with_context(|| format!("loading {}", path.display()))?);
+    if args.stats {
+        if let Some(plan) = &engine.options().plan {
+            eprint!("{}", plan.render());
+        }
+    }
     let mut session = Session::new(engine)?;
     // Ctrl-C stops the answer being generated, not the program.
     let cancel = Arc::new(AtomicBool::new(false));
@@ -112,4 +118,20 @@ fn print_stats(enabled: bool, output: &GenerateOutput) {
         stats.total_duration.as_secs_f64(),
         output.done_reason
     );
+    if let Some(io) = &stats.io {
+        let graphs = (stats.eval_count + u32::from(stats.prompt_eval_count > 0)).max(1) as f64;
+        let wall = stats.total_duration.as_secs_f64().max(1e-9);
+        eprintln!(
+            "io   {} read ({:.1} MB/token, {:.2} GB/s over the request) | read time {:.3} s over {} reads | stall {:.3} s ({:.1}% of the request) | per token: compute {:.1} ms, stall {:.1} ms",
+            crate::hw::format::format_bytes(io.bytes_read),
+            io.bytes_read as f64 / graphs / 1e6,
+            io.bytes_read as f64 / wall / 1e9,
+            io.read_seconds,
+            io.reads,
+            io.stall_seconds,
+            100.0 * io.stall_seconds / wall,
+            (wall - io.stall_seconds) / graphs * 1e3,
+            io.stall_seconds / graphs * 1e3,
+        );
+    }
 }
