@@ -84,3 +84,42 @@ fn tiny_dense_stream_is_bit_identical_to_resident() {
 fn gemma_dense_stream_is_bit_identical_to_resident() {
     assert_identical(&common::gemma_path(), 3, "The capital of France is");
 }
+
+/// A file truncated after the engine loaded (a disk read error in effect) gives a clear error
+/// for the request, never tokens computed on missing weights; the plan refuses budgets that
+/// cannot hold the non-streamed part.
+#[test]
+fn a_read_failure_fails_the_request_clearly() {
+    let directory = tempfile::tempdir().unwrap();
+    let path = common::forge("tiny-dense-8b", directory.path());
+    let (_, streaming) = engines(&path, 0);
+    let inventory = streaming.inventory();
+    // Cut the file inside the last streamed layer's FFN.
+    let last = inventory.tensors.iter().filter(|tensor| tensor.role.is_dense_ffn()).map(|tensor| tensor.file_offset).max().unwrap();
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(last + 100).unwrap();
+    let mut session = Session::new(streaming.clone()).unwrap();
+    let request = GenerateRequest { max_tokens: Some(4), sampling: SamplerParams::greedy(), ..GenerateRequest::new(Prompt::Raw("the sea".into())) };
+    let mut seen = String::new();
+    let error = session.generate(&request, &mut |text| {
+        seen.push_str(text);
+        Control::Continue
+    });
+    let message = error.expect_err("a truncated model must fail").to_string();
+    assert!(message.contains("short read") || message.contains("end of file"), "{message}");
+    assert!(seen.is_empty(), "no text may come from a failed graph: {seen:?}");
+}
+
+#[test]
+fn too_small_a_budget_is_refused_at_plan_time() {
+    let inventory = Inventory::open(&common::gemma_path()).unwrap();
+    let facts = MachineFacts { memory_budget_bytes: 64 << 20, disk_bytes_per_sec: None };
+    let error = plan::plan(&inventory, &facts, &PlanOptions::default()).unwrap_err();
+    assert!(matches!(error, plan::PlanError::BudgetTooSmall { .. }), "{error}");
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_hypura"))
+        .args(["inspect", common::gemma_path().to_str().unwrap(), "--memory-budget", "64MiB"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("64.0 MiB is too small") && stderr.contains("resident weights"), "{stderr}");
+}

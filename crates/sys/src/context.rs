@@ -66,17 +66,18 @@ pub struct Context {
     /// Tokens in the last decoded batch; logits are addressed by batch index.
     batch_tokens: i32,
     params: ContextParams,
-    /// Set by another thread to stop a decode between graph nodes; kept alive here because
-    /// llama.cpp holds a raw pointer to it.
-    abort: Arc<AtomicBool>,
+    /// Flags that stop a decode between graph nodes when any is set; boxed and kept here
+    /// because llama.cpp holds a raw pointer to them.
+    abort: Box<Vec<Arc<AtomicBool>>>,
     /// The eval hook, boxed so llama.cpp can hold a thin pointer to it.
     _hook: Option<Box<Arc<dyn EvalHook>>>,
 }
 
 unsafe extern "C" fn should_abort(data: *mut c_void) -> bool {
-    // SAFETY: `data` is the pointer of the Arc<AtomicBool> owned by the Context that
-    // registered this callback; the Context outlives every decode that can call it.
-    unsafe { &*(data as *const AtomicBool) }.load(Ordering::Relaxed)
+    // SAFETY: `data` is the boxed flag list owned by the Context that registered this
+    // callback; the Context outlives every decode that can call it, and the list is replaced
+    // only between decodes (&mut self).
+    unsafe { &*(data as *const Vec<Arc<AtomicBool>>) }.iter().any(|flag| flag.load(Ordering::Relaxed))
 }
 
 // SAFETY: a context may move between threads as long as only one uses it at a time, which
@@ -110,11 +111,11 @@ impl Context {
             n_batch: params.n_batch,
             reason: crate::log::take_last_error().unwrap_or_else(|| "unknown reason".to_string()),
         })?;
-        let abort = Arc::new(AtomicBool::new(false));
-        // SAFETY: the context is valid; the callback data points into `abort`, which the
+        let abort: Box<Vec<Arc<AtomicBool>>> = Box::default();
+        // SAFETY: the context is valid; the callback data points at the boxed list, which the
         // Context owns and which is dropped only after llama_free (see Drop).
         unsafe {
-            raw::llama_set_abort_callback(pointer.as_ptr(), Some(should_abort), Arc::as_ptr(&abort) as *mut c_void);
+            raw::llama_set_abort_callback(pointer.as_ptr(), Some(should_abort), &*abort as *const Vec<Arc<AtomicBool>> as *mut c_void);
         }
         Ok(Context { pointer, model: model.clone(), n_vocab: model.vocab().n_tokens(), batch_tokens: 0, params: params.clone(), abort, _hook: hook })
     }
@@ -123,16 +124,18 @@ impl Context {
         self.pointer.as_ptr()
     }
 
-    /// Use `flag` to abort decodes: once another thread sets it, the running decode stops
-    /// between graph nodes with `SysError::Aborted` (CPU backend; GPU ops finish first).
-    pub fn set_abort_flag(&mut self, flag: Arc<AtomicBool>) {
-        // SAFETY: the context is valid; the new data pointer points into `flag`, which we store
-        // in self (replacing the old one only after llama.cpp stops using it, i.e. after this
-        // call, since decodes need &mut self and none is running).
+    /// Abort decodes when any of `flags` is set (by another thread, or by an eval hook): the
+    /// running decode stops between graph nodes with `SysError::Aborted` (CPU backend; GPU ops
+    /// finish first).
+    pub fn set_abort_flags(&mut self, flags: Vec<Arc<AtomicBool>>) {
+        let abort = Box::new(flags);
+        // SAFETY: the context is valid; the new data pointer points at the new box, which we
+        // store in self; the old box is dropped only after llama.cpp switched to the new one,
+        // and no decode runs meanwhile (&mut self).
         unsafe {
-            raw::llama_set_abort_callback(self.pointer.as_ptr(), Some(should_abort), Arc::as_ptr(&flag) as *mut c_void);
+            raw::llama_set_abort_callback(self.pointer.as_ptr(), Some(should_abort), &*abort as *const Vec<Arc<AtomicBool>> as *mut c_void);
         }
-        self.abort = flag;
+        self.abort = abort;
     }
 
     pub fn model(&self) -> &Model {

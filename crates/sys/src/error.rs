@@ -30,4 +30,8 @@ pub enum SysError {
     Allocation(&'static str),
     #[error("quantize: {0}")]
     Quantize(String),
+    #[error("grammar: {0}")]
+    Grammar(String),
+    #[error("embedding: {0}")]
+    Embedding(String),
 }

@@ -9,12 +9,18 @@ use std::sync::Arc;
 use llama_cpp_sys_2 as raw;
 
 /// Decisions at chosen graph nodes. Called from llama.cpp's compute thread.
+///
+/// A hook cannot fail the graph by itself: ggml treats a "no" from the callback as "skip the
+/// rest of this split" and still reports success, so later nodes would be missing and the
+/// logits garbage. A hook that must stop the decode sets an abort flag registered with
+/// `Context::set_abort_flags`; the CPU backend then aborts before the next node and the decode
+/// returns `SysError::Aborted`.
 pub trait EvalHook: Send + Sync {
     /// Whether to stop at this node (by its name, e.g. `ffn_norm-7`). Called for every node of
     /// every graph: it must be cheap.
     fn wants(&self, name: &str) -> bool;
-    /// The node has been computed. Return false to abort the graph (its decode then fails).
-    fn observe(&self, node: &ObservedNode<'_>) -> bool;
+    /// The node has been computed; the graph continues when this returns.
+    fn observe(&self, node: &ObservedNode<'_>);
 }
 
 /// A computed graph node, as the hook sees it.
@@ -73,6 +79,7 @@ pub(crate) unsafe extern "C" fn eval_callback(tensor: *mut raw::ggml_tensor, ask
     if ask {
         hook.wants(name)
     } else {
-        hook.observe(&ObservedNode { tensor, name })
+        hook.observe(&ObservedNode { tensor, name });
+        true
     }
 }

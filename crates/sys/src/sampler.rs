@@ -6,6 +6,7 @@ use llama_cpp_sys_2 as raw;
 
 use crate::context::Context;
 use crate::error::SysError;
+use crate::grammar::Grammar;
 use crate::vocab::Token;
 
 /// Sampling settings with llama.cpp's meanings. `temperature <= 0` is greedy.
@@ -150,6 +151,50 @@ impl Sampler {
         // SAFETY: the chain and the context are valid and used by this thread only; the index
         // was checked to have logits just above.
         Ok(unsafe { raw::llama_sampler_sample(self.chain.as_ptr(), context.as_ptr(), index) })
+    }
+
+    /// Sample as `sample` does, under a grammar. The unconstrained choice is tried first and
+    /// kept when the grammar allows it (llama.cpp's own samplers do this: checking one token is
+    /// far cheaper than checking the whole vocabulary); otherwise every forbidden token is
+    /// masked and the chain samples again. The choice is recorded in both the chain and the
+    /// grammar (end-of-generation tokens only in the chain).
+    pub fn sample_constrained(&mut self, context: &mut Context, index: i32, grammar: &mut Grammar) -> Result<Token, SysError> {
+        let logits = context.logits(index)?;
+        let candidates = |logits: &[f32]| -> Vec<raw::llama_token_data> {
+            logits.iter().enumerate().map(|(id, &logit)| raw::llama_token_data { id: id as Token, logit, p: 0.0 }).collect()
+        };
+        let mut free = candidates(logits);
+        let first = self.apply_chain(&mut free, None)?;
+        let token = if grammar.allows(first) {
+            first
+        } else {
+            let mut masked = candidates(logits);
+            let token = self.apply_chain(&mut masked, Some(grammar))?;
+            if !grammar.allows(token) {
+                return Err(SysError::Grammar("no token the grammar allows has a finite probability".into()));
+            }
+            token
+        };
+        self.accept(token);
+        grammar.accept(token);
+        Ok(token)
+    }
+
+    /// Run the chain (after the grammar's mask, if given) over `candidates` and return the
+    /// selected token.
+    fn apply_chain(&mut self, candidates: &mut [raw::llama_token_data], grammar: Option<&mut Grammar>) -> Result<Token, SysError> {
+        let mut array = raw::llama_token_data_array { data: candidates.as_mut_ptr(), size: candidates.len(), selected: -1, sorted: false };
+        if let Some(grammar) = grammar {
+            grammar.apply(&mut array);
+        }
+        // SAFETY: the chain is valid; the array describes `candidates`, which lives for the call.
+        // Samplers may shrink `size` or re-point `data` into the same buffer, never past it.
+        unsafe { raw::llama_sampler_apply(self.chain.as_ptr(), &mut array) };
+        if array.selected < 0 || array.selected as usize >= array.size {
+            return Err(SysError::Grammar(format!("the sampler chain selected no candidate (selected {})", array.selected)));
+        }
+        // SAFETY: `selected` is inside the array, checked above.
+        Ok(unsafe { (*array.data.add(array.selected as usize)).id })
     }
 
     /// Feed a token into the chain's history without sampling (prompt tokens, for penalties).

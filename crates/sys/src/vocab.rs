@@ -18,7 +18,7 @@ impl Vocab {
         Vocab { model }
     }
 
-    fn as_ptr(&self) -> *const raw::llama_vocab {
+    pub(crate) fn as_ptr(&self) -> *const raw::llama_vocab {
         // SAFETY: the model pointer is valid while `self.model` lives; the vocab is owned by it.
         unsafe { raw::llama_model_get_vocab(self.model.as_ptr()) }
     }

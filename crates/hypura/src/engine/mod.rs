@@ -5,6 +5,7 @@
 //! a typed error, never a ggml abort), then loads it with llama.cpp. `Session::generate` renders
 //! the chat template, tokenizes, reuses the KV cache for a shared prefix, prefills in batches,
 //! then decodes token by token with the sampler chain, streaming text out through a callback.
+pub mod batch;
 mod load;
 mod session;
 mod template;
@@ -12,6 +13,7 @@ mod text;
 
 use std::path::PathBuf;
 
+pub use batch::{Batcher, Finished, SequenceEvent, SequenceRequest, SequenceSink};
 pub use load::{Engine, EngineOptions, Streaming};
 pub use session::{ChatMessage, Control, DoneReason, GenerateOutput, GenerateRequest, GenerationStats, Prompt, Session};
 pub use template::ChatTemplate;

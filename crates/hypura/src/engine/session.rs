@@ -169,8 +169,20 @@ impl Session {
             return Err(EngineError::EmptyPrompt);
         }
         self.reset();
+        self.arm_abort(None);
         self.decode_tokens(&tokens)?;
         Ok(self.context.logits(-1)?.to_vec())
+    }
+
+    /// A cancel flag aborts a decode in progress (a long prefill) between graph nodes, and so
+    /// does a streaming read failure, before any node computes on missing weights.
+    fn arm_abort(&mut self, cancel: Option<Arc<AtomicBool>>) {
+        let mut flags = vec![cancel.unwrap_or_default()];
+        if let Some(streaming) = self.engine.streaming() {
+            streaming.window.take_failure();
+            flags.push(streaming.window.abort_flag());
+        }
+        self.context.set_abort_flags(flags);
     }
 
     /// Forget the conversation (the KV cache).
@@ -191,9 +203,7 @@ impl Session {
         if prompt.len() >= n_ctx as usize {
             return Err(EngineError::PromptTooLong { tokens: prompt.len(), n_ctx });
         }
-        // A cancel flag also aborts a decode in progress (a long prefill) between graph nodes.
-        let abort = request.cancel.clone().unwrap_or_default();
-        self.context.set_abort_flag(abort);
+        self.arm_abort(request.cancel.clone());
         let cancelled = || request.cancel.as_ref().is_some_and(|flag| flag.load(Ordering::Relaxed));
 
         let mut stats = GenerationStats { load_duration: self.engine.load_duration(), ..GenerationStats::default() };
@@ -203,6 +213,7 @@ impl Session {
         let prefill_started = Instant::now();
         match self.decode_tokens(&prompt[reused..]) {
             Err(EngineError::Sys(SysError::Aborted)) if cancelled() => {
+                self.reset();
                 stats.total_duration = started.elapsed();
                 return Ok(GenerateOutput { text: String::new(), tokens: Vec::new(), done_reason: DoneReason::Cancelled, stats });
             }

@@ -326,3 +326,131 @@ impl Plan {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Hparams, Inventory, Role, TensorEntry};
+    use hypura_gguf::GgmlType;
+    use proptest::prelude::*;
+
+    /// A llama-like inventory: per layer one attention tensor and three FFN tensors.
+    fn inventory(n_layer: u64, attention_bytes: u64, ffn_bytes: u64, embedding_bytes: u64) -> Inventory {
+        let mut tensors = Vec::new();
+        let mut offset = 0;
+        let mut add = |name: String, role: Role, layer: Option<u32>, bytes: u64| {
+            tensors.push(TensorEntry { name, role, layer, ggml_type: GgmlType::Q4_K, dims: vec![256, bytes / 144], bytes, split: 0, file_offset: offset, experts: None });
+            offset += bytes;
+        };
+        add("token_embd.weight".into(), Role::TokenEmbedding, None, embedding_bytes);
+        for layer in 0..n_layer as u32 {
+            add(format!("blk.{layer}.attn_q.weight"), Role::AttentionQ, Some(layer), attention_bytes);
+            for (suffix, role) in [("ffn_gate", Role::FfnGate), ("ffn_up", Role::FfnUp), ("ffn_down", Role::FfnDown)] {
+                add(format!("blk.{layer}.{suffix}.weight"), role, Some(layer), ffn_bytes);
+            }
+        }
+        Inventory {
+            path: "test.gguf".into(),
+            split_paths: vec!["test.gguf".into()],
+            arch: "llama".into(),
+            name: None,
+            hparams: Hparams {
+                n_layer,
+                n_embd: 2048,
+                n_head: 16,
+                n_head_kv: 4,
+                head_dim_k: 128,
+                head_dim_v: 128,
+                n_ctx_train: 4096,
+                n_ff: 5632,
+                n_expert: 0,
+                n_expert_used: 0,
+                n_ff_expert: 0,
+                n_vocab: 32000,
+            },
+            tensors,
+            file_bytes: offset + 4096,
+        }
+    }
+
+    fn options(mode: ModeChoice, window_layers: usize) -> PlanOptions {
+        PlanOptions { mode, n_ctx: 1024, n_ubatch: 256, window_layers }
+    }
+
+    #[test]
+    fn a_model_that_fits_is_resident() {
+        let inventory = inventory(8, 1 << 20, 4 << 20, 8 << 20);
+        let plan = plan(&inventory, &MachineFacts { memory_budget_bytes: 8 << 30, disk_bytes_per_sec: None }, &options(ModeChoice::Auto, 2)).unwrap();
+        assert_eq!(plan.mode, Mode::Resident);
+        assert!(plan.tensors.iter().all(|tensor| tensor.tier == Tier::Ram));
+        assert_eq!(plan.streamed_bytes_per_token, 0);
+    }
+
+    #[test]
+    fn a_budget_below_the_fixed_part_is_refused_with_the_numbers() {
+        let inventory = inventory(8, 64 << 20, 64 << 20, 256 << 20);
+        let error = plan(&inventory, &MachineFacts { memory_budget_bytes: 300 << 20, disk_bytes_per_sec: None }, &options(ModeChoice::Auto, 2)).unwrap_err();
+        match &error {
+            PlanError::BudgetTooSmall { budget, needed, resident, layers, .. } => {
+                assert_eq!(*budget, 300 << 20);
+                assert!(needed > budget);
+                assert_eq!(*resident, (256 << 20) + 8 * (64 << 20));
+                assert_eq!(*layers, 2);
+            }
+            other => panic!("{other:?}"),
+        }
+        let message = error.to_string();
+        assert!(message.contains("300.0 MiB") && message.contains("768.0 MiB resident weights"), "{message}");
+    }
+
+    #[test]
+    fn the_io_bound_follows_from_streamed_bytes() {
+        let inventory = inventory(10, 16 << 20, 32 << 20, 64 << 20);
+        let fixed = (64 << 20) + 10 * (16 << 20) + kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 256);
+        // Room for the window (3 layers of 96 MiB) and 2 pinned layers.
+        let budget = fixed + 5 * (96 << 20);
+        let plan = plan(&inventory, &MachineFacts { memory_budget_bytes: budget, disk_bytes_per_sec: Some(2e9) }, &options(ModeChoice::Auto, 2)).unwrap();
+        let dense = plan.dense.as_ref().unwrap();
+        assert_eq!(dense.pinned_layers.len(), 2);
+        assert_eq!(dense.streamed_layers.len(), 8);
+        assert_eq!(plan.streamed_bytes_per_token, 8 * (96 << 20));
+        let bound = plan.io_bound_tokens_per_sec.unwrap();
+        assert!((bound - 2e9 / (8.0 * (96u64 << 20) as f64)).abs() < 1e-9);
+    }
+
+    proptest! {
+        /// No plan exceeds its budget, and every tensor has exactly one tier.
+        #[test]
+        fn plans_respect_the_budget_and_place_every_tensor(
+            n_layer in 1u64..48,
+            attention in 1u64..64,
+            ffn in 1u64..256,
+            embedding in 1u64..512,
+            budget_mib in 1u64..40_000,
+            window in 1usize..6,
+            forced in any::<bool>(),
+        ) {
+            let inventory = inventory(n_layer, attention << 20, ffn << 20, embedding << 20);
+            let machine = MachineFacts { memory_budget_bytes: budget_mib << 20, disk_bytes_per_sec: Some(1e9) };
+            let mode = if forced { ModeChoice::Forced(Mode::DenseStream) } else { ModeChoice::Auto };
+            match plan(&inventory, &machine, &options(mode, window)) {
+                Ok(plan) => {
+                    prop_assert!(plan.budget.total_bytes <= plan.budget.budget_bytes, "{:?}", plan.budget);
+                    prop_assert_eq!(plan.tensors.len(), inventory.tensors.len());
+                    for (placement, tensor) in plan.tensors.iter().zip(&inventory.tensors) {
+                        prop_assert_eq!(&placement.name, &tensor.name);
+                    }
+                    let streamed: u64 = plan.streamed_tensors().map(|tensor| tensor.bytes).sum();
+                    prop_assert_eq!(streamed, plan.streamed_bytes_per_token);
+                    prop_assert_eq!(plan.budget.resident_weight_bytes + streamed, inventory.tensor_data_bytes());
+                    if let Some(dense) = &plan.dense {
+                        prop_assert_eq!(dense.pinned_layers.len() + dense.streamed_layers.len(), n_layer as usize);
+                        prop_assert!(plan.streamed_tensors().all(|tensor| inventory.tensors.iter().any(|entry| entry.name == tensor.name && entry.role.is_dense_ffn())));
+                    }
+                }
+                Err(PlanError::BudgetTooSmall { needed, budget, .. }) => prop_assert!(needed > budget),
+                Err(other) => prop_assert!(false, "unexpected error {other:?}"),
+            }
+        }
+    }
+}

@@ -5,6 +5,7 @@
 //! There it releases the previous streamed layer (its FFN has run), asks for the next `D`
 //! streamed layers in forward order (wrapping to the first layers for the next token), and
 //! blocks until layer L's FFN bytes are ready. Pinned layers are ordinary resident tensors.
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use hypura_sys::{EvalHook, ObservedNode};
@@ -24,13 +25,16 @@ pub struct DenseWindow {
     window: usize,
     /// The first read error, reported to the request that hit it.
     failure: Mutex<Option<ResidencyError>>,
+    /// Set on a read error; sessions register it as an abort flag so the decode stops before
+    /// any node computes on missing weights.
+    failed: Arc<AtomicBool>,
 }
 
 impl DenseWindow {
     /// `unit_of_layer[L]` is the residency unit holding layer L's FFN, if it streams.
     pub fn new(residency: Arc<Residency>, unit_of_layer: Vec<Option<usize>>, window: usize) -> DenseWindow {
         let streamed_layers = unit_of_layer.iter().enumerate().filter(|(_, unit)| unit.is_some()).map(|(layer, _)| layer as u32).collect();
-        DenseWindow { residency, unit_of_layer, streamed_layers, window: window.max(1), failure: Mutex::new(None) }
+        DenseWindow { residency, unit_of_layer, streamed_layers, window: window.max(1), failure: Mutex::new(None), failed: Arc::default() }
     }
 
     pub fn residency(&self) -> &Arc<Residency> {
@@ -47,9 +51,16 @@ impl DenseWindow {
         Ok(())
     }
 
-    /// The error that made the hook abort a decode, if any (taken once).
+    /// The error that made the hook abort a decode, if any (taken once; clears the flag).
     pub fn take_failure(&self) -> Option<ResidencyError> {
-        self.failure.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take()
+        let failure = self.failure.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
+        self.failed.store(false, Ordering::Relaxed);
+        failure
+    }
+
+    /// The abort flag a session must register with its context.
+    pub fn abort_flag(&self) -> Arc<AtomicBool> {
+        self.failed.clone()
     }
 
     fn layer_of(name: &str) -> Option<usize> {
@@ -93,18 +104,16 @@ impl EvalHook for DenseWindow {
         Self::layer_of(name).is_some_and(|layer| layer < self.unit_of_layer.len())
     }
 
-    fn observe(&self, node: &ObservedNode<'_>) -> bool {
+    fn observe(&self, node: &ObservedNode<'_>) {
         let Some(layer) = Self::layer_of(node.name()) else {
-            return true;
+            return;
         };
         self.residency.stats().record_observation();
-        match self.enter_layer(layer) {
-            Ok(()) => true,
-            Err(error) => {
-                tracing::error!("dense streaming at layer {layer}: {error}");
-                self.failure.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).get_or_insert(error);
-                false
-            }
+        if let Err(error) = self.enter_layer(layer) {
+            tracing::error!("dense streaming at layer {layer}: {error}");
+            self.failure.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).get_or_insert(error);
+            // Stop the decode before the FFN of this layer runs on missing bytes.
+            self.failed.store(true, Ordering::Relaxed);
         }
     }
 }

@@ -299,3 +299,74 @@ impl Drop for Residency {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Writes a recognisable pattern, or fails on the chosen calls.
+    struct FakeReader {
+        calls: AtomicUsize,
+        fail_on: Vec<usize>,
+    }
+
+    impl UnitReader for FakeReader {
+        fn read(&self, region: &Region, range: Range<u64>) -> Result<u64, IoError> {
+            let call = self.calls.fetch_add(1, Ordering::SeqCst);
+            if self.fail_on.contains(&call) {
+                return Err(IoError::ShortRead { path: "model.gguf".into(), offset: range.start, wanted: 10, got: 3 });
+            }
+            let bytes: Vec<u8> = (range.start..range.end).map(|offset| (offset % 251) as u8 + 1).collect();
+            region.write(range.start, &bytes);
+            Ok(range.end - range.start)
+        }
+    }
+
+    fn residency(fail_on: Vec<usize>) -> Residency {
+        let region = Arc::new(Region::reserve(64 << 20).unwrap());
+        let units = vec![
+            StreamUnit { ranges: vec![0..(9 << 20)] },
+            StreamUnit { ranges: vec![(16 << 20)..(17 << 20) + 123, (20 << 20)..(21 << 20)] },
+        ];
+        Residency::new(region, Arc::new(FakeReader { calls: AtomicUsize::new(0), fail_on }), units, 3, Arc::new(IoStats::default()))
+    }
+
+    #[test]
+    fn a_unit_becomes_ready_with_its_bytes_and_release_empties_it() {
+        let residency = residency(vec![]);
+        assert_eq!(residency.state(1), Some((SliceState::Empty, 0)));
+        residency.wait_ready(1).unwrap();
+        assert_eq!(residency.state(1), Some((SliceState::Ready, 0)));
+        let bytes = residency.region().copy_out((16 << 20)..(17 << 20) + 123);
+        assert!(bytes.iter().enumerate().all(|(index, &byte)| byte == (((16 << 20) + index as u64) % 251) as u8 + 1));
+        residency.release(1).unwrap();
+        assert_eq!(residency.state(1), Some((SliceState::Empty, 1)));
+        // Whole pages inside the unit read as zeros again.
+        assert!(residency.region().copy_out((16 << 20)..(17 << 20)).iter().all(|&byte| byte == 0));
+        let stats = residency.stats().snapshot();
+        assert_eq!(stats.units_loaded, 1);
+        assert_eq!(stats.units_released, 1);
+        // 1 MiB + 123 bytes rounds up to whole pages, plus 1 MiB.
+        assert_eq!(stats.bytes_read, (1 << 20) + 123 + (1 << 20));
+    }
+
+    #[test]
+    fn a_failed_read_is_reported_once_and_the_unit_can_load_again() {
+        // The 9 MiB unit is read in three chunks; the second fails.
+        let residency = residency(vec![1]);
+        let error = residency.wait_ready(0).unwrap_err();
+        assert!(error.to_string().contains("short read"), "{error}");
+        assert_eq!(residency.state(0).unwrap().0, SliceState::Empty);
+        // Nothing the failed load wrote survives.
+        assert!(residency.region().copy_out(0..(9 << 20)).iter().all(|&byte| byte == 0));
+        residency.wait_ready(0).unwrap();
+        assert_eq!(residency.state(0).unwrap().0, SliceState::Ready);
+    }
+
+    #[test]
+    fn unknown_units_are_errors() {
+        let residency = residency(vec![]);
+        assert!(matches!(residency.request(7), Err(ResidencyError::NoSuchUnit { unit: 7, count: 2 })));
+    }
+}

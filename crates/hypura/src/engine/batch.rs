@@ -1,0 +1,447 @@
+//! `Batcher`: several generations decoding together as parallel sequences of one context.
+//!
+//! Each step builds one llama.cpp batch holding the next token of every sequence that is
+//! generating, then fills the rest of the batch with prompt chunks of sequences that are still
+//! prefilling, decodes it once, and samples every sequence from its own row of logits with its
+//! own sampler chain (and grammar). One decode is one pass over the weights, so in streaming
+//! modes every weight read from disk serves every active request at once.
+//!
+//! The KV cache is not unified: llama.cpp gives each sequence its own share of the context
+//! (`n_ctx / n_seq_max` cells), so one long conversation can never starve the others. A freed
+//! slot keeps its KV entries, and a new request goes to the free slot sharing the longest
+//! prefix with it, so a chat that comes back for its next turn reuses its cache.
+//!
+//! The batcher is synchronous and owned by one thread (the server's model worker); text and the
+//! final statistics leave through a per-sequence callback.
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use hypura_sys::{Batch, Context, Grammar, Sampler, SamplerParams, SysError, Token};
+
+use super::session::{ChatMessage, Control, DoneReason, GenerateOutput, GenerationStats};
+use super::text::{StopMatcher, StopScan, Utf8Stream};
+use super::{Engine, EngineError};
+
+/// One generation for the batcher. The prompt is already tokenized (see `tokenize_text`).
+pub struct SequenceRequest {
+    pub tokens: Vec<Token>,
+    /// None: until end of generation or the sequence's share of the context is full.
+    pub max_tokens: Option<u32>,
+    pub sampling: SamplerParams,
+    pub stop: Vec<String>,
+    /// A GBNF grammar (root rule `root`) that the answer must follow.
+    pub grammar: Option<String>,
+    /// Tokens this request may hold in total (prompt and answer); capped at the sequence's
+    /// share of the context.
+    pub n_ctx: Option<u32>,
+    /// Set from another thread to stop within one token.
+    pub cancel: Arc<AtomicBool>,
+}
+
+/// The end of a sequence: the engine's output plus the prompt it was generated from (Ollama's
+/// `context` is both).
+#[derive(Clone, Debug)]
+pub struct Finished {
+    pub output: GenerateOutput,
+    pub prompt: Vec<Token>,
+}
+
+/// What a sequence's callback receives.
+pub enum SequenceEvent<'a> {
+    /// Final text (never part of a stop string). Returning `Control::Stop` cancels.
+    Text(&'a str),
+    Done(Finished),
+    /// The decode failed; the sequence is gone.
+    Failed(String),
+}
+
+/// Receives a sequence's events on the batcher's thread.
+pub type SequenceSink = Box<dyn FnMut(SequenceEvent<'_>) -> Control + Send>;
+
+struct Active {
+    prompt: Vec<Token>,
+    /// Index of the next prompt token to decode.
+    next_prompt: usize,
+    /// A sampled token not yet decoded.
+    pending: Option<Token>,
+    /// Tokens of this sequence in the batch being decoded.
+    queued: Vec<Token>,
+    /// Row of this sequence's logits in the last decoded batch.
+    logits_row: Option<i32>,
+    sampler: Sampler,
+    grammar: Option<Grammar>,
+    max_tokens: Option<u32>,
+    limit: usize,
+    utf8: Utf8Stream,
+    stops: StopMatcher,
+    text: String,
+    generated: Vec<Token>,
+    cancel: Arc<AtomicBool>,
+    sink: SequenceSink,
+    stats: GenerationStats,
+    started: Instant,
+    eval_started: Option<Instant>,
+    io_before: Option<crate::store::IoSnapshot>,
+}
+
+struct Slot {
+    seq_id: i32,
+    /// Tokens whose KV entries this sequence holds.
+    cached: Vec<Token>,
+    active: Option<Active>,
+}
+
+/// Parallel sequences on one context. See the module documentation.
+pub struct Batcher {
+    engine: Arc<Engine>,
+    context: Context,
+    batch: Batch,
+    slots: Vec<Slot>,
+    n_ctx_per_sequence: usize,
+    /// Which prefilling sequence goes first in the next batch, so that long prompts share.
+    prefill_turn: usize,
+}
+
+impl Batcher {
+    /// A context for `n_sequences` parallel sequences, each with the engine's context length.
+    pub fn new(engine: Arc<Engine>, n_sequences: u32) -> Result<Batcher, EngineError> {
+        let n_sequences = n_sequences.clamp(1, 64);
+        let mut params = engine.context_params();
+        let per_sequence = params.n_ctx;
+        params.n_ctx = per_sequence.saturating_mul(n_sequences);
+        params.n_seq_max = n_sequences;
+        let context = Context::new(engine.model(), &params)?;
+        // llama.cpp rounds each sequence's share up to a multiple of 256.
+        let n_ctx_per_sequence = (context.n_ctx() / n_sequences) as usize;
+        let batch = Batch::new(params.n_batch as usize, 1);
+        let slots = (0..n_sequences as i32).map(|seq_id| Slot { seq_id, cached: Vec::new(), active: None }).collect();
+        Ok(Batcher { engine, context, batch, slots, n_ctx_per_sequence, prefill_turn: 0 })
+    }
+
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.engine
+    }
+
+    /// Tokens one sequence may hold.
+    pub fn n_ctx_per_sequence(&self) -> usize {
+        self.n_ctx_per_sequence
+    }
+
+    pub fn n_sequences(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub fn free_slots(&self) -> usize {
+        self.slots.iter().filter(|slot| slot.active.is_none()).count()
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.slots.iter().all(|slot| slot.active.is_none())
+    }
+
+    /// Start a sequence in a free slot. Errors (bad sampling values, a grammar llama.cpp cannot
+    /// parse, a prompt longer than the context, no free slot) are returned with the sink, before
+    /// anything is decoded.
+    pub fn admit(&mut self, request: SequenceRequest, sink: SequenceSink) -> Result<(), (EngineError, SequenceSink)> {
+        match self.prepare(&request) {
+            Ok((index, sampler, grammar, reused)) => {
+                let limit = request.n_ctx.map_or(self.n_ctx_per_sequence, |limit| (limit as usize).clamp(1, self.n_ctx_per_sequence));
+                let slot = &mut self.slots[index];
+                let io_before = self.engine.streaming().map(|streaming| streaming.stats.snapshot());
+                let stats = GenerationStats { reused_prompt_tokens: reused as u32, prompt_eval_count: (request.tokens.len() - reused) as u32, ..GenerationStats::default() };
+                slot.active = Some(Active {
+                    next_prompt: reused,
+                    prompt: request.tokens,
+                    pending: None,
+                    queued: Vec::new(),
+                    logits_row: None,
+                    sampler,
+                    grammar,
+                    max_tokens: request.max_tokens,
+                    limit,
+                    utf8: Utf8Stream::default(),
+                    stops: StopMatcher::new(&request.stop),
+                    text: String::new(),
+                    generated: Vec::new(),
+                    cancel: request.cancel,
+                    sink,
+                    stats,
+                    started: Instant::now(),
+                    eval_started: None,
+                    io_before,
+                });
+                Ok(())
+            }
+            Err(error) => Err((error, sink)),
+        }
+    }
+
+    /// Validate a request and pick its slot: the free one sharing the longest prefix.
+    fn prepare(&mut self, request: &SequenceRequest) -> Result<(usize, Sampler, Option<Grammar>, usize), EngineError> {
+        request.sampling.validate()?;
+        let tokens = &request.tokens;
+        if tokens.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let vocab = self.engine.model().vocab();
+        let n_vocab = vocab.n_tokens();
+        if let Some(&bad) = tokens.iter().find(|&&token| token < 0 || token >= n_vocab) {
+            return Err(SysError::BadToken { token: bad, n_vocab }.into());
+        }
+        let limit = request.n_ctx.map_or(self.n_ctx_per_sequence, |limit| (limit as usize).clamp(1, self.n_ctx_per_sequence));
+        if tokens.len() >= limit {
+            return Err(EngineError::PromptTooLong { tokens: tokens.len(), n_ctx: limit as u32 });
+        }
+        let grammar = match &request.grammar {
+            Some(text) => Some(Grammar::new(&vocab, text, "root")?),
+            None => None,
+        };
+        let mut sampler = Sampler::new(&request.sampling, &self.context)?;
+        for &token in tokens {
+            sampler.accept(token);
+        }
+        let index = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, slot)| slot.active.is_none())
+            .max_by_key(|(index, slot)| (shared_prefix(&slot.cached, tokens), std::cmp::Reverse(*index)))
+            .map(|(index, _)| index)
+            .ok_or_else(|| EngineError::Store("every sequence of the context is busy".into()))?;
+        let reused = self.reuse_prefix(index, tokens);
+        Ok((index, sampler, grammar, reused))
+    }
+
+    /// Keep the KV entries of the longest prefix the slot shares with `tokens`, dropping the
+    /// rest. At least one prompt token is decoded again so that there are logits to sample.
+    fn reuse_prefix(&mut self, index: usize, tokens: &[Token]) -> usize {
+        let slot = &mut self.slots[index];
+        let keep = shared_prefix(&slot.cached, tokens).min(tokens.len() - 1);
+        if keep == slot.cached.len() {
+            return keep;
+        }
+        // Sliding-window caches cannot always drop a tail; then the sequence starts over.
+        if keep > 0 && self.context.truncate_sequence(slot.seq_id, keep as i32) {
+            slot.cached.truncate(keep);
+            keep
+        } else {
+            self.context.truncate_sequence(slot.seq_id, 0);
+            slot.cached.clear();
+            0
+        }
+    }
+
+    /// One decode over every active sequence, then one sampled token for each sequence whose
+    /// prompt is done. Returns false when there was nothing to do.
+    pub fn step(&mut self) -> bool {
+        for index in 0..self.slots.len() {
+            if self.slots[index].active.as_ref().is_some_and(|active| active.cancel.load(Ordering::Relaxed)) {
+                self.finish(index, DoneReason::Cancelled);
+            }
+        }
+        if !self.fill_batch() {
+            return false;
+        }
+        if let Err(error) = self.context.decode(&self.batch) {
+            let message = match self.engine.streaming().and_then(|streaming| streaming.window.take_failure()) {
+                Some(failure) => EngineError::Store(failure.to_string()).to_string(),
+                None => EngineError::from(error).to_string(),
+            };
+            self.fail_batch(&message);
+            return true;
+        }
+        let mut ready = Vec::new();
+        for (index, slot) in self.slots.iter_mut().enumerate() {
+            let Some(active) = slot.active.as_mut() else { continue };
+            slot.cached.append(&mut active.queued);
+            if active.logits_row.is_some() {
+                ready.push(index);
+            }
+        }
+        for index in ready {
+            self.sample_next(index);
+        }
+        true
+    }
+
+    /// Next tokens of generating sequences first (one each), then prompt chunks.
+    fn fill_batch(&mut self) -> bool {
+        self.batch.clear();
+        let capacity = self.batch.capacity();
+        for slot in &mut self.slots {
+            let Some(active) = slot.active.as_mut() else { continue };
+            active.queued.clear();
+            active.logits_row = None;
+            if let Some(token) = active.pending.take() {
+                let row = self.batch.len() as i32;
+                if self.batch.push(token, slot.cached.len() as i32, &[slot.seq_id], true).is_ok() {
+                    active.queued.push(token);
+                    active.logits_row = Some(row);
+                } else {
+                    active.pending = Some(token);
+                }
+            }
+        }
+        let count = self.slots.len();
+        for turn in 0..count {
+            let slot = &mut self.slots[(self.prefill_turn + turn) % count];
+            let Some(active) = slot.active.as_mut() else { continue };
+            if active.next_prompt >= active.prompt.len() {
+                continue;
+            }
+            let room = capacity - self.batch.len();
+            if room == 0 {
+                break;
+            }
+            let take = room.min(active.prompt.len() - active.next_prompt);
+            for offset in 0..take {
+                let position = active.next_prompt + offset;
+                let is_last = position + 1 == active.prompt.len();
+                let row = self.batch.len() as i32;
+                if self.batch.push(active.prompt[position], position as i32, &[slot.seq_id], is_last).is_err() {
+                    break;
+                }
+                active.queued.push(active.prompt[position]);
+                if is_last {
+                    active.logits_row = Some(row);
+                }
+            }
+            active.next_prompt += active.queued.len();
+        }
+        self.prefill_turn = (self.prefill_turn + 1) % count.max(1);
+        !self.batch.is_empty()
+    }
+
+    /// A failed decode: the KV cache may hold part of the batch, so every sequence in it starts
+    /// over and its request gets the error.
+    fn fail_batch(&mut self, message: &str) {
+        for index in 0..self.slots.len() {
+            let slot = &mut self.slots[index];
+            let involved = slot.active.as_ref().is_some_and(|active| !active.queued.is_empty());
+            if !involved {
+                continue;
+            }
+            self.context.truncate_sequence(slot.seq_id, 0);
+            slot.cached.clear();
+            if let Some(mut active) = slot.active.take() {
+                (active.sink)(SequenceEvent::Failed(message.to_string()));
+            }
+        }
+    }
+
+    fn sample_next(&mut self, index: usize) {
+        let vocab = self.engine.model().vocab();
+        let slot = &mut self.slots[index];
+        let cached = slot.cached.len();
+        let Some(active) = slot.active.as_mut() else { return };
+        let Some(row) = active.logits_row.take() else { return };
+        if active.eval_started.is_none() {
+            let now = Instant::now();
+            active.stats.prompt_eval_duration = now - active.started;
+            active.eval_started = Some(now);
+        }
+        if active.max_tokens.is_some_and(|limit| active.generated.len() >= limit as usize) {
+            return self.finish(index, DoneReason::Length);
+        }
+        let sampled = match active.grammar.as_mut() {
+            Some(grammar) => active.sampler.sample_constrained(&mut self.context, row, grammar),
+            None => active.sampler.sample(&mut self.context, row),
+        };
+        let token = match sampled {
+            Ok(token) => token,
+            Err(error) => return self.fail(index, &EngineError::from(error).to_string()),
+        };
+        if vocab.is_end_of_generation(token) {
+            return self.finish(index, DoneReason::Stop);
+        }
+        active.generated.push(token);
+        let bytes = vocab.token_bytes(token, false).unwrap_or_default();
+        let piece = active.utf8.push(&bytes);
+        match active.stops.push(&piece) {
+            StopScan::Stopped(before) => {
+                emit(active, &before);
+                return self.finish(index, DoneReason::Stop);
+            }
+            StopScan::Continue(ready) => {
+                if emit(active, &ready) == Control::Stop {
+                    return self.finish(index, DoneReason::Cancelled);
+                }
+            }
+        }
+        if active.max_tokens.is_some_and(|limit| active.generated.len() >= limit as usize) || cached + 1 >= active.limit {
+            return self.finish(index, DoneReason::Length);
+        }
+        active.pending = Some(token);
+    }
+
+    fn fail(&mut self, index: usize, message: &str) {
+        if let Some(mut active) = self.slots[index].active.take() {
+            (active.sink)(SequenceEvent::Failed(message.to_string()));
+        }
+    }
+
+    /// End a sequence: flush held-back text (unless cancelled) and send the statistics. The
+    /// slot keeps its KV entries for the next request that shares the prefix.
+    fn finish(&mut self, index: usize, done_reason: DoneReason) {
+        let Some(mut active) = self.slots[index].active.take() else { return };
+        if done_reason != DoneReason::Cancelled {
+            let rest = active.utf8.finish();
+            let tail = match active.stops.push(&rest) {
+                StopScan::Stopped(before) => before,
+                StopScan::Continue(ready) => ready + &active.stops.finish(),
+            };
+            emit(&mut active, &tail);
+        }
+        let now = Instant::now();
+        let mut stats = active.stats.clone();
+        match active.eval_started {
+            Some(eval_started) => stats.eval_duration = now - eval_started,
+            None => stats.prompt_eval_duration = now - active.started,
+        }
+        stats.eval_count = active.generated.len() as u32;
+        stats.total_duration = now - active.started;
+        if let (Some(before), Some(streaming)) = (active.io_before, self.engine.streaming()) {
+            stats.io = Some(streaming.stats.snapshot() - before);
+        }
+        let output = GenerateOutput { text: std::mem::take(&mut active.text), tokens: std::mem::take(&mut active.generated), done_reason, stats };
+        let prompt = std::mem::take(&mut active.prompt);
+        (active.sink)(SequenceEvent::Done(Finished { output, prompt }));
+    }
+
+    /// Cancel every sequence (shutdown).
+    pub fn cancel_all(&mut self) {
+        for index in 0..self.slots.len() {
+            self.finish(index, DoneReason::Cancelled);
+        }
+    }
+}
+
+fn emit(active: &mut Active, piece: &str) -> Control {
+    if piece.is_empty() {
+        return Control::Continue;
+    }
+    active.text.push_str(piece);
+    (active.sink)(SequenceEvent::Text(piece))
+}
+
+fn shared_prefix(cached: &[Token], tokens: &[Token]) -> usize {
+    cached.iter().zip(tokens).take_while(|(cached, new)| cached == new).count()
+}
+
+/// Render a conversation with the engine's chat template, the assistant's turn opened.
+pub fn render_chat(engine: &Engine, messages: &[ChatMessage]) -> Result<String, EngineError> {
+    engine.template().render(messages, true).map_err(|reason| EngineError::Template { path: engine.inventory().path.clone(), reason })
+}
+
+/// Tokenize text as `Session` does: special-token text becomes control tokens, BOS is added
+/// when `add_special` and the model wants it, and a BOS that the template already wrote is not
+/// doubled.
+pub fn tokenize_text(engine: &Engine, text: &str, add_special: bool) -> Result<Vec<Token>, EngineError> {
+    let vocab = engine.model().vocab();
+    let mut tokens = vocab.tokenize(text, add_special, true)?;
+    if tokens.len() >= 2 && tokens[0] == vocab.bos() && tokens[1] == vocab.bos() {
+        tokens.remove(0);
+    }
+    Ok(tokens)
+}
