@@ -3,16 +3,25 @@
 //! llama.cpp's mmap load populates the whole file (MAP_POPULATE), and its read load fills every
 //! host tensor, streamed ones included. Handing llama.cpp a stdio stream whose reads we serve
 //! (glibc `fopencookie`) lets Hypura read resident tensors with its own direct I/O and skip the
-//! bytes of streamed tensors entirely, so loading costs only the non-streamed bytes.
+//! disk for the bytes of streamed tensors, so loading reads only the non-streamed bytes.
+//!
+//! glibc serves every fread of a cookie stream through the stream's own buffer, so the reader
+//! sees file positions, not destinations: it recognises streamed tensors by position and leaves
+//! those buffer bytes unread. llama.cpp then copies them into the tensor's (stream region)
+//! memory; the progress callback, called between tensors, lets the store release those pages.
 use std::ffi::{c_char, c_int, c_void};
 
 /// Serves the bytes llama.cpp asks for.
 pub trait LoadReader: Send {
     /// File length in bytes.
     fn len(&self) -> u64;
-    /// Fill `buffer` with the file's bytes at `offset`. `buffer` may be the final tensor
-    /// memory: a reader may recognise a stream region there and leave it untouched.
+    /// Fill `buffer` with the file's bytes at `offset`, except bytes of streamed tensors,
+    /// which may be left as they are (their destination is refilled on demand later).
     fn read_at(&mut self, offset: u64, buffer: &mut [u8]) -> std::io::Result<()>;
+    /// Called by llama.cpp between tensors. Return false to abort the load.
+    fn progress(&mut self, _fraction: f32) -> bool {
+        true
+    }
 }
 
 #[repr(C)]
@@ -28,7 +37,7 @@ extern "C" {
     fn setvbuf(stream: *mut libc::FILE, buffer: *mut c_char, mode: c_int, size: usize) -> c_int;
 }
 
-const STDIO_BUFFER_BYTES: usize = 64 << 10;
+const STDIO_BUFFER_BYTES: usize = 1 << 20;
 
 pub(crate) struct Cookie {
     reader: Box<dyn LoadReader>,
@@ -79,11 +88,8 @@ unsafe extern "C" fn cookie_close(_cookie: *mut c_void) -> c_int {
     0 // the Box<Cookie> is owned and dropped by Rust
 }
 
-/// A stdio stream over `cookie`. It is fully buffered with a small buffer, so the header's many
-/// tiny reads are cheap, while glibc hands the bulk of every large read (all but the last
-/// `STDIO_BUFFER_BYTES` remainder) to `read_at` with the caller's own destination, which is how
-/// tensor reads are recognised. The remainder of a streamed tensor arrives through the buffer
-/// and is copied into its place: correct bytes, at most one buffer per tensor.
+/// A fully buffered stdio stream over `cookie`: glibc reads through its buffer in
+/// `STDIO_BUFFER_BYTES` pieces, so the header's many tiny reads cost no system calls.
 pub(crate) fn open_stream(cookie: &mut Box<Cookie>) -> Option<*mut libc::FILE> {
     let functions = CookieIoFunctions { read: Some(cookie_read), write: None, seek: Some(cookie_seek), close: Some(cookie_close) };
     let pointer = &mut **cookie as *mut Cookie as *mut c_void;
@@ -97,6 +103,14 @@ pub(crate) fn open_stream(cookie: &mut Box<Cookie>) -> Option<*mut libc::FILE> {
     // glibc allocate (and later free) its own.
     unsafe { setvbuf(stream, std::ptr::null_mut(), libc::_IOFBF, STDIO_BUFFER_BYTES) };
     Some(stream)
+}
+
+/// llama.cpp's progress callback, forwarded to the reader.
+pub(crate) unsafe extern "C" fn cookie_progress(fraction: f32, cookie: *mut c_void) -> bool {
+    // SAFETY: `cookie` is the Box<Cookie> that the load registered; llama.cpp calls this from
+    // the loading thread while the load runs, when no stdio read is in progress.
+    let cookie = unsafe { &mut *(cookie as *mut Cookie) };
+    cookie.reader.progress(fraction)
 }
 
 pub(crate) fn new_cookie(reader: Box<dyn LoadReader>) -> Box<Cookie> {

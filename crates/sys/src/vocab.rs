@@ -23,6 +23,11 @@ impl Vocab {
         unsafe { raw::llama_model_get_vocab(self.model.as_ptr()) }
     }
 
+    /// The description of the model this vocabulary belongs to.
+    pub fn model_description(&self) -> String {
+        self.model.description()
+    }
+
     pub fn n_tokens(&self) -> i32 {
         // SAFETY: the vocab pointer is valid while the model lives.
         unsafe { raw::llama_vocab_n_tokens(self.as_ptr()) }

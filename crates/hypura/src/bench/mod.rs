@@ -16,12 +16,28 @@ use crate::engine::{Control, Engine, EngineError, EngineOptions, GenerateRequest
 use hypura_sys::Token;
 use peer::PlainLlama;
 
+/// How the llama.cpp peer loads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerConfig {
+    pub load_mode: hypura_sys::LoadMode,
+    pub repack: bool,
+}
+
+impl Default for PeerConfig {
+    /// llama.cpp's own defaults.
+    fn default() -> Self {
+        PeerConfig { load_mode: hypura_sys::LoadMode::Mmap, repack: true }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct BenchOptions {
     pub n_prompt: usize,
     pub n_gen: usize,
     pub reps: usize,
-    pub baseline: bool,
+    /// Run Hypura's side (false: only the peer, for runs where each side needs its own process).
+    pub hypura: bool,
+    pub peer: Option<PeerConfig>,
     pub engine: EngineOptions,
     pub threads: i32,
 }
@@ -32,6 +48,8 @@ pub enum BenchError {
     Engine(#[from] EngineError),
     #[error("llama.cpp baseline: {0}")]
     Baseline(#[from] hypura_sys::SysError),
+    #[error("nothing to benchmark: neither Hypura nor the llama.cpp peer was asked for")]
+    NothingToRun,
     #[error("the test needs {needed} tokens of context but the model's context is {n_ctx}")]
     ContextTooSmall { needed: usize, n_ctx: u32 },
 }
@@ -61,7 +79,7 @@ impl Rate {
 pub struct TestResult {
     /// llama-bench's names: `pp512`, `tg128`.
     pub test: String,
-    pub hypura: Rate,
+    pub hypura: Option<Rate>,
     pub llama_cpp: Option<Rate>,
     /// Hypura's mean ÷ llama.cpp's mean.
     pub ratio: Option<f64>,
@@ -86,17 +104,21 @@ pub struct BenchReport {
     pub reps: usize,
     pub hypura_version: &'static str,
     pub llama_build: String,
+    pub hypura_load_seconds: Option<f64>,
+    pub llama_cpp_load_seconds: Option<f64>,
+    /// "mmap" or "no-mmap", and whether llama.cpp repacked weights.
+    pub llama_cpp_load_mode: Option<&'static str>,
+    pub llama_cpp_repack: Option<bool>,
     pub results: Vec<TestResult>,
     /// sha256 of the token ids each side generated in the first tg run.
-    pub hypura_output_sha256: String,
+    pub hypura_output_sha256: Option<String>,
     pub llama_cpp_output_sha256: Option<String>,
     pub same_output: Option<bool>,
 }
 
 /// Deterministic prompt tokens, like llama-bench's random ones but repeatable: ordinary tokens
 /// only (control tokens can end generation or confuse templates).
-fn bench_tokens(engine: &Engine, count: usize) -> Vec<Token> {
-    let vocab = engine.model().vocab();
+fn bench_tokens(vocab: &hypura_sys::Vocab, count: usize) -> Vec<Token> {
     let n_vocab = vocab.n_tokens().max(1) as u64;
     let mut state = 0x9E37_79B9_7F4A_7C15u64;
     let mut tokens = vec![vocab.bos()];
@@ -121,53 +143,77 @@ fn token_hash(tokens: &[Token]) -> String {
     format!("{:x}", hasher.finalize())
 }
 
-/// Run pp and tg on Hypura and, if asked, on plain llama.cpp, alternating the order each rep.
-pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Result<BenchReport, BenchError> {
-    let engine = Arc::new(Engine::load(path, options.engine.clone())?);
-    let mut session = Session::new(engine.clone())?;
-    let needed = options.n_prompt.max(1 + options.n_gen) + 1;
-    if needed > session.n_ctx() as usize {
-        return Err(BenchError::ContextTooSmall { needed, n_ctx: session.n_ctx() });
-    }
-    let mut peer = if options.baseline {
-        Some(PlainLlama::load(path, session.n_ctx(), options.threads, true)?)
-    } else {
-        None
-    };
-    let prompt = bench_tokens(&engine, options.n_prompt);
-    let start = bench_tokens(&engine, 1);
+/// Hypura's side of a benchmark: one session, with streaming I/O totals for tg runs.
+struct HypuraSide {
+    engine: Arc<Engine>,
+    session: Session,
+    /// (bytes read, stall seconds, tokens, wall seconds) over tg runs.
+    io_totals: (u64, f64, u64, f64),
+}
 
-    let hypura_pp = |session: &mut Session| -> Result<f64, BenchError> {
-        session.reset();
-        let request = GenerateRequest { max_tokens: Some(0), sampling: SamplerParams::greedy(), ..GenerateRequest::new(Prompt::Tokens(prompt.clone())) };
-        let output = session.generate(&request, &mut |_| Control::Continue)?;
+impl HypuraSide {
+    fn prefill_rate(&mut self, prompt: &[Token]) -> Result<f64, BenchError> {
+        self.session.reset();
+        let request = GenerateRequest { max_tokens: Some(0), sampling: SamplerParams::greedy(), ..GenerateRequest::new(Prompt::Tokens(prompt.to_vec())) };
+        let output = self.session.generate(&request, &mut |_| Control::Continue)?;
         Ok(output.stats.prompt_tokens_per_sec())
-    };
-    let io_totals = std::cell::RefCell::new((0u64, 0.0f64, 0u64, 0.0f64));
-    let hypura_tg = |session: &mut Session| -> Result<(f64, Vec<Token>), BenchError> {
-        session.reset();
+    }
+
+    fn generate_rate(&mut self, start: &[Token], count: usize) -> Result<(f64, Vec<Token>), BenchError> {
+        self.session.reset();
         let request = GenerateRequest {
-            max_tokens: Some(options.n_gen as u32),
+            max_tokens: Some(count as u32),
             sampling: SamplerParams::greedy(),
             ignore_eos: true,
-            ..GenerateRequest::new(Prompt::Tokens(start.clone()))
+            ..GenerateRequest::new(Prompt::Tokens(start.to_vec()))
         };
-        let output = session.generate(&request, &mut |_| Control::Continue)?;
+        let output = self.session.generate(&request, &mut |_| Control::Continue)?;
         if let Some(io) = output.stats.io {
-            let mut totals = io_totals.borrow_mut();
-            totals.0 += io.bytes_read;
-            totals.1 += io.stall_seconds;
-            totals.2 += u64::from(output.stats.eval_count);
-            totals.3 += output.stats.total_duration.as_secs_f64();
+            self.io_totals.0 += io.bytes_read;
+            self.io_totals.1 += io.stall_seconds;
+            self.io_totals.2 += u64::from(output.stats.eval_count);
+            self.io_totals.3 += output.stats.total_duration.as_secs_f64();
         }
         Ok((output.stats.eval_tokens_per_sec(), output.tokens))
+    }
+}
+
+/// Run pp and tg on Hypura and/or plain llama.cpp, alternating the order each rep.
+pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Result<BenchReport, BenchError> {
+    let mut hypura = match options.hypura {
+        true => {
+            let engine = Arc::new(Engine::load(path, options.engine.clone())?);
+            let session = Session::new(engine.clone())?;
+            Some(HypuraSide { engine, session, io_totals: (0, 0.0, 0, 0.0) })
+        }
+        false => None,
     };
+    let n_ctx = hypura.as_ref().map_or(options.engine.n_ctx, |side| side.session.n_ctx());
+    let needed = options.n_prompt.max(1 + options.n_gen) + 1;
+    if needed > n_ctx as usize {
+        return Err(BenchError::ContextTooSmall { needed, n_ctx });
+    }
+    let mut peer = match options.peer {
+        Some(config) => Some(PlainLlama::load_with(path, n_ctx, options.threads, config.repack, config.load_mode)?),
+        None => None,
+    };
+    let vocab = match (&hypura, &peer) {
+        (Some(side), _) => side.engine.model().vocab(),
+        (None, Some(peer)) => peer.vocab(),
+        (None, None) => return Err(BenchError::NothingToRun),
+    };
+    let prompt = bench_tokens(&vocab, options.n_prompt);
+    let start = bench_tokens(&vocab, 1);
     let rate = |count: usize, duration: Duration| count as f64 / duration.as_secs_f64().max(1e-9);
 
     // Warm-up, as llama-bench does: first runs pay for page faults and thread start-up.
     progress("warm-up");
-    hypura_pp(&mut session)?;
-    let (_, hypura_tokens) = hypura_tg(&mut session)?;
+    let mut hypura_tokens = None;
+    if let Some(side) = hypura.as_mut() {
+        side.prefill_rate(&prompt)?;
+        hypura_tokens = Some(side.generate_rate(&start, options.n_gen)?.1);
+        side.io_totals = (0, 0.0, 0, 0.0);
+    }
     let mut peer_tokens = None;
     if let Some(peer) = peer.as_mut() {
         peer.time_prefill(&prompt)?;
@@ -193,8 +239,10 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
             if peer_first {
                 run_peer(&mut samples)?;
             }
-            let value = if test == 0 { hypura_pp(&mut session)? } else { hypura_tg(&mut session)?.0 };
-            samples[test].push(value);
+            if let Some(side) = hypura.as_mut() {
+                let value = if test == 0 { side.prefill_rate(&prompt)? } else { side.generate_rate(&start, options.n_gen)?.0 };
+                samples[test].push(value);
+            }
             if !peer_first {
                 run_peer(&mut samples)?;
             }
@@ -202,35 +250,45 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
     }
     let [hypura_pp_samples, hypura_tg_samples, peer_pp_samples, peer_tg_samples] = samples;
     let result = |test: String, ours: Vec<f64>, theirs: Vec<f64>| {
-        let hypura = Rate::from_samples(ours);
+        let hypura = (!ours.is_empty()).then(|| Rate::from_samples(ours));
         let llama_cpp = (!theirs.is_empty()).then(|| Rate::from_samples(theirs));
-        let ratio = llama_cpp.as_ref().map(|peer| hypura.mean / peer.mean);
+        let ratio = match (&hypura, &llama_cpp) {
+            (Some(ours), Some(theirs)) => Some(ours.mean / theirs.mean),
+            _ => None,
+        };
         TestResult { test, hypura, llama_cpp, ratio }
     };
-    let inventory = engine.inventory();
-    let (io_bytes, io_stall, io_tokens, io_seconds) = *io_totals.borrow();
-    let plan = engine.options().plan.as_ref().filter(|_| engine.streaming().is_some());
+    let inventory = crate::model::Inventory::open(path).map_err(EngineError::from)?;
+    let (io_bytes, io_stall, io_tokens, io_seconds) = hypura.as_ref().map_or((0, 0.0, 0, 0.0), |side| side.io_totals);
+    let plan = hypura.as_ref().and_then(|side| side.engine.options().plan.clone().filter(|_| side.engine.streaming().is_some()));
     Ok(BenchReport {
         model: path.to_path_buf(),
-        model_description: engine.model().description(),
+        model_description: vocab.model_description(),
         file_bytes: inventory.file_bytes,
         n_params: inventory.n_params(),
-        mode: engine.mode().name(),
+        mode: hypura.as_ref().map_or("llama.cpp only", |side| side.engine.mode().name()),
         bytes_read_per_token: (io_tokens > 0).then(|| io_bytes as f64 / io_tokens as f64),
         stall_fraction: (io_seconds > 0.0).then(|| io_stall / io_seconds),
-        planned_bytes_per_token: plan.map(|plan| plan.streamed_bytes_per_token),
-        io_bound_tokens_per_sec: plan.and_then(|plan| plan.io_bound_tokens_per_sec),
+        planned_bytes_per_token: plan.as_ref().map(|plan| plan.streamed_bytes_per_token),
+        io_bound_tokens_per_sec: plan.as_ref().and_then(|plan| plan.io_bound_tokens_per_sec),
         threads: options.threads,
         repack: options.engine.repack,
         reps: options.reps,
         hypura_version: env!("CARGO_PKG_VERSION"),
         llama_build: hypura_sys::llama_build_info(),
+        hypura_load_seconds: hypura.as_ref().map(|side| side.engine.load_duration().as_secs_f64()),
+        llama_cpp_load_seconds: peer.as_ref().map(|peer| peer.load_duration().as_secs_f64()),
+        llama_cpp_load_mode: options.peer.map(|config| if config.load_mode == hypura_sys::LoadMode::Mmap { "mmap" } else { "no-mmap" }),
+        llama_cpp_repack: options.peer.map(|config| config.repack),
         results: vec![
             result(format!("pp{}", options.n_prompt), hypura_pp_samples, peer_pp_samples),
             result(format!("tg{}", options.n_gen), hypura_tg_samples, peer_tg_samples),
         ],
-        hypura_output_sha256: token_hash(&hypura_tokens),
-        same_output: peer_tokens.as_ref().map(|tokens| tokens == &hypura_tokens),
+        hypura_output_sha256: hypura_tokens.as_deref().map(token_hash),
+        same_output: match (&peer_tokens, &hypura_tokens) {
+            (Some(theirs), Some(ours)) => Some(theirs == ours),
+            _ => None,
+        },
         llama_cpp_output_sha256: peer_tokens.as_deref().map(token_hash),
     })
 }
@@ -243,17 +301,17 @@ pub fn render(report: &BenchReport) -> String {
     for result in &report.results {
         let peer = result.llama_cpp.as_ref().map_or_else(|| "-".to_string(), |rate| format!("{:.2} ± {:.2}", rate.mean, rate.sd));
         let ratio = result.ratio.map_or_else(|| "-".to_string(), |ratio| format!("{ratio:.3}"));
+        let ours = result.hypura.as_ref().map_or_else(|| "-".to_string(), |rate| format!("{:.2} ± {:.2}", rate.mean, rate.sd));
         let _ = writeln!(
             out,
-            "| {} | {} | {:.1} M | {} | {} | {} | {:.2} ± {:.2} | {} | {} |",
+            "| {} | {} | {:.1} M | {} | {} | {} | {} | {} | {} |",
             report.model_description,
             crate::hw::format::format_bytes(report.file_bytes),
             report.n_params as f64 / 1e6,
             report.mode,
             report.threads,
             result.test,
-            result.hypura.mean,
-            result.hypura.sd,
+            ours,
             peer,
             ratio
         );
@@ -268,8 +326,19 @@ pub fn render(report: &BenchReport) -> String {
             report.io_bound_tokens_per_sec.map_or_else(String::new, |bound| format!("; disk bound {bound:.2} tok/s"))
         );
     }
-    if let Some(same) = report.same_output {
-        let _ = writeln!(out, "\ngreedy tg output identical to llama.cpp: {same} (sha256 {})", &report.hypura_output_sha256[..16]);
+    let load = |seconds: Option<f64>| seconds.map_or_else(|| "-".to_string(), |seconds| format!("{seconds:.2} s"));
+    let _ = writeln!(
+        out,
+        "\nload: hypura {} | llama.cpp {} ({})",
+        load(report.hypura_load_seconds),
+        load(report.llama_cpp_load_seconds),
+        match (report.llama_cpp_load_mode, report.llama_cpp_repack) {
+            (Some(mode), Some(repack)) => format!("{mode}, repack {}", if repack { "on" } else { "off" }),
+            _ => "not run".to_string(),
+        }
+    );
+    if let (Some(same), Some(hash)) = (report.same_output, &report.hypura_output_sha256) {
+        let _ = writeln!(out, "greedy tg output identical to llama.cpp: {same} (sha256 {})", &hash[..16]);
     }
     out
 }

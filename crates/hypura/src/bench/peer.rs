@@ -4,22 +4,38 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use hypura_sys::{first_maximum, Backend, Batch, Context, ContextParams, Model, ModelParams, SysError, Token};
+use hypura_sys::{first_maximum, Backend, Batch, Context, ContextParams, LoadMode, Model, ModelParams, SysError, Token};
 
 pub struct PlainLlama {
     context: Context,
     batch: Batch,
     position: i32,
+    load_duration: Duration,
 }
 
 impl PlainLlama {
-    /// Load with llama.cpp's defaults, except `repack`, which tests set to match the other side.
+    /// Load with llama.cpp's defaults (mmap, repacking), except `repack`, which tests set to
+    /// match the other side.
     pub fn load(path: &Path, n_ctx: u32, n_threads: i32, repack: bool) -> Result<PlainLlama, SysError> {
-        let model = Model::load(Backend::get(), path, &ModelParams { use_extra_bufts: repack, ..ModelParams::default() })?;
+        PlainLlama::load_with(path, n_ctx, n_threads, repack, LoadMode::Mmap)
+    }
+
+    /// As `load`, choosing mmap or `--no-mmap`.
+    pub fn load_with(path: &Path, n_ctx: u32, n_threads: i32, repack: bool, load_mode: LoadMode) -> Result<PlainLlama, SysError> {
+        let started = Instant::now();
+        let model = Model::load(Backend::get(), path, &ModelParams { use_extra_bufts: repack, load_mode, ..ModelParams::default() })?;
         let params = ContextParams { n_ctx, n_threads, n_threads_batch: n_threads, ..ContextParams::default() };
         let context = Context::new(&model, &params)?;
         let batch = Batch::new(params.n_batch as usize, 1);
-        Ok(PlainLlama { context, batch, position: 0 })
+        Ok(PlainLlama { context, batch, position: 0, load_duration: started.elapsed() })
+    }
+
+    pub fn load_duration(&self) -> Duration {
+        self.load_duration
+    }
+
+    pub fn vocab(&self) -> hypura_sys::Vocab {
+        self.context.model().vocab()
     }
 
     pub fn tokenize(&self, text: &str) -> Result<Vec<Token>, SysError> {

@@ -20,6 +20,8 @@ pub enum Command {
     Run(RunArgs),
     /// Benchmark Hypura against plain llama.cpp on the same file, in one process.
     Bench(BenchArgs),
+    /// Serve models over HTTP with Ollama's API and OpenAI's.
+    Serve(ServeArgs),
 }
 
 #[derive(Args, Debug)]
@@ -166,14 +168,58 @@ pub struct BenchArgs {
     #[arg(short = 'r', long, default_value_t = 5)]
     pub reps: usize,
     /// Only run Hypura; skip the llama.cpp baseline.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "baseline_only")]
     pub no_baseline: bool,
+    /// Only run the llama.cpp baseline (each side in its own process, e.g. under a memory limit).
+    #[arg(long)]
+    pub baseline_only: bool,
+    /// Load the llama.cpp baseline with --no-mmap.
+    #[arg(long)]
+    pub baseline_no_mmap: bool,
+    /// Turn off the baseline's weight repacking (on by default, as in llama.cpp).
+    #[arg(long)]
+    pub baseline_no_repack: bool,
     /// Run the llama.cpp baseline even when the model exceeds available memory minus 4 GiB.
     #[arg(long)]
     pub force: bool,
     /// Also write the results as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    #[command(flatten)]
+    pub model_args: ModelArgs,
+}
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// Models to serve: GGUF files, directories of GGUF files, or names of models pulled by
+    /// Ollama (default: every model in --models-dir and in Ollama's store).
+    pub models: Vec<String>,
+    /// Address to bind. The default serves this machine only.
+    #[arg(long, default_value = "127.0.0.1", env = "HYPURA_HOST")]
+    pub host: String,
+    #[arg(long, default_value_t = 8080, env = "HYPURA_PORT")]
+    pub port: u16,
+    /// A directory of GGUF files, or an Ollama model store (holding manifests/ and blobs/).
+    #[arg(long)]
+    pub models_dir: Vec<PathBuf>,
+    /// Requests decoded together per model (parallel sequences of one context).
+    #[arg(long, default_value_t = 4)]
+    pub parallel: u32,
+    /// Requests that may wait per model beyond the running ones; more get 503.
+    #[arg(long, default_value_t = 64)]
+    pub max_queue: usize,
+    /// How long a model stays loaded after its last request (e.g. 5m, 1h, 0, -1 for ever).
+    #[arg(long, default_value = "5m")]
+    pub keep_alive: String,
+    /// Extra origins allowed by CORS (localhost is always allowed; * allows any).
+    #[arg(long = "cors-origin")]
+    pub cors_origins: Vec<String>,
+    /// Largest request body, e.g. 16MiB.
+    #[arg(long, default_value = "16MiB")]
+    pub max_body: String,
+    /// Longest embedding input in tokens.
+    #[arg(long, default_value_t = 512)]
+    pub embedding_context: u32,
     #[command(flatten)]
     pub model_args: ModelArgs,
 }

@@ -485,6 +485,10 @@ impl Region {
             return Err(IoError::Reserve { len_bytes: len_bytes as u64, source: io::Error::last_os_error() });
         }
         let base = NonNull::new(pointer as *mut u8).expect("mmap returned a non-null mapping");
+        // Transparent huge pages: a streamed layer is tens of MB, and faulting it in 2 MiB pages
+        // instead of 4 KiB ones cuts page faults 512-fold. Advisory; failure changes nothing.
+        // SAFETY: advice on our own fresh mapping, whole range.
+        unsafe { libc::madvise(pointer, len_bytes.max(1), libc::MADV_HUGEPAGE) };
         Ok(Region { base, len_bytes })
     }
 

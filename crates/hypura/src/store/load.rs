@@ -1,10 +1,10 @@
 //! Serving llama.cpp's load-time reads (through `hypura_sys::LoadReader`).
 //!
 //! Resident tensors are read with direct I/O through an aligned bounce buffer, so loading
-//! leaves nothing in the page cache. Reads whose destination is a streamed tensor's place in
-//! the region are skipped: those bytes arrive later, on demand. A destination inside the region
-//! that is not exactly a streamed tensor's mirror position is refused, so a placement mistake
-//! fails the load instead of computing on wrong weights.
+//! leaves nothing in the page cache. File ranges of streamed tensors are not read at all (their
+//! bytes arrive later, on demand); llama.cpp copies whatever its stdio buffer held into the
+//! tensors' region pages, and between tensors the reader releases those pages again, so load
+//! never holds more than one streamed tensor's worth of them.
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -23,17 +23,26 @@ pub struct StoreLoadReader {
     bounce_range: Range<u64>,
     stats: Arc<IoStats>,
     skipped_bytes: u64,
+    /// Streamed ranges llama.cpp has been served since the last release.
+    dirty: Vec<Range<u64>>,
 }
 
 impl StoreLoadReader {
     pub fn new(file: DirectFile, region: Option<Arc<Region>>, mut streamed: Vec<Range<u64>>, stats: Arc<IoStats>) -> StoreLoadReader {
         streamed.sort_by_key(|range| range.start);
-        StoreLoadReader { file, region, streamed, bounce: AlignedBuf::new(BOUNCE_BYTES), bounce_range: 0..0, stats, skipped_bytes: 0 }
+        StoreLoadReader { file, region, streamed, bounce: AlignedBuf::new(BOUNCE_BYTES), bounce_range: 0..0, stats, skipped_bytes: 0, dirty: Vec::new() }
     }
 
-    fn is_streamed(&self, range: &Range<u64>) -> bool {
-        let index = self.streamed.partition_point(|streamed| streamed.start <= range.start);
-        index > 0 && self.streamed[index - 1].end >= range.end
+    /// The streamed range containing `position`, if any.
+    fn streamed_at(&self, position: u64) -> Option<Range<u64>> {
+        let index = self.streamed.partition_point(|streamed| streamed.start <= position);
+        (index > 0 && self.streamed[index - 1].end > position).then(|| self.streamed[index - 1].clone())
+    }
+
+    /// The start of the next streamed range after `position` (or the end of the file).
+    fn next_streamed_start(&self, position: u64) -> u64 {
+        let index = self.streamed.partition_point(|streamed| streamed.start <= position);
+        self.streamed.get(index).map_or(u64::MAX, |streamed| streamed.start)
     }
 
     fn fill_bounce(&mut self, offset: u64) -> std::io::Result<()> {
@@ -55,37 +64,47 @@ impl hypura_sys::LoadReader for StoreLoadReader {
     }
 
     fn read_at(&mut self, offset: u64, buffer: &mut [u8]) -> std::io::Result<()> {
-        let range = offset..offset + buffer.len() as u64;
-        if let Some(region) = &self.region {
-            let address = buffer.as_ptr() as usize;
-            if region.contains(address, buffer.len()) {
-                if address == region.address() + offset as usize && self.is_streamed(&range) {
-                    self.skipped_bytes += buffer.len() as u64;
-                    return Ok(());
-                }
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::InvalidData,
-                    format!("llama.cpp asked for file bytes {range:?} into the stream region at an address that is not their mirror"),
-                ));
-            }
-        }
         let mut filled = 0usize;
         while filled < buffer.len() {
             let position = offset + filled as u64;
+            let remaining = (buffer.len() - filled) as u64;
+            if let Some(streamed) = self.streamed_at(position) {
+                // Not read: these bytes come from disk on demand, into the same pages.
+                let count = (streamed.end - position).min(remaining);
+                self.skipped_bytes += count;
+                if self.dirty.last().is_none_or(|last| *last != streamed) {
+                    self.dirty.push(streamed);
+                }
+                filled += count as usize;
+                continue;
+            }
             if !self.bounce_range.contains(&position) {
                 self.fill_bounce(position)?;
             }
             let from = (position - self.bounce_range.start) as usize;
-            let count = (self.bounce_range.end - position).min((buffer.len() - filled) as u64) as usize;
+            let count = (self.bounce_range.end - position).min(remaining).min(self.next_streamed_start(position) - position) as usize;
             buffer[filled..filled + count].copy_from_slice(&self.bounce.as_slice()[from..from + count]);
             filled += count;
         }
         Ok(())
     }
+
+    fn progress(&mut self, _fraction: f32) -> bool {
+        // Give back the region pages llama.cpp filled with placeholder bytes.
+        if let Some(region) = &self.region {
+            for range in self.dirty.drain(..) {
+                if let Err(error) = region.release(range.start / PAGE_BYTES * PAGE_BYTES..range.end.div_ceil(PAGE_BYTES) * PAGE_BYTES) {
+                    tracing::warn!("releasing load placeholders: {error}");
+                }
+            }
+        }
+        true
+    }
 }
 
 impl Drop for StoreLoadReader {
     fn drop(&mut self) {
+        hypura_sys::LoadReader::progress(self, 1.0);
         tracing::debug!("load reader skipped {} streamed bytes", self.skipped_bytes);
     }
 }

@@ -1,7 +1,7 @@
 //! `hypura bench MODEL`: Hypura against plain llama.cpp, alternating, in one process.
 use anyhow::Context;
 
-use crate::bench::{self, BenchOptions};
+use crate::bench::{self, BenchOptions, PeerConfig};
 use crate::cli::args::BenchArgs;
 use crate::cli::settings;
 use crate::hw::format::format_bytes;
@@ -24,7 +24,11 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     }
     let engine = settings::engine_options(&args.model_args, &path)?;
     let threads = engine.n_threads.unwrap_or_else(|| hypura_sys::ContextParams::default().n_threads);
-    let options = BenchOptions { n_prompt: args.n_prompt, n_gen: args.n_gen, reps: args.reps.max(1), baseline, engine, threads };
+    let peer = baseline.then_some(PeerConfig {
+        load_mode: if args.baseline_no_mmap { hypura_sys::LoadMode::Read } else { hypura_sys::LoadMode::Mmap },
+        repack: !args.baseline_no_repack,
+    });
+    let options = BenchOptions { n_prompt: args.n_prompt, n_gen: args.n_gen, reps: args.reps.max(1), hypura: !args.baseline_only, peer, engine, threads };
     let report = bench::run(&path, &options, &|stage| tracing::info!("bench: {stage}"))?;
     print!("{}", bench::render(&report));
     if let Some(json) = &args.json {

@@ -1,0 +1,99 @@
+//! `hypura serve`: resolve the models to serve, then run the HTTP server until Ctrl-C.
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context;
+
+use crate::cli::args::ServeArgs;
+use crate::cli::settings;
+use crate::server::catalog::ModelName;
+use crate::server::wire::KeepAlive;
+use crate::server::{AppState, Catalog, EngineOptionsFactory, HttpConfig, SchedulerConfig};
+
+pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
+    let catalog = catalog(args)?;
+    let models = catalog.scan();
+    if models.is_empty() {
+        eprintln!("hypura: no models found; name GGUF files or directories, or use --models-dir");
+    }
+    let keep_alive = KeepAlive::parse(&serde_json::Value::String(args.keep_alive.clone())).map_err(|error| anyhow::anyhow!("--keep-alive: {error}"))?;
+    let body_limit = settings::parse_bytes(&args.max_body).context("--max-body")?;
+    let parallel = args.parallel.clamp(1, 64);
+    let model_args = args.model_args.clone();
+    // The plan reserves KV cache for every parallel sequence; each sequence gets --context.
+    let engine_options: EngineOptionsFactory = Arc::new(move |path| {
+        let mut planning = model_args.clone();
+        planning.context = model_args.context.saturating_mul(parallel);
+        let mut options = settings::engine_options(&planning, path).map_err(|error| format!("{error:#}"))?;
+        options.n_ctx = model_args.context;
+        Ok(options)
+    });
+    let scheduler = SchedulerConfig {
+        n_parallel: parallel,
+        max_queue: args.max_queue,
+        default_keep_alive: keep_alive,
+        engine_options,
+        embedding_context: args.embedding_context,
+    };
+    let http = HttpConfig { cors_origins: args.cors_origins.clone(), body_limit_bytes: usize::try_from(body_limit).unwrap_or(usize::MAX) };
+    let state = AppState::new(catalog, scheduler, http);
+
+    let host: IpAddr = args.host.parse().with_context(|| format!("--host {:?} is not an IP address", args.host))?;
+    if !host.is_loopback() {
+        eprintln!("hypura: listening on {host}, which other machines can reach; the API has no authentication");
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind((host, args.port)).await.with_context(|| format!("binding {host}:{}", args.port))?;
+        let address = listener.local_addr()?;
+        eprintln!("hypura: serving {} model(s) on http://{address} (Ollama API at /api, OpenAI API at /v1)", models.len());
+        for model in &models {
+            eprintln!("  {}  {}", model.name, model.path.display());
+        }
+        let shutdown = async {
+            let _ = tokio::signal::ctrl_c().await;
+            eprintln!("hypura: shutting down");
+        };
+        crate::server::serve(listener, state, shutdown).await.context("serving HTTP")
+    })
+}
+
+/// Models from the command line: files, directories (of GGUF files, or an Ollama store), and
+/// Ollama names, which must exist in Ollama's store.
+fn catalog(args: &ServeArgs) -> anyhow::Result<Catalog> {
+    let mut catalog = Catalog::default();
+    let add_directory = |catalog: &mut Catalog, directory: PathBuf| {
+        if directory.join("manifests").is_dir() {
+            catalog.ollama_stores.push(directory);
+        } else {
+            catalog.directories.push(directory);
+        }
+    };
+    for directory in &args.models_dir {
+        anyhow::ensure!(directory.is_dir(), "--models-dir {} is not a directory", directory.display());
+        add_directory(&mut catalog, directory.clone());
+    }
+    if let Some(store) = Catalog::default_ollama_store() {
+        if !catalog.ollama_stores.contains(&store) {
+            catalog.ollama_stores.push(store);
+        }
+    }
+    let mut names = Vec::new();
+    for model in &args.models {
+        let path = PathBuf::from(model);
+        if path.is_dir() {
+            add_directory(&mut catalog, path);
+        } else if path.is_file() {
+            catalog.files.push(path);
+        } else if ModelName::parse(model).is_some() && !crate::server::is_gguf(&path) {
+            names.push(model.clone());
+        } else {
+            anyhow::bail!("{model} is neither a file, a directory nor a model name");
+        }
+    }
+    for name in names {
+        catalog.resolve(&name).map_err(|error| anyhow::anyhow!("{name}: {error} (looked in {:?})", catalog.ollama_stores))?;
+    }
+    Ok(catalog)
+}

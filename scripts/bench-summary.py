@@ -1,0 +1,51 @@
+#!/usr/bin/env python3
+"""Summarise a scripts/bench-limited run: tok/s of each side, ratios, bytes per token and the
+fraction of the physical limit 1 / max(t_compute, bytes_streamed_per_token / disk_bandwidth)."""
+import json
+import os
+import sys
+
+out, limit, file_bytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+
+
+def load(name):
+    path = os.path.join(out, name)
+    return json.load(open(path)) if os.path.exists(path) else None
+
+
+def tg(report, side):
+    if not report:
+        return None
+    for result in report["results"]:
+        if result["test"].startswith("tg") and result.get(side):
+            return result[side]["mean"]
+    return None
+
+
+hypura = load("hypura.json")
+reference = load("compute-reference.json")
+profile = load("profile.json") or {}
+disk = (profile.get("disk") or {}).get("best_direct", {}).get("bytes_per_sec")
+rows = []
+for label, side in [("hypura", "hypura"), ("llama-mmap", "llama_cpp"), ("llama-mmap-norepack", "llama_cpp"), ("llama-no-mmap", "llama_cpp")]:
+    status = load(label + ".status.json") or {}
+    rows.append((label, tg(load(label + ".json"), side), status.get("status"), status.get("peak_bytes")))
+
+ours = rows[0][1]
+print(f"limit {limit / 2**30:.2f} GiB for a {file_bytes / 2**30:.2f} GiB file; disk {disk / 1e9 if disk else float('nan'):.2f} GB/s (profile, best direct)")
+print("| run | tg tok/s | Hypura ÷ run | exit | peak memory |")
+print("| --- | ---: | ---: | ---: | ---: |")
+for label, rate, status, peak in rows:
+    ratio = f"{ours / rate:.2f}" if ours and rate else "-"
+    shown = f"{rate:.3f}" if rate else ("killed (OOM)" if status == 137 else "-")
+    peak_text = f"{peak / 2**30:.2f} GiB" if peak else "-"
+    print(f"| {label} | {shown} | {ratio} | {status} | {peak_text} |")
+if hypura and reference:
+    t_compute = 1 / tg(reference, "hypura")
+    per_token = hypura.get("bytes_read_per_token") or 0
+    planned = hypura.get("planned_bytes_per_token") or 0
+    t_io = planned / disk if disk else 0
+    limit_rate = 1 / max(t_compute, t_io)
+    print(f"t_compute {t_compute * 1e3:.0f} ms (resident, same kernels); planned {planned / 1e6:.0f} MB/token streamed, measured {per_token / 1e6:.0f} MB/token")
+    print(f"physical limit {limit_rate:.3f} tok/s -> Hypura reaches {ours / limit_rate:.2f} of it" if ours else "physical limit: Hypura did not finish")
+    print(f"load: Hypura {hypura.get('hypura_load_seconds') or float('nan'):.2f} s; stall fraction {hypura.get('stall_fraction') or 0:.2f}")
