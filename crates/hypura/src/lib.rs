@@ -10,4 +10,5 @@ pub mod engine;
 pub mod hw;
 pub mod model;
 pub mod plan;
+pub mod server;
 pub mod store;

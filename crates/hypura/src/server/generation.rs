@@ -1,0 +1,119 @@
+//! Starting a generation for a handler, and reading its events back, for both APIs.
+//!
+//! The handler waits for the first event before it answers, so a failure before any text (a
+//! model that cannot load, a prompt too long for the context) is an ordinary error status; any
+//! later failure becomes the last line of the stream. The request's cancel flag is set when the
+//! handler's future or the response stream is dropped, which is how a client that disconnects
+//! stops its generation within one token.
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use futures_util::Stream;
+use tokio::sync::mpsc;
+
+use super::catalog::ModelEntry;
+use super::error::AppError;
+use super::options::RequestOptions;
+use super::scheduler::{Event, GenerateJob, PromptText, Scheduler};
+use super::wire::KeepAlive;
+use crate::engine::{DoneReason, Finished};
+use hypura_sys::Token;
+
+/// Sets the flag when dropped.
+pub struct CancelOnDrop(Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// What to generate.
+pub struct GenerationSpec {
+    pub context: Vec<Token>,
+    pub prompt: PromptText,
+    pub options: RequestOptions,
+    pub grammar: Option<String>,
+}
+
+/// A generation that has produced its first event.
+pub struct Generation {
+    first: Option<Event>,
+    events: mpsc::UnboundedReceiver<Event>,
+    cancel: CancelOnDrop,
+}
+
+/// The outcome of a whole generation, for non-streaming answers.
+pub struct Collected {
+    pub text: String,
+    pub finished: Finished,
+}
+
+pub async fn start(scheduler: &Scheduler, entry: &ModelEntry, keep_alive: Option<KeepAlive>, spec: GenerationSpec) -> Result<Generation, AppError> {
+    let lease = scheduler.acquire(entry, keep_alive)?;
+    let flag = Arc::new(AtomicBool::new(false));
+    let cancel = CancelOnDrop(flag.clone());
+    let (sender, mut events) = mpsc::unbounded_channel();
+    lease.generate(GenerateJob {
+        context: spec.context,
+        prompt: spec.prompt,
+        max_tokens: spec.options.max_tokens,
+        sampling: spec.options.sampling,
+        stop: spec.options.stop,
+        grammar: spec.grammar,
+        n_ctx: spec.options.n_ctx,
+        cancel: flag,
+        events: sender,
+    })?;
+    match events.recv().await {
+        Some(Event::Failed(error)) => Err(error),
+        Some(first) => Ok(Generation { first: Some(first), events, cancel }),
+        None => Err(AppError::internal("the model's worker stopped before answering")),
+    }
+}
+
+impl Generation {
+    /// Every event, the first included. The stream holds the cancel guard: dropping it (the
+    /// client went away) cancels the generation.
+    pub fn into_stream(self) -> impl Stream<Item = Event> + Send + 'static {
+        futures_util::stream::unfold(Some(self), |state| async move {
+            let mut generation = state?;
+            let event = match generation.first.take() {
+                Some(event) => Some(event),
+                None => generation.events.recv().await,
+            };
+            let event = event?;
+            let last = matches!(event, Event::Done(_) | Event::Failed(_));
+            Some((event, if last { None } else { Some(generation) }))
+        })
+    }
+
+    /// Wait for the end, joining the text.
+    pub async fn collect(mut self) -> Result<Collected, AppError> {
+        let mut text = String::new();
+        loop {
+            let event = match self.first.take() {
+                Some(event) => Some(event),
+                None => self.events.recv().await,
+            };
+            match event {
+                Some(Event::Text(piece)) => text.push_str(&piece),
+                Some(Event::Done(finished)) => {
+                    let _ = &self.cancel;
+                    return Ok(Collected { text, finished: *finished });
+                }
+                Some(Event::Failed(error)) => return Err(error),
+                None => return Err(AppError::internal("the model's worker stopped before finishing")),
+            }
+        }
+    }
+}
+
+/// Ollama's and OpenAI's word for how a generation ended. A cancelled generation has no
+/// client left to tell; "stop" is the closest.
+pub fn done_reason(reason: DoneReason) -> &'static str {
+    match reason {
+        DoneReason::Length => "length",
+        DoneReason::Stop | DoneReason::Cancelled => "stop",
+    }
+}

@@ -1,0 +1,187 @@
+//! `hypura serve`: an HTTP server that speaks Ollama's API and OpenAI's, on top of `engine`.
+//!
+//! Data flow: a request is parsed into typed fields (`wire`; a bad body is a 400), its model
+//! name is found in the `catalog` (404 if unknown), and `scheduler` hands the generation to the
+//! model's worker thread, which batches it with the model's other requests in one llama.cpp
+//! context. Text comes back through a channel and leaves as NDJSON (`ollama`) or server-sent
+//! events (`openai`). `router` builds the whole service without a socket, so tests drive it
+//! with `tower::ServiceExt::oneshot`; `serve` binds it.
+pub mod catalog;
+pub mod error;
+pub mod generation;
+pub mod grammar;
+pub mod model_details;
+pub mod ollama;
+pub mod openai;
+pub mod options;
+pub mod scheduler;
+pub mod wire;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use axum::extract::DefaultBodyLimit;
+use axum::http::{HeaderValue, Method, StatusCode};
+use axum::routing::{get, post};
+use axum::Router;
+use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
+
+pub use catalog::{Catalog, ModelEntry};
+pub use error::AppError;
+pub use model_details::show_model;
+pub use scheduler::{EngineOptionsFactory, Scheduler, SchedulerConfig};
+
+use model_details::Details;
+use scheduler::{EmbedOutput, Lease};
+
+/// HTTP-level settings.
+#[derive(Clone, Debug)]
+pub struct HttpConfig {
+    /// Origins allowed by CORS besides localhost's (`*` allows any).
+    pub cors_origins: Vec<String>,
+    /// Largest request body accepted (413 beyond).
+    pub body_limit_bytes: usize,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig { cors_origins: Vec::new(), body_limit_bytes: 16 << 20 }
+    }
+}
+
+/// Everything a handler needs. Cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    pub catalog: Arc<Catalog>,
+    pub scheduler: Scheduler,
+    pub http: HttpConfig,
+    /// `details` by file, keyed by its modification time, so listings do not re-read indexes.
+    details_cache: Arc<Mutex<HashMap<PathBuf, (SystemTime, Details)>>>,
+}
+
+impl AppState {
+    pub fn new(catalog: Catalog, scheduler: SchedulerConfig, http: HttpConfig) -> AppState {
+        AppState { catalog: Arc::new(catalog), scheduler: Scheduler::new(scheduler), http, details_cache: Arc::default() }
+    }
+
+    /// Scan the catalog off the async runtime (it reads directories).
+    pub async fn scan(&self) -> Result<Vec<ModelEntry>, AppError> {
+        let catalog = self.catalog.clone();
+        tokio::task::spawn_blocking(move || catalog.scan()).await.map_err(|error| AppError::internal(error.to_string()))
+    }
+
+    pub async fn resolve(&self, name: &str) -> Result<ModelEntry, AppError> {
+        let catalog = self.catalog.clone();
+        let name = name.to_string();
+        tokio::task::spawn_blocking(move || catalog.resolve(&name)).await.map_err(|error| AppError::internal(error.to_string()))?
+    }
+
+    /// Ollama's `details` object for a model.
+    pub async fn details(&self, entry: &ModelEntry) -> Result<serde_json::Value, AppError> {
+        let cached = self.details_cache.lock().unwrap_or_else(|poison| poison.into_inner()).get(&entry.path).filter(|(modified, _)| *modified == entry.modified).map(|(_, details)| details.clone());
+        let details = match cached {
+            Some(details) => details,
+            None => {
+                let path = entry.path.clone();
+                let details = tokio::task::spawn_blocking(move || model_details::read_details(&path)).await.map_err(|error| AppError::internal(error.to_string()))??;
+                self.details_cache.lock().unwrap_or_else(|poison| poison.into_inner()).insert(entry.path.clone(), (entry.modified, details.clone()));
+                details
+            }
+        };
+        Ok(ollama::details_object(&details))
+    }
+
+    pub async fn embed(&self, lease: Lease, inputs: Vec<String>, truncate: bool) -> Result<EmbedOutput, AppError> {
+        ollama::run_embed(lease, inputs, truncate).await
+    }
+}
+
+/// The whole service: both APIs, CORS and the body limit.
+pub fn router(state: AppState) -> Router {
+    let cors = cors_layer(&state.http.cors_origins);
+    let body_limit = state.http.body_limit_bytes;
+    Router::new()
+        .route("/", get(ollama::root))
+        .route("/api/version", get(ollama::version))
+        .route("/api/tags", get(ollama::tags))
+        .route("/api/ps", get(ollama::ps))
+        .route("/api/show", post(ollama::show))
+        .route("/api/generate", post(ollama::generate))
+        .route("/api/chat", post(ollama::chat))
+        .route("/api/embed", post(ollama::embed))
+        .route("/api/embeddings", post(ollama::embeddings))
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/embeddings", post(openai::embeddings))
+        .route("/v1/models", get(openai::models))
+        .route("/v1/models/{model}", get(openai::model))
+        .fallback(|| async { (StatusCode::NOT_FOUND, "404 page not found") })
+        .layer(DefaultBodyLimit::max(body_limit))
+        .layer(cors)
+        .with_state(state)
+}
+
+/// CORS: localhost origins always (any port, http or https), plus the configured ones.
+fn cors_layer(origins: &[String]) -> CorsLayer {
+    let any = origins.iter().any(|origin| origin == "*");
+    let configured: Vec<String> = origins.iter().map(|origin| origin.trim_end_matches('/').to_ascii_lowercase()).collect();
+    let allow = AllowOrigin::predicate(move |origin: &HeaderValue, _| {
+        let Ok(origin) = origin.to_str() else { return false };
+        let origin = origin.to_ascii_lowercase();
+        any || configured.contains(&origin) || is_local_origin(&origin)
+    });
+    CorsLayer::new()
+        .allow_origin(allow)
+        .allow_methods([Method::GET, Method::POST, Method::HEAD, Method::OPTIONS, Method::DELETE])
+        .allow_headers(AllowHeaders::mirror_request())
+}
+
+fn is_local_origin(origin: &str) -> bool {
+    let Some(rest) = origin.strip_prefix("http://").or_else(|| origin.strip_prefix("https://")) else { return false };
+    let host = match rest.strip_prefix('[') {
+        Some(bracketed) => bracketed.split(']').next().map(|host| format!("[{host}]")).unwrap_or_default(),
+        None => rest.split(':').next().unwrap_or("").to_string(),
+    };
+    matches!(host.as_str(), "localhost" | "127.0.0.1" | "0.0.0.0" | "[::1]")
+}
+
+/// Serve on `listener` until `shutdown` resolves, unloading models whose `keep_alive` lapses.
+pub async fn serve(listener: tokio::net::TcpListener, state: AppState, shutdown: impl std::future::Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
+    let scheduler = state.scheduler.clone();
+    let reaper = tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(Duration::from_millis(500));
+        loop {
+            ticks.tick().await;
+            scheduler.reap();
+        }
+    });
+    let scheduler = state.scheduler.clone();
+    let app = router(state).into_make_service_with_connect_info::<SocketAddr>();
+    let result = axum::serve(listener, app).with_graceful_shutdown(shutdown).await;
+    reaper.abort();
+    scheduler.unload_all();
+    result
+}
+
+/// Whether `path` is a GGUF file (by extension), for the command line.
+pub fn is_gguf(path: &Path) -> bool {
+    path.extension().and_then(|extension| extension.to_str()).is_some_and(|extension| extension.eq_ignore_ascii_case("gguf"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn local_origins() {
+        for origin in ["http://localhost", "http://localhost:3000", "https://127.0.0.1:8080", "http://[::1]:5173"] {
+            assert!(is_local_origin(origin), "{origin}");
+        }
+        for origin in ["http://evil.com", "http://localhost.evil.com", "file://", "null"] {
+            assert!(!is_local_origin(origin), "{origin}");
+        }
+    }
+}

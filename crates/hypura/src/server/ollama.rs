@@ -1,0 +1,433 @@
+//! Ollama's native API: `/`, `/api/version`, `/api/tags`, `/api/ps`, `/api/show`,
+//! `/api/generate`, `/api/chat`, `/api/embed` and `/api/embeddings`, field by field as Ollama
+//! answers them (see the research notes on its wire format). Generations stream NDJSON by
+//! default; `stream: false` answers one object. What Hypura does not do (images, `suffix`,
+//! `template` overrides, thinking, tools) is refused with a 400 that says so, never ignored.
+use std::time::{Instant, SystemTime};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::StreamExt;
+use serde::Deserialize;
+use serde_json::{json, Map, Value};
+
+use super::catalog::ModelEntry;
+use super::error::AppError;
+use super::generation::{self, done_reason, GenerationSpec};
+use super::options::{format_grammar, parse_options};
+use super::scheduler::{EmbedJob, Event, PromptText};
+use super::wire::{ndjson_line, nanos, parse_body, rfc3339, stream_response, KeepAlive};
+use super::{model_details, AppState};
+use crate::engine::{ChatMessage, Finished};
+
+/// The Ollama version Hypura's API matches. Clients gate features on it, so it is Ollama's
+/// numbering, not Hypura's.
+pub const COMPATIBLE_VERSION: &str = "0.12.0";
+
+pub async fn root() -> &'static str {
+    "Ollama is running"
+}
+
+pub async fn version() -> Json<Value> {
+    Json(json!({ "version": COMPATIBLE_VERSION, "hypura_version": env!("CARGO_PKG_VERSION") }))
+}
+
+pub async fn tags(State(state): State<AppState>) -> Result<Json<Value>, AppError> {
+    let entries = state.scan().await?;
+    let mut models = Vec::new();
+    for entry in entries {
+        let details = state.details(&entry).await.unwrap_or_else(|_| json!({"parent_model": "", "format": "gguf", "family": "", "families": null, "parameter_size": "", "quantization_level": ""}));
+        models.push(json!({
+            "name": entry.name,
+            "model": entry.name,
+            "modified_at": rfc3339(entry.modified),
+            "size": entry.size,
+            "digest": entry.digest,
+            "details": details,
+        }));
+    }
+    Ok(Json(json!({ "models": models })))
+}
+
+pub async fn ps(State(state): State<AppState>) -> Result<Json<Value>, AppError> {
+    let mut models = Vec::new();
+    for model in state.scheduler.loaded() {
+        let Some(info) = model.info() else { continue };
+        let details = state.details(&model.entry).await.unwrap_or(Value::Null);
+        // "Forever" is far in the future, as Ollama shows it.
+        let expires_at = model.expires_at().unwrap_or_else(|| SystemTime::now() + std::time::Duration::from_secs(100 * 365 * 86_400));
+        models.push(json!({
+            "name": model.entry.name,
+            "model": model.entry.name,
+            "size": info.size_bytes,
+            "digest": model.entry.digest,
+            "details": details,
+            "expires_at": rfc3339(expires_at),
+            "size_vram": info.vram_bytes,
+            "context_length": info.context_length,
+            "hypura_mode": info.mode,
+        }));
+    }
+    Ok(Json(json!({ "models": models })))
+}
+
+#[derive(Deserialize)]
+struct ShowBody {
+    model: Option<String>,
+    name: Option<String>,
+    #[serde(default)]
+    verbose: bool,
+}
+
+pub async fn show(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, AppError> {
+    let body: ShowBody = parse_body(body)?;
+    let name = body.model.or(body.name).filter(|name| !name.is_empty()).ok_or_else(|| AppError::bad_request("model is required"))?;
+    let entry = state.resolve(&name).await?;
+    let verbose = body.verbose;
+    let path = entry.path.clone();
+    let shown = tokio::task::spawn_blocking(move || super::show_model(&path, verbose))
+        .await
+        .map_err(|error| AppError::internal(error.to_string()))??;
+    let mut object = shown;
+    object.insert("modified_at".into(), json!(rfc3339(entry.modified)));
+    Ok(Json(Value::Object(object)))
+}
+
+/// Fields both generate and chat share.
+#[derive(Deserialize)]
+struct Common {
+    format: Option<Value>,
+    options: Option<Value>,
+    stream: Option<bool>,
+    keep_alive: Option<Value>,
+    think: Option<Value>,
+}
+
+#[derive(Deserialize)]
+struct GenerateBody {
+    model: Option<String>,
+    prompt: Option<String>,
+    suffix: Option<String>,
+    system: Option<String>,
+    template: Option<String>,
+    context: Option<Vec<i32>>,
+    #[serde(default)]
+    raw: bool,
+    images: Option<Vec<String>>,
+    #[serde(flatten)]
+    common: Common,
+}
+
+#[derive(Deserialize)]
+struct MessageBody {
+    role: String,
+    content: Option<String>,
+    images: Option<Vec<String>>,
+    tool_calls: Option<Value>,
+}
+
+#[derive(Deserialize)]
+struct ChatBody {
+    model: Option<String>,
+    messages: Option<Vec<MessageBody>>,
+    tools: Option<Vec<Value>>,
+    #[serde(flatten)]
+    common: Common,
+}
+
+fn model_name(model: Option<String>) -> Result<String, AppError> {
+    model.filter(|name| !name.is_empty()).ok_or_else(|| AppError::bad_request("model is required"))
+}
+
+fn keep_alive(value: Option<&Value>) -> Result<Option<KeepAlive>, AppError> {
+    value.filter(|value| !value.is_null()).map(KeepAlive::parse).transpose()
+}
+
+/// `think`: false (or absent) is fine; asking for thinking is refused, as Ollama does for models
+/// without the capability. Hypura does not parse thinking output yet.
+fn check_think(name: &str, think: Option<&Value>) -> Result<(), AppError> {
+    match think {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => Ok(()),
+        Some(Value::Bool(true)) | Some(Value::String(_)) => Err(AppError::bad_request(format!("\"{name}\" does not support thinking"))),
+        Some(other) => Err(AppError::bad_request(format!("think must be a boolean or one of \"low\", \"medium\", \"high\", not {other}"))),
+    }
+}
+
+fn check_images(name: &str, images: Option<&Vec<String>>) -> Result<(), AppError> {
+    match images {
+        Some(images) if !images.is_empty() => Err(AppError::bad_request(format!("\"{name}\" does not support images"))),
+        _ => Ok(()),
+    }
+}
+
+/// Insert the final object's fields: done, done_reason and the statistics (omitted when zero,
+/// as Ollama's `omitempty` does).
+fn final_fields(object: &mut Map<String, Value>, finished: &Finished, with_context: bool) {
+    let stats = &finished.output.stats;
+    object.insert("done".into(), json!(true));
+    object.insert("done_reason".into(), json!(done_reason(finished.output.done_reason)));
+    if with_context {
+        let mut context = finished.prompt.clone();
+        context.extend(&finished.output.tokens);
+        object.insert("context".into(), json!(context));
+    }
+    let fields = [
+        ("total_duration", nanos(stats.total_duration)),
+        ("load_duration", nanos(stats.load_duration)),
+        // Ollama counts the whole prompt, a reused prefix included.
+        ("prompt_eval_count", finished.prompt.len() as u64),
+        ("prompt_eval_duration", nanos(stats.prompt_eval_duration)),
+        ("eval_count", u64::from(stats.eval_count)),
+        ("eval_duration", nanos(stats.eval_duration)),
+    ];
+    for (key, value) in fields {
+        if value > 0 {
+            object.insert(key.into(), json!(value));
+        }
+    }
+}
+
+enum Shape {
+    Generate { with_context: bool },
+    Chat,
+}
+
+impl Shape {
+    fn object(&self, model: &str, text: &str) -> Map<String, Value> {
+        let mut object = Map::new();
+        object.insert("model".into(), json!(model));
+        object.insert("created_at".into(), json!(rfc3339(SystemTime::now())));
+        match self {
+            Shape::Generate { .. } => object.insert("response".into(), json!(text)),
+            Shape::Chat => object.insert("message".into(), json!({"role": "assistant", "content": text})),
+        };
+        object
+    }
+
+    fn chunk(&self, model: &str, text: &str) -> Value {
+        let mut object = self.object(model, text);
+        object.insert("done".into(), json!(false));
+        Value::Object(object)
+    }
+
+    fn last(&self, model: &str, text: &str, finished: &Finished) -> Value {
+        let mut object = self.object(model, text);
+        final_fields(&mut object, finished, matches!(self, Shape::Generate { with_context: true }));
+        Value::Object(object)
+    }
+
+    /// The answer to an empty prompt: the model was loaded (or unloaded).
+    fn loaded(&self, model: &str, reason: &str) -> Value {
+        let mut object = self.object(model, "");
+        object.insert("done".into(), json!(true));
+        object.insert("done_reason".into(), json!(reason));
+        Value::Object(object)
+    }
+}
+
+pub async fn generate(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Response, AppError> {
+    let body: GenerateBody = parse_body(body)?;
+    let name = model_name(body.model)?;
+    let entry = state.resolve(&name).await?;
+    if body.raw && (body.system.is_some() || body.template.is_some() || body.context.is_some()) {
+        return Err(AppError::bad_request("raw mode does not support template, system, or context"));
+    }
+    if body.template.as_deref().is_some_and(|template| !template.is_empty()) {
+        return Err(AppError::bad_request("template overrides are not supported: Hypura renders the model's own chat template"));
+    }
+    if body.suffix.as_deref().is_some_and(|suffix| !suffix.is_empty()) {
+        return Err(AppError::bad_request(format!("\"{name}\" does not support insert")));
+    }
+    check_images(&name, body.images.as_ref())?;
+    check_think(&name, body.common.think.as_ref())?;
+    let keep_alive = keep_alive(body.common.keep_alive.as_ref())?;
+    let options = parse_options(body.common.options.as_ref())?;
+    let grammar = format_grammar(body.common.format.as_ref())?;
+    let prompt = body.prompt.unwrap_or_default();
+    let shape = Shape::Generate { with_context: !body.raw };
+    if prompt.is_empty() && body.context.as_ref().is_none_or(Vec::is_empty) {
+        return load_only(&state, &entry, &name, keep_alive, &shape).await;
+    }
+    let prompt = if body.raw {
+        PromptText::Raw(prompt)
+    } else {
+        let mut messages = Vec::new();
+        if let Some(system) = body.system.filter(|system| !system.is_empty()) {
+            messages.push(ChatMessage::new("system", system));
+        }
+        messages.push(ChatMessage::new("user", prompt));
+        PromptText::Chat(messages)
+    };
+    let spec = GenerationSpec { context: body.context.unwrap_or_default(), prompt, options, grammar };
+    respond(&state, &entry, name, keep_alive, spec, body.common.stream.unwrap_or(true), shape).await
+}
+
+pub async fn chat(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Response, AppError> {
+    let body: ChatBody = parse_body(body)?;
+    let name = model_name(body.model)?;
+    let entry = state.resolve(&name).await?;
+    if body.tools.as_ref().is_some_and(|tools| !tools.is_empty()) {
+        return Err(AppError::bad_request(format!("{name} does not support tools")));
+    }
+    check_think(&name, body.common.think.as_ref())?;
+    let keep_alive = keep_alive(body.common.keep_alive.as_ref())?;
+    let options = parse_options(body.common.options.as_ref())?;
+    let grammar = format_grammar(body.common.format.as_ref())?;
+    let mut messages = Vec::new();
+    for message in body.messages.unwrap_or_default() {
+        check_images(&name, message.images.as_ref())?;
+        if message.tool_calls.as_ref().is_some_and(|calls| calls.as_array().is_some_and(|calls| !calls.is_empty())) {
+            return Err(AppError::bad_request(format!("{name} does not support tools")));
+        }
+        messages.push(ChatMessage::new(message.role.to_ascii_lowercase(), message.content.unwrap_or_default()));
+    }
+    if messages.is_empty() {
+        return load_only(&state, &entry, &name, keep_alive, &Shape::Chat).await;
+    }
+    let spec = GenerationSpec { context: Vec::new(), prompt: PromptText::Chat(messages), options, grammar };
+    respond(&state, &entry, name, keep_alive, spec, body.common.stream.unwrap_or(true), Shape::Chat).await
+}
+
+/// An empty prompt loads the model (`done_reason: "load"`), or with `keep_alive: 0` unloads it.
+async fn load_only(state: &AppState, entry: &ModelEntry, name: &str, keep_alive: Option<KeepAlive>, shape: &Shape) -> Result<Response, AppError> {
+    if keep_alive == Some(KeepAlive::For(std::time::Duration::ZERO)) {
+        state.scheduler.unload(&entry.path);
+        return Ok(Json(shape.loaded(name, "unload")).into_response());
+    }
+    let lease = state.scheduler.acquire(entry, keep_alive)?;
+    lease.load().await?;
+    Ok(Json(shape.loaded(name, "load")).into_response())
+}
+
+async fn respond(state: &AppState, entry: &ModelEntry, name: String, keep_alive: Option<KeepAlive>, spec: GenerationSpec, stream: bool, shape: Shape) -> Result<Response, AppError> {
+    let generation = generation::start(&state.scheduler, entry, keep_alive, spec).await?;
+    if !stream {
+        let collected = generation.collect().await?;
+        return Ok(Json(shape.last(&name, &collected.text, &collected.finished)).into_response());
+    }
+    let lines = generation.into_stream().map(move |event| {
+        let line = match event {
+            Event::Text(text) => shape.chunk(&name, &text),
+            Event::Done(finished) => shape.last(&name, "", &finished),
+            Event::Failed(error) => json!({ "error": error.message }),
+        };
+        Ok(ndjson_line(&line))
+    });
+    Ok(stream_response("application/x-ndjson", lines))
+}
+
+#[derive(Deserialize)]
+struct EmbedBody {
+    model: Option<String>,
+    input: Option<Value>,
+    truncate: Option<bool>,
+    dimensions: Option<i64>,
+    keep_alive: Option<Value>,
+    #[allow(dead_code)] // Accepted for compatibility; embeddings take no sampling options.
+    options: Option<Value>,
+}
+
+/// The inputs of an embed request: a string or a list of strings.
+pub fn embed_inputs(input: Option<&Value>) -> Result<Vec<String>, AppError> {
+    match input {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::String(text)) if text.is_empty() => Ok(Vec::new()),
+        Some(Value::String(text)) => Ok(vec![text.clone()]),
+        Some(Value::Array(items)) => items.iter().map(|item| item.as_str().map(str::to_string).ok_or_else(|| AppError::bad_request("invalid input type"))).collect(),
+        Some(_) => Err(AppError::bad_request("invalid input type")),
+    }
+}
+
+/// Cut to `dimensions` (if given) and scale to unit length.
+pub fn normalise(mut vector: Vec<f32>, dimensions: Option<usize>) -> Vec<f32> {
+    if let Some(dimensions) = dimensions {
+        vector.truncate(dimensions);
+    }
+    let norm = vector.iter().map(|value| f64::from(*value) * f64::from(*value)).sum::<f64>().sqrt();
+    if norm > 0.0 {
+        for value in &mut vector {
+            *value = (f64::from(*value) / norm) as f32;
+        }
+    }
+    vector
+}
+
+pub fn dimensions(value: Option<i64>) -> Result<Option<usize>, AppError> {
+    match value {
+        None | Some(0) => Ok(None),
+        Some(count) if count > 0 => Ok(Some(count as usize)),
+        Some(count) => Err(AppError::bad_request(format!("dimensions must be positive, not {count}"))),
+    }
+}
+
+pub async fn embed(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, AppError> {
+    let started = Instant::now();
+    let body: EmbedBody = parse_body(body)?;
+    let name = model_name(body.model)?;
+    let entry = state.resolve(&name).await?;
+    let inputs = embed_inputs(body.input.as_ref())?;
+    let dimensions = dimensions(body.dimensions)?;
+    let keep_alive = keep_alive(body.keep_alive.as_ref())?;
+    let lease = state.scheduler.acquire(&entry, keep_alive)?;
+    if inputs.is_empty() {
+        lease.load().await?;
+        return Ok(Json(json!({ "model": name, "embeddings": [] })));
+    }
+    let output = state.embed(lease, inputs, body.truncate.unwrap_or(true)).await?;
+    let embeddings: Vec<Vec<f32>> = output.vectors.into_iter().map(|vector| normalise(vector, dimensions)).collect();
+    Ok(Json(json!({
+        "model": name,
+        "embeddings": embeddings,
+        "total_duration": nanos(started.elapsed()),
+        "load_duration": nanos(output.load_duration),
+        "prompt_eval_count": output.prompt_tokens,
+    })))
+}
+
+#[derive(Deserialize)]
+struct EmbeddingsBody {
+    model: Option<String>,
+    prompt: Option<String>,
+    keep_alive: Option<Value>,
+    #[allow(dead_code)] // Accepted for compatibility; embeddings take no sampling options.
+    options: Option<Value>,
+}
+
+/// The legacy endpoint: one un-normalised vector.
+pub async fn embeddings(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, AppError> {
+    let body: EmbeddingsBody = parse_body(body)?;
+    let name = model_name(body.model)?;
+    let entry = state.resolve(&name).await?;
+    let keep_alive = keep_alive(body.keep_alive.as_ref())?;
+    let lease = state.scheduler.acquire(&entry, keep_alive)?;
+    let prompt = body.prompt.unwrap_or_default();
+    if prompt.is_empty() {
+        lease.load().await?;
+        return Ok(Json(json!({ "embedding": [] })));
+    }
+    let mut output = state.embed(lease, vec![prompt], true).await?;
+    let vector: Vec<f64> = output.vectors.pop().unwrap_or_default().into_iter().map(f64::from).collect();
+    Ok(Json(json!({ "embedding": vector })))
+}
+
+/// Embed through the model's worker.
+pub async fn run_embed(lease: super::scheduler::Lease, inputs: Vec<String>, truncate: bool) -> Result<super::scheduler::EmbedOutput, AppError> {
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    lease.embed(EmbedJob { inputs, truncate, reply })?;
+    answer.await.map_err(|_| AppError::internal("the model's worker stopped before answering"))?
+}
+
+/// `details` for tags, ps and show.
+pub fn details_object(details: &model_details::Details) -> Value {
+    json!({
+        "parent_model": "",
+        "format": "gguf",
+        "family": details.family,
+        "families": [details.family],
+        "parameter_size": details.parameter_size,
+        "quantization_level": details.quantization_level,
+    })
+}

@@ -1,0 +1,549 @@
+//! The scheduler: one worker thread per loaded model, a bounded queue in front of it, and
+//! `keep_alive`.
+//!
+//! A model loads on its first request, on its own thread, which then owns the engine and one
+//! `Batcher` (one llama.cpp context with `n_parallel` sequences). Requests reach it through a
+//! channel; the thread admits them into free sequences and steps the batch, so concurrent
+//! requests decode together. llama.cpp calls block, so they never run on the async runtime.
+//!
+//! Every accepted request holds a `Lease` until its last event is sent: the lease counts the
+//! request against the queue bound (503 beyond it) and, when the model's last lease ends,
+//! starts the `keep_alive` clock. `keep_alive: 0` unloads at once; a reaper unloads the rest when
+//! their time is up. Unloading closes the channel: the thread finishes what it holds, then drops
+//! the engine.
+use std::collections::{HashMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, Sender, TryRecvError};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant, SystemTime};
+
+use tokio::sync::{mpsc, oneshot};
+
+use super::catalog::ModelEntry;
+use super::error::AppError;
+use super::wire::KeepAlive;
+use crate::engine::batch::{render_chat, tokenize_text};
+use crate::engine::{Batcher, ChatMessage, Control, Engine, EngineError, EngineOptions, Finished, SamplerParams, SequenceEvent, SequenceRequest};
+use hypura_sys::{EmbeddingContext, Token};
+
+/// Builds the engine options for a model file (the plan needs the file's inventory).
+pub type EngineOptionsFactory = Arc<dyn Fn(&Path) -> Result<EngineOptions, String> + Send + Sync>;
+
+#[derive(Clone)]
+pub struct SchedulerConfig {
+    /// Sequences decoded together per model.
+    pub n_parallel: u32,
+    /// Requests that may wait beyond the running ones before the server answers 503.
+    pub max_queue: usize,
+    pub default_keep_alive: KeepAlive,
+    pub engine_options: EngineOptionsFactory,
+    /// Longest embedding input in tokens (every token of an input is decoded in one batch, and
+    /// a generative model's logits for all of them are kept).
+    pub embedding_context: u32,
+}
+
+/// What a loaded model reports in `/api/ps`.
+#[derive(Clone, Debug)]
+pub struct EngineInfo {
+    pub size_bytes: u64,
+    pub vram_bytes: u64,
+    pub context_length: usize,
+    pub mode: &'static str,
+}
+
+#[derive(Clone, Debug)]
+enum Status {
+    Loading,
+    Ready(EngineInfo),
+    Failed,
+}
+
+struct Usage {
+    keep_alive: KeepAlive,
+    /// When the last lease ended; None while a request holds the model.
+    idle_since: Option<Instant>,
+}
+
+/// A model with its worker thread.
+pub struct LoadedModel {
+    pub entry: ModelEntry,
+    sender: Mutex<Option<Sender<Job>>>,
+    pending: AtomicUsize,
+    usage: Mutex<Usage>,
+    status: Mutex<Status>,
+}
+
+impl LoadedModel {
+    /// Engine facts once loaded.
+    pub fn info(&self) -> Option<EngineInfo> {
+        match &*self.status.lock().unwrap_or_else(|poison| poison.into_inner()) {
+            Status::Ready(info) => Some(info.clone()),
+            _ => None,
+        }
+    }
+
+    /// When `keep_alive` lapses: None for never; a busy model counts from now.
+    pub fn expires_at(&self) -> Option<SystemTime> {
+        let usage = self.usage.lock().unwrap_or_else(|poison| poison.into_inner());
+        match usage.keep_alive {
+            KeepAlive::Forever => None,
+            KeepAlive::For(duration) => {
+                let idle_for = usage.idle_since.map(|since| since.elapsed()).unwrap_or_default();
+                Some(SystemTime::now() + duration.saturating_sub(idle_for))
+            }
+        }
+    }
+}
+
+/// Where a generation's prompt comes from. Tokenizing needs the vocabulary, so it happens on
+/// the worker.
+#[derive(Clone, Debug)]
+pub enum PromptText {
+    /// Text passed to the tokenizer as is.
+    Raw(String),
+    /// A conversation rendered with the model's chat template.
+    Chat(Vec<ChatMessage>),
+}
+
+/// A generation for a worker.
+pub struct GenerateJob {
+    /// Token ids to put before the prompt (Ollama's `context`).
+    pub context: Vec<Token>,
+    pub prompt: PromptText,
+    pub max_tokens: Option<u32>,
+    pub sampling: SamplerParams,
+    pub stop: Vec<String>,
+    pub grammar: Option<String>,
+    pub n_ctx: Option<u32>,
+    pub cancel: Arc<AtomicBool>,
+    pub events: mpsc::UnboundedSender<Event>,
+}
+
+/// What a generation sends back.
+#[derive(Debug)]
+pub enum Event {
+    Text(String),
+    Done(Box<Finished>),
+    Failed(AppError),
+}
+
+pub struct EmbedJob {
+    pub inputs: Vec<String>,
+    /// Cut inputs to the embedding context instead of failing.
+    pub truncate: bool,
+    pub reply: oneshot::Sender<Result<EmbedOutput, AppError>>,
+}
+
+#[derive(Clone, Debug)]
+pub struct EmbedOutput {
+    /// One pooled vector per input, not normalised.
+    pub vectors: Vec<Vec<f32>>,
+    pub prompt_tokens: usize,
+    pub load_duration: Duration,
+}
+
+enum Work {
+    Generate(GenerateJob),
+    Embed(EmbedJob),
+    /// Reply once the model is loaded (an empty prompt only loads).
+    Load(oneshot::Sender<Result<Duration, AppError>>),
+}
+
+struct Job {
+    work: Work,
+    received: Instant,
+    lease: Lease,
+}
+
+/// A request's hold on a model. Dropping it ends the request (see the module documentation).
+pub struct Lease {
+    model: Arc<LoadedModel>,
+    scheduler: Weak<Inner>,
+}
+
+impl Lease {
+    pub fn model(&self) -> &Arc<LoadedModel> {
+        &self.model
+    }
+
+    fn submit(self, work: Work) -> Result<(), AppError> {
+        let sender = self.model.sender.lock().unwrap_or_else(|poison| poison.into_inner()).clone();
+        let sender = sender.ok_or_else(|| AppError::new(axum::http::StatusCode::SERVICE_UNAVAILABLE, "the model is unloading; try again"))?;
+        sender
+            .send(Job { work, received: Instant::now(), lease: self })
+            .map_err(|_| AppError::internal("the model's worker has stopped"))
+    }
+
+    pub fn generate(self, job: GenerateJob) -> Result<(), AppError> {
+        self.submit(Work::Generate(job))
+    }
+
+    pub fn embed(self, job: EmbedJob) -> Result<(), AppError> {
+        self.submit(Work::Embed(job))
+    }
+
+    /// Load the model (if it is not yet) and answer how long that took.
+    pub async fn load(self) -> Result<Duration, AppError> {
+        let (reply, answer) = oneshot::channel();
+        self.submit(Work::Load(reply))?;
+        answer.await.map_err(|_| AppError::internal("the model's worker stopped while loading"))?
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if self.model.pending.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return;
+        }
+        let unload_now = {
+            let mut usage = self.model.usage.lock().unwrap_or_else(|poison| poison.into_inner());
+            usage.idle_since = Some(Instant::now());
+            usage.keep_alive == KeepAlive::For(Duration::ZERO)
+        };
+        if let (true, Some(scheduler)) = (unload_now, self.scheduler.upgrade()) {
+            scheduler.unload_if_idle(&self.model.entry.path, Duration::ZERO);
+        }
+    }
+}
+
+struct Inner {
+    config: SchedulerConfig,
+    models: Mutex<HashMap<PathBuf, Arc<LoadedModel>>>,
+}
+
+impl Inner {
+    /// Unload the model at `path` if no request holds it and it has been idle for `idle`.
+    fn unload_if_idle(&self, path: &Path, idle: Duration) -> bool {
+        let mut models = self.models.lock().unwrap_or_else(|poison| poison.into_inner());
+        let Some(model) = models.get(path) else { return false };
+        let idle_enough = model.pending.load(Ordering::Acquire) == 0
+            && model.usage.lock().unwrap_or_else(|poison| poison.into_inner()).idle_since.is_some_and(|since| since.elapsed() >= idle);
+        if !idle_enough {
+            return false;
+        }
+        let model = models.remove(path).expect("looked up above");
+        // Closing the channel ends the worker, which drops the engine.
+        model.sender.lock().unwrap_or_else(|poison| poison.into_inner()).take();
+        tracing::info!("unloaded {}", model.entry.name);
+        true
+    }
+}
+
+/// Shared by every handler.
+#[derive(Clone)]
+pub struct Scheduler {
+    inner: Arc<Inner>,
+}
+
+impl Scheduler {
+    pub fn new(config: SchedulerConfig) -> Scheduler {
+        Scheduler { inner: Arc::new(Inner { config, models: Mutex::new(HashMap::new()) }) }
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.inner.config
+    }
+
+    /// Take a lease on a model, starting its worker (and so its load) if it is not loaded.
+    /// 503 when the model already has `n_parallel + max_queue` requests.
+    pub fn acquire(&self, entry: &ModelEntry, keep_alive: Option<KeepAlive>) -> Result<Lease, AppError> {
+        let config = &self.inner.config;
+        let mut models = self.inner.models.lock().unwrap_or_else(|poison| poison.into_inner());
+        // A model whose load failed is forgotten, so that the next request tries again.
+        if models.get(&entry.path).is_some_and(|model| matches!(*model.status.lock().unwrap_or_else(|poison| poison.into_inner()), Status::Failed)) {
+            if let Some(model) = models.remove(&entry.path) {
+                model.sender.lock().unwrap_or_else(|poison| poison.into_inner()).take();
+            }
+        }
+        let model = match models.get(&entry.path) {
+            Some(model) => model.clone(),
+            None => {
+                let model = self.start_worker(entry)?;
+                models.insert(entry.path.clone(), model.clone());
+                model
+            }
+        };
+        let limit = config.n_parallel as usize + config.max_queue;
+        if model.pending.load(Ordering::Acquire) >= limit {
+            return Err(AppError::busy());
+        }
+        model.pending.fetch_add(1, Ordering::AcqRel);
+        {
+            let mut usage = model.usage.lock().unwrap_or_else(|poison| poison.into_inner());
+            usage.idle_since = None;
+            usage.keep_alive = keep_alive.unwrap_or(config.default_keep_alive);
+        }
+        Ok(Lease { model, scheduler: Arc::downgrade(&self.inner) })
+    }
+
+    fn start_worker(&self, entry: &ModelEntry) -> Result<Arc<LoadedModel>, AppError> {
+        let (sender, receiver) = std::sync::mpsc::channel();
+        let model = Arc::new(LoadedModel {
+            entry: entry.clone(),
+            sender: Mutex::new(Some(sender)),
+            pending: AtomicUsize::new(0),
+            usage: Mutex::new(Usage { keep_alive: self.inner.config.default_keep_alive, idle_since: Some(Instant::now()) }),
+            status: Mutex::new(Status::Loading),
+        });
+        let worker = Worker { model: Arc::downgrade(&model), path: entry.path.clone(), config: self.inner.config.clone() };
+        std::thread::Builder::new()
+            .name(format!("model {}", entry.name))
+            .spawn(move || worker.run(receiver))
+            .map_err(|error| AppError::internal(format!("starting the model thread: {error}")))?;
+        Ok(model)
+    }
+
+    /// Models that are loaded (or loading), most recently expiring first.
+    pub fn loaded(&self) -> Vec<Arc<LoadedModel>> {
+        let models = self.inner.models.lock().unwrap_or_else(|poison| poison.into_inner());
+        let mut loaded: Vec<Arc<LoadedModel>> = models.values().filter(|model| model.info().is_some()).cloned().collect();
+        loaded.sort_by_key(|model| std::cmp::Reverse(model.expires_at().unwrap_or(SystemTime::UNIX_EPOCH + Duration::from_secs(u32::MAX as u64 * 4))));
+        loaded
+    }
+
+    pub fn is_loaded(&self, path: &Path) -> bool {
+        self.inner.models.lock().unwrap_or_else(|poison| poison.into_inner()).contains_key(path)
+    }
+
+    /// Unload a model now if no request holds it (`keep_alive: 0` with an empty prompt).
+    pub fn unload(&self, path: &Path) -> bool {
+        self.inner.unload_if_idle(path, Duration::ZERO)
+    }
+
+    /// Unload every model whose `keep_alive` has lapsed. Called periodically.
+    pub fn reap(&self) {
+        let expired: Vec<(PathBuf, Duration)> = {
+            let models = self.inner.models.lock().unwrap_or_else(|poison| poison.into_inner());
+            models
+                .values()
+                .filter_map(|model| match model.usage.lock().unwrap_or_else(|poison| poison.into_inner()).keep_alive {
+                    KeepAlive::For(duration) => Some((model.entry.path.clone(), duration)),
+                    KeepAlive::Forever => None,
+                })
+                .collect()
+        };
+        for (path, keep_alive) in expired {
+            self.inner.unload_if_idle(&path, keep_alive);
+        }
+    }
+
+    /// Unload everything idle (shutdown).
+    pub fn unload_all(&self) {
+        let paths: Vec<PathBuf> = self.inner.models.lock().unwrap_or_else(|poison| poison.into_inner()).keys().cloned().collect();
+        for path in paths {
+            self.inner.unload_if_idle(&path, Duration::ZERO);
+        }
+    }
+}
+
+/// The model's thread: load, then serve jobs until the channel closes.
+struct Worker {
+    model: Weak<LoadedModel>,
+    path: PathBuf,
+    config: SchedulerConfig,
+}
+
+impl Worker {
+    fn set_status(&self, status: Status) {
+        if let Some(model) = self.model.upgrade() {
+            *model.status.lock().unwrap_or_else(|poison| poison.into_inner()) = status;
+        }
+    }
+
+    fn run(self, receiver: Receiver<Job>) {
+        let started = Instant::now();
+        let loaded = (self.config.engine_options)(&self.path)
+            .map_err(|message| AppError::internal(format!("planning {}: {message}", self.path.display())))
+            .and_then(|options| Engine::load(&self.path, options).map_err(|error| AppError::internal(format!("loading {}: {error}", self.path.display()))))
+            .and_then(|engine| {
+                let engine = Arc::new(engine);
+                Batcher::new(engine, self.config.n_parallel).map_err(|error| AppError::internal(format!("creating the context: {error}")))
+            });
+        let mut batcher = match loaded {
+            Ok(batcher) => batcher,
+            Err(error) => {
+                tracing::error!("{error}");
+                self.set_status(Status::Failed);
+                // Every request that came for this load gets the error; the scheduler forgets
+                // the model so that a later request tries again.
+                for job in receiver {
+                    fail_job(job, &error);
+                }
+                return;
+            }
+        };
+        let ready_at = Instant::now();
+        let engine = batcher.engine().clone();
+        self.set_status(Status::Ready(engine_info(&engine, &batcher)));
+        tracing::info!("loaded {} in {:.2} s ({} mode)", self.path.display(), (ready_at - started).as_secs_f64(), engine.mode().name());
+        let mut embedder: Option<EmbeddingContext> = None;
+        let mut waiting: VecDeque<Job> = VecDeque::new();
+        let mut open = true;
+        loop {
+            if batcher.is_idle() && waiting.is_empty() {
+                if !open {
+                    break;
+                }
+                match receiver.recv() {
+                    Ok(job) => self.accept(job, ready_at, &mut waiting, &mut embedder, &engine),
+                    Err(_) => break,
+                }
+            }
+            loop {
+                match receiver.try_recv() {
+                    Ok(job) => self.accept(job, ready_at, &mut waiting, &mut embedder, &engine),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        open = false;
+                        break;
+                    }
+                }
+            }
+            // Requests whose client left before they started are dropped unanswered.
+            waiting.retain(|job| !matches!(&job.work, Work::Generate(generate) if generate.cancel.load(Ordering::Relaxed)));
+            while batcher.free_slots() > 0 {
+                let Some(job) = waiting.pop_front() else { break };
+                admit(&mut batcher, job, ready_at);
+            }
+            if !batcher.step() && !batcher.is_idle() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        batcher.cancel_all();
+    }
+
+    fn accept(&self, job: Job, ready_at: Instant, waiting: &mut VecDeque<Job>, embedder: &mut Option<EmbeddingContext>, engine: &Arc<Engine>) {
+        let load_duration = ready_at.saturating_duration_since(job.received);
+        match job.work {
+            Work::Generate(_) => waiting.push_back(job),
+            Work::Load(reply) => {
+                let _ = reply.send(Ok(load_duration));
+            }
+            Work::Embed(embed) => {
+                let result = self.embed(engine, embedder, &embed.inputs, embed.truncate).map(|(vectors, prompt_tokens)| EmbedOutput { vectors, prompt_tokens, load_duration });
+                let _ = embed.reply.send(result);
+            }
+        }
+    }
+
+    fn embed(&self, engine: &Arc<Engine>, embedder: &mut Option<EmbeddingContext>, inputs: &[String], truncate: bool) -> Result<(Vec<Vec<f32>>, usize), AppError> {
+        if embedder.is_none() {
+            let n_ctx = self.config.embedding_context.min(engine.n_ctx()).max(8);
+            let threads = engine.options().n_threads.unwrap_or_else(|| std::thread::available_parallelism().map(|count| count.get() as i32).unwrap_or(4));
+            *embedder = Some(EmbeddingContext::new(engine.model(), n_ctx, threads).map_err(|error| AppError::internal(error.to_string()))?);
+        }
+        let context = embedder.as_mut().expect("created above");
+        let vocab = engine.model().vocab();
+        let mut vectors = Vec::with_capacity(inputs.len());
+        let mut prompt_tokens = 0;
+        for input in inputs {
+            let mut tokens = vocab.tokenize(input, true, false).map_err(|error| AppError::bad_request(error.to_string()))?;
+            if tokens.len() > context.n_ctx() as usize {
+                if !truncate {
+                    return Err(AppError::bad_request("the input length exceeds the context length"));
+                }
+                tokens.truncate(context.n_ctx() as usize);
+            }
+            if tokens.is_empty() {
+                return Err(AppError::bad_request("an input has no tokens to embed"));
+            }
+            prompt_tokens += tokens.len();
+            let vector = context.embed(&tokens).map_err(|error| AppError::internal(error.to_string()))?;
+            if vector.iter().any(|value| !value.is_finite()) {
+                return Err(AppError::internal("the embedding holds NaN or infinite values"));
+            }
+            vectors.push(vector);
+        }
+        Ok((vectors, prompt_tokens))
+    }
+}
+
+fn fail_job(job: Job, error: &AppError) {
+    match job.work {
+        Work::Generate(generate) => {
+            let _ = generate.events.send(Event::Failed(error.clone()));
+        }
+        Work::Embed(embed) => {
+            let _ = embed.reply.send(Err(error.clone()));
+        }
+        Work::Load(reply) => {
+            let _ = reply.send(Err(error.clone()));
+        }
+    }
+}
+
+/// Tokenize a generation and hand it to the batcher; its events go to the request's channel,
+/// and the lease ends when the sequence does.
+fn admit(batcher: &mut Batcher, job: Job, ready_at: Instant) {
+    let Job { work, received, lease } = job;
+    let Work::Generate(generate) = work else { return };
+    let engine = batcher.engine().clone();
+    let tokens = match prompt_tokens(&engine, &generate.context, &generate.prompt) {
+        Ok(tokens) => tokens,
+        Err(error) => {
+            let _ = generate.events.send(Event::Failed(AppError::from_engine(&error)));
+            return;
+        }
+    };
+    let load_duration = ready_at.saturating_duration_since(received);
+    let events = generate.events.clone();
+    let mut lease = Some(lease);
+    let sink = Box::new(move |event: SequenceEvent<'_>| -> Control {
+        let sent = match event {
+            SequenceEvent::Text(text) => events.send(Event::Text(text.to_string())),
+            // The lease ends before the last event leaves, so that a client that has its
+            // answer sees the model already released (or unloaded, with keep_alive 0).
+            SequenceEvent::Done(mut finished) => {
+                finished.output.stats.load_duration = load_duration;
+                finished.output.stats.total_duration = received.elapsed();
+                lease.take();
+                events.send(Event::Done(Box::new(finished)))
+            }
+            SequenceEvent::Failed(message) => {
+                lease.take();
+                events.send(Event::Failed(AppError::internal(message)))
+            }
+        };
+        // A closed channel means the client is gone: stop generating for it.
+        if sent.is_err() {
+            Control::Stop
+        } else {
+            Control::Continue
+        }
+    });
+    let request = SequenceRequest {
+        tokens,
+        max_tokens: generate.max_tokens,
+        sampling: generate.sampling,
+        stop: generate.stop,
+        grammar: generate.grammar,
+        n_ctx: generate.n_ctx,
+        cancel: generate.cancel,
+    };
+    if let Err((error, _sink)) = batcher.admit(request, sink) {
+        let _ = generate.events.send(Event::Failed(AppError::from_engine(&error)));
+    }
+}
+
+fn prompt_tokens(engine: &Engine, context: &[Token], prompt: &PromptText) -> Result<Vec<Token>, EngineError> {
+    let text = match prompt {
+        PromptText::Raw(text) => text.clone(),
+        PromptText::Chat(messages) => render_chat(engine, messages)?,
+    };
+    let mut tokens = context.to_vec();
+    tokens.extend(tokenize_text(engine, &text, context.is_empty())?);
+    Ok(tokens)
+}
+
+fn engine_info(engine: &Engine, batcher: &Batcher) -> EngineInfo {
+    let n_ctx_total = (batcher.n_ctx_per_sequence() * batcher.n_sequences()) as u32;
+    let kv = crate::plan::kv_cache_bytes(engine.inventory(), n_ctx_total);
+    let size_bytes = match (&engine.options().plan, engine.streaming()) {
+        (Some(plan), Some(_)) => plan.budget.resident_weight_bytes + plan.budget.window_bytes + kv,
+        _ => engine.model().size_bytes() + kv,
+    };
+    let has_gpu = hypura_sys::Backend::get().devices().iter().any(|device| !device.kind.unified_memory());
+    let vram_bytes = if has_gpu && engine.options().n_gpu_layers != 0 && engine.streaming().is_none() { size_bytes } else { 0 };
+    EngineInfo { size_bytes, vram_bytes, context_length: batcher.n_ctx_per_sequence(), mode: engine.mode().name() }
+}
