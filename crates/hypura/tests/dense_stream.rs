@@ -123,3 +123,29 @@ fn too_small_a_budget_is_refused_at_plan_time() {
     assert_eq!(output.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("64.0 MiB is too small") && stderr.contains("resident weights"), "{stderr}");
 }
+
+/// Invariant 3: a dense-stream run's peak resident memory stays under its budget + 5%.
+#[test]
+fn peak_memory_stays_under_the_budget() {
+    let directory = tempfile::tempdir().unwrap();
+    let tiny = common::forge("tiny-dense-8b", directory.path());
+    let gemma = common::gemma_path();
+    for (path, budget) in [(tiny.as_path(), "140MiB"), (gemma.as_path(), "850MiB")] {
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_hypura"))
+            .args(["run", path.to_str().unwrap(), "--raw", "-p", "the sea and the king", "-n", "8", "--temperature", "0"])
+            .args(["--mode", "dense-stream", "--memory-budget", budget, "--context", "512", "--stats", "-t", "1"])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.success(), "{stderr}");
+        assert!(stderr.contains("mode dense-stream") && stderr.contains("streamed"), "{stderr}");
+        let peak: u64 = stderr
+            .lines()
+            .find_map(|line| line.strip_prefix("peak memory ").and_then(|rest| rest.split('(').nth(1)).and_then(|rest| rest.split(' ').next()))
+            .and_then(|number| number.parse().ok())
+            .unwrap_or_else(|| panic!("no peak memory line in {stderr}"));
+        let budget_bytes = hypura::cli::settings::parse_bytes(budget).unwrap();
+        assert!(peak as f64 <= budget_bytes as f64 * 1.05, "{}: peak {peak} bytes over the budget {budget_bytes}: {stderr}", path.display());
+        assert!(stderr.contains("io "), "{stderr}");
+    }
+}

@@ -481,3 +481,23 @@ mod tests {
         assert!(memory.effective_available_bytes() <= memory.available_bytes);
     }
 }
+
+/// This process's peak resident set (VmHWM), for reports and the budget tests.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    parse_status_kib(&status, "VmHWM:").map(|kib| kib * 1024)
+}
+
+fn parse_status_kib(status: &str, key: &str) -> Option<u64> {
+    status.lines().find_map(|line| line.strip_prefix(key)).and_then(|rest| rest.split_whitespace().next()).and_then(|number| number.parse().ok())
+}
+
+#[cfg(test)]
+mod peak_tests {
+    #[test]
+    fn parses_vm_hwm() {
+        let status = "Name:\thypura\nVmPeak:\t  900 kB\nVmHWM:\t    1234 kB\nVmRSS:\t 1000 kB\n";
+        assert_eq!(super::parse_status_kib(status, "VmHWM:"), Some(1234));
+        assert!(super::peak_rss_bytes().is_some_and(|bytes| bytes > 0));
+    }
+}

@@ -118,6 +118,9 @@ fn print_stats(enabled: bool, output: &GenerateOutput) {
         stats.total_duration.as_secs_f64(),
         output.done_reason
     );
+    if let Some(peak) = crate::hw::peak_rss_bytes() {
+        eprintln!("peak memory {} ({peak} bytes resident)", crate::hw::format::format_bytes(peak));
+    }
     if let Some(io) = &stats.io {
         let graphs = (stats.eval_count + u32::from(stats.prompt_eval_count > 0)).max(1) as f64;
         let wall = stats.total_duration.as_secs_f64().max(1e-9);
