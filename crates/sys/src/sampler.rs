@@ -80,6 +80,11 @@ impl SamplerParams {
     }
 }
 
+/// Candidates a grammar checks before it checks the whole vocabulary (see
+/// `Sampler::sample_constrained`). Sampling under a grammar therefore never picks a token
+/// outside the 512 most likely unless none of those is allowed; top-k and top-p keep far fewer.
+const GRAMMAR_CANDIDATES: usize = 512;
+
 /// An owned sampler chain. Freed on drop.
 pub struct Sampler {
     chain: NonNull<raw::llama_sampler>,
@@ -168,7 +173,19 @@ impl Sampler {
         let token = if grammar.allows(first) {
             first
         } else {
-            let mut masked = candidates(logits);
+            // Masking the whole vocabulary costs a detokenization per token (0.5 s for 262k
+            // tokens), so the grammar first sees the most likely candidates only, and the whole
+            // vocabulary only if it allows none of them.
+            let mut best = candidates(logits);
+            let keep = GRAMMAR_CANDIDATES.min(best.len());
+            if keep < best.len() {
+                best.select_nth_unstable_by(keep - 1, |left, right| right.logit.total_cmp(&left.logit));
+                best.truncate(keep);
+            }
+            let mut probe = best.clone();
+            let mut array = raw::llama_token_data_array { data: probe.as_mut_ptr(), size: probe.len(), selected: -1, sorted: false };
+            grammar.apply(&mut array);
+            let mut masked = if probe.iter().any(|candidate| candidate.logit.is_finite()) { best } else { candidates(logits) };
             let token = self.apply_chain(&mut masked, Some(grammar))?;
             if !grammar.allows(token) {
                 return Err(SysError::Grammar("no token the grammar allows has a finite probability".into()));

@@ -92,7 +92,8 @@ pub struct BenchReport {
     pub file_bytes: u64,
     pub n_params: u64,
     pub mode: &'static str,
-    /// Streaming: bytes read from disk per generated token (tg runs, averaged).
+    /// Streaming: bytes read from disk per evaluated token in tg runs (the start token's graph
+    /// included), averaged.
     pub bytes_read_per_token: Option<f64>,
     /// Streaming: share of tg wall time that compute waited for I/O.
     pub stall_fraction: Option<f64>,
@@ -171,7 +172,8 @@ impl HypuraSide {
         if let Some(io) = output.stats.io {
             self.io_totals.0 += io.bytes_read;
             self.io_totals.1 += io.stall_seconds;
-            self.io_totals.2 += u64::from(output.stats.eval_count);
+            // Every evaluated graph reads the streamed layers once: the prompt's and each token's.
+            self.io_totals.2 += u64::from(output.stats.eval_count) + u64::from(output.stats.prompt_eval_count > 0);
             self.io_totals.3 += output.stats.total_duration.as_secs_f64();
         }
         Ok((output.stats.eval_tokens_per_sec(), output.tokens))
