@@ -44,7 +44,7 @@ fn greedy(engine: &Arc<Engine>, prompt: &str, count: u32) -> hypura::engine::Gen
 
 /// Bytes of one sweep over the streamed layers, as the store reads them (whole pages).
 fn streaming_plan_bytes(engine: &Engine) -> u64 {
-    let residency = engine.streaming().unwrap().window.residency().clone();
+    let residency = engine.streaming().unwrap().driver.residency().clone();
     residency
         .units()
         .iter()

@@ -101,6 +101,15 @@ pub struct PlanArgs {
     /// Reader threads (queue depth) for streaming.
     #[arg(long, default_value_t = 4)]
     pub io_workers: usize,
+    /// Expert cache size in (layer, expert) units (expert-stream; default: what the budget holds).
+    #[arg(long)]
+    pub expert_cache: Option<usize>,
+    /// Expert cache replacement: slru or lru.
+    #[arg(long, default_value = "slru")]
+    pub cache_policy: String,
+    /// Record the router's choices to this file (JSON lines), for `hypura simulate`.
+    #[arg(long)]
+    pub trace: Option<std::path::PathBuf>,
 }
 
 /// Model and context flags shared by `run` and `bench`.

@@ -33,6 +33,7 @@ pub fn engine_options(args: &ModelArgs, model: &std::path::Path) -> anyhow::Resu
         repack: !args.no_repack,
         plan: Some(plan),
         io_workers: args.plan.io_workers.max(1),
+        trace_routing: args.plan.trace.is_some(),
         ..EngineOptions::default()
     })
 }
@@ -98,7 +99,16 @@ pub fn machine_facts(args: &PlanArgs) -> anyhow::Result<MachineFacts> {
 
 pub fn make_plan(inventory: &Inventory, args: &PlanArgs, n_ctx: u32, n_ubatch: u32) -> anyhow::Result<Plan> {
     let facts = machine_facts(args)?;
-    let options = PlanOptions { mode: parse_mode(&args.mode)?, n_ctx, n_ubatch, window_layers: args.window.max(1) };
+    let cache_policy = crate::store::CachePolicy::parse(&args.cache_policy)
+        .with_context(|| format!("unknown cache policy {:?}: use slru or lru", args.cache_policy))?;
+    let options = PlanOptions {
+        mode: parse_mode(&args.mode)?,
+        n_ctx,
+        n_ubatch,
+        window_layers: args.window.max(1),
+        expert_cache_units: args.expert_cache,
+        cache_policy,
+    };
     Ok(plan::plan(inventory, &facts, &options)?)
 }
 

@@ -51,7 +51,7 @@ pub struct Finished {
 pub enum SequenceEvent<'a> {
     /// Final text (never part of a stop string). Returning `Control::Stop` cancels.
     Text(&'a str),
-    Done(Finished),
+    Done(Box<Finished>),
     /// The decode failed; the sequence is gone.
     Failed(String),
 }
@@ -111,7 +111,13 @@ impl Batcher {
         let per_sequence = params.n_ctx;
         params.n_ctx = per_sequence.saturating_mul(n_sequences);
         params.n_seq_max = n_sequences;
-        let context = Context::new(engine.model(), &params)?;
+        let mut context = Context::new(engine.model(), &params)?;
+        // A streaming read failure aborts the decode before any node computes on missing
+        // weights; the failure is then reported to the sequences in that batch.
+        if let Some(streaming) = engine.streaming() {
+            streaming.driver.take_failure();
+            context.set_abort_flags(vec![streaming.driver.abort_flag()]);
+        }
         // llama.cpp rounds each sequence's share up to a multiple of 256.
         let n_ctx_per_sequence = (context.n_ctx() / n_sequences) as usize;
         let batch = Batch::new(params.n_batch as usize, 1);
@@ -244,7 +250,7 @@ impl Batcher {
             return false;
         }
         if let Err(error) = self.context.decode(&self.batch) {
-            let message = match self.engine.streaming().and_then(|streaming| streaming.window.take_failure()) {
+            let message = match self.engine.streaming().and_then(|streaming| streaming.driver.take_failure()) {
                 Some(failure) => EngineError::Store(failure.to_string()).to_string(),
                 None => EngineError::from(error).to_string(),
             };
@@ -406,7 +412,7 @@ impl Batcher {
         }
         let output = GenerateOutput { text: std::mem::take(&mut active.text), tokens: std::mem::take(&mut active.generated), done_reason, stats };
         let prompt = std::mem::take(&mut active.prompt);
-        (active.sink)(SequenceEvent::Done(Finished { output, prompt }));
+        (active.sink)(SequenceEvent::Done(Box::new(Finished { output, prompt })));
     }
 
     /// Cancel every sequence (shutdown).

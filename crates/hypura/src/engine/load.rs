@@ -13,7 +13,7 @@ use crate::model::Inventory;
 use crate::plan::{Mode, Plan};
 use crate::store::io::{DirectFile, Region};
 use crate::store::load::StoreLoadReader;
-use crate::store::{DenseWindow, IoStats, Residency, StreamUnit};
+use crate::store::{DenseWindow, ExpertStream, IoStats, Residency, ResidencyError, StreamUnit};
 
 /// Gaps smaller than this between a layer's streamed tensors are read along with them: one
 /// larger read beats two small ones.
@@ -39,6 +39,8 @@ pub struct EngineOptions {
     pub plan: Option<Plan>,
     /// Reader threads for streaming (the queue depth).
     pub io_workers: usize,
+    /// Record the router's choices (expert-stream), for traces and the cache simulator.
+    pub trace_routing: bool,
 }
 
 impl Default for EngineOptions {
@@ -54,13 +56,57 @@ impl Default for EngineOptions {
             n_gpu_layers: -1,
             plan: None,
             io_workers: 4,
+            trace_routing: false,
         }
     }
 }
 
-/// The streaming machinery of a dense-stream engine.
+/// What decides residency from the eval hook.
+pub enum StreamDriver {
+    Dense(Arc<DenseWindow>),
+    Expert(Arc<ExpertStream>),
+}
+
+impl StreamDriver {
+    pub fn hook(&self) -> Arc<dyn hypura_sys::EvalHook> {
+        match self {
+            StreamDriver::Dense(window) => window.clone(),
+            StreamDriver::Expert(experts) => experts.clone(),
+        }
+    }
+
+    pub fn take_failure(&self) -> Option<ResidencyError> {
+        match self {
+            StreamDriver::Dense(window) => window.take_failure(),
+            StreamDriver::Expert(experts) => experts.take_failure(),
+        }
+    }
+
+    pub fn abort_flag(&self) -> Arc<std::sync::atomic::AtomicBool> {
+        match self {
+            StreamDriver::Dense(window) => window.abort_flag(),
+            StreamDriver::Expert(experts) => experts.abort_flag(),
+        }
+    }
+
+    pub fn residency(&self) -> &Arc<Residency> {
+        match self {
+            StreamDriver::Dense(window) => window.residency(),
+            StreamDriver::Expert(experts) => experts.residency(),
+        }
+    }
+
+    pub fn experts(&self) -> Option<&Arc<ExpertStream>> {
+        match self {
+            StreamDriver::Expert(experts) => Some(experts),
+            StreamDriver::Dense(_) => None,
+        }
+    }
+}
+
+/// The streaming machinery of a streaming engine.
 pub struct Streaming {
-    pub window: Arc<DenseWindow>,
+    pub driver: StreamDriver,
     pub stats: Arc<IoStats>,
     /// Bytes read at load (resident tensors), not counting streamed ones.
     pub load_bytes: u64,
@@ -111,10 +157,10 @@ impl Engine {
     }
 
     pub fn mode(&self) -> Mode {
-        if self.streaming.is_some() {
-            Mode::DenseStream
-        } else {
-            Mode::Resident
+        match self.streaming.as_ref().map(|streaming| &streaming.driver) {
+            None => Mode::Resident,
+            Some(StreamDriver::Dense(_)) => Mode::DenseStream,
+            Some(StreamDriver::Expert(_)) => Mode::ExpertStream,
         }
     }
 
@@ -157,7 +203,7 @@ impl Engine {
             n_seq_max: self.options.n_seq_max,
             n_threads: threads,
             n_threads_batch: threads,
-            eval_hook: self.streaming.as_ref().map(|streaming| streaming.window.clone() as Arc<dyn hypura_sys::EvalHook>),
+            eval_hook: self.streaming.as_ref().map(|streaming| streaming.driver.hook()),
             ..defaults
         }
     }
@@ -189,6 +235,25 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
     let model = Model::load_placed(backend, path, &params, placement)?;
     let load_bytes = stats.snapshot().bytes_read;
 
+    let file = Arc::new(DirectFile::open(path).map_err(store_error)?);
+    if let Some(experts) = &plan.experts {
+        // One unit per (layer, expert): that expert's slice of each expert tensor of the layer.
+        let n_expert = experts.n_expert as usize;
+        let n_layer = inventory.hparams.n_layer as usize;
+        let mut units: Vec<StreamUnit> = (0..n_layer * n_expert).map(|_| StreamUnit { ranges: Vec::new() }).collect();
+        for tensor in &streamed {
+            let (Some(layer), Some(slices)) = (tensor.layer, tensor.experts) else { continue };
+            for expert in 0..n_expert {
+                units[layer as usize * n_expert + expert].ranges.push(slices.range(tensor.file_offset, expert as u64));
+            }
+        }
+        for unit in &mut units {
+            unit.ranges.sort_by_key(|range| range.start);
+        }
+        let residency = Arc::new(Residency::new(region, file, units, options.io_workers, stats.clone()));
+        let driver = ExpertStream::new(residency, n_layer, n_expert, experts.cache_units, experts.policy, options.trace_routing);
+        return Ok((model, Streaming { driver: StreamDriver::Expert(Arc::new(driver)), stats, load_bytes }));
+    }
     // One unit per streamed layer: its tensors' ranges, merged across small gaps.
     let dense = plan.dense.as_ref().ok_or_else(|| EngineError::Store("a streaming plan without a dense layout".into()))?;
     let mut unit_of_layer = vec![None; inventory.hparams.n_layer as usize];
@@ -210,9 +275,8 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
         unit_of_layer[layer as usize] = Some(units.len());
         units.push(StreamUnit { ranges: merged });
     }
-    let file = Arc::new(DirectFile::open(path).map_err(store_error)?);
     let residency = Arc::new(Residency::new(region, file, units, options.io_workers, stats.clone()));
     let window = Arc::new(DenseWindow::new(residency, unit_of_layer, dense.window_layers));
     window.prefetch_start().map_err(|error| EngineError::Store(error.to_string()))?;
-    Ok((model, Streaming { window, stats, load_bytes }))
+    Ok((model, Streaming { driver: StreamDriver::Dense(window), stats, load_bytes }))
 }

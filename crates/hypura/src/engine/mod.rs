@@ -14,7 +14,7 @@ mod text;
 use std::path::PathBuf;
 
 pub use batch::{Batcher, Finished, SequenceEvent, SequenceRequest, SequenceSink};
-pub use load::{Engine, EngineOptions, Streaming};
+pub use load::{Engine, EngineOptions, StreamDriver, Streaming};
 pub use session::{ChatMessage, Control, DoneReason, GenerateOutput, GenerateRequest, GenerationStats, Prompt, Session};
 pub use template::ChatTemplate;
 pub use text::{StopMatcher, Utf8Stream};

@@ -84,6 +84,8 @@ pub struct GenerationStats {
     pub reused_prompt_tokens: u32,
     /// Streaming I/O during this request (streaming modes only).
     pub io: Option<crate::store::IoSnapshot>,
+    /// Expert cache hits and misses during this request (expert-stream only).
+    pub experts: Option<crate::store::ExpertSnapshot>,
 }
 
 impl GenerationStats {
@@ -179,8 +181,8 @@ impl Session {
     fn arm_abort(&mut self, cancel: Option<Arc<AtomicBool>>) {
         let mut flags = vec![cancel.unwrap_or_default()];
         if let Some(streaming) = self.engine.streaming() {
-            streaming.window.take_failure();
-            flags.push(streaming.window.abort_flag());
+            streaming.driver.take_failure();
+            flags.push(streaming.driver.abort_flag());
         }
         self.context.set_abort_flags(flags);
     }
@@ -208,6 +210,7 @@ impl Session {
 
         let mut stats = GenerationStats { load_duration: self.engine.load_duration(), ..GenerationStats::default() };
         let io_before = self.engine.streaming().map(|streaming| streaming.stats.snapshot());
+        let experts_before = self.engine.streaming().and_then(|streaming| streaming.driver.experts()).map(|experts| experts.snapshot());
         let reused = self.reuse_prefix(&prompt);
         stats.reused_prompt_tokens = reused as u32;
         let prefill_started = Instant::now();
@@ -284,6 +287,9 @@ impl Session {
         stats.total_duration = started.elapsed();
         if let (Some(before), Some(streaming)) = (io_before, self.engine.streaming()) {
             stats.io = Some(streaming.stats.snapshot() - before);
+            if let (Some(before), Some(experts)) = (experts_before, streaming.driver.experts()) {
+                stats.experts = Some(experts.snapshot() - before);
+            }
         }
         Ok(GenerateOutput { text, tokens, done_reason, stats })
     }
@@ -321,7 +327,7 @@ impl Session {
                 // The KV cache may hold part of this batch: start the next request from scratch.
                 self.reset();
                 // A read failure aborts the graph from the eval hook: report the read, not the abort.
-                if let Some(failure) = self.engine.streaming().and_then(|streaming| streaming.window.take_failure()) {
+                if let Some(failure) = self.engine.streaming().and_then(|streaming| streaming.driver.take_failure()) {
                     return Err(EngineError::Store(failure.to_string()));
                 }
                 return Err(error.into());

@@ -62,12 +62,34 @@ pub struct PlanOptions {
     pub n_ubatch: u32,
     /// Streamed layers prefetched ahead of the one computing (dense-stream).
     pub window_layers: usize,
+    /// Expert cache size in (layer, expert) units (expert-stream); None: what the budget holds.
+    pub expert_cache_units: Option<usize>,
+    pub cache_policy: crate::store::CachePolicy,
 }
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        PlanOptions { mode: ModeChoice::Auto, n_ctx: 4096, n_ubatch: 512, window_layers: 2 }
+        PlanOptions {
+            mode: ModeChoice::Auto,
+            n_ctx: 4096,
+            n_ubatch: 512,
+            window_layers: 2,
+            expert_cache_units: None,
+            cache_policy: crate::store::CachePolicy::Slru,
+        }
     }
+}
+
+/// The expert-stream layout.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ExpertLayout {
+    pub n_expert: u64,
+    pub n_expert_used: u64,
+    /// Bytes of one (layer, expert) unit: its gate, up and down slices (largest layer).
+    pub unit_bytes: u64,
+    /// How many units the expert cache holds.
+    pub cache_units: usize,
+    pub policy: crate::store::CachePolicy,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -105,6 +127,7 @@ pub struct Plan {
     pub budget: BudgetUse,
     pub tensors: Vec<TensorPlacement>,
     pub dense: Option<DenseLayout>,
+    pub experts: Option<ExpertLayout>,
     /// Bytes that must come from disk for every token (the streamed FFN layers).
     pub streamed_bytes_per_token: u64,
     /// Upper bound from the disk alone: bandwidth ÷ streamed bytes per token.
@@ -166,14 +189,15 @@ pub fn plan(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions
     let compute = compute_buffer_bytes(inventory, options.n_ctx, options.n_ubatch);
     let budget = machine.memory_budget_bytes;
     let everything = weights + kv + compute;
+    let has_experts = inventory.expert_tensors().next().is_some();
     let mode = match options.mode {
         ModeChoice::Forced(mode) => mode,
         ModeChoice::Auto if everything <= budget => Mode::Resident,
-        // Expert streaming arrives with its own store; until then MoE layers stream whole.
+        ModeChoice::Auto if has_experts => Mode::ExpertStream,
         ModeChoice::Auto => Mode::DenseStream,
     };
     if mode == Mode::ExpertStream {
-        return Err(PlanError::ModeUnavailable { mode: "expert-stream", what: "the expert store (not built yet)" });
+        return plan_experts(inventory, machine, options, kv, compute);
     }
     if mode == Mode::Resident {
         let tensors = inventory
@@ -193,6 +217,7 @@ pub fn plan(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions
             },
             tensors,
             dense: None,
+            experts: None,
             streamed_bytes_per_token: 0,
             io_bound_tokens_per_sec: None,
         });
@@ -267,11 +292,79 @@ pub fn plan(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions
         },
         tensors,
         dense: Some(DenseLayout { streamed_layers, pinned_layers, window_layers }),
+        experts: None,
         streamed_bytes_per_token,
         io_bound_tokens_per_sec: machine
             .disk_bytes_per_sec
             .filter(|_| streamed_bytes_per_token > 0)
             .map(|bandwidth| bandwidth / streamed_bytes_per_token as f64),
+    })
+}
+
+/// Expert-stream: every routed expert tensor streams by expert; the rest is resident, and what
+/// the budget leaves is the expert cache.
+fn plan_experts(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions, kv: u64, compute: u64) -> Result<Plan, PlanError> {
+    let hparams = &inventory.hparams;
+    let n_expert = hparams.n_expert;
+    if n_expert == 0 || inventory.expert_tensors().next().is_none() {
+        return Err(PlanError::ModeUnavailable { mode: "expert-stream", what: "routed expert tensors" });
+    }
+    let mut unit_bytes_by_layer = vec![0u64; hparams.n_layer as usize];
+    for tensor in inventory.expert_tensors() {
+        let slices = tensor.experts.expect("expert tensors have slices");
+        unit_bytes_by_layer[tensor.layer.expect("experts have a layer") as usize] += slices.slice_bytes;
+    }
+    let unit_bytes = unit_bytes_by_layer.iter().copied().max().unwrap_or(0);
+    let moe_layers = unit_bytes_by_layer.iter().filter(|&&bytes| bytes > 0).count() as u64;
+    let expert_bytes: u64 = inventory.expert_tensors().map(|tensor| tensor.bytes).sum();
+    let fixed = inventory.tensor_data_bytes() - expert_bytes;
+    let budget = machine.memory_budget_bytes;
+    // The cache must hold one layer's every expert: a prefill batch may pick them all.
+    let minimum_units = n_expert as usize;
+    let needed = fixed + kv + compute + minimum_units as u64 * unit_bytes;
+    if needed > budget {
+        return Err(PlanError::BudgetTooSmall {
+            budget,
+            needed,
+            resident: fixed,
+            window: minimum_units as u64 * unit_bytes,
+            layers: 1,
+            kv,
+            compute,
+        });
+    }
+    let affordable = ((budget - fixed - kv - compute) / unit_bytes.max(1)) as usize;
+    let total_units = (moe_layers * n_expert) as usize;
+    let cache_units = options.expert_cache_units.map_or(affordable, |units| units.min(affordable)).clamp(minimum_units, total_units.max(minimum_units));
+    let tensors = inventory
+        .tensors
+        .iter()
+        .map(|tensor| {
+            let (tier, why) = if tensor.experts.is_some() {
+                (Tier::Stream, "routed experts: only the router's picks are read, through the expert cache")
+            } else {
+                (Tier::Ram, "touched by every token and small: always resident")
+            };
+            TensorPlacement { name: tensor.name.clone(), tier, bytes: tensor.bytes, why }
+        })
+        .collect();
+    let worst_case = moe_layers * hparams.n_expert_used.max(1) * unit_bytes;
+    let cache_bytes = cache_units as u64 * unit_bytes;
+    Ok(Plan {
+        mode: Mode::ExpertStream,
+        budget: BudgetUse {
+            budget_bytes: budget,
+            resident_weight_bytes: fixed,
+            window_bytes: cache_bytes,
+            kv_cache_bytes: kv,
+            compute_buffer_bytes: compute,
+            total_bytes: fixed + cache_bytes + kv + compute,
+        },
+        tensors,
+        dense: None,
+        experts: Some(ExpertLayout { n_expert, n_expert_used: hparams.n_expert_used, unit_bytes, cache_units, policy: options.cache_policy }),
+        streamed_bytes_per_token: worst_case,
+        io_bound_tokens_per_sec: machine.disk_bytes_per_sec.filter(|_| worst_case > 0).map(|bandwidth| bandwidth / worst_case as f64),
     })
 }
 
@@ -295,6 +388,22 @@ impl Plan {
             format_bytes(budget.kv_cache_bytes),
             format_bytes(budget.compute_buffer_bytes)
         );
+        if let Some(experts) = &self.experts {
+            let _ = writeln!(
+                out,
+                "experts      cache of {} (layer, expert) units of {} ({}), {:?} replacement; {} of {} experts per token",
+                experts.cache_units,
+                format_bytes(experts.unit_bytes),
+                format_bytes(experts.cache_units as u64 * experts.unit_bytes),
+                experts.policy,
+                experts.n_expert_used,
+                experts.n_expert
+            );
+            let _ = writeln!(out, "per token    at most {} read from disk (every pick a miss)", format_bytes(self.streamed_bytes_per_token));
+            if let Some(bound) = self.io_bound_tokens_per_sec {
+                let _ = writeln!(out, "bound        at least {bound:.2} tok/s from disk bandwidth alone, before cache hits");
+            }
+        }
         if let Some(dense) = &self.dense {
             let _ = writeln!(
                 out,

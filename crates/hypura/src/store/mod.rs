@@ -3,14 +3,17 @@
 //! `io` is the raw layer (aligned buffers, `O_DIRECT` reads, page-cache eviction, and the
 //! `Region` that mirrors the model file in address space). `residency` runs one state machine
 //! per stream unit with a pool of reader threads; `dense` drives the dense-FFN window from the
-//! eval hook; `load` serves llama.cpp's own load-time reads so that streamed bytes are skipped;
+//! eval hook; `expert` makes the router's chosen experts resident through an expert cache;
+//! `load` serves llama.cpp's own load-time reads so that streamed bytes are skipped;
 //! `stats` counts bytes, reads and stalls.
 pub mod dense;
+pub mod expert;
 pub mod io;
 pub mod load;
 pub mod residency;
 pub mod stats;
 
 pub use dense::DenseWindow;
+pub use expert::{CacheModel, CachePolicy, ExpertSnapshot, ExpertStream, RouteRecord};
 pub use residency::{Residency, ResidencyError, SliceState, StreamUnit, UnitReader};
 pub use stats::{IoSnapshot, IoStats};

@@ -47,6 +47,7 @@ struct UnitState {
 #[derive(Debug)]
 struct Shared {
     units: Mutex<Vec<UnitState>>,
+    unit_bytes: Vec<u64>,
     changed: Condvar,
     queue: Mutex<VecDeque<Chunk>>,
     queue_changed: Condvar,
@@ -96,6 +97,7 @@ impl Residency {
             units: Mutex::new(
                 units.iter().map(|_| UnitState { state: SliceState::Empty, generation: 0, pending_chunks: 0, error: None }).collect(),
             ),
+            unit_bytes: units.iter().map(StreamUnit::bytes).collect(),
             changed: Condvar::new(),
             queue: Mutex::new(VecDeque::new()),
             queue_changed: Condvar::new(),
@@ -279,7 +281,7 @@ fn worker(shared: &Shared, region: &Region, reader: &dyn UnitReader, stats: &IoS
         if state.pending_chunks == 0 {
             if state.error.is_none() {
                 state.state = SliceState::Ready;
-                stats.record_unit_loaded();
+                stats.record_unit_loaded(shared.unit_bytes[chunk.unit]);
             } else {
                 // The waiter reports the error and resets the unit; keep it Loading until then
                 // so nobody computes on it.

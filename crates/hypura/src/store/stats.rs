@@ -13,6 +13,7 @@ pub struct IoStats {
     stall_nanos: AtomicU64,
     stalls: AtomicU64,
     units_loaded: AtomicU64,
+    unit_bytes_loaded: AtomicU64,
     units_released: AtomicU64,
     observations: AtomicU64,
 }
@@ -28,6 +29,9 @@ pub struct IoSnapshot {
     pub stall_seconds: f64,
     pub stalls: u64,
     pub units_loaded: u64,
+    /// The exact bytes of the units loaded (reads cover whole pages, so `bytes_read` is a
+    /// little more).
+    pub unit_bytes_loaded: u64,
     pub units_released: u64,
     /// Eval-hook observations (graph nodes where the scheduler stopped for us).
     pub observations: u64,
@@ -45,8 +49,9 @@ impl IoStats {
         self.stalls.fetch_add(1, Ordering::Relaxed);
     }
 
-    pub fn record_unit_loaded(&self) {
+    pub fn record_unit_loaded(&self, bytes: u64) {
         self.units_loaded.fetch_add(1, Ordering::Relaxed);
+        self.unit_bytes_loaded.fetch_add(bytes, Ordering::Relaxed);
     }
 
     pub fn record_unit_released(&self) {
@@ -66,6 +71,7 @@ impl IoStats {
             stall_seconds: load(&self.stall_nanos) as f64 / 1e9,
             stalls: load(&self.stalls),
             units_loaded: load(&self.units_loaded),
+            unit_bytes_loaded: load(&self.unit_bytes_loaded),
             units_released: load(&self.units_released),
             observations: load(&self.observations),
         }
@@ -83,6 +89,7 @@ impl std::ops::Sub for IoSnapshot {
             stall_seconds: self.stall_seconds - earlier.stall_seconds,
             stalls: self.stalls - earlier.stalls,
             units_loaded: self.units_loaded - earlier.units_loaded,
+            unit_bytes_loaded: self.unit_bytes_loaded - earlier.unit_bytes_loaded,
             units_released: self.units_released - earlier.units_released,
             observations: self.observations - earlier.observations,
         }

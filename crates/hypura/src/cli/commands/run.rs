@@ -55,6 +55,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         };
         let output = answer(&mut session, &request(prompt))?;
         print_stats(args.stats, &output);
+        write_trace(&session, args.model_args.plan.trace.as_deref())?;
         return Ok(());
     }
     let stdin = std::io::stdin();
@@ -85,6 +86,19 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         messages.push(ChatMessage::new("assistant", output.text.clone()));
         print_stats(args.stats, &output);
     }
+}
+
+/// Write the router's choices as JSON lines (one per MoE layer call).
+fn write_trace(session: &Session, path: Option<&std::path::Path>) -> anyhow::Result<()> {
+    let (Some(path), Some(experts)) = (path, session.engine().streaming().and_then(|streaming| streaming.driver.experts())) else {
+        return Ok(());
+    };
+    let mut text = String::new();
+    for record in experts.take_trace() {
+        text.push_str(&serde_json::to_string(&record)?);
+        text.push('\n');
+    }
+    std::fs::write(path, text).with_context(|| format!("writing the trace {}", path.display()))
 }
 
 fn answer(session: &mut Session, request: &GenerateRequest) -> anyhow::Result<GenerateOutput> {
@@ -118,6 +132,15 @@ fn print_stats(enabled: bool, output: &GenerateOutput) {
         stats.total_duration.as_secs_f64(),
         output.done_reason
     );
+    if let Some(experts) = &stats.experts {
+        eprintln!(
+            "experts {} hits, {} misses over {} router calls: hit rate {:.1}%",
+            experts.hits,
+            experts.misses,
+            experts.layer_visits,
+            100.0 * experts.hit_rate()
+        );
+    }
     if let Some(peak) = crate::hw::peak_rss_bytes() {
         eprintln!("peak memory {} ({peak} bytes resident)", crate::hw::format::format_bytes(peak));
     }

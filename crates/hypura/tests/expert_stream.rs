@@ -1,0 +1,100 @@
+//! Invariant 1 for expert-stream: tokens and logits are bit-identical to resident mode with a
+//! cache small enough to force misses and evictions; bytes read are exactly the misses' units.
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use hypura::engine::{Control, Engine, EngineOptions, GenerateRequest, Prompt, SamplerParams, Session};
+use hypura::model::Inventory;
+use hypura::plan::{self, MachineFacts, Mode, ModeChoice, PlanOptions};
+use hypura::store::CachePolicy;
+
+fn engine(path: &Path, mode: Mode, cache_units: usize, policy: CachePolicy) -> Arc<Engine> {
+    let inventory = Inventory::open(path).unwrap();
+    let options = PlanOptions {
+        mode: ModeChoice::Forced(mode),
+        n_ctx: 512,
+        n_ubatch: 512,
+        window_layers: 2,
+        expert_cache_units: Some(cache_units),
+        cache_policy: policy,
+    };
+    let plan = plan::plan(&inventory, &MachineFacts { memory_budget_bytes: 8 << 30, disk_bytes_per_sec: None }, &options).unwrap();
+    let engine_options = EngineOptions { n_ctx: 512, n_threads: Some(1), repack: false, plan: Some(plan), ..EngineOptions::default() };
+    let engine = Arc::new(Engine::load(path, engine_options).unwrap());
+    assert_eq!(engine.mode(), mode);
+    engine
+}
+
+/// Bytes of one expert of `layer`: its slice of each expert tensor.
+fn unit_bytes(inventory: &Inventory, layer: u32) -> u64 {
+    inventory.expert_tensors().filter(|tensor| tensor.layer == Some(layer)).map(|tensor| tensor.experts.unwrap().slice_bytes).sum()
+}
+
+fn generate(engine: &Arc<Engine>, prompt: &str) -> hypura::engine::GenerateOutput {
+    let mut session = Session::new(engine.clone()).unwrap();
+    let request = GenerateRequest { max_tokens: Some(20), sampling: SamplerParams::greedy(), ignore_eos: true, ..GenerateRequest::new(Prompt::Raw(prompt.into())) };
+    session.generate(&request, &mut |_| Control::Continue).unwrap()
+}
+
+#[test]
+fn expert_stream_is_bit_identical_to_resident_and_reads_only_misses() {
+    let directory = tempfile::tempdir().unwrap();
+    for preset in ["tiny-moe-8x", "tiny-moe-30b"] {
+        let path = common::forge(preset, directory.path());
+        let inventory = Inventory::open(&path).unwrap();
+        let n_expert = inventory.hparams.n_expert as usize;
+        let resident = engine(&path, Mode::Resident, 0, CachePolicy::Lru);
+        let prompt = "the king of paris and the queen of the sea walked to the river";
+        let reference = generate(&resident, prompt);
+        let reference_logits = Session::new(resident.clone()).unwrap().prompt_logits(&Prompt::Raw(prompt.into())).unwrap();
+        for policy in [CachePolicy::Lru, CachePolicy::Slru] {
+            // The smallest cache: one layer's experts, so every layer evicts the previous one's.
+            let streaming = engine(&path, Mode::ExpertStream, n_expert, policy);
+            let logits = Session::new(streaming.clone()).unwrap().prompt_logits(&Prompt::Raw(prompt.into())).unwrap();
+            assert!(logits == reference_logits, "{preset} {policy:?}: logits differ from resident");
+            let output = generate(&streaming, prompt);
+            assert_eq!(output.tokens, reference.tokens, "{preset} {policy:?}");
+            let experts = output.stats.experts.expect("expert stats");
+            let io = output.stats.io.expect("io stats");
+            assert!(experts.misses > 0 && io.units_released > 0, "{preset} {policy:?}: the cache must miss and evict: {experts:?} {io:?}");
+            // One router call per MoE layer per graph (the prompt and each of 20 tokens).
+            assert_eq!(experts.layer_visits, inventory.hparams.n_layer * 21, "{preset}");
+            assert_eq!(io.observations, experts.layer_visits);
+            // Each miss is read exactly once, and nothing else is.
+            assert_eq!(io.units_loaded, experts.misses, "{preset} {policy:?}: {io:?}");
+            let expected: u64 = experts.misses_by_layer.iter().enumerate().map(|(layer, misses)| misses * unit_bytes(&inventory, layer as u32)).sum();
+            assert_eq!(io.unit_bytes_loaded, expected, "{preset} {policy:?}");
+            // Each pick is a hit or a miss: k per token per layer at most.
+            let picks = experts.hits + experts.misses;
+            assert!(picks <= 21 * inventory.hparams.n_layer * inventory.hparams.n_expert_used * 20, "{picks}");
+        }
+    }
+}
+
+#[test]
+fn expert_ids_from_the_router_are_recorded_in_the_trace() {
+    let directory = tempfile::tempdir().unwrap();
+    let path = common::forge("tiny-moe-8x", directory.path());
+    let trace = directory.path().join("trace.jsonl");
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_hypura"))
+        .args(["run", path.to_str().unwrap(), "--raw", "-p", "the sea", "-n", "4", "--temperature", "0", "-t", "1", "--context", "512"])
+        .args(["--mode", "expert-stream", "--expert-cache", "8", "--stats", "--trace", trace.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let records: Vec<hypura::store::RouteRecord> = text.lines().map(|line| serde_json::from_str(line).unwrap()).collect();
+    // 4 layers × (prompt + 4 tokens), top-2 of 8 experts per token.
+    assert_eq!(records.len(), 4 * 5);
+    for record in &records {
+        assert!(record.layer < 4);
+        for token in &record.experts {
+            assert_eq!(token.len(), 2);
+            assert!(token.iter().all(|&expert| (0..8).contains(&expert)));
+            assert_ne!(token[0], token[1], "top-k ids are distinct");
+        }
+    }
+    assert!(records[0].experts.len() > 1, "the prompt's router call covers every prompt token");
+}
