@@ -483,7 +483,7 @@ mod tests {
     }
 
     fn options(mode: ModeChoice, window_layers: usize) -> PlanOptions {
-        PlanOptions { mode, n_ctx: 1024, n_ubatch: 256, window_layers }
+        PlanOptions { mode, n_ctx: 1024, n_ubatch: 256, window_layers, ..PlanOptions::default() }
     }
 
     #[test]

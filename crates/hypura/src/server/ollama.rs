@@ -69,6 +69,7 @@ pub async fn ps(State(state): State<AppState>) -> Result<Json<Value>, AppError> 
             "size_vram": info.vram_bytes,
             "context_length": info.context_length,
             "hypura_mode": info.mode,
+            "hypura_active_requests": model.active_requests(),
         }));
     }
     Ok(Json(json!({ "models": models })))

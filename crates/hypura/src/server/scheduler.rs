@@ -83,6 +83,11 @@ impl LoadedModel {
         }
     }
 
+    /// Requests holding the model: generating, embedding or queued.
+    pub fn active_requests(&self) -> usize {
+        self.pending.load(Ordering::Acquire)
+    }
+
     /// When `keep_alive` lapses: None for never; a busy model counts from now.
     pub fn expires_at(&self) -> Option<SystemTime> {
         let usage = self.usage.lock().unwrap_or_else(|poison| poison.into_inner());
@@ -498,7 +503,7 @@ fn admit(batcher: &mut Batcher, job: Job, ready_at: Instant) {
                 finished.output.stats.load_duration = load_duration;
                 finished.output.stats.total_duration = received.elapsed();
                 lease.take();
-                events.send(Event::Done(Box::new(finished)))
+                events.send(Event::Done(finished))
             }
             SequenceEvent::Failed(message) => {
                 lease.take();
