@@ -11,6 +11,10 @@ use hypura::plan::{self, MachineFacts, Mode, ModeChoice, PlanOptions};
 use hypura::store::CachePolicy;
 
 fn engine(path: &Path, mode: Mode, cache_units: usize, policy: CachePolicy) -> Arc<Engine> {
+    engine_with(path, mode, cache_units, policy, false)
+}
+
+fn engine_with(path: &Path, mode: Mode, cache_units: usize, policy: CachePolicy, prefetch: bool) -> Arc<Engine> {
     let inventory = Inventory::open(path).unwrap();
     let options = PlanOptions {
         mode: ModeChoice::Forced(mode),
@@ -21,7 +25,7 @@ fn engine(path: &Path, mode: Mode, cache_units: usize, policy: CachePolicy) -> A
         cache_policy: policy,
     };
     let plan = plan::plan(&inventory, &MachineFacts { memory_budget_bytes: 8 << 30, disk_bytes_per_sec: None }, &options).unwrap();
-    let engine_options = EngineOptions { n_ctx: 512, n_threads: Some(1), repack: false, plan: Some(plan), ..EngineOptions::default() };
+    let engine_options = EngineOptions { n_ctx: 512, n_threads: Some(1), repack: false, plan: Some(plan), expert_prefetch: prefetch, ..EngineOptions::default() };
     let engine = Arc::new(Engine::load(path, engine_options).unwrap());
     assert_eq!(engine.mode(), mode);
     engine
@@ -97,4 +101,19 @@ fn expert_ids_from_the_router_are_recorded_in_the_trace() {
         }
     }
     assert!(records[0].experts.len() > 1, "the prompt's router call covers every prompt token");
+}
+
+#[test]
+fn prefetch_changes_no_token() {
+    let directory = tempfile::tempdir().unwrap();
+    let path = common::forge("tiny-moe-30b", directory.path());
+    let prompt = "gold and iron and stone";
+    let reference = generate(&engine(&path, Mode::Resident, 0, CachePolicy::Lru), prompt);
+    let streaming = engine_with(&path, Mode::ExpertStream, 24, CachePolicy::Slru, true);
+    let output = generate(&streaming, prompt);
+    assert_eq!(output.tokens, reference.tokens);
+    let experts = output.stats.experts.unwrap();
+    let io = output.stats.io.unwrap();
+    // Reads are the misses plus the prefetches, never more.
+    assert_eq!(io.units_loaded, experts.misses + experts.prefetch_issued, "{experts:?} {io:?}");
 }

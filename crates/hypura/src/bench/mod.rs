@@ -3,6 +3,7 @@
 //! timings. Ratios measured side by side are what we quote: absolute times on shared machines
 //! drift.
 pub mod peer;
+pub mod simulate;
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};

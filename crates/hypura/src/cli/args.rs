@@ -20,6 +20,8 @@ pub enum Command {
     Run(RunArgs),
     /// Benchmark Hypura against plain llama.cpp on the same file, in one process.
     Bench(BenchArgs),
+    /// Replay a routing trace against expert-cache policies and sizes.
+    Simulate(SimulateArgs),
     /// Serve models over HTTP with Ollama's API and OpenAI's.
     Serve(ServeArgs),
 }
@@ -107,6 +109,9 @@ pub struct PlanArgs {
     /// Expert cache replacement: slru or lru.
     #[arg(long, default_value = "slru")]
     pub cache_policy: String,
+    /// Read likely next-layer experts ahead into idle I/O (co-activation prediction).
+    #[arg(long)]
+    pub prefetch: bool,
     /// Record the router's choices to this file (JSON lines), for `hypura simulate`.
     #[arg(long)]
     pub trace: Option<std::path::PathBuf>,
@@ -231,4 +236,23 @@ pub struct ServeArgs {
     pub embedding_context: u32,
     #[command(flatten)]
     pub model_args: ModelArgs,
+}
+
+#[derive(Args, Debug)]
+pub struct SimulateArgs {
+    /// A trace written by `hypura run --trace`.
+    pub trace: PathBuf,
+    /// The model the trace came from (for its layer and expert counts).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Cache sizes in (layer, expert) units, comma-separated (default: 5 sizes from one layer's
+    /// experts to half of all units).
+    #[arg(long, value_delimiter = ',')]
+    pub capacity: Vec<usize>,
+    /// Policies to compare, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "lru,slru")]
+    pub policy: Vec<String>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
 }

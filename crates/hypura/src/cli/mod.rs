@@ -14,6 +14,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Inspect(args) => commands::inspect::run(&args),
         Command::Run(args) => commands::run::run(&args),
         Command::Bench(args) => commands::bench::run(&args),
+        Command::Simulate(args) => commands::simulate::run(&args),
         Command::Serve(args) => commands::serve::run(&args),
     }
 }

@@ -34,6 +34,7 @@ pub fn engine_options(args: &ModelArgs, model: &std::path::Path) -> anyhow::Resu
         plan: Some(plan),
         io_workers: args.plan.io_workers.max(1),
         trace_routing: args.plan.trace.is_some(),
+        expert_prefetch: args.plan.prefetch,
         ..EngineOptions::default()
     })
 }

@@ -41,6 +41,8 @@ pub struct EngineOptions {
     pub io_workers: usize,
     /// Record the router's choices (expert-stream), for traces and the cache simulator.
     pub trace_routing: bool,
+    /// Co-activation prefetch of likely next-layer experts (expert-stream).
+    pub expert_prefetch: bool,
 }
 
 impl Default for EngineOptions {
@@ -57,6 +59,7 @@ impl Default for EngineOptions {
             plan: None,
             io_workers: 4,
             trace_routing: false,
+            expert_prefetch: false,
         }
     }
 }
@@ -251,7 +254,8 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
             unit.ranges.sort_by_key(|range| range.start);
         }
         let residency = Arc::new(Residency::new(region, file, units, options.io_workers, stats.clone()));
-        let driver = ExpertStream::new(residency, n_layer, n_expert, experts.cache_units, experts.policy, options.trace_routing);
+        let driver = ExpertStream::new(residency, n_layer, n_expert, experts.cache_units, experts.policy, options.trace_routing)
+            .with_prefetch(options.expert_prefetch);
         return Ok((model, Streaming { driver: StreamDriver::Expert(Arc::new(driver)), stats, load_bytes }));
     }
     // One unit per streamed layer: its tensors' ranges, merged across small gaps.

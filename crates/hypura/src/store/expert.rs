@@ -148,6 +148,9 @@ pub struct ExpertSnapshot {
     /// Router observations (MoE layers computed).
     pub layer_visits: u64,
     pub misses_by_layer: Vec<u64>,
+    /// Units read ahead on a co-activation prediction, and how many the router then picked.
+    pub prefetch_issued: u64,
+    pub prefetch_used: u64,
 }
 
 impl ExpertSnapshot {
@@ -170,6 +173,8 @@ impl std::ops::Sub for ExpertSnapshot {
             misses: self.misses - earlier.misses,
             layer_visits: self.layer_visits - earlier.layer_visits,
             misses_by_layer: self.misses_by_layer.iter().zip(&earlier.misses_by_layer).map(|(now, then)| now - then).collect(),
+            prefetch_issued: self.prefetch_issued - earlier.prefetch_issued,
+            prefetch_used: self.prefetch_used - earlier.prefetch_used,
         }
     }
 }
@@ -186,13 +191,25 @@ struct State {
     cache: CacheModel,
     /// The units of the layer computing now: never evicted.
     pinned: Vec<usize>,
+    /// Co-activation counts: `coactivation[layer][a * n_expert + b]` is how often a token that
+    /// used expert `a` at `layer` used expert `b` at `layer + 1`.
+    coactivation: Vec<Vec<u32>>,
+    /// The previous router call (layer and per-token picks), to count co-activations.
+    previous: Option<(usize, Vec<Vec<i32>>)>,
+    /// Units prefetched and not yet used, per layer: the accuracy count.
+    prefetched: Vec<Vec<usize>>,
 }
+
 
 /// Drives expert residency from the router's choices.
 pub struct ExpertStream {
     residency: Arc<Residency>,
     n_layer: usize,
     n_expert: usize,
+    /// Prefetch likely next-layer experts into idle I/O (co-activation prediction).
+    prefetch: bool,
+    prefetch_issued: AtomicU64,
+    prefetch_used: AtomicU64,
     state: Mutex<State>,
     counters: ExpertCounters,
     trace: Option<Mutex<Vec<RouteRecord>>>,
@@ -208,7 +225,16 @@ impl ExpertStream {
             residency,
             n_layer,
             n_expert,
-            state: Mutex::new(State { cache: CacheModel::new(policy, units, capacity.max(n_expert)), pinned: Vec::new() }),
+            prefetch: false,
+            prefetch_issued: AtomicU64::new(0),
+            prefetch_used: AtomicU64::new(0),
+            state: Mutex::new(State {
+                cache: CacheModel::new(policy, units, capacity.max(n_expert)),
+                pinned: Vec::new(),
+                coactivation: vec![vec![0; n_expert * n_expert]; n_layer],
+                previous: None,
+                prefetched: vec![Vec::new(); n_layer],
+            }),
             counters: ExpertCounters { misses_by_layer: (0..n_layer).map(|_| AtomicU64::new(0)).collect(), ..ExpertCounters::default() },
             trace: trace.then(|| Mutex::new(Vec::new())),
             failure: Mutex::new(None),
@@ -220,12 +246,21 @@ impl ExpertStream {
         &self.residency
     }
 
+    /// Turn co-activation prefetch on or off (before use).
+    pub fn with_prefetch(mut self, prefetch: bool) -> ExpertStream {
+        self.prefetch = prefetch;
+        self
+    }
+
+
     pub fn snapshot(&self) -> ExpertSnapshot {
         ExpertSnapshot {
             hits: self.counters.hits.load(Ordering::Relaxed),
             misses: self.counters.misses.load(Ordering::Relaxed),
             layer_visits: self.counters.layer_visits.load(Ordering::Relaxed),
             misses_by_layer: self.counters.misses_by_layer.iter().map(|misses| misses.load(Ordering::Relaxed)).collect(),
+            prefetch_issued: self.prefetch_issued.load(Ordering::Relaxed),
+            prefetch_used: self.prefetch_used.load(Ordering::Relaxed),
         }
     }
 
@@ -264,9 +299,16 @@ impl ExpertStream {
         }
         self.counters.layer_visits.fetch_add(1, Ordering::Relaxed);
         let mut to_load = Vec::new();
+        let mut predicted = Vec::new();
         {
             let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
             state.pinned.clone_from(&chosen);
+            self.learn(&mut state, layer, rows);
+            if self.prefetch {
+                let prefetched = std::mem::take(&mut state.prefetched[layer]);
+                let used = chosen.iter().filter(|unit| prefetched.contains(unit)).count();
+                self.prefetch_used.fetch_add(used as u64, Ordering::Relaxed);
+            }
             for &unit in &chosen {
                 if state.cache.is_resident(unit) {
                     self.counters.hits.fetch_add(1, Ordering::Relaxed);
@@ -281,9 +323,30 @@ impl ExpertStream {
                     to_load.push(unit);
                 }
             }
+            if self.prefetch && layer + 1 < self.n_layer {
+                predicted = self.predict(&state, layer, rows);
+            }
         }
         for &unit in &to_load {
             self.residency.request(unit)?;
+        }
+        // Prefetch only into I/O that this layer's own misses leave idle, and only into cache
+        // room that does not cost a unit of this layer.
+        if !predicted.is_empty() && to_load.is_empty() {
+            let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            let mut protect = state.pinned.clone();
+            protect.extend_from_slice(&predicted);
+            for unit in predicted {
+                if state.cache.is_resident(unit) {
+                    continue;
+                }
+                for victim in state.cache.admit(unit, &protect) {
+                    self.residency.release(victim)?;
+                }
+                state.prefetched[layer + 1].push(unit);
+                self.prefetch_issued.fetch_add(1, Ordering::Relaxed);
+                self.residency.request(unit)?;
+            }
         }
         for &unit in &chosen {
             // A hit on a unit a failed read left empty reloads it here.
@@ -292,6 +355,52 @@ impl ExpertStream {
             }
         }
         Ok(())
+    }
+}
+
+impl ExpertStream {
+    /// Count, for each token, which experts at the previous layer led to which experts here.
+    fn learn(&self, state: &mut State, layer: usize, rows: &[Vec<i32>]) {
+        if let Some((previous_layer, previous_rows)) = state.previous.take() {
+            if previous_layer + 1 == layer && previous_rows.len() == rows.len() {
+                let n_expert = self.n_expert;
+                let counts = &mut state.coactivation[previous_layer];
+                for (before, after) in previous_rows.iter().zip(rows) {
+                    for &from in before.iter().filter(|&&expert| (expert as usize) < n_expert) {
+                        for &to in after.iter().filter(|&&expert| (expert as usize) < n_expert) {
+                            let cell = &mut counts[from as usize * n_expert + to as usize];
+                            *cell = cell.saturating_add(1);
+                        }
+                    }
+                }
+            }
+        }
+        state.previous = Some((layer, rows.to_vec()));
+    }
+
+    /// The next layer's likely units for this batch's tokens: per token, the experts most
+    /// often co-activated with its current ones, as many as the router will pick.
+    fn predict(&self, state: &State, layer: usize, rows: &[Vec<i32>]) -> Vec<usize> {
+        let n_expert = self.n_expert;
+        let counts = &state.coactivation[layer];
+        let mut predicted = Vec::new();
+        for token in rows.iter().take(4) {
+            let mut scores = vec![0u64; n_expert];
+            for &from in token.iter().filter(|&&expert| (expert as usize) < n_expert) {
+                for (to, score) in scores.iter_mut().enumerate() {
+                    *score += u64::from(counts[from as usize * n_expert + to]);
+                }
+            }
+            let mut order: Vec<usize> = (0..n_expert).filter(|&expert| scores[expert] > 0).collect();
+            order.sort_by_key(|&expert| std::cmp::Reverse(scores[expert]));
+            for expert in order.into_iter().take(token.len()) {
+                let unit = (layer + 1) * n_expert + expert;
+                if !predicted.contains(&unit) {
+                    predicted.push(unit);
+                }
+            }
+        }
+        predicted
     }
 }
 

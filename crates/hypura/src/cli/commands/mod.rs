@@ -3,3 +3,4 @@ pub mod inspect;
 pub mod profile;
 pub mod run;
 pub mod serve;
+pub mod simulate;

@@ -134,11 +134,13 @@ fn print_stats(enabled: bool, output: &GenerateOutput) {
     );
     if let Some(experts) = &stats.experts {
         eprintln!(
-            "experts {} hits, {} misses over {} router calls: hit rate {:.1}%",
+            "experts {} hits, {} misses over {} router calls: hit rate {:.1}% | prefetch {} issued, {} used",
             experts.hits,
             experts.misses,
             experts.layer_visits,
-            100.0 * experts.hit_rate()
+            100.0 * experts.hit_rate(),
+            experts.prefetch_issued,
+            experts.prefetch_used
         );
     }
     if let Some(peak) = crate::hw::peak_rss_bytes() {
