@@ -58,6 +58,19 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         write_trace(&session, args.model_args.plan.trace.as_deref())?;
         return Ok(());
     }
+    chat_loop(&mut session, &request, &cancel, &mut messages, args.stats)?;
+    write_trace(&session, args.model_args.plan.trace.as_deref())?;
+    Ok(())
+}
+
+/// The interactive chat: keeps the conversation; the KV cache reuses its shared prefix.
+fn chat_loop(
+    session: &mut Session,
+    request: &dyn Fn(Prompt) -> GenerateRequest,
+    cancel: &Arc<AtomicBool>,
+    messages: &mut Vec<ChatMessage>,
+    stats: bool,
+) -> anyhow::Result<()> {
     let stdin = std::io::stdin();
     loop {
         eprint!(">>> ");
@@ -79,12 +92,12 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         }
         cancel.store(false, Ordering::Relaxed);
         messages.push(ChatMessage::new("user", line));
-        let output = answer(&mut session, &request(Prompt::Chat(messages.clone())))?;
+        let output = answer(session, &request(Prompt::Chat(messages.clone())))?;
         if output.done_reason == DoneReason::Cancelled {
             eprintln!("[stopped]");
         }
         messages.push(ChatMessage::new("assistant", output.text.clone()));
-        print_stats(args.stats, &output);
+        print_stats(stats, &output);
     }
 }
 
