@@ -115,6 +115,29 @@ pub struct Streaming {
     pub load_bytes: u64,
 }
 
+impl Streaming {
+    /// Eval-hook observations so far; pass to `ensure_hook_fired` after a decode.
+    pub fn observations(&self) -> u64 {
+        self.stats.snapshot().observations
+    }
+
+    /// A decode during which the hook never stopped the graph computed streamed layers on
+    /// bytes nobody loaded: the architecture does not name its nodes as the driver expects.
+    /// Refuse it rather than return wrong tokens.
+    pub fn ensure_hook_fired(&self, observations_before: u64) -> Result<(), EngineError> {
+        if self.observations() > observations_before {
+            return Ok(());
+        }
+        let node = match self.driver {
+            StreamDriver::Dense(_) => "ffn_norm-<layer>",
+            StreamDriver::Expert(_) => "ffn_moe_topk-<layer>",
+        };
+        Err(EngineError::Store(format!(
+            "llama.cpp's graph for this architecture has no {node} node, so streamed weights were never loaded; use --mode resident or another mode"
+        )))
+    }
+}
+
 /// A loaded model. Share it between sessions with `Arc`.
 pub struct Engine {
     // Declared first so it drops first: streamed tensors point into the region below.
@@ -220,7 +243,8 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
     if inventory.split_paths.len() > 1 {
         return Err(EngineError::Store(format!("streaming split models ({} files) is not supported yet", inventory.split_paths.len())));
     }
-    let region = Arc::new(Region::reserve(inventory.file_bytes).map_err(store_error)?);
+    // Huge pages pay off for dense layers (tens of MB each), not for expert slices.
+    let region = Arc::new(Region::reserve(inventory.file_bytes, plan.experts.is_none()).map_err(store_error)?);
     let entries: HashMap<&str, &crate::model::TensorEntry> = inventory.tensors.iter().map(|tensor| (tensor.name.as_str(), tensor)).collect();
     let streamed: Vec<&crate::model::TensorEntry> = plan.streamed_tensors().map(|placement| entries[placement.name.as_str()]).collect();
     let offsets: HashMap<String, u64> = streamed.iter().map(|tensor| (tensor.name.clone(), tensor.file_offset)).collect();

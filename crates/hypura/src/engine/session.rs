@@ -323,6 +323,7 @@ impl Session {
                 let position = (self.cached.len() + offset) as i32;
                 self.batch.push(token, position, &[0], is_last_chunk && offset + 1 == chunk.len())?;
             }
+            let observations_before = self.engine.streaming().map(|streaming| streaming.observations());
             if let Err(error) = self.context.decode(&self.batch) {
                 // The KV cache may hold part of this batch: start the next request from scratch.
                 self.reset();
@@ -331,6 +332,12 @@ impl Session {
                     return Err(EngineError::Store(failure.to_string()));
                 }
                 return Err(error.into());
+            }
+            if let (Some(before), Some(streaming)) = (observations_before, self.engine.streaming()) {
+                if let Err(error) = streaming.ensure_hook_fired(before) {
+                    self.reset();
+                    return Err(error);
+                }
             }
             self.cached.extend_from_slice(chunk);
         }

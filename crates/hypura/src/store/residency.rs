@@ -326,7 +326,7 @@ mod tests {
     }
 
     fn residency(fail_on: Vec<usize>) -> Residency {
-        let region = Arc::new(Region::reserve(64 << 20).unwrap());
+        let region = Arc::new(Region::reserve(64 << 20, false).unwrap());
         let units = vec![
             StreamUnit { ranges: vec![0..(9 << 20)] },
             StreamUnit { ranges: vec![(16 << 20)..(17 << 20) + 123, (20 << 20)..(21 << 20)] },
