@@ -25,7 +25,7 @@ fn engines(path: &Path, pinned: u64) -> (Arc<Engine>, Arc<Engine>) {
     let inventory = Inventory::open(path).unwrap();
     let window = 2;
     let facts = MachineFacts { memory_budget_bytes: tight_budget(&inventory, window, pinned), disk_bytes_per_sec: Some(1e9) };
-    let options = PlanOptions { mode: ModeChoice::Forced(Mode::DenseStream), n_ctx: N_CTX, n_ubatch: 512, window_layers: window };
+    let options = PlanOptions { mode: ModeChoice::Forced(Mode::DenseStream), n_ctx: N_CTX, n_ubatch: 512, window_layers: window, ..PlanOptions::default() };
     let plan = plan::plan(&inventory, &facts, &options).unwrap();
     let dense = plan.dense.as_ref().unwrap();
     assert_eq!(dense.pinned_layers.len() as u64, pinned, "{}", plan.render());
