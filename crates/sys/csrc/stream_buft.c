@@ -5,6 +5,11 @@
 // direct read of any file range lands in place. Pages are physically backed only once Hypura's
 // store reads into them, and released with MADV_DONTNEED. set_tensor/memset/clear do nothing:
 // llama.cpp's loader never fills these tensors; the store does, on demand.
+//
+// During the load, llama.cpp still copies placeholder bytes into every host tensor. So until
+// `hypura_stream_buft_finalize`, tensors point at a small "sink" that absorbs those copies
+// (faulted in once, reused by every tensor) instead of faulting in the whole region; finalize
+// then points each tensor at its mirror address, once, before any graph runs.
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,12 +19,23 @@
 
 typedef int64_t (*hypura_offset_fn)(void * user, const char * name);
 
+struct hypura_tensor_record {
+    struct ggml_tensor * tensor;
+    int64_t offset;
+};
+
 struct hypura_stream_buft_context {
     struct ggml_backend_buffer_type buft;
     void * base;
     size_t size;
     hypura_offset_fn offset_of;
     void * user;
+    void * sink;
+    size_t sink_size;
+    struct hypura_tensor_record * records;
+    size_t n_records;
+    size_t records_capacity;
+    bool finalized;
 };
 
 static const char * hypura_buft_get_name(ggml_backend_buffer_type_t buft) {
@@ -41,7 +57,26 @@ static enum ggml_status hypura_buffer_init_tensor(ggml_backend_buffer_t buffer, 
     if (offset < 0 || (uint64_t) offset + ggml_nbytes(tensor) > ctx->size) {
         return GGML_STATUS_FAILED;
     }
-    tensor->data = (char *) ctx->base + offset;
+    if (ctx->finalized || ctx->sink == NULL) {
+        tensor->data = (char *) ctx->base + offset;
+        return GGML_STATUS_SUCCESS;
+    }
+    if (ggml_nbytes(tensor) > ctx->sink_size) {
+        return GGML_STATUS_FAILED;
+    }
+    if (ctx->n_records == ctx->records_capacity) {
+        size_t capacity = ctx->records_capacity ? 2 * ctx->records_capacity : 256;
+        struct hypura_tensor_record * grown = realloc(ctx->records, capacity * sizeof(*grown));
+        if (grown == NULL) {
+            return GGML_STATUS_ALLOC_FAILED;
+        }
+        ctx->records = grown;
+        ctx->records_capacity = capacity;
+    }
+    ctx->records[ctx->n_records].tensor = tensor;
+    ctx->records[ctx->n_records].offset = offset;
+    ctx->n_records++;
+    tensor->data = ctx->sink;
     return GGML_STATUS_SUCCESS;
 }
 
@@ -93,12 +128,16 @@ static bool hypura_buft_is_host(ggml_backend_buffer_type_t buft) {
 }
 
 // Create the buffer type over a reservation `base .. base + size` that the caller owns and
-// keeps mapped for as long as any model uses this type. Returns NULL on allocation failure.
-ggml_backend_buffer_type_t hypura_stream_buft_new(void * base, size_t size, hypura_offset_fn offset_of, void * user) {
+// keeps mapped for as long as any model uses this type, with a load-time sink of `sink_size`
+// bytes (NULL: tensors point at their mirror address from the start). Returns NULL on
+// allocation failure.
+ggml_backend_buffer_type_t hypura_stream_buft_new(void * base, size_t size, void * sink, size_t sink_size, hypura_offset_fn offset_of, void * user) {
     struct hypura_stream_buft_context * ctx = calloc(1, sizeof(*ctx));
     if (ctx == NULL) {
         return NULL;
     }
+    ctx->sink = sink;
+    ctx->sink_size = sink_size;
     ctx->base = base;
     ctx->size = size;
     ctx->offset_of = offset_of;
@@ -112,7 +151,26 @@ ggml_backend_buffer_type_t hypura_stream_buft_new(void * base, size_t size, hypu
     return &ctx->buft;
 }
 
+// Point every tensor allocated so far at its mirror address; later ones get it directly.
+// Returns how many tensors were moved. Call after the load, before any graph runs.
+size_t hypura_stream_buft_finalize(ggml_backend_buffer_type_t buft) {
+    struct hypura_stream_buft_context * ctx = (struct hypura_stream_buft_context *) buft->context;
+    for (size_t i = 0; i < ctx->n_records; i++) {
+        ctx->records[i].tensor->data = (char *) ctx->base + ctx->records[i].offset;
+    }
+    size_t moved = ctx->n_records;
+    free(ctx->records);
+    ctx->records = NULL;
+    ctx->n_records = 0;
+    ctx->records_capacity = 0;
+    ctx->finalized = true;
+    ctx->sink = NULL;
+    return moved;
+}
+
 // Free the type (not the reservation). Only after every model using it is freed.
 void hypura_stream_buft_free(ggml_backend_buffer_type_t buft) {
-    free(buft->context);
+    struct hypura_stream_buft_context * ctx = (struct hypura_stream_buft_context *) buft->context;
+    free(ctx->records);
+    free(ctx);
 }

@@ -23,6 +23,10 @@ pub struct ContextParams {
     pub embeddings: bool,
     /// Let ggml move large host-weight ops (prefill batches) to a GPU by itself.
     pub op_offload: bool,
+    /// One KV buffer for all sequences instead of one per sequence. Then llama.cpp never splits
+    /// a batch of several sequences into several graphs (one pass over the weights per step);
+    /// the caller keeps each sequence within its share.
+    pub kv_unified: bool,
     /// Decisions at chosen graph nodes (streaming modes).
     pub eval_hook: Option<Arc<dyn EvalHook>>,
 }
@@ -53,6 +57,7 @@ impl Default for ContextParams {
             n_threads_batch: threads,
             embeddings: false,
             op_offload: true,
+            kv_unified: false,
             eval_hook: None,
         }
     }
@@ -96,6 +101,7 @@ impl Context {
         raw_params.n_threads_batch = params.n_threads_batch;
         raw_params.embeddings = params.embeddings;
         raw_params.op_offload = params.op_offload;
+        raw_params.kv_unified = params.kv_unified;
         raw_params.no_perf = true;
         let hook = params.eval_hook.clone().map(Box::new);
         if let Some(hook) = &hook {

@@ -13,9 +13,12 @@ extern "C" {
     fn hypura_stream_buft_new(
         base: *mut c_void,
         size: usize,
+        sink: *mut c_void,
+        sink_size: usize,
         offset_of: unsafe extern "C" fn(*mut c_void, *const c_char) -> i64,
         user: *mut c_void,
     ) -> raw::ggml_backend_buffer_type_t;
+    fn hypura_stream_buft_finalize(buft: raw::ggml_backend_buffer_type_t) -> usize;
     fn hypura_stream_buft_free(buft: raw::ggml_backend_buffer_type_t);
 }
 
@@ -45,21 +48,34 @@ unsafe impl Sync for StreamBufferType {}
 impl StreamBufferType {
     /// `region_address .. + region_bytes` must be a mapping that the caller keeps alive longer
     /// than every model loaded with this type (the store's region; `hypura::engine` orders the
-    /// drops). `offsets` maps tensor names to their absolute file offsets.
-    pub fn new(region_address: usize, region_bytes: usize, offsets: HashMap<String, u64>) -> Result<StreamBufferType, SysError> {
+    /// drops). `offsets` maps tensor names to their absolute file offsets. `sink` (address and
+    /// size, at least the largest tensor) absorbs llama.cpp's load-time copies until
+    /// `finalize`; the caller keeps it mapped until then.
+    pub fn new(region_address: usize, region_bytes: usize, sink: Option<(usize, usize)>, offsets: HashMap<String, u64>) -> Result<StreamBufferType, SysError> {
         let offsets = Box::new(offsets);
-        // SAFETY: the region is the caller's live reservation (documented contract above); the
-        // callback data is the boxed map, which lives as long as the returned value.
+        let (sink_address, sink_bytes) = sink.unwrap_or((0, 0));
+        // SAFETY: the region and sink are the caller's live reservations (documented contract
+        // above); the callback data is the boxed map, which lives as long as the returned value.
         let buft = unsafe {
             hypura_stream_buft_new(
                 region_address as *mut c_void,
                 region_bytes,
+                sink_address as *mut c_void,
+                sink_bytes,
                 offset_of,
                 &*offsets as *const HashMap<String, u64> as *mut c_void,
             )
         };
         let buft = NonNull::new(buft).ok_or(SysError::Allocation("a stream buffer type"))?;
         Ok(StreamBufferType { buft, _offsets: offsets })
+    }
+
+    /// Point every tensor at its mirror address (after the load, before any graph runs; the
+    /// sink may be unmapped afterwards). Returns how many tensors moved.
+    pub fn finalize(&self) -> usize {
+        // SAFETY: the type is alive; the recorded tensors belong to the model just loaded,
+        // which is alive (the caller holds it) and not computing yet.
+        unsafe { hypura_stream_buft_finalize(self.buft.as_ptr()) }
     }
 
     pub(crate) fn as_raw(&self) -> raw::ggml_backend_buffer_type_t {

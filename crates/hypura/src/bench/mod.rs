@@ -119,10 +119,11 @@ pub struct BenchReport {
 }
 
 /// Deterministic prompt tokens, like llama-bench's random ones but repeatable: ordinary tokens
-/// only (control tokens can end generation or confuse templates).
-fn bench_tokens(vocab: &hypura_sys::Vocab, count: usize) -> Vec<Token> {
+/// only (control tokens can end generation or confuse templates). Each `seed` gives another
+/// sequence, so repetitions route through other experts instead of replaying a warm cache.
+fn bench_tokens(vocab: &hypura_sys::Vocab, count: usize, seed: u64) -> Vec<Token> {
     let n_vocab = vocab.n_tokens().max(1) as u64;
-    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut state = 0x9E37_79B9_7F4A_7C15u64 ^ seed.wrapping_mul(0xD1B5_4A32_D192_ED03);
     let mut tokens = vec![vocab.bos()];
     while tokens.len() < count {
         state ^= state << 13;
@@ -205,8 +206,11 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         (None, Some(peer)) => peer.vocab(),
         (None, None) => return Err(BenchError::NothingToRun),
     };
-    let prompt = bench_tokens(&vocab, options.n_prompt);
-    let start = bench_tokens(&vocab, 1);
+    let prompt = bench_tokens(&vocab, options.n_prompt, 0);
+    // tg starts from BOS and one ordinary token that changes every repetition (the same on
+    // both sides), so each run generates, and routes, differently.
+    let start_for = |rep: u64| bench_tokens(&vocab, 2, rep + 1);
+    let start = start_for(0);
     let rate = |count: usize, duration: Duration| count as f64 / duration.as_secs_f64().max(1e-9);
 
     // Warm-up, as llama-bench does: first runs pay for page faults and thread start-up.
@@ -226,6 +230,7 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
     let mut samples: [Vec<f64>; 4] = Default::default();
     for rep in 0..options.reps {
         progress(&format!("rep {}/{}", rep + 1, options.reps));
+        let start = start_for(rep as u64 + 1);
         let peer_first = rep % 2 == 1;
         for test in 0..2 {
             let mut run_peer = |samples: &mut [Vec<f64>; 4]| -> Result<(), BenchError> {

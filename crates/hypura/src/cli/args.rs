@@ -132,6 +132,9 @@ pub struct ModelArgs {
     /// Turn off llama.cpp's CPU weight repacking.
     #[arg(long)]
     pub no_repack: bool,
+    /// Resident mode: read the weights into memory instead of mapping the file.
+    #[arg(long)]
+    pub no_mmap: bool,
     #[command(flatten)]
     pub plan: PlanArgs,
 }

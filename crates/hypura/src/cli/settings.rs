@@ -31,6 +31,7 @@ pub fn engine_options(args: &ModelArgs, model: &std::path::Path) -> anyhow::Resu
         n_ubatch: args.batch_size,
         n_threads: args.threads,
         repack: !args.no_repack,
+        load_mode: if args.no_mmap { hypura_sys::LoadMode::Read } else { hypura_sys::LoadMode::Mmap },
         plan: Some(plan),
         io_workers: args.plan.io_workers.max(1),
         trace_routing: args.plan.trace.is_some(),

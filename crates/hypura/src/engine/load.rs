@@ -248,10 +248,14 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
     let entries: HashMap<&str, &crate::model::TensorEntry> = inventory.tensors.iter().map(|tensor| (tensor.name.as_str(), tensor)).collect();
     let streamed: Vec<&crate::model::TensorEntry> = plan.streamed_tensors().map(|placement| entries[placement.name.as_str()]).collect();
     let offsets: HashMap<String, u64> = streamed.iter().map(|tensor| (tensor.name.clone(), tensor.file_offset)).collect();
-    let buffer_type = Arc::new(StreamBufferType::new(region.address(), region.len(), offsets)?);
+    // llama.cpp copies placeholder bytes into every host tensor at load; a sink the size of the
+    // largest streamed tensor absorbs them, so the region is never faulted in by the load.
+    let largest = streamed.iter().map(|tensor| tensor.bytes).max().unwrap_or(0);
+    let sink = Region::reserve(largest, false).map_err(store_error)?;
+    let buffer_type = Arc::new(StreamBufferType::new(region.address(), region.len(), Some((sink.address(), sink.len())), offsets)?);
     let stats = Arc::new(IoStats::default());
     let streamed_ranges: Vec<Range<u64>> = streamed.iter().map(|tensor| tensor.file_offset..tensor.file_offset + tensor.bytes).collect();
-    let reader = StoreLoadReader::new(DirectFile::open(path).map_err(store_error)?, Some(region.clone()), streamed_ranges, stats.clone());
+    let reader = StoreLoadReader::new(DirectFile::open(path).map_err(store_error)?, streamed_ranges, stats.clone());
     let placement = Placement {
         streamed: streamed.iter().map(|tensor| (tensor.name.clone(), buffer_type.clone())).collect(),
         reader: Some(Box::new(reader)),
@@ -260,6 +264,11 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
     // and resident runs would compute with different kernels.
     let params = ModelParams { n_gpu_layers: options.n_gpu_layers, load_mode: LoadMode::Read, use_extra_bufts: false, vocab_only: false };
     let model = Model::load_placed(backend, path, &params, placement)?;
+    let moved = buffer_type.finalize();
+    drop(sink);
+    if moved != streamed.len() {
+        return Err(EngineError::Store(format!("{moved} streamed tensors were placed, {} planned", streamed.len())));
+    }
     let load_bytes = stats.snapshot().bytes_read;
 
     let file = Arc::new(DirectFile::open(path).map_err(store_error)?);

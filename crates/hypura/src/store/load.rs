@@ -1,21 +1,19 @@
 //! Serving llama.cpp's load-time reads (through `hypura_sys::LoadReader`).
 //!
 //! Resident tensors are read with direct I/O through an aligned bounce buffer, so loading
-//! leaves nothing in the page cache. File ranges of streamed tensors are not read at all (their
-//! bytes arrive later, on demand); llama.cpp copies whatever its stdio buffer held into the
-//! tensors' region pages, and between tensors the reader releases those pages again, so load
-//! never holds more than one streamed tensor's worth of them.
+//! leaves nothing in the page cache. File ranges of streamed tensors are not read at all: their
+//! bytes arrive later, on demand. (llama.cpp still copies whatever its stdio buffer held into
+//! those tensors; the stream buffer type points them at a small sink during the load.)
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::io::{AlignedBuf, DirectFile, Region, PAGE_BYTES};
+use super::io::{AlignedBuf, DirectFile, PAGE_BYTES};
 use super::stats::IoStats;
 
 const BOUNCE_BYTES: usize = 8 << 20;
 
 pub struct StoreLoadReader {
     file: DirectFile,
-    region: Option<Arc<Region>>,
     /// File ranges of streamed tensors, sorted by start.
     streamed: Vec<Range<u64>>,
     bounce: AlignedBuf,
@@ -23,14 +21,12 @@ pub struct StoreLoadReader {
     bounce_range: Range<u64>,
     stats: Arc<IoStats>,
     skipped_bytes: u64,
-    /// Streamed ranges llama.cpp has been served since the last release.
-    dirty: Vec<Range<u64>>,
 }
 
 impl StoreLoadReader {
-    pub fn new(file: DirectFile, region: Option<Arc<Region>>, mut streamed: Vec<Range<u64>>, stats: Arc<IoStats>) -> StoreLoadReader {
+    pub fn new(file: DirectFile, mut streamed: Vec<Range<u64>>, stats: Arc<IoStats>) -> StoreLoadReader {
         streamed.sort_by_key(|range| range.start);
-        StoreLoadReader { file, region, streamed, bounce: AlignedBuf::new(BOUNCE_BYTES), bounce_range: 0..0, stats, skipped_bytes: 0, dirty: Vec::new() }
+        StoreLoadReader { file, streamed, bounce: AlignedBuf::new(BOUNCE_BYTES), bounce_range: 0..0, stats, skipped_bytes: 0 }
     }
 
     /// The streamed range containing `position`, if any.
@@ -72,9 +68,6 @@ impl hypura_sys::LoadReader for StoreLoadReader {
                 // Not read: these bytes come from disk on demand, into the same pages.
                 let count = (streamed.end - position).min(remaining);
                 self.skipped_bytes += count;
-                if self.dirty.last().is_none_or(|last| *last != streamed) {
-                    self.dirty.push(streamed);
-                }
                 filled += count as usize;
                 continue;
             }
@@ -88,23 +81,10 @@ impl hypura_sys::LoadReader for StoreLoadReader {
         }
         Ok(())
     }
-
-    fn progress(&mut self, _fraction: f32) -> bool {
-        // Give back the region pages llama.cpp filled with placeholder bytes.
-        if let Some(region) = &self.region {
-            for range in self.dirty.drain(..) {
-                if let Err(error) = region.release(range.start / PAGE_BYTES * PAGE_BYTES..range.end.div_ceil(PAGE_BYTES) * PAGE_BYTES) {
-                    tracing::warn!("releasing load placeholders: {error}");
-                }
-            }
-        }
-        true
-    }
 }
 
 impl Drop for StoreLoadReader {
     fn drop(&mut self) {
-        hypura_sys::LoadReader::progress(self, 1.0);
         tracing::debug!("load reader skipped {} streamed bytes", self.skipped_bytes);
     }
 }
