@@ -9,7 +9,7 @@
 
 use std::path::PathBuf;
 
-use hypura::hw::{DeviceInfo, DiskOptions, Profile};
+use hypura::hw::{DiskOptions, Profile};
 
 fn main() -> anyhow::Result<()> {
     let mut probe = PathBuf::from(".");
@@ -27,18 +27,7 @@ fn main() -> anyhow::Result<()> {
         }
     }
 
-    let devices = hypura_sys::Backend::get()
-        .devices()
-        .into_iter()
-        .map(|device| DeviceInfo {
-            name: device.name,
-            description: device.description,
-            kind: device.kind.as_str().to_string(),
-            free_bytes: device.free_bytes,
-            total_bytes: device.total_bytes,
-            unified_memory: device.kind.unified_memory(),
-        })
-        .collect();
+    let devices = hypura::cli::commands::profile::ggml_devices();
 
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(indicatif::ProgressStyle::with_template(

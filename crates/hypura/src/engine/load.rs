@@ -78,18 +78,19 @@ impl StreamDriver {
         }
     }
 
-    pub fn take_failure(&self) -> Option<ResidencyError> {
+    pub fn failure(&self) -> &crate::store::FailureLatch {
         match self {
-            StreamDriver::Dense(window) => window.take_failure(),
-            StreamDriver::Expert(experts) => experts.take_failure(),
+            StreamDriver::Dense(window) => &window.failure,
+            StreamDriver::Expert(experts) => &experts.failure,
         }
     }
 
+    pub fn take_failure(&self) -> Option<ResidencyError> {
+        self.failure().take()
+    }
+
     pub fn abort_flag(&self) -> Arc<std::sync::atomic::AtomicBool> {
-        match self {
-            StreamDriver::Dense(window) => window.abort_flag(),
-            StreamDriver::Expert(experts) => experts.abort_flag(),
-        }
+        self.failure().abort_flag()
     }
 
     pub fn residency(&self) -> &Arc<Residency> {

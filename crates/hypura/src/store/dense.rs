@@ -5,12 +5,11 @@
 //! There it releases the previous streamed layer (its FFN has run), asks for the next `D`
 //! streamed layers in forward order (wrapping to the first layers for the next token), and
 //! blocks until layer L's FFN bytes are ready. Pinned layers are ordinary resident tensors.
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use hypura_sys::{EvalHook, ObservedNode};
 
-use super::residency::{Residency, ResidencyError};
+use super::residency::{FailureLatch, Residency, ResidencyError};
 
 /// The node each architecture names just before its FFN (llama.cpp's `cb(cur, "ffn_norm", il)`).
 const FFN_ENTRY_NODE: &str = "ffn_norm-";
@@ -23,18 +22,15 @@ pub struct DenseWindow {
     /// Streamed layers in forward order.
     streamed_layers: Vec<u32>,
     window: usize,
-    /// The first read error, reported to the request that hit it.
-    failure: Mutex<Option<ResidencyError>>,
-    /// Set on a read error; sessions register it as an abort flag so the decode stops before
-    /// any node computes on missing weights.
-    failed: Arc<AtomicBool>,
+    /// The first read error and the abort flag it raises.
+    pub failure: FailureLatch,
 }
 
 impl DenseWindow {
     /// `unit_of_layer[L]` is the residency unit holding layer L's FFN, if it streams.
     pub fn new(residency: Arc<Residency>, unit_of_layer: Vec<Option<usize>>, window: usize) -> DenseWindow {
         let streamed_layers = unit_of_layer.iter().enumerate().filter(|(_, unit)| unit.is_some()).map(|(layer, _)| layer as u32).collect();
-        DenseWindow { residency, unit_of_layer, streamed_layers, window: window.max(1), failure: Mutex::new(None), failed: Arc::default() }
+        DenseWindow { residency, unit_of_layer, streamed_layers, window: window.max(1), failure: FailureLatch::default() }
     }
 
     pub fn residency(&self) -> &Arc<Residency> {
@@ -51,17 +47,6 @@ impl DenseWindow {
         Ok(())
     }
 
-    /// The error that made the hook abort a decode, if any (taken once; clears the flag).
-    pub fn take_failure(&self) -> Option<ResidencyError> {
-        let failure = self.failure.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
-        self.failed.store(false, Ordering::Relaxed);
-        failure
-    }
-
-    /// The abort flag a session must register with its context.
-    pub fn abort_flag(&self) -> Arc<AtomicBool> {
-        self.failed.clone()
-    }
 
     fn layer_of(name: &str) -> Option<usize> {
         name.strip_prefix(FFN_ENTRY_NODE)?.parse().ok()
@@ -111,9 +96,8 @@ impl EvalHook for DenseWindow {
         self.residency.stats().record_observation();
         if let Err(error) = self.enter_layer(layer) {
             tracing::error!("dense streaming at layer {layer}: {error}");
-            self.failure.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).get_or_insert(error);
             // Stop the decode before the FFN of this layer runs on missing bytes.
-            self.failed.store(true, Ordering::Relaxed);
+            self.failure.fail(error);
         }
     }
 }

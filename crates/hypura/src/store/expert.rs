@@ -5,13 +5,13 @@
 //! reads the chosen ids, makes exactly those (layer, expert) units ready — the union over the
 //! batch's tokens — and returns before the expert matmul runs. Units stay cached until the
 //! policy evicts them to make room; the units of the layer about to compute are never evicted.
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use hypura_sys::{EvalHook, ObservedNode};
 use serde::Serialize;
 
-use super::residency::{Residency, ResidencyError, SliceState};
+use super::residency::{FailureLatch, Residency, ResidencyError, SliceState};
 
 const TOP_K_NODE: &str = "ffn_moe_topk-";
 
@@ -213,8 +213,8 @@ pub struct ExpertStream {
     state: Mutex<State>,
     counters: ExpertCounters,
     trace: Option<Mutex<Vec<RouteRecord>>>,
-    failure: Mutex<Option<ResidencyError>>,
-    failed: Arc<AtomicBool>,
+    /// The first read error and the abort flag it raises.
+    pub failure: FailureLatch,
 }
 
 impl ExpertStream {
@@ -237,8 +237,7 @@ impl ExpertStream {
             }),
             counters: ExpertCounters { misses_by_layer: (0..n_layer).map(|_| AtomicU64::new(0)).collect(), ..ExpertCounters::default() },
             trace: trace.then(|| Mutex::new(Vec::new())),
-            failure: Mutex::new(None),
-            failed: Arc::default(),
+            failure: FailureLatch::default(),
         }
     }
 
@@ -269,15 +268,6 @@ impl ExpertStream {
         self.trace.as_ref().map(|trace| std::mem::take(&mut *trace.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))).unwrap_or_default()
     }
 
-    pub fn take_failure(&self) -> Option<ResidencyError> {
-        let failure = self.failure.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
-        self.failed.store(false, Ordering::Relaxed);
-        failure
-    }
-
-    pub fn abort_flag(&self) -> Arc<AtomicBool> {
-        self.failed.clone()
-    }
 
     fn layer_of(name: &str) -> Option<usize> {
         name.strip_prefix(TOP_K_NODE)?.parse().ok()
@@ -425,8 +415,7 @@ impl EvalHook for ExpertStream {
         };
         if let Err(error) = result {
             tracing::error!("expert streaming at layer {layer}: {error}");
-            self.failure.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).get_or_insert(error);
-            self.failed.store(true, Ordering::Relaxed);
+            self.failure.fail(error);
         }
     }
 }

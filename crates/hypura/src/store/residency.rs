@@ -82,6 +82,35 @@ pub enum ResidencyError {
     Io(#[from] IoError),
 }
 
+/// The first error of a stream driver's eval hook, and the abort flag it raises. The hook
+/// cannot fail the graph itself (see `hypura_sys::EvalHook`), so it records the error here and
+/// sets the flag, which sessions register with their context to abort the decode.
+#[derive(Debug, Default)]
+pub struct FailureLatch {
+    failure: Mutex<Option<ResidencyError>>,
+    failed: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl FailureLatch {
+    /// Record the first error and raise the abort flag.
+    pub fn fail(&self, error: ResidencyError) {
+        self.failure.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).get_or_insert(error);
+        self.failed.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The recorded error, if any (taken once; lowers the flag).
+    pub fn take(&self) -> Option<ResidencyError> {
+        let failure = self.failure.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
+        self.failed.store(false, std::sync::atomic::Ordering::Relaxed);
+        failure
+    }
+
+    /// The flag a session registers as an abort flag of its context.
+    pub fn abort_flag(&self) -> Arc<std::sync::atomic::AtomicBool> {
+        self.failed.clone()
+    }
+}
+
 /// Owns the region's residency and the reader threads.
 pub struct Residency {
     region: Arc<Region>,
