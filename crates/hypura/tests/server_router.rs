@@ -491,3 +491,54 @@ async fn cors_allows_localhost_and_configured_origins_only() {
         assert_eq!(allow.as_deref() == Some(origin), allowed, "{origin}: {allow:?}");
     }
 }
+
+/// In a streaming mode, requests that decode together share each pass over the weights: four
+/// parallel answers read about what one answer reads, not four times as much.
+#[tokio::test]
+async fn parallel_sequences_share_each_streamed_read() {
+    use hypura::plan::{self, MachineFacts, Mode, ModeChoice, PlanError, PlanOptions};
+    let directory = tempfile::tempdir().unwrap();
+    let path = common::forge("tiny-dense-8b", directory.path());
+    let inventory = hypura::model::Inventory::open(&path).unwrap();
+    let plan_options = PlanOptions { mode: ModeChoice::Forced(Mode::DenseStream), n_ctx: 2048, n_ubatch: 256, window_layers: 2, ..PlanOptions::default() };
+    let needed = match plan::plan(&inventory, &MachineFacts { memory_budget_bytes: 1, disk_bytes_per_sec: Some(1e9) }, &plan_options) {
+        Err(PlanError::BudgetTooSmall { needed, .. }) => needed,
+        other => panic!("{other:?}"),
+    };
+    let plan = plan::plan(&inventory, &MachineFacts { memory_budget_bytes: needed + (1 << 20), disk_bytes_per_sec: Some(1e9) }, &plan_options).unwrap();
+    let catalog = Catalog { files: vec![path], ..Catalog::default() };
+    let scheduler = SchedulerConfig {
+        n_parallel: 4,
+        max_queue: 4,
+        default_keep_alive: KeepAlive::Forever,
+        engine_options: Arc::new(move |_: &Path| Ok(EngineOptions { n_ctx: 512, n_batch: 256, n_ubatch: 256, n_threads: Some(2), repack: false, plan: Some(plan.clone()), ..EngineOptions::default() })),
+        embedding_context: 64,
+    };
+    let app = router(AppState::new(catalog, scheduler, HttpConfig::default()));
+    let model = "tiny-dense-8b";
+    let body = |prompt: &str| json!({"model": model, "prompt": prompt, "raw": true, "stream": false, "options": {"temperature": 0, "num_predict": 32}});
+    let streamed = || async {
+        let ps = call(&app, Method::GET, "/api/ps", None).await.json();
+        assert_eq!(ps["models"][0]["hypura_mode"], "dense-stream");
+        ps["models"][0]["hypura_bytes_streamed"].as_u64().unwrap()
+    };
+    let load = post(&app, "/api/generate", json!({"model": model})).await.json();
+    assert_eq!(load["done_reason"], "load");
+
+    let before = streamed().await;
+    let one = post(&app, "/api/generate", body("the king of paris")).await.json();
+    assert_eq!(one["eval_count"], 32);
+    let single = streamed().await - before;
+    assert!(single > 0, "nothing was streamed");
+
+    let before = streamed().await;
+    let replies = futures_util::future::join_all(["the queen", "the sea and", "a land of", "paris in"].map(|prompt| {
+        let app = app.clone();
+        let body = body(prompt);
+        async move { post(&app, "/api/generate", body).await.json() }
+    }))
+    .await;
+    assert!(replies.iter().all(|reply| reply["eval_count"] == 32), "{replies:?}");
+    let parallel = streamed().await - before;
+    assert!(parallel < single * 3 / 2, "four parallel answers read {parallel} bytes, one answer {single}");
+}

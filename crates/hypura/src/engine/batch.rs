@@ -6,10 +6,15 @@
 //! own sampler chain (and grammar). One decode is one pass over the weights, so in streaming
 //! modes every weight read from disk serves every active request at once.
 //!
-//! The KV cache is not unified: llama.cpp gives each sequence its own share of the context
-//! (`n_ctx / n_seq_max` cells), so one long conversation can never starve the others. A freed
-//! slot keeps its KV entries, and a new request goes to the free slot sharing the longest
-//! prefix with it, so a chat that comes back for its next turn reuses its cache.
+//! The KV cache is unified (one buffer for every sequence): with one buffer per sequence,
+//! llama.cpp splits a batch into one graph per run of consecutive sequence ids with equal token
+//! counts, and each graph is another pass over the weights: another read from disk when
+//! streaming, another read from RAM when resident (measured: four clients got half the
+//! throughput of one that way). Each sequence is kept within its share (`n_ctx` of the engine,
+//! the context being `n_sequences` times that), so one long conversation can never starve the
+//! others. A freed slot
+//! keeps its KV entries, and a new request goes to the free slot sharing the longest prefix with
+//! it, so a chat that comes back for its next turn reuses its cache.
 //!
 //! The batcher is synchronous and owned by one thread (the server's model worker); text and the
 //! final statistics leave through a per-sequence callback.
@@ -111,6 +116,7 @@ impl Batcher {
         let per_sequence = params.n_ctx;
         params.n_ctx = per_sequence.saturating_mul(n_sequences);
         params.n_seq_max = n_sequences;
+        params.kv_unified = true;
         let mut context = Context::new(engine.model(), &params)?;
         // A streaming read failure aborts the decode before any node computes on missing
         // weights; the failure is then reported to the sequences in that batch.
@@ -118,7 +124,6 @@ impl Batcher {
             streaming.driver.take_failure();
             context.set_abort_flags(vec![streaming.driver.abort_flag()]);
         }
-        // llama.cpp rounds each sequence's share up to a multiple of 256.
         let n_ctx_per_sequence = (context.n_ctx() / n_sequences) as usize;
         let batch = Batch::new(params.n_batch as usize, 1);
         let slots = (0..n_sequences as i32).map(|seq_id| Slot { seq_id, cached: Vec::new(), active: None }).collect();
@@ -214,7 +219,7 @@ impl Batcher {
             .filter(|(_, slot)| slot.active.is_none())
             .max_by_key(|(index, slot)| (shared_prefix(&slot.cached, tokens), std::cmp::Reverse(*index)))
             .map(|(index, _)| index)
-            .ok_or_else(|| EngineError::Store("every sequence of the context is busy".into()))?;
+            .ok_or_else(|| EngineError::Store(format!("all {} sequences of the context are busy; admit only when free_slots() > 0", self.slots.len())))?;
         let reused = self.reuse_prefix(index, tokens);
         Ok((index, sampler, grammar, reused))
     }
@@ -249,6 +254,7 @@ impl Batcher {
         if !self.fill_batch() {
             return false;
         }
+        let observations_before = self.engine.streaming().map(|streaming| streaming.observations());
         if let Err(error) = self.context.decode(&self.batch) {
             let message = match self.engine.streaming().and_then(|streaming| streaming.driver.take_failure()) {
                 Some(failure) => EngineError::Store(failure.to_string()).to_string(),
@@ -256,6 +262,13 @@ impl Batcher {
             };
             self.fail_batch(&message);
             return true;
+        }
+        // A graph whose streamed layers were never loaded computed on missing weights.
+        if let (Some(before), Some(streaming)) = (observations_before, self.engine.streaming()) {
+            if let Err(error) = streaming.ensure_hook_fired(before) {
+                self.fail_batch(&error.to_string());
+                return true;
+            }
         }
         let mut ready = Vec::new();
         for (index, slot) in self.slots.iter_mut().enumerate() {

@@ -40,7 +40,8 @@ pub struct GenerationSpec {
 pub struct Generation {
     first: Option<Event>,
     events: mpsc::UnboundedReceiver<Event>,
-    cancel: CancelOnDrop,
+    /// Held, not read: dropping the generation cancels it.
+    _cancel: CancelOnDrop,
 }
 
 /// The outcome of a whole generation, for non-streaming answers.
@@ -67,7 +68,7 @@ pub async fn start(scheduler: &Scheduler, entry: &ModelEntry, keep_alive: Option
     })?;
     match events.recv().await {
         Some(Event::Failed(error)) => Err(error),
-        Some(first) => Ok(Generation { first: Some(first), events, cancel }),
+        Some(first) => Ok(Generation { first: Some(first), events, _cancel: cancel }),
         None => Err(AppError::internal("the model's worker stopped before answering")),
     }
 }
@@ -98,10 +99,7 @@ impl Generation {
             };
             match event {
                 Some(Event::Text(piece)) => text.push_str(&piece),
-                Some(Event::Done(finished)) => {
-                    let _ = &self.cancel;
-                    return Ok(Collected { text, finished: *finished });
-                }
+                Some(Event::Done(finished)) => return Ok(Collected { text, finished: *finished }),
                 Some(Event::Failed(error)) => return Err(error),
                 None => return Err(AppError::internal("the model's worker stopped before finishing")),
             }

@@ -15,13 +15,14 @@ use std::fmt::Write as _;
 
 use serde_json::Value;
 
-/// Shared rules: any JSON value, with bounded whitespace (llama.cpp's `json.gbnf`).
+/// Shared rules: any JSON value, with bounded whitespace (llama.cpp's `json.gbnf`). An
+/// integer is never `-0`, which parsers read back as a float.
 const JSON_RULES: &str = r#"value ::= object | array | string | number | ("true" | "false" | "null") ws
 object ::= "{" ws ( string ":" ws value ( "," ws string ":" ws value )* )? "}" ws
 array ::= "[" ws ( value ( "," ws value )* )? "]" ws
 string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} ) )* "\"" ws
 number ::= "-"? ( [0-9] | [1-9] [0-9]{1,15} ) ( "." [0-9]+ )? ( [eE] [-+]? [0-9]+ )? ws
-integer ::= "-"? ( [0-9] | [1-9] [0-9]{1,15} ) ws
+integer ::= ( "0" | "-"? [1-9] [0-9]{0,15} ) ws
 boolean ::= ( "true" | "false" ) ws
 null ::= "null" ws
 ws ::= | " " | "\n" [ \t]{0,20}

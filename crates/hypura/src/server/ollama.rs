@@ -70,6 +70,7 @@ pub async fn ps(State(state): State<AppState>) -> Result<Json<Value>, AppError> 
             "context_length": info.context_length,
             "hypura_mode": info.mode,
             "hypura_active_requests": model.active_requests(),
+            "hypura_bytes_streamed": info.io.as_ref().map(|io| io.snapshot().bytes_read),
         }));
     }
     Ok(Json(json!({ "models": models })))

@@ -50,6 +50,8 @@ pub struct EngineInfo {
     pub vram_bytes: u64,
     pub context_length: usize,
     pub mode: &'static str,
+    /// Streaming I/O counters (streaming modes).
+    pub io: Option<Arc<crate::store::IoStats>>,
 }
 
 #[derive(Clone, Debug)]
@@ -307,10 +309,6 @@ impl Scheduler {
         loaded
     }
 
-    pub fn is_loaded(&self, path: &Path) -> bool {
-        self.inner.models.lock().unwrap_or_else(|poison| poison.into_inner()).contains_key(path)
-    }
-
     /// Unload a model now if no request holds it (`keep_alive: 0` with an empty prompt).
     pub fn unload(&self, path: &Path) -> bool {
         self.inner.unload_if_idle(path, Duration::ZERO)
@@ -550,5 +548,6 @@ fn engine_info(engine: &Engine, batcher: &Batcher) -> EngineInfo {
     };
     let has_gpu = hypura_sys::Backend::get().devices().iter().any(|device| !device.kind.unified_memory());
     let vram_bytes = if has_gpu && engine.options().n_gpu_layers != 0 && engine.streaming().is_none() { size_bytes } else { 0 };
-    EngineInfo { size_bytes, vram_bytes, context_length: batcher.n_ctx_per_sequence(), mode: engine.mode().name() }
+    let io = engine.streaming().map(|streaming| streaming.stats.clone());
+    EngineInfo { size_bytes, vram_bytes, context_length: batcher.n_ctx_per_sequence(), mode: engine.mode().name(), io }
 }
