@@ -100,9 +100,10 @@ pub struct PlanArgs {
     /// Streamed layers prefetched ahead of the computing one (dense-stream).
     #[arg(long, default_value_t = 2)]
     pub window: usize,
-    /// Reader threads (queue depth) for streaming.
-    #[arg(long, default_value_t = 4)]
-    pub io_workers: usize,
+    /// Reader threads (queue depth) for streaming (default: the queue depth at which
+    /// `hypura profile` measured the best direct reads, else 4).
+    #[arg(long)]
+    pub io_workers: Option<usize>,
     /// Expert cache size in (layer, expert) units (expert-stream; default: what the budget holds).
     #[arg(long)]
     pub expert_cache: Option<usize>,

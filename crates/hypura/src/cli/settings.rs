@@ -33,11 +33,24 @@ pub fn engine_options(args: &ModelArgs, model: &std::path::Path) -> anyhow::Resu
         repack: !args.no_repack,
         load_mode: if args.no_mmap { hypura_sys::LoadMode::Read } else { hypura_sys::LoadMode::Mmap },
         plan: Some(plan),
-        io_workers: args.plan.io_workers.max(1),
+        io_workers: io_workers(&args.plan),
         trace_routing: args.plan.trace.is_some(),
         expert_prefetch: args.plan.prefetch,
         ..EngineOptions::default()
     })
+}
+
+/// Reader threads: the flag, or the queue depth of the profile's best direct reads.
+pub fn io_workers(args: &PlanArgs) -> usize {
+    args.io_workers
+        .or_else(|| {
+            ProfileCache::new(default_cache_dir())
+                .load(&machine_key())
+                .and_then(|profile| profile.disk)
+                .map(|disk| disk.best_direct.queue_depth as usize)
+        })
+        .unwrap_or(4)
+        .clamp(1, 64)
 }
 
 /// Parse a byte size: `8GiB`, `4.5G`, `512MiB`, `300MB`, `1000000`. Binary units for both
