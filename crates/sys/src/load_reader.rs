@@ -7,8 +7,8 @@
 //!
 //! glibc serves every fread of a cookie stream through the stream's own buffer, so the reader
 //! sees file positions, not destinations: it recognises streamed tensors by position and leaves
-//! those buffer bytes unread. llama.cpp then copies them into the tensor's (stream region)
-//! memory; the progress callback, called between tensors, lets the store release those pages.
+//! those buffer bytes unread. llama.cpp then copies them into the tensor's memory, which the
+//! stream buffer type points at a small sink until the load is done.
 use std::ffi::{c_char, c_int, c_void};
 
 /// Serves the bytes llama.cpp asks for.
@@ -18,10 +18,6 @@ pub trait LoadReader: Send {
     /// Fill `buffer` with the file's bytes at `offset`, except bytes of streamed tensors,
     /// which may be left as they are (their destination is refilled on demand later).
     fn read_at(&mut self, offset: u64, buffer: &mut [u8]) -> std::io::Result<()>;
-    /// Called by llama.cpp between tensors. Return false to abort the load.
-    fn progress(&mut self, _fraction: f32) -> bool {
-        true
-    }
 }
 
 #[repr(C)]
@@ -103,14 +99,6 @@ pub(crate) fn open_stream(cookie: &mut Box<Cookie>) -> Option<*mut libc::FILE> {
     // glibc allocate (and later free) its own.
     unsafe { setvbuf(stream, std::ptr::null_mut(), libc::_IOFBF, STDIO_BUFFER_BYTES) };
     Some(stream)
-}
-
-/// llama.cpp's progress callback, forwarded to the reader.
-pub(crate) unsafe extern "C" fn cookie_progress(fraction: f32, cookie: *mut c_void) -> bool {
-    // SAFETY: `cookie` is the Box<Cookie> that the load registered; llama.cpp calls this from
-    // the loading thread while the load runs, when no stdio read is in progress.
-    let cookie = unsafe { &mut *(cookie as *mut Cookie) };
-    cookie.reader.progress(fraction)
 }
 
 pub(crate) fn new_cookie(reader: Box<dyn LoadReader>) -> Box<Cookie> {

@@ -8,7 +8,7 @@ use llama_cpp_sys_2 as raw;
 
 use crate::backend::Backend;
 use crate::error::SysError;
-use crate::load_reader::{cookie_progress, new_cookie, open_stream, LoadReader};
+use crate::load_reader::{new_cookie, open_stream, LoadReader};
 use crate::stream::StreamBufferType;
 use crate::vocab::Vocab;
 
@@ -134,8 +134,6 @@ impl Model {
                 }
                 let mut cookie = new_cookie(reader);
                 let stream = open_stream(&mut cookie).ok_or(SysError::Allocation("a stdio stream for the model file"))?;
-                raw_params.progress_callback = Some(cookie_progress);
-                raw_params.progress_callback_user_data = &mut *cookie as *mut _ as *mut std::ffi::c_void;
                 // SAFETY: the stream is valid until fclose below and its cookie outlives it; the
                 // override array and its strings outlive the call.
                 let pointer = unsafe { raw::llama_model_load_from_file_ptr(stream.cast(), raw_params) };

@@ -45,7 +45,7 @@ pub fn format_unix_time_utc(unix_secs: u64) -> String {
 }
 
 /// Howard Hinnant's days-since-1970 to proleptic Gregorian (year, month, day).
-fn civil_from_days(days: i64) -> (i64, u32, u32) {
+pub fn civil_from_days(days: i64) -> (i64, u32, u32) {
     let shifted = days + 719_468;
     let era = shifted.div_euclid(146_097);
     let day_of_era = shifted.rem_euclid(146_097);
