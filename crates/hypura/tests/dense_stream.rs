@@ -24,8 +24,8 @@ fn tight_budget(inventory: &Inventory, window: usize, pinned: u64) -> u64 {
 fn engines(path: &Path, pinned: u64) -> (Arc<Engine>, Arc<Engine>) {
     let inventory = Inventory::open(path).unwrap();
     let window = 2;
-    let facts = MachineFacts { memory_budget_bytes: tight_budget(&inventory, window, pinned), disk_bytes_per_sec: Some(1e9) };
-    let options = PlanOptions { mode: ModeChoice::Forced(Mode::DenseStream), n_ctx: N_CTX, n_ubatch: 512, window_layers: window, ..PlanOptions::default() };
+    let facts = MachineFacts { memory_budget_bytes: tight_budget(&inventory, window, pinned), disk_bytes_per_sec: Some(1e9), ..MachineFacts::default() };
+    let options = PlanOptions { mode: ModeChoice::Forced(Mode::DenseStream), n_ctx: N_CTX, n_ubatch: 512, window_layers: Some(window), ..PlanOptions::default() };
     let plan = plan::plan(&inventory, &facts, &options).unwrap();
     let dense = plan.dense.as_ref().unwrap();
     assert_eq!(dense.pinned_layers.len() as u64, pinned, "{}", plan.render());
@@ -112,7 +112,7 @@ fn a_read_failure_fails_the_request_clearly() {
 #[test]
 fn too_small_a_budget_is_refused_at_plan_time() {
     let inventory = Inventory::open(&common::gemma_path()).unwrap();
-    let facts = MachineFacts { memory_budget_bytes: 64 << 20, disk_bytes_per_sec: None };
+    let facts = MachineFacts { memory_budget_bytes: 64 << 20, disk_bytes_per_sec: None, ..MachineFacts::default() };
     let error = plan::plan(&inventory, &facts, &PlanOptions::default()).unwrap_err();
     assert!(matches!(error, plan::PlanError::BudgetTooSmall { .. }), "{error}");
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_hypura"))

@@ -116,8 +116,8 @@ fn python_clients_against_gemma_and_tiny_moe() {
 /// Every streamable layer then streams.
 fn streaming_budget(path: &Path, mode: Mode, n_ctx: u32) -> u64 {
     let inventory = Inventory::open(path).unwrap();
-    let facts = MachineFacts { memory_budget_bytes: 1, disk_bytes_per_sec: Some(1e9) };
-    let options = PlanOptions { mode: ModeChoice::Forced(mode), n_ctx, n_ubatch: 512, window_layers: 2, ..PlanOptions::default() };
+    let facts = MachineFacts { memory_budget_bytes: 1, disk_bytes_per_sec: Some(1e9), ..MachineFacts::default() };
+    let options = PlanOptions { mode: ModeChoice::Forced(mode), n_ctx, n_ubatch: 512, window_layers: Some(2), ..PlanOptions::default() };
     match plan::plan(&inventory, &facts, &options) {
         Err(PlanError::BudgetTooSmall { needed, .. }) => needed + (1 << 20),
         other => panic!("expected the planner to ask for more memory: {other:?}"),

@@ -500,12 +500,12 @@ async fn parallel_sequences_share_each_streamed_read() {
     let directory = tempfile::tempdir().unwrap();
     let path = common::forge("tiny-dense-8b", directory.path());
     let inventory = hypura::model::Inventory::open(&path).unwrap();
-    let plan_options = PlanOptions { mode: ModeChoice::Forced(Mode::DenseStream), n_ctx: 2048, n_ubatch: 256, window_layers: 2, ..PlanOptions::default() };
-    let needed = match plan::plan(&inventory, &MachineFacts { memory_budget_bytes: 1, disk_bytes_per_sec: Some(1e9) }, &plan_options) {
+    let plan_options = PlanOptions { mode: ModeChoice::Forced(Mode::DenseStream), n_ctx: 2048, n_ubatch: 256, window_layers: Some(2), ..PlanOptions::default() };
+    let needed = match plan::plan(&inventory, &MachineFacts { memory_budget_bytes: 1, disk_bytes_per_sec: Some(1e9), ..MachineFacts::default() }, &plan_options) {
         Err(PlanError::BudgetTooSmall { needed, .. }) => needed,
         other => panic!("{other:?}"),
     };
-    let plan = plan::plan(&inventory, &MachineFacts { memory_budget_bytes: needed + (1 << 20), disk_bytes_per_sec: Some(1e9) }, &plan_options).unwrap();
+    let plan = plan::plan(&inventory, &MachineFacts { memory_budget_bytes: needed + (1 << 20), disk_bytes_per_sec: Some(1e9), ..MachineFacts::default() }, &plan_options).unwrap();
     let catalog = Catalog { files: vec![path], ..Catalog::default() };
     let scheduler = SchedulerConfig {
         n_parallel: 4,

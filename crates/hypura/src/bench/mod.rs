@@ -98,6 +98,10 @@ pub struct BenchReport {
     pub bytes_read_per_token: Option<f64>,
     /// Streaming: share of tg wall time that compute waited for I/O.
     pub stall_fraction: Option<f64>,
+    /// Hypura's tg time per token not spent waiting on reads (the compute term of the limit),
+    /// over `generated_tokens`.
+    pub compute_seconds_per_token: Option<f64>,
+    pub generated_tokens: u64,
     /// Streaming: bytes the plan streams per token, and the disk-only bound it implies.
     pub planned_bytes_per_token: Option<u64>,
     pub io_bound_tokens_per_sec: Option<f64>,
@@ -146,12 +150,24 @@ fn token_hash(tokens: &[Token]) -> String {
     format!("{:x}", hasher.finalize())
 }
 
-/// Hypura's side of a benchmark: one session, with streaming I/O totals for tg runs.
+/// Totals over the tg runs of Hypura's side.
+#[derive(Clone, Copy, Debug, Default)]
+struct TgTotals {
+    bytes_read: u64,
+    stall_seconds: f64,
+    /// Evaluated graphs: the start tokens' and each generated token's.
+    graphs: u64,
+    wall_seconds: f64,
+    /// Generation time not spent waiting on reads, and the tokens it produced.
+    compute_seconds: f64,
+    generated: u64,
+}
+
+/// Hypura's side of a benchmark: one session, with totals for tg runs.
 struct HypuraSide {
     engine: Arc<Engine>,
     session: Session,
-    /// (bytes read, stall seconds, tokens, wall seconds) over tg runs.
-    io_totals: (u64, f64, u64, f64),
+    totals: TgTotals,
 }
 
 impl HypuraSide {
@@ -171,12 +187,17 @@ impl HypuraSide {
             ..GenerateRequest::new(Prompt::Tokens(start.to_vec()))
         };
         let output = self.session.generate(&request, &mut |_| Control::Continue)?;
-        if let Some(io) = output.stats.io {
-            self.io_totals.0 += io.bytes_read;
-            self.io_totals.1 += io.stall_seconds;
+        let stats = &output.stats;
+        if let Some(io) = stats.io {
+            self.totals.bytes_read += io.bytes_read;
+            self.totals.stall_seconds += io.stall_seconds;
             // Every evaluated graph reads the streamed layers once: the prompt's and each token's.
-            self.io_totals.2 += u64::from(output.stats.eval_count) + u64::from(output.stats.prompt_eval_count > 0);
-            self.io_totals.3 += output.stats.total_duration.as_secs_f64();
+            self.totals.graphs += u64::from(stats.eval_count) + u64::from(stats.prompt_eval_count > 0);
+            self.totals.wall_seconds += stats.total_duration.as_secs_f64();
+        }
+        if let Some(seconds) = stats.eval_compute_seconds_per_token() {
+            self.totals.compute_seconds += seconds * f64::from(stats.eval_count);
+            self.totals.generated += u64::from(stats.eval_count);
         }
         Ok((output.stats.eval_tokens_per_sec(), output.tokens))
     }
@@ -188,7 +209,7 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         true => {
             let engine = Arc::new(Engine::load(path, options.engine.clone())?);
             let session = Session::new(engine.clone())?;
-            Some(HypuraSide { engine, session, io_totals: (0, 0.0, 0, 0.0) })
+            Some(HypuraSide { engine, session, totals: TgTotals::default() })
         }
         false => None,
     };
@@ -219,7 +240,7 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
     if let Some(side) = hypura.as_mut() {
         side.prefill_rate(&prompt)?;
         hypura_tokens = Some(side.generate_rate(&start, options.n_gen)?.1);
-        side.io_totals = (0, 0.0, 0, 0.0);
+        side.totals = TgTotals::default();
     }
     let mut peer_tokens = None;
     if let Some(peer) = peer.as_mut() {
@@ -267,7 +288,7 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         TestResult { test, hypura, llama_cpp, ratio }
     };
     let inventory = crate::model::Inventory::open(path).map_err(EngineError::from)?;
-    let (io_bytes, io_stall, io_tokens, io_seconds) = hypura.as_ref().map_or((0, 0.0, 0, 0.0), |side| side.io_totals);
+    let totals = hypura.as_ref().map_or_else(TgTotals::default, |side| side.totals);
     let plan = hypura.as_ref().and_then(|side| side.engine.options().plan.clone().filter(|_| side.engine.streaming().is_some()));
     Ok(BenchReport {
         model: path.to_path_buf(),
@@ -275,12 +296,14 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         file_bytes: inventory.file_bytes,
         n_params: inventory.n_params(),
         mode: hypura.as_ref().map_or("llama.cpp only", |side| side.engine.mode().name()),
-        bytes_read_per_token: (io_tokens > 0).then(|| io_bytes as f64 / io_tokens as f64),
-        stall_fraction: (io_seconds > 0.0).then(|| io_stall / io_seconds),
+        bytes_read_per_token: (totals.graphs > 0).then(|| totals.bytes_read as f64 / totals.graphs as f64),
+        stall_fraction: (totals.wall_seconds > 0.0).then(|| totals.stall_seconds / totals.wall_seconds),
+        compute_seconds_per_token: (totals.generated > 0).then(|| totals.compute_seconds / totals.generated as f64),
+        generated_tokens: totals.generated,
         planned_bytes_per_token: plan.as_ref().map(|plan| plan.streamed_bytes_per_token),
         io_bound_tokens_per_sec: plan.as_ref().and_then(|plan| plan.io_bound_tokens_per_sec),
         threads: options.threads,
-        repack: options.engine.repack,
+        repack: hypura.as_ref().map_or(options.engine.repack, |side| side.engine.repacked()),
         reps: options.reps,
         hypura_version: env!("CARGO_PKG_VERSION"),
         llama_build: hypura_sys::llama_build_info(),

@@ -53,6 +53,9 @@ pub struct InspectArgs {
     /// Context length the plan reserves KV cache for.
     #[arg(long, short = 'c', default_value_t = 4096)]
     pub context: u32,
+    /// CPU threads the run will use (the measured compute time is per thread count).
+    #[arg(long, short = 't')]
+    pub threads: Option<i32>,
     #[command(flatten)]
     pub plan: PlanArgs,
 }
@@ -97,9 +100,10 @@ pub struct PlanArgs {
     /// auto, resident, dense-stream or expert-stream.
     #[arg(long, default_value = "auto")]
     pub mode: String,
-    /// Streamed layers prefetched ahead of the computing one (dense-stream).
-    #[arg(long, default_value_t = 2)]
-    pub window: usize,
+    /// Streamed layers read ahead of the computing one (dense-stream; default: sized from the
+    /// disk's queue depth and bandwidth and the measured compute time).
+    #[arg(long)]
+    pub window: Option<usize>,
     /// Reader threads (queue depth) for streaming (default: the queue depth at which
     /// `hypura profile` measured the best direct reads, else 4).
     #[arg(long)]

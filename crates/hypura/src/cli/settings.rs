@@ -5,7 +5,7 @@ use anyhow::Context;
 
 use crate::cli::args::{ModelArgs, PlanArgs, SamplingArgs};
 use crate::engine::{EngineOptions, SamplerParams};
-use crate::hw::{default_cache_dir, machine_key, memory_info, ProfileCache};
+use crate::hw::{default_cache_dir, machine_key, memory_info, ModelRecords, ProfileCache};
 use crate::model::Inventory;
 use crate::plan::{self, MachineFacts, Mode, ModeChoice, Plan, PlanOptions};
 
@@ -24,7 +24,7 @@ pub fn model_path(model: Option<&PathBuf>) -> anyhow::Result<PathBuf> {
 /// Engine options for a model: flags, plus the plan for this machine's memory.
 pub fn engine_options(args: &ModelArgs, model: &std::path::Path) -> anyhow::Result<EngineOptions> {
     let inventory = Inventory::open(model)?;
-    let plan = make_plan(&inventory, &args.plan, args.context, args.batch_size)?;
+    let plan = make_plan(&inventory, &args.plan, args.context, args.batch_size, threads(args.threads))?;
     Ok(EngineOptions {
         n_ctx: args.context,
         n_batch: args.batch_size,
@@ -38,6 +38,24 @@ pub fn engine_options(args: &ModelArgs, model: &std::path::Path) -> anyhow::Resu
         expert_prefetch: args.plan.prefetch,
         ..EngineOptions::default()
     })
+}
+
+/// CPU threads a context gets: the flag, or llama.cpp's default.
+pub fn threads(flag: Option<i32>) -> i32 {
+    flag.unwrap_or_else(|| hypura_sys::ContextParams::default().n_threads)
+}
+
+/// Keep the compute time per generated token of a streaming run for the next plan of this
+/// model. Failures to write are logged, never fatal (the record is a hint).
+pub fn record_compute(model: &std::path::Path, threads: i32, streamed: bool, seconds: f64, tokens: u64) {
+    if !streamed || tokens < 2 {
+        return;
+    }
+    let result = ModelRecords::new(default_cache_dir())
+        .update(model, |record| record.add_compute(threads.max(1) as u32, seconds * tokens as f64, tokens));
+    if let Err(error) = result {
+        tracing::warn!("could not record the measured compute time: {error}");
+    }
 }
 
 /// Reader threads: the flag, or the queue depth of the profile's best direct reads.
@@ -95,9 +113,10 @@ pub fn parse_mode(text: &str) -> anyhow::Result<ModeChoice> {
     })
 }
 
-/// The machine facts the planner needs: the budget (flag, or available memory minus headroom)
-/// and the disk bandwidth from the cached profile, if `hypura profile` has run.
-pub fn machine_facts(args: &PlanArgs) -> anyhow::Result<MachineFacts> {
+/// The machine facts the planner needs: the budget (flag, or available memory minus headroom),
+/// the disk bandwidth from the cached profile (if `hypura profile` has run), the reader
+/// threads, and the compute time per token earlier runs of this model measured.
+pub fn machine_facts(args: &PlanArgs, model: &std::path::Path, threads: i32) -> anyhow::Result<MachineFacts> {
     let memory_budget_bytes = match &args.memory_budget {
         Some(text) => parse_bytes(text).context("--memory-budget")?,
         None => {
@@ -105,22 +124,32 @@ pub fn machine_facts(args: &PlanArgs) -> anyhow::Result<MachineFacts> {
             available.saturating_sub(headroom_bytes(available))
         }
     };
-    let disk_bytes_per_sec = ProfileCache::new(default_cache_dir())
-        .load(&machine_key())
-        .and_then(|profile| profile.disk)
-        .map(|disk| disk.best_direct.bytes_per_sec);
-    Ok(MachineFacts { memory_budget_bytes, disk_bytes_per_sec })
+    let disk = ProfileCache::new(default_cache_dir()).load(&machine_key()).and_then(|profile| profile.disk);
+    let disk_bytes_per_sec = disk.as_ref().map(|disk| disk.best_direct.bytes_per_sec);
+    let disk_read_points = disk
+        .iter()
+        .flat_map(|disk| disk.direct.iter())
+        .map(|point| (point.block_bytes * u64::from(point.queue_depth), point.bytes_per_sec))
+        .collect();
+    let compute_seconds_per_token = ModelRecords::new(default_cache_dir()).load(model).compute_seconds_per_token(threads.max(1) as u32);
+    Ok(MachineFacts {
+        memory_budget_bytes,
+        disk_bytes_per_sec,
+        read_queue_depth: Some(io_workers(args) as u32),
+        disk_read_points,
+        compute_seconds_per_token,
+    })
 }
 
-pub fn make_plan(inventory: &Inventory, args: &PlanArgs, n_ctx: u32, n_ubatch: u32) -> anyhow::Result<Plan> {
-    let facts = machine_facts(args)?;
+pub fn make_plan(inventory: &Inventory, args: &PlanArgs, n_ctx: u32, n_ubatch: u32, threads: i32) -> anyhow::Result<Plan> {
+    let facts = machine_facts(args, &inventory.path, threads)?;
     let cache_policy = crate::store::CachePolicy::parse(&args.cache_policy)
         .with_context(|| format!("unknown cache policy {:?}: use slru or lru", args.cache_policy))?;
     let options = PlanOptions {
         mode: parse_mode(&args.mode)?,
         n_ctx,
         n_ubatch,
-        window_layers: args.window.max(1),
+        window_layers: args.window.map(|layers| layers.max(1)),
         expert_cache_units: args.expert_cache,
         cache_policy,
     };

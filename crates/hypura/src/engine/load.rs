@@ -207,6 +207,11 @@ impl Engine {
         &self.options
     }
 
+    /// Whether llama.cpp repacked the CPU weights (never when streaming).
+    pub fn repacked(&self) -> bool {
+        self.streaming.is_none() && self.options.repack
+    }
+
     pub fn load_duration(&self) -> Duration {
         self.load_duration
     }

@@ -86,6 +86,8 @@ pub struct GenerationStats {
     pub io: Option<crate::store::IoSnapshot>,
     /// Expert cache hits and misses during this request (expert-stream only).
     pub experts: Option<crate::store::ExpertSnapshot>,
+    /// Time the generation phase (after the prompt) waited on streamed reads.
+    pub eval_stall: Duration,
 }
 
 impl GenerationStats {
@@ -95,6 +97,12 @@ impl GenerationStats {
 
     pub fn eval_tokens_per_sec(&self) -> f64 {
         rate(self.eval_count, self.eval_duration)
+    }
+
+    /// Generation time per token that was not spent waiting on reads: the compute term of the
+    /// physical limit. None without generated tokens.
+    pub fn eval_compute_seconds_per_token(&self) -> Option<f64> {
+        (self.eval_count > 0).then(|| self.eval_duration.saturating_sub(self.eval_stall).as_secs_f64() / f64::from(self.eval_count))
     }
 }
 
@@ -235,6 +243,7 @@ impl Session {
         let mut text = String::new();
         let mut tokens = Vec::new();
         let eval_started = Instant::now();
+        let eval_stall_before = self.engine.streaming().map(|streaming| streaming.stats.snapshot().stall_seconds);
         let mut emit = |piece: &str, text: &mut String| -> Control {
             if piece.is_empty() {
                 return Control::Continue;
@@ -276,6 +285,9 @@ impl Session {
         };
         stats.eval_count = tokens.len() as u32;
         stats.eval_duration = eval_started.elapsed();
+        if let (Some(before), Some(streaming)) = (eval_stall_before, self.engine.streaming()) {
+            stats.eval_stall = Duration::from_secs_f64((streaming.stats.snapshot().stall_seconds - before).max(0.0));
+        }
         if done_reason != DoneReason::Cancelled {
             let rest = utf8.finish();
             let tail = match stops.push(&rest) {

@@ -21,22 +21,21 @@ pub fn machine_key() -> String {
 }
 
 fn machine_key_from(hostname: &str, cpu_model: &str, total_ram_bytes: u64) -> String {
-    // FNV-1a rather than std's hasher, whose output may change between Rust releases and would
-    // silently orphan every cached profile.
+    format!("{:016x}", fnv1a(&[hostname.as_bytes(), cpu_model.as_bytes(), &total_ram_bytes.to_le_bytes()]))
+}
+
+/// FNV-1a over `fields`, rather than std's hasher, whose output may change between Rust
+/// releases and would silently orphan every cached file. A separator byte after each field
+/// keeps ("ab", "c") and ("a", "bc") apart.
+pub(crate) fn fnv1a(fields: &[&[u8]]) -> u64 {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    let fields = [
-        hostname.as_bytes(),
-        cpu_model.as_bytes(),
-        &total_ram_bytes.to_le_bytes(),
-    ];
     for field in fields {
-        // A separator keeps ("ab", "c") and ("a", "bc") apart.
         for &byte in field.iter().chain([&0xffu8]) {
             hash ^= u64::from(byte);
             hash = hash.wrapping_mul(0x0100_0000_01b3);
         }
     }
-    format!("{hash:016x}")
+    hash
 }
 
 /// Where profiles live: `$HYPURA_CACHE_DIR` if set, else the platform cache directory plus

@@ -12,6 +12,7 @@ mod cache;
 mod cpu;
 mod disk;
 pub mod format;
+mod measured;
 mod memory;
 mod mountinfo;
 mod render;
@@ -26,6 +27,7 @@ pub use cache::{default_cache_dir, machine_key, ProfileCache};
 pub use cpu::{cpu_info, CpuInfo};
 pub use disk::{measure_disk, volume_of, DiskOptions, DiskProfile, ReadPoint, Volume};
 pub use format::{format_bytes, format_bytes_per_sec};
+pub use measured::{ComputeMeasurement, ModelRecord, ModelRecords};
 pub use memory::{memory_info, peak_rss_bytes, CgroupLimit, MemoryInfo};
 
 use crate::store::io::IoError;

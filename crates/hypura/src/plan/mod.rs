@@ -47,12 +47,20 @@ pub enum Tier {
 }
 
 /// Facts about the machine the planner needs (from `hw`, resolved by the caller).
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct MachineFacts {
     /// Memory Hypura may use in total (weights, KV cache, compute buffers).
     pub memory_budget_bytes: u64,
     /// Direct-read bandwidth of the model's volume; None if not measured.
     pub disk_bytes_per_sec: Option<f64>,
+    /// Reads the store keeps in flight (its reader threads: the profile's best queue depth).
+    pub read_queue_depth: Option<u32>,
+    /// The profile's direct-read points: bytes in flight (block × queue depth) and the rate
+    /// measured with them. Empty if not measured.
+    pub disk_read_points: Vec<(u64, f64)>,
+    /// Decode compute time per token of this model with the streaming kernels, measured by an
+    /// earlier run on this machine (stall time excluded); None if never measured.
+    pub compute_seconds_per_token: Option<f64>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -60,8 +68,9 @@ pub struct PlanOptions {
     pub mode: ModeChoice,
     pub n_ctx: u32,
     pub n_ubatch: u32,
-    /// Streamed layers prefetched ahead of the one computing (dense-stream).
-    pub window_layers: usize,
+    /// Streamed layers read ahead of the one computing (dense-stream); None: the cost model
+    /// sizes it.
+    pub window_layers: Option<usize>,
     /// Expert cache size in (layer, expert) units (expert-stream); None: what the budget holds.
     pub expert_cache_units: Option<usize>,
     pub cache_policy: crate::store::CachePolicy,
@@ -73,7 +82,7 @@ impl Default for PlanOptions {
             mode: ModeChoice::Auto,
             n_ctx: 4096,
             n_ubatch: 512,
-            window_layers: 2,
+            window_layers: None,
             expert_cache_units: None,
             cache_policy: crate::store::CachePolicy::Slru,
         }
@@ -105,7 +114,12 @@ pub struct TensorPlacement {
 pub struct DenseLayout {
     pub streamed_layers: Vec<u32>,
     pub pinned_layers: Vec<u32>,
+    /// Streamed layers read ahead of the one computing.
     pub window_layers: usize,
+    /// Whether the cost model chose the window (else `--window` set it).
+    pub window_sized: bool,
+    /// The windows the cost model weighed: (layers ahead, predicted seconds per token).
+    pub windows_costed: Vec<(usize, f64)>,
 }
 
 /// Where the budget goes.
@@ -132,6 +146,8 @@ pub struct Plan {
     pub streamed_bytes_per_token: u64,
     /// Upper bound from the disk alone: bandwidth ÷ streamed bytes per token.
     pub io_bound_tokens_per_sec: Option<f64>,
+    /// The physical limit (ARCHITECTURE.md §6), when the compute time has been measured.
+    pub limit_tokens_per_sec: Option<f64>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -155,13 +171,16 @@ pub fn kv_cache_bytes(inventory: &Inventory, n_ctx: u32) -> u64 {
     hparams.n_layer * u64::from(n_ctx) * hparams.n_head_kv * (hparams.head_dim_k + hparams.head_dim_v) * 2
 }
 
-/// llama.cpp's CPU compute buffer, estimated: logits and activations for one ubatch, plus
-/// attention scores. Deliberately generous: an underestimate would break the budget.
-pub fn compute_buffer_bytes(inventory: &Inventory, n_ctx: u32, n_ubatch: u32) -> u64 {
+/// llama.cpp's CPU compute buffer, estimated: the logits and a few FFN-wide and model-wide
+/// activations of one ubatch (flash attention keeps the attention scores out of it), plus a
+/// margin. Measured against llama.cpp's own report at n_ubatch 512 it is 8% over on Gemma 3
+/// 270M (the logits dominate) and 40–70% over on the forge's models; an underestimate would
+/// break the budget.
+pub fn compute_buffer_bytes(inventory: &Inventory, _n_ctx: u32, n_ubatch: u32) -> u64 {
     let hparams = &inventory.hparams;
     let ff = hparams.n_ff.max(hparams.n_ff_expert * hparams.n_expert_used.max(1));
-    let per_token = hparams.n_vocab + 4 * hparams.n_embd + 2 * ff + hparams.n_head * u64::from(n_ctx);
-    4 * u64::from(n_ubatch) * per_token + (64 << 20)
+    let per_token = hparams.n_vocab + 4 * hparams.n_embd + 4 * ff;
+    4 * u64::from(n_ubatch) * per_token + (32 << 20)
 }
 
 /// Tensors the dense-stream mode may stream: dense FFN weights and routed experts.
@@ -220,6 +239,7 @@ pub fn plan(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions
             experts: None,
             streamed_bytes_per_token: 0,
             io_bound_tokens_per_sec: None,
+            limit_tokens_per_sec: physical_limit(machine, 0),
         });
     }
 
@@ -228,43 +248,39 @@ pub fn plan(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions
     if layer_ffn.iter().all(|&bytes| bytes == 0) {
         return Err(PlanError::ModeUnavailable { mode: "dense-stream", what: "FFN tensors in layers" });
     }
-    let streamable_total: u64 = layer_ffn.iter().sum();
-    let fixed_weights = weights - streamable_total;
-    let window_layers = options.window_layers.clamp(1, n_layer);
-    // The window holds D prefetched layers plus the one computing.
-    let largest = layer_ffn.iter().copied().max().unwrap_or(0);
-    let window_bytes = largest * (window_layers as u64 + 1).min(n_layer as u64);
-    let needed = fixed_weights + window_bytes + kv + compute;
-    if needed > budget {
+    let fixed_weights = weights - layer_ffn.iter().sum::<u64>();
+    let forced = options.mode == ModeChoice::Forced(Mode::DenseStream);
+    let fits = everything <= budget;
+    let candidates: Vec<usize> = match options.window_layers {
+        Some(layers) => vec![layers.clamp(1, n_layer)],
+        None => (1..=MAX_WINDOW_LAYERS.min(n_layer)).collect(),
+    };
+    let costed: Vec<DenseCandidate> = candidates
+        .iter()
+        .filter_map(|&window| dense_candidate(&layer_ffn, fixed_weights + kv + compute, budget, window, forced, fits, machine))
+        .collect();
+    // The least predicted time per token; a larger window must win by more than 2% to be
+    // worth the layer it takes from the pinned set.
+    let Some(chosen) = costed.iter().fold(None::<&DenseCandidate>, |best, candidate| match best {
+        Some(best) if candidate.seconds_per_token >= best.seconds_per_token * 0.98 => Some(best),
+        _ => Some(candidate),
+    }) else {
+        let window = candidates[0];
+        let largest = layer_ffn.iter().copied().max().unwrap_or(0);
+        let window_bytes = largest * (window as u64 + 1).min(n_layer as u64);
         return Err(PlanError::BudgetTooSmall {
             budget,
-            needed,
+            needed: fixed_weights + window_bytes + kv + compute,
             resident: fixed_weights,
             window: window_bytes,
-            layers: window_layers,
+            layers: window,
             kv,
             compute,
         });
-    }
-    // Pin as many layers as the rest of the budget holds (largest-first would favour few big
-    // layers; layers are nearly equal, so count by the largest to stay safe).
-    let spare = budget - needed;
-    let mut pinned_count = if largest == 0 { n_layer } else { (spare / largest) as usize };
-    if options.mode == ModeChoice::Forced(Mode::DenseStream) && pinned_count >= n_layer {
-        if everything <= budget {
-            // Forced streaming of a model that fits: keep streaming the layers the window
-            // cannot hold, so the mode is exercised (tests, benchmarks), but pin the rest.
-            pinned_count = n_layer.saturating_sub(window_layers + 1);
-        } else {
-            pinned_count = n_layer - 1;
-        }
-    }
-    let pinned_count = pinned_count.min(n_layer);
-    let streamed_count = n_layer - pinned_count;
-    let streamed_set = spread(streamed_count, n_layer);
-    let streamed_layers: Vec<u32> = (0..n_layer as u32).filter(|layer| streamed_set.contains(&(*layer as usize))).collect();
-    let pinned_layers: Vec<u32> = (0..n_layer as u32).filter(|layer| !streamed_set.contains(&(*layer as usize))).collect();
-    let streamed_bytes_per_token: u64 = streamed_layers.iter().map(|&layer| layer_ffn[layer as usize]).sum();
+    };
+    let streamed_layers = chosen.streamed_layers.clone();
+    let pinned_layers: Vec<u32> = (0..n_layer as u32).filter(|layer| !streamed_layers.contains(layer)).collect();
+    let streamed_bytes_per_token = chosen.streamed_bytes;
     let tensors = inventory
         .tensors
         .iter()
@@ -279,7 +295,11 @@ pub fn plan(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions
         })
         .collect();
     let resident_weight_bytes = weights - streamed_bytes_per_token;
-    let window_bytes = if streamed_layers.is_empty() { 0 } else { largest * (window_layers as u64 + 1).min(streamed_layers.len() as u64) };
+    let window_bytes = chosen.window_bytes;
+    let io_bound_tokens_per_sec = machine
+        .disk_bytes_per_sec
+        .filter(|_| streamed_bytes_per_token > 0)
+        .map(|bandwidth| bandwidth / streamed_bytes_per_token as f64);
     Ok(Plan {
         mode,
         budget: BudgetUse {
@@ -291,14 +311,96 @@ pub fn plan(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions
             total_bytes: resident_weight_bytes + window_bytes + kv + compute,
         },
         tensors,
-        dense: Some(DenseLayout { streamed_layers, pinned_layers, window_layers }),
+        dense: Some(DenseLayout {
+            streamed_layers,
+            pinned_layers,
+            window_layers: chosen.window,
+            window_sized: options.window_layers.is_none(),
+            windows_costed: costed.iter().map(|candidate| (candidate.window, candidate.seconds_per_token)).collect(),
+        }),
         experts: None,
         streamed_bytes_per_token,
-        io_bound_tokens_per_sec: machine
-            .disk_bytes_per_sec
-            .filter(|_| streamed_bytes_per_token > 0)
-            .map(|bandwidth| bandwidth / streamed_bytes_per_token as f64),
+        io_bound_tokens_per_sec,
+        limit_tokens_per_sec: physical_limit(machine, streamed_bytes_per_token),
     })
+}
+
+/// The largest window the cost model considers: past a few layers in flight the disk queue is
+/// full and each more layer only takes one from the pinned set.
+const MAX_WINDOW_LAYERS: usize = 8;
+
+/// One dense layout the cost model weighs: a window of `window` layers ahead, and as many
+/// pinned layers as the rest of the budget holds.
+#[derive(Clone, Debug)]
+struct DenseCandidate {
+    window: usize,
+    streamed_layers: Vec<u32>,
+    streamed_bytes: u64,
+    window_bytes: u64,
+    /// Predicted decode time per token: max(compute, disk), the disk term at the bandwidth
+    /// this window's reads in flight reach (relative units when the bandwidth is unknown).
+    seconds_per_token: f64,
+}
+
+fn dense_candidate(layer_ffn: &[u64], fixed: u64, budget: u64, window: usize, forced: bool, fits: bool, machine: &MachineFacts) -> Option<DenseCandidate> {
+    let n_layer = layer_ffn.len();
+    // The window holds `window` layers read ahead plus the one computing.
+    let largest = layer_ffn.iter().copied().max().unwrap_or(0);
+    let full_window = largest * (window as u64 + 1).min(n_layer as u64);
+    if fixed + full_window > budget {
+        return None;
+    }
+    // Pin as many layers as the rest of the budget holds (counted by the largest layer, as
+    // layers are nearly equal): a fixed set, never LRU over the cyclic sweep.
+    let spare = budget - fixed - full_window;
+    let mut pinned_count = if largest == 0 { n_layer } else { (spare / largest) as usize };
+    if forced && pinned_count >= n_layer {
+        // Forced streaming of a model that fits: keep streaming the layers the window holds,
+        // so the mode is exercised (tests, benchmarks), and pin the rest.
+        pinned_count = if fits { n_layer.saturating_sub(window + 1) } else { n_layer - 1 };
+    }
+    let streamed_count = n_layer - pinned_count.min(n_layer);
+    let streamed_set = spread(streamed_count, n_layer);
+    let streamed_layers: Vec<u32> = (0..n_layer as u32).filter(|layer| streamed_set.contains(&(*layer as usize))).collect();
+    let streamed_bytes: u64 = streamed_layers.iter().map(|&layer| layer_ffn[layer as usize]).sum();
+    let window_bytes = if streamed_layers.is_empty() { 0 } else { largest * (window as u64 + 1).min(streamed_layers.len() as u64) };
+    // What can be in flight: the window's layers, as far as the store's reader threads take
+    // them (`queue_depth` chunks at once). The disk's rate at that depth is the profile's.
+    let mean_layer = streamed_bytes / streamed_layers.len().max(1) as u64;
+    let reader_limit = u64::from(machine.read_queue_depth.unwrap_or(4).max(1)) * crate::store::CHUNK_BYTES;
+    let bandwidth = rate_in_flight(machine, (window as u64 * mean_layer).min(reader_limit));
+    let disk_seconds = streamed_bytes as f64 / bandwidth;
+    let seconds_per_token = disk_seconds.max(machine.compute_seconds_per_token.unwrap_or(0.0));
+    Some(DenseCandidate { window, streamed_layers, streamed_bytes, window_bytes, seconds_per_token })
+}
+
+/// The disk's rate with `in_flight` bytes outstanding: the best profile point that needs no more
+/// in flight than that; below the smallest point, its rate scaled down. Without points, the
+/// best direct rate (or 1, a relative unit, when nothing was measured).
+fn rate_in_flight(machine: &MachineFacts, in_flight: u64) -> f64 {
+    let best = machine.disk_bytes_per_sec.unwrap_or(1.0);
+    if machine.disk_read_points.is_empty() {
+        return best;
+    }
+    let reachable = machine.disk_read_points.iter().filter(|(needed, _)| *needed <= in_flight).map(|(_, rate)| *rate).fold(0.0, f64::max);
+    if reachable > 0.0 {
+        return reachable;
+    }
+    let (needed, rate) = machine.disk_read_points.iter().copied().min_by_key(|(needed, _)| *needed).expect("not empty");
+    (rate * in_flight as f64 / needed.max(1) as f64).max(f64::MIN_POSITIVE)
+}
+
+/// ARCHITECTURE.md §6: `1 / max(t_compute, bytes streamed per token / disk bandwidth)`, when
+/// both terms are known.
+fn physical_limit(machine: &MachineFacts, streamed_bytes_per_token: u64) -> Option<f64> {
+    let compute = machine.compute_seconds_per_token?;
+    let disk = match machine.disk_bytes_per_sec {
+        Some(bandwidth) => streamed_bytes_per_token as f64 / bandwidth,
+        None if streamed_bytes_per_token == 0 => 0.0,
+        None => return None,
+    };
+    let seconds = compute.max(disk);
+    (seconds > 0.0).then(|| 1.0 / seconds)
 }
 
 /// Expert-stream: every routed expert tensor streams by expert; the rest is resident, and what
@@ -365,6 +467,8 @@ fn plan_experts(inventory: &Inventory, machine: &MachineFacts, options: &PlanOpt
         experts: Some(ExpertLayout { n_expert, n_expert_used: hparams.n_expert_used, unit_bytes, cache_units, policy: options.cache_policy }),
         streamed_bytes_per_token: worst_case,
         io_bound_tokens_per_sec: machine.disk_bytes_per_sec.filter(|_| worst_case > 0).map(|bandwidth| bandwidth / worst_case as f64),
+        // What streams per token depends on the cache's hit rate, known only once it runs.
+        limit_tokens_per_sec: None,
     })
 }
 
@@ -407,17 +511,29 @@ impl Plan {
         if let Some(dense) = &self.dense {
             let _ = writeln!(
                 out,
-                "dense        {} FFN layers pinned in RAM {:?}; {} streamed {:?} through a window of {} layers",
+                "dense        {} FFN layers pinned in RAM {:?}; {} streamed {:?}, read {} layer{} ahead of the one computing",
                 dense.pinned_layers.len(),
                 dense.pinned_layers,
                 dense.streamed_layers.len(),
                 dense.streamed_layers,
-                dense.window_layers
+                dense.window_layers,
+                if dense.window_layers == 1 { "" } else { "s" }
             );
+            if dense.window_sized && dense.windows_costed.len() > 1 {
+                let costs: Vec<String> = dense.windows_costed.iter().map(|(window, seconds)| format!("{window}: {:.0} ms", seconds * 1e3)).collect();
+                let _ = writeln!(
+                    out,
+                    "window       chosen by predicted time per token, max(compute, disk at the reads in flight), each layer of window one fewer pinned: {}",
+                    costs.join(", ")
+                );
+            }
             let _ = writeln!(out, "per token    {} read from disk", format_bytes(self.streamed_bytes_per_token));
             if let Some(bound) = self.io_bound_tokens_per_sec {
                 let _ = writeln!(out, "bound        at most {bound:.2} tok/s from disk bandwidth alone");
             }
+        }
+        if let Some(limit) = self.limit_tokens_per_sec {
+            let _ = writeln!(out, "limit        {limit:.2} tok/s: 1 / max(measured compute per token, streamed bytes / disk bandwidth)");
         }
         let mut reasons: Vec<(&str, Tier, usize, u64)> = Vec::new();
         for tensor in &self.tensors {
@@ -483,13 +599,13 @@ mod tests {
     }
 
     fn options(mode: ModeChoice, window_layers: usize) -> PlanOptions {
-        PlanOptions { mode, n_ctx: 1024, n_ubatch: 256, window_layers, ..PlanOptions::default() }
+        PlanOptions { mode, n_ctx: 1024, n_ubatch: 256, window_layers: Some(window_layers), ..PlanOptions::default() }
     }
 
     #[test]
     fn a_model_that_fits_is_resident() {
         let inventory = inventory(8, 1 << 20, 4 << 20, 8 << 20);
-        let plan = plan(&inventory, &MachineFacts { memory_budget_bytes: 8 << 30, disk_bytes_per_sec: None }, &options(ModeChoice::Auto, 2)).unwrap();
+        let plan = plan(&inventory, &MachineFacts { memory_budget_bytes: 8 << 30, disk_bytes_per_sec: None, ..MachineFacts::default() }, &options(ModeChoice::Auto, 2)).unwrap();
         assert_eq!(plan.mode, Mode::Resident);
         assert!(plan.tensors.iter().all(|tensor| tensor.tier == Tier::Ram));
         assert_eq!(plan.streamed_bytes_per_token, 0);
@@ -498,7 +614,7 @@ mod tests {
     #[test]
     fn a_budget_below_the_fixed_part_is_refused_with_the_numbers() {
         let inventory = inventory(8, 64 << 20, 64 << 20, 256 << 20);
-        let error = plan(&inventory, &MachineFacts { memory_budget_bytes: 300 << 20, disk_bytes_per_sec: None }, &options(ModeChoice::Auto, 2)).unwrap_err();
+        let error = plan(&inventory, &MachineFacts { memory_budget_bytes: 300 << 20, disk_bytes_per_sec: None, ..MachineFacts::default() }, &options(ModeChoice::Auto, 2)).unwrap_err();
         match &error {
             PlanError::BudgetTooSmall { budget, needed, resident, layers, .. } => {
                 assert_eq!(*budget, 300 << 20);
@@ -518,13 +634,89 @@ mod tests {
         let fixed = (64 << 20) + 10 * (16 << 20) + kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 256);
         // Room for the window (3 layers of 96 MiB) and 2 pinned layers.
         let budget = fixed + 5 * (96 << 20);
-        let plan = plan(&inventory, &MachineFacts { memory_budget_bytes: budget, disk_bytes_per_sec: Some(2e9) }, &options(ModeChoice::Auto, 2)).unwrap();
+        let plan = plan(&inventory, &MachineFacts { memory_budget_bytes: budget, disk_bytes_per_sec: Some(2e9), ..MachineFacts::default() }, &options(ModeChoice::Auto, 2)).unwrap();
         let dense = plan.dense.as_ref().unwrap();
         assert_eq!(dense.pinned_layers.len(), 2);
         assert_eq!(dense.streamed_layers.len(), 8);
         assert_eq!(plan.streamed_bytes_per_token, 8 * (96 << 20));
         let bound = plan.io_bound_tokens_per_sec.unwrap();
         assert!((bound - 2e9 / (8.0 * (96u64 << 20) as f64)).abs() < 1e-9);
+    }
+
+    fn auto_window(mode: ModeChoice) -> PlanOptions {
+        PlanOptions { mode, n_ctx: 1024, n_ubatch: 256, window_layers: None, ..PlanOptions::default() }
+    }
+
+    /// Room for everything but the FFN layers, plus `layers` FFN layers of `ffn` × 3 bytes.
+    fn budget_with_layers(inventory: &Inventory, ffn: u64, layers: u64) -> u64 {
+        let fixed = inventory.tensor_data_bytes() - inventory.tensors.iter().filter(|tensor| tensor.role.is_dense_ffn()).map(|tensor| tensor.bytes).sum::<u64>();
+        fixed + kv_cache_bytes(inventory, 1024) + compute_buffer_bytes(inventory, 1024, 256) + layers * 3 * ffn
+    }
+
+    #[test]
+    fn layers_larger_than_the_read_queue_get_a_window_of_one() {
+        // 96 MiB layers, 16 reads of 4 MiB in flight: one layer ahead fills the queue, and a
+        // wider window would only stream more.
+        let inventory = inventory(16, 16 << 20, 32 << 20, 64 << 20);
+        let machine = MachineFacts {
+            memory_budget_bytes: budget_with_layers(&inventory, 32 << 20, 8),
+            disk_bytes_per_sec: Some(2e9),
+            read_queue_depth: Some(16),
+            disk_read_points: queue_hungry_disk(),
+            compute_seconds_per_token: None,
+        };
+        let plan = plan(&inventory, &machine, &auto_window(ModeChoice::Auto)).unwrap();
+        let dense = plan.dense.as_ref().unwrap();
+        assert_eq!(dense.window_layers, 1, "{}", plan.render());
+        assert!(dense.window_sized);
+        assert_eq!(dense.pinned_layers.len(), 6);
+        assert!(plan.render().contains("read 1 layer ahead"), "{}", plan.render());
+    }
+
+    /// A disk that needs 64 MiB in flight for its full rate, a third of it with 4 MiB.
+    fn queue_hungry_disk() -> Vec<(u64, f64)> {
+        vec![(4 << 20, 0.6e9), (16 << 20, 1.2e9), (64 << 20, 2e9)]
+    }
+
+    #[test]
+    fn small_layers_get_a_window_that_fills_the_read_queue() {
+        // 6 MiB layers: one layer ahead reaches a third of the disk's rate; several layers
+        // ahead are worth the pinned layers they cost.
+        let inventory = inventory(32, 1 << 20, 2 << 20, 8 << 20);
+        let machine = MachineFacts {
+            memory_budget_bytes: budget_with_layers(&inventory, 2 << 20, 16),
+            disk_bytes_per_sec: Some(2e9),
+            read_queue_depth: Some(16),
+            disk_read_points: queue_hungry_disk(),
+            compute_seconds_per_token: None,
+        };
+        let plan = plan(&inventory, &machine, &auto_window(ModeChoice::Auto)).unwrap();
+        let dense = plan.dense.as_ref().unwrap();
+        assert!(dense.window_layers >= 3, "{}", plan.render());
+        let costs: Vec<f64> = dense.windows_costed.iter().map(|(_, seconds)| *seconds).collect();
+        let chosen = dense.windows_costed.iter().find(|(window, _)| *window == dense.window_layers).unwrap().1;
+        assert!(costs.iter().all(|&cost| chosen <= cost / 0.98), "{costs:?}");
+    }
+
+    #[test]
+    fn a_compute_bound_model_keeps_the_smallest_window_and_states_the_limit() {
+        // Same small layers, but compute takes a second per token: the disk at one layer in
+        // flight already keeps up, so the window stays at one and pins the most.
+        let inventory = inventory(32, 1 << 20, 2 << 20, 8 << 20);
+        let machine = MachineFacts {
+            memory_budget_bytes: budget_with_layers(&inventory, 2 << 20, 16),
+            disk_bytes_per_sec: Some(2e9),
+            read_queue_depth: Some(16),
+            disk_read_points: queue_hungry_disk(),
+            compute_seconds_per_token: Some(1.0),
+        };
+        let plan = plan(&inventory, &machine, &auto_window(ModeChoice::Auto)).unwrap();
+        assert_eq!(plan.dense.as_ref().unwrap().window_layers, 1, "{}", plan.render());
+        assert!((plan.limit_tokens_per_sec.unwrap() - 1.0).abs() < 1e-9);
+        // A given window is kept, whatever the cost model would choose.
+        let forced = super::plan(&inventory, &machine, &options(ModeChoice::Auto, 3)).unwrap();
+        assert_eq!(forced.dense.as_ref().unwrap().window_layers, 3);
+        assert!(!forced.dense.as_ref().unwrap().window_sized);
     }
 
     proptest! {
@@ -536,13 +728,22 @@ mod tests {
             ffn in 1u64..256,
             embedding in 1u64..512,
             budget_mib in 1u64..40_000,
-            window in 1usize..6,
+            window in proptest::option::of(1usize..6),
             forced in any::<bool>(),
+            compute in proptest::option::of(0.001f64..10.0),
+            queue_depth in 1u32..64,
         ) {
             let inventory = inventory(n_layer, attention << 20, ffn << 20, embedding << 20);
-            let machine = MachineFacts { memory_budget_bytes: budget_mib << 20, disk_bytes_per_sec: Some(1e9) };
+            let machine = MachineFacts {
+                memory_budget_bytes: budget_mib << 20,
+                disk_bytes_per_sec: Some(1e9),
+                read_queue_depth: Some(queue_depth),
+                disk_read_points: queue_hungry_disk(),
+                compute_seconds_per_token: compute,
+            };
             let mode = if forced { ModeChoice::Forced(Mode::DenseStream) } else { ModeChoice::Auto };
-            match plan(&inventory, &machine, &options(mode, window)) {
+            let options = PlanOptions { window_layers: window, ..options(mode, 1) };
+            match plan(&inventory, &machine, &options) {
                 Ok(plan) => {
                     prop_assert!(plan.budget.total_bytes <= plan.budget.budget_bytes, "{:?}", plan.budget);
                     prop_assert_eq!(plan.tensors.len(), inventory.tensors.len());

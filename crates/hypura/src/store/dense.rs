@@ -2,9 +2,10 @@
 //! pass through a window of `D` layers prefetched ahead of the forward pass.
 //!
 //! The eval hook stops once per layer, at `ffn_norm-L` (the node just before layer L's FFN).
-//! There it releases the previous streamed layer (its FFN has run), asks for the next `D`
-//! streamed layers in forward order (wrapping to the first layers for the next token), and
-//! blocks until layer L's FFN bytes are ready. Pinned layers are ordinary resident tensors.
+//! There it releases the previous streamed layer (its FFN has run), asks for this layer and the
+//! next `D` streamed layers in forward order (wrapping to the first layers for the next token),
+//! and blocks until layer L's FFN bytes are ready. So at most `D + 1` streamed layers are in
+//! memory. Pinned layers are ordinary resident tensors.
 use std::sync::Arc;
 
 use hypura_sys::{EvalHook, ObservedNode};
@@ -39,7 +40,7 @@ impl DenseWindow {
 
     /// Load the first window before the first token.
     pub fn prefetch_start(&self) -> Result<(), ResidencyError> {
-        for &layer in self.streamed_layers.iter().take(self.window) {
+        for &layer in self.streamed_layers.iter().take(self.span()) {
             if let Some(unit) = self.unit_of_layer[layer as usize] {
                 self.residency.request(unit)?;
             }
@@ -47,6 +48,10 @@ impl DenseWindow {
         Ok(())
     }
 
+    /// Streamed layers wanted at once: the one computing (or next) and `window` ahead.
+    fn span(&self) -> usize {
+        (self.window + 1).min(self.streamed_layers.len())
+    }
 
     fn layer_of(name: &str) -> Option<usize> {
         name.strip_prefix(FFN_ENTRY_NODE)?.parse().ok()
@@ -64,14 +69,14 @@ impl DenseWindow {
         // is the last streamed layer of the previous sweep, unless it is in the coming window.
         let previous = (position + n_streamed - 1) % n_streamed;
         let previous_layer = self.streamed_layers[previous] as usize;
-        let in_window = |candidate: usize| (0..self.window.min(n_streamed)).any(|step| (position + step) % n_streamed == candidate);
+        let in_window = |candidate: usize| (0..self.span()).any(|step| (position + step) % n_streamed == candidate);
         if previous_layer != layer && !in_window(previous) {
             if let Some(unit) = self.unit_of_layer[previous_layer] {
                 self.residency.release(unit)?;
             }
         }
         // Ask for the window ahead, in forward order, wrapping into the next token's sweep.
-        for step in 0..self.window.min(n_streamed) {
+        for step in 0..self.span() {
             let streamed = self.streamed_layers[(position + step) % n_streamed] as usize;
             if let Some(unit) = self.unit_of_layer[streamed] {
                 self.residency.request(unit)?;

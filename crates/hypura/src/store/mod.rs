@@ -15,5 +15,5 @@ pub mod stats;
 
 pub use dense::DenseWindow;
 pub use expert::{CacheModel, CachePolicy, ExpertSnapshot, ExpertStream, RouteRecord};
-pub use residency::{FailureLatch, Residency, ResidencyError, SliceState, StreamUnit, UnitReader};
+pub use residency::{FailureLatch, CHUNK_BYTES, Residency, ResidencyError, SliceState, StreamUnit, UnitReader};
 pub use stats::{IoSnapshot, IoStats};

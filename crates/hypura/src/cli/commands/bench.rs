@@ -23,13 +23,16 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         );
     }
     let engine = settings::engine_options(&args.model_args, &path)?;
-    let threads = engine.n_threads.unwrap_or_else(|| hypura_sys::ContextParams::default().n_threads);
+    let threads = settings::threads(engine.n_threads);
     let peer = baseline.then_some(PeerConfig {
         load_mode: if args.baseline_no_mmap { hypura_sys::LoadMode::Read } else { hypura_sys::LoadMode::Mmap },
         repack: !args.baseline_no_repack,
     });
     let options = BenchOptions { n_prompt: args.n_prompt, n_gen: args.n_gen, reps: args.reps.max(1), hypura: !args.baseline_only, peer, engine, threads };
     let report = bench::run(&path, &options, &|stage| tracing::info!("bench: {stage}"))?;
+    if let Some(seconds) = report.compute_seconds_per_token {
+        settings::record_compute(&path, threads, report.bytes_read_per_token.is_some(), seconds, report.generated_tokens);
+    }
     print!("{}", bench::render(&report));
     if let Some(json) = &args.json {
         std::fs::write(json, serde_json::to_string_pretty(&report)? + "\n").with_context(|| format!("writing {}", json.display()))?;

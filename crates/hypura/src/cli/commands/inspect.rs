@@ -35,7 +35,7 @@ struct QuantRow {
 
 pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
     let inventory = Inventory::open(&args.model)?;
-    let plan = crate::cli::settings::make_plan(&inventory, &args.plan, args.context, 512)?;
+    let plan = crate::cli::settings::make_plan(&inventory, &args.plan, args.context, 512, crate::cli::settings::threads(args.threads))?;
     let output = if args.json {
         let report = InspectReport {
             path: &inventory.path,

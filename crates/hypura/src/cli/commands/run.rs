@@ -55,6 +55,10 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         };
         let output = answer(&mut session, &request(prompt))?;
         print_stats(args.stats, &output);
+        if let Some(seconds) = output.stats.eval_compute_seconds_per_token() {
+            let engine = session.engine();
+            settings::record_compute(&path, settings::threads(engine.options().n_threads), engine.streaming().is_some(), seconds, u64::from(output.stats.eval_count));
+        }
         write_trace(&session, args.model_args.plan.trace.as_deref())?;
         return Ok(());
     }
