@@ -28,6 +28,10 @@ struct Args {
     /// Router temporal locality (0 = independent per token).
     #[arg(long, default_value_t = 0.0)]
     router_locality: f32,
+    /// Scale of each layer's update to the residual stream (1 = unit variance; real models add
+    /// little per layer, e.g. 0.1).
+    #[arg(long, default_value_t = 1.0)]
+    residual_scale: f32,
     /// Override the architecture: llama, qwen3, qwen3moe.
     #[arg(long)]
     arch: Option<String>,
@@ -58,6 +62,7 @@ fn main() -> anyhow::Result<()> {
     spec.seed = args.seed;
     spec.router_skew = args.router_skew;
     spec.router_locality = args.router_locality;
+    spec.residual_scale = args.residual_scale;
     spec.quant = QuantMix::parse(&args.quant).with_context(|| format!("unknown quantization {:?}", args.quant))?;
     if let Some(arch) = &args.arch {
         spec.arch = Arch::parse(arch).with_context(|| format!("unknown architecture {arch:?}"))?;

@@ -109,6 +109,10 @@ pub struct ForgeSpec {
     /// 0 makes each token's routing independent; larger values keep consecutive tokens on
     /// the same experts (real routers show strong recency).
     pub router_locality: f32,
+    /// Scale of what each layer adds to the residual stream: 1 keeps every projection at unit
+    /// variance; real models add little per layer, so their hidden state (and routing) drifts
+    /// slowly from layer to layer, which is what makes the stale gate predict.
+    pub residual_scale: f32,
 }
 
 impl ForgeSpec {
@@ -162,6 +166,7 @@ pub fn preset(name: &str) -> Option<ForgeSpec> {
         seed: 42,
         router_skew: 0.0,
         router_locality: 0.0,
+        residual_scale: 1.0,
     })
 }
 
@@ -203,6 +208,9 @@ pub enum Init {
     Norm,
     /// A projection whose input width is `fan_in`.
     Projection { fan_in: u64 },
+    /// A projection that writes into the residual stream (attention output, FFN down), scaled
+    /// by the spec's residual scale.
+    Residual { fan_in: u64 },
     /// Token embeddings, with the shared locality direction.
     Embedding,
     /// Router rows, scaled per expert by the skew.
@@ -254,11 +262,12 @@ impl ForgeSpec {
             let more_bits = use_more_bits(layer, shape.n_layer);
             let block = |suffix: &str| format!("blk.{layer}.{suffix}");
             let projection = |fan_in| Init::Projection { fan_in };
+            let residual = |fan_in| Init::Residual { fan_in };
             add(block("attn_norm.weight"), vec![shape.n_embd], GgmlType::F32, Init::Norm);
             add(block("attn_q.weight"), vec![shape.n_embd, q_width], pick(GgmlType::Q4_K, false, shape.n_embd), projection(shape.n_embd));
             add(block("attn_k.weight"), vec![shape.n_embd, kv_width], pick(GgmlType::Q4_K, false, shape.n_embd), projection(shape.n_embd));
             add(block("attn_v.weight"), vec![shape.n_embd, kv_width], pick(GgmlType::Q4_K, more_bits, shape.n_embd), projection(shape.n_embd));
-            add(block("attn_output.weight"), vec![q_width, shape.n_embd], pick(GgmlType::Q4_K, false, q_width), projection(q_width));
+            add(block("attn_output.weight"), vec![q_width, shape.n_embd], pick(GgmlType::Q4_K, false, q_width), residual(q_width));
             if self.arch.has_qk_norm() {
                 add(block("attn_q_norm.weight"), vec![shape.head_dim], GgmlType::F32, Init::Norm);
                 add(block("attn_k_norm.weight"), vec![shape.head_dim], GgmlType::F32, Init::Norm);
@@ -267,14 +276,14 @@ impl ForgeSpec {
             if shape.n_expert == 0 {
                 add(block("ffn_gate.weight"), vec![shape.n_embd, shape.n_ff], pick(GgmlType::Q4_K, false, shape.n_embd), projection(shape.n_embd));
                 add(block("ffn_up.weight"), vec![shape.n_embd, shape.n_ff], pick(GgmlType::Q4_K, false, shape.n_embd), projection(shape.n_embd));
-                add(block("ffn_down.weight"), vec![shape.n_ff, shape.n_embd], pick(GgmlType::Q4_K, more_bits, shape.n_ff), projection(shape.n_ff));
+                add(block("ffn_down.weight"), vec![shape.n_ff, shape.n_embd], pick(GgmlType::Q4_K, more_bits, shape.n_ff), residual(shape.n_ff));
             } else {
                 // llama.cpp keeps the router in F32.
                 add(block("ffn_gate_inp.weight"), vec![shape.n_embd, shape.n_expert], GgmlType::F32, Init::Router { fan_in: shape.n_embd });
                 let experts = shape.n_expert;
                 add(block("ffn_gate_exps.weight"), vec![shape.n_embd, shape.n_ff, experts], pick(GgmlType::Q4_K, false, shape.n_embd), projection(shape.n_embd));
                 add(block("ffn_up_exps.weight"), vec![shape.n_embd, shape.n_ff, experts], pick(GgmlType::Q4_K, false, shape.n_embd), projection(shape.n_embd));
-                add(block("ffn_down_exps.weight"), vec![shape.n_ff, shape.n_embd, experts], pick(GgmlType::Q4_K, more_bits, shape.n_ff), projection(shape.n_ff));
+                add(block("ffn_down_exps.weight"), vec![shape.n_ff, shape.n_embd, experts], pick(GgmlType::Q4_K, more_bits, shape.n_ff), residual(shape.n_ff));
             }
         }
         add("output_norm.weight".into(), vec![shape.n_embd], GgmlType::F32, Init::Norm);

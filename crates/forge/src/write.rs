@@ -46,6 +46,7 @@ pub fn metadata(spec: &ForgeSpec, vocabulary: &Vocabulary) -> Vec<(String, Value
         ("hypura.forge.seed".to_string(), Value::U64(spec.seed)),
         ("hypura.forge.router_skew".to_string(), Value::F32(spec.router_skew)),
         ("hypura.forge.router_locality".to_string(), Value::F32(spec.router_locality)),
+        ("hypura.forge.residual_scale".to_string(), Value::F32(spec.residual_scale)),
         (key("context_length"), Value::U32(shape.n_ctx_train as u32)),
         (key("embedding_length"), Value::U32(shape.n_embd as u32)),
         (key("block_count"), Value::U32(shape.n_layer as u32)),
@@ -131,6 +132,9 @@ fn validate(spec: &ForgeSpec) -> Result<(), ForgeError> {
     if shape.n_expert > 0 && (shape.n_expert_used == 0 || shape.n_expert_used > shape.n_expert) {
         return bad(format!("n_expert_used {} must be in 1..={}", shape.n_expert_used, shape.n_expert));
     }
+    if !(spec.residual_scale.is_finite() && spec.residual_scale > 0.0) {
+        return bad(format!("the residual scale {} must be positive", spec.residual_scale));
+    }
     Ok(())
 }
 
@@ -181,6 +185,10 @@ fn generate_rows(spec: &ForgeSpec, plan: &TensorPlan, piece: &Piece, locality_di
             let limit = (3.0 / fan_in as f32).sqrt();
             values.iter_mut().for_each(|value| *value = rng.gen_range(-limit..limit));
         }
+        Init::Residual { fan_in } => {
+            let limit = (3.0 / fan_in as f32).sqrt() * spec.residual_scale;
+            values.iter_mut().for_each(|value| *value = rng.gen_range(-limit..limit));
+        }
         Init::Embedding => {
             let sqrt_width = (row_elements as f32).sqrt();
             for row in values.chunks_mut(row_elements) {
@@ -212,7 +220,7 @@ fn piece_bytes(spec: &ForgeSpec, plan: &TensorPlan, piece: &Piece, locality_dire
     let row_elements = plan.dims[0];
     let block_elements = ggml_type.block_size();
     let blocks = row_elements / block_elements * piece.row_count;
-    let pooled = block_elements == 256 && matches!(plan.init, Init::Projection { .. }) && blocks > 4 * BLOCK_POOL;
+    let pooled = block_elements == 256 && matches!(plan.init, Init::Projection { .. } | Init::Residual { .. }) && blocks > 4 * BLOCK_POOL;
     if !pooled {
         let values = generate_rows(spec, plan, piece, locality_direction);
         return encode(ggml_type, &values, row_elements);

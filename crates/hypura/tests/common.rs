@@ -6,7 +6,13 @@ use hypura_forge::{preset, write_model};
 
 /// Forge `name` into `directory` and return its path.
 pub fn forge(name: &str, directory: &Path) -> PathBuf {
-    let spec = preset(name).unwrap_or_else(|| panic!("no preset {name}"));
+    forge_with(name, directory, |_| {})
+}
+
+/// Forge `name`, changed by `adjust`, into `directory`.
+pub fn forge_with(name: &str, directory: &Path, adjust: impl FnOnce(&mut hypura_forge::ForgeSpec)) -> PathBuf {
+    let mut spec = preset(name).unwrap_or_else(|| panic!("no preset {name}"));
+    adjust(&mut spec);
     let path = directory.join(format!("{name}.gguf"));
     write_model(&spec, &path, &|_, _| {}).unwrap_or_else(|error| panic!("forging {name}: {error}"));
     path

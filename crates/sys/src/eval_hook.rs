@@ -41,30 +41,77 @@ impl ObservedNode<'_> {
 
     /// The rows of an I32 node (e.g. `ffn_moe_topk-L`: expert ids per token) honouring its
     /// strides: the top-k tensor is a view whose rows are `nb[1]` bytes apart. Returns None for
-    /// other types or a non-host tensor without data.
+    /// other types or a tensor without data.
     pub fn i32_rows(&self) -> Option<Vec<Vec<i32>>> {
-        if self.tensor.type_ != raw::GGML_TYPE_I32 || self.tensor.data.is_null() {
-            return None;
-        }
-        let [columns, rows, ..] = self.tensor.ne;
-        let [element_stride, row_stride, ..] = self.tensor.nb;
-        if columns < 0 || rows < 0 || element_stride != 4 {
-            return None;
-        }
-        let mut out = Vec::with_capacity(rows as usize);
-        for row in 0..rows as usize {
-            let mut values = vec![0i32; columns as usize];
-            // SAFETY: the node is computed and its buffer is host memory (CPU backend); ggml
-            // guarantees `data + row * nb[1] + column * nb[0]` is inside the tensor for
-            // row < ne[1], column < ne[0]. The bytes are copied out while ggml waits for us.
-            unsafe {
-                let row_start = (self.tensor.data as *const u8).add(row * row_stride);
-                std::ptr::copy_nonoverlapping(row_start, values.as_mut_ptr() as *mut u8, columns as usize * 4);
-            }
-            out.push(values);
-        }
-        Some(out)
+        rows(self.tensor, raw::GGML_TYPE_I32, i32::from_ne_bytes)
     }
+
+    /// The F32 rows of input `input` of the node named `ancestor`, found among this node's
+    /// sources at most `max_depth` steps up. From `ffn_moe_topk-L`, ancestor
+    /// `ffn_moe_logits-L` input 1 is the hidden state the router was applied to (still live:
+    /// the expert matmuls read it after this node). None if there is no such node or it is not
+    /// an F32 matrix.
+    pub fn ancestor_input_f32_rows(&self, ancestor: &str, input: usize, max_depth: usize) -> Option<Vec<Vec<f32>>> {
+        let found = find_source(self.tensor, ancestor, max_depth)?;
+        let source = *found.src.get(input)?;
+        if source.is_null() {
+            return None;
+        }
+        // SAFETY: a non-null source of a live graph node is a live tensor of the same graph.
+        rows(unsafe { &*source }, raw::GGML_TYPE_F32, f32::from_ne_bytes)
+    }
+}
+
+/// Depth-first search of `tensor`'s sources for a node named `name`.
+fn find_source<'a>(tensor: &'a raw::ggml_tensor, name: &str, depth: usize) -> Option<&'a raw::ggml_tensor> {
+    if depth == 0 {
+        return None;
+    }
+    for &source in &tensor.src {
+        if source.is_null() {
+            continue;
+        }
+        // SAFETY: the sources of a live graph node are live tensors of the same graph, and
+        // ggml tensor names are NUL-terminated within their fixed array.
+        let source = unsafe { &*source };
+        let source_name = unsafe { CStr::from_ptr(source.name.as_ptr()) }.to_str().unwrap_or("");
+        if source_name == name {
+            return Some(source);
+        }
+        if let Some(found) = find_source(source, name, depth - 1) {
+            return Some(found);
+        }
+    }
+    None
+}
+
+/// The rows of a 2-D tensor of `ggml_type` with 4-byte elements, read through the backend (so
+/// device memory works as well as host memory), honouring the row stride `nb[1]`.
+fn rows<T>(tensor: &raw::ggml_tensor, ggml_type: raw::ggml_type, decode: fn([u8; 4]) -> T) -> Option<Vec<Vec<T>>> {
+    let has_buffer = !tensor.buffer.is_null() || (!tensor.view_src.is_null() && {
+        // SAFETY: view_src of a live tensor is a live tensor.
+        !unsafe { &*tensor.view_src }.buffer.is_null()
+    });
+    if tensor.type_ != ggml_type || tensor.data.is_null() || !has_buffer {
+        return None;
+    }
+    let [columns, rows, third, fourth] = tensor.ne;
+    let [element_stride, row_stride, ..] = tensor.nb;
+    if columns < 0 || rows < 0 || third != 1 || fourth != 1 || element_stride != 4 {
+        return None;
+    }
+    let mut bytes = vec![0u8; columns as usize * 4];
+    let mut out = Vec::with_capacity(rows as usize);
+    for row in 0..rows as usize {
+        // SAFETY: the node is computed and has a buffer; `row * nb[1] + ne[0] * 4` bytes lie
+        // inside the tensor for row < ne[1] (ggml's layout of a 2-D tensor with nb[0] = 4), and
+        // `bytes` holds exactly that many. ggml waits for this callback before reusing memory.
+        unsafe {
+            raw::ggml_backend_tensor_get(tensor as *const raw::ggml_tensor as *mut raw::ggml_tensor, bytes.as_mut_ptr() as *mut c_void, row * row_stride, bytes.len());
+        }
+        out.push(bytes.chunks_exact(4).map(|chunk| decode([chunk[0], chunk[1], chunk[2], chunk[3]])).collect());
+    }
+    Some(out)
 }
 
 pub(crate) unsafe extern "C" fn eval_callback(tensor: *mut raw::ggml_tensor, ask: bool, user_data: *mut c_void) -> bool {

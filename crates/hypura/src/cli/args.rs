@@ -114,7 +114,8 @@ pub struct PlanArgs {
     /// Expert cache replacement: slru or lru.
     #[arg(long, default_value = "slru")]
     pub cache_policy: String,
-    /// Read likely next-layer experts ahead into idle I/O (co-activation prediction).
+    /// Read likely next-layer experts ahead into idle I/O (stale gate: the next layer's router
+    /// applied to this layer's hidden state).
     #[arg(long)]
     pub prefetch: bool,
     /// Record the router's choices to this file (JSON lines), for `hypura simulate`.

@@ -13,7 +13,7 @@ use crate::model::Inventory;
 use crate::plan::{Mode, Plan};
 use crate::store::io::{DirectFile, Region};
 use crate::store::load::StoreLoadReader;
-use crate::store::{DenseWindow, ExpertStream, IoStats, Residency, ResidencyError, StreamUnit};
+use crate::store::{DenseWindow, ExpertStream, IoStats, Residency, ResidencyError, RouterWeights, StreamUnit};
 
 /// Gaps smaller than this between a layer's streamed tensors are read along with them: one
 /// larger read beats two small ones.
@@ -41,7 +41,7 @@ pub struct EngineOptions {
     pub io_workers: usize,
     /// Record the router's choices (expert-stream), for traces and the cache simulator.
     pub trace_routing: bool,
-    /// Co-activation prefetch of likely next-layer experts (expert-stream).
+    /// Stale-gate prefetch of likely next-layer experts (expert-stream).
     pub expert_prefetch: bool,
 }
 
@@ -241,6 +241,24 @@ impl Engine {
     }
 }
 
+/// Every layer's F32 router weights, read from the file (read-only) for the stale gate.
+fn read_router_weights(path: &Path, inventory: &Inventory) -> Result<RouterWeights, EngineError> {
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::File::open(path).map_err(|error| EngineError::Store(format!("opening {}: {error}", path.display())))?;
+    let mut routers = RouterWeights { n_embd: inventory.hparams.n_embd as usize, layers: vec![None; inventory.hparams.n_layer as usize] };
+    for tensor in &inventory.tensors {
+        let (Some(layer), true) = (tensor.layer, tensor.name.ends_with("ffn_gate_inp.weight")) else { continue };
+        if tensor.ggml_type != hypura_gguf::GgmlType::F32 || tensor.split != 0 || tensor.dims.first() != Some(&inventory.hparams.n_embd) {
+            tracing::info!("{} is {:?}, not F32 [n_embd, n_expert]: no stale-gate prediction for layer {layer}", tensor.name, tensor.ggml_type);
+            continue;
+        }
+        let mut bytes = vec![0u8; tensor.bytes as usize];
+        file.read_exact_at(&mut bytes, tensor.file_offset).map_err(|error| EngineError::Store(format!("reading {}: {error}", tensor.name)))?;
+        routers.layers[layer as usize] = Some(bytes.chunks_exact(4).map(|chunk| f32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]])).collect());
+    }
+    Ok(routers)
+}
+
 /// Load for dense-stream: streamed tensors go to a stream buffer type over a region that
 /// mirrors the file, llama.cpp's reads are served by the store (resident bytes with direct
 /// I/O, streamed bytes skipped), and the dense window drives residency from the eval hook.
@@ -293,8 +311,10 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
             unit.ranges.sort_by_key(|range| range.start);
         }
         let residency = Arc::new(Residency::new(region, file, units, options.io_workers, stats.clone()));
-        let driver = ExpertStream::new(residency, n_layer, n_expert, experts.cache_units, experts.policy, options.trace_routing)
-            .with_prefetch(options.expert_prefetch);
+        let mut driver = ExpertStream::new(residency, n_layer, n_expert, experts.cache_units, experts.policy, options.trace_routing);
+        if options.expert_prefetch {
+            driver = driver.with_prefetch(read_router_weights(path, inventory)?);
+        }
         return Ok((model, Streaming { driver: StreamDriver::Expert(Arc::new(driver)), stats, load_bytes }));
     }
     // One unit per streamed layer: its tensors' ranges, merged across small gaps.

@@ -5,6 +5,12 @@
 //! reads the chosen ids, makes exactly those (layer, expert) units ready — the union over the
 //! batch's tokens — and returns before the expert matmul runs. Units stay cached until the
 //! policy evicts them to make room; the units of the layer about to compute are never evicted.
+//!
+//! Prefetch (optional) predicts the next layer's experts by the stale gate: layer L+1's router
+//! applied to the hidden state layer L's router saw (the residual stream changes little from
+//! one layer to the next). Predicted units are read only into I/O this layer's misses leave
+//! idle, are protected from eviction until their layer runs, and a mispredicted read that has
+//! not started by then is cancelled.
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -14,6 +20,8 @@ use serde::Serialize;
 use super::residency::{FailureLatch, Residency, ResidencyError, SliceState};
 
 const TOP_K_NODE: &str = "ffn_moe_topk-";
+/// The router's matmul (`gate_inp × hidden`); its input 1 is the hidden state.
+const ROUTER_LOGITS_NODE: &str = "ffn_moe_logits-";
 
 /// Which cached unit to evict.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -112,6 +120,11 @@ impl CacheModel {
         evicted
     }
 
+    /// Drop a unit that is no longer in memory (a cancelled read).
+    pub fn forget(&mut self, unit: usize) {
+        self.remove(unit);
+    }
+
     fn remove(&mut self, unit: usize) {
         if self.resident[unit] {
             self.resident[unit] = false;
@@ -148,9 +161,11 @@ pub struct ExpertSnapshot {
     /// Router observations (MoE layers computed).
     pub layer_visits: u64,
     pub misses_by_layer: Vec<u64>,
-    /// Units read ahead on a co-activation prediction, and how many the router then picked.
+    /// Units read ahead on a stale-gate prediction, how many the router then picked, and how
+    /// many mispredicted reads were cancelled before they started.
     pub prefetch_issued: u64,
     pub prefetch_used: u64,
+    pub prefetch_cancelled: u64,
 }
 
 impl ExpertSnapshot {
@@ -175,6 +190,7 @@ impl std::ops::Sub for ExpertSnapshot {
             misses_by_layer: self.misses_by_layer.iter().zip(&earlier.misses_by_layer).map(|(now, then)| now - then).collect(),
             prefetch_issued: self.prefetch_issued - earlier.prefetch_issued,
             prefetch_used: self.prefetch_used - earlier.prefetch_used,
+            prefetch_cancelled: self.prefetch_cancelled - earlier.prefetch_cancelled,
         }
     }
 }
@@ -191,14 +207,36 @@ struct State {
     cache: CacheModel,
     /// The units of the layer computing now: never evicted.
     pinned: Vec<usize>,
-    /// Co-activation counts: `coactivation[layer][a * n_expert + b]` is how often a token that
-    /// used expert `a` at `layer` used expert `b` at `layer + 1`.
-    coactivation: Vec<Vec<u32>>,
-    /// The previous router call (layer and per-token picks), to count co-activations.
-    previous: Option<(usize, Vec<Vec<i32>>)>,
-    /// Units prefetched and not yet used, per layer: the accuracy count.
+    /// Units prefetched for each layer and not yet routed: the accuracy count, and what to
+    /// cancel when the router picks otherwise.
     prefetched: Vec<Vec<usize>>,
 }
+
+/// Every MoE layer's router weights (F32, `[n_expert][n_embd]` row-major), for the stale gate.
+#[derive(Clone, Debug, Default)]
+pub struct RouterWeights {
+    pub n_embd: usize,
+    /// None for a layer without a router (or one not stored as F32).
+    pub layers: Vec<Option<Vec<f32>>>,
+}
+
+impl RouterWeights {
+    /// The `k` experts layer `layer`'s router scores highest for `hidden`.
+    pub fn top_k(&self, layer: usize, hidden: &[f32], k: usize) -> Option<Vec<usize>> {
+        let weights = self.layers.get(layer)?.as_ref()?;
+        if hidden.len() != self.n_embd || self.n_embd == 0 {
+            return None;
+        }
+        let scores: Vec<f32> = weights.chunks_exact(self.n_embd).map(|row| row.iter().zip(hidden).map(|(weight, value)| weight * value).sum()).collect();
+        let mut order: Vec<usize> = (0..scores.len()).collect();
+        order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]));
+        order.truncate(k);
+        Some(order)
+    }
+}
+
+/// Predict only for batches this small (decode); a prefill batch loads the union anyway.
+const PREDICT_MAX_TOKENS: usize = 4;
 
 
 /// Drives expert residency from the router's choices.
@@ -206,10 +244,11 @@ pub struct ExpertStream {
     residency: Arc<Residency>,
     n_layer: usize,
     n_expert: usize,
-    /// Prefetch likely next-layer experts into idle I/O (co-activation prediction).
-    prefetch: bool,
+    /// Prefetch likely next-layer experts into idle I/O (stale-gate prediction).
+    routers: Option<RouterWeights>,
     prefetch_issued: AtomicU64,
     prefetch_used: AtomicU64,
+    prefetch_cancelled: AtomicU64,
     state: Mutex<State>,
     counters: ExpertCounters,
     trace: Option<Mutex<Vec<RouteRecord>>>,
@@ -225,14 +264,13 @@ impl ExpertStream {
             residency,
             n_layer,
             n_expert,
-            prefetch: false,
+            routers: None,
             prefetch_issued: AtomicU64::new(0),
             prefetch_used: AtomicU64::new(0),
+            prefetch_cancelled: AtomicU64::new(0),
             state: Mutex::new(State {
                 cache: CacheModel::new(policy, units, capacity.max(n_expert)),
                 pinned: Vec::new(),
-                coactivation: vec![vec![0; n_expert * n_expert]; n_layer],
-                previous: None,
                 prefetched: vec![Vec::new(); n_layer],
             }),
             counters: ExpertCounters { misses_by_layer: (0..n_layer).map(|_| AtomicU64::new(0)).collect(), ..ExpertCounters::default() },
@@ -245,9 +283,9 @@ impl ExpertStream {
         &self.residency
     }
 
-    /// Turn co-activation prefetch on or off (before use).
-    pub fn with_prefetch(mut self, prefetch: bool) -> ExpertStream {
-        self.prefetch = prefetch;
+    /// Turn stale-gate prefetch on with these router weights (before use).
+    pub fn with_prefetch(mut self, routers: RouterWeights) -> ExpertStream {
+        self.routers = Some(routers);
         self
     }
 
@@ -260,6 +298,7 @@ impl ExpertStream {
             misses_by_layer: self.counters.misses_by_layer.iter().map(|misses| misses.load(Ordering::Relaxed)).collect(),
             prefetch_issued: self.prefetch_issued.load(Ordering::Relaxed),
             prefetch_used: self.prefetch_used.load(Ordering::Relaxed),
+            prefetch_cancelled: self.prefetch_cancelled.load(Ordering::Relaxed),
         }
     }
 
@@ -273,8 +312,9 @@ impl ExpertStream {
         name.strip_prefix(TOP_K_NODE)?.parse().ok()
     }
 
-    /// Make the chosen experts of `layer` ready.
-    fn route(&self, layer: usize, rows: &[Vec<i32>]) -> Result<(), ResidencyError> {
+    /// Make the chosen experts of `layer` ready. `hidden` is the state the router saw (per
+    /// token), for predicting the next layer.
+    fn route(&self, layer: usize, rows: &[Vec<i32>], hidden: Option<&[Vec<f32>]>) -> Result<(), ResidencyError> {
         let mut chosen: Vec<usize> = Vec::new();
         for &expert in rows.iter().flatten() {
             // An id outside the expert count would make ggml read outside the tensor.
@@ -289,15 +329,18 @@ impl ExpertStream {
         }
         self.counters.layer_visits.fetch_add(1, Ordering::Relaxed);
         let mut to_load = Vec::new();
-        let mut predicted = Vec::new();
         {
             let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
             state.pinned.clone_from(&chosen);
-            self.learn(&mut state, layer, rows);
-            if self.prefetch {
-                let prefetched = std::mem::take(&mut state.prefetched[layer]);
-                let used = chosen.iter().filter(|unit| prefetched.contains(unit)).count();
-                self.prefetch_used.fetch_add(used as u64, Ordering::Relaxed);
+            // Score the prediction for this layer; cancel the reads it got wrong that have not
+            // started, so they neither take I/O from real misses nor hold cache room.
+            for unit in std::mem::take(&mut state.prefetched[layer]) {
+                if chosen.contains(&unit) {
+                    self.prefetch_used.fetch_add(1, Ordering::Relaxed);
+                } else if self.residency.cancel(unit)? {
+                    state.cache.forget(unit);
+                    self.prefetch_cancelled.fetch_add(1, Ordering::Relaxed);
+                }
             }
             for &unit in &chosen {
                 if state.cache.is_resident(unit) {
@@ -313,21 +356,26 @@ impl ExpertStream {
                     to_load.push(unit);
                 }
             }
-            if self.prefetch && layer + 1 < self.n_layer {
-                predicted = self.predict(&state, layer, rows);
-            }
         }
         for &unit in &to_load {
             self.residency.request(unit)?;
         }
-        // Prefetch only into I/O that this layer's own misses leave idle, and only into cache
-        // room that does not cost a unit of this layer.
-        if !predicted.is_empty() && to_load.is_empty() {
+        let predicted = match (hidden, &self.routers) {
+            (Some(hidden), Some(routers)) if layer + 1 < self.n_layer && rows.len() <= PREDICT_MAX_TOKENS => self.predict(routers, layer + 1, rows, hidden),
+            _ => Vec::new(),
+        };
+        // Prefetch behind this layer's misses (the queue is first in, first out, so they are
+        // never delayed), only into cache room that costs no unit of this layer or another
+        // predicted one. Mispredictions still queued when the next layer routes are cancelled
+        // there, so they never hold up its real misses.
+        if !predicted.is_empty() {
             let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
             let mut protect = state.pinned.clone();
             protect.extend_from_slice(&predicted);
             for unit in predicted {
                 if state.cache.is_resident(unit) {
+                    // Predicted to be used next: keep it from being the next victim.
+                    state.cache.touch(unit);
                     continue;
                 }
                 for victim in state.cache.admit(unit, &protect) {
@@ -346,46 +394,15 @@ impl ExpertStream {
         }
         Ok(())
     }
-}
 
-impl ExpertStream {
-    /// Count, for each token, which experts at the previous layer led to which experts here.
-    fn learn(&self, state: &mut State, layer: usize, rows: &[Vec<i32>]) {
-        if let Some((previous_layer, previous_rows)) = state.previous.take() {
-            if previous_layer + 1 == layer && previous_rows.len() == rows.len() {
-                let n_expert = self.n_expert;
-                let counts = &mut state.coactivation[previous_layer];
-                for (before, after) in previous_rows.iter().zip(rows) {
-                    for &from in before.iter().filter(|&&expert| (expert as usize) < n_expert) {
-                        for &to in after.iter().filter(|&&expert| (expert as usize) < n_expert) {
-                            let cell = &mut counts[from as usize * n_expert + to as usize];
-                            *cell = cell.saturating_add(1);
-                        }
-                    }
-                }
-            }
-        }
-        state.previous = Some((layer, rows.to_vec()));
-    }
-
-    /// The next layer's likely units for this batch's tokens: per token, the experts most
-    /// often co-activated with its current ones, as many as the router will pick.
-    fn predict(&self, state: &State, layer: usize, rows: &[Vec<i32>]) -> Vec<usize> {
-        let n_expert = self.n_expert;
-        let counts = &state.coactivation[layer];
+    /// The next layer's likely units: per token, the experts layer `next`'s router scores
+    /// highest for this layer's hidden state, as many as the router picks.
+    fn predict(&self, routers: &RouterWeights, next: usize, rows: &[Vec<i32>], hidden: &[Vec<f32>]) -> Vec<usize> {
         let mut predicted = Vec::new();
-        for token in rows.iter().take(4) {
-            let mut scores = vec![0u64; n_expert];
-            for &from in token.iter().filter(|&&expert| (expert as usize) < n_expert) {
-                for (to, score) in scores.iter_mut().enumerate() {
-                    *score += u64::from(counts[from as usize * n_expert + to]);
-                }
-            }
-            let mut order: Vec<usize> = (0..n_expert).filter(|&expert| scores[expert] > 0).collect();
-            order.sort_by_key(|&expert| std::cmp::Reverse(scores[expert]));
-            for expert in order.into_iter().take(token.len()) {
-                let unit = (layer + 1) * n_expert + expert;
-                if !predicted.contains(&unit) {
+        for (token, state) in rows.iter().zip(hidden) {
+            for expert in routers.top_k(next, state, token.len()).unwrap_or_default() {
+                let unit = next * self.n_expert + expert;
+                if expert < self.n_expert && !predicted.contains(&unit) {
                     predicted.push(unit);
                 }
             }
@@ -409,7 +426,12 @@ impl EvalHook for ExpertStream {
                 if let Some(trace) = &self.trace {
                     trace.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push(RouteRecord { layer: layer as u32, experts: rows.clone() });
                 }
-                self.route(layer, &rows)
+                let hidden = self
+                    .routers
+                    .as_ref()
+                    .filter(|_| rows.len() <= PREDICT_MAX_TOKENS)
+                    .and_then(|_| node.ancestor_input_f32_rows(&format!("{ROUTER_LOGITS_NODE}{layer}"), 1, 6));
+                self.route(layer, &rows, hidden.as_deref())
             }
             None => Err(ResidencyError::Read { unit: layer, reason: format!("{} is not a readable I32 tensor", node.name()) }),
         };

@@ -14,6 +14,6 @@ pub mod residency;
 pub mod stats;
 
 pub use dense::DenseWindow;
-pub use expert::{CacheModel, CachePolicy, ExpertSnapshot, ExpertStream, RouteRecord};
+pub use expert::{CacheModel, CachePolicy, ExpertSnapshot, ExpertStream, RouteRecord, RouterWeights};
 pub use residency::{FailureLatch, CHUNK_BYTES, Residency, ResidencyError, SliceState, StreamUnit, UnitReader};
 pub use stats::{IoSnapshot, IoStats};

@@ -251,6 +251,32 @@ impl Residency {
         Ok(if waited { elapsed } else { Duration::ZERO })
     }
 
+    /// Abandon a load nobody needs any more (a mispredicted prefetch) if none of its reads has
+    /// started: its chunks leave the queue and the unit is empty again, with nothing written.
+    /// Returns whether it was cancelled; a load already under way finishes normally.
+    pub fn cancel(&self, unit: usize) -> Result<bool, ResidencyError> {
+        self.check(unit)?;
+        let mut units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if units[unit].state != SliceState::Loading || units[unit].error.is_some() {
+            return Ok(false);
+        }
+        let generation = units[unit].generation;
+        let ours = |chunk: &Chunk| chunk.unit == unit && chunk.generation == generation;
+        // Lock order: units, then queue (workers never hold the queue while taking units).
+        let mut queue = self.shared.queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if queue.iter().filter(|chunk| ours(chunk)).count() != units[unit].pending_chunks {
+            return Ok(false);
+        }
+        queue.retain(|chunk| !ours(chunk));
+        drop(queue);
+        let state = &mut units[unit];
+        state.state = SliceState::Empty;
+        state.generation += 1;
+        state.pending_chunks = 0;
+        self.shared.changed.notify_all();
+        Ok(true)
+    }
+
     /// Drop `unit`'s pages. A unit still loading is waited for first (a read must never land
     /// in released pages); an empty unit is left alone.
     pub fn release(&self, unit: usize) -> Result<(), ResidencyError> {
@@ -352,6 +378,52 @@ mod tests {
             region.write(range.start, &bytes);
             Ok(range.end - range.start)
         }
+    }
+
+    /// Holds every read until the gate opens, counting them.
+    struct GatedReader {
+        open: Mutex<bool>,
+        opened: Condvar,
+        calls: AtomicUsize,
+    }
+
+    impl UnitReader for GatedReader {
+        fn read(&self, region: &Region, range: Range<u64>) -> Result<u64, IoError> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            let mut open = self.open.lock().unwrap();
+            while !*open {
+                open = self.opened.wait(open).unwrap();
+            }
+            region.write(range.start, &vec![7u8; (range.end - range.start) as usize]);
+            Ok(range.end - range.start)
+        }
+    }
+
+    #[test]
+    fn a_load_not_yet_started_is_cancelled_and_one_under_way_is_not() {
+        let region = Arc::new(Region::reserve(64 << 20, false).unwrap());
+        let units = vec![StreamUnit { ranges: vec![0..(9 << 20)] }, StreamUnit { ranges: vec![(16 << 20)..(17 << 20), (20 << 20)..(21 << 20)] }];
+        let reader = Arc::new(GatedReader { open: Mutex::new(false), opened: Condvar::new(), calls: AtomicUsize::new(0) });
+        let residency = Residency::new(region.clone(), reader.clone(), units, 1, Arc::new(IoStats::default()));
+        residency.request(0).unwrap();
+        while reader.calls.load(Ordering::SeqCst) == 0 {
+            std::thread::yield_now();
+        }
+        residency.request(1).unwrap();
+        // Unit 0's first chunk is being read: it must finish. Unit 1 has not started.
+        assert!(!residency.cancel(0).unwrap());
+        assert!(residency.cancel(1).unwrap());
+        assert_eq!(residency.state(1), Some((SliceState::Empty, 1)));
+        assert!(!residency.cancel(1).unwrap(), "nothing left to cancel");
+        *reader.open.lock().unwrap() = true;
+        reader.opened.notify_all();
+        residency.wait_ready(0).unwrap();
+        assert_eq!(reader.calls.load(Ordering::SeqCst), 3, "unit 0's three chunks only: unit 1 was never read");
+        assert_eq!(region.copy_out((16 << 20)..(16 << 20) + 1)[0], 0, "a cancelled unit's pages were never written");
+        // It loads again on demand.
+        residency.wait_ready(1).unwrap();
+        assert_eq!(residency.state(1).unwrap().0, SliceState::Ready);
+        assert_eq!(region.copy_out((20 << 20)..(20 << 20) + 1)[0], 7);
     }
 
     fn residency(fail_on: Vec<usize>) -> Residency {

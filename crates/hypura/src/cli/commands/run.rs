@@ -151,13 +151,14 @@ fn print_stats(enabled: bool, output: &GenerateOutput) {
     );
     if let Some(experts) = &stats.experts {
         eprintln!(
-            "experts {} hits, {} misses over {} router calls: hit rate {:.1}% | prefetch {} issued, {} used",
+            "experts {} hits, {} misses over {} router calls: hit rate {:.1}% | prefetch {} issued, {} used, {} cancelled",
             experts.hits,
             experts.misses,
             experts.layer_visits,
             100.0 * experts.hit_rate(),
             experts.prefetch_issued,
-            experts.prefetch_used
+            experts.prefetch_used,
+            experts.prefetch_cancelled
         );
     }
     if let Some(peak) = crate::hw::peak_rss_bytes() {
