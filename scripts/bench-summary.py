@@ -27,7 +27,9 @@ reference = load("compute-reference.json")
 profile = load("profile.json") or {}
 disk = (profile.get("disk") or {}).get("best_direct", {}).get("bytes_per_sec")
 rows = []
-for label, side in [("hypura", "hypura"), ("llama-mmap", "llama_cpp"), ("llama-mmap-norepack", "llama_cpp"), ("llama-no-mmap", "llama_cpp")]:
+for label, side in [("hypura", "hypura"), ("hypura-b", "hypura"), ("llama-mmap", "llama_cpp"), ("llama-mmap-norepack", "llama_cpp"), ("llama-no-mmap", "llama_cpp")]:
+    if label == "hypura-b" and not load(label + ".status.json"):
+        continue
     status = load(label + ".status.json") or {}
     rows.append((label, tg(load(label + ".json"), side), status.get("status"), status.get("peak_bytes")))
 
@@ -49,3 +51,12 @@ if hypura and reference:
     print(f"t_compute {t_compute * 1e3:.0f} ms (resident, same kernels); planned {planned / 1e6:.0f} MB/token streamed, measured {per_token / 1e6:.0f} MB/token")
     print(f"physical limit {limit_rate:.3f} tok/s -> Hypura reaches {ours / limit_rate:.2f} of it" if ours else "physical limit: Hypura did not finish")
     print(f"load: Hypura {hypura.get('hypura_load_seconds') or float('nan'):.2f} s; stall fraction {hypura.get('stall_fraction') or 0:.2f}")
+for label in ["hypura", "hypura-b"]:
+    report = load(label + ".json")
+    if report and report.get("expert_hit_rate") is not None:
+        line = f"{label}: expert hit rate {report['expert_hit_rate']:.3f}, {(report.get('bytes_read_per_token') or 0) / 1e6:.0f} MB read per token"
+        prefetch = report.get("prefetch_issued_used_cancelled")
+        if prefetch:
+            issued, used, cancelled = prefetch
+            line += f"; prefetch {issued} issued, {used} used ({used / issued:.2f}), {cancelled} cancelled"
+        print(line)

@@ -117,12 +117,20 @@ fn prefetch_changes_no_token() {
     let experts = output.stats.experts.unwrap();
     let io = output.stats.io.unwrap();
     assert!(experts.prefetch_issued > 0, "{experts:?}");
-    // Reads are the misses plus the prefetches not cancelled, never more.
-    assert_eq!(io.units_loaded, experts.misses + experts.prefetch_issued - experts.prefetch_cancelled, "{experts:?} {io:?}");
+    // Reads are the misses plus the prefetches not cancelled, never more; a last mispredicted
+    // read already under way may finish after the request's stats were taken.
+    let expected = experts.misses + experts.prefetch_issued - experts.prefetch_cancelled;
+    let in_flight_at_most = inventory_k(&path);
+    assert!(io.units_loaded <= expected && io.units_loaded + in_flight_at_most >= expected, "{experts:?} {io:?}");
     // The stale gate predicts far better than chance (k of E experts per pick).
     let inventory = Inventory::open(&path).unwrap();
     let chance = inventory.hparams.n_expert_used as f64 / inventory.hparams.n_expert as f64;
     let accuracy = experts.prefetch_used as f64 / experts.prefetch_issued as f64;
     eprintln!("stale-gate accuracy {accuracy:.3} (chance {chance:.3}): {experts:?}");
     assert!(accuracy > 2.0 * chance, "accuracy {accuracy:.3}, chance {chance:.3}");
+}
+
+/// Experts the router picks per token: the most prefetches one layer can have in flight.
+fn inventory_k(path: &Path) -> u64 {
+    Inventory::open(path).unwrap().hparams.n_expert_used
 }

@@ -88,10 +88,15 @@ fn find_source<'a>(tensor: &'a raw::ggml_tensor, name: &str, depth: usize) -> Op
 /// The rows of a 2-D tensor of `ggml_type` with 4-byte elements, read through the backend (so
 /// device memory works as well as host memory), honouring the row stride `nb[1]`.
 fn rows<T>(tensor: &raw::ggml_tensor, ggml_type: raw::ggml_type, decode: fn([u8; 4]) -> T) -> Option<Vec<Vec<T>>> {
-    let has_buffer = !tensor.buffer.is_null() || (!tensor.view_src.is_null() && {
+    // ggml_backend_tensor_get reads through `view_src ? view_src->buffer : buffer` and aborts
+    // if that is null: check the same expression.
+    let buffer = if tensor.view_src.is_null() {
+        tensor.buffer
+    } else {
         // SAFETY: view_src of a live tensor is a live tensor.
-        !unsafe { &*tensor.view_src }.buffer.is_null()
-    });
+        unsafe { &*tensor.view_src }.buffer
+    };
+    let has_buffer = !buffer.is_null();
     if tensor.type_ != ggml_type || tensor.data.is_null() || !has_buffer {
         return None;
     }

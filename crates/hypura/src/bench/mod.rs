@@ -102,6 +102,10 @@ pub struct BenchReport {
     /// over `generated_tokens`.
     pub compute_seconds_per_token: Option<f64>,
     pub generated_tokens: u64,
+    /// Expert-stream, over tg runs: share of router picks the cache served, and prefetches
+    /// (issued, used by the router, cancelled unstarted).
+    pub expert_hit_rate: Option<f64>,
+    pub prefetch_issued_used_cancelled: Option<[u64; 3]>,
     /// Streaming: bytes the plan streams per token, and the disk-only bound it implies.
     pub planned_bytes_per_token: Option<u64>,
     pub io_bound_tokens_per_sec: Option<f64>,
@@ -161,6 +165,10 @@ struct TgTotals {
     /// Generation time not spent waiting on reads, and the tokens it produced.
     compute_seconds: f64,
     generated: u64,
+    /// Expert-stream: cache hits and misses, and prefetches issued, used and cancelled.
+    expert_hits: u64,
+    expert_misses: u64,
+    prefetch: [u64; 3],
 }
 
 /// Hypura's side of a benchmark: one session, with totals for tg runs.
@@ -194,6 +202,13 @@ impl HypuraSide {
             // Every evaluated graph reads the streamed layers once: the prompt's and each token's.
             self.totals.graphs += u64::from(stats.eval_count) + u64::from(stats.prompt_eval_count > 0);
             self.totals.wall_seconds += stats.total_duration.as_secs_f64();
+        }
+        if let Some(experts) = &stats.experts {
+            self.totals.expert_hits += experts.hits;
+            self.totals.expert_misses += experts.misses;
+            self.totals.prefetch[0] += experts.prefetch_issued;
+            self.totals.prefetch[1] += experts.prefetch_used;
+            self.totals.prefetch[2] += experts.prefetch_cancelled;
         }
         if let Some(seconds) = stats.eval_compute_seconds_per_token() {
             self.totals.compute_seconds += seconds * f64::from(stats.eval_count);
@@ -300,6 +315,8 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         stall_fraction: (totals.wall_seconds > 0.0).then(|| totals.stall_seconds / totals.wall_seconds),
         compute_seconds_per_token: (totals.generated > 0).then(|| totals.compute_seconds / totals.generated as f64),
         generated_tokens: totals.generated,
+        expert_hit_rate: (totals.expert_hits + totals.expert_misses > 0).then(|| totals.expert_hits as f64 / (totals.expert_hits + totals.expert_misses) as f64),
+        prefetch_issued_used_cancelled: (totals.prefetch[0] > 0).then_some(totals.prefetch),
         planned_bytes_per_token: plan.as_ref().map(|plan| plan.streamed_bytes_per_token),
         io_bound_tokens_per_sec: plan.as_ref().and_then(|plan| plan.io_bound_tokens_per_sec),
         threads: options.threads,

@@ -19,6 +19,11 @@ use crate::store::{DenseWindow, ExpertStream, IoStats, Residency, ResidencyError
 /// larger read beats two small ones.
 const MERGE_GAP_BYTES: u64 = 1 << 20;
 
+/// Expert slices at least this large get huge pages inside them (smaller ones have no 2 MiB
+/// interior worth the extra memory mappings).
+const HUGE_SLICE_MIN_BYTES: u64 = 4 << 20;
+const MAX_HUGE_SLICES: usize = 16_384;
+
 /// How to load and run a model. Defaults match llama.cpp's own.
 #[derive(Clone, Debug)]
 pub struct EngineOptions {
@@ -307,8 +312,17 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
                 units[layer as usize * n_expert + expert].ranges.push(slices.range(tensor.file_offset, expert as u64));
             }
         }
+        // Slices of several MB fault in far faster as huge pages; the edges stay small pages, so
+        // a resident slice still costs exactly its bytes. Each advised slice splits the mapping
+        // in up to three, so stop well below the kernel's default map count (65530).
+        let mut advised = 0;
         for unit in &mut units {
             unit.ranges.sort_by_key(|range| range.start);
+            for range in unit.ranges.iter().filter(|range| range.end - range.start >= HUGE_SLICE_MIN_BYTES) {
+                if advised < MAX_HUGE_SLICES && region.advise_huge_interior(range.clone()) {
+                    advised += 1;
+                }
+            }
         }
         let residency = Arc::new(Residency::new(region, file, units, options.io_workers, stats.clone()));
         let mut driver = ExpertStream::new(residency, n_layer, n_expert, experts.cache_units, experts.policy, options.trace_routing);

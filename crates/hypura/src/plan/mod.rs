@@ -355,9 +355,9 @@ fn dense_candidate(layer_ffn: &[u64], fixed: u64, budget: u64, window: usize, fo
     let spare = budget - fixed - full_window;
     let mut pinned_count = if largest == 0 { n_layer } else { (spare / largest) as usize };
     if forced && pinned_count >= n_layer {
-        // Forced streaming of a model that fits: keep streaming the layers the window holds,
-        // so the mode is exercised (tests, benchmarks), and pin the rest.
-        pinned_count = if fits { n_layer.saturating_sub(window + 1) } else { n_layer - 1 };
+        // Forced streaming of a model that fits: stream one layer more than the window holds,
+        // so layers still rotate through it (tests, benchmarks), and pin the rest.
+        pinned_count = if fits { n_layer.saturating_sub(window + 2) } else { n_layer - 1 };
     }
     let streamed_count = n_layer - pinned_count.min(n_layer);
     let streamed_set = spread(streamed_count, n_layer);
@@ -519,7 +519,7 @@ impl Plan {
                 dense.window_layers,
                 if dense.window_layers == 1 { "" } else { "s" }
             );
-            if dense.window_sized && dense.windows_costed.len() > 1 {
+            if dense.window_sized && dense.windows_costed.len() > 1 && self.io_bound_tokens_per_sec.is_some() {
                 let costs: Vec<String> = dense.windows_costed.iter().map(|(window, seconds)| format!("{window}: {:.0} ms", seconds * 1e3)).collect();
                 let _ = writeln!(
                     out,
@@ -641,6 +641,18 @@ mod tests {
         assert_eq!(plan.streamed_bytes_per_token, 8 * (96 << 20));
         let bound = plan.io_bound_tokens_per_sec.unwrap();
         assert!((bound - 2e9 / (8.0 * (96u64 << 20) as f64)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn forced_dense_stream_of_a_model_that_fits_still_rotates_layers_through_the_window() {
+        let inventory = inventory(12, 1 << 20, 4 << 20, 8 << 20);
+        for window in 1..4 {
+            let plan = plan(&inventory, &MachineFacts { memory_budget_bytes: 8 << 30, ..MachineFacts::default() }, &options(ModeChoice::Forced(Mode::DenseStream), window)).unwrap();
+            let dense = plan.dense.as_ref().unwrap();
+            // The window holds `window + 1` layers; one more must stream, or nothing is read
+            // after the first token.
+            assert_eq!(dense.streamed_layers.len(), window + 2, "{}", plan.render());
+        }
     }
 
     fn auto_window(mode: ModeChoice) -> PlanOptions {

@@ -8,9 +8,9 @@
 //!
 //! Prefetch (optional) predicts the next layer's experts by the stale gate: layer L+1's router
 //! applied to the hidden state layer L's router saw (the residual stream changes little from
-//! one layer to the next). Predicted units are read only into I/O this layer's misses leave
-//! idle, are protected from eviction until their layer runs, and a mispredicted read that has
-//! not started by then is cancelled.
+//! one layer to the next). Predicted units are queued behind this layer's misses, only into
+//! cache room that evicts nothing protected, are kept from eviction until their layer runs,
+//! and a mispredicted read that has not started by then is cancelled.
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -118,6 +118,23 @@ impl CacheModel {
         self.clock += 1;
         self.last_used[unit] = self.clock;
         evicted
+    }
+
+    /// Admit `unit` only if that needs no eviction of a `protected` unit and keeps the cache
+    /// within its capacity (for prefetches, which must never overfill it); None otherwise.
+    pub fn try_admit(&mut self, unit: usize, protected: &[usize]) -> Option<Vec<usize>> {
+        let evictable = (0..self.resident.len()).filter(|&candidate| self.resident[candidate] && !protected.contains(&candidate)).count();
+        if self.resident_count >= self.capacity && self.resident_count + 1 - self.capacity > evictable {
+            return None;
+        }
+        Some(self.admit(unit, protected))
+    }
+
+    /// Mark resident `unit` as recently used without counting it as a use (no promotion to
+    /// SLRU's protected segment): a prediction, not a hit.
+    pub fn refresh(&mut self, unit: usize) {
+        self.clock += 1;
+        self.last_used[unit] = self.clock;
     }
 
     /// Drop a unit that is no longer in memory (a cancelled read).
@@ -375,10 +392,11 @@ impl ExpertStream {
             for unit in predicted {
                 if state.cache.is_resident(unit) {
                     // Predicted to be used next: keep it from being the next victim.
-                    state.cache.touch(unit);
+                    state.cache.refresh(unit);
                     continue;
                 }
-                for victim in state.cache.admit(unit, &protect) {
+                let Some(victims) = state.cache.try_admit(unit, &protect) else { break };
+                for victim in victims {
                     self.residency.release(victim)?;
                 }
                 state.prefetched[layer + 1].push(unit);
@@ -457,6 +475,23 @@ mod tests {
         // 2 is the LRU now, but pinned: 0 goes instead.
         assert_eq!(cache.admit(4, &[2, 4]), vec![0]);
         assert!(cache.is_resident(2) && cache.is_resident(3) && cache.is_resident(4));
+    }
+
+    #[test]
+    fn a_prefetch_never_overfills_the_cache_or_evicts_a_protected_unit() {
+        let mut cache = CacheModel::new(CachePolicy::Slru, 10, 3);
+        for unit in 0..3 {
+            cache.admit(unit, &[]);
+        }
+        // Everything resident is protected: no room, and nothing changes.
+        assert_eq!(cache.try_admit(5, &[0, 1, 2, 5]), None);
+        assert!(!cache.is_resident(5) && (0..3).all(|unit| cache.is_resident(unit)));
+        // One unprotected unit: it makes room.
+        assert_eq!(cache.try_admit(5, &[0, 2, 5]), Some(vec![1]));
+        assert!(cache.is_resident(5));
+        // A refresh is not a use: 0 stays probationary and is the first SLRU victim after 2.
+        cache.refresh(0);
+        assert_eq!(cache.admit(6, &[6]), vec![2]);
     }
 
     #[test]

@@ -496,6 +496,25 @@ impl Region {
         Ok(Region { base, len_bytes })
     }
 
+    /// Let the kernel back the 2 MiB-aligned interior of `range` with transparent huge pages
+    /// (for a region reserved without them). The pages at the range's edges stay 4 KiB, so no
+    /// huge page reaches into a neighbouring unit and memory use stays exactly the unit's.
+    /// Advisory: returns whether there was an interior and the kernel took the advice.
+    pub fn advise_huge_interior(&self, range: std::ops::Range<u64>) -> bool {
+        const HUGE_BYTES: usize = 2 << 20;
+        let base = self.address();
+        let end = (range.end as usize).min(self.len_bytes);
+        let first = (base + range.start as usize).next_multiple_of(HUGE_BYTES);
+        let last = (base + end) / HUGE_BYTES * HUGE_BYTES;
+        if last <= first {
+            return false;
+        }
+        // SAFETY: `first >= base` and `last <= base + len_bytes` (end is clamped), and the
+        // guard above makes `first < last`, so the range lies inside our own live mapping;
+        // madvise only changes how future faults are served.
+        unsafe { libc::madvise(first as *mut libc::c_void, last - first, libc::MADV_HUGEPAGE) == 0 }
+    }
+
     /// The start of the range, as a number (handed to the stream buffer type).
     pub fn address(&self) -> usize {
         self.base.as_ptr() as usize
