@@ -22,10 +22,11 @@ fn engine_with(path: &Path, mode: Mode, cache_units: usize, policy: CachePolicy,
         n_ubatch: 512,
         window_layers: Some(2),
         expert_cache_units: Some(cache_units),
+        expert_prefetch: Some(prefetch),
         cache_policy: policy,
     };
     let plan = plan::plan(&inventory, &MachineFacts { memory_budget_bytes: 8 << 30, disk_bytes_per_sec: None, ..MachineFacts::default() }, &options).unwrap();
-    let engine_options = EngineOptions { n_ctx: 512, n_threads: Some(1), repack: false, plan: Some(plan), expert_prefetch: prefetch, ..EngineOptions::default() };
+    let engine_options = EngineOptions { n_ctx: 512, n_threads: Some(1), repack: false, plan: Some(plan), ..EngineOptions::default() };
     let engine = Arc::new(Engine::load(path, engine_options).unwrap());
     assert_eq!(engine.mode(), mode);
     engine

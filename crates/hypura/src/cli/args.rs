@@ -114,10 +114,11 @@ pub struct PlanArgs {
     /// Expert cache replacement: slru or lru.
     #[arg(long, default_value = "slru")]
     pub cache_policy: String,
-    /// Read likely next-layer experts ahead into idle I/O (stale gate: the next layer's router
-    /// applied to this layer's hidden state).
-    #[arg(long)]
-    pub prefetch: bool,
+    /// Read likely next-layer experts ahead (stale gate: the next layer's router applied to
+    /// this layer's hidden state): auto, on or off. Auto turns it on for expert slices large
+    /// enough for huge pages, where it measured a win.
+    #[arg(long, default_value = "auto")]
+    pub prefetch: String,
     /// Record the router's choices to this file (JSON lines), for `hypura simulate`.
     #[arg(long)]
     pub trace: Option<std::path::PathBuf>,

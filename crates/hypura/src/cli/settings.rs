@@ -35,7 +35,6 @@ pub fn engine_options(args: &ModelArgs, model: &std::path::Path) -> anyhow::Resu
         plan: Some(plan),
         io_workers: io_workers(&args.plan),
         trace_routing: args.plan.trace.is_some(),
-        expert_prefetch: args.plan.prefetch,
         ..EngineOptions::default()
     })
 }
@@ -151,6 +150,12 @@ pub fn make_plan(inventory: &Inventory, args: &PlanArgs, n_ctx: u32, n_ubatch: u
         n_ubatch,
         window_layers: args.window.map(|layers| layers.max(1)),
         expert_cache_units: args.expert_cache,
+        expert_prefetch: match args.prefetch.as_str() {
+            "auto" => None,
+            "on" => Some(true),
+            "off" => Some(false),
+            other => anyhow::bail!("unknown --prefetch {other:?}: use auto, on or off"),
+        },
         cache_policy,
     };
     Ok(plan::plan(inventory, &facts, &options)?)

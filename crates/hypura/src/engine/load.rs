@@ -19,9 +19,7 @@ use crate::store::{DenseWindow, ExpertStream, IoStats, Residency, ResidencyError
 /// larger read beats two small ones.
 const MERGE_GAP_BYTES: u64 = 1 << 20;
 
-/// Expert slices at least this large get huge pages inside them (smaller ones have no 2 MiB
-/// interior worth the extra memory mappings).
-const HUGE_SLICE_MIN_BYTES: u64 = 4 << 20;
+/// Expert slices advised to use huge pages, at most: each splits the mapping in up to three.
 const MAX_HUGE_SLICES: usize = 16_384;
 
 /// How to load and run a model. Defaults match llama.cpp's own.
@@ -46,8 +44,6 @@ pub struct EngineOptions {
     pub io_workers: usize,
     /// Record the router's choices (expert-stream), for traces and the cache simulator.
     pub trace_routing: bool,
-    /// Stale-gate prefetch of likely next-layer experts (expert-stream).
-    pub expert_prefetch: bool,
 }
 
 impl Default for EngineOptions {
@@ -64,7 +60,6 @@ impl Default for EngineOptions {
             plan: None,
             io_workers: 4,
             trace_routing: false,
-            expert_prefetch: false,
         }
     }
 }
@@ -318,7 +313,7 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
         let mut advised = 0;
         for unit in &mut units {
             unit.ranges.sort_by_key(|range| range.start);
-            for range in unit.ranges.iter().filter(|range| range.end - range.start >= HUGE_SLICE_MIN_BYTES) {
+            for range in unit.ranges.iter().filter(|range| range.end - range.start >= crate::plan::HUGE_SLICE_MIN_BYTES) {
                 if advised < MAX_HUGE_SLICES && region.advise_huge_interior(range.clone()) {
                     advised += 1;
                 }
@@ -326,7 +321,7 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
         }
         let residency = Arc::new(Residency::new(region, file, units, options.io_workers, stats.clone()));
         let mut driver = ExpertStream::new(residency, n_layer, n_expert, experts.cache_units, experts.policy, options.trace_routing);
-        if options.expert_prefetch {
+        if experts.prefetch {
             driver = driver.with_prefetch(read_router_weights(path, inventory)?);
         }
         return Ok((model, Streaming { driver: StreamDriver::Expert(Arc::new(driver)), stats, load_bytes }));
