@@ -111,8 +111,9 @@ pub struct ExpertLayout {
 
 /// Expert slices at least this large are backed by huge pages inside (the store advises their
 /// 2 MiB-aligned interior), which makes reading them cheap enough in CPU that prefetching
-/// them alongside compute pays: +35% on forge moe-8x (slices of 8–12 MB, 2 cores), while on
-/// moe-30b (slices of about 1 MB) prefetch cost half the speed.
+/// them alongside compute pays: +29% and +21% on forge moe-8x at residual scale 1 and 0.3
+/// (slices of 8–12 MB, 2 cores), while on moe-30b (slices of about 1 MB) prefetch cost half
+/// the speed.
 pub const HUGE_SLICE_MIN_BYTES: u64 = 4 << 20;
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
