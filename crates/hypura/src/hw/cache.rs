@@ -118,23 +118,23 @@ impl ProfileCache {
     /// Write `profile` under its own machine key, creating the directory. Written to a temporary
     /// name and renamed, so a crash never leaves half a JSON file to be read back.
     pub fn save(&self, profile: &Profile) -> Result<PathBuf, HwError> {
-        std::fs::create_dir_all(&self.dir)
-            .map_err(|source| HwError::file("create cache directory", &self.dir, source))?;
         let path = self.path_for(&profile.machine_key);
-        let json =
-            serde_json::to_string_pretty(profile).map_err(|source| HwError::CacheFormat {
-                path: path.clone(),
-                source,
-            })?;
-        let temporary = path.with_extension(format!("json.tmp-{}", std::process::id()));
-        std::fs::write(&temporary, json)
-            .map_err(|source| HwError::file("write", &temporary, source))?;
-        std::fs::rename(&temporary, &path).map_err(|source| {
-            let _ = std::fs::remove_file(&temporary);
-            HwError::file("rename into place", &path, source)
-        })?;
+        write_json_atomically(&self.dir, &path, profile)?;
         Ok(path)
     }
+}
+
+/// Write `value` as JSON to `path` in `dir` (created if needed), through a temporary name and a
+/// rename, so a crash never leaves half a file to be read back.
+pub(crate) fn write_json_atomically(dir: &Path, path: &Path, value: &impl serde::Serialize) -> Result<(), HwError> {
+    std::fs::create_dir_all(dir).map_err(|source| HwError::file("create cache directory", dir, source))?;
+    let json = serde_json::to_string_pretty(value).map_err(|source| HwError::CacheFormat { path: path.to_path_buf(), source })?;
+    let temporary = path.with_extension(format!("json.tmp-{}", std::process::id()));
+    std::fs::write(&temporary, json).map_err(|source| HwError::file("write", &temporary, source))?;
+    std::fs::rename(&temporary, path).map_err(|source| {
+        let _ = std::fs::remove_file(&temporary);
+        HwError::file("rename into place", path, source)
+    })
 }
 
 #[cfg(test)]

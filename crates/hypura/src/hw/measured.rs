@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::cache::{fnv1a, machine_key};
+use super::cache::{fnv1a, machine_key, write_json_atomically};
 use super::HwError;
 
 /// Bumped when a field changes meaning; an older record is then ignored.
@@ -92,14 +92,7 @@ impl ModelRecords {
         let Some(path) = self.path_for(model) else { return Ok(()) };
         let mut record = self.load(model);
         change(&mut record);
-        std::fs::create_dir_all(&self.dir).map_err(|source| HwError::file("create cache directory", &self.dir, source))?;
-        let json = serde_json::to_string_pretty(&record).map_err(|source| HwError::CacheFormat { path: path.clone(), source })?;
-        let temporary = path.with_extension(format!("json.tmp-{}", std::process::id()));
-        std::fs::write(&temporary, json).map_err(|source| HwError::file("write", &temporary, source))?;
-        std::fs::rename(&temporary, &path).map_err(|source| {
-            let _ = std::fs::remove_file(&temporary);
-            HwError::file("rename into place", &path, source)
-        })
+        write_json_atomically(&self.dir, &path, &record)
     }
 }
 
@@ -107,12 +100,18 @@ impl ModelRecords {
 mod tests {
     use super::*;
 
-    #[test]
-    fn records_round_trip_and_average_over_tokens() {
+    /// A small "model" file and the records under the same temporary directory.
+    fn fixture() -> (tempfile::TempDir, PathBuf, ModelRecords) {
         let directory = tempfile::tempdir().unwrap();
         let model = directory.path().join("model.gguf");
         std::fs::write(&model, b"GGUF").unwrap();
         let records = ModelRecords::new(directory.path());
+        (directory, model, records)
+    }
+
+    #[test]
+    fn records_round_trip_and_average_over_tokens() {
+        let (directory, model, records) = fixture();
         assert_eq!(records.load(&model).compute_seconds_per_token(2), None);
         records.update(&model, |record| record.add_compute(2, 1.0, 10)).unwrap();
         records.update(&model, |record| record.add_compute(2, 3.0, 10)).unwrap();
@@ -127,10 +126,7 @@ mod tests {
 
     #[test]
     fn a_changed_file_or_garbage_starts_afresh() {
-        let directory = tempfile::tempdir().unwrap();
-        let model = directory.path().join("model.gguf");
-        std::fs::write(&model, b"GGUF").unwrap();
-        let records = ModelRecords::new(directory.path());
+        let (_directory, model, records) = fixture();
         records.update(&model, |record| record.add_compute(2, 1.0, 10)).unwrap();
         let old_path = records.path_for(&model).unwrap();
         std::fs::write(&model, b"GGUF and more").unwrap();

@@ -693,10 +693,17 @@ mod tests {
         PlanOptions { mode, n_ctx: 1024, n_ubatch: 256, window_layers: None, ..PlanOptions::default() }
     }
 
-    /// Room for everything but the FFN layers, plus `layers` FFN layers of `ffn` × 3 bytes.
-    fn budget_with_layers(inventory: &Inventory, ffn: u64, layers: u64) -> u64 {
+    /// A 2 GB/s disk with a queue-hungry profile and a budget with room for everything but
+    /// the FFN layers, plus `layers` FFN layers of `ffn` × 3 bytes.
+    fn machine_with_room(inventory: &Inventory, ffn: u64, layers: u64, compute_seconds_per_token: Option<f64>) -> MachineFacts {
         let fixed = inventory.tensor_data_bytes() - inventory.tensors.iter().filter(|tensor| tensor.role.is_dense_ffn()).map(|tensor| tensor.bytes).sum::<u64>();
-        fixed + kv_cache_bytes(inventory, 1024) + compute_buffer_bytes(inventory, 1024, 256) + layers * 3 * ffn
+        MachineFacts {
+            memory_budget_bytes: fixed + kv_cache_bytes(inventory, 1024) + compute_buffer_bytes(inventory, 1024, 256) + layers * 3 * ffn,
+            disk_bytes_per_sec: Some(2e9),
+            read_queue_depth: Some(16),
+            disk_read_points: queue_hungry_disk(),
+            compute_seconds_per_token,
+        }
     }
 
     #[test]
@@ -704,13 +711,7 @@ mod tests {
         // 96 MiB layers, 16 reads of 4 MiB in flight: one layer ahead fills the queue, and a
         // wider window would only stream more.
         let inventory = inventory(16, 16 << 20, 32 << 20, 64 << 20);
-        let machine = MachineFacts {
-            memory_budget_bytes: budget_with_layers(&inventory, 32 << 20, 8),
-            disk_bytes_per_sec: Some(2e9),
-            read_queue_depth: Some(16),
-            disk_read_points: queue_hungry_disk(),
-            compute_seconds_per_token: None,
-        };
+        let machine = machine_with_room(&inventory, 32 << 20, 8, None);
         let plan = plan(&inventory, &machine, &auto_window(ModeChoice::Auto)).unwrap();
         let dense = plan.dense.as_ref().unwrap();
         assert_eq!(dense.window_layers, 1, "{}", plan.render());
@@ -729,13 +730,7 @@ mod tests {
         // 6 MiB layers: one layer ahead reaches a third of the disk's rate; several layers
         // ahead are worth the pinned layers they cost.
         let inventory = inventory(32, 1 << 20, 2 << 20, 8 << 20);
-        let machine = MachineFacts {
-            memory_budget_bytes: budget_with_layers(&inventory, 2 << 20, 16),
-            disk_bytes_per_sec: Some(2e9),
-            read_queue_depth: Some(16),
-            disk_read_points: queue_hungry_disk(),
-            compute_seconds_per_token: None,
-        };
+        let machine = machine_with_room(&inventory, 2 << 20, 16, None);
         let plan = plan(&inventory, &machine, &auto_window(ModeChoice::Auto)).unwrap();
         let dense = plan.dense.as_ref().unwrap();
         assert!(dense.window_layers >= 3, "{}", plan.render());
@@ -749,13 +744,7 @@ mod tests {
         // Same small layers, but compute takes a second per token: the disk at one layer in
         // flight already keeps up, so the window stays at one and pins the most.
         let inventory = inventory(32, 1 << 20, 2 << 20, 8 << 20);
-        let machine = MachineFacts {
-            memory_budget_bytes: budget_with_layers(&inventory, 2 << 20, 16),
-            disk_bytes_per_sec: Some(2e9),
-            read_queue_depth: Some(16),
-            disk_read_points: queue_hungry_disk(),
-            compute_seconds_per_token: Some(1.0),
-        };
+        let machine = machine_with_room(&inventory, 2 << 20, 16, Some(1.0));
         let plan = plan(&inventory, &machine, &auto_window(ModeChoice::Auto)).unwrap();
         assert_eq!(plan.dense.as_ref().unwrap().window_layers, 1, "{}", plan.render());
         assert!((plan.limit_tokens_per_sec.unwrap() - 1.0).abs() < 1e-9);
