@@ -4,7 +4,7 @@ use llama_cpp_sys_2 as raw;
 use crate::error::SysError;
 
 fn checked_type(type_id: u32) -> Result<raw::ggml_type, SysError> {
-    if type_id >= raw::GGML_TYPE_COUNT as u32 {
+    if type_id >= raw::GGML_TYPE_COUNT {
         return Err(SysError::Quantize(format!("ggml type id {type_id} is out of range")));
     }
     let ggml_type = type_id as raw::ggml_type;
@@ -43,13 +43,13 @@ pub fn ggml_type_name(type_id: u32) -> Result<String, SysError> {
 pub fn quantize_rows(type_id: u32, source: &[f32], n_per_row: usize) -> Result<Vec<u8>, SysError> {
     let ggml_type = checked_type(type_id)?;
     let block = ggml_type_block_size(type_id)? as usize;
-    if n_per_row == 0 || source.len() % n_per_row != 0 {
+    if n_per_row == 0 || !source.len().is_multiple_of(n_per_row) {
         return Err(SysError::Quantize(format!(
             "{} values do not split into rows of {n_per_row}",
             source.len()
         )));
     }
-    if n_per_row % block != 0 {
+    if !n_per_row.is_multiple_of(block) {
         return Err(SysError::Quantize(format!(
             "row length {n_per_row} is not a multiple of the block size {block} of {}",
             ggml_type_name(type_id)?
