@@ -254,7 +254,8 @@ pub fn plan(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions
             experts: None,
             streamed_bytes_per_token: 0,
             io_bound_tokens_per_sec: None,
-            limit_tokens_per_sec: physical_limit(machine, 0),
+            // The measured compute is that of streaming runs; nothing streams here.
+            limit_tokens_per_sec: None,
         });
     }
 
