@@ -53,7 +53,7 @@ pub struct Profile {
 }
 
 /// One ggml compute device.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct DeviceInfo {
     pub name: String,
     pub description: String,
@@ -63,6 +63,9 @@ pub struct DeviceInfo {
     pub total_bytes: u64,
     /// Whether the device shares the host's RAM (so its memory and RAM are one budget).
     pub unified_memory: bool,
+    /// Copy rate from pageable host memory into the device's memory (dedicated devices only).
+    #[serde(default)]
+    pub host_to_device_bytes_per_sec: Option<f64>,
 }
 
 /// Errors while profiling; each names the path and what was being done to it.

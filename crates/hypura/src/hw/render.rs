@@ -92,7 +92,10 @@ pub(super) fn render_profile(profile: &Profile) -> String {
                 } else {
                     "dedicated"
                 },
-                device.description
+                match device.host_to_device_bytes_per_sec {
+                    Some(rate) => format!("{} (host to device {})", device.description, format_bytes_per_sec(rate)),
+                    None => device.description.clone(),
+                }
             );
         }
     }

@@ -65,6 +65,7 @@ pub(crate) fn sample_profile() -> Profile {
             free_bytes: 140 << 30,
             total_bytes: 143 << 30,
             unified_memory: false,
+            host_to_device_bytes_per_sec: Some(25e9),
         }],
         disk: Some(DiskProfile {
             probe_path: PathBuf::from("/work"),

@@ -5,12 +5,21 @@ use anyhow::Context;
 use crate::cli::args::ProfileArgs;
 use crate::hw::{default_cache_dir, machine_key, DeviceInfo, DiskOptions, Profile, ProfileCache};
 
-/// ggml's devices, as the profile stores them.
+/// Bytes each host-to-device copy measurement moves: large enough to reach the link's rate.
+const HOST_TO_DEVICE_PROBE_BYTES: usize = 256 << 20;
+
+/// ggml's devices, as the profile stores them, with the host-to-device copy rate of each
+/// dedicated device.
 pub fn ggml_devices() -> Vec<DeviceInfo> {
-    hypura_sys::Backend::get()
+    let backend = hypura_sys::Backend::get();
+    backend
         .devices()
         .into_iter()
-        .map(|device| DeviceInfo {
+        .enumerate()
+        .map(|(index, device)| DeviceInfo {
+            host_to_device_bytes_per_sec: (!device.kind.unified_memory())
+                .then(|| backend.host_to_device_bytes_per_sec(index, HOST_TO_DEVICE_PROBE_BYTES.min(device.free_bytes as usize / 4), 3))
+                .flatten(),
             name: device.name,
             description: device.description,
             kind: device.kind.as_str().to_string(),
