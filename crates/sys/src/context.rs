@@ -203,6 +203,13 @@ impl Context {
         Ok(unsafe { std::slice::from_raw_parts(pointer, self.n_vocab as usize) })
     }
 
+    /// Wait until the last decode has finished computing. On a GPU `decode` returns once the
+    /// work is queued; timings must wait for it (reading logits waits too).
+    pub fn synchronize(&mut self) {
+        // SAFETY: the context is valid for as long as `self`.
+        unsafe { raw::llama_synchronize(self.pointer.as_ptr()) };
+    }
+
     /// Forget every sequence in the KV cache.
     pub fn clear_memory(&mut self) {
         // SAFETY: the context is valid; its memory handle lives as long as the context.

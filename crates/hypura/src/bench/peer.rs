@@ -82,8 +82,12 @@ impl PlainLlama {
 
     /// llama-bench's `pp`: time to evaluate `tokens` from an empty cache.
     pub fn time_prefill(&mut self, tokens: &[Token]) -> Result<Duration, SysError> {
+        // Clearing the KV cache is not prompt processing: Hypura's side resets outside its
+        // clock too.
+        self.context.clear_memory();
+        self.position = 0;
         let started = Instant::now();
-        self.prefill(tokens)?;
+        self.append(tokens)?;
         self.context.logits(-1)?;
         Ok(started.elapsed())
     }

@@ -230,6 +230,8 @@ impl Session {
             }
             other => other?,
         }
+        // On a GPU the decode is still running: the prompt's time includes finishing it.
+        self.context.synchronize();
         stats.prompt_eval_count = (prompt.len() - reused) as u32;
         stats.prompt_eval_duration = prefill_started.elapsed();
 
@@ -283,6 +285,7 @@ impl Session {
                 other => other?,
             }
         };
+        self.context.synchronize();
         stats.eval_count = tokens.len() as u32;
         stats.eval_duration = eval_started.elapsed();
         if let (Some(before), Some(streaming)) = (eval_stall_before, self.engine.streaming()) {
