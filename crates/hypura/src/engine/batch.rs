@@ -270,6 +270,8 @@ impl Batcher {
                 return true;
             }
         }
+        // On a GPU the decode may still be running: the clocks read below must include it.
+        self.context.synchronize();
         let mut ready = Vec::new();
         for (index, slot) in self.slots.iter_mut().enumerate() {
             let Some(active) = slot.active.as_mut() else { continue };
