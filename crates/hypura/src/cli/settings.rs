@@ -24,7 +24,9 @@ pub fn model_path(model: Option<&PathBuf>) -> anyhow::Result<PathBuf> {
 /// Engine options for a model: flags, plus the plan for this machine's memory.
 pub fn engine_options(args: &ModelArgs, model: &std::path::Path) -> anyhow::Result<EngineOptions> {
     let inventory = Inventory::open(model)?;
-    let plan = make_plan(&inventory, &args.plan, args.context, args.batch_size, threads(args.threads))?;
+    let facts = machine_facts(&args.plan, model, threads(args.threads))?;
+    let io_workers = facts.read_queue_depth.map_or(DEFAULT_IO_WORKERS, |depth| depth as usize);
+    let plan = plan_with(&inventory, &args.plan, args.context, args.batch_size, &facts)?;
     Ok(EngineOptions {
         n_ctx: args.context,
         n_batch: args.batch_size,
@@ -33,7 +35,7 @@ pub fn engine_options(args: &ModelArgs, model: &std::path::Path) -> anyhow::Resu
         repack: !args.no_repack,
         load_mode: if args.no_mmap { hypura_sys::LoadMode::Read } else { hypura_sys::LoadMode::Mmap },
         plan: Some(plan),
-        io_workers: io_workers(&args.plan),
+        io_workers,
         trace_routing: args.plan.trace.is_some(),
         ..EngineOptions::default()
     })
@@ -57,16 +59,14 @@ pub fn record_compute(model: &std::path::Path, threads: i32, streamed: bool, sec
     }
 }
 
+/// Reader threads when neither the flag nor a profile says.
+const DEFAULT_IO_WORKERS: usize = 4;
+
 /// Reader threads: the flag, or the queue depth of the profile's best direct reads.
-pub fn io_workers(args: &PlanArgs) -> usize {
+fn io_workers(args: &PlanArgs, disk: Option<&crate::hw::DiskProfile>) -> usize {
     args.io_workers
-        .or_else(|| {
-            ProfileCache::new(default_cache_dir())
-                .load(&machine_key())
-                .and_then(|profile| profile.disk)
-                .map(|disk| disk.best_direct.queue_depth as usize)
-        })
-        .unwrap_or(4)
+        .or_else(|| disk.map(|disk| disk.best_direct.queue_depth as usize))
+        .unwrap_or(DEFAULT_IO_WORKERS)
         .clamp(1, 64)
 }
 
@@ -134,14 +134,18 @@ pub fn machine_facts(args: &PlanArgs, model: &std::path::Path, threads: i32) -> 
     Ok(MachineFacts {
         memory_budget_bytes,
         disk_bytes_per_sec,
-        read_queue_depth: Some(io_workers(args) as u32),
+        read_queue_depth: Some(io_workers(args, disk.as_ref()) as u32),
         disk_read_points,
         compute_seconds_per_token,
     })
 }
 
 pub fn make_plan(inventory: &Inventory, args: &PlanArgs, n_ctx: u32, n_ubatch: u32, threads: i32) -> anyhow::Result<Plan> {
-    let facts = machine_facts(args, &inventory.path, threads)?;
+    plan_with(inventory, args, n_ctx, n_ubatch, &machine_facts(args, &inventory.path, threads)?)
+}
+
+/// The plan for these flags and machine facts (the profile read once by the caller).
+fn plan_with(inventory: &Inventory, args: &PlanArgs, n_ctx: u32, n_ubatch: u32, facts: &MachineFacts) -> anyhow::Result<Plan> {
     let cache_policy = crate::store::CachePolicy::parse(&args.cache_policy)
         .with_context(|| format!("unknown cache policy {:?}: use slru or lru", args.cache_policy))?;
     let options = PlanOptions {
@@ -158,7 +162,7 @@ pub fn make_plan(inventory: &Inventory, args: &PlanArgs, n_ctx: u32, n_ubatch: u
         },
         cache_policy,
     };
-    Ok(plan::plan(inventory, &facts, &options)?)
+    Ok(plan::plan(inventory, facts, &options)?)
 }
 
 pub fn sampler_params(args: &SamplingArgs) -> anyhow::Result<SamplerParams> {

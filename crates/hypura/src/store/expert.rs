@@ -123,9 +123,12 @@ impl CacheModel {
     /// Admit `unit` only if that needs no eviction of a `protected` unit and keeps the cache
     /// within its capacity (for prefetches, which must never overfill it); None otherwise.
     pub fn try_admit(&mut self, unit: usize, protected: &[usize]) -> Option<Vec<usize>> {
-        let evictable = (0..self.resident.len()).filter(|&candidate| self.resident[candidate] && !protected.contains(&candidate)).count();
-        if self.resident_count >= self.capacity && self.resident_count + 1 - self.capacity > evictable {
-            return None;
+        if self.resident_count >= self.capacity {
+            // Only a full cache needs victims: count the unprotected ones then.
+            let evictable = (0..self.resident.len()).filter(|&candidate| self.resident[candidate] && !protected.contains(&candidate)).count();
+            if self.resident_count + 1 - self.capacity > evictable {
+                return None;
+            }
         }
         Some(self.admit(unit, protected))
     }
