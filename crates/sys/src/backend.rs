@@ -107,6 +107,24 @@ impl Backend {
     }
 }
 
+/// The CPU device's buffer type (llama.cpp's `--override-tensor PATTERN=CPU`).
+pub(crate) fn cpu_buffer_type() -> Result<raw::ggml_backend_buffer_type_t, crate::SysError> {
+    // SAFETY: the device registry lives for the process; with dynamically loaded backends the
+    // CPU device exists once a variant was loaded, else the call returns null, checked below.
+    let buffer_type = unsafe {
+        let device = raw::ggml_backend_dev_by_type(raw::GGML_BACKEND_DEVICE_TYPE_CPU);
+        if device.is_null() {
+            std::ptr::null_mut()
+        } else {
+            raw::ggml_backend_dev_buffer_type(device)
+        }
+    };
+    if buffer_type.is_null() {
+        return Err(crate::SysError::Allocation("the CPU device's buffer type (no CPU backend is loaded)"));
+    }
+    Ok(buffer_type)
+}
+
 fn c_string(pointer: *const std::ffi::c_char) -> String {
     if pointer.is_null() {
         return String::new();

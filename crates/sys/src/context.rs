@@ -89,20 +89,28 @@ unsafe extern "C" fn should_abort(data: *mut c_void) -> bool {
 // `&mut self` on every mutating method enforces.
 unsafe impl Send for Context {}
 
-impl Context {
-    pub fn new(model: &Model, params: &ContextParams) -> Result<Context, SysError> {
+impl ContextParams {
+    /// llama.cpp's parameters for these (without the eval hook).
+    pub(crate) fn to_raw(&self) -> raw::llama_context_params {
         // SAFETY: returns a plain struct by value.
         let mut raw_params = unsafe { raw::llama_context_default_params() };
-        raw_params.n_ctx = params.n_ctx;
-        raw_params.n_batch = params.n_batch;
-        raw_params.n_ubatch = params.n_ubatch;
-        raw_params.n_seq_max = params.n_seq_max.max(1);
-        raw_params.n_threads = params.n_threads;
-        raw_params.n_threads_batch = params.n_threads_batch;
-        raw_params.embeddings = params.embeddings;
-        raw_params.op_offload = params.op_offload;
-        raw_params.kv_unified = params.kv_unified;
+        raw_params.n_ctx = self.n_ctx;
+        raw_params.n_batch = self.n_batch;
+        raw_params.n_ubatch = self.n_ubatch;
+        raw_params.n_seq_max = self.n_seq_max.max(1);
+        raw_params.n_threads = self.n_threads;
+        raw_params.n_threads_batch = self.n_threads_batch;
+        raw_params.embeddings = self.embeddings;
+        raw_params.op_offload = self.op_offload;
+        raw_params.kv_unified = self.kv_unified;
         raw_params.no_perf = true;
+        raw_params
+    }
+}
+
+impl Context {
+    pub fn new(model: &Model, params: &ContextParams) -> Result<Context, SysError> {
+        let mut raw_params = params.to_raw();
         let hook = params.eval_hook.clone().map(Box::new);
         if let Some(hook) = &hook {
             raw_params.cb_eval = Some(eval_callback);

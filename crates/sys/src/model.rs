@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use llama_cpp_sys_2 as raw;
 
-use crate::backend::Backend;
+use crate::backend::{cpu_buffer_type, Backend};
 use crate::error::SysError;
 use crate::load_reader::{new_cookie, open_stream, LoadReader};
 use crate::stream::StreamBufferType;
@@ -17,8 +17,18 @@ use crate::vocab::Vocab;
 pub struct Placement {
     /// Tensors (by exact name) placed in a stream buffer type.
     pub streamed: Vec<(String, Arc<StreamBufferType>)>,
+    /// Tensors kept in host memory (the CPU device's buffer type) although their layer is on a
+    /// GPU, as regexes in llama.cpp's `--override-tensor` syntax (`exps` matches every routed
+    /// expert tensor). Streamed names win over these.
+    pub host_patterns: Vec<String>,
     /// Serve llama.cpp's reads (requires `LoadMode::Read`; single-file models).
     pub reader: Option<Box<dyn LoadReader>>,
+}
+
+/// An override pattern (a regex, as llama.cpp's `--override-tensor` takes) that matches the
+/// tensor `name` alone.
+pub fn exact_name_pattern(name: &str) -> String {
+    format!("^{}$", name.replace('.', "\\."))
 }
 
 /// How llama.cpp reads tensor bytes at load time.
@@ -46,6 +56,22 @@ pub struct ModelParams {
 impl Default for ModelParams {
     fn default() -> Self {
         ModelParams { n_gpu_layers: -1, load_mode: LoadMode::Mmap, use_extra_bufts: true, vocab_only: false }
+    }
+}
+
+impl ModelParams {
+    /// llama.cpp's parameters for these (no overrides).
+    pub(crate) fn to_raw(&self) -> raw::llama_model_params {
+        // SAFETY: returns a plain struct by value.
+        let mut raw_params = unsafe { raw::llama_model_default_params() };
+        raw_params.n_gpu_layers = self.n_gpu_layers;
+        raw_params.load_mode = match self.load_mode {
+            LoadMode::Mmap => raw::LLAMA_LOAD_MODE_MMAP,
+            LoadMode::Read => raw::LLAMA_LOAD_MODE_NONE,
+        };
+        raw_params.use_extra_bufts = self.use_extra_bufts;
+        raw_params.vocab_only = self.vocab_only;
+        raw_params
     }
 }
 
@@ -95,29 +121,24 @@ impl Model {
     pub fn load_placed(_backend: &Backend, path: &Path, params: &ModelParams, placement: Placement) -> Result<Model, SysError> {
         let c_path = CString::new(path.as_os_str().as_encoded_bytes())
             .map_err(|_| SysError::PathNul(path.to_path_buf()))?;
-        // Exact-name regexes, in llama.cpp's override format, terminated by a null entry.
-        let patterns: Vec<CString> = placement
+        // Regexes in llama.cpp's override format (the first match wins), terminated by a null
+        // entry: streamed tensors by exact name, then the host patterns.
+        let host = if placement.host_patterns.is_empty() { std::ptr::null_mut() } else { cpu_buffer_type()? };
+        let patterns: Vec<(CString, raw::ggml_backend_buffer_type_t)> = placement
             .streamed
             .iter()
-            .map(|(name, _)| CString::new(format!("^{}$", name.replace('.', "\\."))).map_err(|_| SysError::PathNul(path.to_path_buf())))
+            .map(|(name, buft)| (exact_name_pattern(name), buft.as_raw()))
+            .chain(placement.host_patterns.iter().map(|pattern| (pattern.clone(), host)))
+            .map(|(pattern, buft)| CString::new(pattern).map(|pattern| (pattern, buft)).map_err(|_| SysError::PathNul(path.to_path_buf())))
             .collect::<Result<_, _>>()?;
         let mut overrides: Vec<raw::llama_model_tensor_buft_override> = patterns
             .iter()
-            .zip(&placement.streamed)
-            .map(|(pattern, (_, buft))| raw::llama_model_tensor_buft_override { pattern: pattern.as_ptr(), buft: buft.as_raw() })
+            .map(|(pattern, buft)| raw::llama_model_tensor_buft_override { pattern: pattern.as_ptr(), buft: *buft })
             .collect();
         overrides.push(raw::llama_model_tensor_buft_override { pattern: std::ptr::null(), buft: std::ptr::null_mut() });
         let stream_types: Vec<Arc<StreamBufferType>> = placement.streamed.iter().map(|(_, buft)| buft.clone()).collect();
-        // SAFETY: returns a plain struct by value.
-        let mut raw_params = unsafe { raw::llama_model_default_params() };
-        raw_params.n_gpu_layers = params.n_gpu_layers;
-        raw_params.load_mode = match params.load_mode {
-            LoadMode::Mmap => raw::LLAMA_LOAD_MODE_MMAP,
-            LoadMode::Read => raw::LLAMA_LOAD_MODE_NONE,
-        };
-        raw_params.use_extra_bufts = params.use_extra_bufts;
-        raw_params.vocab_only = params.vocab_only;
-        if !placement.streamed.is_empty() {
+        let mut raw_params = params.to_raw();
+        if !patterns.is_empty() {
             raw_params.tensor_buft_overrides = overrides.as_ptr();
         }
         crate::log::clear_last_error();

@@ -18,16 +18,53 @@ use hypura_sys::Token;
 use peer::PlainLlama;
 
 /// How the llama.cpp peer loads.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PeerConfig {
     pub load_mode: hypura_sys::LoadMode,
     pub repack: bool,
+    pub placement: PeerPlacement,
 }
 
 impl Default for PeerConfig {
     /// llama.cpp's own defaults.
     fn default() -> Self {
-        PeerConfig { load_mode: hypura_sys::LoadMode::Mmap, repack: true }
+        PeerConfig { load_mode: hypura_sys::LoadMode::Mmap, repack: true, placement: PeerPlacement::Default }
+    }
+}
+
+/// Where the peer puts tensors when there is a GPU: the GPU options of llama.cpp's tools.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PeerPlacement {
+    /// llama.cpp's default: every layer on the GPU.
+    Default,
+    /// `--fit`: llama.cpp's automatic placement for a device memory target (free memory less
+    /// `gpu_budget_bytes` is left as its margin, which emulates a card of that size).
+    Fit { gpu_budget_bytes: u64 },
+    /// `-ot exps=CPU`: every layer on the GPU but the routed experts, in host memory.
+    ExpertsOnHost,
+    /// Hypura's placement from its plan: the same layers on the GPU and the same tensors in
+    /// host memory (streamed ones loaded whole), for output comparisons.
+    Same { n_gpu_layers: i32, host_patterns: Vec<String> },
+}
+
+impl PeerPlacement {
+    /// llama.cpp's `-ot` pattern for routed experts.
+    pub const EXPERTS_PATTERN: &'static str = "exps";
+
+    /// Parse `--baseline-placement`; `same` and `fit` take what they need from the plan and
+    /// the GPU budget.
+    pub fn parse(text: &str, plan: Option<&crate::plan::Plan>, gpu_budget_bytes: u64) -> Option<PeerPlacement> {
+        Some(match text {
+            "default" => PeerPlacement::Default,
+            "fit" => PeerPlacement::Fit { gpu_budget_bytes },
+            "exps-cpu" => PeerPlacement::ExpertsOnHost,
+            "same" => {
+                let plan = plan?;
+                let tiers = [crate::plan::Tier::Ram, crate::plan::Tier::Stream];
+                PeerPlacement::Same { n_gpu_layers: plan.n_gpu_layers(), host_patterns: plan.host_patterns(&tiers) }
+            }
+            _ => return None,
+        })
     }
 }
 
@@ -119,8 +156,10 @@ pub struct BenchReport {
     /// "mmap" or "no-mmap", and whether llama.cpp repacked weights.
     pub llama_cpp_load_mode: Option<&'static str>,
     pub llama_cpp_repack: Option<bool>,
+    /// Where the peer put tensors: GPU layers and host-memory patterns as llama.cpp got them.
+    pub llama_cpp_placement: Option<String>,
     pub results: Vec<TestResult>,
-    /// sha256 of the token ids each side generated in the first tg run.
+    /// sha256 of the token ids each side generated greedily after the pp prompt (warm-up).
     pub hypura_output_sha256: Option<String>,
     pub llama_cpp_output_sha256: Option<String>,
     pub same_output: Option<bool>,
@@ -229,12 +268,14 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         false => None,
     };
     let n_ctx = hypura.as_ref().map_or(options.engine.n_ctx, |side| side.session.n_ctx());
-    let needed = options.n_prompt.max(1 + options.n_gen) + 1;
+    // The warm-up generates after the whole prompt (so outputs are compared after a prompt
+    // batch too, the path where ggml may move work to a GPU).
+    let needed = options.n_prompt.max(2) + options.n_gen + 1;
     if needed > n_ctx as usize {
         return Err(BenchError::ContextTooSmall { needed, n_ctx });
     }
-    let mut peer = match options.peer {
-        Some(config) => Some(PlainLlama::load_with(path, n_ctx, options.threads, config.repack, config.load_mode)?),
+    let mut peer = match &options.peer {
+        Some(config) => Some(PlainLlama::load_configured(path, n_ctx, options.threads, config)?),
         None => None,
     };
     let vocab = match (&hypura, &peer) {
@@ -246,7 +287,6 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
     // tg starts from BOS and one ordinary token that changes every repetition (the same on
     // both sides), so each run generates, and routes, differently.
     let start_for = |rep: u64| bench_tokens(&vocab, 2, rep + 1);
-    let start = start_for(0);
     let rate = |count: usize, duration: Duration| count as f64 / duration.as_secs_f64().max(1e-9);
 
     // Warm-up, as llama-bench does: first runs pay for page faults and thread start-up.
@@ -254,13 +294,13 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
     let mut hypura_tokens = None;
     if let Some(side) = hypura.as_mut() {
         side.prefill_rate(&prompt)?;
-        hypura_tokens = Some(side.generate_rate(&start, options.n_gen)?.1);
+        hypura_tokens = Some(side.generate_rate(&prompt, options.n_gen)?.1);
         side.totals = TgTotals::default();
     }
     let mut peer_tokens = None;
     if let Some(peer) = peer.as_mut() {
         peer.time_prefill(&prompt)?;
-        peer_tokens = Some(peer.greedy(&start, options.n_gen)?);
+        peer_tokens = Some(peer.greedy(&prompt, options.n_gen)?);
     }
 
     let mut samples: [Vec<f64>; 4] = Default::default();
@@ -326,8 +366,9 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         llama_build: hypura_sys::llama_build_info(),
         hypura_load_seconds: hypura.as_ref().map(|side| side.engine.load_duration().as_secs_f64()),
         llama_cpp_load_seconds: peer.as_ref().map(|peer| peer.load_duration().as_secs_f64()),
-        llama_cpp_load_mode: options.peer.map(|config| if config.load_mode == hypura_sys::LoadMode::Mmap { "mmap" } else { "no-mmap" }),
-        llama_cpp_repack: options.peer.map(|config| config.repack),
+        llama_cpp_load_mode: options.peer.as_ref().map(|config| if config.load_mode == hypura_sys::LoadMode::Mmap { "mmap" } else { "no-mmap" }),
+        llama_cpp_repack: options.peer.as_ref().map(|config| config.repack),
+        llama_cpp_placement: peer.as_ref().map(|peer| peer.placement().to_string()),
         results: vec![
             result(format!("pp{}", options.n_prompt), hypura_pp_samples, peer_pp_samples),
             result(format!("tg{}", options.n_gen), hypura_tg_samples, peer_tg_samples),
@@ -385,8 +426,11 @@ pub fn render(report: &BenchReport) -> String {
             _ => "not run".to_string(),
         }
     );
+    if let Some(placement) = &report.llama_cpp_placement {
+        let _ = writeln!(out, "llama.cpp placement: {placement}");
+    }
     if let (Some(same), Some(hash)) = (report.same_output, &report.hypura_output_sha256) {
-        let _ = writeln!(out, "greedy tg output identical to llama.cpp: {same} (sha256 {})", &hash[..16]);
+        let _ = writeln!(out, "greedy output after the pp prompt identical to llama.cpp: {same} (sha256 {})", &hash[..16]);
     }
     out
 }

@@ -4,13 +4,16 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use hypura_sys::{first_maximum, Backend, Batch, Context, ContextParams, LoadMode, Model, ModelParams, SysError, Token};
+use hypura_sys::{first_maximum, Backend, Batch, Context, ContextParams, LoadMode, Model, ModelParams, Placement, SysError, Token};
+
+use super::{PeerConfig, PeerPlacement};
 
 pub struct PlainLlama {
     context: Context,
     batch: Batch,
     position: i32,
     load_duration: Duration,
+    placement: String,
 }
 
 impl PlainLlama {
@@ -22,12 +25,42 @@ impl PlainLlama {
 
     /// As `load`, choosing mmap or `--no-mmap`.
     pub fn load_with(path: &Path, n_ctx: u32, n_threads: i32, repack: bool, load_mode: LoadMode) -> Result<PlainLlama, SysError> {
+        PlainLlama::load_configured(path, n_ctx, n_threads, &PeerConfig { load_mode, repack, placement: PeerPlacement::Default })
+    }
+
+    /// Load as `config` says, the GPU placement included (`--fit` asks llama.cpp's fit first,
+    /// inside the load time).
+    pub fn load_configured(path: &Path, n_ctx: u32, n_threads: i32, config: &PeerConfig) -> Result<PlainLlama, SysError> {
         let started = Instant::now();
-        let model = Model::load(Backend::get(), path, &ModelParams { use_extra_bufts: repack, load_mode, ..ModelParams::default() })?;
+        let backend = Backend::get();
+        let mut model_params = ModelParams { use_extra_bufts: config.repack, load_mode: config.load_mode, ..ModelParams::default() };
         let params = ContextParams { n_ctx, n_threads, n_threads_batch: n_threads, ..ContextParams::default() };
+        let host_patterns = match &config.placement {
+            PeerPlacement::Default => Vec::new(),
+            PeerPlacement::ExpertsOnHost => vec![PeerPlacement::EXPERTS_PATTERN.to_string()],
+            PeerPlacement::Same { n_gpu_layers, host_patterns } => {
+                model_params.n_gpu_layers = *n_gpu_layers;
+                host_patterns.clone()
+            }
+            PeerPlacement::Fit { gpu_budget_bytes } => {
+                // The margin leaves all free memory but the budget on the first dedicated GPU.
+                let free = backend.devices().iter().find(|device| device.kind == hypura_sys::DeviceKind::Gpu).map_or(0, |device| device.free_bytes);
+                let fit = hypura_sys::fit_placement(backend, path, &model_params, &params, free.saturating_sub(*gpu_budget_bytes))?;
+                model_params.n_gpu_layers = fit.n_gpu_layers;
+                fit.host_patterns
+            }
+        };
+        let placed = Placement { host_patterns: host_patterns.clone(), ..Placement::default() };
+        let model = Model::load_placed(backend, path, &model_params, placed)?;
         let context = Context::new(&model, &params)?;
         let batch = Batch::new(params.n_batch as usize, 1);
-        Ok(PlainLlama { context, batch, position: 0, load_duration: started.elapsed() })
+        let placement = format!("n_gpu_layers {}, host patterns {:?}", model_params.n_gpu_layers, host_patterns);
+        Ok(PlainLlama { context, batch, position: 0, load_duration: started.elapsed(), placement })
+    }
+
+    /// The placement llama.cpp got, for reports.
+    pub fn placement(&self) -> &str {
+        &self.placement
     }
 
     pub fn load_duration(&self) -> Duration {

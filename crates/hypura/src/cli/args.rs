@@ -97,6 +97,10 @@ pub struct PlanArgs {
     /// minus headroom).
     #[arg(long)]
     pub memory_budget: Option<String>,
+    /// Device memory Hypura may use on the GPU, e.g. 8GiB; 0 keeps everything on the CPU
+    /// (default: the dedicated GPUs' free memory minus 1 GiB each).
+    #[arg(long)]
+    pub gpu_budget: Option<String>,
     /// auto, resident, dense-stream or expert-stream.
     #[arg(long, default_value = "auto")]
     pub mode: String,
@@ -203,6 +207,10 @@ pub struct BenchArgs {
     /// Turn off the baseline's weight repacking (on by default, as in llama.cpp).
     #[arg(long)]
     pub baseline_no_repack: bool,
+    /// The baseline's GPU placement: default (every layer on the GPU), fit (llama.cpp's
+    /// automatic fit to --gpu-budget), exps-cpu (-ot exps=CPU) or same (Hypura's plan).
+    #[arg(long, default_value = "default")]
+    pub baseline_placement: String,
     /// Run the llama.cpp baseline even when the model exceeds available memory minus 4 GiB.
     #[arg(long)]
     pub force: bool,

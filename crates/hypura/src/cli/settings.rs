@@ -123,6 +123,7 @@ pub fn machine_facts(args: &PlanArgs, model: &std::path::Path, threads: i32) -> 
             available.saturating_sub(headroom_bytes(available))
         }
     };
+    let gpu_budget_bytes = gpu_budget(args)?;
     let disk = ProfileCache::new(default_cache_dir()).load(&machine_key()).and_then(|profile| profile.disk);
     let disk_bytes_per_sec = disk.as_ref().map(|disk| disk.best_direct.bytes_per_sec);
     let disk_read_points = disk
@@ -137,7 +138,30 @@ pub fn machine_facts(args: &PlanArgs, model: &std::path::Path, threads: i32) -> 
         read_queue_depth: Some(io_workers(args, disk.as_ref()) as u32),
         disk_read_points,
         compute_seconds_per_token,
+        gpu_budget_bytes,
     })
+}
+
+/// `--gpu-budget`, or the default for this machine's devices.
+pub fn gpu_budget(args: &PlanArgs) -> anyhow::Result<u64> {
+    Ok(match args.gpu_budget.as_deref().map(str::trim) {
+        Some("0") => 0,
+        Some(text) => parse_bytes(text).context("--gpu-budget")?,
+        None => default_gpu_budget(&hypura_sys::Backend::get().devices()),
+    })
+}
+
+/// What the default GPU budget leaves free on each device (llama.cpp's fit leaves the same).
+const GPU_RESERVE_BYTES: u64 = 1 << 30;
+
+/// The default GPU budget: the free memory of the dedicated GPUs, less a reserve on each.
+/// Devices that share host memory get no tier of their own: the host budget covers them.
+pub fn default_gpu_budget(devices: &[hypura_sys::DeviceInfo]) -> u64 {
+    devices
+        .iter()
+        .filter(|device| device.kind == hypura_sys::DeviceKind::Gpu)
+        .map(|device| device.free_bytes.saturating_sub(GPU_RESERVE_BYTES))
+        .sum()
 }
 
 pub fn make_plan(inventory: &Inventory, args: &PlanArgs, n_ctx: u32, n_ubatch: u32, threads: i32) -> anyhow::Result<Plan> {

@@ -10,7 +10,7 @@ use hypura_sys::{Backend, ContextParams, LoadMode, Model, ModelParams, Placement
 use super::template::ChatTemplate;
 use super::EngineError;
 use crate::model::Inventory;
-use crate::plan::{Mode, Plan};
+use crate::plan::{Mode, Plan, Tier};
 use crate::store::io::{DirectFile, Region};
 use crate::store::load::StoreLoadReader;
 use crate::store::{DenseWindow, ExpertStream, IoStats, Residency, ResidencyError, RouterWeights, StreamUnit};
@@ -164,12 +164,13 @@ impl Engine {
             (model, Some(streaming))
         } else {
             let params = ModelParams {
-                n_gpu_layers: options.n_gpu_layers,
+                n_gpu_layers: options.plan.as_ref().map_or(options.n_gpu_layers, Plan::n_gpu_layers),
                 load_mode: options.load_mode,
                 use_extra_bufts: options.repack,
                 vocab_only: false,
             };
-            (Model::load(backend, path, &params)?, None)
+            let host_patterns = options.plan.as_ref().map(|plan| plan.host_patterns(&[Tier::Ram])).unwrap_or_default();
+            (Model::load_placed(backend, path, &params, Placement { host_patterns, ..Placement::default() })?, None)
         };
         let vocab = model.vocab();
         let token_text = |token| vocab.token_bytes(token, true).map(|bytes| String::from_utf8_lossy(&bytes).into_owned()).unwrap_or_default();
@@ -236,6 +237,8 @@ impl Engine {
             n_threads: threads,
             n_threads_batch: threads,
             eval_hook: self.streaming.as_ref().map(|streaming| streaming.driver.hook()),
+            // Without a GPU tier nothing goes to a GPU, prompt batches included.
+            op_offload: self.options.plan.as_ref().is_none_or(|plan| plan.gpu.is_some()),
             ..defaults
         }
     }
@@ -282,11 +285,12 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
     let reader = StoreLoadReader::new(DirectFile::open(path).map_err(store_error)?, streamed_ranges, stats.clone());
     let placement = Placement {
         streamed: streamed.iter().map(|tensor| (tensor.name.clone(), buffer_type.clone())).collect(),
+        host_patterns: plan.host_patterns(&[Tier::Ram]),
         reader: Some(Box::new(reader)),
     };
     // Streamed tensors cannot be repacked, and resident ones must not be either, or streamed
     // and resident runs would compute with different kernels.
-    let params = ModelParams { n_gpu_layers: options.n_gpu_layers, load_mode: LoadMode::Read, use_extra_bufts: false, vocab_only: false };
+    let params = ModelParams { n_gpu_layers: plan.n_gpu_layers(), load_mode: LoadMode::Read, use_extra_bufts: false, vocab_only: false };
     let model = Model::load_placed(backend, path, &params, placement)?;
     let moved = buffer_type.finalize();
     drop(sink);
@@ -319,8 +323,11 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
                 }
             }
         }
+        // Layers whose experts are all in device memory have no ranges: the hook lets them be.
+        let streamed_layers = (0..n_layer).map(|layer| units[layer * n_expert..(layer + 1) * n_expert].iter().any(|unit| !unit.ranges.is_empty())).collect();
         let residency = Arc::new(Residency::new(region, file, units, options.io_workers, stats.clone()));
-        let mut driver = ExpertStream::new(residency, n_layer, n_expert, experts.cache_units, experts.policy, options.trace_routing);
+        let mut driver = ExpertStream::new(residency, n_layer, n_expert, experts.cache_units, experts.policy, options.trace_routing)
+            .with_streamed_layers(streamed_layers);
         if experts.prefetch {
             driver = driver.with_prefetch(read_router_weights(path, inventory)?);
         }

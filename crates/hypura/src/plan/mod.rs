@@ -40,6 +40,8 @@ pub enum ModeChoice {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Tier {
+    /// Device memory of the GPU(s), loaded once; computed there.
+    Gpu,
     /// Host memory, loaded once.
     Ram,
     /// Read from disk on demand through the stream window.
@@ -61,6 +63,9 @@ pub struct MachineFacts {
     /// Decode compute time per token of this model with the streaming kernels, measured by an
     /// earlier run on this machine (stall time excluded); None if never measured.
     pub compute_seconds_per_token: Option<f64>,
+    /// Device memory Hypura may use on dedicated GPUs (weights, KV cache, compute buffers);
+    /// 0: no GPU tier.
+    pub gpu_budget_bytes: u64,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -116,6 +121,38 @@ pub struct ExpertLayout {
 /// the speed.
 pub const HUGE_SLICE_MIN_BYTES: u64 = 4 << 20;
 
+/// The GPU tier: what every token touches (attention, norms, router, shared experts, the
+/// output matrix) and the KV cache in device memory, then the FFN of whole layers while the
+/// budget lasts. The token embedding stays in host memory (llama.cpp looks tokens up on the
+/// CPU).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct GpuLayout {
+    pub budget_bytes: u64,
+    /// Weights in device memory, the tied output matrix's copy included.
+    pub weight_bytes: u64,
+    /// A copy of the token embedding that a model without `output.weight` computes its logits
+    /// with, on the device (llama.cpp duplicates it there).
+    pub tied_output_bytes: u64,
+    pub kv_cache_bytes: u64,
+    pub compute_buffer_bytes: u64,
+    /// Layers whose FFN (dense, or every routed expert) is in device memory too.
+    pub ffn_layers: Vec<u32>,
+}
+
+impl GpuLayout {
+    pub fn total_bytes(&self) -> u64 {
+        self.weight_bytes + self.kv_cache_bytes + self.compute_buffer_bytes
+    }
+
+    fn holds(&self, tensor: &TensorEntry) -> bool {
+        if is_streamable(tensor) {
+            tensor.layer.is_some_and(|layer| self.ffn_layers.contains(&layer))
+        } else {
+            tensor.role != crate::model::Role::TokenEmbedding
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct TensorPlacement {
     pub name: String,
@@ -137,11 +174,11 @@ pub struct DenseLayout {
     pub windows_costed: Vec<(usize, f64)>,
 }
 
-/// Where the budget goes.
+/// Where the host memory budget goes.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct BudgetUse {
     pub budget_bytes: u64,
-    /// Weights loaded once into RAM (everything not streamed).
+    /// Weights loaded once into RAM (everything neither streamed nor on the GPU).
     pub resident_weight_bytes: u64,
     /// Streamed bytes that can be in memory at once (the window, plus the layer computing).
     pub window_bytes: u64,
@@ -157,6 +194,10 @@ pub struct Plan {
     pub tensors: Vec<TensorPlacement>,
     pub dense: Option<DenseLayout>,
     pub experts: Option<ExpertLayout>,
+    /// The GPU tier; None without a GPU budget.
+    pub gpu: Option<GpuLayout>,
+    /// Why a GPU budget was given but not used.
+    pub gpu_unused: Option<String>,
     /// Bytes that must come from disk for every token (the streamed FFN layers).
     pub streamed_bytes_per_token: u64,
     /// Upper bound from the disk alone: bandwidth ÷ streamed bytes per token.
@@ -217,9 +258,78 @@ fn spread(count: usize, total: usize) -> Vec<usize> {
     (0..count).map(|index| (index * total + total / 2) / count.max(1)).map(|index| index.min(total - 1)).collect()
 }
 
-pub fn plan(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions) -> Result<Plan, PlanError> {
-    let weights: u64 = inventory.tensor_data_bytes();
+/// The GPU tier for `budget` bytes of device memory: Ok(None) without a budget, Err(why) when
+/// the budget cannot hold what every token touches. With `ffn`, whole layers' FFN fill what is
+/// left, from the last layer down.
+fn gpu_tier(inventory: &Inventory, options: &PlanOptions, budget: u64, layer_ffn: &[u64], ffn: bool) -> Result<Option<GpuLayout>, String> {
+    if budget == 0 {
+        return Ok(None);
+    }
     let kv = kv_cache_bytes(inventory, options.n_ctx);
+    let compute = compute_buffer_bytes(inventory, options.n_ctx, options.n_ubatch);
+    let every_token: u64 = inventory
+        .tensors
+        .iter()
+        .filter(|tensor| !is_streamable(tensor) && tensor.role != crate::model::Role::TokenEmbedding)
+        .map(|tensor| tensor.bytes)
+        .sum();
+    let has_output = inventory.tensors.iter().any(|tensor| tensor.role == crate::model::Role::Output);
+    let tied_output_bytes =
+        if has_output { 0 } else { inventory.tensors.iter().filter(|tensor| tensor.role == crate::model::Role::TokenEmbedding).map(|tensor| tensor.bytes).sum() };
+    let fixed = every_token + tied_output_bytes + kv + compute;
+    if fixed > budget {
+        return Err(format!(
+            "the GPU budget of {} cannot hold attention, norms and output ({}) with the KV cache ({}) and compute buffers ({}); everything runs on the CPU",
+            format_bytes(budget),
+            format_bytes(every_token + tied_output_bytes),
+            format_bytes(kv),
+            format_bytes(compute)
+        ));
+    }
+    let mut spare = budget - fixed;
+    let mut ffn_layers = Vec::new();
+    for (layer, &bytes) in layer_ffn.iter().enumerate().rev().filter(|_| ffn) {
+        if bytes > spare {
+            break;
+        }
+        spare -= bytes;
+        ffn_layers.push(layer as u32);
+    }
+    ffn_layers.reverse();
+    let ffn_bytes: u64 = ffn_layers.iter().map(|&layer| layer_ffn[layer as usize]).sum();
+    Ok(Some(GpuLayout {
+        budget_bytes: budget,
+        weight_bytes: every_token + tied_output_bytes + ffn_bytes,
+        tied_output_bytes,
+        kv_cache_bytes: kv,
+        compute_buffer_bytes: compute,
+        ffn_layers,
+    }))
+}
+
+/// Why a tensor on the GPU is there.
+fn gpu_reason(tensor: &TensorEntry) -> &'static str {
+    if is_streamable(tensor) {
+        "FFN of a layer the GPU budget holds: computed on the GPU"
+    } else {
+        "touched by every token: on the GPU with the KV cache"
+    }
+}
+
+pub fn plan(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions) -> Result<Plan, PlanError> {
+    let all_layer_ffn = ffn_bytes_by_layer(inventory);
+    // Forced streaming (tests, benchmarks) streams every FFN layer the host cannot hold: none
+    // of them goes to the GPU.
+    let forced_stream = matches!(options.mode, ModeChoice::Forced(Mode::DenseStream | Mode::ExpertStream));
+    let (gpu, gpu_unused) = match gpu_tier(inventory, options, machine.gpu_budget_bytes, &all_layer_ffn, !forced_stream) {
+        Ok(gpu) => (gpu, None),
+        Err(why) => (None, Some(why)),
+    };
+    let on_gpu = |tensor: &TensorEntry| gpu.as_ref().is_some_and(|gpu| gpu.holds(tensor));
+    // What the host holds: weights not on the GPU, the KV cache unless the GPU holds it, and
+    // the CPU's compute buffers (the CPU still computes host-resident and streamed layers).
+    let weights: u64 = inventory.tensors.iter().filter(|tensor| !on_gpu(tensor)).map(|tensor| tensor.bytes).sum();
+    let kv = if gpu.is_some() { 0 } else { kv_cache_bytes(inventory, options.n_ctx) };
     let compute = compute_buffer_bytes(inventory, options.n_ctx, options.n_ubatch);
     let budget = machine.memory_budget_bytes;
     let everything = weights + kv + compute;
@@ -230,40 +340,45 @@ pub fn plan(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions
         ModeChoice::Auto if has_experts => Mode::ExpertStream,
         ModeChoice::Auto => Mode::DenseStream,
     };
-    if mode == Mode::ExpertStream {
-        return plan_experts(inventory, machine, options, kv, compute);
-    }
-    if mode == Mode::Resident {
-        let tensors = inventory
+    let base = Plan {
+        mode,
+        budget: BudgetUse { budget_bytes: budget, resident_weight_bytes: weights, window_bytes: 0, kv_cache_bytes: kv, compute_buffer_bytes: compute, total_bytes: everything },
+        tensors: Vec::new(),
+        dense: None,
+        experts: None,
+        gpu: gpu.clone(),
+        gpu_unused,
+        streamed_bytes_per_token: 0,
+        io_bound_tokens_per_sec: None,
+        // The measured compute is that of streaming runs; nothing streams here.
+        limit_tokens_per_sec: None,
+    };
+    // Each tensor's tier: the GPU's, else what `host` says.
+    let place = |host: &dyn Fn(&TensorEntry) -> (Tier, &'static str)| -> Vec<TensorPlacement> {
+        inventory
             .tensors
             .iter()
-            .map(|tensor| TensorPlacement { name: tensor.name.clone(), tier: Tier::Ram, bytes: tensor.bytes, why: "the whole model fits" })
-            .collect();
-        return Ok(Plan {
-            mode,
-            budget: BudgetUse {
-                budget_bytes: budget,
-                resident_weight_bytes: weights,
-                window_bytes: 0,
-                kv_cache_bytes: kv,
-                compute_buffer_bytes: compute,
-                total_bytes: everything,
-            },
-            tensors,
-            dense: None,
-            experts: None,
-            streamed_bytes_per_token: 0,
-            io_bound_tokens_per_sec: None,
-            // The measured compute is that of streaming runs; nothing streams here.
-            limit_tokens_per_sec: None,
-        });
+            .map(|tensor| {
+                let (tier, why) = if on_gpu(tensor) { (Tier::Gpu, gpu_reason(tensor)) } else { host(tensor) };
+                TensorPlacement { name: tensor.name.clone(), tier, bytes: tensor.bytes, why }
+            })
+            .collect()
+    };
+    if mode == Mode::ExpertStream {
+        return plan_experts(inventory, machine, options, base, &place);
+    }
+    if mode == Mode::Resident {
+        let why = if gpu.is_some() { "the host holds what the GPU does not" } else { "the whole model fits" };
+        return Ok(Plan { tensors: place(&|_| (Tier::Ram, why)), ..base });
     }
 
-    let layer_ffn = ffn_bytes_by_layer(inventory);
-    let n_layer = layer_ffn.len();
+    // Dense-stream over the layers whose FFN the GPU does not hold.
+    let host_layers: Vec<u32> = (0..all_layer_ffn.len() as u32).filter(|layer| !gpu.as_ref().is_some_and(|gpu| gpu.ffn_layers.contains(layer))).collect();
+    let layer_ffn: Vec<u64> = host_layers.iter().map(|&layer| all_layer_ffn[layer as usize]).collect();
     if layer_ffn.iter().all(|&bytes| bytes == 0) {
         return Err(PlanError::ModeUnavailable { mode: "dense-stream", what: "FFN tensors in layers" });
     }
+    let n_layer = layer_ffn.len();
     let fixed_weights = weights - layer_ffn.iter().sum::<u64>();
     let forced = options.mode == ModeChoice::Forced(Mode::DenseStream);
     let fits = everything <= budget;
@@ -294,22 +409,18 @@ pub fn plan(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions
             compute,
         });
     };
-    let streamed_layers = chosen.streamed_layers.clone();
-    let pinned_layers: Vec<u32> = (0..n_layer as u32).filter(|layer| !streamed_layers.contains(layer)).collect();
+    // The candidate numbers host layers; name them by layer.
+    let streamed_layers: Vec<u32> = chosen.streamed_layers.iter().map(|&index| host_layers[index as usize]).collect();
+    let pinned_layers: Vec<u32> = host_layers.iter().copied().filter(|layer| !streamed_layers.contains(layer)).collect();
     let streamed_bytes_per_token = chosen.streamed_bytes;
-    let tensors = inventory
-        .tensors
-        .iter()
-        .map(|tensor| {
-            let streamed = is_streamable(tensor) && streamed_layers.contains(&tensor.layer.expect("streamable tensors have a layer"));
-            let (tier, why) = match (streamed, is_streamable(tensor)) {
-                (true, _) => (Tier::Stream, "FFN of a streamed layer: read through the window each token"),
-                (false, true) => (Tier::Ram, "FFN of a pinned layer: the budget holds it"),
-                (false, false) => (Tier::Ram, "touched by every token and small: always resident"),
-            };
-            TensorPlacement { name: tensor.name.clone(), tier, bytes: tensor.bytes, why }
-        })
-        .collect();
+    let tensors = place(&|tensor: &TensorEntry| {
+        let streamed = is_streamable(tensor) && streamed_layers.contains(&tensor.layer.expect("streamable tensors have a layer"));
+        match (streamed, is_streamable(tensor)) {
+            (true, _) => (Tier::Stream, "FFN of a streamed layer: read through the window each token"),
+            (false, true) => (Tier::Ram, "FFN of a pinned layer: the budget holds it"),
+            (false, false) => (Tier::Ram, "touched by every token and small: always resident"),
+        }
+    });
     let resident_weight_bytes = weights - streamed_bytes_per_token;
     let window_bytes = chosen.window_bytes;
     let io_bound_tokens_per_sec = machine
@@ -317,7 +428,6 @@ pub fn plan(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions
         .filter(|_| streamed_bytes_per_token > 0)
         .map(|bandwidth| bandwidth / streamed_bytes_per_token as f64);
     Ok(Plan {
-        mode,
         budget: BudgetUse {
             budget_bytes: budget,
             resident_weight_bytes,
@@ -334,10 +444,10 @@ pub fn plan(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions
             window_sized: options.window_layers.is_none(),
             windows_costed: costed.iter().map(|candidate| (candidate.window, candidate.seconds_per_token)).collect(),
         }),
-        experts: None,
         streamed_bytes_per_token,
         io_bound_tokens_per_sec,
         limit_tokens_per_sec: physical_limit(machine, streamed_bytes_per_token),
+        ..base
     })
 }
 
@@ -419,27 +529,36 @@ fn physical_limit(machine: &MachineFacts, streamed_bytes_per_token: u64) -> Opti
     (seconds > 0.0).then(|| 1.0 / seconds)
 }
 
-/// Expert-stream: every routed expert tensor streams by expert; the rest is resident, and what
-/// the budget leaves is the expert cache.
-fn plan_experts(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions, kv: u64, compute: u64) -> Result<Plan, PlanError> {
+/// Expert-stream: every routed expert tensor of a layer the GPU does not hold streams by
+/// expert; the rest is resident, and what the budget leaves is the expert cache.
+fn plan_experts(
+    inventory: &Inventory,
+    machine: &MachineFacts,
+    options: &PlanOptions,
+    base: Plan,
+    place: &dyn Fn(&dyn Fn(&TensorEntry) -> (Tier, &'static str)) -> Vec<TensorPlacement>,
+) -> Result<Plan, PlanError> {
     let hparams = &inventory.hparams;
     let n_expert = hparams.n_expert;
+    let on_gpu = |tensor: &TensorEntry| base.gpu.as_ref().is_some_and(|gpu| gpu.holds(tensor));
+    let streamed: Vec<&TensorEntry> = inventory.expert_tensors().filter(|tensor| !on_gpu(tensor)).collect();
     if n_expert == 0 || inventory.expert_tensors().next().is_none() {
         return Err(PlanError::ModeUnavailable { mode: "expert-stream", what: "routed expert tensors" });
     }
+    let (kv, compute) = (base.budget.kv_cache_bytes, base.budget.compute_buffer_bytes);
     let mut unit_bytes_by_layer = vec![0u64; hparams.n_layer as usize];
-    for tensor in inventory.expert_tensors() {
+    for tensor in &streamed {
         let slices = tensor.experts.expect("expert tensors have slices");
         unit_bytes_by_layer[tensor.layer.expect("experts have a layer") as usize] += slices.slice_bytes;
     }
     let unit_bytes = unit_bytes_by_layer.iter().copied().max().unwrap_or(0);
-    let min_slice_bytes = inventory.expert_tensors().filter_map(|tensor| tensor.experts.map(|slices| slices.slice_bytes)).min().unwrap_or(0);
+    let min_slice_bytes = streamed.iter().filter_map(|tensor| tensor.experts.map(|slices| slices.slice_bytes)).min().unwrap_or(0);
     let moe_layers = unit_bytes_by_layer.iter().filter(|&&bytes| bytes > 0).count() as u64;
-    let expert_bytes: u64 = inventory.expert_tensors().map(|tensor| tensor.bytes).sum();
-    let fixed = inventory.tensor_data_bytes() - expert_bytes;
+    let expert_bytes: u64 = streamed.iter().map(|tensor| tensor.bytes).sum();
+    let fixed = base.budget.resident_weight_bytes - expert_bytes;
     let budget = machine.memory_budget_bytes;
     // The cache must hold one layer's every expert: a prefill batch may pick them all.
-    let minimum_units = n_expert as usize;
+    let minimum_units = if moe_layers == 0 { 0 } else { n_expert as usize };
     let needed = fixed + kv + compute + minimum_units as u64 * unit_bytes;
     if needed > budget {
         return Err(PlanError::BudgetTooSmall {
@@ -455,22 +574,16 @@ fn plan_experts(inventory: &Inventory, machine: &MachineFacts, options: &PlanOpt
     let affordable = ((budget - fixed - kv - compute) / unit_bytes.max(1)) as usize;
     let total_units = (moe_layers * n_expert) as usize;
     let cache_units = options.expert_cache_units.map_or(affordable, |units| units.min(affordable)).clamp(minimum_units, total_units.max(minimum_units));
-    let tensors = inventory
-        .tensors
-        .iter()
-        .map(|tensor| {
-            let (tier, why) = if tensor.experts.is_some() {
-                (Tier::Stream, "routed experts: only the router's picks are read, through the expert cache")
-            } else {
-                (Tier::Ram, "touched by every token and small: always resident")
-            };
-            TensorPlacement { name: tensor.name.clone(), tier, bytes: tensor.bytes, why }
-        })
-        .collect();
+    let tensors = place(&|tensor: &TensorEntry| {
+        if tensor.experts.is_some() {
+            (Tier::Stream, "routed experts: only the router's picks are read, through the expert cache")
+        } else {
+            (Tier::Ram, "touched by every token and small: always resident")
+        }
+    });
     let worst_case = moe_layers * hparams.n_expert_used.max(1) * unit_bytes;
     let cache_bytes = cache_units as u64 * unit_bytes;
     Ok(Plan {
-        mode: Mode::ExpertStream,
         budget: BudgetUse {
             budget_bytes: budget,
             resident_weight_bytes: fixed,
@@ -480,7 +593,6 @@ fn plan_experts(inventory: &Inventory, machine: &MachineFacts, options: &PlanOpt
             total_bytes: fixed + cache_bytes + kv + compute,
         },
         tensors,
-        dense: None,
         experts: Some(ExpertLayout {
             n_expert,
             n_expert_used: hparams.n_expert_used,
@@ -494,10 +606,39 @@ fn plan_experts(inventory: &Inventory, machine: &MachineFacts, options: &PlanOpt
         io_bound_tokens_per_sec: machine.disk_bytes_per_sec.filter(|_| worst_case > 0).map(|bandwidth| bandwidth / worst_case as f64),
         // What streams per token depends on the cache's hit rate, known only once it runs.
         limit_tokens_per_sec: None,
+        ..base
     })
 }
 
+/// llama.cpp's name for the token embedding, which it keeps in host memory (tokens are looked up
+/// on the CPU). Models without an output matrix compute logits with a copy of it, under the
+/// same name, so overriding the name would move that copy off the GPU too.
+const TOKEN_EMBEDDING: &str = "token_embd.weight";
+
 impl Plan {
+    /// llama.cpp's `n_gpu_layers` for this plan: every layer (and the output) with a GPU tier,
+    /// none without.
+    pub fn n_gpu_layers(&self) -> i32 {
+        if self.gpu.is_some() {
+            -1
+        } else {
+            0
+        }
+    }
+
+    /// Override patterns (exact names) that keep the tensors of `tiers` in host memory where
+    /// `n_gpu_layers` would put them on the GPU: empty without a GPU tier.
+    pub fn host_patterns(&self, tiers: &[Tier]) -> Vec<String> {
+        if self.gpu.is_none() {
+            return Vec::new();
+        }
+        self.tensors
+            .iter()
+            .filter(|tensor| tiers.contains(&tensor.tier) && tensor.name != TOKEN_EMBEDDING)
+            .map(|tensor| hypura_sys::exact_name_pattern(&tensor.name))
+            .collect()
+    }
+
     pub fn streamed_tensors(&self) -> impl Iterator<Item = &TensorPlacement> {
         self.tensors.iter().filter(|tensor| tensor.tier == Tier::Stream)
     }
@@ -517,6 +658,27 @@ impl Plan {
             format_bytes(budget.kv_cache_bytes),
             format_bytes(budget.compute_buffer_bytes)
         );
+        if let Some(gpu) = &self.gpu {
+            let _ = writeln!(
+                out,
+                "gpu          {} of a {} budget: {} weights + {} KV cache + {} compute buffers; FFN of {} layer{} on the GPU{}",
+                format_bytes(gpu.total_bytes()),
+                format_bytes(gpu.budget_bytes),
+                format_bytes(gpu.weight_bytes),
+                format_bytes(gpu.kv_cache_bytes),
+                format_bytes(gpu.compute_buffer_bytes),
+                gpu.ffn_layers.len(),
+                if gpu.ffn_layers.len() == 1 { "" } else { "s" },
+                if gpu.ffn_layers.is_empty() { String::new() } else { format!(" {:?}", gpu.ffn_layers) }
+            );
+            let _ = writeln!(
+                out,
+                "             host-memory weights and streamed layers compute on the CPU at decode (copying them costs more than computing them); ggml may move large prompt batches to the GPU"
+            );
+        }
+        if let Some(why) = &self.gpu_unused {
+            let _ = writeln!(out, "gpu          unused: {why}");
+        }
         if let Some(experts) = &self.experts {
             let _ = writeln!(
                 out,
@@ -704,6 +866,7 @@ mod tests {
             read_queue_depth: Some(16),
             disk_read_points: queue_hungry_disk(),
             compute_seconds_per_token,
+            gpu_budget_bytes: 0,
         }
     }
 
@@ -755,8 +918,77 @@ mod tests {
         assert!(!forced.dense.as_ref().unwrap().window_sized);
     }
 
+    /// A machine with `host` bytes of memory and a GPU budget of `gpu` bytes.
+    fn with_gpu(host: u64, gpu: u64) -> MachineFacts {
+        MachineFacts { memory_budget_bytes: host, disk_bytes_per_sec: Some(2e9), gpu_budget_bytes: gpu, ..MachineFacts::default() }
+    }
+
+    #[test]
+    fn the_gpu_takes_what_every_token_touches_then_whole_ffn_layers_from_the_last() {
+        // 8 layers of 16 MiB attention and 3 × 32 MiB FFN; the embedding is tied (no output
+        // matrix), so the GPU holds a copy of it for the logits.
+        let inventory = inventory(8, 16 << 20, 32 << 20, 64 << 20);
+        let options = auto_window(ModeChoice::Auto);
+        let fixed = 8 * (16 << 20) + (64 << 20) + kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 256);
+        let plan = plan(&inventory, &with_gpu(8 << 30, fixed + 3 * (96 << 20) + (50 << 20)), &options).unwrap();
+        let gpu = plan.gpu.as_ref().expect("a GPU tier");
+        assert_eq!(gpu.ffn_layers, vec![5, 6, 7], "{}", plan.render());
+        assert_eq!(gpu.tied_output_bytes, 64 << 20);
+        assert_eq!(plan.mode, Mode::Resident);
+        let tier = |name: &str| plan.tensors.iter().find(|tensor| tensor.name == name).unwrap().tier;
+        assert_eq!(tier("token_embd.weight"), Tier::Ram);
+        assert_eq!(tier("blk.0.attn_q.weight"), Tier::Gpu);
+        assert_eq!(tier("blk.0.ffn_up.weight"), Tier::Ram);
+        assert_eq!(tier("blk.7.ffn_up.weight"), Tier::Gpu);
+        // The host keeps the embedding and five FFN layers, and no KV cache.
+        assert_eq!(plan.budget.resident_weight_bytes, (64 << 20) + 5 * (96 << 20));
+        assert_eq!(plan.budget.kv_cache_bytes, 0);
+        // llama.cpp gets every layer, with the host layers' FFN kept in host memory by name.
+        assert_eq!(plan.n_gpu_layers(), -1);
+        let patterns = plan.host_patterns(&[Tier::Ram]);
+        assert_eq!(patterns.len(), 15);
+        assert!(patterns.contains(&"^blk\\.0\\.ffn_up\\.weight$".to_string()), "{patterns:?}");
+        assert!(plan.render().contains("FFN of 3 layers on the GPU [5, 6, 7]"), "{}", plan.render());
+    }
+
+    #[test]
+    fn ffn_layers_the_gpu_holds_leave_the_host_stream_plan() {
+        let inventory = inventory(16, 16 << 20, 32 << 20, 64 << 20);
+        let gpu_fixed = 16 * (16 << 20) + (64 << 20) + kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 256);
+        let host_fixed = (64 << 20) + compute_buffer_bytes(&inventory, 1024, 256);
+        // The GPU holds 4 FFN layers; the host the window (2 layers) and 4 pinned.
+        let plan = plan(&inventory, &with_gpu(host_fixed + 6 * (96 << 20), gpu_fixed + 4 * (96 << 20)), &options(ModeChoice::Auto, 1)).unwrap();
+        let dense = plan.dense.as_ref().expect("dense-stream");
+        assert_eq!(plan.gpu.as_ref().unwrap().ffn_layers, vec![12, 13, 14, 15]);
+        assert_eq!(dense.pinned_layers.len(), 4, "{}", plan.render());
+        assert_eq!(dense.streamed_layers.len(), 8);
+        assert!(dense.streamed_layers.iter().chain(&dense.pinned_layers).all(|layer| *layer < 12));
+        assert_eq!(plan.streamed_bytes_per_token, 8 * (96 << 20));
+        assert!(plan.budget.total_bytes <= plan.budget.budget_bytes);
+    }
+
+    #[test]
+    fn a_gpu_budget_too_small_for_attention_and_kv_leaves_the_gpu_unused() {
+        let inventory = inventory(8, 16 << 20, 32 << 20, 64 << 20);
+        let plan = plan(&inventory, &with_gpu(8 << 30, 64 << 20), &auto_window(ModeChoice::Auto)).unwrap();
+        assert!(plan.gpu.is_none());
+        assert_eq!(plan.n_gpu_layers(), 0);
+        assert!(plan.host_patterns(&[Tier::Ram]).is_empty());
+        assert!(plan.tensors.iter().all(|tensor| tensor.tier == Tier::Ram));
+        assert!(plan.render().contains("gpu          unused: the GPU budget of 64.0 MiB cannot hold"), "{}", plan.render());
+    }
+
+    #[test]
+    fn forced_streaming_keeps_the_ffn_off_the_gpu() {
+        let inventory = inventory(8, 1 << 20, 4 << 20, 8 << 20);
+        let plan = plan(&inventory, &with_gpu(8 << 30, 8 << 30), &options(ModeChoice::Forced(Mode::DenseStream), 1)).unwrap();
+        assert!(plan.gpu.as_ref().unwrap().ffn_layers.is_empty());
+        assert!(plan.streamed_tensors().count() > 0);
+        assert_eq!(plan.tensors.iter().find(|tensor| tensor.name == "blk.0.attn_q.weight").unwrap().tier, Tier::Gpu);
+    }
+
     proptest! {
-        /// No plan exceeds its budget, and every tensor has exactly one tier.
+        /// No plan exceeds its budgets (host and GPU), and every tensor has exactly one tier.
         #[test]
         fn plans_respect_the_budget_and_place_every_tensor(
             n_layer in 1u64..48,
@@ -768,6 +1000,7 @@ mod tests {
             forced in any::<bool>(),
             compute in proptest::option::of(0.001f64..10.0),
             queue_depth in 1u32..64,
+            gpu_mib in prop_oneof![Just(0u64), 1u64..20_000],
         ) {
             let inventory = inventory(n_layer, attention << 20, ffn << 20, embedding << 20);
             let machine = MachineFacts {
@@ -776,6 +1009,7 @@ mod tests {
                 read_queue_depth: Some(queue_depth),
                 disk_read_points: queue_hungry_disk(),
                 compute_seconds_per_token: compute,
+                gpu_budget_bytes: gpu_mib << 20,
             };
             let mode = if forced { ModeChoice::Forced(Mode::DenseStream) } else { ModeChoice::Auto };
             let options = PlanOptions { window_layers: window, ..options(mode, 1) };
@@ -788,9 +1022,24 @@ mod tests {
                     }
                     let streamed: u64 = plan.streamed_tensors().map(|tensor| tensor.bytes).sum();
                     prop_assert_eq!(streamed, plan.streamed_bytes_per_token);
-                    prop_assert_eq!(plan.budget.resident_weight_bytes + streamed, inventory.tensor_data_bytes());
+                    let on_gpu: u64 = plan.tensors.iter().filter(|tensor| tensor.tier == Tier::Gpu).map(|tensor| tensor.bytes).sum();
+                    prop_assert_eq!(plan.budget.resident_weight_bytes + streamed + on_gpu, inventory.tensor_data_bytes());
+                    let gpu_layers = match &plan.gpu {
+                        Some(gpu) => {
+                            prop_assert!(gpu.total_bytes() <= gpu.budget_bytes, "{:?}", gpu);
+                            prop_assert_eq!(gpu.weight_bytes, on_gpu + gpu.tied_output_bytes);
+                            // The token embedding stays on the host, where tokens are looked up.
+                            prop_assert!(plan.tensors.iter().all(|tensor| tensor.name != "token_embd.weight" || tensor.tier == Tier::Ram));
+                            gpu.ffn_layers.len()
+                        }
+                        None => {
+                            prop_assert_eq!(on_gpu, 0);
+                            prop_assert_eq!(plan.gpu_unused.is_some(), gpu_mib > 0);
+                            0
+                        }
+                    };
                     if let Some(dense) = &plan.dense {
-                        prop_assert_eq!(dense.pinned_layers.len() + dense.streamed_layers.len(), n_layer as usize);
+                        prop_assert_eq!(dense.pinned_layers.len() + dense.streamed_layers.len() + gpu_layers, n_layer as usize);
                         prop_assert!(plan.streamed_tensors().all(|tensor| inventory.tensors.iter().any(|entry| entry.name == tensor.name && entry.role.is_dense_ffn())));
                     }
                 }

@@ -266,6 +266,8 @@ pub struct ExpertStream {
     n_expert: usize,
     /// Prefetch likely next-layer experts into idle I/O (stale-gate prediction).
     routers: Option<RouterWeights>,
+    /// Layers whose experts stream (the others are in device memory).
+    streamed_layers: Vec<bool>,
     prefetch_issued: AtomicU64,
     prefetch_used: AtomicU64,
     prefetch_cancelled: AtomicU64,
@@ -285,6 +287,7 @@ impl ExpertStream {
             n_layer,
             n_expert,
             routers: None,
+            streamed_layers: vec![true; n_layer],
             prefetch_issued: AtomicU64::new(0),
             prefetch_used: AtomicU64::new(0),
             prefetch_cancelled: AtomicU64::new(0),
@@ -301,6 +304,14 @@ impl ExpertStream {
 
     pub fn residency(&self) -> &Arc<Residency> {
         &self.residency
+    }
+
+    /// Stream only the layers marked true (the others' experts are in device memory): the
+    /// graph runs through the rest without stopping.
+    pub fn with_streamed_layers(mut self, streamed: Vec<bool>) -> ExpertStream {
+        assert_eq!(streamed.len(), self.n_layer, "one flag per layer");
+        self.streamed_layers = streamed;
+        self
     }
 
     /// Turn stale-gate prefetch on with these router weights (before use).
@@ -327,6 +338,10 @@ impl ExpertStream {
         self.trace.as_ref().map(|trace| std::mem::take(&mut *trace.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))).unwrap_or_default()
     }
 
+
+    fn streams(&self, layer: usize) -> bool {
+        self.streamed_layers.get(layer).copied().unwrap_or(false)
+    }
 
     fn layer_of(name: &str) -> Option<usize> {
         name.strip_prefix(TOP_K_NODE)?.parse().ok()
@@ -381,7 +396,7 @@ impl ExpertStream {
             self.residency.request(unit)?;
         }
         let predicted = match (hidden, &self.routers) {
-            (Some(hidden), Some(routers)) if layer + 1 < self.n_layer && rows.len() <= PREDICT_MAX_TOKENS => self.predict(routers, layer + 1, rows, hidden),
+            (Some(hidden), Some(routers)) if self.streams(layer + 1) && rows.len() <= PREDICT_MAX_TOKENS => self.predict(routers, layer + 1, rows, hidden),
             _ => Vec::new(),
         };
         // Prefetch behind this layer's misses (the queue is first in, first out, so they are
@@ -434,7 +449,7 @@ impl ExpertStream {
 
 impl EvalHook for ExpertStream {
     fn wants(&self, name: &str) -> bool {
-        Self::layer_of(name).is_some_and(|layer| layer < self.n_layer)
+        Self::layer_of(name).is_some_and(|layer| self.streams(layer))
     }
 
     fn observe(&self, node: &ObservedNode<'_>) {

@@ -1,7 +1,7 @@
 //! `hypura bench MODEL`: Hypura against plain llama.cpp, alternating, in one process.
 use anyhow::Context;
 
-use crate::bench::{self, BenchOptions, PeerConfig};
+use crate::bench::{self, BenchOptions, PeerConfig, PeerPlacement};
 use crate::cli::args::BenchArgs;
 use crate::cli::settings;
 use crate::hw::format::format_bytes;
@@ -24,9 +24,13 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     }
     let engine = settings::engine_options(&args.model_args, &path)?;
     let threads = settings::threads(engine.n_threads);
+    let gpu_budget = settings::gpu_budget(&args.model_args.plan)?;
+    let placement = PeerPlacement::parse(&args.baseline_placement, engine.plan.as_ref(), gpu_budget)
+        .with_context(|| format!("unknown --baseline-placement {:?}: use default, fit, exps-cpu or same", args.baseline_placement))?;
     let peer = baseline.then_some(PeerConfig {
         load_mode: if args.baseline_no_mmap { hypura_sys::LoadMode::Read } else { hypura_sys::LoadMode::Mmap },
         repack: !args.baseline_no_repack,
+        placement,
     });
     let options = BenchOptions { n_prompt: args.n_prompt, n_gen: args.n_gen, reps: args.reps.max(1), hypura: !args.baseline_only, peer, engine, threads };
     let report = bench::run(&path, &options, &|stage| tracing::info!("bench: {stage}"))?;

@@ -1,0 +1,113 @@
+//! The GPU tier's placement through llama.cpp: every layer on the device, the host tiers kept in
+//! host memory by name, and the streaming hooks only on layers whose weights stream. Without a
+//! GPU (CI) llama.cpp puts every layer on the CPU, but the overrides still go through its loader
+//! and the hooks must still skip the layers planned for the GPU; on a CUDA machine
+//! `hypura bench --baseline-placement same` makes the same comparison on the device.
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use hypura::bench::peer::PlainLlama;
+use hypura::bench::{PeerConfig, PeerPlacement};
+use hypura::engine::{Control, Engine, EngineOptions, GenerateRequest, Prompt, SamplerParams, Session};
+use hypura::model::{Inventory, Role};
+use hypura::plan::{self, MachineFacts, Mode, ModeChoice, Plan, PlanOptions, Tier};
+
+const N_CTX: u32 = 512;
+const PROMPT: &str = "the king of paris and the queen of the sea walked to the river";
+
+/// Per-layer bytes of FFN and expert tensors.
+fn layer_ffn(inventory: &Inventory) -> Vec<u64> {
+    (0..inventory.hparams.n_layer as u32)
+        .map(|layer| {
+            inventory
+                .tensors
+                .iter()
+                .filter(|tensor| tensor.layer == Some(layer) && (tensor.role.is_dense_ffn() || tensor.role.is_expert()))
+                .map(|tensor| tensor.bytes)
+                .sum()
+        })
+        .collect()
+}
+
+/// A GPU budget for what every token touches plus the FFN of the last `ffn_layers` layers,
+/// and a host budget too small for the rest, so the rest streams.
+fn plan_with_gpu(inventory: &Inventory, ffn_layers: usize, host_spare: u64) -> Plan {
+    let ffn = layer_ffn(inventory);
+    let embedding: u64 = inventory.tensors.iter().filter(|tensor| tensor.role == Role::TokenEmbedding).map(|tensor| tensor.bytes).sum();
+    let tied = if inventory.tensors.iter().any(|tensor| tensor.role == Role::Output) { 0 } else { embedding };
+    let every_token = inventory.tensor_data_bytes() - ffn.iter().sum::<u64>() - embedding;
+    let compute = plan::compute_buffer_bytes(inventory, N_CTX, 512);
+    let gpu = every_token + tied + plan::kv_cache_bytes(inventory, N_CTX) + compute + ffn.iter().rev().take(ffn_layers).sum::<u64>();
+    let facts = MachineFacts { memory_budget_bytes: embedding + compute + host_spare, disk_bytes_per_sec: Some(1e9), gpu_budget_bytes: gpu, ..MachineFacts::default() };
+    let options = PlanOptions { mode: ModeChoice::Auto, n_ctx: N_CTX, n_ubatch: 512, window_layers: Some(1), expert_prefetch: Some(true), ..PlanOptions::default() };
+    let plan = plan::plan(inventory, &facts, &options).unwrap();
+    let n_layer = ffn.len() as u32;
+    assert_eq!(plan.gpu.as_ref().unwrap().ffn_layers, (n_layer - ffn_layers as u32..n_layer).collect::<Vec<_>>(), "{}", plan.render());
+    plan
+}
+
+fn greedy(engine: &Arc<Engine>, count: u32) -> hypura::engine::GenerateOutput {
+    let mut session = Session::new(engine.clone()).unwrap();
+    let request = GenerateRequest { max_tokens: Some(count), sampling: SamplerParams::greedy(), ignore_eos: true, ..GenerateRequest::new(Prompt::Raw(PROMPT.into())) };
+    session.generate(&request, &mut |_| Control::Continue).unwrap()
+}
+
+/// Hypura with `plan` against llama.cpp loaded with the plan's placement: the same 32 greedy
+/// tokens, and the hook stopped the graph `hooked_layers` times per graph.
+fn assert_same_as_llama_cpp(path: &Path, plan: Plan, mode: Mode, hooked_layers: u64) {
+    let placement = PeerPlacement::parse("same", Some(&plan), 0).unwrap();
+    match &placement {
+        PeerPlacement::Same { n_gpu_layers, host_patterns } => {
+            assert_eq!(*n_gpu_layers, -1);
+            // The peer keeps every host and streamed tensor in host memory, by exact name.
+            let host = plan.tensors.iter().filter(|tensor| tensor.tier != Tier::Gpu && tensor.name != "token_embd.weight").count();
+            assert_eq!(host_patterns.len(), host);
+            assert!(host > 0);
+        }
+        other => panic!("{other:?}"),
+    }
+    let options = EngineOptions { n_ctx: N_CTX, n_threads: Some(1), repack: false, plan: Some(plan), ..EngineOptions::default() };
+    let engine = Arc::new(Engine::load(path, options).unwrap());
+    assert_eq!(engine.mode(), mode);
+    let ours = greedy(&engine, 32);
+    let config = PeerConfig { repack: false, placement, ..PeerConfig::default() };
+    let mut peer = PlainLlama::load_configured(path, N_CTX, 1, &config).unwrap();
+    assert!(peer.placement().contains("n_gpu_layers -1"), "{}", peer.placement());
+    let theirs = peer.greedy(&peer.tokenize(PROMPT).unwrap(), 32).unwrap();
+    assert_eq!(ours.tokens, theirs);
+    let io = ours.stats.io.expect("streaming stats");
+    assert!(io.bytes_read > 0, "{io:?}");
+    assert_eq!(io.observations, hooked_layers * 33, "{io:?}");
+}
+
+#[test]
+fn expert_layers_on_the_gpu_are_not_streamed_and_tokens_equal_llama_cpp_with_that_placement() {
+    let directory = tempfile::tempdir().unwrap();
+    let path = common::forge("tiny-moe-8x", directory.path());
+    let inventory = Inventory::open(&path).unwrap();
+    let n_expert = inventory.hparams.n_expert;
+    let unit: u64 = inventory.expert_tensors().filter(|tensor| tensor.layer == Some(0)).map(|tensor| tensor.experts.unwrap().slice_bytes).sum();
+    // 4 layers: the GPU holds the experts of the last 2, the host streams the first 2 through
+    // a cache of one layer's experts (plus the dense parts: routers are on the GPU).
+    let plan = plan_with_gpu(&inventory, 2, n_expert * unit + unit / 2);
+    assert_eq!(plan.mode, Mode::ExpertStream, "{}", plan.render());
+    assert!(plan.streamed_tensors().all(|tensor| tensor.name.starts_with("blk.0.") || tensor.name.starts_with("blk.1.")));
+    // The expert hook stops only at the streamed layers, none of the GPU's.
+    assert_same_as_llama_cpp(&path, plan, Mode::ExpertStream, 2);
+}
+
+#[test]
+fn gemma_ffn_layers_on_the_gpu_leave_the_dense_window_and_tokens_equal_llama_cpp_with_that_placement() {
+    let path = common::gemma_path();
+    let inventory = Inventory::open(&path).unwrap();
+    let largest = layer_ffn(&inventory).into_iter().max().unwrap();
+    // 18 layers: 4 FFN layers on the GPU; the host holds a window of 2 layers and 3 pinned, and
+    // streams the other 11.
+    let plan = plan_with_gpu(&inventory, 4, 5 * largest + largest / 2);
+    let dense = plan.dense.as_ref().unwrap_or_else(|| panic!("{}", plan.render()));
+    assert_eq!((dense.pinned_layers.len(), dense.streamed_layers.len()), (3, 11), "{}", plan.render());
+    // The dense hook stops at every layer (pinned and GPU layers start the next reads early).
+    assert_same_as_llama_cpp(&path, plan, Mode::DenseStream, 18);
+}
