@@ -102,6 +102,17 @@ pub fn headroom_bytes(available: u64) -> u64 {
     (available / 10).clamp(256 << 20, 2 << 30)
 }
 
+/// Host memory a GPU backend's runtime takes beside the plan's buffers: a CUDA run of a tiny
+/// model peaked at 497 MiB resident on the H200 machine (driver, runtime and cuBLAS state).
+const GPU_RUNTIME_HOST_BYTES: u64 = 512 << 20;
+
+/// The default memory budget: what is available less the headroom, and less the GPU
+/// runtime's own host memory when a GPU is used.
+pub fn default_memory_budget(available: u64, gpu: bool) -> u64 {
+    let runtime = if gpu { GPU_RUNTIME_HOST_BYTES } else { 0 };
+    available.saturating_sub(headroom_bytes(available) + runtime)
+}
+
 pub fn parse_mode(text: &str) -> anyhow::Result<ModeChoice> {
     Ok(match text {
         "auto" => ModeChoice::Auto,
@@ -116,14 +127,11 @@ pub fn parse_mode(text: &str) -> anyhow::Result<ModeChoice> {
 /// the disk bandwidth from the cached profile (if `hypura profile` has run), the reader
 /// threads, and the compute time per token earlier runs of this model measured.
 pub fn machine_facts(args: &PlanArgs, model: &std::path::Path, threads: i32) -> anyhow::Result<MachineFacts> {
+    let gpu_budget_bytes = gpu_budget(args)?;
     let memory_budget_bytes = match &args.memory_budget {
         Some(text) => parse_bytes(text).context("--memory-budget")?,
-        None => {
-            let available = memory_info().effective_available_bytes();
-            available.saturating_sub(headroom_bytes(available))
-        }
+        None => default_memory_budget(memory_info().effective_available_bytes(), gpu_budget_bytes > 0),
     };
-    let gpu_budget_bytes = gpu_budget(args)?;
     let disk = ProfileCache::new(default_cache_dir()).load(&machine_key()).and_then(|profile| profile.disk);
     let disk_bytes_per_sec = disk.as_ref().map(|disk| disk.best_direct.bytes_per_sec);
     let disk_read_points = disk
@@ -144,11 +152,20 @@ pub fn machine_facts(args: &PlanArgs, model: &std::path::Path, threads: i32) -> 
 
 /// `--gpu-budget`, or the default for this machine's devices.
 pub fn gpu_budget(args: &PlanArgs) -> anyhow::Result<u64> {
-    Ok(match args.gpu_budget.as_deref().map(str::trim) {
-        Some("0") => 0,
-        Some(text) => parse_bytes(text).context("--gpu-budget")?,
-        None => default_gpu_budget(&hypura_sys::Backend::get().devices()),
-    })
+    match &args.gpu_budget {
+        Some(text) => parse_gpu_budget(text).context("--gpu-budget"),
+        None => Ok(default_gpu_budget(&hypura_sys::Backend::get().devices())),
+    }
+}
+
+/// A GPU budget: a size, or zero in any unit ("0", "0GiB"), which turns the GPU tier off.
+pub fn parse_gpu_budget(text: &str) -> anyhow::Result<u64> {
+    let text = text.trim();
+    let rest = text.trim_start_matches(['0', '.']);
+    if text.starts_with('0') && rest.chars().next().is_none_or(|next| next.is_ascii_alphabetic() || next == ' ') {
+        return Ok(0);
+    }
+    parse_bytes(text)
 }
 
 /// What the default GPU budget leaves free on each device (llama.cpp's fit leaves the same).
@@ -233,6 +250,31 @@ mod tests {
         assert_eq!(headroom_bytes(1 << 30), 256 << 20);
         assert_eq!(headroom_bytes(10 << 30), 1 << 30);
         assert_eq!(headroom_bytes(100 << 30), 2 << 30);
+    }
+
+    #[test]
+    fn a_gpu_budget_of_zero_in_any_unit_turns_the_tier_off() {
+        for zero in ["0", "0GiB", " 0.0 MB", "00"] {
+            assert_eq!(parse_gpu_budget(zero).unwrap(), 0, "{zero:?}");
+        }
+        assert_eq!(parse_gpu_budget("0.5GiB").unwrap(), 512 << 20);
+        assert_eq!(parse_gpu_budget("8GiB").unwrap(), 8 << 30);
+        assert!(parse_gpu_budget("lots").is_err());
+    }
+
+    #[test]
+    fn a_gpu_leaves_room_for_its_runtime_in_the_default_budget() {
+        assert_eq!(default_memory_budget(10 << 30, false), 9 << 30);
+        assert_eq!(default_memory_budget(10 << 30, true), (9 << 30) - (512 << 20));
+        assert_eq!(default_memory_budget(256 << 20, true), 0);
+    }
+
+    #[test]
+    fn the_default_gpu_budget_counts_dedicated_gpus_less_a_reserve() {
+        let device = |kind, free: u64| hypura_sys::DeviceInfo { name: String::new(), description: String::new(), kind, free_bytes: free, total_bytes: free };
+        let devices = [device(hypura_sys::DeviceKind::Cpu, 64 << 30), device(hypura_sys::DeviceKind::Gpu, 24 << 30), device(hypura_sys::DeviceKind::Gpu, 512 << 20)];
+        assert_eq!(default_gpu_budget(&devices), 23 << 30);
+        assert_eq!(default_gpu_budget(&devices[..1]), 0);
     }
 
     #[test]

@@ -307,6 +307,18 @@ fn gpu_tier(inventory: &Inventory, options: &PlanOptions, budget: u64, layer_ffn
     }))
 }
 
+/// Each tensor's tier: the GPU's where it holds the tensor, else what `host` says.
+fn place(inventory: &Inventory, gpu: Option<&GpuLayout>, host: impl Fn(&TensorEntry) -> (Tier, &'static str)) -> Vec<TensorPlacement> {
+    inventory
+        .tensors
+        .iter()
+        .map(|tensor| {
+            let (tier, why) = if gpu.is_some_and(|gpu| gpu.holds(tensor)) { (Tier::Gpu, gpu_reason(tensor)) } else { host(tensor) };
+            TensorPlacement { name: tensor.name.clone(), tier, bytes: tensor.bytes, why }
+        })
+        .collect()
+}
+
 /// Why a tensor on the GPU is there.
 fn gpu_reason(tensor: &TensorEntry) -> &'static str {
     if is_streamable(tensor) {
@@ -353,29 +365,23 @@ pub fn plan(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions
         // The measured compute is that of streaming runs; nothing streams here.
         limit_tokens_per_sec: None,
     };
-    // Each tensor's tier: the GPU's, else what `host` says.
-    let place = |host: &dyn Fn(&TensorEntry) -> (Tier, &'static str)| -> Vec<TensorPlacement> {
-        inventory
-            .tensors
-            .iter()
-            .map(|tensor| {
-                let (tier, why) = if on_gpu(tensor) { (Tier::Gpu, gpu_reason(tensor)) } else { host(tensor) };
-                TensorPlacement { name: tensor.name.clone(), tier, bytes: tensor.bytes, why }
-            })
-            .collect()
-    };
     if mode == Mode::ExpertStream {
-        return plan_experts(inventory, machine, options, base, &place);
+        return plan_experts(inventory, machine, options, base);
     }
     if mode == Mode::Resident {
         let why = if gpu.is_some() { "the host holds what the GPU does not" } else { "the whole model fits" };
-        return Ok(Plan { tensors: place(&|_| (Tier::Ram, why)), ..base });
+        return Ok(Plan { tensors: place(inventory, gpu.as_ref(), |_| (Tier::Ram, why)), ..base });
     }
 
     // Dense-stream over the layers whose FFN the GPU does not hold.
     let host_layers: Vec<u32> = (0..all_layer_ffn.len() as u32).filter(|layer| !gpu.as_ref().is_some_and(|gpu| gpu.ffn_layers.contains(layer))).collect();
     let layer_ffn: Vec<u64> = host_layers.iter().map(|&layer| all_layer_ffn[layer as usize]).collect();
     if layer_ffn.iter().all(|&bytes| bytes == 0) {
+        if all_layer_ffn.iter().any(|&bytes| bytes > 0) {
+            // The GPU holds every FFN layer: nothing is left to stream, and the host cannot
+            // hold the rest.
+            return Err(PlanError::BudgetTooSmall { budget, needed: everything, resident: weights, window: 0, layers: 0, kv, compute });
+        }
         return Err(PlanError::ModeUnavailable { mode: "dense-stream", what: "FFN tensors in layers" });
     }
     let n_layer = layer_ffn.len();
@@ -413,7 +419,7 @@ pub fn plan(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions
     let streamed_layers: Vec<u32> = chosen.streamed_layers.iter().map(|&index| host_layers[index as usize]).collect();
     let pinned_layers: Vec<u32> = host_layers.iter().copied().filter(|layer| !streamed_layers.contains(layer)).collect();
     let streamed_bytes_per_token = chosen.streamed_bytes;
-    let tensors = place(&|tensor: &TensorEntry| {
+    let tensors = place(inventory, gpu.as_ref(), |tensor| {
         let streamed = is_streamable(tensor) && streamed_layers.contains(&tensor.layer.expect("streamable tensors have a layer"));
         match (streamed, is_streamable(tensor)) {
             (true, _) => (Tier::Stream, "FFN of a streamed layer: read through the window each token"),
@@ -479,7 +485,7 @@ fn dense_candidate(layer_ffn: &[u64], fixed: u64, budget: u64, window: usize, fo
     // Pin as many layers as the rest of the budget holds (counted by the largest layer, as
     // layers are nearly equal): a fixed set, never LRU over the cyclic sweep.
     let spare = budget - fixed - full_window;
-    let mut pinned_count = if largest == 0 { n_layer } else { (spare / largest) as usize };
+    let mut pinned_count = spare.checked_div(largest).map_or(n_layer, |count| count as usize);
     if forced && pinned_count >= n_layer {
         // Forced streaming of a model that fits: stream one layer more than the window holds,
         // so layers still rotate through it (tests, benchmarks), and pin the rest.
@@ -531,13 +537,7 @@ fn physical_limit(machine: &MachineFacts, streamed_bytes_per_token: u64) -> Opti
 
 /// Expert-stream: every routed expert tensor of a layer the GPU does not hold streams by
 /// expert; the rest is resident, and what the budget leaves is the expert cache.
-fn plan_experts(
-    inventory: &Inventory,
-    machine: &MachineFacts,
-    options: &PlanOptions,
-    base: Plan,
-    place: &dyn Fn(&dyn Fn(&TensorEntry) -> (Tier, &'static str)) -> Vec<TensorPlacement>,
-) -> Result<Plan, PlanError> {
+fn plan_experts(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions, base: Plan) -> Result<Plan, PlanError> {
     let hparams = &inventory.hparams;
     let n_expert = hparams.n_expert;
     let on_gpu = |tensor: &TensorEntry| base.gpu.as_ref().is_some_and(|gpu| gpu.holds(tensor));
@@ -574,7 +574,7 @@ fn plan_experts(
     let affordable = ((budget - fixed - kv - compute) / unit_bytes.max(1)) as usize;
     let total_units = (moe_layers * n_expert) as usize;
     let cache_units = options.expert_cache_units.map_or(affordable, |units| units.min(affordable)).clamp(minimum_units, total_units.max(minimum_units));
-    let tensors = place(&|tensor: &TensorEntry| {
+    let tensors = place(inventory, base.gpu.as_ref(), |tensor| {
         if tensor.experts.is_some() {
             (Tier::Stream, "routed experts: only the router's picks are read, through the expert cache")
         } else {
