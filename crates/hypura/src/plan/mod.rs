@@ -66,6 +66,9 @@ pub struct MachineFacts {
     /// Device memory Hypura may use on dedicated GPUs (weights, KV cache, compute buffers);
     /// 0: no GPU tier.
     pub gpu_budget_bytes: u64,
+    /// Device memory the GPU backend takes beyond the buffers the plan counts (kernels loaded
+    /// on first use, memory pools), kept free inside the GPU budget.
+    pub gpu_runtime_bytes: u64,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -135,13 +138,15 @@ pub struct GpuLayout {
     pub tied_output_bytes: u64,
     pub kv_cache_bytes: u64,
     pub compute_buffer_bytes: u64,
+    /// Kept for the backend's own use (`MachineFacts::gpu_runtime_bytes`).
+    pub runtime_bytes: u64,
     /// Layers whose FFN (dense, or every routed expert) is in device memory too.
     pub ffn_layers: Vec<u32>,
 }
 
 impl GpuLayout {
     pub fn total_bytes(&self) -> u64 {
-        self.weight_bytes + self.kv_cache_bytes + self.compute_buffer_bytes
+        self.weight_bytes + self.kv_cache_bytes + self.compute_buffer_bytes + self.runtime_bytes
     }
 
     fn holds(&self, tensor: &TensorEntry) -> bool {
@@ -261,7 +266,8 @@ fn spread(count: usize, total: usize) -> Vec<usize> {
 /// The GPU tier for `budget` bytes of device memory: Ok(None) without a budget, Err(why) when
 /// the budget cannot hold what every token touches. With `ffn`, whole layers' FFN fill what is
 /// left, from the last layer down.
-fn gpu_tier(inventory: &Inventory, options: &PlanOptions, budget: u64, layer_ffn: &[u64], ffn: bool) -> Result<Option<GpuLayout>, String> {
+fn gpu_tier(inventory: &Inventory, options: &PlanOptions, machine: &MachineFacts, layer_ffn: &[u64], ffn: bool) -> Result<Option<GpuLayout>, String> {
+    let (budget, runtime) = (machine.gpu_budget_bytes, machine.gpu_runtime_bytes);
     if budget == 0 {
         return Ok(None);
     }
@@ -276,14 +282,15 @@ fn gpu_tier(inventory: &Inventory, options: &PlanOptions, budget: u64, layer_ffn
     let has_output = inventory.tensors.iter().any(|tensor| tensor.role == crate::model::Role::Output);
     let tied_output_bytes =
         if has_output { 0 } else { inventory.tensors.iter().filter(|tensor| tensor.role == crate::model::Role::TokenEmbedding).map(|tensor| tensor.bytes).sum() };
-    let fixed = every_token + tied_output_bytes + kv + compute;
+    let fixed = every_token + tied_output_bytes + kv + compute + runtime;
     if fixed > budget {
         return Err(format!(
-            "the GPU budget of {} cannot hold attention, norms and output ({}) with the KV cache ({}) and compute buffers ({}); everything runs on the CPU",
+            "the GPU budget of {} cannot hold attention, norms and output ({}) with the KV cache ({}), compute buffers ({}) and the runtime's own memory ({}); everything runs on the CPU",
             format_bytes(budget),
             format_bytes(every_token + tied_output_bytes),
             format_bytes(kv),
-            format_bytes(compute)
+            format_bytes(compute),
+            format_bytes(runtime)
         ));
     }
     let mut spare = budget - fixed;
@@ -303,6 +310,7 @@ fn gpu_tier(inventory: &Inventory, options: &PlanOptions, budget: u64, layer_ffn
         tied_output_bytes,
         kv_cache_bytes: kv,
         compute_buffer_bytes: compute,
+        runtime_bytes: runtime,
         ffn_layers,
     }))
 }
@@ -333,7 +341,7 @@ pub fn plan(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions
     // Forced streaming (tests, benchmarks) streams every FFN layer the host cannot hold: none
     // of them goes to the GPU.
     let forced_stream = matches!(options.mode, ModeChoice::Forced(Mode::DenseStream | Mode::ExpertStream));
-    let (gpu, gpu_unused) = match gpu_tier(inventory, options, machine.gpu_budget_bytes, &all_layer_ffn, !forced_stream) {
+    let (gpu, gpu_unused) = match gpu_tier(inventory, options, machine, &all_layer_ffn, !forced_stream) {
         Ok(gpu) => (gpu, None),
         Err(why) => (None, Some(why)),
     };
@@ -661,12 +669,13 @@ impl Plan {
         if let Some(gpu) = &self.gpu {
             let _ = writeln!(
                 out,
-                "gpu          {} of a {} budget: {} weights + {} KV cache + {} compute buffers; FFN of {} layer{} on the GPU{}",
+                "gpu          {} of a {} budget: {} weights + {} KV cache + {} compute buffers + {} runtime; FFN of {} layer{} on the GPU{}",
                 format_bytes(gpu.total_bytes()),
                 format_bytes(gpu.budget_bytes),
                 format_bytes(gpu.weight_bytes),
                 format_bytes(gpu.kv_cache_bytes),
                 format_bytes(gpu.compute_buffer_bytes),
+                format_bytes(gpu.runtime_bytes),
                 gpu.ffn_layers.len(),
                 if gpu.ffn_layers.len() == 1 { "" } else { "s" },
                 if gpu.ffn_layers.is_empty() { String::new() } else { format!(" {:?}", gpu.ffn_layers) }
@@ -866,7 +875,7 @@ mod tests {
             read_queue_depth: Some(16),
             disk_read_points: queue_hungry_disk(),
             compute_seconds_per_token,
-            gpu_budget_bytes: 0,
+            ..MachineFacts::default()
         }
     }
 
@@ -1001,6 +1010,7 @@ mod tests {
             compute in proptest::option::of(0.001f64..10.0),
             queue_depth in 1u32..64,
             gpu_mib in prop_oneof![Just(0u64), 1u64..20_000],
+            runtime_mib in 0u64..512,
         ) {
             let inventory = inventory(n_layer, attention << 20, ffn << 20, embedding << 20);
             let machine = MachineFacts {
@@ -1010,6 +1020,7 @@ mod tests {
                 disk_read_points: queue_hungry_disk(),
                 compute_seconds_per_token: compute,
                 gpu_budget_bytes: gpu_mib << 20,
+                gpu_runtime_bytes: runtime_mib << 20,
             };
             let mode = if forced { ModeChoice::Forced(Mode::DenseStream) } else { ModeChoice::Auto };
             let options = PlanOptions { window_layers: window, ..options(mode, 1) };

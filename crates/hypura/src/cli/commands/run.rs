@@ -13,6 +13,8 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     let path = settings::model_path(args.model.as_ref())?;
     let sampling = settings::sampler_params(&args.sampling)?;
     let options = settings::engine_options(&args.model_args, &path)?;
+    // Free memory of each GPU before the load, so --stats can say what the model took there.
+    let gpu_free_before = gpu_free();
     let engine = Arc::new(Engine::load(&path, options).with_context(|| format!("loading {}", path.display()))?);
     if args.stats {
         if let Some(plan) = &engine.options().plan {
@@ -54,7 +56,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
             Prompt::Chat(messages)
         };
         let output = answer(&mut session, &request(prompt))?;
-        print_stats(args.stats, &output);
+        print_stats(args.stats, &output, &gpu_free_before);
         if let Some(seconds) = output.stats.eval_compute_seconds_per_token() {
             let engine = session.engine();
             settings::record_compute(&path, settings::threads(engine.options().n_threads), engine.streaming().is_some(), seconds, u64::from(output.stats.eval_count));
@@ -62,7 +64,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         write_trace(&session, args.model_args.plan.trace.as_deref())?;
         return Ok(());
     }
-    chat_loop(&mut session, &request, &cancel, &mut messages, args.stats)?;
+    chat_loop(&mut session, &request, &cancel, &mut messages, args.stats.then_some(gpu_free_before.as_slice()))?;
     write_trace(&session, args.model_args.plan.trace.as_deref())?;
     Ok(())
 }
@@ -73,7 +75,8 @@ fn chat_loop(
     request: &dyn Fn(Prompt) -> GenerateRequest,
     cancel: &Arc<AtomicBool>,
     messages: &mut Vec<ChatMessage>,
-    stats: bool,
+    // With --stats: the GPUs' free memory before the load.
+    stats: Option<&[(String, u64)]>,
 ) -> anyhow::Result<()> {
     let stdin = std::io::stdin();
     loop {
@@ -101,7 +104,7 @@ fn chat_loop(
             eprintln!("[stopped]");
         }
         messages.push(ChatMessage::new("assistant", output.text.clone()));
-        print_stats(stats, &output);
+        print_stats(stats.is_some(), &output, stats.unwrap_or_default());
     }
 }
 
@@ -131,7 +134,17 @@ fn answer(session: &mut Session, request: &GenerateRequest) -> anyhow::Result<Ge
     Ok(output)
 }
 
-fn print_stats(enabled: bool, output: &GenerateOutput) {
+/// Free memory of each dedicated GPU, by name.
+fn gpu_free() -> Vec<(String, u64)> {
+    hypura_sys::Backend::get()
+        .devices()
+        .into_iter()
+        .filter(|device| device.kind == hypura_sys::DeviceKind::Gpu)
+        .map(|device| (device.name, device.free_bytes))
+        .collect()
+}
+
+fn print_stats(enabled: bool, output: &GenerateOutput, gpu_free_before: &[(String, u64)]) {
     if !enabled {
         return;
     }
@@ -163,6 +176,11 @@ fn print_stats(enabled: bool, output: &GenerateOutput) {
     }
     if let Some(peak) = crate::hw::peak_rss_bytes() {
         eprintln!("peak memory {} ({peak} bytes resident)", crate::hw::format::format_bytes(peak));
+    }
+    // What the model, its context and the answer took on each GPU (free memory before the
+    // load less free memory now; other processes on the device count too).
+    for ((name, before), (_, now)) in gpu_free_before.iter().zip(gpu_free()) {
+        eprintln!("gpu memory  {} used on {name}", crate::hw::format::format_bytes(before.saturating_sub(now)));
     }
     if let Some(io) = &stats.io {
         let graphs = (stats.eval_count + u32::from(stats.prompt_eval_count > 0)).max(1) as f64;
