@@ -100,3 +100,23 @@ fn write_alien(path: &Path) {
     writer.add_tensor("token_embd.weight", &[32, 4], GgmlType::F32);
     writer.write_file(path, |_| vec![0; 32 * 4 * 4]).unwrap();
 }
+
+/// `--gpu-budget` puts what every token touches on a GPU when ggml has one, and says so; where
+/// it has none (CI), the plan keeps everything on the host instead of counting device memory
+/// that does not exist.
+#[test]
+fn a_gpu_budget_places_on_a_gpu_only_where_there_is_one() {
+    let path = common::gemma_path();
+    let has_gpu = hypura_sys::Backend::get().devices().iter().any(|device| device.kind == hypura_sys::DeviceKind::Gpu);
+    let output = Command::new(env!("CARGO_BIN_EXE_hypura")).args(["inspect", path.to_str().unwrap(), "--gpu-budget", "4GiB"]).output().expect("run hypura");
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    if has_gpu {
+        assert!(stdout.contains("gpu          ") && stdout.contains("of a 4.00 GiB budget"), "{stdout}");
+    } else {
+        assert!(!stdout.contains("gpu          "), "{stdout}");
+        assert!(stdout.contains("the whole model fits") && stdout.contains("KV cache"), "{stdout}");
+        assert!(stderr.contains("ggml sees no dedicated GPU here"), "{stderr}");
+    }
+}

@@ -158,10 +158,18 @@ const GPU_RUNTIME_DEVICE_BYTES: u64 = 384 << 20;
 
 /// `--gpu-budget`, or the default for this machine's devices.
 pub fn gpu_budget(args: &PlanArgs) -> anyhow::Result<u64> {
-    match &args.gpu_budget {
-        Some(text) => parse_gpu_budget(text).context("--gpu-budget"),
-        None => Ok(default_gpu_budget(&hypura_sys::Backend::get().devices())),
+    let devices = hypura_sys::Backend::get().devices();
+    let Some(text) = &args.gpu_budget else {
+        return Ok(default_gpu_budget(&devices));
+    };
+    let bytes = parse_gpu_budget(text).context("--gpu-budget")?;
+    if bytes > 0 && !devices.iter().any(|device| device.kind == hypura_sys::DeviceKind::Gpu) {
+        // A plan with a GPU tier would count the KV cache and the GPU's tensors in device
+        // memory that does not exist.
+        tracing::warn!("--gpu-budget {text}: ggml sees no dedicated GPU here, so everything runs on the CPU");
+        return Ok(0);
     }
+    Ok(bytes)
 }
 
 /// A GPU budget: a size, or zero in any unit ("0", "0GiB"), which turns the GPU tier off.
