@@ -23,11 +23,16 @@ pub fn model_path(model: Option<&PathBuf>) -> anyhow::Result<PathBuf> {
 
 /// Engine options for a model: flags, plus the plan for this machine's memory.
 pub fn engine_options(args: &ModelArgs, model: &std::path::Path) -> anyhow::Result<EngineOptions> {
+    Ok(engine_setup(args, model)?.0)
+}
+
+/// As `engine_options`, with the machine facts the plan was made from.
+pub fn engine_setup(args: &ModelArgs, model: &std::path::Path) -> anyhow::Result<(EngineOptions, MachineFacts)> {
     let inventory = Inventory::open(model)?;
     let facts = machine_facts(&args.plan, model, threads(args.threads))?;
     let io_workers = facts.read_queue_depth.map_or(DEFAULT_IO_WORKERS, |depth| depth as usize);
     let plan = plan_with(&inventory, &args.plan, args.context, args.batch_size, &facts)?;
-    Ok(EngineOptions {
+    let options = EngineOptions {
         n_ctx: args.context,
         n_batch: args.batch_size,
         n_ubatch: args.batch_size,
@@ -38,7 +43,8 @@ pub fn engine_options(args: &ModelArgs, model: &std::path::Path) -> anyhow::Resu
         io_workers,
         trace_routing: args.plan.trace.is_some(),
         ..EngineOptions::default()
-    })
+    };
+    Ok((options, facts))
 }
 
 /// CPU threads a context gets: the flag, or llama.cpp's default.
@@ -157,7 +163,7 @@ pub fn machine_facts(args: &PlanArgs, model: &std::path::Path, threads: i32) -> 
 const GPU_RUNTIME_DEVICE_BYTES: u64 = 384 << 20;
 
 /// `--gpu-budget`, or the default for this machine's devices.
-pub fn gpu_budget(args: &PlanArgs) -> anyhow::Result<u64> {
+fn gpu_budget(args: &PlanArgs) -> anyhow::Result<u64> {
     let devices = hypura_sys::Backend::get().devices();
     let Some(text) = &args.gpu_budget else {
         return Ok(default_gpu_budget(&devices));

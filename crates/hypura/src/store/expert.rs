@@ -348,7 +348,7 @@ impl ExpertStream {
     }
 
     /// Make the chosen experts of `layer` ready. `hidden` is the state the router saw (per
-    /// token), for predicting the next layer.
+    /// token), given when the next layer's experts should be predicted.
     fn route(&self, layer: usize, rows: &[Vec<i32>], hidden: Option<&[Vec<f32>]>) -> Result<(), ResidencyError> {
         let mut chosen: Vec<usize> = Vec::new();
         for &expert in rows.iter().flatten() {
@@ -396,7 +396,7 @@ impl ExpertStream {
             self.residency.request(unit)?;
         }
         let predicted = match (hidden, &self.routers) {
-            (Some(hidden), Some(routers)) if self.streams(layer + 1) && rows.len() <= PREDICT_MAX_TOKENS => self.predict(routers, layer + 1, rows, hidden),
+            (Some(hidden), Some(routers)) => self.predict(routers, layer + 1, rows, hidden),
             _ => Vec::new(),
         };
         // Prefetch behind this layer's misses (the queue is first in, first out, so they are
@@ -462,11 +462,10 @@ impl EvalHook for ExpertStream {
                 if let Some(trace) = &self.trace {
                     trace.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push(RouteRecord { layer: layer as u32, experts: rows.clone() });
                 }
-                let hidden = self
-                    .routers
-                    .as_ref()
-                    .filter(|_| rows.len() <= PREDICT_MAX_TOKENS)
-                    .and_then(|_| node.ancestor_input_f32_rows(&format!("{ROUTER_LOGITS_NODE}{layer}"), 1, 6));
+                // The hidden state is read (from the device, on a GPU) only when a prediction
+                // will use it: prefetch on, a decode-sized batch, and a next layer that streams.
+                let predicts = self.routers.is_some() && rows.len() <= PREDICT_MAX_TOKENS && self.streams(layer + 1);
+                let hidden = predicts.then(|| node.ancestor_input_f32_rows(&format!("{ROUTER_LOGITS_NODE}{layer}"), 1, 6)).flatten();
                 self.route(layer, &rows, hidden.as_deref())
             }
             None => Err(ResidencyError::Read { unit: layer, reason: format!("{} is not a readable I32 tensor", node.name()) }),

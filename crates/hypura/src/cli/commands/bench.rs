@@ -22,10 +22,9 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             format_bytes(BASELINE_HEADROOM_BYTES)
         );
     }
-    let engine = settings::engine_options(&args.model_args, &path)?;
+    let (engine, facts) = settings::engine_setup(&args.model_args, &path)?;
     let threads = settings::threads(engine.n_threads);
-    let gpu_budget = settings::gpu_budget(&args.model_args.plan)?;
-    let placement = PeerPlacement::parse(&args.baseline_placement, engine.plan.as_ref(), gpu_budget)
+    let placement = PeerPlacement::parse(&args.baseline_placement, engine.plan.as_ref(), facts.gpu_budget_bytes)
         .with_context(|| format!("unknown --baseline-placement {:?}: use default, fit, exps-cpu or same", args.baseline_placement))?;
     let peer = baseline.then_some(PeerConfig {
         load_mode: if args.baseline_no_mmap { hypura_sys::LoadMode::Read } else { hypura_sys::LoadMode::Mmap },

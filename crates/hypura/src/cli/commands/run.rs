@@ -14,7 +14,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     let sampling = settings::sampler_params(&args.sampling)?;
     let options = settings::engine_options(&args.model_args, &path)?;
     // Free memory of each GPU before the load, so --stats can say what the model took there.
-    let gpu_free_before = gpu_free();
+    let gpu_free_before = if args.stats { gpu_free() } else { Vec::new() };
     let engine = Arc::new(Engine::load(&path, options).with_context(|| format!("loading {}", path.display()))?);
     if args.stats {
         if let Some(plan) = &engine.options().plan {
