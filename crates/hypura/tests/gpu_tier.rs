@@ -31,15 +31,17 @@ fn layer_ffn(inventory: &Inventory) -> Vec<u64> {
         .collect()
 }
 
-/// A GPU budget for what every token touches plus the FFN of the last `ffn_layers` layers,
-/// and a host budget too small for the rest, so the rest streams.
+/// A GPU budget for what every token touches, op offload's copy of the largest host layer's
+/// FFN and the FFN of the last `ffn_layers` layers, and a host budget too small for the rest,
+/// so the rest streams.
 fn plan_with_gpu(inventory: &Inventory, ffn_layers: usize, host_spare: u64) -> Plan {
     let ffn = layer_ffn(inventory);
     let embedding: u64 = inventory.tensors.iter().filter(|tensor| tensor.role == Role::TokenEmbedding).map(|tensor| tensor.bytes).sum();
     let tied = if inventory.tensors.iter().any(|tensor| tensor.role == Role::Output) { 0 } else { embedding };
     let every_token = inventory.tensor_data_bytes() - ffn.iter().sum::<u64>() - embedding;
     let compute = plan::compute_buffer_bytes(inventory, N_CTX, 512);
-    let gpu = every_token + tied + plan::kv_cache_bytes(inventory, N_CTX) + compute + ffn.iter().rev().take(ffn_layers).sum::<u64>();
+    let copy = ffn.iter().copied().max().unwrap();
+    let gpu = every_token + tied + plan::kv_cache_bytes(inventory, N_CTX) + compute + copy + ffn.iter().rev().take(ffn_layers).sum::<u64>();
     let facts = MachineFacts { memory_budget_bytes: embedding + compute + host_spare, disk_bytes_per_sec: Some(1e9), gpu_budget_bytes: gpu, ..MachineFacts::default() };
     let options = PlanOptions { mode: ModeChoice::Auto, n_ctx: N_CTX, n_ubatch: 512, window_layers: Some(1), expert_prefetch: Some(true), ..PlanOptions::default() };
     let plan = plan::plan(inventory, &facts, &options).unwrap();

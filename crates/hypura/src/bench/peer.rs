@@ -44,7 +44,16 @@ impl PlainLlama {
             }
             PeerPlacement::Fit { gpu_budget_bytes } => {
                 // The margin leaves all free memory but the budget on the first dedicated GPU.
+                // Free memory is read now, beside Hypura's model when both sides run in one
+                // process: where the card cannot hold both, the peer gets only what is left.
                 let free = backend.devices().iter().find(|device| device.kind == hypura_sys::DeviceKind::Gpu).map_or(0, |device| device.free_bytes);
+                if free < *gpu_budget_bytes {
+                    tracing::warn!(
+                        "llama.cpp's fit gets the {} free on the GPU, less than the {} budget: run each side in its own process (--no-baseline, --baseline-only) to compare at the same budget",
+                        crate::hw::format_bytes(free),
+                        crate::hw::format_bytes(*gpu_budget_bytes)
+                    );
+                }
                 let fit = hypura_sys::fit_placement(backend, path, &model_params, &params, free.saturating_sub(*gpu_budget_bytes))?;
                 model_params.n_gpu_layers = fit.n_gpu_layers;
                 fit.host_patterns

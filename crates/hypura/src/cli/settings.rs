@@ -5,7 +5,7 @@ use anyhow::Context;
 
 use crate::cli::args::{ModelArgs, PlanArgs, SamplingArgs};
 use crate::engine::{EngineOptions, SamplerParams};
-use crate::hw::{default_cache_dir, machine_key, memory_info, ModelRecords, ProfileCache};
+use crate::hw::{default_cache_dir, format_bytes, machine_key, memory_info, ModelRecords, ProfileCache};
 use crate::model::Inventory;
 use crate::plan::{self, MachineFacts, Mode, ModeChoice, Plan, PlanOptions};
 
@@ -133,10 +133,14 @@ pub fn parse_mode(text: &str) -> anyhow::Result<ModeChoice> {
 /// the disk bandwidth from the cached profile (if `hypura profile` has run), the reader
 /// threads, and the compute time per token earlier runs of this model measured.
 pub fn machine_facts(args: &PlanArgs, model: &std::path::Path, threads: i32) -> anyhow::Result<MachineFacts> {
-    let gpu_budget_bytes = gpu_budget(args)?;
+    let devices = hypura_sys::Backend::get().devices();
+    let gpu_budget_bytes = gpu_budget(args, &devices)?;
+    // Asking a GPU for its free memory already starts its runtime in this process, so its host
+    // memory is kept whether or not the plan uses the GPU.
+    let has_gpu = devices.iter().any(|device| device.kind == hypura_sys::DeviceKind::Gpu);
     let memory_budget_bytes = match &args.memory_budget {
         Some(text) => parse_bytes(text).context("--memory-budget")?,
-        None => default_memory_budget(memory_info().effective_available_bytes(), gpu_budget_bytes > 0),
+        None => default_memory_budget(memory_info().effective_available_bytes(), has_gpu),
     };
     let disk = ProfileCache::new(default_cache_dir()).load(&machine_key()).and_then(|profile| profile.disk);
     let disk_bytes_per_sec = disk.as_ref().map(|disk| disk.best_direct.bytes_per_sec);
@@ -158,24 +162,32 @@ pub fn machine_facts(args: &PlanArgs, model: &std::path::Path, threads: i32) -> 
 }
 
 /// Device memory the GPU backend takes beyond the plan's buffers: on the H200 machine, moe-30b
-/// with an 8 GiB budget used 297 MiB more than planned (kernels loaded on first use, memory
-/// pools), dense-8b with 2 GiB 20 MiB more.
+/// with an 8 GiB budget used 297 MiB more than planned, dense-8b with 2 GiB 20 MiB more. Most
+/// of that is the compute buffer's copy of a host layer's weights for prompt batches (one
+/// moe-30b layer's experts are 349 MiB), which the plan reserves instead where it is larger;
+/// the rest is kernels loaded on first use and memory pools.
 const GPU_RUNTIME_DEVICE_BYTES: u64 = 384 << 20;
 
-/// `--gpu-budget`, or the default for this machine's devices.
-fn gpu_budget(args: &PlanArgs) -> anyhow::Result<u64> {
-    let devices = hypura_sys::Backend::get().devices();
+/// `--gpu-budget`, or the default for these devices.
+fn gpu_budget(args: &PlanArgs, devices: &[hypura_sys::DeviceInfo]) -> anyhow::Result<u64> {
     let Some(text) = &args.gpu_budget else {
-        return Ok(default_gpu_budget(&devices));
+        return Ok(default_gpu_budget(devices));
     };
     let bytes = parse_gpu_budget(text).context("--gpu-budget")?;
-    if bytes > 0 && !devices.iter().any(|device| device.kind == hypura_sys::DeviceKind::Gpu) {
+    let smallest_free = devices.iter().filter(|device| device.kind == hypura_sys::DeviceKind::Gpu).map(|device| device.free_bytes).min();
+    match smallest_free {
         // A plan with a GPU tier would count the KV cache and the GPU's tensors in device
         // memory that does not exist.
-        tracing::warn!("--gpu-budget {text}: ggml sees no dedicated GPU here, so everything runs on the CPU");
-        return Ok(0);
+        None if bytes > 0 => {
+            tracing::warn!("--gpu-budget {text}: ggml sees no dedicated GPU here, so everything runs on the CPU");
+            Ok(0)
+        }
+        Some(free) if bytes > free => {
+            tracing::warn!("--gpu-budget {text} is more than the {} free on a GPU here: loading may run out of device memory", format_bytes(free));
+            Ok(bytes)
+        }
+        _ => Ok(bytes),
     }
-    Ok(bytes)
 }
 
 /// A GPU budget: a size, or zero in any unit ("0", "0GiB"), which turns the GPU tier off.
@@ -191,14 +203,18 @@ pub fn parse_gpu_budget(text: &str) -> anyhow::Result<u64> {
 /// What the default GPU budget leaves free on each device (llama.cpp's fit leaves the same).
 const GPU_RESERVE_BYTES: u64 = 1 << 30;
 
-/// The default GPU budget: the free memory of the dedicated GPUs, less a reserve on each.
-/// Devices that share host memory get no tier of their own: the host budget covers them.
+/// The default GPU budget: one dedicated GPU's free memory less a reserve (the smallest
+/// GPU's, where there are several). llama.cpp splits the layers across GPUs by their free
+/// memory while the plan fills layers from the last one down, so what the plan puts on the GPU
+/// can all land on the last card: one card's worth is what is sure to fit. Devices that share
+/// host memory get no tier of their own: the host budget covers them.
 pub fn default_gpu_budget(devices: &[hypura_sys::DeviceInfo]) -> u64 {
     devices
         .iter()
         .filter(|device| device.kind == hypura_sys::DeviceKind::Gpu)
         .map(|device| device.free_bytes.saturating_sub(GPU_RESERVE_BYTES))
-        .sum()
+        .min()
+        .unwrap_or(0)
 }
 
 pub fn make_plan(inventory: &Inventory, args: &PlanArgs, n_ctx: u32, n_ubatch: u32, threads: i32) -> anyhow::Result<Plan> {
@@ -290,10 +306,18 @@ mod tests {
     }
 
     #[test]
-    fn the_default_gpu_budget_counts_dedicated_gpus_less_a_reserve() {
+    fn the_default_gpu_budget_is_one_dedicated_gpu_less_a_reserve() {
         let device = |kind, free: u64| hypura_sys::DeviceInfo { name: String::new(), description: String::new(), kind, free_bytes: free, total_bytes: free };
-        let devices = [device(hypura_sys::DeviceKind::Cpu, 64 << 30), device(hypura_sys::DeviceKind::Gpu, 24 << 30), device(hypura_sys::DeviceKind::Gpu, 512 << 20)];
-        assert_eq!(default_gpu_budget(&devices), 23 << 30);
+        let devices = [
+            device(hypura_sys::DeviceKind::Cpu, 64 << 30),
+            device(hypura_sys::DeviceKind::Gpu, 24 << 30),
+            device(hypura_sys::DeviceKind::Gpu, 12 << 30),
+            device(hypura_sys::DeviceKind::Gpu, 512 << 20),
+        ];
+        assert_eq!(default_gpu_budget(&devices[..2]), 23 << 30);
+        // Several GPUs: the smallest one's, since the plan's layers may all land on one card.
+        assert_eq!(default_gpu_budget(&devices[..3]), 11 << 30);
+        assert_eq!(default_gpu_budget(&devices), 0);
         assert_eq!(default_gpu_budget(&devices[..1]), 0);
     }
 

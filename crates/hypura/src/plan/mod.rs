@@ -138,7 +138,8 @@ pub struct GpuLayout {
     pub tied_output_bytes: u64,
     pub kv_cache_bytes: u64,
     pub compute_buffer_bytes: u64,
-    /// Kept for the backend's own use (`MachineFacts::gpu_runtime_bytes`).
+    /// Kept for the backend's own use (`MachineFacts::gpu_runtime_bytes`), or for op offload's
+    /// copy of the largest host layer's FFN when that is larger.
     pub runtime_bytes: u64,
     /// Layers whose FFN (dense, or every routed expert) is in device memory too.
     pub ffn_layers: Vec<u32>,
@@ -280,12 +281,19 @@ fn gpu_tier(inventory: &Inventory, options: &PlanOptions, machine: &MachineFacts
         .map(|tensor| tensor.bytes)
         .sum();
     let has_output = inventory.tensors.iter().any(|tensor| tensor.role == crate::model::Role::Output);
+    // Only `token_embd.weight` is copied for the logits (not, say, a per-layer embedding).
     let tied_output_bytes =
-        if has_output { 0 } else { inventory.tensors.iter().filter(|tensor| tensor.role == crate::model::Role::TokenEmbedding).map(|tensor| tensor.bytes).sum() };
+        if has_output { 0 } else { inventory.tensors.iter().filter(|tensor| tensor.name == TOKEN_EMBEDDING).map(|tensor| tensor.bytes).sum() };
+    // For a prompt batch, ggml's op offload runs host layers' FFN on the device from a copy of
+    // their weights in the compute buffer, one layer at a time. Unless every layer's FFN is on
+    // the device, the reserve holds the largest layer's (never less than the runtime's own).
+    let all_on_device = ffn && every_token + tied_output_bytes + kv + compute + runtime + layer_ffn.iter().sum::<u64>() <= budget;
+    let offload_copy = if all_on_device { 0 } else { layer_ffn.iter().copied().max().unwrap_or(0) };
+    let runtime = runtime.max(offload_copy);
     let fixed = every_token + tied_output_bytes + kv + compute + runtime;
     if fixed > budget {
         return Err(format!(
-            "the GPU budget of {} cannot hold attention, norms and output ({}) with the KV cache ({}), compute buffers ({}) and the runtime's own memory ({}); everything runs on the CPU",
+            "the GPU budget of {} cannot hold attention, norms and output ({}) with the KV cache ({}), compute buffers ({}) and the runtime's reserve ({}); everything runs on the CPU",
             format_bytes(budget),
             format_bytes(every_token + tied_output_bytes),
             format_bytes(kv),
@@ -939,10 +947,12 @@ mod tests {
         let inventory = inventory(8, 16 << 20, 32 << 20, 64 << 20);
         let options = auto_window(ModeChoice::Auto);
         let fixed = 8 * (16 << 20) + (64 << 20) + kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 256);
-        let plan = plan(&inventory, &with_gpu(8 << 30, fixed + 3 * (96 << 20) + (50 << 20)), &options).unwrap();
+        // What every token touches, op offload's copy of one host layer's FFN, 3 FFN layers.
+        let plan = plan(&inventory, &with_gpu(8 << 30, fixed + (96 << 20) + 3 * (96 << 20) + (50 << 20)), &options).unwrap();
         let gpu = plan.gpu.as_ref().expect("a GPU tier");
         assert_eq!(gpu.ffn_layers, vec![5, 6, 7], "{}", plan.render());
         assert_eq!(gpu.tied_output_bytes, 64 << 20);
+        assert_eq!(gpu.runtime_bytes, 96 << 20, "the copy of a host layer's FFN for prompt batches");
         assert_eq!(plan.mode, Mode::Resident);
         let tier = |name: &str| plan.tensors.iter().find(|tensor| tensor.name == name).unwrap().tier;
         assert_eq!(tier("token_embd.weight"), Tier::Ram);
@@ -961,12 +971,42 @@ mod tests {
     }
 
     #[test]
+    fn a_gpu_holding_every_layer_keeps_no_room_for_copies_of_host_weights() {
+        let inventory = inventory(8, 16 << 20, 32 << 20, 64 << 20);
+        let fixed = 8 * (16 << 20) + (64 << 20) + kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 256);
+        let all = plan(&inventory, &with_gpu(8 << 30, fixed + 8 * (96 << 20)), &auto_window(ModeChoice::Auto)).unwrap();
+        let gpu = all.gpu.as_ref().unwrap();
+        assert_eq!(gpu.ffn_layers.len(), 8, "{}", all.render());
+        assert_eq!(gpu.runtime_bytes, 0);
+        // One byte less: a layer stays on the host, and room for its copy costs another layer.
+        let short = plan(&inventory, &with_gpu(8 << 30, fixed + 8 * (96 << 20) - 1), &auto_window(ModeChoice::Auto)).unwrap();
+        assert_eq!(short.gpu.as_ref().unwrap().ffn_layers, vec![2, 3, 4, 5, 6, 7], "{}", short.render());
+        // The runtime's own reserve counts when it is the larger.
+        let machine = MachineFacts { gpu_runtime_bytes: 200 << 20, ..with_gpu(8 << 30, fixed + 8 * (96 << 20)) };
+        assert_eq!(plan(&inventory, &machine, &auto_window(ModeChoice::Auto)).unwrap().gpu.unwrap().runtime_bytes, 200 << 20);
+    }
+
+    #[test]
+    fn only_the_token_embedding_is_copied_for_tied_logits() {
+        // A per-layer embedding (Gemma 3n) is looked up on the host, never used for the logits.
+        let mut inventory = inventory(4, 16 << 20, 32 << 20, 64 << 20);
+        let last = inventory.tensors.last().unwrap();
+        let offset = last.file_offset + last.bytes;
+        inventory.tensors.push(TensorEntry { name: "per_layer_token_embd.weight".into(), role: Role::TokenEmbedding, layer: None, file_offset: offset, ..inventory.tensors[0].clone() });
+        let plan = plan(&inventory, &with_gpu(8 << 30, 4 << 30), &auto_window(ModeChoice::Auto)).unwrap();
+        let gpu = plan.gpu.as_ref().unwrap();
+        assert_eq!(gpu.tied_output_bytes, 64 << 20);
+        assert_eq!(plan.tensors.iter().find(|tensor| tensor.name == "per_layer_token_embd.weight").unwrap().tier, Tier::Ram);
+    }
+
+    #[test]
     fn ffn_layers_the_gpu_holds_leave_the_host_stream_plan() {
         let inventory = inventory(16, 16 << 20, 32 << 20, 64 << 20);
         let gpu_fixed = 16 * (16 << 20) + (64 << 20) + kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 256);
         let host_fixed = (64 << 20) + compute_buffer_bytes(&inventory, 1024, 256);
-        // The GPU holds 4 FFN layers; the host the window (2 layers) and 4 pinned.
-        let plan = plan(&inventory, &with_gpu(host_fixed + 6 * (96 << 20), gpu_fixed + 4 * (96 << 20)), &options(ModeChoice::Auto, 1)).unwrap();
+        // The GPU holds 4 FFN layers (and room to copy a fifth); the host the window (2 layers)
+        // and 4 pinned.
+        let plan = plan(&inventory, &with_gpu(host_fixed + 6 * (96 << 20), gpu_fixed + 5 * (96 << 20)), &options(ModeChoice::Auto, 1)).unwrap();
         let dense = plan.dense.as_ref().expect("dense-stream");
         assert_eq!(plan.gpu.as_ref().unwrap().ffn_layers, vec![12, 13, 14, 15]);
         assert_eq!(dense.pinned_layers.len(), 4, "{}", plan.render());
