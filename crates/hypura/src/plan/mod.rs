@@ -655,6 +655,18 @@ impl Plan {
             .collect()
     }
 
+    /// What a model loaded with this plan holds in memory with a KV cache of `kv_bytes`, and
+    /// the part of it in device memory (Ollama's `size` and `size_vram`): host weights (the
+    /// stream window's, not every streamed byte), the GPU tier's weights, and the KV cache,
+    /// which is on the GPU with a GPU tier.
+    pub fn memory_use(&self, kv_bytes: u64) -> (u64, u64) {
+        let host = self.budget.resident_weight_bytes + self.budget.window_bytes;
+        match &self.gpu {
+            Some(gpu) => (host + gpu.weight_bytes + kv_bytes, gpu.weight_bytes + kv_bytes),
+            None => (host + kv_bytes, 0),
+        }
+    }
+
     pub fn streamed_tensors(&self) -> impl Iterator<Item = &TensorPlacement> {
         self.tensors.iter().filter(|tensor| tensor.tier == Tier::Stream)
     }
@@ -984,6 +996,27 @@ mod tests {
         // The runtime's own reserve counts when it is the larger.
         let machine = MachineFacts { gpu_runtime_bytes: 200 << 20, ..with_gpu(8 << 30, fixed + 8 * (96 << 20)) };
         assert_eq!(plan(&inventory, &machine, &auto_window(ModeChoice::Auto)).unwrap().gpu.unwrap().runtime_bytes, 200 << 20);
+    }
+
+    #[test]
+    fn memory_use_splits_host_and_device_as_planned() {
+        let inventory = inventory(8, 16 << 20, 32 << 20, 64 << 20);
+        let kv = 10 << 20;
+        let host_only = plan(&inventory, &with_gpu(8 << 30, 0), &auto_window(ModeChoice::Auto)).unwrap();
+        assert_eq!(host_only.memory_use(kv), (inventory.tensor_data_bytes() + kv, 0));
+        let with_tier = plan(&inventory, &with_gpu(8 << 30, 4 << 30), &auto_window(ModeChoice::Auto)).unwrap();
+        let gpu = with_tier.gpu.as_ref().unwrap();
+        // The embedding stays on the host; the device holds the rest and the tied output's copy.
+        assert_eq!(gpu.weight_bytes, inventory.tensor_data_bytes() - (64 << 20) + (64 << 20));
+        assert_eq!(with_tier.memory_use(kv), ((64 << 20) + gpu.weight_bytes + kv, gpu.weight_bytes + kv));
+        // Streaming: the host part is the resident weights and the window, not the whole file.
+        let host_fixed = (64 << 20) + compute_buffer_bytes(&inventory, 1024, 256) + kv_cache_bytes(&inventory, 1024);
+        let streamed = plan(&inventory, &with_gpu(host_fixed + 4 * (96 << 20), 0), &options(ModeChoice::Auto, 1)).unwrap();
+        assert_eq!(streamed.mode, Mode::DenseStream, "{}", streamed.render());
+        let (size, vram) = streamed.memory_use(kv);
+        assert_eq!(size, streamed.budget.resident_weight_bytes + streamed.budget.window_bytes + kv);
+        assert!(size < inventory.tensor_data_bytes());
+        assert_eq!(vram, 0);
     }
 
     #[test]

@@ -542,16 +542,10 @@ fn prompt_tokens(engine: &Engine, context: &[Token], prompt: &PromptText) -> Res
 fn engine_info(engine: &Engine, batcher: &Batcher) -> EngineInfo {
     let n_ctx_total = (batcher.n_ctx_per_sequence() * batcher.n_sequences()) as u32;
     let kv = crate::plan::kv_cache_bytes(engine.inventory(), n_ctx_total);
-    let plan = engine.options().plan.as_ref();
-    // Device memory: the GPU tier's weights (the tied output's copy included) and, with a GPU
-    // tier, the KV cache.
-    let gpu = plan.and_then(|plan| plan.gpu.as_ref());
-    let vram_bytes = gpu.map_or(0, |gpu| gpu.weight_bytes + kv);
-    let host_weights = match (plan, engine.streaming()) {
-        (Some(plan), Some(_)) => plan.budget.resident_weight_bytes + plan.budget.window_bytes,
-        _ => engine.model().size_bytes() - gpu.map_or(0, |gpu| gpu.weight_bytes - gpu.tied_output_bytes),
+    let (size_bytes, vram_bytes) = match &engine.options().plan {
+        Some(plan) => plan.memory_use(kv),
+        None => (engine.model().size_bytes() + kv, 0),
     };
-    let size_bytes = host_weights + if gpu.is_some() { vram_bytes } else { kv };
     let io = engine.streaming().map(|streaming| streaming.stats.clone());
     EngineInfo { size_bytes, vram_bytes, context_length: batcher.n_ctx_per_sequence(), mode: engine.mode().name(), io }
 }
