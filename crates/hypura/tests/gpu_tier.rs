@@ -50,6 +50,32 @@ fn plan_with_gpu(inventory: &Inventory, ffn_layers: usize, host_spare: u64) -> P
     plan
 }
 
+/// A GPU budget for llama.cpp's partial offload of the last `layers` layers (attention, FFN
+/// and KV cache) and the output (for Gemma, the tied embedding's copy) with the compute buffer
+/// and room to copy one host layer, which is less than every layer's attention with the
+/// output; a host budget for the embedding, the other layers' attention and KV cache, and
+/// `host_spare` bytes of FFN, so the rest streams.
+fn plan_with_whole_layers(inventory: &Inventory, layers: usize, host_spare: u64) -> Plan {
+    let n_layer = inventory.hparams.n_layer as usize;
+    let whole: Vec<u64> = (0..n_layer as u32).map(|layer| inventory.tensors.iter().filter(|tensor| tensor.layer == Some(layer)).map(|tensor| tensor.bytes).sum()).collect();
+    let ffn = layer_ffn(inventory);
+    let embedding: u64 = inventory.tensors.iter().filter(|tensor| tensor.role == Role::TokenEmbedding).map(|tensor| tensor.bytes).sum();
+    let outside = inventory.tensor_data_bytes() - whole.iter().sum::<u64>() - embedding;
+    let tied = if inventory.tensors.iter().any(|tensor| tensor.role == Role::Output) { 0 } else { embedding };
+    let kv_layer = plan::kv_cache_bytes(inventory, N_CTX) / n_layer as u64;
+    let compute = plan::compute_buffer_bytes(inventory, N_CTX, 512);
+    let gpu = outside + tied + compute + whole.iter().max().unwrap() + whole.iter().rev().take(layers).map(|bytes| bytes + kv_layer).sum::<u64>();
+    let host_layers = n_layer - layers;
+    let host_fixed = embedding + (0..host_layers).map(|layer| whole[layer] - ffn[layer] + kv_layer).sum::<u64>() + compute;
+    let facts = MachineFacts { memory_budget_bytes: host_fixed + host_spare, disk_bytes_per_sec: Some(1e9), gpu_budget_bytes: gpu, ..MachineFacts::default() };
+    let options = PlanOptions { mode: ModeChoice::Auto, n_ctx: N_CTX, n_ubatch: 512, window_layers: Some(1), expert_prefetch: Some(true), ..PlanOptions::default() };
+    let plan = plan::plan(inventory, &facts, &options).unwrap();
+    assert_eq!(plan.gpu.as_ref().unwrap().whole_layers, Some(host_layers as u32..n_layer as u32), "{}", plan.render());
+    // The layers and the output, as llama.cpp counts them.
+    assert_eq!(plan.n_gpu_layers(), layers as i32 + 1);
+    plan
+}
+
 fn greedy(engine: &Arc<Engine>, count: u32) -> hypura::engine::GenerateOutput {
     let mut session = Session::new(engine.clone()).unwrap();
     let request = GenerateRequest { max_tokens: Some(count), sampling: SamplerParams::greedy(), ignore_eos: true, ..GenerateRequest::new(Prompt::Raw(PROMPT.into())) };
@@ -60,23 +86,31 @@ fn greedy(engine: &Arc<Engine>, count: u32) -> hypura::engine::GenerateOutput {
 /// tokens, and the hook stopped the graph `hooked_layers` times per graph.
 fn assert_same_as_llama_cpp(path: &Path, plan: Plan, mode: Mode, hooked_layers: u64) {
     let placement = PeerPlacement::parse("same", Some(&plan), 0).unwrap();
+    let whole_layers = plan.gpu.as_ref().unwrap().whole_layers.clone();
     match &placement {
         PeerPlacement::Same { n_gpu_layers, host_patterns } => {
-            assert_eq!(*n_gpu_layers, -1);
-            // The peer keeps every host and streamed tensor in host memory, by exact name.
-            let host = plan.tensors.iter().filter(|tensor| tensor.tier != Tier::Gpu && tensor.name != "token_embd.weight").count();
+            assert_eq!(*n_gpu_layers, whole_layers.as_ref().map_or(-1, |layers| layers.len() as i32 + 1));
+            // The peer keeps every host and streamed tensor that n_gpu_layers would put on the
+            // device in host memory, by exact name (none where the device holds whole layers).
+            let host = plan
+                .tensors
+                .iter()
+                .filter(|tensor| tensor.tier != Tier::Gpu && tensor.name != "token_embd.weight")
+                .filter(|tensor| whole_layers.as_ref().is_none_or(|layers| tensor.layer.is_some_and(|layer| layers.contains(&layer))))
+                .count();
             assert_eq!(host_patterns.len(), host);
-            assert!(host > 0);
+            assert_eq!(host > 0, whole_layers.is_none());
         }
         other => panic!("{other:?}"),
     }
+    let n_gpu_layers = plan.n_gpu_layers();
     let options = EngineOptions { n_ctx: N_CTX, n_threads: Some(1), repack: false, plan: Some(plan), ..EngineOptions::default() };
     let engine = Arc::new(Engine::load(path, options).unwrap());
     assert_eq!(engine.mode(), mode);
     let ours = greedy(&engine, 32);
     let config = PeerConfig { repack: false, placement, ..PeerConfig::default() };
     let mut peer = PlainLlama::load_configured(path, N_CTX, 1, &config).unwrap();
-    assert!(peer.placement().contains("n_gpu_layers -1"), "{}", peer.placement());
+    assert!(peer.placement().contains(&format!("n_gpu_layers {n_gpu_layers},")), "{}", peer.placement());
     let theirs = peer.greedy(&peer.tokenize(PROMPT).unwrap(), 32).unwrap();
     assert_eq!(ours.tokens, theirs);
     let io = ours.stats.io.expect("streaming stats");
@@ -111,5 +145,19 @@ fn gemma_ffn_layers_on_the_gpu_leave_the_dense_window_and_tokens_equal_llama_cpp
     let dense = plan.dense.as_ref().unwrap_or_else(|| panic!("{}", plan.render()));
     assert_eq!((dense.pinned_layers.len(), dense.streamed_layers.len()), (3, 11), "{}", plan.render());
     // The dense hook stops at every layer (pinned and GPU layers start the next reads early).
+    assert_same_as_llama_cpp(&path, plan, Mode::DenseStream, 18);
+}
+
+#[test]
+fn gemma_last_layers_whole_on_the_gpu_leave_the_dense_window_and_tokens_equal_llama_cpp_with_that_placement() {
+    let path = common::gemma_path();
+    let inventory = Inventory::open(&path).unwrap();
+    let largest = layer_ffn(&inventory).into_iter().max().unwrap();
+    // 18 layers: the last 3 whole on the GPU with the output; of the first 15 the host pins 3
+    // and streams 12 through a window of 2.
+    let plan = plan_with_whole_layers(&inventory, 3, 5 * largest + largest / 2);
+    let dense = plan.dense.as_ref().unwrap_or_else(|| panic!("{}", plan.render()));
+    assert_eq!((dense.pinned_layers.len(), dense.streamed_layers.len()), (3, 12), "{}", plan.render());
+    assert!(dense.streamed_layers.iter().all(|&layer| layer < 15));
     assert_same_as_llama_cpp(&path, plan, Mode::DenseStream, 18);
 }

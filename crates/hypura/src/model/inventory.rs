@@ -197,7 +197,7 @@ impl Inventory {
             entry.2 += tensor.bytes;
         }
         let mut mix: Vec<_> = mix.into_values().collect();
-        mix.sort_by(|a, b| b.2.cmp(&a.2));
+        mix.sort_by_key(|entry| std::cmp::Reverse(entry.2));
         mix
     }
 
@@ -222,7 +222,7 @@ fn read_hparams(path: &Path, arch: &str, gguf: &hypura_gguf::Gguf) -> Result<Hpa
     let n_embd = required("embedding_length")?;
     let n_head = number("attention.head_count").unwrap_or(0);
     let n_head_kv = number("attention.head_count_kv").unwrap_or(n_head);
-    let default_head_dim = if n_head > 0 { n_embd / n_head } else { 0 };
+    let default_head_dim = n_embd.checked_div(n_head).unwrap_or(0);
     let head_dim_k = number("attention.key_length").unwrap_or(default_head_dim);
     let n_vocab = number("vocab_size")
         .or_else(|| gguf.get("tokenizer.ggml.tokens").and_then(Value::as_array).map(|tokens| tokens.len() as u64))

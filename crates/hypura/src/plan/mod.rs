@@ -126,8 +126,9 @@ pub const HUGE_SLICE_MIN_BYTES: u64 = 4 << 20;
 
 /// The GPU tier: what every token touches (attention, norms, router, shared experts, the
 /// output matrix) and the KV cache in device memory, then the FFN of whole layers while the
-/// budget lasts. The token embedding stays in host memory (llama.cpp looks tokens up on the
-/// CPU).
+/// budget lasts; or, where every layer's attention and KV cache do not fit, the output and the
+/// last layers whole. The token embedding stays in host memory (llama.cpp looks tokens up on
+/// the CPU).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct GpuLayout {
     pub budget_bytes: u64,
@@ -143,6 +144,10 @@ pub struct GpuLayout {
     pub runtime_bytes: u64,
     /// Layers whose FFN (dense, or every routed expert) is in device memory too.
     pub ffn_layers: Vec<u32>,
+    /// None: every layer's attention is on the device. Some(range): the budget cannot hold
+    /// every layer's attention and KV cache, so only these last layers are on the device, whole,
+    /// as llama.cpp's `n_gpu_layers` places them (their count and the output).
+    pub whole_layers: Option<std::ops::Range<u32>>,
 }
 
 impl GpuLayout {
@@ -154,7 +159,16 @@ impl GpuLayout {
         if is_streamable(tensor) {
             tensor.layer.is_some_and(|layer| self.ffn_layers.contains(&layer))
         } else {
-            tensor.role != crate::model::Role::TokenEmbedding
+            tensor.role != crate::model::Role::TokenEmbedding && self.offloads(tensor.layer)
+        }
+    }
+
+    /// Whether llama.cpp's `n_gpu_layers` for this layout puts a tensor of `layer` (None: not in
+    /// a layer, as the output) on the device, unless an override keeps it on the host.
+    fn offloads(&self, layer: Option<u32>) -> bool {
+        match (&self.whole_layers, layer) {
+            (Some(range), Some(layer)) => range.contains(&layer),
+            _ => true,
         }
     }
 }
@@ -162,6 +176,7 @@ impl GpuLayout {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct TensorPlacement {
     pub name: String,
+    pub layer: Option<u32>,
     pub tier: Tier,
     pub bytes: u64,
     pub why: &'static str,
@@ -265,41 +280,42 @@ fn spread(count: usize, total: usize) -> Vec<usize> {
 }
 
 /// The GPU tier for `budget` bytes of device memory: Ok(None) without a budget, Err(why) when
-/// the budget cannot hold what every token touches. With `ffn`, whole layers' FFN fill what is
-/// left, from the last layer down.
+/// the budget cannot hold even one whole layer. With `ffn`, whole layers' FFN fill what is left
+/// after what every token touches, from the last layer down; where every layer's attention and
+/// KV cache do not fit, the last layers go on the device whole instead.
 fn gpu_tier(inventory: &Inventory, options: &PlanOptions, machine: &MachineFacts, layer_ffn: &[u64], ffn: bool) -> Result<Option<GpuLayout>, String> {
     let (budget, runtime) = (machine.gpu_budget_bytes, machine.gpu_runtime_bytes);
-    if budget == 0 {
+    if budget == 0 || layer_ffn.is_empty() {
         return Ok(None);
     }
+    let n_layer = layer_ffn.len();
     let kv = kv_cache_bytes(inventory, options.n_ctx);
     let compute = compute_buffer_bytes(inventory, options.n_ctx, options.n_ubatch);
-    let every_token: u64 = inventory
-        .tensors
-        .iter()
-        .filter(|tensor| !is_streamable(tensor) && tensor.role != crate::model::Role::TokenEmbedding)
-        .map(|tensor| tensor.bytes)
-        .sum();
+    // What every token touches, per layer (attention, norms, router, shared experts) and
+    // outside the layers (output matrix, final norm); the token embedding stays on the host.
+    let mut layer_attention = vec![0u64; n_layer];
+    let mut outside_layers = 0u64;
+    for tensor in inventory.tensors.iter().filter(|tensor| !is_streamable(tensor) && tensor.role != crate::model::Role::TokenEmbedding) {
+        match tensor.layer {
+            Some(layer) if (layer as usize) < n_layer => layer_attention[layer as usize] += tensor.bytes,
+            _ => outside_layers += tensor.bytes,
+        }
+    }
+    let every_token = outside_layers + layer_attention.iter().sum::<u64>();
     let has_output = inventory.tensors.iter().any(|tensor| tensor.role == crate::model::Role::Output);
     // Only `token_embd.weight` is copied for the logits (not, say, a per-layer embedding).
     let tied_output_bytes =
         if has_output { 0 } else { inventory.tensors.iter().filter(|tensor| tensor.name == TOKEN_EMBEDDING).map(|tensor| tensor.bytes).sum() };
-    // For a prompt batch, ggml's op offload runs host layers' FFN on the device from a copy of
-    // their weights in the compute buffer, one layer at a time. Unless every layer's FFN is on
-    // the device, the reserve holds the largest layer's (never less than the runtime's own).
+    // For a prompt batch, ggml's op offload runs host layers on the device from a copy of their
+    // weights in the compute buffer, one layer at a time. Unless every layer's FFN is on the
+    // device, the reserve holds the largest host layer's (never less than the runtime's own).
     let all_on_device = ffn && every_token + tied_output_bytes + kv + compute + runtime + layer_ffn.iter().sum::<u64>() <= budget;
     let offload_copy = if all_on_device { 0 } else { layer_ffn.iter().copied().max().unwrap_or(0) };
-    let runtime = runtime.max(offload_copy);
-    let fixed = every_token + tied_output_bytes + kv + compute + runtime;
+    let full_runtime = runtime.max(offload_copy);
+    let fixed = every_token + tied_output_bytes + kv + compute + full_runtime;
     if fixed > budget {
-        return Err(format!(
-            "the GPU budget of {} cannot hold attention, norms and output ({}) with the KV cache ({}), compute buffers ({}) and the runtime's reserve ({}); everything runs on the CPU",
-            format_bytes(budget),
-            format_bytes(every_token + tied_output_bytes),
-            format_bytes(kv),
-            format_bytes(compute),
-            format_bytes(runtime)
-        ));
+        let output = DeviceOutput { weight_bytes: outside_layers, tied_bytes: tied_output_bytes };
+        return partial_gpu_tier(budget, runtime, compute, output, kv / n_layer as u64, &layer_attention, layer_ffn, ffn, fixed);
     }
     let mut spare = budget - fixed;
     let mut ffn_layers = Vec::new();
@@ -318,8 +334,72 @@ fn gpu_tier(inventory: &Inventory, options: &PlanOptions, machine: &MachineFacts
         tied_output_bytes,
         kv_cache_bytes: kv,
         compute_buffer_bytes: compute,
-        runtime_bytes: runtime,
+        runtime_bytes: full_runtime,
         ffn_layers,
+        whole_layers: None,
+    }))
+}
+
+/// What every token touches outside the layers, on the device in both GPU layouts.
+struct DeviceOutput {
+    /// The output matrix, final norm and the like.
+    weight_bytes: u64,
+    /// The token embedding's copy that a model without an output matrix computes logits with.
+    tied_bytes: u64,
+}
+
+/// The GPU tier when every layer's attention and KV cache (`full_bytes` in all) do not fit:
+/// llama.cpp's own partial offload, the last layers whole (attention, KV cache and, with `ffn`,
+/// FFN) and the output, as many layers as the budget holds after the output, the compute
+/// buffers and the reserve. Op offload then copies whole host layers (attention too) for
+/// prompt batches, so the reserve holds the largest layer's weights.
+#[allow(clippy::too_many_arguments)]
+fn partial_gpu_tier(
+    budget: u64,
+    runtime: u64,
+    compute: u64,
+    output: DeviceOutput,
+    kv_per_layer: u64,
+    layer_attention: &[u64],
+    layer_ffn: &[u64],
+    ffn: bool,
+    full_bytes: u64,
+) -> Result<Option<GpuLayout>, String> {
+    let n_layer = layer_ffn.len();
+    let largest_layer = (0..n_layer).map(|layer| layer_attention[layer] + layer_ffn[layer]).max().unwrap_or(0);
+    let runtime = runtime.max(largest_layer);
+    let whole = |layer: usize| layer_attention[layer] + if ffn { layer_ffn[layer] } else { 0 };
+    let fixed = output.weight_bytes + output.tied_bytes + compute + runtime;
+    let mut spare = budget.saturating_sub(fixed);
+    let mut count = 0;
+    for layer in (0..n_layer).rev() {
+        let bytes = whole(layer) + kv_per_layer;
+        if bytes > spare {
+            break;
+        }
+        spare -= bytes;
+        count += 1;
+    }
+    if count == 0 {
+        return Err(format!(
+            "the GPU budget of {} cannot hold every layer's attention and KV cache ({} with buffers and reserve), nor one whole layer with the output ({}), compute buffers ({}) and the runtime's reserve ({}); everything runs on the CPU",
+            format_bytes(budget),
+            format_bytes(full_bytes),
+            format_bytes(output.weight_bytes + output.tied_bytes),
+            format_bytes(compute),
+            format_bytes(runtime)
+        ));
+    }
+    let layers = (n_layer - count) as u32..n_layer as u32;
+    Ok(Some(GpuLayout {
+        budget_bytes: budget,
+        weight_bytes: output.weight_bytes + output.tied_bytes + layers.clone().map(|layer| whole(layer as usize)).sum::<u64>(),
+        tied_output_bytes: output.tied_bytes,
+        kv_cache_bytes: kv_per_layer * count as u64,
+        compute_buffer_bytes: compute,
+        runtime_bytes: runtime,
+        ffn_layers: if ffn { layers.clone().collect() } else { Vec::new() },
+        whole_layers: Some(layers),
     }))
 }
 
@@ -329,18 +409,21 @@ fn place(inventory: &Inventory, gpu: Option<&GpuLayout>, host: impl Fn(&TensorEn
         .tensors
         .iter()
         .map(|tensor| {
-            let (tier, why) = if gpu.is_some_and(|gpu| gpu.holds(tensor)) { (Tier::Gpu, gpu_reason(tensor)) } else { host(tensor) };
-            TensorPlacement { name: tensor.name.clone(), tier, bytes: tensor.bytes, why }
+            let (tier, why) = match gpu {
+                Some(gpu) if gpu.holds(tensor) => (Tier::Gpu, gpu_reason(gpu, tensor)),
+                _ => host(tensor),
+            };
+            TensorPlacement { name: tensor.name.clone(), layer: tensor.layer, tier, bytes: tensor.bytes, why }
         })
         .collect()
 }
 
 /// Why a tensor on the GPU is there.
-fn gpu_reason(tensor: &TensorEntry) -> &'static str {
-    if is_streamable(tensor) {
-        "FFN of a layer the GPU budget holds: computed on the GPU"
-    } else {
-        "touched by every token: on the GPU with the KV cache"
+fn gpu_reason(gpu: &GpuLayout, tensor: &TensorEntry) -> &'static str {
+    match (&gpu.whole_layers, is_streamable(tensor)) {
+        (Some(_), _) => "a layer the GPU budget holds whole: computed on the GPU",
+        (None, true) => "FFN of a layer the GPU budget holds: computed on the GPU",
+        (None, false) => "touched by every token: on the GPU with the KV cache",
     }
 }
 
@@ -357,7 +440,7 @@ pub fn plan(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions
     // What the host holds: weights not on the GPU, the KV cache unless the GPU holds it, and
     // the CPU's compute buffers (the CPU still computes host-resident and streamed layers).
     let weights: u64 = inventory.tensors.iter().filter(|tensor| !on_gpu(tensor)).map(|tensor| tensor.bytes).sum();
-    let kv = if gpu.is_some() { 0 } else { kv_cache_bytes(inventory, options.n_ctx) };
+    let kv = kv_cache_bytes(inventory, options.n_ctx) - gpu.as_ref().map_or(0, |gpu| gpu.kv_cache_bytes);
     let compute = compute_buffer_bytes(inventory, options.n_ctx, options.n_ubatch);
     let budget = machine.memory_budget_bytes;
     let everything = weights + kv + compute;
@@ -633,24 +716,25 @@ const TOKEN_EMBEDDING: &str = "token_embd.weight";
 
 impl Plan {
     /// llama.cpp's `n_gpu_layers` for this plan: every layer (and the output) with a GPU tier,
-    /// none without.
+    /// the output and the last layers where the tier holds just those, none without.
     pub fn n_gpu_layers(&self) -> i32 {
-        if self.gpu.is_some() {
-            -1
-        } else {
-            0
+        match &self.gpu {
+            // llama.cpp counts the output as one more layer, offloaded first.
+            Some(GpuLayout { whole_layers: Some(layers), .. }) => layers.len() as i32 + 1,
+            Some(_) => -1,
+            None => 0,
         }
     }
 
     /// Override patterns (exact names) that keep the tensors of `tiers` in host memory where
     /// `n_gpu_layers` would put them on the GPU: empty without a GPU tier.
     pub fn host_patterns(&self, tiers: &[Tier]) -> Vec<String> {
-        if self.gpu.is_none() {
+        let Some(gpu) = &self.gpu else {
             return Vec::new();
-        }
+        };
         self.tensors
             .iter()
-            .filter(|tensor| tiers.contains(&tensor.tier) && tensor.name != TOKEN_EMBEDDING)
+            .filter(|tensor| tiers.contains(&tensor.tier) && tensor.name != TOKEN_EMBEDDING && gpu.offloads(tensor.layer))
             .map(|tensor| hypura_sys::exact_name_pattern(&tensor.name))
             .collect()
     }
@@ -662,7 +746,12 @@ impl Plan {
     pub fn memory_use(&self, kv_bytes: u64) -> (u64, u64) {
         let host = self.budget.resident_weight_bytes + self.budget.window_bytes;
         match &self.gpu {
-            Some(gpu) => (host + gpu.weight_bytes + kv_bytes, gpu.weight_bytes + kv_bytes),
+            Some(gpu) => {
+                // The device's share of the KV cache as planned (all of it, or its layers').
+                let planned = u128::from(gpu.kv_cache_bytes + self.budget.kv_cache_bytes).max(1);
+                let device_kv = (u128::from(kv_bytes) * u128::from(gpu.kv_cache_bytes) / planned) as u64;
+                (host + gpu.weight_bytes + kv_bytes, gpu.weight_bytes + device_kv)
+            }
             None => (host + kv_bytes, 0),
         }
     }
@@ -687,18 +776,30 @@ impl Plan {
             format_bytes(budget.compute_buffer_bytes)
         );
         if let Some(gpu) = &self.gpu {
+            let layers = match &gpu.whole_layers {
+                Some(layers) => format!(
+                    "layers {}-{} whole on the GPU with the output ({} of {}; every layer's attention and KV cache do not fit)",
+                    layers.start,
+                    layers.end - 1,
+                    layers.len(),
+                    layers.end
+                ),
+                None => format!(
+                    "FFN of {} layer{} on the GPU{}",
+                    gpu.ffn_layers.len(),
+                    if gpu.ffn_layers.len() == 1 { "" } else { "s" },
+                    if gpu.ffn_layers.is_empty() { String::new() } else { format!(" {:?}", gpu.ffn_layers) }
+                ),
+            };
             let _ = writeln!(
                 out,
-                "gpu          {} of a {} budget: {} weights + {} KV cache + {} compute buffers + {} runtime; FFN of {} layer{} on the GPU{}",
+                "gpu          {} of a {} budget: {} weights + {} KV cache + {} compute buffers + {} runtime; {layers}",
                 format_bytes(gpu.total_bytes()),
                 format_bytes(gpu.budget_bytes),
                 format_bytes(gpu.weight_bytes),
                 format_bytes(gpu.kv_cache_bytes),
                 format_bytes(gpu.compute_buffer_bytes),
                 format_bytes(gpu.runtime_bytes),
-                gpu.ffn_layers.len(),
-                if gpu.ffn_layers.len() == 1 { "" } else { "s" },
-                if gpu.ffn_layers.is_empty() { String::new() } else { format!(" {:?}", gpu.ffn_layers) }
             );
             let _ = writeln!(
                 out,
@@ -999,6 +1100,49 @@ mod tests {
     }
 
     #[test]
+    fn a_gpu_too_small_for_every_layers_attention_takes_the_last_layers_whole() {
+        // 8 layers of 64 MiB attention and 3 × 32 MiB FFN, a tied 64 MiB embedding. Every
+        // layer's attention (512 MiB) with the output's copy does not fit; the output's copy,
+        // two whole layers (160 MiB and 2 MiB of KV cache each) and room to copy a host layer
+        // do: llama.cpp's own partial offload.
+        let inventory = inventory(8, 64 << 20, 32 << 20, 64 << 20);
+        let kv = kv_cache_bytes(&inventory, 1024);
+        assert_eq!(kv, 16 << 20);
+        let compute = compute_buffer_bytes(&inventory, 1024, 256);
+        let budget = compute + (64 << 20) + (160 << 20) + 2 * (162 << 20);
+        let plan = plan_for(&inventory, budget);
+        let gpu = plan.gpu.as_ref().unwrap_or_else(|| panic!("{}", plan.render()));
+        assert_eq!(gpu.whole_layers, Some(6..8));
+        assert_eq!(gpu.ffn_layers, vec![6, 7]);
+        assert_eq!((gpu.weight_bytes, gpu.kv_cache_bytes, gpu.tied_output_bytes, gpu.runtime_bytes), ((64 << 20) + 2 * (160 << 20), 4 << 20, 64 << 20, 160 << 20));
+        assert_eq!(gpu.total_bytes(), budget);
+        // Two layers and the output, as llama.cpp counts them.
+        assert_eq!(plan.n_gpu_layers(), 3);
+        let tier = |name: &str| plan.tensors.iter().find(|tensor| tensor.name == name).unwrap().tier;
+        assert_eq!((tier("blk.5.attn_q.weight"), tier("blk.5.ffn_up.weight")), (Tier::Ram, Tier::Ram));
+        assert_eq!((tier("blk.6.attn_q.weight"), tier("blk.6.ffn_up.weight")), (Tier::Gpu, Tier::Gpu));
+        assert_eq!(tier("token_embd.weight"), Tier::Ram);
+        // The host keeps six layers, the embedding and their KV cache.
+        assert_eq!(plan.budget.resident_weight_bytes, (64 << 20) + 6 * (160 << 20));
+        assert_eq!(plan.budget.kv_cache_bytes, 12 << 20);
+        // llama.cpp's n_gpu_layers puts no host tensor on the device: no overrides needed.
+        assert!(plan.host_patterns(&[Tier::Ram, Tier::Stream]).is_empty());
+        assert!(plan.render().contains("layers 6-7 whole on the GPU with the output (2 of 8;"), "{}", plan.render());
+        // The device holds two of the eight layers' KV cache.
+        assert_eq!(plan.memory_use(80 << 20).1, (64 << 20) + 2 * (160 << 20) + (20 << 20));
+        // One byte less: one layer.
+        assert_eq!(plan_for(&inventory, budget - 1).gpu.unwrap().whole_layers, Some(7..8));
+        // Not even one layer with the output and the copy: unused.
+        let unused = plan_for(&inventory, compute + (64 << 20) + (160 << 20) + (161 << 20));
+        assert!(unused.gpu.is_none());
+        assert!(unused.gpu_unused.unwrap().contains("nor one whole layer"));
+    }
+
+    fn plan_for(inventory: &Inventory, gpu_budget: u64) -> Plan {
+        plan(inventory, &with_gpu(8 << 30, gpu_budget), &auto_window(ModeChoice::Auto)).unwrap()
+    }
+
+    #[test]
     fn memory_use_splits_host_and_device_as_planned() {
         let inventory = inventory(8, 16 << 20, 32 << 20, 64 << 20);
         let kv = 10 << 20;
@@ -1114,6 +1258,14 @@ mod tests {
                             prop_assert_eq!(gpu.weight_bytes, on_gpu + gpu.tied_output_bytes);
                             // The token embedding stays on the host, where tokens are looked up.
                             prop_assert!(plan.tensors.iter().all(|tensor| tensor.name != "token_embd.weight" || tensor.tier == Tier::Ram));
+                            if let Some(layers) = &gpu.whole_layers {
+                                // llama.cpp's partial offload: the last layers and the output.
+                                prop_assert_eq!(layers.end, n_layer as u32);
+                                prop_assert_eq!(plan.n_gpu_layers(), layers.len() as i32 + 1);
+                                let device_tensors = plan.tensors.iter().filter(|tensor| tensor.tier == Tier::Gpu);
+                                prop_assert!(device_tensors.clone().all(|tensor| tensor.layer.is_none_or(|layer| layers.contains(&layer))));
+                                prop_assert!(forced || plan.host_patterns(&[Tier::Ram, Tier::Stream]).is_empty());
+                            }
                             gpu.ffn_layers.len()
                         }
                         None => {
