@@ -98,7 +98,8 @@ pub struct PlanArgs {
     #[arg(long)]
     pub memory_budget: Option<String>,
     /// Device memory Hypura may use on the GPU, e.g. 8GiB; 0 keeps everything on the CPU
-    /// (default: the dedicated GPUs' free memory minus 1 GiB each).
+    /// (default: a dedicated GPU's free memory minus 1 GiB; the smallest GPU's where there are
+    /// several).
     #[arg(long)]
     pub gpu_budget: Option<String>,
     /// auto, resident, dense-stream or expert-stream.

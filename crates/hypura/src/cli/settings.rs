@@ -171,7 +171,15 @@ const GPU_RUNTIME_DEVICE_BYTES: u64 = 384 << 20;
 /// `--gpu-budget`, or the default for these devices.
 fn gpu_budget(args: &PlanArgs, devices: &[hypura_sys::DeviceInfo]) -> anyhow::Result<u64> {
     let Some(text) = &args.gpu_budget else {
-        return Ok(default_gpu_budget(devices));
+        let budget = default_gpu_budget(devices);
+        let gpus = devices.iter().filter(|device| device.kind == hypura_sys::DeviceKind::Gpu).count();
+        if gpus > 1 {
+            tracing::warn!(
+                "{gpus} GPUs: the default GPU budget is the smallest one's free memory less 1 GiB ({}), since llama.cpp may put every planned layer on one of them; --gpu-budget sets it",
+                format_bytes(budget)
+            );
+        }
+        return Ok(budget);
     };
     let bytes = parse_gpu_budget(text).context("--gpu-budget")?;
     let smallest_free = devices.iter().filter(|device| device.kind == hypura_sys::DeviceKind::Gpu).map(|device| device.free_bytes).min();

@@ -237,8 +237,9 @@ impl Engine {
             n_threads: threads,
             n_threads_batch: threads,
             eval_hook: self.streaming.as_ref().map(|streaming| streaming.driver.hook()),
-            // Without a GPU tier nothing goes to a GPU, prompt batches included.
-            op_offload: self.options.plan.as_ref().is_none_or(|plan| plan.gpu.is_some()),
+            // Without a GPU tier nothing goes to a GPU, prompt batches included; a tier without
+            // room for op offload's copies keeps prompt batches of host layers on the CPU.
+            op_offload: self.options.plan.as_ref().is_none_or(|plan| plan.gpu.as_ref().is_some_and(|gpu| gpu.op_offload)),
             ..defaults
         }
     }

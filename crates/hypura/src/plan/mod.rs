@@ -148,6 +148,9 @@ pub struct GpuLayout {
     /// every layer's attention and KV cache, so only these last layers are on the device, whole,
     /// as llama.cpp's `n_gpu_layers` places them (their count and the output).
     pub whole_layers: Option<std::ops::Range<u32>>,
+    /// Whether ggml may run host layers' prompt batches on the device (op offload); off where
+    /// the budget holds every layer's attention only without room for a host layer's copy.
+    pub op_offload: bool,
 }
 
 impl GpuLayout {
@@ -311,12 +314,18 @@ fn gpu_tier(inventory: &Inventory, options: &PlanOptions, machine: &MachineFacts
     // device, the reserve holds the largest host layer's (never less than the runtime's own).
     let all_on_device = ffn && every_token + tied_output_bytes + kv + compute + runtime + layer_ffn.iter().sum::<u64>() <= budget;
     let offload_copy = if all_on_device { 0 } else { layer_ffn.iter().copied().max().unwrap_or(0) };
-    let full_runtime = runtime.max(offload_copy);
-    let fixed = every_token + tied_output_bytes + kv + compute + full_runtime;
-    if fixed > budget {
-        let output = DeviceOutput { weight_bytes: outside_layers, tied_bytes: tied_output_bytes };
-        return partial_gpu_tier(budget, runtime, compute, output, kv / n_layer as u64, &layer_attention, layer_ffn, ffn, fixed);
-    }
+    let with_copy = every_token + tied_output_bytes + kv + compute + runtime.max(offload_copy);
+    let without_copy = every_token + tied_output_bytes + kv + compute + runtime;
+    // Every layer's attention on the device is worth more at decode than prompt batches of the
+    // host layers there: where only that fits, op offload is off and nothing is copied.
+    let (fixed, full_runtime, op_offload) = match () {
+        _ if with_copy <= budget => (with_copy, runtime.max(offload_copy), true),
+        _ if without_copy <= budget => (without_copy, runtime, false),
+        _ => {
+            let output = DeviceOutput { weight_bytes: outside_layers, tied_bytes: tied_output_bytes };
+            return partial_gpu_tier(budget, runtime, compute, output, kv / n_layer as u64, &layer_attention, layer_ffn, ffn, with_copy);
+        }
+    };
     let mut spare = budget - fixed;
     let mut ffn_layers = Vec::new();
     for (layer, &bytes) in layer_ffn.iter().enumerate().rev().filter(|_| ffn) {
@@ -337,6 +346,7 @@ fn gpu_tier(inventory: &Inventory, options: &PlanOptions, machine: &MachineFacts
         runtime_bytes: full_runtime,
         ffn_layers,
         whole_layers: None,
+        op_offload,
     }))
 }
 
@@ -400,6 +410,7 @@ fn partial_gpu_tier(
         runtime_bytes: runtime,
         ffn_layers: if ffn { layers.clone().collect() } else { Vec::new() },
         whole_layers: Some(layers),
+        op_offload: true,
     }))
 }
 
@@ -801,10 +812,12 @@ impl Plan {
                 format_bytes(gpu.compute_buffer_bytes),
                 format_bytes(gpu.runtime_bytes),
             );
-            let _ = writeln!(
-                out,
-                "             host-memory weights and streamed layers compute on the CPU at decode (copying them costs more than computing them); ggml may move large prompt batches to the GPU"
-            );
+            let prompts = if gpu.op_offload {
+                "ggml may move large prompt batches to the GPU"
+            } else {
+                "prompt batches too (op offload off: the budget has no room for a host layer's copy)"
+            };
+            let _ = writeln!(out, "             host-memory weights and streamed layers compute on the CPU at decode (copying them costs more than computing them); {prompts}");
         }
         if let Some(why) = &self.gpu_unused {
             let _ = writeln!(out, "gpu          unused: {why}");
@@ -1136,6 +1149,40 @@ mod tests {
         let unused = plan_for(&inventory, compute + (64 << 20) + (160 << 20) + (161 << 20));
         assert!(unused.gpu.is_none());
         assert!(unused.gpu_unused.unwrap().contains("nor one whole layer"));
+    }
+
+    #[test]
+    fn whole_layers_carry_the_output_matrix_and_final_norm() {
+        // The same model with its own 96 MiB output matrix and a final norm (no tied copy).
+        let mut inventory = inventory(8, 64 << 20, 32 << 20, 64 << 20);
+        for (name, role, bytes) in [("output_norm.weight", Role::Norm, 1u64 << 20), ("output.weight", Role::Output, 96 << 20)] {
+            let last = inventory.tensors.last().unwrap();
+            let entry = TensorEntry { name: name.into(), role, layer: None, bytes, file_offset: last.file_offset + last.bytes, ..inventory.tensors[0].clone() };
+            inventory.tensors.push(entry);
+        }
+        let compute = compute_buffer_bytes(&inventory, 1024, 256);
+        let budget = compute + (97 << 20) + (160 << 20) + 2 * (162 << 20);
+        let plan = plan_for(&inventory, budget);
+        let gpu = plan.gpu.as_ref().unwrap_or_else(|| panic!("{}", plan.render()));
+        assert_eq!(gpu.whole_layers, Some(6..8));
+        assert_eq!((gpu.weight_bytes, gpu.tied_output_bytes), ((97 << 20) + 2 * (160 << 20), 0));
+        let tier = |name: &str| plan.tensors.iter().find(|tensor| tensor.name == name).unwrap().tier;
+        assert_eq!((tier("output.weight"), tier("output_norm.weight"), tier("token_embd.weight")), (Tier::Gpu, Tier::Gpu, Tier::Ram));
+        assert_eq!(plan_for(&inventory, budget - 1).gpu.unwrap().whole_layers, Some(7..8));
+    }
+
+    #[test]
+    fn every_layers_attention_without_room_for_a_copy_turns_op_offload_off() {
+        // Every layer's attention, the tied output's copy and the KV cache fit, but not with
+        // the 96 MiB copy of a host layer's FFN as well: that layout without op offload.
+        let inventory = inventory(8, 16 << 20, 32 << 20, 64 << 20);
+        let fixed = 8 * (16 << 20) + (64 << 20) + kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 256);
+        let plan = plan_for(&inventory, fixed + (95 << 20));
+        let gpu = plan.gpu.as_ref().unwrap();
+        assert_eq!((gpu.whole_layers.clone(), gpu.op_offload, gpu.runtime_bytes), (None, false, 0));
+        assert!(gpu.ffn_layers.is_empty());
+        assert!(plan.render().contains("op offload off"), "{}", plan.render());
+        assert!(plan_for(&inventory, fixed + (96 << 20)).gpu.unwrap().op_offload);
     }
 
     fn plan_for(inventory: &Inventory, gpu_budget: u64) -> Plan {
