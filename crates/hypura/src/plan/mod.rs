@@ -162,7 +162,7 @@ impl GpuLayout {
         if is_streamable(tensor) {
             tensor.layer.is_some_and(|layer| self.ffn_layers.contains(&layer))
         } else {
-            tensor.role != crate::model::Role::TokenEmbedding && self.offloads(tensor.layer)
+            !on_input_layer(tensor) && self.offloads(tensor.layer)
         }
     }
 
@@ -263,6 +263,14 @@ pub fn compute_buffer_bytes(inventory: &Inventory, _n_ctx: u32, n_ubatch: u32) -
     4 * u64::from(n_ubatch) * per_token + (32 << 20)
 }
 
+/// Tensors llama.cpp keeps on its input layer, always on the CPU (they are looked up by
+/// token or position): the token embeddings and the few other input tables.
+fn on_input_layer(tensor: &TensorEntry) -> bool {
+    const INPUT_TABLES: [&str; 4] = ["position_embd", "token_types", "masked_embd_centroids", "masked_embd_ordering"];
+    tensor.role == crate::model::Role::TokenEmbedding
+        || (tensor.layer.is_none() && INPUT_TABLES.iter().any(|table| tensor.name.strip_prefix(table).is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))))
+}
+
 /// Tensors the dense-stream mode may stream: dense FFN weights and routed experts.
 fn is_streamable(tensor: &TensorEntry) -> bool {
     tensor.layer.is_some() && (tensor.role.is_dense_ffn() || tensor.role.is_expert())
@@ -298,7 +306,7 @@ fn gpu_tier(inventory: &Inventory, options: &PlanOptions, machine: &MachineFacts
     // outside the layers (output matrix, final norm); the token embedding stays on the host.
     let mut layer_attention = vec![0u64; n_layer];
     let mut outside_layers = 0u64;
-    for tensor in inventory.tensors.iter().filter(|tensor| !is_streamable(tensor) && tensor.role != crate::model::Role::TokenEmbedding) {
+    for tensor in inventory.tensors.iter().filter(|tensor| !is_streamable(tensor) && !on_input_layer(tensor)) {
         match tensor.layer {
             Some(layer) if (layer as usize) < n_layer => layer_attention[layer as usize] += tensor.bytes,
             _ => outside_layers += tensor.bytes,
@@ -1187,6 +1195,18 @@ mod tests {
 
     fn plan_for(inventory: &Inventory, gpu_budget: u64) -> Plan {
         plan(inventory, &with_gpu(8 << 30, gpu_budget), &auto_window(ModeChoice::Auto)).unwrap()
+    }
+
+    #[test]
+    fn input_tables_stay_on_the_host_as_llama_cpp_keeps_them() {
+        let mut inventory = inventory(4, 16 << 20, 32 << 20, 64 << 20);
+        let last = inventory.tensors.last().unwrap();
+        let entry = TensorEntry { name: "position_embd.weight".into(), role: Role::Other, layer: None, bytes: 8 << 20, file_offset: last.file_offset + last.bytes, ..inventory.tensors[0].clone() };
+        inventory.tensors.push(entry);
+        let plan = plan_for(&inventory, 4 << 30);
+        let tier = |name: &str| plan.tensors.iter().find(|tensor| tensor.name == name).unwrap().tier;
+        assert_eq!((tier("position_embd.weight"), tier("blk.0.attn_q.weight")), (Tier::Ram, Tier::Gpu));
+        assert_eq!(plan.budget.resident_weight_bytes, (64 << 20) + (8 << 20));
     }
 
     #[test]
