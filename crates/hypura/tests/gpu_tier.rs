@@ -31,20 +31,32 @@ fn layer_ffn(inventory: &Inventory) -> Vec<u64> {
         .collect()
 }
 
+/// The plan for these host and GPU budgets (prefetch on, a window of one layer).
+fn plan_with_budgets(inventory: &Inventory, host_bytes: u64, gpu_bytes: u64) -> Plan {
+    let facts = MachineFacts { memory_budget_bytes: host_bytes, disk_bytes_per_sec: Some(1e9), gpu_budget_bytes: gpu_bytes, ..MachineFacts::default() };
+    let options = PlanOptions { mode: ModeChoice::Auto, n_ctx: N_CTX, n_ubatch: 512, window_layers: Some(1), expert_prefetch: Some(true), ..PlanOptions::default() };
+    plan::plan(inventory, &facts, &options).unwrap()
+}
+
+/// The token embedding's bytes, and those of its copy on the GPU for a model whose logits use
+/// it (no output matrix).
+fn embedding_and_tied_copy(inventory: &Inventory) -> (u64, u64) {
+    let embedding: u64 = inventory.tensors.iter().filter(|tensor| tensor.role == Role::TokenEmbedding).map(|tensor| tensor.bytes).sum();
+    let tied = if inventory.tensors.iter().any(|tensor| tensor.role == Role::Output) { 0 } else { embedding };
+    (embedding, tied)
+}
+
 /// A GPU budget for what every token touches, op offload's copy of the largest host layer's
 /// FFN and the FFN of the last `ffn_layers` layers, and a host budget too small for the rest,
 /// so the rest streams.
 fn plan_with_gpu(inventory: &Inventory, ffn_layers: usize, host_spare: u64) -> Plan {
     let ffn = layer_ffn(inventory);
-    let embedding: u64 = inventory.tensors.iter().filter(|tensor| tensor.role == Role::TokenEmbedding).map(|tensor| tensor.bytes).sum();
-    let tied = if inventory.tensors.iter().any(|tensor| tensor.role == Role::Output) { 0 } else { embedding };
+    let (embedding, tied) = embedding_and_tied_copy(inventory);
     let every_token = inventory.tensor_data_bytes() - ffn.iter().sum::<u64>() - embedding;
     let compute = plan::compute_buffer_bytes(inventory, N_CTX, 512);
     let copy = ffn.iter().copied().max().unwrap();
     let gpu = every_token + tied + plan::kv_cache_bytes(inventory, N_CTX) + compute + copy + ffn.iter().rev().take(ffn_layers).sum::<u64>();
-    let facts = MachineFacts { memory_budget_bytes: embedding + compute + host_spare, disk_bytes_per_sec: Some(1e9), gpu_budget_bytes: gpu, ..MachineFacts::default() };
-    let options = PlanOptions { mode: ModeChoice::Auto, n_ctx: N_CTX, n_ubatch: 512, window_layers: Some(1), expert_prefetch: Some(true), ..PlanOptions::default() };
-    let plan = plan::plan(inventory, &facts, &options).unwrap();
+    let plan = plan_with_budgets(inventory, embedding + compute + host_spare, gpu);
     let n_layer = ffn.len() as u32;
     assert_eq!(plan.gpu.as_ref().unwrap().ffn_layers, (n_layer - ffn_layers as u32..n_layer).collect::<Vec<_>>(), "{}", plan.render());
     plan
@@ -59,17 +71,14 @@ fn plan_with_whole_layers(inventory: &Inventory, layers: usize, host_spare: u64)
     let n_layer = inventory.hparams.n_layer as usize;
     let whole: Vec<u64> = (0..n_layer as u32).map(|layer| inventory.tensors.iter().filter(|tensor| tensor.layer == Some(layer)).map(|tensor| tensor.bytes).sum()).collect();
     let ffn = layer_ffn(inventory);
-    let embedding: u64 = inventory.tensors.iter().filter(|tensor| tensor.role == Role::TokenEmbedding).map(|tensor| tensor.bytes).sum();
+    let (embedding, tied) = embedding_and_tied_copy(inventory);
     let outside = inventory.tensor_data_bytes() - whole.iter().sum::<u64>() - embedding;
-    let tied = if inventory.tensors.iter().any(|tensor| tensor.role == Role::Output) { 0 } else { embedding };
     let kv_layer = plan::kv_cache_bytes(inventory, N_CTX) / n_layer as u64;
     let compute = plan::compute_buffer_bytes(inventory, N_CTX, 512);
     let gpu = outside + tied + compute + whole.iter().max().unwrap() + whole.iter().rev().take(layers).map(|bytes| bytes + kv_layer).sum::<u64>();
     let host_layers = n_layer - layers;
     let host_fixed = embedding + (0..host_layers).map(|layer| whole[layer] - ffn[layer] + kv_layer).sum::<u64>() + compute;
-    let facts = MachineFacts { memory_budget_bytes: host_fixed + host_spare, disk_bytes_per_sec: Some(1e9), gpu_budget_bytes: gpu, ..MachineFacts::default() };
-    let options = PlanOptions { mode: ModeChoice::Auto, n_ctx: N_CTX, n_ubatch: 512, window_layers: Some(1), expert_prefetch: Some(true), ..PlanOptions::default() };
-    let plan = plan::plan(inventory, &facts, &options).unwrap();
+    let plan = plan_with_budgets(inventory, host_fixed + host_spare, gpu);
     assert_eq!(plan.gpu.as_ref().unwrap().whole_layers, Some(host_layers as u32..n_layer as u32), "{}", plan.render());
     // The layers and the output, as llama.cpp counts them.
     assert_eq!(plan.n_gpu_layers(), layers as i32 + 1);
@@ -134,30 +143,29 @@ fn expert_layers_on_the_gpu_are_not_streamed_and_tokens_equal_llama_cpp_with_tha
     assert_same_as_llama_cpp(&path, plan, Mode::ExpertStream, 2);
 }
 
-#[test]
-fn gemma_ffn_layers_on_the_gpu_leave_the_dense_window_and_tokens_equal_llama_cpp_with_that_placement() {
+/// Gemma (18 layers) with `gpu_layers` of them on the GPU as `plan_for` places them and a
+/// host budget for 5½ of its largest FFN layers (a window of 2 and 3 pinned): the host streams
+/// only layers below the GPU's, the other `streamed` ones, and the tokens equal llama.cpp's.
+fn gemma_dense_stream_beside_the_gpu(plan_for: fn(&Inventory, usize, u64) -> Plan, gpu_layers: usize, streamed: usize) {
     let path = common::gemma_path();
     let inventory = Inventory::open(&path).unwrap();
     let largest = layer_ffn(&inventory).into_iter().max().unwrap();
-    // 18 layers: 4 FFN layers on the GPU; the host holds a window of 2 layers and 3 pinned, and
-    // streams the other 11.
-    let plan = plan_with_gpu(&inventory, 4, 5 * largest + largest / 2);
+    let plan = plan_for(&inventory, gpu_layers, 5 * largest + largest / 2);
     let dense = plan.dense.as_ref().unwrap_or_else(|| panic!("{}", plan.render()));
-    assert_eq!((dense.pinned_layers.len(), dense.streamed_layers.len()), (3, 11), "{}", plan.render());
+    assert_eq!((dense.pinned_layers.len(), dense.streamed_layers.len()), (3, streamed), "{}", plan.render());
+    assert!(dense.streamed_layers.iter().all(|&layer| (layer as usize) < 18 - gpu_layers));
     // The dense hook stops at every layer (pinned and GPU layers start the next reads early).
     assert_same_as_llama_cpp(&path, plan, Mode::DenseStream, 18);
 }
 
 #[test]
+fn gemma_ffn_layers_on_the_gpu_leave_the_dense_window_and_tokens_equal_llama_cpp_with_that_placement() {
+    // 4 FFN layers on the GPU (every layer's attention there too): 11 of the 14 host layers stream.
+    gemma_dense_stream_beside_the_gpu(plan_with_gpu, 4, 11);
+}
+
+#[test]
 fn gemma_last_layers_whole_on_the_gpu_leave_the_dense_window_and_tokens_equal_llama_cpp_with_that_placement() {
-    let path = common::gemma_path();
-    let inventory = Inventory::open(&path).unwrap();
-    let largest = layer_ffn(&inventory).into_iter().max().unwrap();
-    // 18 layers: the last 3 whole on the GPU with the output; of the first 15 the host pins 3
-    // and streams 12 through a window of 2.
-    let plan = plan_with_whole_layers(&inventory, 3, 5 * largest + largest / 2);
-    let dense = plan.dense.as_ref().unwrap_or_else(|| panic!("{}", plan.render()));
-    assert_eq!((dense.pinned_layers.len(), dense.streamed_layers.len()), (3, 12), "{}", plan.render());
-    assert!(dense.streamed_layers.iter().all(|&layer| layer < 15));
-    assert_same_as_llama_cpp(&path, plan, Mode::DenseStream, 18);
+    // The last 3 layers whole on the GPU with the output: 12 of the 15 host layers stream.
+    gemma_dense_stream_beside_the_gpu(plan_with_whole_layers, 3, 12);
 }

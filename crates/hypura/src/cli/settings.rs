@@ -133,14 +133,13 @@ pub fn parse_mode(text: &str) -> anyhow::Result<ModeChoice> {
 /// the disk bandwidth from the cached profile (if `hypura profile` has run), the reader
 /// threads, and the compute time per token earlier runs of this model measured.
 pub fn machine_facts(args: &PlanArgs, model: &std::path::Path, threads: i32) -> anyhow::Result<MachineFacts> {
-    let devices = hypura_sys::Backend::get().devices();
-    let gpu_budget_bytes = gpu_budget(args, &devices)?;
+    let gpu_free = dedicated_gpu_free(&hypura_sys::Backend::get().devices());
+    let gpu_budget_bytes = gpu_budget(args, &gpu_free)?;
     // Asking a GPU for its free memory already starts its runtime in this process, so its host
     // memory is kept whether or not the plan uses the GPU.
-    let has_gpu = devices.iter().any(|device| device.kind == hypura_sys::DeviceKind::Gpu);
     let memory_budget_bytes = match &args.memory_budget {
         Some(text) => parse_bytes(text).context("--memory-budget")?,
-        None => default_memory_budget(memory_info().effective_available_bytes(), has_gpu),
+        None => default_memory_budget(memory_info().effective_available_bytes(), !gpu_free.is_empty()),
     };
     let disk = ProfileCache::new(default_cache_dir()).load(&machine_key()).and_then(|profile| profile.disk);
     let disk_bytes_per_sec = disk.as_ref().map(|disk| disk.best_direct.bytes_per_sec);
@@ -168,22 +167,27 @@ pub fn machine_facts(args: &PlanArgs, model: &std::path::Path, threads: i32) -> 
 /// the rest is kernels loaded on first use and memory pools.
 const GPU_RUNTIME_DEVICE_BYTES: u64 = 384 << 20;
 
-/// `--gpu-budget`, or the default for these devices.
-fn gpu_budget(args: &PlanArgs, devices: &[hypura_sys::DeviceInfo]) -> anyhow::Result<u64> {
+/// Free memory of each dedicated GPU. Devices that share host memory get no tier of their own:
+/// the host budget covers them.
+pub fn dedicated_gpu_free(devices: &[hypura_sys::DeviceInfo]) -> Vec<u64> {
+    devices.iter().filter(|device| device.kind == hypura_sys::DeviceKind::Gpu).map(|device| device.free_bytes).collect()
+}
+
+/// `--gpu-budget`, or the default for GPUs with `gpu_free` bytes free.
+fn gpu_budget(args: &PlanArgs, gpu_free: &[u64]) -> anyhow::Result<u64> {
     let Some(text) = &args.gpu_budget else {
-        let budget = default_gpu_budget(devices);
-        let gpus = devices.iter().filter(|device| device.kind == hypura_sys::DeviceKind::Gpu).count();
-        if gpus > 1 {
+        let budget = default_gpu_budget(gpu_free);
+        if gpu_free.len() > 1 {
             tracing::warn!(
-                "{gpus} GPUs: the default GPU budget is the smallest one's free memory less 1 GiB ({}), since llama.cpp may put every planned layer on one of them; --gpu-budget sets it",
+                "{} GPUs: the default GPU budget is the smallest one's free memory less 1 GiB ({}), since llama.cpp may put every planned layer on one of them; --gpu-budget sets it",
+                gpu_free.len(),
                 format_bytes(budget)
             );
         }
         return Ok(budget);
     };
     let bytes = parse_gpu_budget(text).context("--gpu-budget")?;
-    let smallest_free = devices.iter().filter(|device| device.kind == hypura_sys::DeviceKind::Gpu).map(|device| device.free_bytes).min();
-    match smallest_free {
+    match gpu_free.iter().copied().min() {
         // A plan with a GPU tier would count the KV cache and the GPU's tensors in device
         // memory that does not exist.
         None if bytes > 0 => {
@@ -211,18 +215,13 @@ pub fn parse_gpu_budget(text: &str) -> anyhow::Result<u64> {
 /// What the default GPU budget leaves free on each device (llama.cpp's fit leaves the same).
 const GPU_RESERVE_BYTES: u64 = 1 << 30;
 
-/// The default GPU budget: one dedicated GPU's free memory less a reserve (the smallest
-/// GPU's, where there are several). llama.cpp splits the layers across GPUs by their free
-/// memory while the plan fills layers from the last one down, so what the plan puts on the GPU
-/// can all land on the last card: one card's worth is what is sure to fit. Devices that share
-/// host memory get no tier of their own: the host budget covers them.
-pub fn default_gpu_budget(devices: &[hypura_sys::DeviceInfo]) -> u64 {
-    devices
-        .iter()
-        .filter(|device| device.kind == hypura_sys::DeviceKind::Gpu)
-        .map(|device| device.free_bytes.saturating_sub(GPU_RESERVE_BYTES))
-        .min()
-        .unwrap_or(0)
+/// The default GPU budget for dedicated GPUs with `gpu_free` bytes free: one GPU's free
+/// memory less a reserve (the smallest GPU's, where there are several). llama.cpp splits the
+/// layers across GPUs by their free memory while the plan fills layers from the last one down,
+/// so what the plan puts on the GPU can all land on the last card: one card's worth is what is
+/// sure to fit.
+pub fn default_gpu_budget(gpu_free: &[u64]) -> u64 {
+    gpu_free.iter().map(|free| free.saturating_sub(GPU_RESERVE_BYTES)).min().unwrap_or(0)
 }
 
 pub fn make_plan(inventory: &Inventory, args: &PlanArgs, n_ctx: u32, n_ubatch: u32, threads: i32) -> anyhow::Result<Plan> {
@@ -322,11 +321,12 @@ mod tests {
             device(hypura_sys::DeviceKind::Gpu, 12 << 30),
             device(hypura_sys::DeviceKind::Gpu, 512 << 20),
         ];
-        assert_eq!(default_gpu_budget(&devices[..2]), 23 << 30);
+        let budget = |devices: &[hypura_sys::DeviceInfo]| default_gpu_budget(&dedicated_gpu_free(devices));
+        assert_eq!(budget(&devices[..2]), 23 << 30);
         // Several GPUs: the smallest one's, since the plan's layers may all land on one card.
-        assert_eq!(default_gpu_budget(&devices[..3]), 11 << 30);
-        assert_eq!(default_gpu_budget(&devices), 0);
-        assert_eq!(default_gpu_budget(&devices[..1]), 0);
+        assert_eq!(budget(&devices[..3]), 11 << 30);
+        assert_eq!(budget(&devices), 0);
+        assert_eq!(budget(&devices[..1]), 0);
     }
 
     #[test]

@@ -290,20 +290,32 @@ fn spread(count: usize, total: usize) -> Vec<usize> {
     (0..count).map(|index| (index * total + total / 2) / count.max(1)).map(|index| index.min(total - 1)).collect()
 }
 
+/// What the GPU tier is planned from: the budget and the model's device-side costs.
+struct DeviceCosts<'a> {
+    budget: u64,
+    /// The runtime's own reserve (`MachineFacts::gpu_runtime_bytes`).
+    runtime: u64,
+    kv: u64,
+    compute: u64,
+    /// What every token touches, per layer: attention, norms, router, shared experts.
+    layer_attention: Vec<u64>,
+    /// Streamable bytes (FFN or routed experts) per layer.
+    layer_ffn: &'a [u64],
+    /// What every token touches outside the layers: output matrix, final norm.
+    outside_layers: u64,
+    /// The token embedding's copy that a model without an output matrix computes logits with.
+    tied_output_bytes: u64,
+}
+
 /// The GPU tier for `budget` bytes of device memory: Ok(None) without a budget, Err(why) when
 /// the budget cannot hold even one whole layer. With `ffn`, whole layers' FFN fill what is left
 /// after what every token touches, from the last layer down; where every layer's attention and
 /// KV cache do not fit, the last layers go on the device whole instead.
 fn gpu_tier(inventory: &Inventory, options: &PlanOptions, machine: &MachineFacts, layer_ffn: &[u64], ffn: bool) -> Result<Option<GpuLayout>, String> {
-    let (budget, runtime) = (machine.gpu_budget_bytes, machine.gpu_runtime_bytes);
-    if budget == 0 || layer_ffn.is_empty() {
+    if machine.gpu_budget_bytes == 0 || layer_ffn.is_empty() {
         return Ok(None);
     }
     let n_layer = layer_ffn.len();
-    let kv = kv_cache_bytes(inventory, options.n_ctx);
-    let compute = compute_buffer_bytes(inventory, options.n_ctx, options.n_ubatch);
-    // What every token touches, per layer (attention, norms, router, shared experts) and
-    // outside the layers (output matrix, final norm); the token embedding stays on the host.
     let mut layer_attention = vec![0u64; n_layer];
     let mut outside_layers = 0u64;
     for tensor in inventory.tensors.iter().filter(|tensor| !is_streamable(tensor) && !on_input_layer(tensor)) {
@@ -312,114 +324,109 @@ fn gpu_tier(inventory: &Inventory, options: &PlanOptions, machine: &MachineFacts
             _ => outside_layers += tensor.bytes,
         }
     }
-    let every_token = outside_layers + layer_attention.iter().sum::<u64>();
     let has_output = inventory.tensors.iter().any(|tensor| tensor.role == crate::model::Role::Output);
     // Only `token_embd.weight` is copied for the logits (not, say, a per-layer embedding).
     let tied_output_bytes =
         if has_output { 0 } else { inventory.tensors.iter().filter(|tensor| tensor.name == TOKEN_EMBEDDING).map(|tensor| tensor.bytes).sum() };
-    // For a prompt batch, ggml's op offload runs host layers on the device from a copy of their
-    // weights in the compute buffer, one layer at a time. Unless every layer's FFN is on the
-    // device, the reserve holds the largest host layer's (never less than the runtime's own).
-    let all_on_device = ffn && every_token + tied_output_bytes + kv + compute + runtime + layer_ffn.iter().sum::<u64>() <= budget;
-    let offload_copy = if all_on_device { 0 } else { layer_ffn.iter().copied().max().unwrap_or(0) };
-    let with_copy = every_token + tied_output_bytes + kv + compute + runtime.max(offload_copy);
-    let without_copy = every_token + tied_output_bytes + kv + compute + runtime;
-    // Every layer's attention on the device is worth more at decode than prompt batches of the
-    // host layers there: where only that fits, op offload is off and nothing is copied.
-    let (fixed, full_runtime, op_offload) = match () {
-        _ if with_copy <= budget => (with_copy, runtime.max(offload_copy), true),
-        _ if without_copy <= budget => (without_copy, runtime, false),
-        _ => {
-            let output = DeviceOutput { weight_bytes: outside_layers, tied_bytes: tied_output_bytes };
-            return partial_gpu_tier(budget, runtime, compute, output, kv / n_layer as u64, &layer_attention, layer_ffn, ffn, with_copy);
-        }
-    };
-    let mut spare = budget - fixed;
-    let mut ffn_layers = Vec::new();
-    for (layer, &bytes) in layer_ffn.iter().enumerate().rev().filter(|_| ffn) {
-        if bytes > spare {
-            break;
-        }
-        spare -= bytes;
-        ffn_layers.push(layer as u32);
-    }
-    ffn_layers.reverse();
-    let ffn_bytes: u64 = ffn_layers.iter().map(|&layer| layer_ffn[layer as usize]).sum();
-    Ok(Some(GpuLayout {
-        budget_bytes: budget,
-        weight_bytes: every_token + tied_output_bytes + ffn_bytes,
+    let costs = DeviceCosts {
+        budget: machine.gpu_budget_bytes,
+        runtime: machine.gpu_runtime_bytes,
+        kv: kv_cache_bytes(inventory, options.n_ctx),
+        compute: compute_buffer_bytes(inventory, options.n_ctx, options.n_ubatch),
+        layer_attention,
+        layer_ffn,
+        outside_layers,
         tied_output_bytes,
-        kv_cache_bytes: kv,
-        compute_buffer_bytes: compute,
-        runtime_bytes: full_runtime,
-        ffn_layers,
-        whole_layers: None,
-        op_offload,
-    }))
+    };
+    costs.every_layers_attention(ffn).map_or_else(|| costs.whole_last_layers(ffn), |gpu| Ok(Some(gpu)))
 }
 
-/// What every token touches outside the layers, on the device in both GPU layouts.
-struct DeviceOutput {
-    /// The output matrix, final norm and the like.
-    weight_bytes: u64,
-    /// The token embedding's copy that a model without an output matrix computes logits with.
-    tied_bytes: u64,
-}
-
-/// The GPU tier when every layer's attention and KV cache (`full_bytes` in all) do not fit:
-/// llama.cpp's own partial offload, the last layers whole (attention, KV cache and, with `ffn`,
-/// FFN) and the output, as many layers as the budget holds after the output, the compute
-/// buffers and the reserve. Op offload then copies whole host layers (attention too) for
-/// prompt batches, so the reserve holds the largest layer's weights.
-#[allow(clippy::too_many_arguments)]
-fn partial_gpu_tier(
-    budget: u64,
-    runtime: u64,
-    compute: u64,
-    output: DeviceOutput,
-    kv_per_layer: u64,
-    layer_attention: &[u64],
-    layer_ffn: &[u64],
-    ffn: bool,
-    full_bytes: u64,
-) -> Result<Option<GpuLayout>, String> {
-    let n_layer = layer_ffn.len();
-    let largest_layer = (0..n_layer).map(|layer| layer_attention[layer] + layer_ffn[layer]).max().unwrap_or(0);
-    let runtime = runtime.max(largest_layer);
-    let whole = |layer: usize| layer_attention[layer] + if ffn { layer_ffn[layer] } else { 0 };
-    let fixed = output.weight_bytes + output.tied_bytes + compute + runtime;
-    let mut spare = budget.saturating_sub(fixed);
-    let mut count = 0;
-    for layer in (0..n_layer).rev() {
-        let bytes = whole(layer) + kv_per_layer;
-        if bytes > spare {
-            break;
+impl DeviceCosts<'_> {
+    /// The design's layout: every layer's attention, the output and the KV cache, then whole
+    /// layers' FFN (with `ffn`) from the last layer down. None where that does not fit.
+    fn every_layers_attention(&self, ffn: bool) -> Option<GpuLayout> {
+        let every_token = self.outside_layers + self.tied_output_bytes + self.layer_attention.iter().sum::<u64>();
+        let base = every_token + self.kv + self.compute;
+        // For a prompt batch, ggml's op offload runs host layers on the device from a copy of
+        // their weights in the compute buffer, one layer at a time. Unless every layer's FFN is
+        // on the device, the reserve holds the largest host layer's (never less than the
+        // runtime's own). Every layer's attention on the device is worth more at decode than
+        // prompt batches of the host layers there: where only that fits, op offload is off.
+        let all_on_device = ffn && base + self.runtime + self.layer_ffn.iter().sum::<u64>() <= self.budget;
+        let copy = if all_on_device { 0 } else { self.layer_ffn.iter().copied().max().unwrap_or(0) };
+        let (runtime, op_offload) = match () {
+            _ if base + self.runtime.max(copy) <= self.budget => (self.runtime.max(copy), true),
+            _ if base + self.runtime <= self.budget => (self.runtime, false),
+            _ => return None,
+        };
+        let mut spare = self.budget - base - runtime;
+        let mut ffn_layers = Vec::new();
+        for (layer, &bytes) in self.layer_ffn.iter().enumerate().rev().filter(|_| ffn) {
+            if bytes > spare {
+                break;
+            }
+            spare -= bytes;
+            ffn_layers.push(layer as u32);
         }
-        spare -= bytes;
-        count += 1;
+        ffn_layers.reverse();
+        let ffn_bytes: u64 = ffn_layers.iter().map(|&layer| self.layer_ffn[layer as usize]).sum();
+        Some(GpuLayout {
+            budget_bytes: self.budget,
+            weight_bytes: every_token + ffn_bytes,
+            tied_output_bytes: self.tied_output_bytes,
+            kv_cache_bytes: self.kv,
+            compute_buffer_bytes: self.compute,
+            runtime_bytes: runtime,
+            ffn_layers,
+            whole_layers: None,
+            op_offload,
+        })
     }
-    if count == 0 {
-        return Err(format!(
-            "the GPU budget of {} cannot hold every layer's attention and KV cache ({} with buffers and reserve), nor one whole layer with the output ({}), compute buffers ({}) and the runtime's reserve ({}); everything runs on the CPU",
-            format_bytes(budget),
-            format_bytes(full_bytes),
-            format_bytes(output.weight_bytes + output.tied_bytes),
-            format_bytes(compute),
-            format_bytes(runtime)
-        ));
+
+    /// llama.cpp's own partial offload, where every layer's attention does not fit: the output
+    /// and the last layers whole (attention, KV cache and, with `ffn`, FFN), as many as the
+    /// budget holds after the output, the compute buffers and the reserve. Op offload then
+    /// copies whole host layers (attention too), so the reserve holds the largest layer.
+    fn whole_last_layers(&self, ffn: bool) -> Result<Option<GpuLayout>, String> {
+        let n_layer = self.layer_ffn.len();
+        let kv_per_layer = self.kv / n_layer as u64;
+        let largest_layer = (0..n_layer).map(|layer| self.layer_attention[layer] + self.layer_ffn[layer]).max().unwrap_or(0);
+        let runtime = self.runtime.max(largest_layer);
+        let whole = |layer: usize| self.layer_attention[layer] + if ffn { self.layer_ffn[layer] } else { 0 };
+        let output = self.outside_layers + self.tied_output_bytes;
+        let mut spare = self.budget.saturating_sub(output + self.compute + runtime);
+        let mut count = 0;
+        for layer in (0..n_layer).rev() {
+            let bytes = whole(layer) + kv_per_layer;
+            if bytes > spare {
+                break;
+            }
+            spare -= bytes;
+            count += 1;
+        }
+        if count == 0 {
+            let attention = output + self.layer_attention.iter().sum::<u64>() + self.kv;
+            return Err(format!(
+                "the GPU budget of {} cannot hold every layer's attention with the output and KV cache ({}), nor one whole layer with the output, compute buffers ({}) and the runtime's reserve ({}); everything runs on the CPU",
+                format_bytes(self.budget),
+                format_bytes(attention),
+                format_bytes(self.compute),
+                format_bytes(runtime)
+            ));
+        }
+        let layers = (n_layer - count) as u32..n_layer as u32;
+        Ok(Some(GpuLayout {
+            budget_bytes: self.budget,
+            weight_bytes: output + layers.clone().map(|layer| whole(layer as usize)).sum::<u64>(),
+            tied_output_bytes: self.tied_output_bytes,
+            kv_cache_bytes: kv_per_layer * count as u64,
+            compute_buffer_bytes: self.compute,
+            runtime_bytes: runtime,
+            ffn_layers: if ffn { layers.clone().collect() } else { Vec::new() },
+            whole_layers: Some(layers),
+            op_offload: true,
+        }))
     }
-    let layers = (n_layer - count) as u32..n_layer as u32;
-    Ok(Some(GpuLayout {
-        budget_bytes: budget,
-        weight_bytes: output.weight_bytes + output.tied_bytes + layers.clone().map(|layer| whole(layer as usize)).sum::<u64>(),
-        tied_output_bytes: output.tied_bytes,
-        kv_cache_bytes: kv_per_layer * count as u64,
-        compute_buffer_bytes: compute,
-        runtime_bytes: runtime,
-        ffn_layers: if ffn { layers.clone().collect() } else { Vec::new() },
-        whole_layers: Some(layers),
-        op_offload: true,
-    }))
 }
 
 /// Each tensor's tier: the GPU's where it holds the tensor, else what `host` says.

@@ -14,7 +14,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     let sampling = settings::sampler_params(&args.sampling)?;
     let options = settings::engine_options(&args.model_args, &path)?;
     // Free memory of each GPU before the load, so --stats can say what the model took there.
-    let gpu_free_before = if args.stats { gpu_free() } else { Vec::new() };
+    let gpu_free_before = args.stats.then(gpu_free);
     let engine = Arc::new(Engine::load(&path, options).with_context(|| format!("loading {}", path.display()))?);
     if args.stats {
         if let Some(plan) = &engine.options().plan {
@@ -56,7 +56,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
             Prompt::Chat(messages)
         };
         let output = answer(&mut session, &request(prompt))?;
-        print_stats(args.stats, &output, &gpu_free_before);
+        print_stats(gpu_free_before.as_deref(), &output);
         if let Some(seconds) = output.stats.eval_compute_seconds_per_token() {
             let engine = session.engine();
             settings::record_compute(&path, settings::threads(engine.options().n_threads), engine.streaming().is_some(), seconds, u64::from(output.stats.eval_count));
@@ -64,7 +64,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         write_trace(&session, args.model_args.plan.trace.as_deref())?;
         return Ok(());
     }
-    chat_loop(&mut session, &request, &cancel, &mut messages, args.stats.then_some(gpu_free_before.as_slice()))?;
+    chat_loop(&mut session, &request, &cancel, &mut messages, gpu_free_before.as_deref())?;
     write_trace(&session, args.model_args.plan.trace.as_deref())?;
     Ok(())
 }
@@ -104,7 +104,7 @@ fn chat_loop(
             eprintln!("[stopped]");
         }
         messages.push(ChatMessage::new("assistant", output.text.clone()));
-        print_stats(stats.is_some(), &output, stats.unwrap_or_default());
+        print_stats(stats, &output);
     }
 }
 
@@ -144,10 +144,11 @@ fn gpu_free() -> Vec<(String, u64)> {
         .collect()
 }
 
-fn print_stats(enabled: bool, output: &GenerateOutput, gpu_free_before: &[(String, u64)]) {
-    if !enabled {
+/// With --stats (`gpu_free_before`: the GPUs' free memory before the load), what a run took.
+fn print_stats(gpu_free_before: Option<&[(String, u64)]>, output: &GenerateOutput) {
+    let Some(gpu_free_before) = gpu_free_before else {
         return;
-    }
+    };
     let stats = &output.stats;
     eprintln!(
         "load {:.2} s | prompt {} tokens in {:.3} s ({:.1} tok/s, {} reused) | eval {} tokens in {:.3} s ({:.1} tok/s) | total {:.3} s | done: {:?}",
