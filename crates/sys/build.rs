@@ -1,4 +1,4 @@
-//! Builds the C shim for Hypura's stream buffer type against the exact ggml headers that
+//! Builds the C shims (Hypura's stream buffer type, and the context's kernel switch) against the exact ggml headers that
 //! llama-cpp-sys-2 vendors (`ggml-backend-impl.h` lives in `ggml/src`).
 use std::path::PathBuf;
 
@@ -11,6 +11,18 @@ fn main() {
         .include(ggml.join("src"))
         .warnings(true)
         .compile("hypura_stream_buft");
+    // The context shim includes llama.cpp's own context header (its scheduler accessor).
+    let llama = ggml.parent().expect("ggml sits in the llama.cpp tree").to_path_buf();
+    println!("cargo:rerun-if-changed=csrc/context_kernels.cpp");
+    cc::Build::new()
+        .cpp(true)
+        .std("c++17")
+        .file("csrc/context_kernels.cpp")
+        .include(llama.join("include"))
+        .include(llama.join("src"))
+        .include(ggml.join("include"))
+        .warnings(true)
+        .compile("hypura_context_kernels");
 }
 
 /// The `ggml` directory of the llama-cpp-sys-2 source this build links.

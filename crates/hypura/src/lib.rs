@@ -7,6 +7,7 @@
 pub mod bench;
 pub mod cli;
 pub mod engine;
+pub mod format;
 pub mod hw;
 pub mod model;
 pub mod plan;

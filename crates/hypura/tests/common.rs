@@ -1,6 +1,10 @@
 //! Shared helpers for integration tests: forged models in a temp dir and the real Gemma file.
 #![allow(dead_code)]
+use std::io::{Read, Write};
+use std::net::TcpListener;
 use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 use hypura_forge::{preset, write_model};
 
@@ -32,3 +36,98 @@ pub fn gemma_path() -> PathBuf {
     assert!(path.exists(), "{} is missing: run scripts/fetch-test-model first", path.display());
     path
 }
+
+/// A running `hypura serve`, killed on drop.
+pub struct Server {
+    child: Child,
+    pub base: String,
+    log: PathBuf,
+}
+
+impl Server {
+    pub fn start(arguments: &[String], log: PathBuf) -> Server {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let log_file = std::fs::File::create(&log).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_hypura"))
+            .arg("serve")
+            .args(arguments)
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .env("OLLAMA_MODELS", "/nonexistent")
+            .stdout(Stdio::null())
+            .stderr(log_file)
+            .spawn()
+            .unwrap();
+        let mut server = Server { child, base: format!("http://127.0.0.1:{port}"), log };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if let Ok(Some(status)) = server.child.try_wait() {
+                panic!("hypura serve exited with {status}: {}", server.log_text());
+            }
+            assert!(Instant::now() < deadline, "hypura serve did not start: {}", server.log_text());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        server
+    }
+
+    pub fn log_text(&self) -> String {
+        let mut text = String::new();
+        let _ = std::fs::File::open(&self.log).and_then(|mut file| file.read_to_string(&mut text));
+        text
+    }
+
+    pub fn python(&self, script: &str, arguments: &[String]) -> String {
+        let scripts = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python");
+        let output = Command::new("python3").arg(scripts.join(script)).arg(&self.base).args(arguments).output().unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        assert!(
+            output.status.success(),
+            "{script} failed\n--- stdout\n{stdout}\n--- stderr\n{}\n--- server log\n{}",
+            String::from_utf8_lossy(&output.stderr),
+            self.log_text()
+        );
+        assert!(self.child_alive(), "the server died: {}", self.log_text());
+        stdout
+    }
+
+    pub fn child_alive(&self) -> bool {
+        // try_wait needs &mut self; the child's /proc entry says the same (Z: it has exited).
+        std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).is_ok_and(|stat| !stat.contains(") Z "))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+
+impl Server {
+    /// POST a JSON body and return the JSON reply (a plain HTTP/1.1 exchange: replies with
+    /// `stream: false` have a length, not chunks).
+    pub fn post(&self, path: &str, body: &serde_json::Value) -> serde_json::Value {
+        let address = self.base.trim_start_matches("http://");
+        let mut stream = std::net::TcpStream::connect(address).unwrap();
+        let body = body.to_string();
+        write!(stream, "POST {path} HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
+        let mut reply = String::new();
+        stream.read_to_string(&mut reply).unwrap();
+        let (head, payload) = reply.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no HTTP reply: {reply:?}"));
+        assert!(head.starts_with("HTTP/1.1 200"), "{path}: {head}\n{payload}\n--- server log\n{}", self.log_text());
+        serde_json::from_str(payload).unwrap_or_else(|error| panic!("{path}: {error}: {payload:?}"))
+    }
+}
+
+/// The smallest budget the planner accepts for `mode`: what it says it needs when given none.
+/// Every streamable layer then streams.
+pub fn streaming_budget(path: &Path, mode: hypura::plan::Mode, n_ctx: u32) -> u64 {
+    let inventory = hypura::model::Inventory::open(path).unwrap();
+    let facts = hypura::plan::MachineFacts { memory_budget_bytes: 1, disk_bytes_per_sec: Some(1e9), ..hypura::plan::MachineFacts::default() };
+    let options = hypura::plan::PlanOptions { mode: hypura::plan::ModeChoice::Forced(mode), n_ctx, n_ubatch: 512, window_layers: Some(2), ..hypura::plan::PlanOptions::default() };
+    match hypura::plan::plan(&inventory, &facts, &options) {
+        Err(hypura::plan::PlanError::BudgetTooSmall { needed, .. }) => needed + (1 << 20),
+        other => panic!("expected the planner to ask for more memory: {other:?}"),
+    }
+}
+

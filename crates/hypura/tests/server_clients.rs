@@ -5,12 +5,12 @@
 //! Python script fails.
 mod common;
 
-use std::io::Read;
-use std::net::TcpListener;
+use common::{streaming_budget, Server};
+
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use hypura::model::Inventory;
 use hypura::plan::{self, MachineFacts, Mode, ModeChoice, PlanError, PlanOptions};
@@ -25,70 +25,6 @@ fn python_dir() -> PathBuf {
 fn require_clients() {
     let status = Command::new("python3").args(["-c", "import ollama, openai, httpx"]).status().expect("python3 is needed for the client tests");
     assert!(status.success(), "the Python clients are missing: pip install ollama openai (scripts/test does)");
-}
-
-/// A running `hypura serve`, killed on drop.
-struct Server {
-    child: Child,
-    base: String,
-    log: PathBuf,
-}
-
-impl Server {
-    fn start(arguments: &[String], log: PathBuf) -> Server {
-        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let log_file = std::fs::File::create(&log).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_hypura"))
-            .arg("serve")
-            .args(arguments)
-            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .env("OLLAMA_MODELS", "/nonexistent")
-            .stdout(Stdio::null())
-            .stderr(log_file)
-            .spawn()
-            .unwrap();
-        let mut server = Server { child, base: format!("http://127.0.0.1:{port}"), log };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            if let Ok(Some(status)) = server.child.try_wait() {
-                panic!("hypura serve exited with {status}: {}", server.log_text());
-            }
-            assert!(Instant::now() < deadline, "hypura serve did not start: {}", server.log_text());
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        server
-    }
-
-    fn log_text(&self) -> String {
-        let mut text = String::new();
-        let _ = std::fs::File::open(&self.log).and_then(|mut file| file.read_to_string(&mut text));
-        text
-    }
-
-    fn python(&self, script: &str, arguments: &[String]) -> String {
-        let output = Command::new("python3").arg(python_dir().join(script)).arg(&self.base).args(arguments).output().unwrap();
-        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-        assert!(
-            output.status.success(),
-            "{script} failed\n--- stdout\n{stdout}\n--- stderr\n{}\n--- server log\n{}",
-            String::from_utf8_lossy(&output.stderr),
-            self.log_text()
-        );
-        assert!(self.child_alive(), "the server died: {}", self.log_text());
-        stdout
-    }
-
-    fn child_alive(&self) -> bool {
-        // try_wait needs &mut self; the child's /proc entry says the same (Z: it has exited).
-        std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).is_ok_and(|stat| !stat.contains(") Z "))
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 fn strings(items: &[&str]) -> Vec<String> {
@@ -110,18 +46,6 @@ fn python_clients_against_gemma_and_tiny_moe() {
     let stem = gemma.file_stem().unwrap().to_str().unwrap().to_ascii_lowercase();
     let output = server.python("clients.py", &[stem, "tiny-moe-8x".into()]);
     assert!(output.contains("ollama client: ok") && output.contains("openai client: ok") && output.contains("tiny-moe-8x: ok"), "{output}");
-}
-
-/// The smallest budget the planner accepts for `mode`: what it says it needs when given none.
-/// Every streamable layer then streams.
-fn streaming_budget(path: &Path, mode: Mode, n_ctx: u32) -> u64 {
-    let inventory = Inventory::open(path).unwrap();
-    let facts = MachineFacts { memory_budget_bytes: 1, disk_bytes_per_sec: Some(1e9), ..MachineFacts::default() };
-    let options = PlanOptions { mode: ModeChoice::Forced(mode), n_ctx, n_ubatch: 512, window_layers: Some(2), ..PlanOptions::default() };
-    match plan::plan(&inventory, &facts, &options) {
-        Err(PlanError::BudgetTooSmall { needed, .. }) => needed + (1 << 20),
-        other => panic!("expected the planner to ask for more memory: {other:?}"),
-    }
 }
 
 /// Serve one forged model in a streaming mode, through the plan, and drive it with the clients.

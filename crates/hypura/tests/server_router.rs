@@ -4,7 +4,6 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -12,17 +11,16 @@ use axum::http::{Method, Request, StatusCode};
 use axum::Router;
 use futures_util::StreamExt;
 use http_body_util::BodyExt;
-use hypura::engine::EngineOptions;
+use hypura::engine::setup::RunSpec;
 use hypura::server::wire::KeepAlive;
 use hypura::server::{router, AppState, Catalog, HttpConfig, SchedulerConfig};
 use serde_json::{json, Value};
 use tower::ServiceExt;
 
-fn options(path: &Path) -> Result<EngineOptions, String> {
-    let _ = path;
-    // Without repacking, a row's arithmetic is the same whatever the batch holds, so parallel
-    // sequences give exactly the answers they give alone.
-    Ok(EngineOptions { n_ctx: 512, n_batch: 256, n_ubatch: 256, n_threads: Some(2), repack: false, ..EngineOptions::default() })
+/// How the test models load: batch-invariant kernels, as `hypura serve` runs by default, so
+/// parallel sequences give exactly the answers they give alone.
+fn run() -> RunSpec {
+    RunSpec { n_ctx: 512, n_batch: 256, n_threads: Some(2), repack: false, batch_invariant: true, ..RunSpec::default() }
 }
 
 fn app_with(files: Vec<PathBuf>, n_parallel: u32, max_queue: usize, http: HttpConfig) -> Router {
@@ -31,7 +29,7 @@ fn app_with(files: Vec<PathBuf>, n_parallel: u32, max_queue: usize, http: HttpCo
         n_parallel,
         max_queue,
         default_keep_alive: KeepAlive::For(Duration::from_secs(300)),
-        engine_options: Arc::new(options),
+        run: run(),
         embedding_context: 128,
     };
     router(AppState::new(catalog, scheduler, http))
@@ -461,7 +459,7 @@ async fn ollama_store_names_resolve_and_never_escape_it() {
     std::fs::write(manifests.join("q4"), manifest.to_string()).unwrap();
 
     let catalog = Catalog { ollama_stores: vec![store.path().to_path_buf()], ..Catalog::default() };
-    let scheduler = SchedulerConfig { n_parallel: 1, max_queue: 1, default_keep_alive: KeepAlive::For(Duration::from_secs(60)), engine_options: Arc::new(options), embedding_context: 64 };
+    let scheduler = SchedulerConfig { n_parallel: 1, max_queue: 1, default_keep_alive: KeepAlive::For(Duration::from_secs(60)), run: run(), embedding_context: 64 };
     let app = router(AppState::new(catalog, scheduler, HttpConfig::default()));
     let tags = call(&app, Method::GET, "/api/tags", None).await.json();
     assert_eq!(tags["models"][0]["name"], "tiny:q4");
@@ -511,7 +509,7 @@ async fn parallel_sequences_share_each_streamed_read() {
         n_parallel: 4,
         max_queue: 4,
         default_keep_alive: KeepAlive::Forever,
-        engine_options: Arc::new(move |_: &Path| Ok(EngineOptions { n_ctx: 512, n_batch: 256, n_ubatch: 256, n_threads: Some(2), repack: false, plan: Some(plan.clone()), ..EngineOptions::default() })),
+        run: RunSpec { memory_budget_bytes: Some(plan.budget.budget_bytes), plan: plan_options, ..run() },
         embedding_context: 64,
     };
     let app = router(AppState::new(catalog, scheduler, HttpConfig::default()));

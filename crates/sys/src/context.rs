@@ -29,6 +29,10 @@ pub struct ContextParams {
     pub kv_unified: bool,
     /// Decisions at chosen graph nodes (streaming modes).
     pub eval_hook: Option<Arc<dyn EvalHook>>,
+    /// Batch-invariant CPU kernels (ggml's reference path): a token's logits are then the same
+    /// bits whatever else its batch holds, so a greedy answer repeats whether its prefix was
+    /// cached or not and whatever requests share the batch. Costs the tiled kernels' speed.
+    pub batch_invariant: bool,
 }
 
 impl std::fmt::Debug for ContextParams {
@@ -41,6 +45,7 @@ impl std::fmt::Debug for ContextParams {
             .field("n_seq_max", &self.n_seq_max)
             .field("n_threads", &self.n_threads)
             .field("eval_hook", &self.eval_hook.is_some())
+            .field("batch_invariant", &self.batch_invariant)
             .finish()
     }
 }
@@ -59,6 +64,7 @@ impl Default for ContextParams {
             op_offload: true,
             kv_unified: false,
             eval_hook: None,
+            batch_invariant: false,
         }
     }
 }
@@ -76,6 +82,12 @@ pub struct Context {
     abort: Box<Vec<Arc<AtomicBool>>>,
     /// The eval hook, boxed so llama.cpp can hold a thin pointer to it.
     _hook: Option<Box<Arc<dyn EvalHook>>>,
+}
+
+unsafe extern "C" {
+    /// `csrc/context_kernels.cpp`: switch the context's CPU backends to ggml's reference
+    /// kernels (or back); returns how many backends it set, or -1 for a null context.
+    fn hypura_context_set_reference_kernels(context: *mut raw::llama_context, use_ref: bool) -> i32;
 }
 
 unsafe extern "C" fn should_abort(data: *mut c_void) -> bool {
@@ -131,7 +143,20 @@ impl Context {
         unsafe {
             raw::llama_set_abort_callback(pointer.as_ptr(), Some(should_abort), &*abort as *const Vec<Arc<AtomicBool>> as *mut c_void);
         }
-        Ok(Context { pointer, model: model.clone(), n_vocab: model.vocab().n_tokens(), batch_tokens: 0, params: params.clone(), abort, _hook: hook })
+        let context = Context { pointer, model: model.clone(), n_vocab: model.vocab().n_tokens(), batch_tokens: 0, params: params.clone(), abort, _hook: hook };
+        if params.batch_invariant {
+            // SAFETY: the context is valid; the shim only reads its scheduler's backend list and
+            // sets a flag in each CPU backend's own context, before any decode runs.
+            let set = unsafe { hypura_context_set_reference_kernels(context.pointer.as_ptr(), true) };
+            if set < 1 {
+                return Err(SysError::ContextCreate {
+                    n_ctx: params.n_ctx,
+                    n_batch: params.n_batch,
+                    reason: "batch-invariant kernels asked for, but the context has no CPU backend that offers them".to_string(),
+                });
+            }
+        }
+        Ok(context)
     }
 
     pub(crate) fn as_ptr(&self) -> *mut raw::llama_context {

@@ -3,12 +3,15 @@
 //! Generative models carry no pooling type, so they get mean pooling (what Ollama and
 //! llama.cpp's server do for them). Every token of a pooled sequence must be in one micro-batch,
 //! so the context's batch equals its length, and inputs are checked against it here.
+use std::ffi::c_void;
 use std::ptr::NonNull;
+use std::sync::Arc;
 
 use llama_cpp_sys_2 as raw;
 
 use crate::batch::Batch;
 use crate::error::SysError;
+use crate::eval_hook::{eval_callback, EvalHook};
 use crate::model::Model;
 use crate::vocab::Token;
 
@@ -20,15 +23,19 @@ pub struct EmbeddingContext {
     n_embd: usize,
     n_vocab: i32,
     batch: Batch,
+    /// The eval hook (streaming models), boxed so llama.cpp can hold a thin pointer to it.
+    _hook: Option<Box<Arc<dyn EvalHook>>>,
 }
 
 // SAFETY: the context may move between threads as long as one uses it at a time (&mut self).
 unsafe impl Send for EmbeddingContext {}
 
 impl EmbeddingContext {
-    /// A context for inputs of up to `n_ctx` tokens.
-    pub fn new(model: &Model, n_ctx: u32, n_threads: i32) -> Result<EmbeddingContext, SysError> {
+    /// A context for inputs of up to `n_ctx` tokens. A streaming model passes its eval hook,
+    /// which makes streamed weights resident as the graph reaches them.
+    pub fn new(model: &Model, n_ctx: u32, n_threads: i32, eval_hook: Option<Arc<dyn EvalHook>>) -> Result<EmbeddingContext, SysError> {
         let n_ctx = n_ctx.max(8);
+        let hook = eval_hook.map(Box::new);
         let create = |pooling: raw::llama_pooling_type| -> Result<NonNull<raw::llama_context>, SysError> {
             // SAFETY: returns a plain struct by value.
             let mut params = unsafe { raw::llama_context_default_params() };
@@ -41,9 +48,13 @@ impl EmbeddingContext {
             params.embeddings = true;
             params.pooling_type = pooling;
             params.no_perf = true;
+            if let Some(hook) = &hook {
+                params.cb_eval = Some(eval_callback);
+                params.cb_eval_user_data = &**hook as *const Arc<dyn EvalHook> as *mut c_void;
+            }
             crate::log::clear_last_error();
             // SAFETY: the model pointer is valid and outlives the context (we keep a clone of
-            // the Model); params holds no borrowed pointers.
+            // the Model); the hook's data points into a box the context keeps until llama_free.
             let pointer = unsafe { raw::llama_init_from_model(model.as_ptr(), params) };
             NonNull::new(pointer).ok_or_else(|| SysError::ContextCreate {
                 n_ctx,
@@ -65,7 +76,7 @@ impl EmbeddingContext {
         }
         // SAFETY: the model pointer is valid while `model` lives.
         let n_embd = unsafe { raw::llama_model_n_embd_out(model.as_ptr()) }.max(0) as usize;
-        Ok(EmbeddingContext { pointer, _model: model.clone(), n_ctx, n_embd, n_vocab: model.vocab().n_tokens(), batch: Batch::new(n_ctx as usize, 1) })
+        Ok(EmbeddingContext { pointer, _model: model.clone(), n_ctx, n_embd, n_vocab: model.vocab().n_tokens(), batch: Batch::new(n_ctx as usize, 1), _hook: hook })
     }
 
     /// The longest input, in tokens.

@@ -225,21 +225,23 @@ impl HypuraSide {
         Ok(output.stats.prompt_tokens_per_sec())
     }
 
+    /// `tg`: `count` decoded tokens after `start`, timed as llama.cpp's side is (each token
+    /// sampled and decoded). The loop ends an answer on its last sampled token without
+    /// decoding it, so one more token is asked for and not counted.
     fn generate_rate(&mut self, start: &[Token], count: usize) -> Result<(f64, Vec<Token>), BenchError> {
         self.session.reset();
         let request = GenerateRequest {
-            max_tokens: Some(count as u32),
+            max_tokens: Some(count as u32 + 1),
             sampling: SamplerParams::greedy(),
             ignore_eos: true,
             ..GenerateRequest::new(Prompt::Tokens(start.to_vec()))
         };
-        let output = self.session.generate(&request, &mut |_| Control::Continue)?;
+        let mut output = self.session.generate(&request, &mut |_| Control::Continue)?;
         let stats = &output.stats;
         if let Some(io) = stats.io {
             self.totals.bytes_read += io.bytes_read;
             self.totals.stall_seconds += io.stall_seconds;
-            // Every evaluated graph reads the streamed layers once: the prompt's and each token's.
-            self.totals.graphs += u64::from(stats.eval_count) + u64::from(stats.prompt_eval_count > 0);
+            self.totals.graphs += u64::from(stats.weight_passes());
             self.totals.wall_seconds += stats.total_duration.as_secs_f64();
         }
         if let Some(experts) = &stats.experts {
@@ -250,10 +252,12 @@ impl HypuraSide {
             self.totals.prefetch[2] += experts.prefetch_cancelled;
         }
         if let Some(seconds) = stats.eval_compute_seconds_per_token() {
-            self.totals.compute_seconds += seconds * f64::from(stats.eval_count);
-            self.totals.generated += u64::from(stats.eval_count);
+            self.totals.compute_seconds += seconds * f64::from(stats.eval_decodes());
+            self.totals.generated += u64::from(stats.eval_decodes());
         }
-        Ok((output.stats.eval_tokens_per_sec(), output.tokens))
+        let rate = stats.eval_decodes() as f64 / stats.eval_duration.as_secs_f64().max(1e-9);
+        output.tokens.truncate(count);
+        Ok((rate, output.tokens))
     }
 }
 
@@ -261,7 +265,7 @@ impl HypuraSide {
 pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Result<BenchReport, BenchError> {
     let mut hypura = match options.hypura {
         true => {
-            let engine = Arc::new(Engine::load(path, options.engine.clone())?);
+            let engine = Arc::new(Engine::open(path, options.engine.clone())?);
             let session = Session::new(engine.clone())?;
             Some(HypuraSide { engine, session, totals: TgTotals::default() })
         }

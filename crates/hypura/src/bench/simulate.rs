@@ -4,7 +4,7 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use crate::store::{CacheModel, CachePolicy, RouteRecord};
+use crate::store::{CacheModel, CachePolicy, ExpertUnits, RouteRecord};
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct SimulationResult {
@@ -15,10 +15,11 @@ pub struct SimulationResult {
     pub hit_rate: f64,
 }
 
-/// Replay `records` (units numbered `layer * n_expert + expert`) through one policy and size,
-/// exactly as the expert store admits and evicts: a layer's picks are pinned while it runs.
+/// Replay `records` (units numbered as the expert store numbers them) through one policy and
+/// size, exactly as the expert store admits and evicts: a layer's picks are pinned while it runs.
 pub fn simulate(records: &[RouteRecord], n_layer: usize, n_expert: usize, policy: CachePolicy, capacity_units: usize) -> SimulationResult {
-    let mut cache = CacheModel::new(policy, n_layer * n_expert, capacity_units.max(n_expert));
+    let numbering = ExpertUnits { n_layer, n_expert };
+    let mut cache = CacheModel::new(policy, numbering.count(), capacity_units.max(n_expert));
     let (mut hits, mut misses) = (0u64, 0u64);
     for record in records {
         let mut chosen: Vec<usize> = Vec::new();
@@ -26,7 +27,7 @@ pub fn simulate(records: &[RouteRecord], n_layer: usize, n_expert: usize, policy
             if expert < 0 || expert as usize >= n_expert || record.layer as usize >= n_layer {
                 continue;
             }
-            let unit = record.layer as usize * n_expert + expert as usize;
+            let unit = numbering.unit(record.layer as usize, expert as usize);
             if !chosen.contains(&unit) {
                 chosen.push(unit);
             }

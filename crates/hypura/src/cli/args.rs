@@ -147,6 +147,11 @@ pub struct ModelArgs {
     /// Resident mode: read the weights into memory instead of mapping the file.
     #[arg(long)]
     pub no_mmap: bool,
+    /// Batch-invariant kernels (ggml's reference CPU kernels, no weight repacking): greedy
+    /// output is the same bits whether a prefix was cached and whatever shares the batch.
+    /// Prompt processing is slower. Default: on for `serve`, off for `run` and `bench`.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub batch_invariant: Option<bool>,
     #[command(flatten)]
     pub plan: PlanArgs,
 }

@@ -1,4 +1,6 @@
-//! `Batcher`: several generations decoding together as parallel sequences of one context.
+//! `Batcher`: the engine's one generation loop. Several generations decode together as
+//! parallel sequences of one context; a CLI run or a benchmark is the same loop with one
+//! sequence (`Session`).
 //!
 //! Each step builds one llama.cpp batch holding the next token of every sequence that is
 //! generating, then fills the rest of the batch with prompt chunks of sequences that are still
@@ -6,43 +8,44 @@
 //! own sampler chain (and grammar). One decode is one pass over the weights, so in streaming
 //! modes every weight read from disk serves every active request at once.
 //!
-//! The KV cache is unified (one buffer for every sequence): with one buffer per sequence,
-//! llama.cpp splits a batch into one graph per run of consecutive sequence ids with equal token
-//! counts, and each graph is another pass over the weights: another read from disk when
-//! streaming, another read from RAM when resident (measured: four clients got half the
-//! throughput of one that way). Each sequence is kept within its share (`n_ctx` of the engine,
-//! the context being `n_sequences` times that), so one long conversation can never starve the
-//! others. A freed slot
-//! keeps its KV entries, and a new request goes to the free slot sharing the longest prefix with
-//! it, so a chat that comes back for its next turn reuses its cache.
+//! Each sequence is kept within its share of the context (`n_ctx` of the engine, the context
+//! being `n_sequences` times that), so one long conversation can never starve the others. A
+//! freed slot keeps its KV entries, and a new request goes to the free slot sharing the longest
+//! prefix with it, so a chat that comes back for its next turn reuses its cache.
 //!
-//! The batcher is synchronous and owned by one thread (the server's model worker); text and the
-//! final statistics leave through a per-sequence callback.
+//! Greedy answers repeat exactly when the engine runs batch-invariant kernels
+//! (`EngineOptions::batch_invariant`): a token's logits are then the same bits whether its
+//! prefix came from the cache or was evaluated with it, and whatever other sequences share the
+//! batch. Two things make that hold. The reference kernels compute each row of a product by
+//! itself (llama.cpp's fastest kernels, repacked weights and tiled products, give a row a
+//! result that depends on the batch's shape). And each sequence has a KV buffer of its own:
+//! attention sums over a sequence's cells in cell order, and in one buffer shared by every
+//! sequence, a reused prefix can sit after cells that another request freed, so that new
+//! tokens land before their own prefix and the sum runs in another order. In its own buffer a
+//! sequence's cells always follow its positions.
+//!
+//! With llama.cpp's fastest kernels the KV cache is unified instead (one buffer for every
+//! sequence): with one buffer per sequence, llama.cpp splits a batch into one graph per run of
+//! consecutive sequence ids with equal token counts, and each graph is another pass over the
+//! weights (another read from disk when streaming). With their own buffers, steps where every
+//! sequence generates are one graph as long as the generating slots are consecutive (new
+//! requests take the lowest free slot); a step that mixes a prompt chunk with generated tokens
+//! takes two.
+//!
+//! The batcher is synchronous and owned by one thread (the server's model worker, or the
+//! caller of `Session::generate`); text and the final statistics leave through a per-sequence
+//! callback.
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use hypura_sys::{Batch, Context, Grammar, Sampler, SamplerParams, SysError, Token};
+use hypura_sys::{Batch, Context, Grammar, Sampler, Token};
 
-use super::session::{ChatMessage, Control, DoneReason, GenerateOutput, GenerationStats};
+use super::prompt::{self, Prompt};
+use super::session::{Control, DoneReason, GenerateOutput, GenerateRequest};
+use super::stats::{Counters, GenerationStats};
 use super::text::{StopMatcher, StopScan, Utf8Stream};
 use super::{Engine, EngineError};
-
-/// One generation for the batcher. The prompt is already tokenized (see `tokenize_text`).
-pub struct SequenceRequest {
-    pub tokens: Vec<Token>,
-    /// None: until end of generation or the sequence's share of the context is full.
-    pub max_tokens: Option<u32>,
-    pub sampling: SamplerParams,
-    pub stop: Vec<String>,
-    /// A GBNF grammar (root rule `root`) that the answer must follow.
-    pub grammar: Option<String>,
-    /// Tokens this request may hold in total (prompt and answer); capped at the sequence's
-    /// share of the context.
-    pub n_ctx: Option<u32>,
-    /// Set from another thread to stop within one token.
-    pub cancel: Arc<AtomicBool>,
-}
 
 /// The end of a sequence: the engine's output plus the prompt it was generated from (Ollama's
 /// `context` is both).
@@ -58,7 +61,7 @@ pub enum SequenceEvent<'a> {
     Text(&'a str),
     Done(Box<Finished>),
     /// The decode failed; the sequence is gone.
-    Failed(String),
+    Failed(EngineError),
 }
 
 /// Receives a sequence's events on the batcher's thread.
@@ -77,6 +80,10 @@ struct Active {
     sampler: Sampler,
     grammar: Option<Grammar>,
     max_tokens: Option<u32>,
+    ignore_eos: bool,
+    /// Keep the logits after the prompt's last token (comparisons with llama.cpp).
+    keep_prompt_logits: bool,
+    prompt_logits: Option<Vec<f32>>,
     limit: usize,
     utf8: Utf8Stream,
     stops: StopMatcher,
@@ -86,8 +93,10 @@ struct Active {
     sink: SequenceSink,
     stats: GenerationStats,
     started: Instant,
-    eval_started: Option<Instant>,
-    io_before: Option<crate::store::IoSnapshot>,
+    /// Streaming counters when the sequence was admitted.
+    counters: Counters,
+    /// When the prompt was done, and the read stall then.
+    eval_started: Option<(Instant, f64)>,
 }
 
 struct Slot {
@@ -116,7 +125,8 @@ impl Batcher {
         let per_sequence = params.n_ctx;
         params.n_ctx = per_sequence.saturating_mul(n_sequences);
         params.n_seq_max = n_sequences;
-        params.kv_unified = true;
+        // Batch-invariant runs give each sequence its own KV buffer (see the module notes).
+        params.kv_unified = !engine.options().batch_invariant;
         let mut context = Context::new(engine.model(), &params)?;
         // A streaming read failure aborts the decode before any node computes on missing
         // weights; the failure is then reported to the sequences in that batch.
@@ -151,36 +161,49 @@ impl Batcher {
         self.slots.iter().all(|slot| slot.active.is_none())
     }
 
-    /// Start a sequence in a free slot. Errors (bad sampling values, a grammar llama.cpp cannot
-    /// parse, a prompt longer than the context, no free slot) are returned with the sink, before
-    /// anything is decoded.
-    pub fn admit(&mut self, request: SequenceRequest, sink: SequenceSink) -> Result<(), (EngineError, SequenceSink)> {
-        match self.prepare(&request) {
-            Ok((index, sampler, grammar, reused)) => {
-                let limit = request.n_ctx.map_or(self.n_ctx_per_sequence, |limit| (limit as usize).clamp(1, self.n_ctx_per_sequence));
-                let slot = &mut self.slots[index];
-                let io_before = self.engine.streaming().map(|streaming| streaming.stats.snapshot());
-                let stats = GenerationStats { reused_prompt_tokens: reused as u32, prompt_eval_count: (request.tokens.len() - reused) as u32, ..GenerationStats::default() };
-                slot.active = Some(Active {
+    /// Forget every idle sequence's KV entries (a running sequence keeps its own).
+    pub fn forget_cache(&mut self) {
+        for slot in self.slots.iter_mut().filter(|slot| slot.active.is_none()) {
+            self.context.truncate_sequence(slot.seq_id, 0);
+            slot.cached.clear();
+        }
+    }
+
+    /// Start a sequence in a free slot. Errors (a bad prompt, bad sampling values, a grammar
+    /// llama.cpp cannot parse, a prompt longer than the context, no free slot) are returned
+    /// with the sink, before anything is decoded.
+    pub fn admit(&mut self, request: GenerateRequest, sink: SequenceSink) -> Result<(), (EngineError, SequenceSink)> {
+        let tokens = match &request.prompt {
+            Prompt::Tokens(tokens) => prompt::check_tokens(&self.engine, tokens).map(|()| tokens.clone()),
+            other => prompt::tokenize(&self.engine, other),
+        };
+        match tokens.and_then(|tokens| self.prepare(&request, tokens)) {
+            Ok((index, tokens, sampler, grammar, reused)) => {
+                let limit = self.limit(&request);
+                let stats = GenerationStats { reused_prompt_tokens: reused as u32, prompt_eval_count: (tokens.len() - reused) as u32, ..GenerationStats::default() };
+                self.slots[index].active = Some(Active {
                     next_prompt: reused,
-                    prompt: request.tokens,
+                    prompt: tokens,
                     pending: None,
                     queued: Vec::new(),
                     logits_row: None,
                     sampler,
                     grammar,
                     max_tokens: request.max_tokens,
+                    ignore_eos: request.ignore_eos,
+                    keep_prompt_logits: request.prompt_logits,
+                    prompt_logits: None,
                     limit,
                     utf8: Utf8Stream::default(),
                     stops: StopMatcher::new(&request.stop),
                     text: String::new(),
                     generated: Vec::new(),
-                    cancel: request.cancel,
+                    cancel: request.cancel.unwrap_or_default(),
                     sink,
                     stats,
                     started: Instant::now(),
+                    counters: Counters::read(&self.engine),
                     eval_started: None,
-                    io_before,
                 });
                 Ok(())
             }
@@ -188,28 +211,28 @@ impl Batcher {
         }
     }
 
+    /// Tokens a request may hold: its own `n_ctx`, capped at the sequence's share.
+    fn limit(&self, request: &GenerateRequest) -> usize {
+        request.n_ctx.map_or(self.n_ctx_per_sequence, |limit| (limit as usize).clamp(1, self.n_ctx_per_sequence))
+    }
+
     /// Validate a request and pick its slot: the free one sharing the longest prefix.
-    fn prepare(&mut self, request: &SequenceRequest) -> Result<(usize, Sampler, Option<Grammar>, usize), EngineError> {
+    #[allow(clippy::type_complexity)]
+    fn prepare(&mut self, request: &GenerateRequest, tokens: Vec<Token>) -> Result<(usize, Vec<Token>, Sampler, Option<Grammar>, usize), EngineError> {
         request.sampling.validate()?;
-        let tokens = &request.tokens;
         if tokens.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
-        let vocab = self.engine.model().vocab();
-        let n_vocab = vocab.n_tokens();
-        if let Some(&bad) = tokens.iter().find(|&&token| token < 0 || token >= n_vocab) {
-            return Err(SysError::BadToken { token: bad, n_vocab }.into());
-        }
-        let limit = request.n_ctx.map_or(self.n_ctx_per_sequence, |limit| (limit as usize).clamp(1, self.n_ctx_per_sequence));
+        let limit = self.limit(request);
         if tokens.len() >= limit {
             return Err(EngineError::PromptTooLong { tokens: tokens.len(), n_ctx: limit as u32 });
         }
         let grammar = match &request.grammar {
-            Some(text) => Some(Grammar::new(&vocab, text, "root")?),
+            Some(text) => Some(Grammar::new(&self.engine.model().vocab(), text, "root")?),
             None => None,
         };
         let mut sampler = Sampler::new(&request.sampling, &self.context)?;
-        for &token in tokens {
+        for &token in &tokens {
             sampler.accept(token);
         }
         let index = self
@@ -217,11 +240,11 @@ impl Batcher {
             .iter()
             .enumerate()
             .filter(|(_, slot)| slot.active.is_none())
-            .max_by_key(|(index, slot)| (shared_prefix(&slot.cached, tokens), std::cmp::Reverse(*index)))
+            .max_by_key(|(index, slot)| (shared_prefix(&slot.cached, &tokens), std::cmp::Reverse(*index)))
             .map(|(index, _)| index)
             .ok_or_else(|| EngineError::Store(format!("all {} sequences of the context are busy; admit only when free_slots() > 0", self.slots.len())))?;
-        let reused = self.reuse_prefix(index, tokens);
-        Ok((index, sampler, grammar, reused))
+        let reused = self.reuse_prefix(index, &tokens);
+        Ok((index, tokens, sampler, grammar, reused))
     }
 
     /// Keep the KV entries of the longest prefix the slot shares with `tokens`, dropping the
@@ -256,17 +279,18 @@ impl Batcher {
         }
         let observations_before = self.engine.streaming().map(|streaming| streaming.observations());
         if let Err(error) = self.context.decode(&self.batch) {
-            let message = match self.engine.streaming().and_then(|streaming| streaming.driver.take_failure()) {
-                Some(failure) => EngineError::Store(failure.to_string()).to_string(),
-                None => EngineError::from(error).to_string(),
-            };
-            self.fail_batch(&message);
+            // A read failure aborts the graph from the eval hook: report the read, not the abort.
+            let failure = self.engine.streaming().and_then(|streaming| streaming.driver.take_failure());
+            let message = failure.map_or_else(|| EngineError::from(error).to_string(), |failure| failure.to_string());
+            let streamed = self.engine.streaming().is_some();
+            self.fail_batch(|| if streamed { EngineError::Store(message.clone()) } else { EngineError::Decode(message.clone()) });
             return true;
         }
         // A graph whose streamed layers were never loaded computed on missing weights.
         if let (Some(before), Some(streaming)) = (observations_before, self.engine.streaming()) {
             if let Err(error) = streaming.ensure_hook_fired(before) {
-                self.fail_batch(&error.to_string());
+                let message = error.to_string();
+                self.fail_batch(|| EngineError::Store(message.clone()));
                 return true;
             }
         }
@@ -336,7 +360,7 @@ impl Batcher {
 
     /// A failed decode: the KV cache may hold part of the batch, so every sequence in it starts
     /// over and its request gets the error.
-    fn fail_batch(&mut self, message: &str) {
+    fn fail_batch(&mut self, error: impl Fn() -> EngineError) {
         for index in 0..self.slots.len() {
             let slot = &mut self.slots[index];
             let involved = slot.active.as_ref().is_some_and(|active| !active.queued.is_empty());
@@ -346,7 +370,7 @@ impl Batcher {
             self.context.truncate_sequence(slot.seq_id, 0);
             slot.cached.clear();
             if let Some(mut active) = slot.active.take() {
-                (active.sink)(SequenceEvent::Failed(message.to_string()));
+                (active.sink)(SequenceEvent::Failed(error()));
             }
         }
     }
@@ -360,7 +384,13 @@ impl Batcher {
         if active.eval_started.is_none() {
             let now = Instant::now();
             active.stats.prompt_eval_duration = now - active.started;
-            active.eval_started = Some(now);
+            active.eval_started = Some((now, Counters::read(&self.engine).stall_seconds()));
+            if active.keep_prompt_logits {
+                match self.context.logits(row) {
+                    Ok(logits) => active.prompt_logits = Some(logits.to_vec()),
+                    Err(error) => return self.fail(index, error.into()),
+                }
+            }
         }
         if active.max_tokens.is_some_and(|limit| active.generated.len() >= limit as usize) {
             return self.finish(index, DoneReason::Length);
@@ -371,9 +401,9 @@ impl Batcher {
         };
         let token = match sampled {
             Ok(token) => token,
-            Err(error) => return self.fail(index, &EngineError::from(error).to_string()),
+            Err(error) => return self.fail(index, error.into()),
         };
-        if vocab.is_end_of_generation(token) {
+        if !active.ignore_eos && vocab.is_end_of_generation(token) {
             return self.finish(index, DoneReason::Stop);
         }
         active.generated.push(token);
@@ -396,9 +426,9 @@ impl Batcher {
         active.pending = Some(token);
     }
 
-    fn fail(&mut self, index: usize, message: &str) {
+    fn fail(&mut self, index: usize, error: EngineError) {
         if let Some(mut active) = self.slots[index].active.take() {
-            (active.sink)(SequenceEvent::Failed(message.to_string()));
+            (active.sink)(SequenceEvent::Failed(error));
         }
     }
 
@@ -415,17 +445,25 @@ impl Batcher {
             emit(&mut active, &tail);
         }
         let now = Instant::now();
-        let mut stats = active.stats.clone();
+        let mut stats = std::mem::take(&mut active.stats);
+        stats.load_duration = self.engine.load_duration();
         match active.eval_started {
-            Some(eval_started) => stats.eval_duration = now - eval_started,
+            Some((eval_started, stall_before)) => {
+                stats.eval_duration = now - eval_started;
+                stats.eval_stall = Duration::from_secs_f64((Counters::read(&self.engine).stall_seconds() - stall_before).max(0.0));
+            }
             None => stats.prompt_eval_duration = now - active.started,
         }
         stats.eval_count = active.generated.len() as u32;
         stats.total_duration = now - active.started;
-        if let (Some(before), Some(streaming)) = (active.io_before, self.engine.streaming()) {
-            stats.io = Some(streaming.stats.snapshot() - before);
-        }
-        let output = GenerateOutput { text: std::mem::take(&mut active.text), tokens: std::mem::take(&mut active.generated), done_reason, stats };
+        active.counters.fill_since(&self.engine, &mut stats);
+        let output = GenerateOutput {
+            text: std::mem::take(&mut active.text),
+            tokens: std::mem::take(&mut active.generated),
+            done_reason,
+            stats,
+            prompt_logits: active.prompt_logits.take(),
+        };
         let prompt = std::mem::take(&mut active.prompt);
         (active.sink)(SequenceEvent::Done(Box::new(Finished { output, prompt })));
     }
@@ -448,21 +486,4 @@ fn emit(active: &mut Active, piece: &str) -> Control {
 
 fn shared_prefix(cached: &[Token], tokens: &[Token]) -> usize {
     cached.iter().zip(tokens).take_while(|(cached, new)| cached == new).count()
-}
-
-/// Render a conversation with the engine's chat template, the assistant's turn opened.
-pub fn render_chat(engine: &Engine, messages: &[ChatMessage]) -> Result<String, EngineError> {
-    engine.template().render(messages, true).map_err(|reason| EngineError::Template { path: engine.inventory().path.clone(), reason })
-}
-
-/// Tokenize text as `Session` does: special-token text becomes control tokens, BOS is added
-/// when `add_special` and the model wants it, and a BOS that the template already wrote is not
-/// doubled.
-pub fn tokenize_text(engine: &Engine, text: &str, add_special: bool) -> Result<Vec<Token>, EngineError> {
-    let vocab = engine.model().vocab();
-    let mut tokens = vocab.tokenize(text, add_special, true)?;
-    if tokens.len() >= 2 && tokens[0] == vocab.bos() && tokens[1] == vocab.bos() {
-        tokens.remove(0);
-    }
-    Ok(tokens)
 }

@@ -1,25 +1,34 @@
-//! The engine: loads a model through `hypura-sys` and runs generation sessions. It is the one
-//! API that the CLI, the benchmark and the server use.
+//! The engine: loads a model through `hypura-sys` and runs generation. It is the one API that
+//! the CLI, the benchmark and the server use, and the only door above `hypura-sys`.
 //!
-//! Data flow: `Engine::load` validates the file with the pure inventory first (so a bad file is
-//! a typed error, never a ggml abort), then loads it with llama.cpp. `Session::generate` renders
-//! the chat template, tokenizes, reuses the KV cache for a shared prefix, prefills in batches,
-//! then decodes token by token with the sampler chain, streaming text out through a callback.
+//! Data flow: `Engine::load` takes the inventory the plan was made from (so a bad file is a
+//! typed error, never a ggml abort) and loads the file with llama.cpp. `prompt` renders chat
+//! templates and tokenizes. `Batcher` is the one generation loop: it reuses the KV cache for a
+//! shared prefix, prefills in batches and decodes every active sequence together with its own
+//! sampler chain, streaming text out through a callback; `Session` is that loop with one
+//! sequence. `stats` holds what a generation measured.
 pub mod batch;
+mod embed;
 mod load;
+pub mod prompt;
 mod session;
+pub mod setup;
+mod stats;
 mod template;
 mod text;
 
 use std::path::PathBuf;
 
-pub use batch::{Batcher, Finished, SequenceEvent, SequenceRequest, SequenceSink};
+pub use batch::{Batcher, Finished, SequenceEvent, SequenceSink};
+pub use embed::{Embedder, Embedding};
 pub use load::{Engine, EngineOptions, StreamDriver, Streaming};
-pub use session::{ChatMessage, Control, DoneReason, GenerateOutput, GenerateRequest, GenerationStats, Prompt, Session};
+pub use prompt::{ChatMessage, Prompt};
+pub use session::{Control, DoneReason, GenerateOutput, GenerateRequest, Session};
+pub use stats::GenerationStats;
 pub use template::ChatTemplate;
 pub use text::{StopMatcher, Utf8Stream};
 
-pub use hypura_sys::SamplerParams;
+pub use hypura_sys::{SamplerParams, SysError, Token};
 
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -34,6 +43,12 @@ pub enum EngineError {
     EmptyPrompt,
     #[error("weight streaming: {0}")]
     Store(String),
+    #[error("decoding: {0}")]
+    Decode(String),
     #[error("chat template of {path}: {reason}")]
     Template { path: PathBuf, reason: String },
+    #[error(transparent)]
+    Plan(#[from] crate::plan::PlanError),
+    #[error("{0}")]
+    Setup(String),
 }

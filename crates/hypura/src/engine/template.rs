@@ -5,7 +5,7 @@
 use hypura_sys::{apply_builtin_template, ChatTurn};
 use minijinja::{context, Environment, ErrorKind};
 
-use super::session::ChatMessage;
+use super::prompt::ChatMessage;
 
 /// How a model's chat turns become a prompt.
 #[derive(Clone, Debug)]

@@ -11,7 +11,8 @@
 mod cache;
 mod cpu;
 mod disk;
-pub mod format;
+/// Formatting moved to the crate root (the planner uses it too); the old path stays.
+pub use crate::format;
 mod measured;
 mod memory;
 mod mountinfo;

@@ -39,7 +39,7 @@ impl AppError {
 
     /// The status for an engine error: what the request asked for is a 400, the rest a 500.
     pub fn from_engine(error: &EngineError) -> AppError {
-        use hypura_sys::SysError;
+        use crate::engine::SysError;
         let status = match error {
             EngineError::PromptTooLong { .. } | EngineError::EmptyPrompt => StatusCode::BAD_REQUEST,
             EngineError::Sys(SysError::BadSampling { .. } | SysError::BadToken { .. } | SysError::Grammar(_) | SysError::TextTooLong { .. }) => {

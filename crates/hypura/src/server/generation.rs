@@ -14,10 +14,11 @@ use tokio::sync::mpsc;
 use super::catalog::ModelEntry;
 use super::error::AppError;
 use super::options::RequestOptions;
-use super::scheduler::{Event, GenerateJob, PromptText, Scheduler};
+use super::scheduler::{Event, GenerateJob, Scheduler};
+use crate::engine::Prompt;
 use super::wire::KeepAlive;
 use crate::engine::{DoneReason, Finished};
-use hypura_sys::Token;
+use crate::engine::Token;
 
 /// Sets the flag when dropped.
 pub struct CancelOnDrop(Arc<AtomicBool>);
@@ -31,7 +32,7 @@ impl Drop for CancelOnDrop {
 /// What to generate.
 pub struct GenerationSpec {
     pub context: Vec<Token>,
-    pub prompt: PromptText,
+    pub prompt: Prompt,
     pub options: RequestOptions,
     pub grammar: Option<String>,
 }

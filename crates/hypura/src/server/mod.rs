@@ -32,7 +32,7 @@ use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
 pub use catalog::{Catalog, ModelEntry};
 pub use error::AppError;
 pub use model_details::show_model;
-pub use scheduler::{EngineOptionsFactory, Scheduler, SchedulerConfig};
+pub use scheduler::{Scheduler, SchedulerConfig};
 
 use model_details::Details;
 use scheduler::{EmbedOutput, Lease};

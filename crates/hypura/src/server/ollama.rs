@@ -18,7 +18,8 @@ use super::catalog::ModelEntry;
 use super::error::AppError;
 use super::generation::{self, done_reason, GenerationSpec};
 use super::options::{format_grammar, parse_options};
-use super::scheduler::{EmbedJob, Event, PromptText};
+use super::scheduler::{EmbedJob, Event};
+use crate::engine::Prompt;
 use super::wire::{ndjson_line, nanos, parse_body, rfc3339, stream_response, KeepAlive};
 use super::{model_details, AppState};
 use crate::engine::{ChatMessage, Finished};
@@ -190,6 +191,18 @@ fn final_fields(object: &mut Map<String, Value>, finished: &Finished, with_conte
             object.insert(key.into(), json!(value));
         }
     }
+    // Hypura's own figures, the ones `run --stats` and `bench` print.
+    object.insert("hypura_prompt_cached".into(), json!(stats.reused_prompt_tokens));
+    if let Some(io) = &stats.io {
+        object.insert("hypura_bytes_read".into(), json!(io.bytes_read));
+        object.insert("hypura_stall_duration".into(), json!(nanos(std::time::Duration::from_secs_f64(io.stall_seconds.max(0.0)))));
+    }
+    if let Some(experts) = &stats.experts {
+        object.insert("hypura_expert_hit_rate".into(), json!(experts.hit_rate()));
+    }
+    if let Some(peak) = crate::hw::peak_rss_bytes() {
+        object.insert("hypura_peak_memory".into(), json!(peak));
+    }
 }
 
 enum Shape {
@@ -254,14 +267,14 @@ pub async fn generate(State(state): State<AppState>, body: Result<Bytes, BytesRe
         return load_only(&state, &entry, &name, keep_alive, &shape).await;
     }
     let prompt = if body.raw {
-        PromptText::Raw(prompt)
+        Prompt::Raw(prompt)
     } else {
         let mut messages = Vec::new();
         if let Some(system) = body.system.filter(|system| !system.is_empty()) {
             messages.push(ChatMessage::new("system", system));
         }
         messages.push(ChatMessage::new("user", prompt));
-        PromptText::Chat(messages)
+        Prompt::Chat(messages)
     };
     let spec = GenerationSpec { context: body.context.unwrap_or_default(), prompt, options, grammar };
     respond(&state, &entry, name, keep_alive, spec, body.common.stream.unwrap_or(true), shape).await
@@ -289,7 +302,7 @@ pub async fn chat(State(state): State<AppState>, body: Result<Bytes, BytesReject
     if messages.is_empty() {
         return load_only(&state, &entry, &name, keep_alive, &Shape::Chat).await;
     }
-    let spec = GenerationSpec { context: Vec::new(), prompt: PromptText::Chat(messages), options, grammar };
+    let spec = GenerationSpec { context: Vec::new(), prompt: Prompt::Chat(messages), options, grammar };
     respond(&state, &entry, name, keep_alive, spec, body.common.stream.unwrap_or(true), Shape::Chat).await
 }
 

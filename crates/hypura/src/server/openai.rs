@@ -24,7 +24,8 @@ use super::error::{AppError, OpenAiError};
 use super::generation::{self, done_reason, GenerationSpec};
 use super::ollama::{dimensions, embed_inputs, normalise};
 use super::options::{float, integer, max_tokens, seed, RequestOptions};
-use super::scheduler::{Event, PromptText};
+use super::scheduler::Event;
+use crate::engine::Prompt;
 use super::wire::{parse_body, sse_event, stream_response, unix_seconds};
 use super::AppState;
 use crate::engine::{ChatMessage, Finished, SamplerParams};
@@ -245,7 +246,7 @@ pub async fn chat_completions(State(state): State<AppState>, body: Result<Bytes,
         .collect::<Result<Vec<_>, AppError>>()?;
     let options = body.sampling.options()?;
     let grammar = response_grammar(body.response_format.as_ref())?;
-    let spec = GenerationSpec { context: Vec::new(), prompt: PromptText::Chat(messages), options, grammar };
+    let spec = GenerationSpec { context: Vec::new(), prompt: Prompt::Chat(messages), options, grammar };
     let envelope = Envelope { kind: Kind::Chat, id: next_id("chatcmpl"), created: unix_seconds(SystemTime::now()), model: name };
     respond(&state, &entry, spec, envelope, body.sampling.stream, body.sampling.include_usage()).await
 }
@@ -266,7 +267,7 @@ pub async fn completions(State(state): State<AppState>, body: Result<Bytes, Byte
         return Err(AppError::bad_request("prompt is empty").into());
     }
     let options = body.sampling.options()?;
-    let spec = GenerationSpec { context: Vec::new(), prompt: PromptText::Raw(prompt), options, grammar: None };
+    let spec = GenerationSpec { context: Vec::new(), prompt: Prompt::Raw(prompt), options, grammar: None };
     let envelope = Envelope { kind: Kind::Text, id: next_id("cmpl"), created: unix_seconds(SystemTime::now()), model: name };
     respond(&state, &entry, spec, envelope, body.sampling.stream, body.sampling.include_usage()).await
 }

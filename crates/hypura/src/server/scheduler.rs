@@ -23,12 +23,8 @@ use tokio::sync::{mpsc, oneshot};
 use super::catalog::ModelEntry;
 use super::error::AppError;
 use super::wire::KeepAlive;
-use crate::engine::batch::{render_chat, tokenize_text};
-use crate::engine::{Batcher, ChatMessage, Control, Engine, EngineError, EngineOptions, Finished, SamplerParams, SequenceEvent, SequenceRequest};
-use hypura_sys::{EmbeddingContext, Token};
-
-/// Builds the engine options for a model file (the plan needs the file's inventory).
-pub type EngineOptionsFactory = Arc<dyn Fn(&Path) -> Result<EngineOptions, String> + Send + Sync>;
+use crate::engine::setup::RunSpec;
+use crate::engine::{prompt, Batcher, Control, Embedder, Engine, EngineError, Finished, GenerateRequest, Prompt, SamplerParams, SequenceEvent, Token};
 
 #[derive(Clone)]
 pub struct SchedulerConfig {
@@ -37,7 +33,8 @@ pub struct SchedulerConfig {
     /// Requests that may wait beyond the running ones before the server answers 503.
     pub max_queue: usize,
     pub default_keep_alive: KeepAlive,
-    pub engine_options: EngineOptionsFactory,
+    /// How each model is planned and loaded (`n_sequences` is set from `n_parallel`).
+    pub run: RunSpec,
     /// Longest embedding input in tokens (every token of an input is decoded in one batch, and
     /// a generative model's logits for all of them are kept).
     pub embedding_context: u32,
@@ -103,21 +100,12 @@ impl LoadedModel {
     }
 }
 
-/// Where a generation's prompt comes from. Tokenizing needs the vocabulary, so it happens on
-/// the worker.
-#[derive(Clone, Debug)]
-pub enum PromptText {
-    /// Text passed to the tokenizer as is.
-    Raw(String),
-    /// A conversation rendered with the model's chat template.
-    Chat(Vec<ChatMessage>),
-}
-
 /// A generation for a worker.
 pub struct GenerateJob {
     /// Token ids to put before the prompt (Ollama's `context`).
     pub context: Vec<Token>,
-    pub prompt: PromptText,
+    /// Text or a conversation; tokenizing needs the vocabulary, so it happens on the worker.
+    pub prompt: Prompt,
     pub max_tokens: Option<u32>,
     pub sampling: SamplerParams,
     pub stop: Vec<String>,
@@ -356,9 +344,10 @@ impl Worker {
 
     fn run(self, receiver: Receiver<Job>) {
         let started = Instant::now();
-        let loaded = (self.config.engine_options)(&self.path)
-            .map_err(|message| AppError::internal(format!("planning {}: {message}", self.path.display())))
-            .and_then(|options| Engine::load(&self.path, options).map_err(|error| AppError::internal(format!("loading {}: {error}", self.path.display()))))
+        let run = RunSpec { n_sequences: self.config.n_parallel, ..self.config.run.clone() };
+        let loaded = crate::engine::setup::prepare(&self.path, &run)
+            .map_err(|error| AppError::internal(format!("planning {}: {error}", self.path.display())))
+            .and_then(|setup| Engine::load(setup.inventory, setup.options).map_err(|error| AppError::internal(format!("loading {}: {error}", self.path.display()))))
             .and_then(|engine| {
                 let engine = Arc::new(engine);
                 Batcher::new(engine, self.config.n_parallel).map_err(|error| AppError::internal(format!("creating the context: {error}")))
@@ -380,7 +369,7 @@ impl Worker {
         let engine = batcher.engine().clone();
         self.set_status(Status::Ready(engine_info(&engine, &batcher)));
         tracing::info!("loaded {} in {:.2} s ({} mode)", self.path.display(), (ready_at - started).as_secs_f64(), engine.mode().name());
-        let mut embedder: Option<EmbeddingContext> = None;
+        let mut embedder: Option<Embedder> = None;
         let mut waiting: VecDeque<Job> = VecDeque::new();
         let mut open = true;
         loop {
@@ -416,7 +405,7 @@ impl Worker {
         batcher.cancel_all();
     }
 
-    fn accept(&self, job: Job, ready_at: Instant, waiting: &mut VecDeque<Job>, embedder: &mut Option<EmbeddingContext>, engine: &Arc<Engine>) {
+    fn accept(&self, job: Job, ready_at: Instant, waiting: &mut VecDeque<Job>, embedder: &mut Option<Embedder>, engine: &Arc<Engine>) {
         let load_duration = ready_at.saturating_duration_since(job.received);
         match job.work {
             Work::Generate(_) => waiting.push_back(job),
@@ -430,33 +419,27 @@ impl Worker {
         }
     }
 
-    fn embed(&self, engine: &Arc<Engine>, embedder: &mut Option<EmbeddingContext>, inputs: &[String], truncate: bool) -> Result<(Vec<Vec<f32>>, usize), AppError> {
+    fn embed(&self, engine: &Arc<Engine>, embedder: &mut Option<Embedder>, inputs: &[String], truncate: bool) -> Result<(Vec<Vec<f32>>, usize), AppError> {
         if embedder.is_none() {
-            let n_ctx = self.config.embedding_context.min(engine.n_ctx()).max(8);
-            let threads = engine.options().n_threads.unwrap_or_else(|| std::thread::available_parallelism().map(|count| count.get() as i32).unwrap_or(4));
-            *embedder = Some(EmbeddingContext::new(engine.model(), n_ctx, threads).map_err(|error| AppError::internal(error.to_string()))?);
+            *embedder = Some(Embedder::new(engine.clone(), self.config.embedding_context).map_err(|error| AppError::internal(error.to_string()))?);
         }
-        let context = embedder.as_mut().expect("created above");
-        let vocab = engine.model().vocab();
+        let embedder = embedder.as_mut().expect("created above");
         let mut vectors = Vec::with_capacity(inputs.len());
         let mut prompt_tokens = 0;
         for input in inputs {
-            let mut tokens = vocab.tokenize(input, true, false).map_err(|error| AppError::bad_request(error.to_string()))?;
-            if tokens.len() > context.n_ctx() as usize {
+            let mut tokens = embedder.tokenize(input).map_err(|error| AppError::bad_request(error.to_string()))?;
+            if tokens.len() > embedder.n_ctx() as usize {
                 if !truncate {
                     return Err(AppError::bad_request("the input length exceeds the context length"));
                 }
-                tokens.truncate(context.n_ctx() as usize);
+                tokens.truncate(embedder.n_ctx() as usize);
             }
             if tokens.is_empty() {
                 return Err(AppError::bad_request("an input has no tokens to embed"));
             }
-            prompt_tokens += tokens.len();
-            let vector = context.embed(&tokens).map_err(|error| AppError::internal(error.to_string()))?;
-            if vector.iter().any(|value| !value.is_finite()) {
-                return Err(AppError::internal("the embedding holds NaN or infinite values"));
-            }
-            vectors.push(vector);
+            let embedding = embedder.embed(&tokens).map_err(|error| AppError::from_engine(&error))?;
+            prompt_tokens += embedding.tokens;
+            vectors.push(embedding.vector);
         }
         Ok((vectors, prompt_tokens))
     }
@@ -503,9 +486,9 @@ fn admit(batcher: &mut Batcher, job: Job, ready_at: Instant) {
                 lease.take();
                 events.send(Event::Done(finished))
             }
-            SequenceEvent::Failed(message) => {
+            SequenceEvent::Failed(error) => {
                 lease.take();
-                events.send(Event::Failed(AppError::internal(message)))
+                events.send(Event::Failed(AppError::from_engine(&error)))
             }
         };
         // A closed channel means the client is gone: stop generating for it.
@@ -515,27 +498,30 @@ fn admit(batcher: &mut Batcher, job: Job, ready_at: Instant) {
             Control::Continue
         }
     });
-    let request = SequenceRequest {
-        tokens,
+    let request = GenerateRequest {
         max_tokens: generate.max_tokens,
         sampling: generate.sampling,
         stop: generate.stop,
         grammar: generate.grammar,
         n_ctx: generate.n_ctx,
-        cancel: generate.cancel,
+        cancel: Some(generate.cancel),
+        ..GenerateRequest::new(Prompt::Tokens(tokens))
     };
     if let Err((error, _sink)) = batcher.admit(request, sink) {
         let _ = generate.events.send(Event::Failed(AppError::from_engine(&error)));
     }
 }
 
-fn prompt_tokens(engine: &Engine, context: &[Token], prompt: &PromptText) -> Result<Vec<Token>, EngineError> {
-    let text = match prompt {
-        PromptText::Raw(text) => text.clone(),
-        PromptText::Chat(messages) => render_chat(engine, messages)?,
+/// Ollama's `context` (tokens of an earlier answer) followed by the prompt; BOS only when
+/// there is no context.
+fn prompt_tokens(engine: &Engine, context: &[Token], text: &Prompt) -> Result<Vec<Token>, EngineError> {
+    let text = match text {
+        Prompt::Tokens(tokens) => return Ok(context.iter().chain(tokens).copied().collect()),
+        Prompt::Raw(text) => text.clone(),
+        Prompt::Chat(messages) => prompt::render_chat(engine, messages)?,
     };
     let mut tokens = context.to_vec();
-    tokens.extend(tokenize_text(engine, &text, context.is_empty())?);
+    tokens.extend(prompt::tokenize_text(engine, &text, context.is_empty())?);
     Ok(tokens)
 }
 

@@ -17,33 +17,15 @@ use std::sync::{Arc, Mutex};
 use hypura_sys::{EvalHook, ObservedNode};
 use serde::Serialize;
 
+use super::layout::ExpertUnits;
 use super::residency::{FailureLatch, Residency, ResidencyError, SliceState};
 
 const TOP_K_NODE: &str = "ffn_moe_topk-";
 /// The router's matmul (`gate_inp × hidden`); its input 1 is the hidden state.
 const ROUTER_LOGITS_NODE: &str = "ffn_moe_logits-";
 
-/// Which cached unit to evict.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum CachePolicy {
-    /// Least recently used.
-    Lru,
-    /// Segmented LRU: a unit enters a probationary segment and moves to the protected one on
-    /// its second use; eviction takes the probationary LRU first, so one-off experts do not
-    /// push out the ones in steady use.
-    Slru,
-}
-
-impl CachePolicy {
-    pub fn parse(text: &str) -> Option<CachePolicy> {
-        match text {
-            "lru" => Some(CachePolicy::Lru),
-            "slru" => Some(CachePolicy::Slru),
-            _ => None,
-        }
-    }
-}
+/// The plan chooses the policy; the cache below carries it out.
+pub use crate::plan::CachePolicy;
 
 /// Replacement bookkeeping, independent of I/O so the trace simulator can replay it.
 #[derive(Clone, Debug)]
@@ -262,6 +244,7 @@ const PREDICT_MAX_TOKENS: usize = 4;
 /// Drives expert residency from the router's choices.
 pub struct ExpertStream {
     residency: Arc<Residency>,
+    numbering: ExpertUnits,
     n_layer: usize,
     n_expert: usize,
     /// Prefetch likely next-layer experts into idle I/O (stale-gate prediction).
@@ -279,11 +262,13 @@ pub struct ExpertStream {
 }
 
 impl ExpertStream {
-    /// Units are numbered `layer * n_expert + expert`; `capacity` is how many the cache holds.
-    pub fn new(residency: Arc<Residency>, n_layer: usize, n_expert: usize, capacity: usize, policy: CachePolicy, trace: bool) -> ExpertStream {
-        let units = n_layer * n_expert;
+    /// Units are numbered as `numbering` says; `capacity` is how many the cache holds.
+    pub fn new(residency: Arc<Residency>, numbering: ExpertUnits, capacity: usize, policy: CachePolicy, trace: bool) -> ExpertStream {
+        let ExpertUnits { n_layer, n_expert } = numbering;
+        let units = numbering.count();
         ExpertStream {
             residency,
+            numbering,
             n_layer,
             n_expert,
             routers: None,
@@ -357,7 +342,7 @@ impl ExpertStream {
                 unit: expert.max(0) as usize,
                 count: self.n_expert,
             })?;
-            let unit = layer * self.n_expert + expert;
+            let unit = self.numbering.unit(layer, expert);
             if !chosen.contains(&unit) {
                 chosen.push(unit);
             }
@@ -437,7 +422,7 @@ impl ExpertStream {
         let mut predicted = Vec::new();
         for (token, state) in rows.iter().zip(hidden) {
             for expert in routers.top_k(next, state, token.len()).unwrap_or_default() {
-                let unit = next * self.n_expert + expert;
+                let unit = self.numbering.unit(next, expert);
                 if expert < self.n_expert && !predicted.contains(&unit) {
                     predicted.push(unit);
                 }

@@ -4,16 +4,19 @@
 //! `Region` that mirrors the model file in address space). `residency` runs one state machine
 //! per stream unit with a pool of reader threads; `dense` drives the dense-FFN window from the
 //! eval hook; `expert` makes the router's chosen experts resident through an expert cache;
+//! `layout` says which file ranges make up each stream unit;
 //! `load` serves llama.cpp's own load-time reads so that streamed bytes are skipped;
 //! `stats` counts bytes, reads and stalls.
 pub mod dense;
 pub mod expert;
 pub mod io;
+pub mod layout;
 pub mod load;
 pub mod residency;
 pub mod stats;
 
 pub use dense::DenseWindow;
+pub use layout::{ExpertUnits, StreamedTensor};
 pub use expert::{CacheModel, CachePolicy, ExpertSnapshot, ExpertStream, RouteRecord, RouterWeights};
 pub use residency::{FailureLatch, CHUNK_BYTES, Residency, ResidencyError, SliceState, StreamUnit, UnitReader};
 pub use stats::{IoSnapshot, IoStats};

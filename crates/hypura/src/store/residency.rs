@@ -13,7 +13,7 @@ use super::io::{DirectFile, IoError, Region};
 use super::stats::IoStats;
 
 /// Reads are issued in pieces of this size, spread over the worker threads.
-pub const CHUNK_BYTES: u64 = 4 << 20;
+pub const CHUNK_BYTES: u64 = crate::plan::READ_CHUNK_BYTES;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SliceState {

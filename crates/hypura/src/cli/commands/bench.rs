@@ -22,7 +22,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             format_bytes(BASELINE_HEADROOM_BYTES)
         );
     }
-    let (engine, facts) = settings::engine_setup(&args.model_args, &path)?;
+    let setup = settings::setup(&args.model_args, &path)?;
+    let (engine, facts) = (setup.options, setup.facts);
     let threads = settings::threads(engine.n_threads);
     let placement = PeerPlacement::parse(&args.baseline_placement, engine.plan.as_ref(), facts.gpu_budget_bytes)
         .with_context(|| format!("unknown --baseline-placement {:?}: use default, fit, exps-cpu or same", args.baseline_placement))?;
@@ -34,7 +35,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let options = BenchOptions { n_prompt: args.n_prompt, n_gen: args.n_gen, reps: args.reps.max(1), hypura: !args.baseline_only, peer, engine, threads };
     let report = bench::run(&path, &options, &|stage| tracing::info!("bench: {stage}"))?;
     if let Some(seconds) = report.compute_seconds_per_token {
-        settings::record_compute(&path, threads, report.bytes_read_per_token.is_some(), seconds, report.generated_tokens);
+        crate::engine::setup::record_compute(&path, threads, report.bytes_read_per_token.is_some(), seconds, report.generated_tokens);
     }
     print!("{}", bench::render(&report));
     if let Some(json) = &args.json {

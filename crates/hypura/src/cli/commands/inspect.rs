@@ -35,7 +35,8 @@ struct QuantRow {
 
 pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
     let inventory = Inventory::open(&args.model)?;
-    let plan = crate::cli::settings::make_plan(&inventory, &args.plan, args.context, 512, crate::cli::settings::threads(args.threads))?;
+    let spec = crate::cli::settings::plan_spec(&args.plan, args.context, args.threads)?;
+    let plan = crate::engine::setup::plan_for(&inventory, &spec, &crate::engine::setup::machine_facts(&spec, &inventory.path)?)?;
     let output = if args.json {
         let report = InspectReport {
             path: &inventory.path,

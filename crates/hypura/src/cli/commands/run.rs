@@ -12,10 +12,10 @@ use crate::engine::{ChatMessage, Control, DoneReason, Engine, GenerateOutput, Ge
 pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     let path = settings::model_path(args.model.as_ref())?;
     let sampling = settings::sampler_params(&args.sampling)?;
-    let options = settings::engine_options(&args.model_args, &path)?;
+    let setup = settings::setup(&args.model_args, &path)?;
     // Free memory of each GPU before the load, so --stats can say what the model took there.
     let gpu_free_before = args.stats.then(gpu_free);
-    let engine = Arc::new(Engine::load(&path, options).with_context(|| format!("loading {}", path.display()))?);
+    let engine = Arc::new(Engine::load(setup.inventory, setup.options).with_context(|| format!("loading {}", path.display()))?);
     if args.stats {
         if let Some(plan) = &engine.options().plan {
             eprint!("{}", plan.render());
@@ -29,12 +29,11 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         ctrlc::set_handler(move || cancel.store(true, Ordering::Relaxed)).context("installing the Ctrl-C handler")?;
     }
     let request = |prompt: Prompt| GenerateRequest {
-        prompt,
         max_tokens: args.max_tokens,
         sampling: sampling.clone(),
         stop: args.stop.clone(),
-        ignore_eos: false,
         cancel: Some(cancel.clone()),
+        ..GenerateRequest::new(prompt)
     };
     let mut messages = Vec::new();
     if let Some(system) = &args.system {
@@ -59,7 +58,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         print_stats(gpu_free_before.as_deref(), &output);
         if let Some(seconds) = output.stats.eval_compute_seconds_per_token() {
             let engine = session.engine();
-            settings::record_compute(&path, settings::threads(engine.options().n_threads), engine.streaming().is_some(), seconds, u64::from(output.stats.eval_count));
+            crate::engine::setup::record_compute(&path, settings::threads(engine.options().n_threads), engine.streaming().is_some(), seconds, u64::from(output.stats.eval_decodes()));
         }
         write_trace(&session, args.model_args.plan.trace.as_deref())?;
         return Ok(());
@@ -184,7 +183,7 @@ fn print_stats(gpu_free_before: Option<&[(String, u64)]>, output: &GenerateOutpu
         eprintln!("gpu memory  {} used on {name}", crate::hw::format::format_bytes(before.saturating_sub(now)));
     }
     if let Some(io) = &stats.io {
-        let graphs = (stats.eval_count + u32::from(stats.prompt_eval_count > 0)).max(1) as f64;
+        let graphs = stats.weight_passes().max(1) as f64;
         let wall = stats.total_duration.as_secs_f64().max(1e-9);
         eprintln!(
             "io   {} read ({:.1} MB/token, {:.2} GB/s over the request) | read time {:.3} s over {} reads | stall {:.3} s ({:.1}% of the request) | per token: compute {:.1} ms, stall {:.1} ms",

@@ -1,7 +1,6 @@
 //! `hypura serve`: resolve the models to serve, then run the HTTP server until Ctrl-C.
 use std::net::IpAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use anyhow::Context;
 
@@ -9,7 +8,7 @@ use crate::cli::args::ServeArgs;
 use crate::cli::settings;
 use crate::server::catalog::ModelName;
 use crate::server::wire::KeepAlive;
-use crate::server::{AppState, Catalog, EngineOptionsFactory, HttpConfig, SchedulerConfig};
+use crate::server::{AppState, Catalog, HttpConfig, SchedulerConfig};
 
 pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     let catalog = catalog(args)?;
@@ -20,20 +19,19 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     let keep_alive = KeepAlive::parse(&serde_json::Value::String(args.keep_alive.clone())).map_err(|error| anyhow::anyhow!("--keep-alive: {error}"))?;
     let body_limit = settings::parse_bytes(&args.max_body).context("--max-body")?;
     let parallel = args.parallel.clamp(1, 64);
-    let model_args = args.model_args.clone();
-    // The plan reserves KV cache for every parallel sequence; each sequence gets --context.
-    let engine_options: EngineOptionsFactory = Arc::new(move |path| {
-        let mut planning = model_args.clone();
-        planning.context = model_args.context.saturating_mul(parallel);
-        let mut options = settings::engine_options(&planning, path).map_err(|error| format!("{error:#}"))?;
-        options.n_ctx = model_args.context;
-        Ok(options)
-    });
+    // The plan reserves KV cache for every parallel sequence; each sequence gets --context. The
+    // server's kernels are batch-invariant unless asked otherwise: it is where prefixes are
+    // cached and requests share batches, and a greedy answer should not depend on either.
+    let run = crate::engine::setup::RunSpec {
+        n_sequences: parallel,
+        batch_invariant: args.model_args.batch_invariant.unwrap_or(true),
+        ..settings::run_spec(&args.model_args)?
+    };
     let scheduler = SchedulerConfig {
         n_parallel: parallel,
         max_queue: args.max_queue,
         default_keep_alive: keep_alive,
-        engine_options,
+        run,
         embedding_context: args.embedding_context,
     };
     let http = HttpConfig { cors_origins: args.cors_origins.clone(), body_limit_bytes: usize::try_from(body_limit).unwrap_or(usize::MAX) };

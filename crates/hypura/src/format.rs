@@ -1,4 +1,4 @@
-//! Human-readable numbers for reports: sizes in binary units (GiB, MiB), because memory and
+//! Human-readable numbers for reports (a pure leaf module: the planner, `hw` and the CLI use it): sizes in binary units (GiB, MiB), because memory and
 //! tensor sizes are powers of two, and bandwidth in decimal GB/s (10^9 bytes per second), as disk
 //! vendors and `dd` quote it.
 

@@ -1,0 +1,262 @@
+//! Assembling a run: the machine facts (budgets, reserves, the disk's measured rates, the
+//! compute time earlier runs measured), the plan made from them, and the engine options that
+//! load it. The CLI and the server both call `prepare`; the CLI only parses flags into a
+//! `RunSpec`.
+use std::path::Path;
+
+use crate::hw::{default_cache_dir, format_bytes, machine_key, memory_info, ModelRecords, ProfileCache};
+use crate::model::Inventory;
+use crate::plan::{self, MachineFacts, Plan, PlanOptions};
+
+use super::{EngineError, EngineOptions};
+
+/// What a run asks for, in library types. `None` means the machine's default.
+#[derive(Clone, Debug)]
+pub struct RunSpec {
+    /// Context length of each sequence in tokens (0: the model's training context).
+    pub n_ctx: u32,
+    /// Sequences decoded together (the server's parallel requests); the plan reserves KV cache
+    /// for each.
+    pub n_sequences: u32,
+    /// Logical and physical batch size for prompt processing.
+    pub n_batch: u32,
+    pub n_threads: Option<i32>,
+    /// Let llama.cpp repack CPU weights (resident mode only; streaming never repacks).
+    pub repack: bool,
+    pub load_mode: hypura_sys::LoadMode,
+    /// Batch-invariant kernels (see `EngineOptions::batch_invariant`).
+    pub batch_invariant: bool,
+    pub memory_budget_bytes: Option<u64>,
+    /// Device memory for the GPU tier; Some(0) turns it off.
+    pub gpu_budget_bytes: Option<u64>,
+    /// Reader threads for streaming; None: the profile's best queue depth.
+    pub io_workers: Option<usize>,
+    /// Record the router's choices (expert-stream).
+    pub trace_routing: bool,
+    /// Mode, window, expert cache and prefetch choices (its `n_ctx` and `n_ubatch` are set
+    /// from the fields above).
+    pub plan: PlanOptions,
+}
+
+impl Default for RunSpec {
+    fn default() -> Self {
+        let engine = EngineOptions::default();
+        RunSpec {
+            n_ctx: engine.n_ctx,
+            n_sequences: 1,
+            n_batch: engine.n_batch,
+            n_threads: None,
+            repack: engine.repack,
+            load_mode: engine.load_mode,
+            batch_invariant: engine.batch_invariant,
+            memory_budget_bytes: None,
+            gpu_budget_bytes: None,
+            io_workers: None,
+            trace_routing: false,
+            plan: PlanOptions::default(),
+        }
+    }
+}
+
+impl RunSpec {
+    /// CPU threads a context gets: the spec's, or llama.cpp's default.
+    pub fn threads(&self) -> i32 {
+        self.n_threads.unwrap_or_else(|| hypura_sys::ContextParams::default().n_threads)
+    }
+}
+
+/// A run ready to load: the inventory the plan was made from, the facts it was made with, and
+/// the engine options that carry it.
+pub struct Setup {
+    pub inventory: Inventory,
+    pub facts: MachineFacts,
+    pub options: EngineOptions,
+}
+
+impl Setup {
+    pub fn plan(&self) -> &Plan {
+        self.options.plan.as_ref().expect("a setup always has a plan")
+    }
+}
+
+/// Open the model's index, read the machine facts once, plan, and build the engine options.
+pub fn prepare(path: &Path, spec: &RunSpec) -> Result<Setup, EngineError> {
+    let inventory = Inventory::open(path)?;
+    let facts = machine_facts(spec, path)?;
+    let plan = plan_for(&inventory, spec, &facts)?;
+    let options = EngineOptions {
+        n_ctx: spec.n_ctx,
+        n_batch: spec.n_batch,
+        n_ubatch: spec.n_batch,
+        n_seq_max: spec.n_sequences.max(1),
+        n_threads: spec.n_threads,
+        repack: spec.repack,
+        load_mode: spec.load_mode,
+        batch_invariant: spec.batch_invariant,
+        plan: Some(plan),
+        io_workers: facts.read_queue_depth.map_or(DEFAULT_IO_WORKERS, |depth| depth as usize),
+        trace_routing: spec.trace_routing,
+        ..EngineOptions::default()
+    };
+    Ok(Setup { inventory, facts, options })
+}
+
+/// The plan for this spec and these facts. The KV cache is planned for every sequence.
+pub fn plan_for(inventory: &Inventory, spec: &RunSpec, facts: &MachineFacts) -> Result<Plan, EngineError> {
+    let options = PlanOptions { n_ctx: spec.n_ctx.saturating_mul(spec.n_sequences.max(1)), n_ubatch: spec.n_batch, ..spec.plan.clone() };
+    Ok(plan::plan(inventory, facts, &options)?)
+}
+
+/// Keep the compute time per generated token of a streaming run for the next plan of this
+/// model. Failures to write are logged, never fatal (the record is a hint).
+pub fn record_compute(model: &Path, threads: i32, streamed: bool, seconds: f64, tokens: u64) {
+    if !streamed || tokens < 2 {
+        return;
+    }
+    let result = ModelRecords::new(default_cache_dir()).update(model, |record| record.add_compute(threads.max(1) as u32, seconds * tokens as f64, tokens));
+    if let Err(error) = result {
+        tracing::warn!("could not record the measured compute time: {error}");
+    }
+}
+
+/// Reader threads when neither the spec nor a profile says.
+const DEFAULT_IO_WORKERS: usize = 4;
+
+/// What the default budget leaves for the rest of the machine: 10% of what is available,
+/// between 256 MiB and 2 GiB.
+pub fn headroom_bytes(available: u64) -> u64 {
+    (available / 10).clamp(256 << 20, 2 << 30)
+}
+
+/// Host memory a GPU backend's runtime takes beside the plan's buffers: a CUDA run of a tiny
+/// model peaked at 497 MiB resident on the H200 machine (driver, runtime and cuBLAS state).
+const GPU_RUNTIME_HOST_BYTES: u64 = 512 << 20;
+
+/// The default memory budget: what is available less the headroom, and less the GPU
+/// runtime's own host memory when a GPU is used.
+pub fn default_memory_budget(available: u64, gpu: bool) -> u64 {
+    let runtime = if gpu { GPU_RUNTIME_HOST_BYTES } else { 0 };
+    available.saturating_sub(headroom_bytes(available) + runtime)
+}
+
+/// The machine facts the planner needs: the budget (the spec's, or available memory minus
+/// headroom), the disk bandwidth from the cached profile (if `hypura profile` has run), the
+/// reader threads, and the compute time per token earlier runs of this model measured.
+pub fn machine_facts(spec: &RunSpec, model: &Path) -> Result<MachineFacts, EngineError> {
+    let gpu_free = dedicated_gpu_free(&hypura_sys::Backend::get().devices());
+    let gpu_budget_bytes = gpu_budget(spec.gpu_budget_bytes, &gpu_free);
+    // Asking a GPU for its free memory already starts its runtime in this process, so its host
+    // memory is kept whether or not the plan uses the GPU.
+    let memory_budget_bytes = spec.memory_budget_bytes.unwrap_or_else(|| default_memory_budget(memory_info().effective_available_bytes(), !gpu_free.is_empty()));
+    let disk = ProfileCache::new(default_cache_dir()).load(&machine_key()).and_then(|profile| profile.disk);
+    let disk_bytes_per_sec = disk.as_ref().map(|disk| disk.best_direct.bytes_per_sec);
+    let disk_read_points = disk.iter().flat_map(|disk| disk.direct.iter()).map(|point| (point.block_bytes * u64::from(point.queue_depth), point.bytes_per_sec)).collect();
+    let io_workers = spec.io_workers.or_else(|| disk.as_ref().map(|disk| disk.best_direct.queue_depth as usize)).unwrap_or(DEFAULT_IO_WORKERS).clamp(1, 64);
+    let compute_seconds_per_token = ModelRecords::new(default_cache_dir()).load(model).compute_seconds_per_token(spec.threads().max(1) as u32);
+    Ok(MachineFacts {
+        memory_budget_bytes,
+        disk_bytes_per_sec,
+        read_queue_depth: Some(io_workers as u32),
+        disk_read_points,
+        compute_seconds_per_token,
+        gpu_budget_bytes,
+        gpu_runtime_bytes: if gpu_budget_bytes > 0 { GPU_RUNTIME_DEVICE_BYTES } else { 0 },
+    })
+}
+
+/// Device memory the GPU backend takes beyond the plan's buffers: on the H200 machine, moe-30b
+/// with an 8 GiB budget used 297 MiB more than planned, dense-8b with 2 GiB 20 MiB more. Most
+/// of that is the compute buffer's copy of a host layer's weights for prompt batches (one
+/// moe-30b layer's experts are 349 MiB), which the plan reserves instead where it is larger;
+/// the rest is kernels loaded on first use and memory pools.
+const GPU_RUNTIME_DEVICE_BYTES: u64 = 384 << 20;
+
+/// Free memory of each dedicated GPU. Devices that share host memory get no tier of their own:
+/// the host budget covers them.
+pub fn dedicated_gpu_free(devices: &[hypura_sys::DeviceInfo]) -> Vec<u64> {
+    devices.iter().filter(|device| device.kind == hypura_sys::DeviceKind::Gpu).map(|device| device.free_bytes).collect()
+}
+
+/// The GPU budget asked for (None: the default), checked against GPUs with `gpu_free` bytes free.
+fn gpu_budget(asked: Option<u64>, gpu_free: &[u64]) -> u64 {
+    let Some(bytes) = asked else {
+        let budget = default_gpu_budget(gpu_free);
+        if gpu_free.len() > 1 {
+            tracing::warn!(
+                "{} GPUs: the default GPU budget is the smallest one's free memory less 1 GiB ({}), since llama.cpp may put every planned layer on one of them; --gpu-budget sets it",
+                gpu_free.len(),
+                format_bytes(budget)
+            );
+        }
+        return budget;
+    };
+    match gpu_free.iter().copied().min() {
+        // A plan with a GPU tier would count the KV cache and the GPU's tensors in device
+        // memory that does not exist.
+        None if bytes > 0 => {
+            tracing::warn!("a GPU budget of {} was given, but ggml sees no dedicated GPU here, so everything runs on the CPU", format_bytes(bytes));
+            0
+        }
+        Some(free) if bytes > free => {
+            tracing::warn!("the GPU budget of {} is more than the {} free on a GPU here: loading may run out of device memory", format_bytes(bytes), format_bytes(free));
+            bytes
+        }
+        _ => bytes,
+    }
+}
+
+/// What the default GPU budget leaves free on each device (llama.cpp's fit leaves the same).
+const GPU_RESERVE_BYTES: u64 = 1 << 30;
+
+/// The default GPU budget for dedicated GPUs with `gpu_free` bytes free: one GPU's free
+/// memory less a reserve (the smallest GPU's, where there are several). llama.cpp splits the
+/// layers across GPUs by their free memory while the plan fills layers from the last one down,
+/// so what the plan puts on the GPU can all land on the last card: one card's worth is what is
+/// sure to fit.
+pub fn default_gpu_budget(gpu_free: &[u64]) -> u64 {
+    gpu_free.iter().map(|free| free.saturating_sub(GPU_RESERVE_BYTES)).min().unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headroom_is_a_tenth_within_limits() {
+        assert_eq!(headroom_bytes(1 << 30), 256 << 20);
+        assert_eq!(headroom_bytes(10 << 30), 1 << 30);
+        assert_eq!(headroom_bytes(100 << 30), 2 << 30);
+    }
+
+    #[test]
+    fn a_gpu_leaves_room_for_its_runtime_in_the_default_budget() {
+        assert_eq!(default_memory_budget(10 << 30, false), 9 << 30);
+        assert_eq!(default_memory_budget(10 << 30, true), (9 << 30) - (512 << 20));
+        assert_eq!(default_memory_budget(256 << 20, true), 0);
+    }
+
+    #[test]
+    fn the_default_gpu_budget_is_one_dedicated_gpu_less_a_reserve() {
+        let device = |kind, free: u64| hypura_sys::DeviceInfo { name: String::new(), description: String::new(), kind, free_bytes: free, total_bytes: free };
+        let devices = [
+            device(hypura_sys::DeviceKind::Cpu, 64 << 30),
+            device(hypura_sys::DeviceKind::Gpu, 24 << 30),
+            device(hypura_sys::DeviceKind::Gpu, 12 << 30),
+            device(hypura_sys::DeviceKind::Gpu, 512 << 20),
+        ];
+        let budget = |devices: &[hypura_sys::DeviceInfo]| default_gpu_budget(&dedicated_gpu_free(devices));
+        assert_eq!(budget(&devices[..2]), 23 << 30);
+        // Several GPUs: the smallest one's, since the plan's layers may all land on one card.
+        assert_eq!(budget(&devices[..3]), 11 << 30);
+        assert_eq!(budget(&devices), 0);
+        assert_eq!(budget(&devices[..1]), 0);
+    }
+
+    #[test]
+    fn a_gpu_budget_without_a_gpu_turns_the_tier_off() {
+        assert_eq!(gpu_budget(Some(8 << 30), &[]), 0);
+        assert_eq!(gpu_budget(Some(0), &[]), 0);
+        assert_eq!(gpu_budget(Some(8 << 30), &[4 << 30]), 8 << 30);
+        assert_eq!(gpu_budget(None, &[4 << 30]), 3 << 30);
+    }
+}

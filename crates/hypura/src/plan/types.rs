@@ -1,0 +1,228 @@
+//! The planner's vocabulary: what it is asked (`MachineFacts`, `PlanOptions`), what it answers
+//! (`Plan`: the mode, every tensor's tier and why, where the host memory budget goes) and how it
+//! refuses (`PlanError`). The layouts of each mode (`DenseLayout`, `ExpertLayout`, `GpuLayout`)
+//! live with the code that plans them.
+use serde::Serialize;
+
+use super::dense::DenseLayout;
+use super::experts::ExpertLayout;
+use super::gpu::GpuLayout;
+use crate::format::format_bytes;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Mode {
+    Resident,
+    DenseStream,
+    ExpertStream,
+}
+
+impl Mode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Resident => "resident",
+            Mode::DenseStream => "dense-stream",
+            Mode::ExpertStream => "expert-stream",
+        }
+    }
+}
+
+/// `--mode`: automatic, or forced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModeChoice {
+    Auto,
+    Forced(Mode),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Tier {
+    /// Device memory of the GPU(s), loaded once; computed there.
+    Gpu,
+    /// Host memory, loaded once.
+    Ram,
+    /// Read from disk on demand through the stream window.
+    Stream,
+}
+
+/// Which cached (layer, expert) unit the expert cache evicts to make room (expert-stream).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CachePolicy {
+    /// Least recently used.
+    Lru,
+    /// Segmented LRU: a unit enters a probationary segment and moves to the protected one on
+    /// its second use; eviction takes the probationary LRU first, so one-off experts do not
+    /// push out the ones in steady use.
+    Slru,
+}
+
+impl CachePolicy {
+    pub fn parse(text: &str) -> Option<CachePolicy> {
+        match text {
+            "lru" => Some(CachePolicy::Lru),
+            "slru" => Some(CachePolicy::Slru),
+            _ => None,
+        }
+    }
+}
+
+/// Facts about the machine the planner needs (from `hw`, resolved by the caller).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MachineFacts {
+    /// Memory Hypura may use in total (weights, KV cache, compute buffers).
+    pub memory_budget_bytes: u64,
+    /// Direct-read bandwidth of the model's volume; None if not measured.
+    pub disk_bytes_per_sec: Option<f64>,
+    /// Reads the store keeps in flight (its reader threads: the profile's best queue depth).
+    pub read_queue_depth: Option<u32>,
+    /// The profile's direct-read points: bytes in flight (block × queue depth) and the rate
+    /// measured with them. Empty if not measured.
+    pub disk_read_points: Vec<(u64, f64)>,
+    /// Decode compute time per token of this model with the streaming kernels, measured by an
+    /// earlier run on this machine (stall time excluded); None if never measured.
+    pub compute_seconds_per_token: Option<f64>,
+    /// Device memory Hypura may use on dedicated GPUs (weights, KV cache, compute buffers);
+    /// 0: no GPU tier.
+    pub gpu_budget_bytes: u64,
+    /// Device memory the GPU backend takes beyond the buffers the plan counts (kernels loaded
+    /// on first use, memory pools), kept free inside the GPU budget.
+    pub gpu_runtime_bytes: u64,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlanOptions {
+    pub mode: ModeChoice,
+    pub n_ctx: u32,
+    pub n_ubatch: u32,
+    /// Streamed layers read ahead of the one computing (dense-stream); None: the cost model
+    /// sizes it.
+    pub window_layers: Option<usize>,
+    /// Expert cache size in (layer, expert) units (expert-stream); None: what the budget holds.
+    pub expert_cache_units: Option<usize>,
+    /// Stale-gate expert prefetch (expert-stream); None: on where it measured a win, for
+    /// slices large enough for huge pages.
+    pub expert_prefetch: Option<bool>,
+    pub cache_policy: CachePolicy,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        PlanOptions {
+            mode: ModeChoice::Auto,
+            n_ctx: 4096,
+            n_ubatch: 512,
+            window_layers: None,
+            expert_cache_units: None,
+            expert_prefetch: None,
+            cache_policy: CachePolicy::Slru,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TensorPlacement {
+    pub name: String,
+    pub layer: Option<u32>,
+    pub tier: Tier,
+    pub bytes: u64,
+    pub why: &'static str,
+}
+
+/// Where the host memory budget goes.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct BudgetUse {
+    pub budget_bytes: u64,
+    /// Weights loaded once into RAM (everything neither streamed nor on the GPU).
+    pub resident_weight_bytes: u64,
+    /// Streamed bytes that can be in memory at once (the window, plus the layer computing).
+    pub window_bytes: u64,
+    pub kv_cache_bytes: u64,
+    pub compute_buffer_bytes: u64,
+    pub total_bytes: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Plan {
+    pub mode: Mode,
+    pub budget: BudgetUse,
+    pub tensors: Vec<TensorPlacement>,
+    pub dense: Option<DenseLayout>,
+    pub experts: Option<ExpertLayout>,
+    /// The GPU tier; None without a GPU budget.
+    pub gpu: Option<GpuLayout>,
+    /// Why a GPU budget was given but not used.
+    pub gpu_unused: Option<String>,
+    /// Bytes that must come from disk for every token (the streamed FFN layers).
+    pub streamed_bytes_per_token: u64,
+    /// Upper bound from the disk alone: bandwidth ÷ streamed bytes per token.
+    pub io_bound_tokens_per_sec: Option<f64>,
+    /// The physical limit (ARCHITECTURE.md §6), when the compute time has been measured.
+    pub limit_tokens_per_sec: Option<f64>,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum PlanError {
+    #[error(
+        "the memory budget of {} is too small: even streaming every FFN layer needs {} \
+         ({} resident weights + {} window of {} layers + {} KV cache + {} compute buffers)",
+        format_bytes(*budget), format_bytes(*needed), format_bytes(*resident), format_bytes(*window), layers,
+        format_bytes(*kv), format_bytes(*compute)
+    )]
+    BudgetTooSmall { budget: u64, needed: u64, resident: u64, window: u64, layers: usize, kv: u64, compute: u64 },
+    #[error("{mode} mode needs {what}, which this model does not have")]
+    ModeUnavailable { mode: &'static str, what: &'static str },
+    #[error("the model fits in the budget ({} of {}), but {mode} was forced: nothing would stream", format_bytes(*needed), format_bytes(*budget))]
+    NothingToStream { mode: &'static str, needed: u64, budget: u64 },
+}
+
+impl Plan {
+    /// What a model loaded with this plan holds in memory with a KV cache of `kv_bytes`, and
+    /// the part of it in device memory (Ollama's `size` and `size_vram`): host weights (the
+    /// stream window's, not every streamed byte), the GPU tier's weights, and the KV cache,
+    /// which is on the GPU with a GPU tier.
+    pub fn memory_use(&self, kv_bytes: u64) -> (u64, u64) {
+        let host = self.budget.resident_weight_bytes + self.budget.window_bytes;
+        match &self.gpu {
+            Some(gpu) => {
+                // The device's share of the KV cache as planned (all of it, or its layers').
+                let planned = u128::from(gpu.kv_cache_bytes + self.budget.kv_cache_bytes).max(1);
+                let device_kv = (u128::from(kv_bytes) * u128::from(gpu.kv_cache_bytes) / planned) as u64;
+                (host + gpu.weight_bytes + kv_bytes, gpu.weight_bytes + device_kv)
+            }
+            None => (host + kv_bytes, 0),
+        }
+    }
+
+    pub fn streamed_tensors(&self) -> impl Iterator<Item = &TensorPlacement> {
+        self.tensors.iter().filter(|tensor| tensor.tier == Tier::Stream)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::test_support::*;
+    use crate::plan::{compute_buffer_bytes, kv_cache_bytes, plan};
+
+    #[test]
+    fn memory_use_splits_host_and_device_as_planned() {
+        let inventory = inventory(8, 16 << 20, 32 << 20, 64 << 20);
+        let kv = 10 << 20;
+        let host_only = plan(&inventory, &with_gpu(8 << 30, 0), &auto_window(ModeChoice::Auto)).unwrap();
+        assert_eq!(host_only.memory_use(kv), (inventory.tensor_data_bytes() + kv, 0));
+        let with_tier = plan(&inventory, &with_gpu(8 << 30, 4 << 30), &auto_window(ModeChoice::Auto)).unwrap();
+        let gpu = with_tier.gpu.as_ref().unwrap();
+        // The embedding stays on the host; the device holds the rest and the tied output's copy.
+        assert_eq!(gpu.weight_bytes, inventory.tensor_data_bytes() - (64 << 20) + (64 << 20));
+        assert_eq!(with_tier.memory_use(kv), ((64 << 20) + gpu.weight_bytes + kv, gpu.weight_bytes + kv));
+        // Streaming: the host part is the resident weights and the window, not the whole file.
+        let host_fixed = (64 << 20) + compute_buffer_bytes(&inventory, 1024, 256) + kv_cache_bytes(&inventory, 1024);
+        let streamed = plan(&inventory, &with_gpu(host_fixed + 4 * (96 << 20), 0), &options(ModeChoice::Auto, 1)).unwrap();
+        assert_eq!(streamed.mode, Mode::DenseStream, "{}", streamed.render());
+        let (size, vram) = streamed.memory_use(kv);
+        assert_eq!(size, streamed.budget.resident_weight_bytes + streamed.budget.window_bytes + kv);
+        assert!(size < inventory.tensor_data_bytes());
+        assert_eq!(vram, 0);
+    }
+}
