@@ -122,17 +122,7 @@ impl ForgeSpec {
 }
 
 /// Names of all presets, for help text and tests.
-pub const PRESETS: &[&str] = &[
-    "dense-1b",
-    "dense-8b",
-    "moe-8x",
-    "moe-30b",
-    "tiny-dense-1b",
-    "tiny-dense-8b",
-    "tiny-qwen3",
-    "tiny-moe-8x",
-    "tiny-moe-30b",
-];
+pub const PRESETS: &[&str] = &["dense-1b", "dense-8b", "moe-8x", "moe-30b", "tiny-dense-1b", "tiny-dense-8b", "tiny-qwen3", "tiny-moe-8x", "tiny-moe-30b"];
 
 /// A named preset. `tiny-dense`, `tiny-moe` and `tiny-moe30b` are aliases.
 pub fn preset(name: &str) -> Option<ForgeSpec> {
@@ -158,47 +148,16 @@ pub fn preset(name: &str) -> Option<ForgeSpec> {
         "tiny-moe-30b" => (Arch::Qwen3Moe, moe(4, 256, 4, 2, 128, 256, 16, 4)),
         _ => return None,
     };
-    Some(ForgeSpec {
-        name: canonical.to_string(),
-        arch,
-        shape,
-        quant: QuantMix::Q4KM,
-        seed: 42,
-        router_skew: 0.0,
-        router_locality: 0.0,
-        residual_scale: 1.0,
-    })
+    Some(ForgeSpec { name: canonical.to_string(), arch, shape, quant: QuantMix::Q4KM, seed: 42, router_skew: 0.0, router_locality: 0.0, residual_scale: 1.0 })
 }
 
 fn dense(n_layer: u64, n_embd: u64, n_head: u64, n_head_kv: u64, n_ff: u64, rope_freq_base: f32) -> Shape {
-    Shape {
-        n_layer,
-        n_embd,
-        n_head,
-        n_head_kv,
-        head_dim: n_embd / n_head,
-        n_ff,
-        n_expert: 0,
-        n_expert_used: 0,
-        n_ctx_train: 4096,
-        rope_freq_base,
-    }
+    Shape { n_layer, n_embd, n_head, n_head_kv, head_dim: n_embd / n_head, n_ff, n_expert: 0, n_expert_used: 0, n_ctx_train: 4096, rope_freq_base }
 }
 
 #[allow(clippy::too_many_arguments)]
 fn moe(n_layer: u64, n_embd: u64, n_head: u64, n_head_kv: u64, head_dim: u64, n_ff: u64, n_expert: u64, n_expert_used: u64) -> Shape {
-    Shape {
-        n_layer,
-        n_embd,
-        n_head,
-        n_head_kv,
-        head_dim,
-        n_ff,
-        n_expert,
-        n_expert_used,
-        n_ctx_train: 4096,
-        rope_freq_base: 1_000_000.0,
-    }
+    Shape { n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_expert, n_expert_used, n_ctx_train: 4096, rope_freq_base: 1_000_000.0 }
 }
 
 /// What each tensor is, which decides how its values are drawn.
@@ -228,7 +187,8 @@ pub struct TensorPlan {
 
 /// llama.cpp's `use_more_bits`: the layers where Q4_K_M spends Q6_K on attn_v and ffn_down.
 fn use_more_bits(layer: u64, n_layer: u64) -> bool {
-    layer < n_layer / 8 || layer >= 7 * n_layer / 8 || (layer >= n_layer / 8 && (layer - n_layer / 8) % 3 == 2)
+    // Written as llama.cpp writes it (the middle test's first half is implied by the first).
+    layer < n_layer / 8 || layer >= 7 * n_layer / 8 || (layer - n_layer / 8) % 3 == 2
 }
 
 impl ForgeSpec {
@@ -245,7 +205,7 @@ impl ForgeSpec {
                 QuantMix::Q4KM => base,
             };
             // K-quants need rows of 256; llama.cpp falls back to a 32-block type otherwise.
-            if row % wanted.block_size() == 0 {
+            if row.is_multiple_of(wanted.block_size()) {
                 wanted
             } else {
                 GgmlType::Q8_0

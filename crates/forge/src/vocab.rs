@@ -62,14 +62,15 @@ impl Vocabulary {
         self.tokens.len() as u64
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
     pub fn metadata(&self) -> Vec<(String, Value)> {
         vec![
             ("tokenizer.ggml.model".into(), Value::String("llama".into())),
             ("tokenizer.ggml.pre".into(), Value::String("default".into())),
-            (
-                "tokenizer.ggml.tokens".into(),
-                Value::Array(ValueType::String, self.tokens.iter().cloned().map(Value::String).collect()),
-            ),
+            ("tokenizer.ggml.tokens".into(), Value::Array(ValueType::String, self.tokens.iter().cloned().map(Value::String).collect())),
             ("tokenizer.ggml.scores".into(), Value::Array(ValueType::F32, self.scores.iter().copied().map(Value::F32).collect())),
             ("tokenizer.ggml.token_type".into(), Value::Array(ValueType::I32, self.types.iter().copied().map(Value::I32).collect())),
             ("tokenizer.ggml.bos_token_id".into(), Value::U32(BOS)),

@@ -120,13 +120,13 @@ fn validate(spec: &ForgeSpec) -> Result<(), ForgeError> {
     if shape.n_layer == 0 || shape.n_embd == 0 || shape.n_head == 0 || shape.n_head_kv == 0 || shape.head_dim == 0 || shape.n_ff == 0 {
         return bad("every dimension must be positive".into());
     }
-    if shape.n_head % shape.n_head_kv != 0 {
+    if !shape.n_head.is_multiple_of(shape.n_head_kv) {
         return bad(format!("n_head {} is not a multiple of n_head_kv {}", shape.n_head, shape.n_head_kv));
     }
-    if shape.head_dim % 2 != 0 {
+    if !shape.head_dim.is_multiple_of(2) {
         return bad(format!("head_dim {} must be even for RoPE", shape.head_dim));
     }
-    if shape.n_embd % 32 != 0 || shape.n_ff % 32 != 0 {
+    if !shape.n_embd.is_multiple_of(32) || !shape.n_ff.is_multiple_of(32) {
         return bad(format!("n_embd {} and n_ff {} must be multiples of 32", shape.n_embd, shape.n_ff));
     }
     if shape.n_expert > 0 && (shape.n_expert_used == 0 || shape.n_expert_used > shape.n_expert) {

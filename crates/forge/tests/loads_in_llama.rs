@@ -19,8 +19,7 @@ fn every_tiny_preset_loads_in_libllama_with_finite_logits() {
     for name in tiny {
         let spec = preset(name).unwrap();
         let path = forge(name, directory.path());
-        let model = Model::load(backend, &path, &ModelParams { use_extra_bufts: false, ..ModelParams::default() })
-            .unwrap_or_else(|error| panic!("{name}: {error}"));
+        let model = Model::load(backend, &path, &ModelParams { use_extra_bufts: false, ..ModelParams::default() }).unwrap_or_else(|error| panic!("{name}: {error}"));
         assert_eq!(model.n_layer() as u64, spec.shape.n_layer, "{name}");
         assert_eq!(model.n_embd() as u64, spec.shape.n_embd, "{name}");
         let vocab = model.vocab();

@@ -27,25 +27,13 @@ pub enum GgufError {
     BigEndian { version: u32 },
 
     #[error("file truncated at byte {at}: {context} needs {needed} more bytes")]
-    Truncated {
-        at: u64,
-        needed: u64,
-        context: String,
-    },
+    Truncated { at: u64, needed: u64, context: String },
 
     #[error("too many {what}: {count} exceeds the limit of {max}")]
-    TooMany {
-        what: &'static str,
-        count: u64,
-        max: u64,
-    },
+    TooMany { what: &'static str, count: u64, max: u64 },
 
     #[error("string length {length} for {context} exceeds the limit of {max}")]
-    StringTooLong {
-        context: String,
-        length: u64,
-        max: u64,
-    },
+    StringTooLong { context: String, length: u64, max: u64 },
 
     #[error("{context} is not valid UTF-8")]
     InvalidUtf8 { context: String },
@@ -63,11 +51,7 @@ pub enum GgufError {
     DuplicateKey { key: String },
 
     #[error("key '{key}' must have type {expected:?} but has type {found:?}")]
-    WrongKeyType {
-        key: String,
-        expected: ValueType,
-        found: ValueType,
-    },
+    WrongKeyType { key: String, expected: ValueType, found: ValueType },
 
     #[error("key '{key}' has an invalid value: {reason}")]
     BadValue { key: String, reason: String },
@@ -85,71 +69,34 @@ pub enum GgufError {
     UnknownGgmlType { tensor: String, id: u32 },
 
     #[error("tensor '{tensor}' has bad dimensions {dims:?}: {reason}")]
-    BadDims {
-        tensor: String,
-        dims: Vec<u64>,
-        reason: String,
-    },
+    BadDims { tensor: String, dims: Vec<u64>, reason: String },
 
     #[error("tensor '{tensor}' has offset {offset}, which is not a multiple of the alignment {alignment}")]
-    Misaligned {
-        tensor: String,
-        offset: u64,
-        alignment: u64,
-    },
+    Misaligned { tensor: String, offset: u64, alignment: u64 },
 
     #[error("tensor '{tensor}' ends at byte {end}, past the end of the file ({file_bytes} bytes)")]
-    OutOfBounds {
-        tensor: String,
-        end: u64,
-        file_bytes: u64,
-    },
+    OutOfBounds { tensor: String, end: u64, file_bytes: u64 },
 
     #[error("tensor '{b}' starts at data offset {b_offset}, inside tensor '{a}' which ends at data offset {a_end}")]
-    Overlap {
-        a: String,
-        a_end: u64,
-        b: String,
-        b_offset: u64,
-    },
+    Overlap { a: String, a_end: u64, b: String, b_offset: u64 },
 
     #[error("tensor '{tensor}': data callback returned {actual} bytes, expected {expected}")]
-    DataLength {
-        tensor: String,
-        expected: u64,
-        actual: u64,
-    },
+    DataLength { tensor: String, expected: u64, actual: u64 },
 
     #[error("{}: file name does not follow the split pattern '<prefix>-{:05}-of-{:05}.gguf'", path.display(), index + 1, count)]
-    SplitName {
-        path: PathBuf,
-        index: u64,
-        count: u64,
-    },
+    SplitName { path: PathBuf, index: u64, count: u64 },
 
     #[error("{}: split {index} of {count} is missing", path.display())]
-    SplitMissing {
-        path: PathBuf,
-        index: u64,
-        count: u64,
-    },
+    SplitMissing { path: PathBuf, index: u64, count: u64 },
 
     #[error("{}: key '{key}' is missing or not an integer", path.display())]
     SplitKey { path: PathBuf, key: &'static str },
 
     #[error("{}: split.no is {found}, expected {expected}", path.display())]
-    SplitIndex {
-        path: PathBuf,
-        expected: u64,
-        found: u64,
-    },
+    SplitIndex { path: PathBuf, expected: u64, found: u64 },
 
     #[error("{}: split.count is {found}, expected {expected}", path.display())]
-    SplitCount {
-        path: PathBuf,
-        expected: u64,
-        found: u64,
-    },
+    SplitCount { path: PathBuf, expected: u64, found: u64 },
 
     #[error("{}: split.no is {index}; open the first split (split.no 0) instead", path.display())]
     NotFirstSplit { path: PathBuf, index: u64 },
@@ -158,9 +105,5 @@ pub enum GgufError {
     SplitTensorCount { expected: u64, found: u64 },
 
     #[error("tensor '{name}' appears in split {first} and again in split {second}")]
-    DuplicateTensorAcrossSplits {
-        name: String,
-        first: usize,
-        second: usize,
-    },
+    DuplicateTensorAcrossSplits { name: String, first: usize, second: usize },
 }

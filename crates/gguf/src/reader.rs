@@ -76,10 +76,7 @@ pub struct Gguf {
 impl Gguf {
     /// Reads the header and tensor index of the file at `path`; tensor data is never read.
     pub fn open(path: &Path) -> Result<Gguf> {
-        let io_error = |source| GgufError::Io {
-            path: path.to_path_buf(),
-            source,
-        };
+        let io_error = |source| GgufError::Io { path: path.to_path_buf(), source };
         let file = File::open(path).map_err(io_error)?;
         let file_bytes = file.metadata().map_err(io_error)?.len();
         Parser::new(file, file_bytes, path.to_path_buf()).parse()
@@ -91,24 +88,8 @@ impl Gguf {
         Parser::new(reader, file_bytes, PathBuf::from("<stream>")).parse()
     }
 
-    fn from_parts(
-        version: u32,
-        metadata: Vec<(String, Value)>,
-        tensors: Vec<TensorInfo>,
-        alignment: u64,
-        data_offset: u64,
-        file_bytes: u64,
-    ) -> Gguf {
-        let mut gguf = Gguf {
-            version,
-            metadata,
-            tensors,
-            alignment,
-            data_offset,
-            file_bytes,
-            key_index: HashMap::new(),
-            tensor_index: HashMap::new(),
-        };
+    fn from_parts(version: u32, metadata: Vec<(String, Value)>, tensors: Vec<TensorInfo>, alignment: u64, data_offset: u64, file_bytes: u64) -> Gguf {
+        let mut gguf = Gguf { version, metadata, tensors, alignment, data_offset, file_bytes, key_index: HashMap::new(), tensor_index: HashMap::new() };
         gguf.reindex();
         gguf
     }
@@ -122,9 +103,7 @@ impl Gguf {
         }
         self.tensor_index.clear();
         for (position, tensor) in self.tensors.iter().enumerate() {
-            self.tensor_index
-                .entry(tensor.name.clone())
-                .or_insert(position);
+            self.tensor_index.entry(tensor.name.clone()).or_insert(position);
         }
     }
 
@@ -159,9 +138,7 @@ impl Gguf {
     pub fn tensor_data_bytes(&self) -> u64 {
         // Cannot overflow for a parsed file (the tensors fit in the file without overlapping),
         // but the fields are public, so saturate rather than trust them.
-        self.tensors
-            .iter()
-            .fold(0u64, |sum, tensor| sum.saturating_add(tensor.bytes))
+        self.tensors.iter().fold(0u64, |sum, tensor| sum.saturating_add(tensor.bytes))
     }
 }
 
@@ -180,13 +157,7 @@ struct Parser<R> {
 
 impl<R: Read> Parser<R> {
     fn new(reader: R, file_bytes: u64, path: PathBuf) -> Self {
-        Parser {
-            reader: BufReader::with_capacity(64 * 1024, reader),
-            position: 0,
-            file_bytes,
-            path,
-            array_elements_read: 0,
-        }
+        Parser { reader: BufReader::with_capacity(64 * 1024, reader), position: 0, file_bytes, path, array_elements_read: 0 }
     }
 
     fn remaining(&self) -> u64 {
@@ -194,11 +165,7 @@ impl<R: Read> Parser<R> {
     }
 
     fn truncated(&self, needed: u64, context: &dyn Fn() -> String) -> GgufError {
-        GgufError::Truncated {
-            at: self.position,
-            needed,
-            context: context(),
-        }
+        GgufError::Truncated { at: self.position, needed, context: context() }
     }
 
     fn need(&self, needed: u64, context: &dyn Fn() -> String) -> Result<()> {
@@ -217,13 +184,8 @@ impl<R: Read> Parser<R> {
                 Ok(())
             }
             // The stream was shorter than `file_bytes` claimed.
-            Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => {
-                Err(self.truncated(needed, context))
-            }
-            Err(source) => Err(GgufError::Io {
-                path: self.path.clone(),
-                source,
-            }),
+            Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => Err(self.truncated(needed, context)),
+            Err(source) => Err(GgufError::Io { path: self.path.clone(), source }),
         }
     }
 
@@ -244,11 +206,7 @@ impl<R: Read> Parser<R> {
     fn string(&mut self, context: &dyn Fn() -> String) -> Result<String> {
         let length = self.u64(context)?;
         if length > MAX_STRING_BYTES {
-            return Err(GgufError::StringTooLong {
-                context: context(),
-                length,
-                max: MAX_STRING_BYTES,
-            });
+            return Err(GgufError::StringTooLong { context: context(), length, max: MAX_STRING_BYTES });
         }
         // Checked before allocating: `length` is bounded by what the file can still hold.
         self.need(length, context)?;
@@ -284,9 +242,7 @@ impl<R: Read> Parser<R> {
         check_count("tensors", tensor_count, MAX_TENSORS)?;
         let both = key_count * 14 + tensor_count * 32;
         if both > self.remaining() {
-            return Err(self.truncated(both, &|| {
-                format!("{key_count} metadata keys and {tensor_count} tensor entries (at least 14 and 32 bytes each)")
-            }));
+            return Err(self.truncated(both, &|| format!("{key_count} metadata keys and {tensor_count} tensor entries (at least 14 and 32 bytes each)")));
         }
 
         let metadata = self.metadata(key_count)?;
@@ -299,13 +255,7 @@ impl<R: Read> Parser<R> {
                 }
                 alignment
             }
-            Some((key, value)) => {
-                return Err(GgufError::WrongKeyType {
-                    key: key.clone(),
-                    expected: ValueType::U32,
-                    found: value.value_type(),
-                })
-            }
+            Some((key, value)) => return Err(GgufError::WrongKeyType { key: key.clone(), expected: ValueType::U32, found: value.value_type() }),
         };
 
         let tensors = self.tensor_index(tensor_count)?;
@@ -316,23 +266,12 @@ impl<R: Read> Parser<R> {
             // Without tensors llama.cpp does not require the padding to be present.
             padded_end.unwrap_or(header_end)
         } else {
-            let data_offset = padded_end.ok_or_else(|| GgufError::Truncated {
-                at: header_end,
-                needed: alignment - header_end % alignment,
-                context: "padding before the data section".to_string(),
-            })?;
+            let data_offset = padded_end.ok_or_else(|| GgufError::Truncated { at: header_end, needed: alignment - header_end % alignment, context: "padding before the data section".to_string() })?;
             check_layout(&tensors, alignment, data_offset, self.file_bytes)?;
             data_offset
         };
 
-        Ok(Gguf::from_parts(
-            version,
-            metadata,
-            tensors,
-            alignment,
-            data_offset,
-            self.file_bytes,
-        ))
+        Ok(Gguf::from_parts(version, metadata, tensors, alignment, data_offset, self.file_bytes))
     }
 
     fn metadata(&mut self, key_count: u64) -> Result<Vec<(String, Value)>> {
@@ -349,10 +288,7 @@ impl<R: Read> Parser<R> {
                 return Err(GgufError::DuplicateKey { key });
             }
             let type_id = self.u32(&|| format!("type of key '{key}'"))?;
-            let value_type = ValueType::from_id(type_id).ok_or(GgufError::UnknownValueType {
-                key: key.clone(),
-                id: type_id,
-            })?;
+            let value_type = ValueType::from_id(type_id).ok_or(GgufError::UnknownValueType { key: key.clone(), id: type_id })?;
             let value = self.value(&key, value_type, 0)?;
             metadata.push((key, value));
         }
@@ -381,38 +317,21 @@ impl<R: Read> Parser<R> {
 
     fn array_value(&mut self, key: &str, depth: u32) -> Result<Value> {
         if depth > MAX_ARRAY_DEPTH {
-            return Err(GgufError::ArrayTooDeep {
-                key: key.to_string(),
-                depth,
-                max: MAX_ARRAY_DEPTH,
-            });
+            return Err(GgufError::ArrayTooDeep { key: key.to_string(), depth, max: MAX_ARRAY_DEPTH });
         }
         let type_id = self.u32(&|| format!("array element type of key '{key}'"))?;
-        let element_type = ValueType::from_id(type_id).ok_or(GgufError::UnknownValueType {
-            key: key.to_string(),
-            id: type_id,
-        })?;
+        let element_type = ValueType::from_id(type_id).ok_or(GgufError::UnknownValueType { key: key.to_string(), id: type_id })?;
         let count = self.u64(&|| format!("array length of key '{key}'"))?;
         if count > MAX_ARRAY_ELEMENTS {
-            return Err(GgufError::TooMany {
-                what: "array elements",
-                count,
-                max: MAX_ARRAY_ELEMENTS,
-            });
+            return Err(GgufError::TooMany { what: "array elements", count, max: MAX_ARRAY_ELEMENTS });
         }
         let total = self.array_elements_read.saturating_add(count);
         if total > MAX_TOTAL_ARRAY_ELEMENTS {
-            return Err(GgufError::TooMany {
-                what: "array elements in the file",
-                count: total,
-                max: MAX_TOTAL_ARRAY_ELEMENTS,
-            });
+            return Err(GgufError::TooMany { what: "array elements in the file", count: total, max: MAX_TOTAL_ARRAY_ELEMENTS });
         }
         self.array_elements_read = total;
         let minimum_bytes = count * element_type.min_encoded_size();
-        self.need(minimum_bytes, &|| {
-            format!("{count} array elements of key '{key}'")
-        })?;
+        self.need(minimum_bytes, &|| format!("{count} array elements of key '{key}'"))?;
 
         let mut values = Vec::with_capacity(count as usize);
         if let Some(element_bytes) = element_type.fixed_size() {
@@ -437,41 +356,24 @@ impl<R: Read> Parser<R> {
         for index in 0..tensor_count {
             let name = self.string(&|| format!("name of tensor {index}"))?;
             if name.len() as u64 > MAX_TENSOR_NAME_BYTES {
-                return Err(GgufError::TensorNameTooLong {
-                    length: name.len() as u64,
-                    name,
-                    max: MAX_TENSOR_NAME_BYTES,
-                });
+                return Err(GgufError::TensorNameTooLong { length: name.len() as u64, name, max: MAX_TENSOR_NAME_BYTES });
             }
             if !seen.insert(name.clone()) {
                 return Err(GgufError::DuplicateTensor { name });
             }
             let dim_count = self.u32(&|| format!("dimension count of tensor '{name}'"))?;
             if dim_count == 0 || dim_count > MAX_DIMS {
-                return Err(GgufError::BadDims {
-                    tensor: name,
-                    dims: Vec::new(),
-                    reason: format!("{dim_count} dimensions, expected 1 to {MAX_DIMS}"),
-                });
+                return Err(GgufError::BadDims { tensor: name, dims: Vec::new(), reason: format!("{dim_count} dimensions, expected 1 to {MAX_DIMS}") });
             }
             let mut dims = Vec::with_capacity(dim_count as usize);
             for axis in 0..dim_count {
                 dims.push(self.u64(&|| format!("dimension {axis} of tensor '{name}'"))?);
             }
             let type_id = self.u32(&|| format!("type of tensor '{name}'"))?;
-            let ggml_type = GgmlType::from_id(type_id).ok_or(GgufError::UnknownGgmlType {
-                tensor: name.clone(),
-                id: type_id,
-            })?;
+            let ggml_type = GgmlType::from_id(type_id).ok_or(GgufError::UnknownGgmlType { tensor: name.clone(), id: type_id })?;
             let bytes = checked_tensor_bytes(&name, &dims, ggml_type)?;
             let offset = self.u64(&|| format!("offset of tensor '{name}'"))?;
-            tensors.push(TensorInfo {
-                name,
-                dims,
-                ggml_type,
-                offset,
-                bytes,
-            });
+            tensors.push(TensorInfo { name, dims, ggml_type, offset, bytes });
         }
         Ok(tensors)
     }
@@ -507,16 +409,9 @@ fn decode_fixed(value_type: ValueType, bytes: &[u8]) -> Value {
 
 /// Validates a tensor's shape the way llama.cpp does (plus: no zero dims) and returns its size.
 pub(crate) fn checked_tensor_bytes(name: &str, dims: &[u64], ggml_type: GgmlType) -> Result<u64> {
-    let bad = |reason: String| GgufError::BadDims {
-        tensor: name.to_string(),
-        dims: dims.to_vec(),
-        reason,
-    };
+    let bad = |reason: String| GgufError::BadDims { tensor: name.to_string(), dims: dims.to_vec(), reason };
     if dims.is_empty() || dims.len() > MAX_DIMS as usize {
-        return Err(bad(format!(
-            "{} dimensions, expected 1 to {MAX_DIMS}",
-            dims.len()
-        )));
+        return Err(bad(format!("{} dimensions, expected 1 to {MAX_DIMS}", dims.len())));
     }
     // ggml counts elements in int64_t.
     let mut elements: u64 = 1;
@@ -524,49 +419,24 @@ pub(crate) fn checked_tensor_bytes(name: &str, dims: &[u64], ggml_type: GgmlType
         if dim == 0 {
             return Err(bad(format!("dimension {axis} is zero")));
         }
-        elements = elements
-            .checked_mul(dim)
-            .filter(|&elements| elements <= i64::MAX as u64)
-            .ok_or_else(|| bad("element count overflows i64".to_string()))?;
+        elements = elements.checked_mul(dim).filter(|&elements| elements <= i64::MAX as u64).ok_or_else(|| bad("element count overflows i64".to_string()))?;
     }
     if dims[0] % ggml_type.block_size() != 0 {
-        return Err(bad(format!(
-            "row of {} elements is not a multiple of the {} block size {}",
-            dims[0],
-            ggml_type.name(),
-            ggml_type.block_size()
-        )));
+        return Err(bad(format!("row of {} elements is not a multiple of the {} block size {}", dims[0], ggml_type.name(), ggml_type.block_size())));
     }
-    ggml_type
-        .tensor_bytes(dims)
-        .ok_or_else(|| bad("size in bytes overflows u64".to_string()))
+    ggml_type.tensor_bytes(dims).ok_or_else(|| bad("size in bytes overflows u64".to_string()))
 }
 
 /// Checks that every tensor is aligned, inside the file, and disjoint from the others.
-pub(crate) fn check_layout(
-    tensors: &[TensorInfo],
-    alignment: u64,
-    data_offset: u64,
-    file_bytes: u64,
-) -> Result<()> {
+pub(crate) fn check_layout(tensors: &[TensorInfo], alignment: u64, data_offset: u64, file_bytes: u64) -> Result<()> {
     let data_bytes = file_bytes.saturating_sub(data_offset);
     for tensor in tensors {
         if tensor.offset % alignment != 0 {
-            return Err(GgufError::Misaligned {
-                tensor: tensor.name.clone(),
-                offset: tensor.offset,
-                alignment,
-            });
+            return Err(GgufError::Misaligned { tensor: tensor.name.clone(), offset: tensor.offset, alignment });
         }
         let end = tensor.offset.checked_add(tensor.bytes);
         if end.is_none_or(|end| end > data_bytes) {
-            return Err(GgufError::OutOfBounds {
-                tensor: tensor.name.clone(),
-                end: data_offset
-                    .saturating_add(tensor.offset)
-                    .saturating_add(tensor.bytes),
-                file_bytes,
-            });
+            return Err(GgufError::OutOfBounds { tensor: tensor.name.clone(), end: data_offset.saturating_add(tensor.offset).saturating_add(tensor.bytes), file_bytes });
         }
     }
     let mut by_offset: Vec<&TensorInfo> = tensors.iter().collect();
@@ -576,12 +446,7 @@ pub(crate) fn check_layout(
         // Both ends were checked above, so this cannot overflow.
         let a_end = a.offset + a.bytes;
         if b.offset < a_end {
-            return Err(GgufError::Overlap {
-                a: a.name.clone(),
-                a_end,
-                b: b.name.clone(),
-                b_offset: b.offset,
-            });
+            return Err(GgufError::Overlap { a: a.name.clone(), a_end, b: b.name.clone(), b_offset: b.offset });
         }
     }
     Ok(())

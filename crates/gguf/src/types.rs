@@ -105,10 +105,7 @@ impl GgmlType {
 
     /// The type with ggml id `id`, or `None` for unknown and removed ids.
     pub fn from_id(id: u32) -> Option<GgmlType> {
-        TABLE
-            .iter()
-            .find(|entry| entry.1 == id)
-            .map(|entry| entry.0)
+        TABLE.iter().find(|entry| entry.1 == id).map(|entry| entry.0)
     }
 
     /// The ggml id (`enum ggml_type`).
@@ -148,8 +145,7 @@ impl GgmlType {
             Some((ne0, rest)) => (*ne0, rest),
             None => (1, &[][..]),
         };
-        rest.iter()
-            .try_fold(self.row_bytes(ne0)?, |bytes, &dim| bytes.checked_mul(dim))
+        rest.iter().try_fold(self.row_bytes(ne0)?, |bytes, &dim| bytes.checked_mul(dim))
     }
 }
 
@@ -382,10 +378,7 @@ mod tests {
         assert_eq!(GgmlType::Q4_K.row_bytes(640), None);
         assert_eq!(GgmlType::Q4_K.row_bytes(512), Some(288));
         assert_eq!(GgmlType::Q8_0.row_bytes(64), Some(68));
-        assert_eq!(
-            GgmlType::F16.tensor_bytes(&[640, 3, 2]),
-            Some(640 * 3 * 2 * 2)
-        );
+        assert_eq!(GgmlType::F16.tensor_bytes(&[640, 3, 2]), Some(640 * 3 * 2 * 2));
         assert_eq!(GgmlType::Q6_K.tensor_bytes(&[256, 10]), Some(2100));
         assert_eq!(GgmlType::F32.tensor_bytes(&[]), Some(4));
         assert_eq!(GgmlType::Q4_0.tensor_bytes(&[]), None);

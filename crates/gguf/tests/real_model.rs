@@ -8,16 +8,12 @@ use hypura_gguf::{GgmlType, Gguf, ModelFiles};
 fn model_path() -> Option<PathBuf> {
     let path = match std::env::var_os("HYPURA_TEST_MODEL") {
         Some(path) => PathBuf::from(path),
-        None => PathBuf::from(std::env::var_os("HOME")?)
-            .join(".cache/hypura/models/gemma-3-270m-q4_k_m.gguf"),
+        None => PathBuf::from(std::env::var_os("HOME")?).join(".cache/hypura/models/gemma-3-270m-q4_k_m.gguf"),
     };
     if path.is_file() {
         Some(path)
     } else {
-        eprintln!(
-            "skipping: model file {} not found (set HYPURA_TEST_MODEL)",
-            path.display()
-        );
+        eprintln!("skipping: model file {} not found (set HYPURA_TEST_MODEL)", path.display());
         None
     }
 }
@@ -33,28 +29,13 @@ fn gemma3_270m_index() {
     assert_eq!(gguf.data_offset % gguf.alignment, 0);
     assert!(gguf.tensor_data_bytes() <= gguf.file_bytes - gguf.data_offset);
     for tensor in &gguf.tensors {
-        assert_eq!(
-            tensor.ggml_type.tensor_bytes(&tensor.dims),
-            Some(tensor.bytes),
-            "{}",
-            tensor.name
-        );
-        assert!(
-            gguf.data_offset + tensor.offset + tensor.bytes <= gguf.file_bytes,
-            "{}",
-            tensor.name
-        );
+        assert_eq!(tensor.ggml_type.tensor_bytes(&tensor.dims), Some(tensor.bytes), "{}", tensor.name);
+        assert!(gguf.data_offset + tensor.offset + tensor.bytes <= gguf.file_bytes, "{}", tensor.name);
     }
-    let tokens = gguf
-        .get("tokenizer.ggml.tokens")
-        .and_then(|value| value.as_array())
-        .unwrap();
+    let tokens = gguf.get("tokenizer.ggml.tokens").and_then(|value| value.as_array()).unwrap();
     assert!(tokens.len() > 1000);
     // A Q4_K_M file holds mostly k-quants.
-    assert!(gguf
-        .tensors
-        .iter()
-        .any(|tensor| tensor.ggml_type == GgmlType::Q4_K));
+    assert!(gguf.tensors.iter().any(|tensor| tensor.ggml_type == GgmlType::Q4_K));
 
     let files = ModelFiles::open(&path).unwrap();
     assert_eq!(files.splits.len(), 1);

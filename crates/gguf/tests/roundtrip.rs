@@ -6,9 +6,7 @@ use hypura_gguf::{GgmlType, Gguf, GgufError, GgufWriter, Value, ValueType};
 use proptest::prelude::*;
 
 fn pattern(index: usize, length: u64) -> Vec<u8> {
-    (0..length)
-        .map(|byte| (byte as usize * 31 + index * 7 + 1) as u8)
-        .collect()
+    (0..length).map(|byte| (byte as usize * 31 + index * 7 + 1) as u8).collect()
 }
 
 fn read_at(path: &std::path::Path, offset: u64, length: u64) -> Vec<u8> {
@@ -28,19 +26,11 @@ fn basic_round_trip() {
         .add_metadata("general.architecture", Value::String("llama".into()))
         .add_metadata("llama.block_count", Value::U32(2))
         .add_metadata("llama.rope.freq_base", Value::F32(10000.0))
-        .add_metadata(
-            "tokenizer.ggml.tokens",
-            Value::Array(
-                ValueType::String,
-                vec![Value::String("<s>".into()), Value::String("é".into())],
-            ),
-        )
+        .add_metadata("tokenizer.ggml.tokens", Value::Array(ValueType::String, vec![Value::String("<s>".into()), Value::String("é".into())]))
         .add_tensor("token_embd.weight", &[256, 4], GgmlType::Q4_K)
         .add_tensor("output_norm.weight", &[7], GgmlType::F32)
         .add_tensor("blk.0.attn_q.weight", &[32, 3], GgmlType::Q8_0);
-    let layout = writer
-        .write_file(&path, |index| pattern(index, writer_bytes(&writer, index)))
-        .unwrap();
+    let layout = writer.write_file(&path, |index| pattern(index, writer_bytes(&writer, index))).unwrap();
 
     let gguf = Gguf::open(&path).unwrap();
     assert_eq!(gguf.version, 3);
@@ -48,14 +38,7 @@ fn basic_round_trip() {
     assert_eq!(gguf.architecture(), Some("llama"));
     assert_eq!(gguf.get_u64("llama.block_count"), Some(2));
     assert_eq!(gguf.get_f64("llama.rope.freq_base"), Some(10000.0));
-    assert_eq!(
-        gguf.get("tokenizer.ggml.tokens")
-            .unwrap()
-            .as_array()
-            .unwrap()
-            .len(),
-        2
-    );
+    assert_eq!(gguf.get("tokenizer.ggml.tokens").unwrap().as_array().unwrap().len(), 2);
     assert_eq!(gguf.metadata, writer.metadata);
     assert_eq!(gguf.data_offset, layout.data_offset);
     assert_eq!(gguf.data_offset % 32, 0);
@@ -71,14 +54,8 @@ fn basic_round_trip() {
     assert_eq!(gguf.tensor_data_bytes(), 4 * 144 + 28 + 3 * 34);
     assert!(gguf.tensor("missing").is_none());
     for (index, tensor) in gguf.tensors.iter().enumerate() {
-        assert_eq!(
-            gguf.data_offset + tensor.offset,
-            layout.tensor_offsets[index]
-        );
-        assert_eq!(
-            read_at(&path, layout.tensor_offsets[index], tensor.bytes),
-            pattern(index, tensor.bytes)
-        );
+        assert_eq!(gguf.data_offset + tensor.offset, layout.tensor_offsets[index]);
+        assert_eq!(read_at(&path, layout.tensor_offsets[index], tensor.bytes), pattern(index, tensor.bytes));
     }
 
     // The same bytes through the streaming entry point.
@@ -97,16 +74,9 @@ fn writer_bytes(writer: &GgufWriter, index: usize) -> u64 {
 fn custom_alignment_is_written_and_read() {
     let directory = tempfile::tempdir().unwrap();
     let path = directory.path().join("aligned.gguf");
-    let mut writer = GgufWriter {
-        alignment: 4096,
-        ..GgufWriter::default()
-    };
-    writer
-        .add_tensor("a", &[3], GgmlType::F32)
-        .add_tensor("b", &[5], GgmlType::I8);
-    let layout = writer
-        .write_file(&path, |index| pattern(index, writer_bytes(&writer, index)))
-        .unwrap();
+    let mut writer = GgufWriter { alignment: 4096, ..GgufWriter::default() };
+    writer.add_tensor("a", &[3], GgmlType::F32).add_tensor("b", &[5], GgmlType::I8);
+    let layout = writer.write_file(&path, |index| pattern(index, writer_bytes(&writer, index))).unwrap();
     assert_eq!(layout.tensor_offsets, vec![4096, 8192]);
     let gguf = Gguf::open(&path).unwrap();
     assert_eq!(gguf.alignment, 4096);
@@ -125,15 +95,11 @@ fn empty_file_has_no_tensors() {
 #[test]
 fn writer_rejects_invalid_specs() {
     let mut writer = GgufWriter::new();
-    writer
-        .add_metadata("a", Value::U8(1))
-        .add_metadata("a", Value::U8(2));
+    writer.add_metadata("a", Value::U8(1)).add_metadata("a", Value::U8(2));
     assert!(matches!(writer.layout(), Err(GgufError::DuplicateKey { key }) if key == "a"));
 
     let mut writer = GgufWriter::new();
-    writer
-        .add_tensor("t", &[3], GgmlType::F32)
-        .add_tensor("t", &[3], GgmlType::F32);
+    writer.add_tensor("t", &[3], GgmlType::F32).add_tensor("t", &[3], GgmlType::F32);
     assert!(matches!(writer.layout(), Err(GgufError::DuplicateTensor { name }) if name == "t"));
 
     let mut writer = GgufWriter::new();
@@ -150,46 +116,24 @@ fn writer_rejects_invalid_specs() {
 
     let mut writer = GgufWriter::new();
     writer.add_tensor("x".repeat(64), &[1], GgmlType::F32);
-    assert!(matches!(
-        writer.layout(),
-        Err(GgufError::TensorNameTooLong { length: 64, .. })
-    ));
+    assert!(matches!(writer.layout(), Err(GgufError::TensorNameTooLong { length: 64, .. })));
 
-    let writer = GgufWriter {
-        alignment: 48,
-        ..GgufWriter::default()
-    };
-    assert!(matches!(
-        writer.layout(),
-        Err(GgufError::BadAlignment { alignment: 48 })
-    ));
+    let writer = GgufWriter { alignment: 48, ..GgufWriter::default() };
+    assert!(matches!(writer.layout(), Err(GgufError::BadAlignment { alignment: 48 })));
 
     let mut writer = GgufWriter::new();
-    writer.add_metadata(
-        "mixed",
-        Value::Array(ValueType::U8, vec![Value::U8(1), Value::I8(1)]),
-    );
+    writer.add_metadata("mixed", Value::Array(ValueType::U8, vec![Value::U8(1), Value::I8(1)]));
     assert!(matches!(writer.layout(), Err(GgufError::BadValue { key, .. }) if key == "mixed"));
 
     let mut writer = GgufWriter::new();
     writer.add_metadata("general.alignment", Value::U64(64));
-    assert!(matches!(
-        writer.layout(),
-        Err(GgufError::WrongKeyType { .. })
-    ));
+    assert!(matches!(writer.layout(), Err(GgufError::WrongKeyType { .. })));
 
     let directory = tempfile::tempdir().unwrap();
     let mut writer = GgufWriter::new();
     writer.add_tensor("t", &[4], GgmlType::F32);
     let result = writer.write_file(&directory.path().join("short.gguf"), |_| vec![0; 15]);
-    assert!(matches!(
-        result,
-        Err(GgufError::DataLength {
-            expected: 16,
-            actual: 15,
-            ..
-        })
-    ));
+    assert!(matches!(result, Err(GgufError::DataLength { expected: 16, actual: 15, .. })));
 }
 
 // ---- property test ----
@@ -212,34 +156,17 @@ fn scalar_strategy(value_type: ValueType) -> BoxedStrategy<Value> {
     }
 }
 
-const SCALAR_TYPES: [ValueType; 12] = [
-    ValueType::U8,
-    ValueType::I8,
-    ValueType::U16,
-    ValueType::I16,
-    ValueType::U32,
-    ValueType::I32,
-    ValueType::F32,
-    ValueType::Bool,
-    ValueType::String,
-    ValueType::U64,
-    ValueType::I64,
-    ValueType::F64,
-];
+const SCALAR_TYPES: [ValueType; 12] =
+    [ValueType::U8, ValueType::I8, ValueType::U16, ValueType::I16, ValueType::U32, ValueType::I32, ValueType::F32, ValueType::Bool, ValueType::String, ValueType::U64, ValueType::I64, ValueType::F64];
 
 fn array_strategy(depth: u32) -> BoxedStrategy<Value> {
     let flat = prop::sample::select(&SCALAR_TYPES[..])
-        .prop_flat_map(|element_type| {
-            prop::collection::vec(scalar_strategy(element_type), 0..6)
-                .prop_map(move |elements| Value::Array(element_type, elements))
-        })
+        .prop_flat_map(|element_type| prop::collection::vec(scalar_strategy(element_type), 0..6).prop_map(move |elements| Value::Array(element_type, elements)))
         .boxed();
     if depth == 0 {
         return flat;
     }
-    let nested = prop::collection::vec(array_strategy(depth - 1), 0..4)
-        .prop_map(|elements| Value::Array(ValueType::Array, elements))
-        .boxed();
+    let nested = prop::collection::vec(array_strategy(depth - 1), 0..4).prop_map(|elements| Value::Array(ValueType::Array, elements)).boxed();
     prop_oneof![2 => flat, 1 => nested].boxed()
 }
 
@@ -256,23 +183,16 @@ fn same_value(a: &Value, b: &Value) -> bool {
     match (a, b) {
         (Value::F32(a), Value::F32(b)) => a.to_bits() == b.to_bits(),
         (Value::F64(a), Value::F64(b)) => a.to_bits() == b.to_bits(),
-        (Value::Array(type_a, a), Value::Array(type_b, b)) => {
-            type_a == type_b && a.len() == b.len() && a.iter().zip(b).all(|(a, b)| same_value(a, b))
-        }
+        (Value::Array(type_a, a), Value::Array(type_b, b)) => type_a == type_b && a.len() == b.len() && a.iter().zip(b).all(|(a, b)| same_value(a, b)),
         _ => a == b,
     }
 }
 
 fn tensor_strategy() -> impl Strategy<Value = (Vec<u64>, GgmlType)> {
-    (
-        prop::sample::select(&GgmlType::ALL[..]),
-        prop::collection::vec(1u64..4, 1..=4),
-        1u64..3,
-    )
-        .prop_map(|(ggml_type, mut dims, blocks)| {
-            dims[0] = ggml_type.block_size() * blocks;
-            (dims, ggml_type)
-        })
+    (prop::sample::select(&GgmlType::ALL[..]), prop::collection::vec(1u64..4, 1..=4), 1u64..3).prop_map(|(ggml_type, mut dims, blocks)| {
+        dims[0] = ggml_type.block_size() * blocks;
+        (dims, ggml_type)
+    })
 }
 
 proptest! {
@@ -333,37 +253,17 @@ fn write_fuzz_seeds() {
     // Without HYPURA_FUZZ_SEED_DIR the seeds go to a temporary directory: the test still
     // checks that every seed parses.
     let scratch = tempfile::tempdir().unwrap();
-    let directory = std::env::var_os("HYPURA_FUZZ_SEED_DIR")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| scratch.path().to_path_buf());
+    let directory = std::env::var_os("HYPURA_FUZZ_SEED_DIR").map(std::path::PathBuf::from).unwrap_or_else(|| scratch.path().to_path_buf());
     let mut seeds = Vec::new();
 
     let mut writer = GgufWriter::new();
-    writer
-        .add_metadata("general.architecture", Value::String("llama".into()))
-        .add_metadata("llama.block_count", Value::U32(1))
-        .add_tensor("token_embd.weight", &[32, 2], GgmlType::Q8_0);
+    writer.add_metadata("general.architecture", Value::String("llama".into())).add_metadata("llama.block_count", Value::U32(1)).add_tensor("token_embd.weight", &[32, 2], GgmlType::Q8_0);
     seeds.push(("llama_q8.gguf.bin", writer));
 
-    let mut writer = GgufWriter {
-        alignment: 64,
-        ..GgufWriter::default()
-    };
+    let mut writer = GgufWriter { alignment: 64, ..GgufWriter::default() };
     writer
-        .add_metadata(
-            "a",
-            Value::Array(
-                ValueType::String,
-                vec![Value::String("x".into()), Value::String("yz".into())],
-            ),
-        )
-        .add_metadata(
-            "b",
-            Value::Array(
-                ValueType::Array,
-                vec![Value::Array(ValueType::F32, vec![Value::F32(1.5)])],
-            ),
-        )
+        .add_metadata("a", Value::Array(ValueType::String, vec![Value::String("x".into()), Value::String("yz".into())]))
+        .add_metadata("b", Value::Array(ValueType::Array, vec![Value::Array(ValueType::F32, vec![Value::F32(1.5)])]))
         .add_metadata("c", Value::Bool(true))
         .add_metadata("d", Value::I64(-5))
         .add_metadata("e", Value::F64(2.5))
@@ -372,23 +272,9 @@ fn write_fuzz_seeds() {
     seeds.push(("all_types_aligned_64.gguf.bin", writer));
 
     let mut writer = GgufWriter::new();
-    writer
-        .add_metadata("split.no", Value::U16(0))
-        .add_metadata("split.count", Value::U16(2));
-    for (index, ggml_type) in [
-        GgmlType::IQ4_XS,
-        GgmlType::Q6_K,
-        GgmlType::MXFP4,
-        GgmlType::BF16,
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        writer.add_tensor(
-            format!("t{index}"),
-            &[ggml_type.block_size() * 2],
-            ggml_type,
-        );
+    writer.add_metadata("split.no", Value::U16(0)).add_metadata("split.count", Value::U16(2));
+    for (index, ggml_type) in [GgmlType::IQ4_XS, GgmlType::Q6_K, GgmlType::MXFP4, GgmlType::BF16].into_iter().enumerate() {
+        writer.add_tensor(format!("t{index}"), &[ggml_type.block_size() * 2], ggml_type);
     }
     seeds.push(("split_many_types.gguf.bin", writer));
 
@@ -396,9 +282,7 @@ fn write_fuzz_seeds() {
 
     for (name, writer) in seeds {
         let path = directory.join(name);
-        writer
-            .write_file(&path, |index| pattern(index, writer_bytes(&writer, index)))
-            .unwrap();
+        writer.write_file(&path, |index| pattern(index, writer_bytes(&writer, index))).unwrap();
         assert!(Gguf::open(&path).is_ok(), "{name}");
     }
 }

@@ -36,12 +36,7 @@ pub fn format_unix_time_utc(unix_secs: u64) -> String {
     let days = (unix_secs / 86_400) as i64;
     let seconds_of_day = unix_secs % 86_400;
     let (year, month, day) = civil_from_days(days);
-    format!(
-        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02} UTC",
-        seconds_of_day / 3600,
-        seconds_of_day / 60 % 60,
-        seconds_of_day % 60
-    )
+    format!("{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02} UTC", seconds_of_day / 3600, seconds_of_day / 60 % 60, seconds_of_day % 60)
 }
 
 /// Howard Hinnant's days-since-1970 to proleptic Gregorian (year, month, day).
@@ -49,16 +44,11 @@ pub fn civil_from_days(days: i64) -> (i64, u32, u32) {
     let shifted = days + 719_468;
     let era = shifted.div_euclid(146_097);
     let day_of_era = shifted.rem_euclid(146_097);
-    let year_of_era =
-        (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let year_of_era = (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
     let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
     let month_index = (5 * day_of_year + 2) / 153;
     let day = (day_of_year - (153 * month_index + 2) / 5 + 1) as u32;
-    let month = if month_index < 10 {
-        month_index + 3
-    } else {
-        month_index - 9
-    } as u32;
+    let month = if month_index < 10 { month_index + 3 } else { month_index - 9 } as u32;
     let year = year_of_era + era * 400 + i64::from(month <= 2);
     (year, month, day)
 }
@@ -90,9 +80,6 @@ mod tests {
     fn unix_time_formats_as_utc_dates() {
         assert_eq!(format_unix_time_utc(0), "1970-01-01 00:00:00 UTC");
         assert_eq!(format_unix_time_utc(951_782_400), "2000-02-29 00:00:00 UTC");
-        assert_eq!(
-            format_unix_time_utc(1_738_332_309),
-            "2025-01-31 14:05:09 UTC"
-        );
+        assert_eq!(format_unix_time_utc(1_738_332_309), "2025-01-31 14:05:09 UTC");
     }
 }

@@ -28,10 +28,7 @@ pub fn gemma_path() -> PathBuf {
     if let Some(path) = std::env::var_os("HYPURA_TEST_MODEL") {
         return PathBuf::from(path);
     }
-    let cache = std::env::var_os("HYPURA_CACHE_DIR")
-        .map(PathBuf::from)
-        .or_else(|| dirs::cache_dir().map(|dir| dir.join("hypura")))
-        .expect("a cache directory");
+    let cache = std::env::var_os("HYPURA_CACHE_DIR").map(PathBuf::from).or_else(|| dirs::cache_dir().map(|dir| dir.join("hypura"))).expect("a cache directory");
     let path = cache.join("models/gemma-3-270m-q4_k_m.gguf");
     assert!(path.exists(), "{} is missing: run scripts/fetch-test-model first", path.display());
     path
@@ -39,7 +36,7 @@ pub fn gemma_path() -> PathBuf {
 
 /// A running `hypura serve`, killed on drop.
 pub struct Server {
-    child: Child,
+    pub child: Child,
     pub base: String,
     log: PathBuf,
 }
@@ -79,12 +76,7 @@ impl Server {
         let scripts = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python");
         let output = Command::new("python3").arg(scripts.join(script)).arg(&self.base).args(arguments).output().unwrap();
         let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-        assert!(
-            output.status.success(),
-            "{script} failed\n--- stdout\n{stdout}\n--- stderr\n{}\n--- server log\n{}",
-            String::from_utf8_lossy(&output.stderr),
-            self.log_text()
-        );
+        assert!(output.status.success(), "{script} failed\n--- stdout\n{stdout}\n--- stderr\n{}\n--- server log\n{}", String::from_utf8_lossy(&output.stderr), self.log_text());
         assert!(self.child_alive(), "the server died: {}", self.log_text());
         stdout
     }
@@ -101,7 +93,6 @@ impl Drop for Server {
         let _ = self.child.wait();
     }
 }
-
 
 impl Server {
     /// POST a JSON body and return the JSON reply (a plain HTTP/1.1 exchange: replies with
@@ -130,4 +121,3 @@ pub fn streaming_budget(path: &Path, mode: hypura::plan::Mode, n_ctx: u32) -> u6
         other => panic!("expected the planner to ask for more memory: {other:?}"),
     }
 }
-

@@ -45,12 +45,7 @@ fn greedy(engine: &Arc<Engine>, prompt: &str, count: u32) -> hypura::engine::Gen
 /// Bytes of one sweep over the streamed layers, as the store reads them (whole pages).
 fn streaming_plan_bytes(engine: &Engine) -> u64 {
     let residency = engine.streaming().unwrap().driver.residency().clone();
-    residency
-        .units()
-        .iter()
-        .flat_map(|unit| unit.ranges.iter())
-        .map(|range| range.end.div_ceil(4096) * 4096 - range.start / 4096 * 4096)
-        .sum()
+    residency.units().iter().flat_map(|unit| unit.ranges.iter()).map(|range| range.end.div_ceil(4096) * 4096 - range.start / 4096 * 4096).sum()
 }
 
 fn assert_identical(path: &Path, pinned: u64, prompt: &str) {
@@ -117,10 +112,7 @@ fn too_small_a_budget_is_refused_at_plan_time() {
     let facts = MachineFacts { memory_budget_bytes: 64 << 20, disk_bytes_per_sec: None, ..MachineFacts::default() };
     let error = plan::plan(&inventory, &facts, &PlanOptions::default()).unwrap_err();
     assert!(matches!(error, plan::PlanError::BudgetTooSmall { .. }), "{error}");
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_hypura"))
-        .args(["inspect", common::gemma_path().to_str().unwrap(), "--memory-budget", "64MiB"])
-        .output()
-        .unwrap();
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_hypura")).args(["inspect", common::gemma_path().to_str().unwrap(), "--memory-budget", "64MiB"]).output().unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("64.0 MiB is too small") && stderr.contains("resident weights"), "{stderr}");

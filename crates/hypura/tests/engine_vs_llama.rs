@@ -15,12 +15,7 @@ fn engine(path: &std::path::Path, repack: bool) -> Arc<Engine> {
 }
 
 fn greedy(session: &mut Session, prompt: &str, count: u32) -> hypura::engine::GenerateOutput {
-    let request = GenerateRequest {
-        max_tokens: Some(count),
-        sampling: SamplerParams::greedy(),
-        ignore_eos: true,
-        ..GenerateRequest::new(Prompt::Raw(prompt.to_string()))
-    };
+    let request = GenerateRequest { max_tokens: Some(count), sampling: SamplerParams::greedy(), ignore_eos: true, ..GenerateRequest::new(Prompt::Raw(prompt.to_string())) };
     session.generate(&request, &mut |_| Control::Continue).unwrap()
 }
 

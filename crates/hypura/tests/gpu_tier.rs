@@ -20,14 +20,7 @@ const PROMPT: &str = "the king of paris and the queen of the sea walked to the r
 /// Per-layer bytes of FFN and expert tensors.
 fn layer_ffn(inventory: &Inventory) -> Vec<u64> {
     (0..inventory.hparams.n_layer as u32)
-        .map(|layer| {
-            inventory
-                .tensors
-                .iter()
-                .filter(|tensor| tensor.layer == Some(layer) && (tensor.role.is_dense_ffn() || tensor.role.is_expert()))
-                .map(|tensor| tensor.bytes)
-                .sum()
-        })
+        .map(|layer| inventory.tensors.iter().filter(|tensor| tensor.layer == Some(layer) && (tensor.role.is_dense_ffn() || tensor.role.is_expert())).map(|tensor| tensor.bytes).sum())
         .collect()
 }
 

@@ -7,20 +7,13 @@ mod common;
 
 use common::{streaming_budget, Server};
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
-use std::time::Duration;
 
-use hypura::model::Inventory;
-use hypura::plan::{self, MachineFacts, Mode, ModeChoice, PlanError, PlanOptions};
+use hypura::plan::Mode;
 
 /// Tests here each start a server; one at a time keeps two cores from being shared four ways.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-fn python_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python")
-}
 
 fn require_clients() {
     let status = Command::new("python3").args(["-c", "import ollama, openai, httpx"]).status().expect("python3 is needed for the client tests");

@@ -25,13 +25,7 @@ fn run() -> RunSpec {
 
 fn app_with(files: Vec<PathBuf>, n_parallel: u32, max_queue: usize, http: HttpConfig) -> Router {
     let catalog = Catalog { files, ..Catalog::default() };
-    let scheduler = SchedulerConfig {
-        n_parallel,
-        max_queue,
-        default_keep_alive: KeepAlive::For(Duration::from_secs(300)),
-        run: run(),
-        embedding_context: 128,
-    };
+    let scheduler = SchedulerConfig { n_parallel, max_queue, default_keep_alive: KeepAlive::For(Duration::from_secs(300)), run: run(), embedding_context: 128 };
     router(AppState::new(catalog, scheduler, http))
 }
 
@@ -239,7 +233,8 @@ async fn generate_streams_ndjson_and_answers_whole_objects() {
     assert!(raw.get("context").is_none());
     let text = raw["response"].as_str().unwrap().to_string();
     if let Some(stop) = text.split_whitespace().nth(2) {
-        let stopped = post(&app, "/api/generate", json!({"model": MODEL, "prompt": "the king", "raw": true, "stream": false, "options": {"temperature": 0, "num_predict": 16, "stop": [stop]}})).await.json();
+        let stopped =
+            post(&app, "/api/generate", json!({"model": MODEL, "prompt": "the king", "raw": true, "stream": false, "options": {"temperature": 0, "num_predict": 16, "stop": [stop]}})).await.json();
         assert_eq!(stopped["done_reason"], "stop");
         assert_eq!(stopped["response"].as_str().unwrap(), &text[..text.find(stop).unwrap()]);
     }
@@ -292,7 +287,9 @@ async fn structured_output_follows_the_schema() {
     let app = app(vec![tiny(directory.path())]);
     let schema = json!({"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}, "count": {"type": "integer"}}, "required": ["ok", "color", "count"]});
     for seed in 0..3 {
-        let reply = post(&app, "/api/generate", json!({"model": MODEL, "prompt": "json please", "format": schema, "stream": false, "options": {"seed": seed, "temperature": 1.0, "num_predict": 64}})).await.json();
+        let reply = post(&app, "/api/generate", json!({"model": MODEL, "prompt": "json please", "format": schema, "stream": false, "options": {"seed": seed, "temperature": 1.0, "num_predict": 64}}))
+            .await
+            .json();
         let text = reply["response"].as_str().unwrap();
         if reply["done_reason"] == "stop" {
             let value: Value = serde_json::from_str(text).unwrap_or_else(|error| panic!("{error}: {text:?}"));
@@ -302,8 +299,14 @@ async fn structured_output_follows_the_schema() {
             assert!(text.starts_with('{'), "{text:?}");
         }
     }
-    let reply = post(&app, "/v1/chat/completions", json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 48, "seed": 3,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "flag", "schema": {"type": "object", "properties": {"flag": {"type": "boolean"}}}}}})).await.json();
+    let reply = post(
+        &app,
+        "/v1/chat/completions",
+        json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 48, "seed": 3,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "flag", "schema": {"type": "object", "properties": {"flag": {"type": "boolean"}}}}}}),
+    )
+    .await
+    .json();
     let content = reply["choices"][0]["message"]["content"].as_str().unwrap();
     if reply["choices"][0]["finish_reason"] == "stop" {
         assert!(serde_json::from_str::<Value>(content).unwrap()["flag"].is_boolean(), "{content}");

@@ -79,6 +79,7 @@ pub struct Context {
     params: ContextParams,
     /// Flags that stop a decode between graph nodes when any is set; boxed and kept here
     /// because llama.cpp holds a raw pointer to them.
+    #[allow(clippy::box_collection)] // llama.cpp points at the Vec itself; the box keeps it in place.
     abort: Box<Vec<Arc<AtomicBool>>>,
     /// The eval hook, boxed so llama.cpp can hold a thin pointer to it.
     _hook: Option<Box<Arc<dyn EvalHook>>>,

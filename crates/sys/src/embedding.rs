@@ -56,11 +56,7 @@ impl EmbeddingContext {
             // SAFETY: the model pointer is valid and outlives the context (we keep a clone of
             // the Model); the hook's data points into a box the context keeps until llama_free.
             let pointer = unsafe { raw::llama_init_from_model(model.as_ptr(), params) };
-            NonNull::new(pointer).ok_or_else(|| SysError::ContextCreate {
-                n_ctx,
-                n_batch: n_ctx,
-                reason: crate::log::take_last_error().unwrap_or_else(|| "unknown reason".to_string()),
-            })
+            NonNull::new(pointer).ok_or_else(|| SysError::ContextCreate { n_ctx, n_batch: n_ctx, reason: crate::log::take_last_error().unwrap_or_else(|| "unknown reason".to_string()) })
         };
         let mut pointer = create(raw::LLAMA_POOLING_TYPE_UNSPECIFIED)?;
         // SAFETY: the context is valid.
@@ -112,10 +108,7 @@ impl EmbeddingContext {
         // tokens.len() <= n_batch checked entries.
         let code = unsafe { raw::llama_decode(self.pointer.as_ptr(), self.batch.raw()) };
         if code != 0 {
-            return Err(SysError::Decode {
-                code,
-                reason: crate::log::take_last_error().unwrap_or_else(|| "see the llama.cpp log (HYPURA_LOG=llama=debug)".to_string()),
-            });
+            return Err(SysError::Decode { code, reason: crate::log::take_last_error().unwrap_or_else(|| "see the llama.cpp log (HYPURA_LOG=llama=debug)".to_string()) });
         }
         // SAFETY: the context is valid; the result is null or n_embd_out floats owned by the
         // context, valid until the next decode (we copy them out at once).

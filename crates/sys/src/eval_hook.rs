@@ -74,6 +74,7 @@ fn find_source<'a>(tensor: &'a raw::ggml_tensor, name: &str, depth: usize) -> Op
         // SAFETY: the sources of a live graph node are live tensors of the same graph, and
         // ggml tensor names are NUL-terminated within their fixed array.
         let source = unsafe { &*source };
+        // SAFETY: as above, the name is a NUL-terminated array inside the live tensor.
         let source_name = unsafe { CStr::from_ptr(source.name.as_ptr()) }.to_str().unwrap_or("");
         if source_name == name {
             return Some(source);

@@ -54,10 +54,7 @@ pub fn fit_placement(_backend: &Backend, path: &Path, model: &ModelParams, conte
     if status != 0 {
         return Err(SysError::ModelLoad {
             path: path.to_path_buf(),
-            reason: format!(
-                "llama.cpp's fit found no placement (status {status}): {}",
-                crate::log::take_last_error().unwrap_or_else(|| "no reason given".to_string())
-            ),
+            reason: format!("llama.cpp's fit found no placement (status {status}): {}", crate::log::take_last_error().unwrap_or_else(|| "no reason given".to_string())),
         });
     }
     let mut host_patterns = Vec::new();

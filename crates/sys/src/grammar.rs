@@ -33,9 +33,7 @@ impl Grammar {
         // keep a clone of it for as long as the grammar; both strings are NUL-terminated and
         // outlive the call (llama.cpp copies them).
         let pointer = unsafe { raw::llama_sampler_init_grammar(vocab.as_ptr(), text.as_ptr(), root_name.as_ptr()) };
-        let pointer = NonNull::new(pointer).ok_or_else(|| {
-            SysError::Grammar(crate::log::take_last_error().unwrap_or_else(|| "llama.cpp could not parse the grammar".into()))
-        })?;
+        let pointer = NonNull::new(pointer).ok_or_else(|| SysError::Grammar(crate::log::take_last_error().unwrap_or_else(|| "llama.cpp could not parse the grammar".into())))?;
         Ok(Grammar { pointer, vocab: vocab.clone() })
     }
 

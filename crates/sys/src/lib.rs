@@ -4,7 +4,8 @@
 //! themselves on drop, and it checks shapes and indices in Rust before they reach C, because a
 //! ggml assert aborts the whole process. Everything above this crate (`hypura::engine`, the forge)
 //! speaks safe Rust.
-#![allow(unsafe_code)] // The fence: every unsafe block below carries its own SAFETY note.
+#![allow(unsafe_code)] // The fence: every unsafe block below carries its own SAFETY note,
+#![deny(clippy::undocumented_unsafe_blocks)] // and clippy checks that it does.
 
 mod backend;
 mod batch;
@@ -34,9 +35,9 @@ pub use fit::{fit_placement, FitPlacement};
 pub use grammar::Grammar;
 pub use load_reader::LoadReader;
 pub use model::{exact_name_pattern, LoadMode, Model, ModelParams, Placement};
-pub use stream::StreamBufferType;
-pub use sampler::{first_maximum, Sampler, SamplerParams};
 pub use quantize::{ggml_type_block_size, ggml_type_name, ggml_type_size, quantize_rows};
+pub use sampler::{first_maximum, Sampler, SamplerParams};
+pub use stream::StreamBufferType;
 pub use vocab::{Token, Vocab};
 
 /// The exact llama.cpp build this crate links, for bench reports.

@@ -119,8 +119,7 @@ impl Model {
     /// Load with Hypura's placement: streamed tensors in their buffer types, and (optionally)
     /// every byte read through `placement.reader`.
     pub fn load_placed(_backend: &Backend, path: &Path, params: &ModelParams, placement: Placement) -> Result<Model, SysError> {
-        let c_path = CString::new(path.as_os_str().as_encoded_bytes())
-            .map_err(|_| SysError::PathNul(path.to_path_buf()))?;
+        let c_path = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| SysError::PathNul(path.to_path_buf()))?;
         // Regexes in llama.cpp's override format (the first match wins), terminated by a null
         // entry: streamed tensors by exact name, then the host patterns.
         let host = if placement.host_patterns.is_empty() { std::ptr::null_mut() } else { cpu_buffer_type()? };
@@ -131,10 +130,8 @@ impl Model {
             .chain(placement.host_patterns.iter().map(|pattern| (pattern.clone(), host)))
             .map(|(pattern, buft)| CString::new(pattern).map(|pattern| (pattern, buft)).map_err(|_| SysError::PathNul(path.to_path_buf())))
             .collect::<Result<_, _>>()?;
-        let mut overrides: Vec<raw::llama_model_tensor_buft_override> = patterns
-            .iter()
-            .map(|(pattern, buft)| raw::llama_model_tensor_buft_override { pattern: pattern.as_ptr(), buft: *buft })
-            .collect();
+        let mut overrides: Vec<raw::llama_model_tensor_buft_override> =
+            patterns.iter().map(|(pattern, buft)| raw::llama_model_tensor_buft_override { pattern: pattern.as_ptr(), buft: *buft }).collect();
         overrides.push(raw::llama_model_tensor_buft_override { pattern: std::ptr::null(), buft: std::ptr::null_mut() });
         let stream_types: Vec<Arc<StreamBufferType>> = placement.streamed.iter().map(|(_, buft)| buft.clone()).collect();
         let mut raw_params = params.to_raw();
@@ -220,9 +217,7 @@ impl Model {
         let mut buffer = vec![0u8; 256];
         // SAFETY: the buffer is writable for its full length; llama.cpp writes at most
         // buffer_size bytes including the NUL.
-        let written = unsafe {
-            raw::llama_model_desc(self.as_ptr(), buffer.as_mut_ptr().cast(), buffer.len())
-        };
+        let written = unsafe { raw::llama_model_desc(self.as_ptr(), buffer.as_mut_ptr().cast(), buffer.len()) };
         buffer.truncate(written.clamp(0, 255) as usize);
         String::from_utf8_lossy(&buffer).into_owned()
     }

@@ -44,16 +44,10 @@ pub fn quantize_rows(type_id: u32, source: &[f32], n_per_row: usize) -> Result<V
     let ggml_type = checked_type(type_id)?;
     let block = ggml_type_block_size(type_id)? as usize;
     if n_per_row == 0 || !source.len().is_multiple_of(n_per_row) {
-        return Err(SysError::Quantize(format!(
-            "{} values do not split into rows of {n_per_row}",
-            source.len()
-        )));
+        return Err(SysError::Quantize(format!("{} values do not split into rows of {n_per_row}", source.len())));
     }
     if !n_per_row.is_multiple_of(block) {
-        return Err(SysError::Quantize(format!(
-            "row length {n_per_row} is not a multiple of the block size {block} of {}",
-            ggml_type_name(type_id)?
-        )));
+        return Err(SysError::Quantize(format!("row length {n_per_row} is not a multiple of the block size {block} of {}", ggml_type_name(type_id)?)));
     }
     // SAFETY: the type id was checked above.
     if unsafe { raw::ggml_quantize_requires_imatrix(ggml_type) } {
@@ -69,21 +63,10 @@ pub fn quantize_rows(type_id: u32, source: &[f32], n_per_row: usize) -> Result<V
     // the type allows (checked above).
     let written = unsafe {
         raw::ggml_quantize_init(ggml_type);
-        raw::ggml_quantize_chunk(
-            ggml_type,
-            source.as_ptr(),
-            destination.as_mut_ptr().cast(),
-            0,
-            rows as i64,
-            n_per_row as i64,
-            std::ptr::null(),
-        )
+        raw::ggml_quantize_chunk(ggml_type, source.as_ptr(), destination.as_mut_ptr().cast(), 0, rows as i64, n_per_row as i64, std::ptr::null())
     };
     if written != destination.len() {
-        return Err(SysError::Quantize(format!(
-            "ggml wrote {written} bytes, expected {}",
-            destination.len()
-        )));
+        return Err(SysError::Quantize(format!("ggml wrote {written} bytes, expected {}", destination.len())));
     }
     Ok(destination)
 }

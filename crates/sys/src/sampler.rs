@@ -30,17 +30,7 @@ pub struct SamplerParams {
 
 impl Default for SamplerParams {
     fn default() -> Self {
-        SamplerParams {
-            temperature: 0.8,
-            top_k: 40,
-            top_p: 0.9,
-            min_p: 0.0,
-            repeat_penalty: 1.0,
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            penalty_last_n: 64,
-            seed: 0xFFFF_FFFF,
-        }
+        SamplerParams { temperature: 0.8, top_k: 40, top_p: 0.9, min_p: 0.0, repeat_penalty: 1.0, presence_penalty: 0.0, frequency_penalty: 0.0, penalty_last_n: 64, seed: 0xFFFF_FFFF }
     }
 }
 
@@ -105,24 +95,16 @@ impl Sampler {
         let mut chain_params = unsafe { raw::llama_sampler_chain_default_params() };
         chain_params.no_perf = true;
         // SAFETY: chain_init returns a new owned chain (or null on allocation failure).
-        let chain = NonNull::new(unsafe { raw::llama_sampler_chain_init(chain_params) })
-            .ok_or(SysError::Allocation("a sampler chain"))?;
+        let chain = NonNull::new(unsafe { raw::llama_sampler_chain_init(chain_params) }).ok_or(SysError::Allocation("a sampler chain"))?;
         let penalty_last_n = if params.penalty_last_n < 0 { context.n_ctx() as i32 } else { params.penalty_last_n };
-        let penalties_active = penalty_last_n > 0
-            && (params.repeat_penalty != 1.0 || params.presence_penalty != 0.0 || params.frequency_penalty != 0.0);
+        let penalties_active = penalty_last_n > 0 && (params.repeat_penalty != 1.0 || params.presence_penalty != 0.0 || params.frequency_penalty != 0.0);
         let sampler = Sampler { chain, plain_greedy: params.temperature <= 0.0 && !penalties_active };
         // SAFETY: every llama_sampler_init_* returns a new sampler that chain_add takes
         // ownership of; the chain is valid (created above); values were validated.
         unsafe {
             let add = |stage: *mut raw::llama_sampler| raw::llama_sampler_chain_add(sampler.chain.as_ptr(), stage);
             if penalties_active {
-                add(raw::llama_sampler_init_penalties(
-                    context.n_vocab(),
-                    penalty_last_n,
-                    params.repeat_penalty,
-                    params.frequency_penalty,
-                    params.presence_penalty,
-                ));
+                add(raw::llama_sampler_init_penalties(context.n_vocab(), penalty_last_n, params.repeat_penalty, params.frequency_penalty, params.presence_penalty));
             }
             if params.temperature <= 0.0 {
                 add(raw::llama_sampler_init_greedy());
@@ -165,9 +147,7 @@ impl Sampler {
     /// grammar (end-of-generation tokens only in the chain).
     pub fn sample_constrained(&mut self, context: &mut Context, index: i32, grammar: &mut Grammar) -> Result<Token, SysError> {
         let logits = context.logits(index)?;
-        let candidates = |logits: &[f32]| -> Vec<raw::llama_token_data> {
-            logits.iter().enumerate().map(|(id, &logit)| raw::llama_token_data { id: id as Token, logit, p: 0.0 }).collect()
-        };
+        let candidates = |logits: &[f32]| -> Vec<raw::llama_token_data> { logits.iter().enumerate().map(|(id, &logit)| raw::llama_token_data { id: id as Token, logit, p: 0.0 }).collect() };
         let mut free = candidates(logits);
         let first = self.apply_chain(&mut free, None)?;
         let token = if grammar.allows(first) {

@@ -36,7 +36,8 @@ unsafe extern "C" fn offset_of(user: *mut c_void, name: *const c_char) -> i64 {
 /// A buffer type placing each named tensor at `region_address + its file offset`.
 pub struct StreamBufferType {
     buft: NonNull<raw::ggml_backend_buffer_type>,
-    // Boxed so its address is stable for the C side.
+    // Boxed so its address is stable for the C side, which holds a pointer to the map itself.
+    #[allow(clippy::box_collection)]
     _offsets: Box<HashMap<String, u64>>,
 }
 
@@ -56,16 +57,8 @@ impl StreamBufferType {
         let (sink_address, sink_bytes) = sink.unwrap_or((0, 0));
         // SAFETY: the region and sink are the caller's live reservations (documented contract
         // above); the callback data is the boxed map, which lives as long as the returned value.
-        let buft = unsafe {
-            hypura_stream_buft_new(
-                region_address as *mut c_void,
-                region_bytes,
-                sink_address as *mut c_void,
-                sink_bytes,
-                offset_of,
-                &*offsets as *const HashMap<String, u64> as *mut c_void,
-            )
-        };
+        let buft =
+            unsafe { hypura_stream_buft_new(region_address as *mut c_void, region_bytes, sink_address as *mut c_void, sink_bytes, offset_of, &*offsets as *const HashMap<String, u64> as *mut c_void) };
         let buft = NonNull::new(buft).ok_or(SysError::Allocation("a stream buffer type"))?;
         Ok(StreamBufferType { buft, _offsets: offsets })
     }

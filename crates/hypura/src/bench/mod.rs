@@ -104,11 +104,7 @@ impl Rate {
     fn from_samples(samples: Vec<f64>) -> Rate {
         let count = samples.len().max(1) as f64;
         let mean = samples.iter().sum::<f64>() / count;
-        let variance = if samples.len() > 1 {
-            samples.iter().map(|sample| (sample - mean).powi(2)).sum::<f64>() / (samples.len() - 1) as f64
-        } else {
-            0.0
-        };
+        let variance = if samples.len() > 1 { samples.iter().map(|sample| (sample - mean).powi(2)).sum::<f64>() / (samples.len() - 1) as f64 } else { 0.0 };
         Rate { mean, sd: variance.sqrt(), samples }
     }
 }
@@ -230,12 +226,7 @@ impl HypuraSide {
     /// decoding it, so one more token is asked for and not counted.
     fn generate_rate(&mut self, start: &[Token], count: usize) -> Result<(f64, Vec<Token>), BenchError> {
         self.session.reset();
-        let request = GenerateRequest {
-            max_tokens: Some(count as u32 + 1),
-            sampling: SamplerParams::greedy(),
-            ignore_eos: true,
-            ..GenerateRequest::new(Prompt::Tokens(start.to_vec()))
-        };
+        let request = GenerateRequest { max_tokens: Some(count as u32 + 1), sampling: SamplerParams::greedy(), ignore_eos: true, ..GenerateRequest::new(Prompt::Tokens(start.to_vec())) };
         let mut output = self.session.generate(&request, &mut |_| Control::Continue)?;
         let stats = &output.stats;
         if let Some(io) = stats.io {
@@ -315,11 +306,7 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         for test in 0..2 {
             let mut run_peer = |samples: &mut [Vec<f64>; 4]| -> Result<(), BenchError> {
                 if let Some(peer) = peer.as_mut() {
-                    let value = if test == 0 {
-                        rate(options.n_prompt, peer.time_prefill(&prompt)?)
-                    } else {
-                        rate(options.n_gen, peer.time_generate(&start, options.n_gen)?)
-                    };
+                    let value = if test == 0 { rate(options.n_prompt, peer.time_prefill(&prompt)?) } else { rate(options.n_gen, peer.time_generate(&start, options.n_gen)?) };
                     samples[2 + test].push(value);
                 }
                 Ok(())
@@ -373,10 +360,7 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         llama_cpp_load_mode: options.peer.as_ref().map(|config| if config.load_mode == hypura_sys::LoadMode::Mmap { "mmap" } else { "no-mmap" }),
         llama_cpp_repack: options.peer.as_ref().map(|config| config.repack),
         llama_cpp_placement: peer.as_ref().map(|peer| peer.placement().to_string()),
-        results: vec![
-            result(format!("pp{}", options.n_prompt), hypura_pp_samples, peer_pp_samples),
-            result(format!("tg{}", options.n_gen), hypura_tg_samples, peer_tg_samples),
-        ],
+        results: vec![result(format!("pp{}", options.n_prompt), hypura_pp_samples, peer_pp_samples), result(format!("tg{}", options.n_gen), hypura_tg_samples, peer_tg_samples)],
         hypura_output_sha256: hypura_tokens.as_deref().map(token_hash),
         same_output: match (&peer_tokens, &hypura_tokens) {
             (Some(theirs), Some(ours)) => Some(theirs == ours),

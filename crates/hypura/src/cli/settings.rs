@@ -27,7 +27,7 @@ pub fn run_spec(args: &ModelArgs) -> anyhow::Result<RunSpec> {
     Ok(RunSpec {
         n_batch: args.batch_size,
         repack: !args.no_repack,
-        load_mode: if args.no_mmap { hypura_sys::LoadMode::Read } else { hypura_sys::LoadMode::Mmap },
+        load_mode: if args.no_mmap { crate::engine::LoadMode::Read } else { crate::engine::LoadMode::Mmap },
         batch_invariant: args.batch_invariant.unwrap_or(false),
         ..plan_spec(&args.plan, args.context, args.threads)?
     })
@@ -105,8 +105,7 @@ pub fn parse_gpu_budget(text: &str) -> anyhow::Result<u64> {
 
 /// Mode, window, expert cache and prefetch flags.
 fn plan_options(args: &PlanArgs) -> anyhow::Result<PlanOptions> {
-    let cache_policy = crate::store::CachePolicy::parse(&args.cache_policy)
-        .with_context(|| format!("unknown cache policy {:?}: use slru or lru", args.cache_policy))?;
+    let cache_policy = crate::store::CachePolicy::parse(&args.cache_policy).with_context(|| format!("unknown cache policy {:?}: use slru or lru", args.cache_policy))?;
     Ok(PlanOptions {
         mode: parse_mode(&args.mode)?,
         window_layers: args.window.map(|layers| layers.max(1)),

@@ -457,13 +457,7 @@ impl Batcher {
         stats.eval_count = active.generated.len() as u32;
         stats.total_duration = now - active.started;
         active.counters.fill_since(&self.engine, &mut stats);
-        let output = GenerateOutput {
-            text: std::mem::take(&mut active.text),
-            tokens: std::mem::take(&mut active.generated),
-            done_reason,
-            stats,
-            prompt_logits: active.prompt_logits.take(),
-        };
+        let output = GenerateOutput { text: std::mem::take(&mut active.text), tokens: std::mem::take(&mut active.generated), done_reason, stats, prompt_logits: active.prompt_logits.take() };
         let prompt = std::mem::take(&mut active.prompt);
         (active.sink)(SequenceEvent::Done(Box::new(Finished { output, prompt })));
     }

@@ -12,8 +12,8 @@ use super::EngineError;
 use crate::model::Inventory;
 use crate::plan::{Mode, Plan, Tier};
 use crate::store::io::{DirectFile, Region};
-use crate::store::load::StoreLoadReader;
 use crate::store::layout::{advise_huge_slices, dense_units};
+use crate::store::load::StoreLoadReader;
 use crate::store::{DenseWindow, ExpertStream, ExpertUnits, IoStats, Residency, ResidencyError, RouterWeights, StreamedTensor};
 
 /// How to load and run a model. Defaults match llama.cpp's own.
@@ -133,9 +133,7 @@ impl Streaming {
             StreamDriver::Dense(_) => "ffn_norm-<layer>",
             StreamDriver::Expert(_) => "ffn_moe_topk-<layer>",
         };
-        Err(EngineError::Store(format!(
-            "llama.cpp's graph for this architecture has no {node} node, so streamed weights were never loaded; use --mode resident or another mode"
-        )))
+        Err(EngineError::Store(format!("llama.cpp's graph for this architecture has no {node} node, so streamed weights were never loaded; use --mode resident or another mode")))
     }
 }
 
@@ -296,8 +294,7 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
     // Huge pages pay off for dense layers (tens of MB each), not for expert slices.
     let region = Arc::new(Region::reserve(inventory.file_bytes, plan.experts.is_none()).map_err(store_error)?);
     // The plan's placements are the inventory's tensors, in order (checked at load).
-    let streamed: Vec<&crate::model::TensorEntry> =
-        plan.tensors.iter().zip(&inventory.tensors).filter(|(placement, _)| placement.tier == Tier::Stream).map(|(_, tensor)| tensor).collect();
+    let streamed: Vec<&crate::model::TensorEntry> = plan.tensors.iter().zip(&inventory.tensors).filter(|(placement, _)| placement.tier == Tier::Stream).map(|(_, tensor)| tensor).collect();
     let offsets: HashMap<String, u64> = streamed.iter().map(|tensor| (tensor.name.clone(), tensor.file_offset)).collect();
     // llama.cpp copies placeholder bytes into every host tensor at load; a sink the size of the
     // largest streamed tensor absorbs them, so the region is never faulted in by the load.
@@ -307,11 +304,8 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
     let stats = Arc::new(IoStats::default());
     let streamed_ranges: Vec<Range<u64>> = streamed.iter().map(|tensor| tensor.file_offset..tensor.file_offset + tensor.bytes).collect();
     let reader = StoreLoadReader::new(DirectFile::open(path).map_err(store_error)?, streamed_ranges, stats.clone());
-    let placement = Placement {
-        streamed: streamed.iter().map(|tensor| (tensor.name.clone(), buffer_type.clone())).collect(),
-        host_patterns: plan.host_patterns(&[Tier::Ram]),
-        reader: Some(Box::new(reader)),
-    };
+    let placement =
+        Placement { streamed: streamed.iter().map(|tensor| (tensor.name.clone(), buffer_type.clone())).collect(), host_patterns: plan.host_patterns(&[Tier::Ram]), reader: Some(Box::new(reader)) };
     // Streamed tensors cannot be repacked, and resident ones must not be either, or streamed
     // and resident runs would compute with different kernels.
     let params = ModelParams { n_gpu_layers: plan.n_gpu_layers(), load_mode: LoadMode::Read, use_extra_bufts: false, vocab_only: false };
@@ -324,10 +318,8 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
     let load_bytes = stats.snapshot().bytes_read;
 
     let file = Arc::new(DirectFile::open(path).map_err(store_error)?);
-    let layout: Vec<StreamedTensor> = streamed
-        .iter()
-        .filter_map(|tensor| Some(StreamedTensor { layer: tensor.layer?, file_offset: tensor.file_offset, bytes: tensor.bytes, experts: tensor.experts }))
-        .collect();
+    let layout: Vec<StreamedTensor> =
+        streamed.iter().filter_map(|tensor| Some(StreamedTensor { layer: tensor.layer?, file_offset: tensor.file_offset, bytes: tensor.bytes, experts: tensor.experts })).collect();
     let n_layer = inventory.hparams.n_layer as usize;
     if let Some(experts) = &plan.experts {
         let numbering = ExpertUnits { n_layer, n_expert: experts.n_expert as usize };

@@ -28,7 +28,7 @@ pub use stats::GenerationStats;
 pub use template::ChatTemplate;
 pub use text::{StopMatcher, Utf8Stream};
 
-pub use hypura_sys::{SamplerParams, SysError, Token};
+pub use hypura_sys::{LoadMode, SamplerParams, SysError, Token};
 
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

@@ -37,17 +37,7 @@ pub struct GenerateRequest {
 
 impl GenerateRequest {
     pub fn new(prompt: Prompt) -> GenerateRequest {
-        GenerateRequest {
-            prompt,
-            max_tokens: None,
-            sampling: SamplerParams::default(),
-            stop: Vec::new(),
-            grammar: None,
-            n_ctx: None,
-            ignore_eos: false,
-            prompt_logits: false,
-            cancel: None,
-        }
+        GenerateRequest { prompt, max_tokens: None, sampling: SamplerParams::default(), stop: Vec::new(), grammar: None, n_ctx: None, ignore_eos: false, prompt_logits: false, cancel: None }
     }
 }
 
@@ -87,7 +77,7 @@ pub struct Session {
 /// A sequence's events, moved out of the batcher's callback.
 enum Event {
     Text(String),
-    Done(GenerateOutput),
+    Done(Box<GenerateOutput>),
     Failed(EngineError),
 }
 
@@ -129,7 +119,7 @@ impl Session {
         let sink = Box::new(move |event: SequenceEvent<'_>| {
             let _ = sender.send(match event {
                 SequenceEvent::Text(text) => Event::Text(text.to_string()),
-                SequenceEvent::Done(finished) => Event::Done(finished.output),
+                SequenceEvent::Done(finished) => Event::Done(Box::new(finished.output)),
                 SequenceEvent::Failed(error) => Event::Failed(error),
             });
             super::Control::Continue
@@ -156,7 +146,7 @@ impl Session {
                             stop.store(true, Ordering::Relaxed);
                         }
                     }
-                    Event::Done(output) => return Ok(output),
+                    Event::Done(output) => return Ok(*output),
                     Event::Failed(error) => return Err(error),
                 }
             }

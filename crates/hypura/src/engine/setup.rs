@@ -177,6 +177,11 @@ pub fn dedicated_gpu_free(devices: &[hypura_sys::DeviceInfo]) -> Vec<u64> {
     devices.iter().filter(|device| device.kind == hypura_sys::DeviceKind::Gpu).map(|device| device.free_bytes).collect()
 }
 
+/// Free memory of each dedicated GPU, by name (what `run --stats` compares before and after).
+pub fn gpu_free_by_name() -> Vec<(String, u64)> {
+    hypura_sys::Backend::get().devices().into_iter().filter(|device| device.kind == hypura_sys::DeviceKind::Gpu).map(|device| (device.name, device.free_bytes)).collect()
+}
+
 /// The GPU budget asked for (None: the default), checked against GPUs with `gpu_free` bytes free.
 fn gpu_budget(asked: Option<u64>, gpu_free: &[u64]) -> u64 {
     let Some(bytes) = asked else {

@@ -57,17 +57,13 @@ impl ChatTemplate {
     pub fn render(&self, messages: &[ChatMessage], add_assistant: bool) -> Result<String, String> {
         match self {
             ChatTemplate::Builtin(template) => {
-                let turns: Vec<ChatTurn> =
-                    messages.iter().map(|message| ChatTurn { role: message.role.clone(), content: message.content.clone() }).collect();
-                apply_builtin_template(template, &turns, add_assistant)
-                    .ok_or_else(|| "llama.cpp could not apply its built-in template (a NUL byte in a message?)".to_string())
+                let turns: Vec<ChatTurn> = messages.iter().map(|message| ChatTurn { role: message.role.clone(), content: message.content.clone() }).collect();
+                apply_builtin_template(template, &turns, add_assistant).ok_or_else(|| "llama.cpp could not apply its built-in template (a NUL byte in a message?)".to_string())
             }
             ChatTemplate::Jinja { source, bos_token, eos_token } => {
                 let mut environment = Environment::new();
                 environment.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-                environment.add_function("raise_exception", |message: String| -> Result<String, minijinja::Error> {
-                    Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
-                });
+                environment.add_function("raise_exception", |message: String| -> Result<String, minijinja::Error> { Err(minijinja::Error::new(ErrorKind::InvalidOperation, message)) });
                 environment.add_function("strftime_now", |_format: String| -> String { String::new() });
                 environment.add_template("chat", source).map_err(|error| error.to_string())?;
                 let template = environment.get_template("chat").map_err(|error| error.to_string())?;
@@ -90,12 +86,7 @@ mod tests {
     use super::*;
 
     fn conversation() -> Vec<ChatMessage> {
-        vec![
-            ChatMessage::new("system", "You are terse."),
-            ChatMessage::new("user", "Hi"),
-            ChatMessage::new("assistant", "Hello."),
-            ChatMessage::new("user", "Capital of France?"),
-        ]
+        vec![ChatMessage::new("system", "You are terse."), ChatMessage::new("user", "Hi"), ChatMessage::new("assistant", "Hello."), ChatMessage::new("user", "Capital of France?")]
     }
 
     #[test]

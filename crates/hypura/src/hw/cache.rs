@@ -13,9 +13,7 @@ use super::{HwError, Profile, PROFILE_SCHEMA_VERSION};
 pub fn machine_key() -> String {
     let read = |path: &str| std::fs::read_to_string(path).unwrap_or_default();
     let hostname = read("/proc/sys/kernel/hostname");
-    let cpu_model = parse_cpuinfo(&read("/proc/cpuinfo"))
-        .model_name
-        .unwrap_or_default();
+    let cpu_model = parse_cpuinfo(&read("/proc/cpuinfo")).model_name.unwrap_or_default();
     let total_ram_bytes = parse_meminfo(&read("/proc/meminfo")).map_or(0, |(total, _)| total);
     machine_key_from(hostname.trim(), &cpu_model, total_ram_bytes)
 }
@@ -41,18 +39,10 @@ pub(crate) fn fnv1a(fields: &[&[u8]]) -> u64 {
 /// Where profiles live: `$HYPURA_CACHE_DIR` if set, else the platform cache directory plus
 /// "hypura" (`~/.cache/hypura` on Linux), else `~/.cache/hypura`, else a temp-dir folder.
 pub fn default_cache_dir() -> PathBuf {
-    cache_dir_from(
-        std::env::var_os("HYPURA_CACHE_DIR"),
-        dirs::cache_dir(),
-        dirs::home_dir(),
-    )
+    cache_dir_from(std::env::var_os("HYPURA_CACHE_DIR"), dirs::cache_dir(), dirs::home_dir())
 }
 
-fn cache_dir_from(
-    environment: Option<OsString>,
-    platform_cache: Option<PathBuf>,
-    home: Option<PathBuf>,
-) -> PathBuf {
+fn cache_dir_from(environment: Option<OsString>, platform_cache: Option<PathBuf>, home: Option<PathBuf>) -> PathBuf {
     if let Some(directory) = environment.filter(|value| !value.is_empty()) {
         return PathBuf::from(directory);
     }
@@ -83,16 +73,7 @@ impl ProfileCache {
     /// `<dir>/profile-<machine_key>.json`.
     pub fn path_for(&self, machine_key: &str) -> PathBuf {
         // Keys are hex, but keep the file name safe whatever a caller passes.
-        let safe_key: String = machine_key
-            .chars()
-            .map(|character| {
-                if character.is_ascii_alphanumeric() || character == '-' {
-                    character
-                } else {
-                    '_'
-                }
-            })
-            .collect();
+        let safe_key: String = machine_key.chars().map(|character| if character.is_ascii_alphanumeric() || character == '-' { character } else { '_' }).collect();
         self.dir.join(format!("profile-{safe_key}.json"))
     }
 
@@ -148,12 +129,7 @@ mod tests {
         let cache = ProfileCache::new(directory.path().join("hypura"));
         let profile = sample_profile();
         let path = cache.save(&profile).unwrap();
-        assert_eq!(
-            path,
-            directory
-                .path()
-                .join("hypura/profile-0123456789abcdef.json")
-        );
+        assert_eq!(path, directory.path().join("hypura/profile-0123456789abcdef.json"));
         assert_eq!(cache.load(&profile.machine_key), Some(profile.clone()));
         assert_eq!(cache.load("fedcba9876543210"), None);
         // Only the final file remains, no temporary.
@@ -172,11 +148,7 @@ mod tests {
         // A file renamed by hand to another machine's key is not trusted.
         let profile = sample_profile();
         cache.save(&profile).unwrap();
-        std::fs::copy(
-            cache.path_for(&profile.machine_key),
-            cache.path_for("aaaaaaaaaaaaaaaa"),
-        )
-        .unwrap();
+        std::fs::copy(cache.path_for(&profile.machine_key), cache.path_for("aaaaaaaaaaaaaaaa")).unwrap();
         assert_eq!(cache.load("aaaaaaaaaaaaaaaa"), None);
 
         std::fs::write(cache.path_for("bbbbbbbbbbbbbbbb"), "{ not json").unwrap();
@@ -201,10 +173,7 @@ mod tests {
         assert_ne!(key, machine_key_from("host2", "AMD EPYC", 24 << 30));
         assert_ne!(key, machine_key_from("host", "AMD EPYC 9654", 24 << 30));
         assert_ne!(key, machine_key_from("host", "AMD EPYC", 48 << 30));
-        assert_ne!(
-            machine_key_from("ab", "c", 0),
-            machine_key_from("a", "bc", 0)
-        );
+        assert_ne!(machine_key_from("ab", "c", 0), machine_key_from("a", "bc", 0));
         // Pinned (computed independently in Python), so a change of hash, which orphans every
         // cached profile, is a deliberate one.
         assert_eq!(key, "799958f4df31eaf3");
@@ -215,21 +184,9 @@ mod tests {
     fn cache_dir_precedence() {
         let platform = Some(PathBuf::from("/home/u/.cache"));
         let home = Some(PathBuf::from("/home/u"));
-        assert_eq!(
-            cache_dir_from(Some("/srv/cache".into()), platform.clone(), home.clone()),
-            PathBuf::from("/srv/cache")
-        );
-        assert_eq!(
-            cache_dir_from(Some("".into()), platform.clone(), home.clone()),
-            PathBuf::from("/home/u/.cache/hypura")
-        );
-        assert_eq!(
-            cache_dir_from(None, platform, home.clone()),
-            PathBuf::from("/home/u/.cache/hypura")
-        );
-        assert_eq!(
-            cache_dir_from(None, None, home),
-            PathBuf::from("/home/u/.cache/hypura")
-        );
+        assert_eq!(cache_dir_from(Some("/srv/cache".into()), platform.clone(), home.clone()), PathBuf::from("/srv/cache"));
+        assert_eq!(cache_dir_from(Some("".into()), platform.clone(), home.clone()), PathBuf::from("/home/u/.cache/hypura"));
+        assert_eq!(cache_dir_from(None, platform, home.clone()), PathBuf::from("/home/u/.cache/hypura"));
+        assert_eq!(cache_dir_from(None, None, home), PathBuf::from("/home/u/.cache/hypura"));
     }
 }

@@ -76,22 +76,11 @@ pub(crate) fn parse_cpuinfo(contents: &str) -> CpuinfoFacts {
 /// Read the CPU's identity and features from /proc/cpuinfo, sysfs and CPUID.
 pub fn cpu_info() -> CpuInfo {
     let facts = parse_cpuinfo(&std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default());
-    let available_parallelism = std::thread::available_parallelism()
-        .map(|count| count.get())
-        .unwrap_or(1);
-    let logical_cores = if facts.logical_cores > 0 {
-        facts.logical_cores
-    } else {
-        available_parallelism
-    };
-    let physical_cores = sysfs_physical_cores(Path::new("/sys/devices/system/cpu"))
-        .or(facts.physical_cores)
-        .unwrap_or(logical_cores);
+    let available_parallelism = std::thread::available_parallelism().map(|count| count.get()).unwrap_or(1);
+    let logical_cores = if facts.logical_cores > 0 { facts.logical_cores } else { available_parallelism };
+    let physical_cores = sysfs_physical_cores(Path::new("/sys/devices/system/cpu")).or(facts.physical_cores).unwrap_or(logical_cores);
     CpuInfo {
-        model_name: facts
-            .model_name
-            .clone()
-            .unwrap_or_else(|| std::env::consts::ARCH.to_string()),
+        model_name: facts.model_name.clone().unwrap_or_else(|| std::env::consts::ARCH.to_string()),
         logical_cores: logical_cores as u32,
         physical_cores: physical_cores as u32,
         available_parallelism: available_parallelism as u32,
@@ -105,18 +94,12 @@ fn sysfs_physical_cores(cpu_directory: &Path) -> Option<usize> {
     for entry in std::fs::read_dir(cpu_directory).ok()?.flatten() {
         let name = entry.file_name();
         let name = name.to_string_lossy();
-        let is_cpu = name.strip_prefix("cpu").is_some_and(|digits| {
-            !digits.is_empty() && digits.bytes().all(|byte| byte.is_ascii_digit())
-        });
+        let is_cpu = name.strip_prefix("cpu").is_some_and(|digits| !digits.is_empty() && digits.bytes().all(|byte| byte.is_ascii_digit()));
         if !is_cpu {
             continue;
         }
         let topology = entry.path().join("topology");
-        let read = |file: &str| {
-            std::fs::read_to_string(topology.join(file))
-                .ok()
-                .map(|text| text.trim().to_string())
-        };
+        let read = |file: &str| std::fs::read_to_string(topology.join(file)).ok().map(|text| text.trim().to_string());
         if let (Some(package), Some(core)) = (read("physical_package_id"), read("core_id")) {
             pairs.insert((package, core));
         }
@@ -144,12 +127,7 @@ fn simd_extensions(cpuinfo_flags: &BTreeSet<String>) -> Vec<String> {
             ("avx512vnni", detected!("avx512vnni")),
             ("avx512_bf16", detected!("avx512bf16")),
         ];
-        found.extend(
-            checks
-                .iter()
-                .filter(|(_, present)| *present)
-                .map(|(name, _)| *name),
-        );
+        found.extend(checks.iter().filter(|(_, present)| *present).map(|(name, _)| *name));
         for flag in ["amx_tile", "amx_int8", "amx_bf16"] {
             if cpuinfo_flags.contains(flag) {
                 found.push(flag);
@@ -168,12 +146,7 @@ fn simd_extensions(cpuinfo_flags: &BTreeSet<String>) -> Vec<String> {
             ("sve", detected!("sve")),
             ("sve2", detected!("sve2")),
         ];
-        found.extend(
-            checks
-                .iter()
-                .filter(|(_, present)| *present)
-                .map(|(name, _)| *name),
-        );
+        found.extend(checks.iter().filter(|(_, present)| *present).map(|(name, _)| *name));
     }
     #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     let _ = cpuinfo_flags;
@@ -220,10 +193,7 @@ CPU part\t: 0xd0c
     #[test]
     fn parses_x86_cpuinfo_with_smt_and_two_packages() {
         let facts = parse_cpuinfo(X86_SMT);
-        assert_eq!(
-            facts.model_name.as_deref(),
-            Some("Intel(R) Xeon(R) Platinum 8480+")
-        );
+        assert_eq!(facts.model_name.as_deref(), Some("Intel(R) Xeon(R) Platinum 8480+"));
         assert_eq!(facts.logical_cores, 4);
         // (0,0) twice (SMT siblings), (0,1), and (1,0) on the second package.
         assert_eq!(facts.physical_cores, Some(3));
@@ -234,10 +204,7 @@ CPU part\t: 0xd0c
     #[test]
     fn parses_arm_cpuinfo_without_core_ids() {
         let facts = parse_cpuinfo(ARM);
-        assert_eq!(
-            facts.model_name.as_deref(),
-            Some("ARM implementer 0x41 part 0xd0c")
-        );
+        assert_eq!(facts.model_name.as_deref(), Some("ARM implementer 0x41 part 0xd0c"));
         assert_eq!(facts.logical_cores, 2);
         assert_eq!(facts.physical_cores, None);
         assert!(facts.flags.contains("sve"));
@@ -248,17 +215,11 @@ CPU part\t: 0xd0c
         let info = cpu_info();
         assert!(info.logical_cores >= 1);
         assert!(info.physical_cores >= 1 && info.physical_cores <= info.logical_cores);
-        assert!(
-            info.available_parallelism >= 1 && info.available_parallelism <= info.logical_cores
-        );
+        assert!(info.available_parallelism >= 1 && info.available_parallelism <= info.logical_cores);
         assert!(!info.model_name.is_empty());
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") {
-            assert!(
-                info.simd.iter().any(|name| name == "avx2"),
-                "{:?}",
-                info.simd
-            );
+            assert!(info.simd.iter().any(|name| name == "avx2"), "{:?}", info.simd);
         }
     }
 }

@@ -16,9 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use super::mountinfo::{parse_mountinfo, split_device_number};
 use super::HwError;
-use crate::store::io::{
-    evict_file, evict_from_page_cache, AlignedBuf, DirectFile, IoError, ReadPath,
-};
+use crate::store::io::{evict_file, evict_from_page_cache, AlignedBuf, DirectFile, IoError, ReadPath};
 
 const MIB: u64 = 1 << 20;
 
@@ -135,29 +133,17 @@ pub struct Volume {
 pub fn volume_of(path: &Path) -> Result<Volume, HwError> {
     let metadata = fs::metadata(path).map_err(|source| HwError::file("inspect", path, source))?;
     let (major, minor) = split_device_number(metadata.dev());
-    let mountinfo = fs::read_to_string("/proc/self/mountinfo")
-        .map_err(|source| HwError::file("read", "/proc/self/mountinfo", source))?;
+    let mountinfo = fs::read_to_string("/proc/self/mountinfo").map_err(|source| HwError::file("read", "/proc/self/mountinfo", source))?;
     let canonical = fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
     // Bind mounts list one device several times; the mount point that is the longest prefix of
     // the path is the one the path was reached through.
-    let best = parse_mountinfo(&mountinfo)
-        .into_iter()
-        .filter(|mount| (mount.major, mount.minor) == (major, minor))
-        .max_by_key(|mount| {
-            let is_prefix = canonical.starts_with(&mount.mount_point);
-            (is_prefix, mount.mount_point.as_os_str().len())
-        });
+    let best = parse_mountinfo(&mountinfo).into_iter().filter(|mount| (mount.major, mount.minor) == (major, minor)).max_by_key(|mount| {
+        let is_prefix = canonical.starts_with(&mount.mount_point);
+        (is_prefix, mount.mount_point.as_os_str().len())
+    });
     Ok(match best {
-        Some(mount) => Volume {
-            device: mount.source,
-            mount_point: mount.mount_point,
-            filesystem: mount.filesystem,
-        },
-        None => Volume {
-            device: format!("{major}:{minor}"),
-            mount_point: PathBuf::from("/"),
-            filesystem: "unknown".to_string(),
-        },
+        Some(mount) => Volume { device: mount.source, mount_point: mount.mount_point, filesystem: mount.filesystem },
+        None => Volume { device: format!("{major}:{minor}"), mount_point: PathBuf::from("/"), filesystem: "unknown".to_string() },
     })
 }
 
@@ -167,11 +153,7 @@ pub fn volume_of(path: &Path) -> Result<Volume, HwError> {
 /// scratch file of `options.scratch_bytes` is written in `probe` (or, for a small file, its
 /// directory), measured and deleted, also on error or panic. `progress(done, total)` is called
 /// with bytes written and read so far, from this thread only.
-pub fn measure_disk(
-    probe: &Path,
-    options: &DiskOptions,
-    progress: &dyn Fn(u64, u64),
-) -> Result<DiskProfile, HwError> {
+pub fn measure_disk(probe: &Path, options: &DiskOptions, progress: &dyn Fn(u64, u64)) -> Result<DiskProfile, HwError> {
     validate(probe, options)?;
     let metadata = fs::metadata(probe).map_err(|source| HwError::file("inspect", probe, source))?;
     let read_in_place = metadata.is_file() && metadata.len() >= options.min_file_bytes;
@@ -183,11 +165,7 @@ pub fn measure_disk(
             _ => PathBuf::from("."),
         }),
     };
-    let file_bytes = if read_in_place {
-        metadata.len()
-    } else {
-        options.scratch_bytes
-    };
+    let file_bytes = if read_in_place { metadata.len() } else { options.scratch_bytes };
     let direct_bytes = file_bytes / ALIGNMENT_BYTES * ALIGNMENT_BYTES;
 
     // Plan every point before touching the disk, so a file too small fails before any writing.
@@ -207,34 +185,22 @@ pub fn measure_disk(
     }
     let buffered_blocks = options.buffered_bytes.min(file_bytes) / options.buffered_block_bytes;
     if buffered_blocks == 0 {
-        return Err(too_small(
-            probe,
-            file_bytes,
-            options.buffered_block_bytes,
-            1,
-        ));
+        return Err(too_small(probe, file_bytes, options.buffered_block_bytes, 1));
     }
     // The random point's exact size depends on the queue depth chosen later; progress counts
     // its planned size so that it still ends exactly at 100%.
     let random_progress_bytes = options.random_bytes;
-    let sequential_total: u64 = sequential_plans
-        .iter()
-        .map(|&(block, depth, per_thread)| block * u64::from(depth) * per_thread)
-        .sum();
-    let total_bytes = if read_in_place { 0 } else { file_bytes }
-        + sequential_total
-        + random_progress_bytes
-        + buffered_blocks * options.buffered_block_bytes;
+    let sequential_total: u64 = sequential_plans.iter().map(|&(block, depth, per_thread)| block * u64::from(depth) * per_thread).sum();
+    let total_bytes = if read_in_place { 0 } else { file_bytes } + sequential_total + random_progress_bytes + buffered_blocks * options.buffered_block_bytes;
     let mut done_bytes = 0u64;
     progress(done_bytes, total_bytes);
 
     // Declared before any file is opened so it is dropped (and deletes the file) last.
     let scratch = match &scratch_directory {
         Some(directory) => {
-            let scratch =
-                ScratchFile::create(directory, file_bytes, options.seed, &mut |written| {
-                    progress(done_bytes + written, total_bytes);
-                })?;
+            let scratch = ScratchFile::create(directory, file_bytes, options.seed, &mut |written| {
+                progress(done_bytes + written, total_bytes);
+            })?;
             done_bytes += file_bytes;
             Some(scratch)
         }
@@ -249,15 +215,7 @@ pub fn measure_disk(
     let mut direct = Vec::with_capacity(sequential_plans.len());
     for &(block_bytes, queue_depth, blocks_per_thread) in &sequential_plans {
         evict_from_page_cache(target)?;
-        let point = time_parallel_reads(
-            &file,
-            block_bytes,
-            queue_depth,
-            |thread_index, read_index| {
-                (u64::from(thread_index) * blocks_per_thread + read_index) * block_bytes
-            },
-            blocks_per_thread,
-        )?;
+        let point = time_parallel_reads(&file, block_bytes, queue_depth, |thread_index, read_index| (u64::from(thread_index) * blocks_per_thread + read_index) * block_bytes, blocks_per_thread)?;
         done_bytes += point.bytes_read;
         progress(done_bytes, total_bytes);
         direct.push(point);
@@ -265,11 +223,8 @@ pub fn measure_disk(
     let best_direct = fastest(&direct).clone();
 
     // Random reads at the queue depth that served this block size best sequentially.
-    let random_queue_depth = fastest_matching(&direct, options.random_block_bytes)
-        .map_or(best_direct.queue_depth, |point| point.queue_depth);
-    let random_reads_per_thread = (options.random_bytes
-        / (options.random_block_bytes * u64::from(random_queue_depth)))
-    .max(1);
+    let random_queue_depth = fastest_matching(&direct, options.random_block_bytes).map_or(best_direct.queue_depth, |point| point.queue_depth);
+    let random_reads_per_thread = (options.random_bytes / (options.random_block_bytes * u64::from(random_queue_depth))).max(1);
     let random_slots = (direct_bytes - options.random_block_bytes) / ALIGNMENT_BYTES + 1;
     evict_from_page_cache(target)?;
     let random_1mib = time_parallel_reads(
@@ -277,8 +232,7 @@ pub fn measure_disk(
         options.random_block_bytes,
         random_queue_depth,
         |thread_index, read_index| {
-            let mut generator =
-                SplitMix64::new(options.seed ^ (u64::from(thread_index) << 32) ^ read_index);
+            let mut generator = SplitMix64::new(options.seed ^ (u64::from(thread_index) << 32) ^ read_index);
             generator.next_u64() % random_slots * ALIGNMENT_BYTES
         },
         random_reads_per_thread,
@@ -291,10 +245,7 @@ pub fn measure_disk(
     let mut buffer = AlignedBuf::new(options.buffered_block_bytes as usize);
     let start = Instant::now();
     for block_index in 0..buffered_blocks {
-        buffered.read_exact_at(
-            buffer.as_mut_slice(),
-            block_index * options.buffered_block_bytes,
-        )?;
+        buffered.read_exact_at(buffer.as_mut_slice(), block_index * options.buffered_block_bytes)?;
     }
     let buffered_seconds = seconds_since(start);
     let buffered_bytes = buffered_blocks * options.buffered_block_bytes;
@@ -320,24 +271,13 @@ pub fn measure_disk(
 }
 
 fn validate(probe: &Path, options: &DiskOptions) -> Result<(), HwError> {
-    let invalid = |reason: String| {
-        Err(HwError::Probe {
-            path: probe.to_path_buf(),
-            reason,
-        })
-    };
+    let invalid = |reason: String| Err(HwError::Probe { path: probe.to_path_buf(), reason });
     if options.block_sizes_bytes.is_empty() || options.queue_depths.is_empty() {
         return invalid("options need at least one block size and one queue depth".to_string());
     }
-    for &block in options
-        .block_sizes_bytes
-        .iter()
-        .chain([&options.random_block_bytes])
-    {
+    for &block in options.block_sizes_bytes.iter().chain([&options.random_block_bytes]) {
         if block == 0 || block % ALIGNMENT_BYTES != 0 {
-            return invalid(format!(
-                "block size {block} is not a positive multiple of {ALIGNMENT_BYTES}"
-            ));
+            return invalid(format!("block size {block} is not a positive multiple of {ALIGNMENT_BYTES}"));
         }
     }
     if options.buffered_block_bytes == 0 {
@@ -352,23 +292,13 @@ fn validate(probe: &Path, options: &DiskOptions) -> Result<(), HwError> {
 fn too_small(probe: &Path, file_bytes: u64, block_bytes: u64, queue_depth: u32) -> HwError {
     HwError::Probe {
         path: probe.to_path_buf(),
-        reason: format!(
-            "{} is too small for {} blocks at queue depth {queue_depth}",
-            super::format::format_bytes(file_bytes),
-            super::format::format_bytes(block_bytes),
-        ),
+        reason: format!("{} is too small for {} blocks at queue depth {queue_depth}", super::format::format_bytes(file_bytes), super::format::format_bytes(block_bytes),),
     }
 }
 
 /// Run `queue_depth` threads, each reading `reads_per_thread` blocks at `offset(thread, read)`,
 /// and time them from a common start (the barrier) to the last one finishing.
-fn time_parallel_reads(
-    file: &DirectFile,
-    block_bytes: u64,
-    queue_depth: u32,
-    offset: impl Fn(u32, u64) -> u64 + Sync,
-    reads_per_thread: u64,
-) -> Result<ReadPoint, HwError> {
+fn time_parallel_reads(file: &DirectFile, block_bytes: u64, queue_depth: u32, offset: impl Fn(u32, u64) -> u64 + Sync, reads_per_thread: u64) -> Result<ReadPoint, HwError> {
     let barrier = Barrier::new(queue_depth as usize + 1);
     let (bytes_read, seconds) = std::thread::scope(|scope| {
         let readers: Vec<_> = (0..queue_depth)
@@ -379,10 +309,7 @@ fn time_parallel_reads(
                     let mut buffer = AlignedBuf::new(block_bytes as usize);
                     barrier.wait();
                     for read_index in 0..reads_per_thread {
-                        file.read_exact_at(
-                            buffer.as_mut_slice(),
-                            offset(thread_index, read_index),
-                        )?;
+                        file.read_exact_at(buffer.as_mut_slice(), offset(thread_index, read_index))?;
                     }
                     Ok(reads_per_thread * block_bytes)
                 })
@@ -405,13 +332,7 @@ fn time_parallel_reads(
             None => Ok((bytes_read, seconds)),
         }
     })?;
-    Ok(ReadPoint {
-        block_bytes,
-        queue_depth,
-        bytes_per_sec: bytes_read as f64 / seconds,
-        bytes_read,
-        seconds,
-    })
+    Ok(ReadPoint { block_bytes, queue_depth, bytes_per_sec: bytes_read as f64 / seconds, bytes_read, seconds })
 }
 
 fn seconds_since(start: Instant) -> f64 {
@@ -420,17 +341,11 @@ fn seconds_since(start: Instant) -> f64 {
 }
 
 fn fastest(points: &[ReadPoint]) -> &ReadPoint {
-    points
-        .iter()
-        .max_by(|left, right| left.bytes_per_sec.total_cmp(&right.bytes_per_sec))
-        .expect("validate() guarantees at least one point")
+    points.iter().max_by(|left, right| left.bytes_per_sec.total_cmp(&right.bytes_per_sec)).expect("validate() guarantees at least one point")
 }
 
 fn fastest_matching(points: &[ReadPoint], block_bytes: u64) -> Option<&ReadPoint> {
-    points
-        .iter()
-        .filter(|point| point.block_bytes == block_bytes)
-        .max_by(|left, right| left.bytes_per_sec.total_cmp(&right.bytes_per_sec))
+    points.iter().filter(|point| point.block_bytes == block_bytes).max_by(|left, right| left.bytes_per_sec.total_cmp(&right.bytes_per_sec))
 }
 
 /// A probe file this process wrote; deleted on drop, so an error or panic cannot leave a
@@ -445,25 +360,10 @@ impl ScratchFile {
     const FLUSH_EVERY_BYTES: u64 = 256 * MIB;
     const CHUNK_BYTES: u64 = 16 * MIB;
 
-    fn create(
-        directory: &Path,
-        len_bytes: u64,
-        seed: u64,
-        progress: &mut dyn FnMut(u64),
-    ) -> Result<ScratchFile, HwError> {
-        let unique = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|elapsed| elapsed.as_nanos())
-            .unwrap_or(0);
-        let path = directory.join(format!(
-            ".hypura-disk-probe-{}-{unique}.tmp",
-            std::process::id()
-        ));
-        let mut file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .map_err(|source| HwError::file("create scratch file", &path, source))?;
+    fn create(directory: &Path, len_bytes: u64, seed: u64, progress: &mut dyn FnMut(u64)) -> Result<ScratchFile, HwError> {
+        let unique = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|elapsed| elapsed.as_nanos()).unwrap_or(0);
+        let path = directory.join(format!(".hypura-disk-probe-{}-{unique}.tmp", std::process::id()));
+        let mut file = OpenOptions::new().write(true).create_new(true).open(&path).map_err(|source| HwError::file("create scratch file", &path, source))?;
         // From here on the guard owns the path.
         let scratch = ScratchFile { path };
         let write_error = |source| HwError::file("write scratch file", &scratch.path, source);
@@ -529,38 +429,22 @@ mod tests {
     /// tmpfs and the point is to read a real device.
     fn disk_test_directory() -> tempfile::TempDir {
         let executable = std::env::current_exe().expect("test binary path");
-        tempfile::Builder::new()
-            .prefix(".hypura-hw-test-")
-            .tempdir_in(executable.parent().expect("test binary directory"))
-            .expect("create a test directory on the build disk")
+        tempfile::Builder::new().prefix(".hypura-hw-test-").tempdir_in(executable.parent().expect("test binary directory")).expect("create a test directory on the build disk")
     }
 
     fn directory_entries(directory: &Path) -> Vec<PathBuf> {
-        fs::read_dir(directory)
-            .unwrap()
-            .map(|entry| entry.unwrap().path())
-            .collect()
+        fs::read_dir(directory).unwrap().map(|entry| entry.unwrap().path()).collect()
     }
 
     fn assert_points_complete(profile: &DiskProfile, options: &DiskOptions) {
-        assert_eq!(
-            profile.direct.len(),
-            options.block_sizes_bytes.len() * options.queue_depths.len()
-        );
+        assert_eq!(profile.direct.len(), options.block_sizes_bytes.len() * options.queue_depths.len());
         for point in &profile.direct {
             // quick(): every block × depth divides bytes_per_point exactly.
             assert_eq!(point.bytes_read, options.bytes_per_point, "{point:?}");
-            assert!(
-                point.bytes_per_sec > 0.0 && point.bytes_per_sec.is_finite(),
-                "{point:?}"
-            );
+            assert!(point.bytes_per_sec > 0.0 && point.bytes_per_sec.is_finite(), "{point:?}");
             assert!(point.seconds > 0.0);
         }
-        let pairs: Vec<(u64, u32)> = profile
-            .direct
-            .iter()
-            .map(|point| (point.block_bytes, point.queue_depth))
-            .collect();
+        let pairs: Vec<(u64, u32)> = profile.direct.iter().map(|point| (point.block_bytes, point.queue_depth)).collect();
         for &block in &options.block_sizes_bytes {
             for &depth in &options.queue_depths {
                 assert!(pairs.contains(&(block, depth)), "missing {block} x {depth}");
@@ -570,11 +454,7 @@ mod tests {
         assert_eq!(profile.random_1mib.bytes_read, options.random_bytes);
         assert!(profile.random_1mib.bytes_per_sec > 0.0);
         assert!(profile.buffered_bytes_per_sec > 0.0 && profile.buffered_bytes_per_sec.is_finite());
-        let fastest = profile
-            .direct
-            .iter()
-            .map(|point| point.bytes_per_sec)
-            .fold(0.0, f64::max);
+        let fastest = profile.direct.iter().map(|point| point.bytes_per_sec).fold(0.0, f64::max);
         assert_eq!(profile.best_direct.bytes_per_sec, fastest);
         assert!(!profile.volume.is_empty() && !profile.filesystem.is_empty());
     }
@@ -584,30 +464,18 @@ mod tests {
         let directory = disk_test_directory();
         let options = DiskOptions::quick();
         let calls = std::cell::RefCell::new(Vec::new());
-        let profile = measure_disk(directory.path(), &options, &|done, total| {
-            calls.borrow_mut().push((done, total))
-        })
-        .unwrap();
+        let profile = measure_disk(directory.path(), &options, &|done, total| calls.borrow_mut().push((done, total))).unwrap();
         eprintln!("{profile:#?}");
         assert_points_complete(&profile, &options);
         assert!(profile.scratch_file);
         assert_eq!(profile.file_bytes, options.scratch_bytes);
         assert_eq!(profile.probe_path, directory.path());
-        assert!(
-            profile.direct_supported,
-            "the build disk should support O_DIRECT"
-        );
-        assert!(
-            directory_entries(directory.path()).is_empty(),
-            "scratch file left behind"
-        );
+        assert!(profile.direct_supported, "the build disk should support O_DIRECT");
+        assert!(directory_entries(directory.path()).is_empty(), "scratch file left behind");
         let calls = calls.into_inner();
         let (done, total) = *calls.last().unwrap();
         assert_eq!(done, total, "progress ends at 100%");
-        assert!(
-            calls.windows(2).all(|pair| pair[0].0 <= pair[1].0),
-            "progress never goes back"
-        );
+        assert!(calls.windows(2).all(|pair| pair[0].0 <= pair[1].0), "progress never goes back");
     }
 
     #[test]
@@ -616,16 +484,11 @@ mod tests {
         let path = directory.path().join("model.gguf");
         let mut generator = SplitMix64::new(7);
         // 64 MiB plus an odd tail, like a real model file.
-        let contents: Vec<u8> = (0..(64 * MIB as usize + 1234))
-            .map(|_| generator.next_u64() as u8)
-            .collect();
+        let contents: Vec<u8> = (0..(64 * MIB as usize + 1234)).map(|_| generator.next_u64() as u8).collect();
         fs::write(&path, &contents).unwrap();
         let before = fs::metadata(&path).unwrap();
 
-        let options = DiskOptions {
-            min_file_bytes: 64 * MIB,
-            ..DiskOptions::quick()
-        };
+        let options = DiskOptions { min_file_bytes: 64 * MIB, ..DiskOptions::quick() };
         let profile = measure_disk(&path, &options, &|_, _| {}).unwrap();
         assert_points_complete(&profile, &options);
         assert!(!profile.scratch_file);
@@ -636,15 +499,8 @@ mod tests {
         assert_eq!(after.len(), before.len());
         assert_eq!(after.modified().unwrap(), before.modified().unwrap());
         assert_eq!(after.ino(), before.ino());
-        assert!(
-            fs::read(&path).unwrap() == contents,
-            "probe file contents changed"
-        );
-        assert_eq!(
-            directory_entries(directory.path()),
-            vec![path],
-            "no scratch file may be created"
-        );
+        assert!(fs::read(&path).unwrap() == contents, "probe file contents changed");
+        assert_eq!(directory_entries(directory.path()), vec![path], "no scratch file may be created");
     }
 
     #[test]
@@ -668,47 +524,26 @@ mod tests {
             measure_disk(directory.path(), &options, &|done, _| {
                 // The first call with progress is after the first chunk reached the scratch file.
                 if done > 0 {
-                    assert!(
-                        !directory_entries(directory.path()).is_empty(),
-                        "scratch file should exist now"
-                    );
+                    assert!(!directory_entries(directory.path()).is_empty(), "scratch file should exist now");
                     panic!("interrupted");
                 }
             })
         }));
         assert!(result.is_err());
-        assert!(
-            directory_entries(directory.path()).is_empty(),
-            "scratch file left behind after panic"
-        );
+        assert!(directory_entries(directory.path()).is_empty(), "scratch file left behind after panic");
     }
 
     #[test]
     fn too_small_scratch_and_bad_options_fail_before_writing() {
         let directory = disk_test_directory();
-        let options = DiskOptions {
-            scratch_bytes: MIB,
-            ..DiskOptions::quick()
-        };
+        let options = DiskOptions { scratch_bytes: MIB, ..DiskOptions::quick() };
         // 1 MiB cannot hold a 1 MiB block for each of 4 threads.
-        assert!(matches!(
-            measure_disk(directory.path(), &options, &|_, _| {}),
-            Err(HwError::Probe { .. })
-        ));
-        let unaligned = DiskOptions {
-            block_sizes_bytes: vec![1000],
-            ..DiskOptions::quick()
-        };
-        assert!(matches!(
-            measure_disk(directory.path(), &unaligned, &|_, _| {}),
-            Err(HwError::Probe { .. })
-        ));
+        assert!(matches!(measure_disk(directory.path(), &options, &|_, _| {}), Err(HwError::Probe { .. })));
+        let unaligned = DiskOptions { block_sizes_bytes: vec![1000], ..DiskOptions::quick() };
+        assert!(matches!(measure_disk(directory.path(), &unaligned, &|_, _| {}), Err(HwError::Probe { .. })));
         assert!(directory_entries(directory.path()).is_empty());
         let missing = directory.path().join("missing");
-        assert!(matches!(
-            measure_disk(&missing, &DiskOptions::quick(), &|_, _| {}),
-            Err(HwError::File { .. })
-        ));
+        assert!(matches!(measure_disk(&missing, &DiskOptions::quick(), &|_, _| {}), Err(HwError::File { .. })));
     }
 
     #[test]
@@ -724,10 +559,7 @@ mod tests {
         let options = DiskOptions::default();
         for &block in &options.block_sizes_bytes {
             for &depth in &options.queue_depths {
-                assert!(
-                    options.bytes_per_point.min(options.scratch_bytes) / (block * u64::from(depth))
-                        >= 1
-                );
+                assert!(options.bytes_per_point.min(options.scratch_bytes) / (block * u64::from(depth)) >= 1);
             }
         }
     }

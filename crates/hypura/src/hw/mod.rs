@@ -76,58 +76,30 @@ pub enum HwError {
     Io(#[from] IoError),
 
     #[error("cannot {action} {path}: {source}")]
-    File {
-        action: &'static str,
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    File { action: &'static str, path: PathBuf, source: std::io::Error },
 
     #[error("disk probe {path}: {reason}")]
     Probe { path: PathBuf, reason: String },
 
     #[error("cannot parse cached profile {path}: {source}")]
-    CacheFormat {
-        path: PathBuf,
-        source: serde_json::Error,
-    },
+    CacheFormat { path: PathBuf, source: serde_json::Error },
 }
 
 impl HwError {
-    pub(crate) fn file(
-        action: &'static str,
-        path: impl Into<PathBuf>,
-        source: std::io::Error,
-    ) -> HwError {
-        HwError::File {
-            action,
-            path: path.into(),
-            source,
-        }
+    pub(crate) fn file(action: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> HwError {
+        HwError::File { action, path: path.into(), source }
     }
 }
 
 impl Profile {
     /// Measure CPU and memory, store `devices`, and measure the disk at `disk_probe` if given
     /// (see [`measure_disk`] for what a probe path may be).
-    pub fn measure(
-        devices: Vec<DeviceInfo>,
-        disk_probe: Option<&std::path::Path>,
-        disk_options: &DiskOptions,
-        progress: &dyn Fn(u64, u64),
-    ) -> Result<Profile, HwError> {
+    pub fn measure(devices: Vec<DeviceInfo>, disk_probe: Option<&std::path::Path>, disk_options: &DiskOptions, progress: &dyn Fn(u64, u64)) -> Result<Profile, HwError> {
         let disk = match disk_probe {
             Some(probe) => Some(measure_disk(probe, disk_options, progress)?),
             None => None,
         };
-        Ok(Profile {
-            schema_version: PROFILE_SCHEMA_VERSION,
-            machine_key: machine_key(),
-            measured_at_unix_secs: unix_now_secs(),
-            cpu: cpu_info(),
-            memory: memory_info(),
-            devices,
-            disk,
-        })
+        Ok(Profile { schema_version: PROFILE_SCHEMA_VERSION, machine_key: machine_key(), measured_at_unix_secs: unix_now_secs(), cpu: cpu_info(), memory: memory_info(), devices, disk })
     }
 
     /// Re-read memory figures, which change from minute to minute, keeping the cached disk
@@ -143,8 +115,5 @@ impl Profile {
 }
 
 pub(crate) fn unix_now_secs() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|elapsed| elapsed.as_secs())
-        .unwrap_or(0)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|elapsed| elapsed.as_secs()).unwrap_or(0)
 }

@@ -115,24 +115,14 @@ impl Inventory {
             let layer = layer_of(&tensor.info.name);
             if let Some(layer) = layer {
                 if u64::from(layer) >= hparams.n_layer {
-                    return Err(ModelError::LayerOutOfRange {
-                        path: path.to_path_buf(),
-                        tensor: tensor.info.name.clone(),
-                        layer,
-                        n_layer: hparams.n_layer,
-                    });
+                    return Err(ModelError::LayerOutOfRange { path: path.to_path_buf(), tensor: tensor.info.name.clone(), layer, n_layer: hparams.n_layer });
                 }
             }
             let experts = if role.is_expert() {
                 // Experts are the outermost dimension, so each expert is one contiguous slice.
                 let n_expert = tensor.info.dims.last().copied().unwrap_or(1);
                 if tensor.info.dims.len() < 3 || n_expert == 0 || tensor.info.bytes % n_expert != 0 {
-                    return Err(ModelError::BadExpertTensor {
-                        path: path.to_path_buf(),
-                        tensor: tensor.info.name.clone(),
-                        bytes: tensor.info.bytes,
-                        n_expert,
-                    });
+                    return Err(ModelError::BadExpertTensor { path: path.to_path_buf(), tensor: tensor.info.name.clone(), bytes: tensor.info.bytes, n_expert });
                 }
                 Some(ExpertSlices { n_expert, slice_bytes: tensor.info.bytes / n_expert })
             } else {
@@ -224,9 +214,7 @@ fn read_hparams(path: &Path, arch: &str, gguf: &hypura_gguf::Gguf) -> Result<Hpa
     let n_head_kv = number("attention.head_count_kv").unwrap_or(n_head);
     let default_head_dim = n_embd.checked_div(n_head).unwrap_or(0);
     let head_dim_k = number("attention.key_length").unwrap_or(default_head_dim);
-    let n_vocab = number("vocab_size")
-        .or_else(|| gguf.get("tokenizer.ggml.tokens").and_then(Value::as_array).map(|tokens| tokens.len() as u64))
-        .unwrap_or(0);
+    let n_vocab = number("vocab_size").or_else(|| gguf.get("tokenizer.ggml.tokens").and_then(Value::as_array).map(|tokens| tokens.len() as u64)).unwrap_or(0);
     Ok(Hparams {
         n_layer,
         n_embd,

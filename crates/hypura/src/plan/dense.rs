@@ -70,10 +70,7 @@ pub(super) fn plan_dense(inventory: &Inventory, machine: &MachineFacts, options:
         Some(layers) => vec![layers.clamp(1, n_layer)],
         None => (1..=MAX_WINDOW_LAYERS.min(n_layer)).collect(),
     };
-    let costed: Vec<DenseCandidate> = candidates
-        .iter()
-        .filter_map(|&window| dense_candidate(&layer_ffn, fixed_weights + kv + compute, budget, window, forced, fits, machine))
-        .collect();
+    let costed: Vec<DenseCandidate> = candidates.iter().filter_map(|&window| dense_candidate(&layer_ffn, fixed_weights + kv + compute, budget, window, forced, fits, machine)).collect();
     // The least predicted time per token; a larger window must win by more than 2% to be
     // worth the layer it takes from the pinned set.
     let Some(chosen) = costed.iter().fold(None::<&DenseCandidate>, |best, candidate| match best {
@@ -83,15 +80,7 @@ pub(super) fn plan_dense(inventory: &Inventory, machine: &MachineFacts, options:
         let window = candidates[0];
         let largest = layer_ffn.iter().copied().max().unwrap_or(0);
         let window_bytes = largest * (window as u64 + 1).min(n_layer as u64);
-        return Err(PlanError::BudgetTooSmall {
-            budget,
-            needed: fixed_weights + window_bytes + kv + compute,
-            resident: fixed_weights,
-            window: window_bytes,
-            layers: window,
-            kv,
-            compute,
-        });
+        return Err(PlanError::BudgetTooSmall { budget, needed: fixed_weights + window_bytes + kv + compute, resident: fixed_weights, window: window_bytes, layers: window, kv, compute });
     };
     // The candidate numbers host layers; name them by layer.
     let streamed_layers: Vec<u32> = chosen.streamed_layers.iter().map(|&index| host_layers[index as usize]).collect();
@@ -107,10 +96,7 @@ pub(super) fn plan_dense(inventory: &Inventory, machine: &MachineFacts, options:
     });
     let resident_weight_bytes = weights - streamed_bytes_per_token;
     let window_bytes = chosen.window_bytes;
-    let io_bound_tokens_per_sec = machine
-        .disk_bytes_per_sec
-        .filter(|_| streamed_bytes_per_token > 0)
-        .map(|bandwidth| bandwidth / streamed_bytes_per_token as f64);
+    let io_bound_tokens_per_sec = machine.disk_bytes_per_sec.filter(|_| streamed_bytes_per_token > 0).map(|bandwidth| bandwidth / streamed_bytes_per_token as f64);
     Ok(Plan {
         budget: BudgetUse {
             budget_bytes: budget,

@@ -57,15 +57,7 @@ pub(super) fn plan_experts(inventory: &Inventory, machine: &MachineFacts, option
     let minimum_units = if moe_layers == 0 { 0 } else { n_expert as usize };
     let needed = fixed + kv + compute + minimum_units as u64 * unit_bytes;
     if needed > budget {
-        return Err(PlanError::BudgetTooSmall {
-            budget,
-            needed,
-            resident: fixed,
-            window: minimum_units as u64 * unit_bytes,
-            layers: 1,
-            kv,
-            compute,
-        });
+        return Err(PlanError::BudgetTooSmall { budget, needed, resident: fixed, window: minimum_units as u64 * unit_bytes, layers: 1, kv, compute });
     }
     let affordable = ((budget - fixed - kv - compute) / unit_bytes.max(1)) as usize;
     let total_units = (moe_layers * n_expert) as usize;

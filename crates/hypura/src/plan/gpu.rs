@@ -3,9 +3,9 @@
 //! `n_gpu_layers` and the override patterns that keep host tensors in host memory.
 use serde::Serialize;
 
-use crate::format::format_bytes;
 use super::sizing::{compute_buffer_bytes, is_streamable, kv_cache_bytes, on_input_layer};
 use super::types::{MachineFacts, Plan, PlanOptions, TensorPlacement, Tier};
+use crate::format::format_bytes;
 use crate::model::{Inventory, TensorEntry};
 
 /// The GPU tier: what every token touches (attention, norms, router, shared experts, the
@@ -101,8 +101,7 @@ pub(super) fn gpu_tier(inventory: &Inventory, options: &PlanOptions, machine: &M
     }
     let has_output = inventory.tensors.iter().any(|tensor| tensor.role == crate::model::Role::Output);
     // Only `token_embd.weight` is copied for the logits (not, say, a per-layer embedding).
-    let tied_output_bytes =
-        if has_output { 0 } else { inventory.tensors.iter().filter(|tensor| tensor.name == TOKEN_EMBEDDING).map(|tensor| tensor.bytes).sum() };
+    let tied_output_bytes = if has_output { 0 } else { inventory.tensors.iter().filter(|tensor| tensor.name == TOKEN_EMBEDDING).map(|tensor| tensor.bytes).sum() };
     let costs = DeviceCosts {
         budget: machine.gpu_budget_bytes,
         runtime: machine.gpu_runtime_bytes,
@@ -246,11 +245,7 @@ impl Plan {
         let Some(gpu) = &self.gpu else {
             return Vec::new();
         };
-        self.tensors
-            .iter()
-            .filter(|tensor| tiers.contains(&tensor.tier) && tensor.name != TOKEN_EMBEDDING && gpu.offloads(tensor.layer))
-            .map(|tensor| exact_name_pattern(&tensor.name))
-            .collect()
+        self.tensors.iter().filter(|tensor| tiers.contains(&tensor.tier) && tensor.name != TOKEN_EMBEDDING && gpu.offloads(tensor.layer)).map(|tensor| exact_name_pattern(&tensor.name)).collect()
     }
 }
 

@@ -4,8 +4,8 @@
 use std::fmt::Write as _;
 
 use super::experts::HUGE_SLICE_MIN_BYTES;
-use crate::format::format_bytes;
 use super::types::{Plan, Tier};
+use crate::format::format_bytes;
 
 impl Plan {
     /// The human explanation `inspect` prints.
@@ -25,13 +25,9 @@ impl Plan {
         );
         if let Some(gpu) = &self.gpu {
             let layers = match &gpu.whole_layers {
-                Some(layers) => format!(
-                    "layers {}-{} whole on the GPU with the output ({} of {}; every layer's attention and KV cache do not fit)",
-                    layers.start,
-                    layers.end - 1,
-                    layers.len(),
-                    layers.end
-                ),
+                Some(layers) => {
+                    format!("layers {}-{} whole on the GPU with the output ({} of {}; every layer's attention and KV cache do not fit)", layers.start, layers.end - 1, layers.len(), layers.end)
+                }
                 None => format!(
                     "FFN of {} layer{} on the GPU{}",
                     gpu.ffn_layers.len(),
@@ -49,11 +45,7 @@ impl Plan {
                 format_bytes(gpu.compute_buffer_bytes),
                 format_bytes(gpu.runtime_bytes),
             );
-            let prompts = if gpu.op_offload {
-                "ggml may move large prompt batches to the GPU"
-            } else {
-                "prompt batches too (op offload off: the budget has no room for a host layer's copy)"
-            };
+            let prompts = if gpu.op_offload { "ggml may move large prompt batches to the GPU" } else { "prompt batches too (op offload off: the budget has no room for a host layer's copy)" };
             let _ = writeln!(out, "             host-memory weights and streamed layers compute on the CPU at decode (copying them costs more than computing them); {prompts}");
         }
         if let Some(why) = &self.gpu_unused {
@@ -98,11 +90,7 @@ impl Plan {
             );
             if dense.window_sized && dense.windows_costed.len() > 1 && self.io_bound_tokens_per_sec.is_some() {
                 let costs: Vec<String> = dense.windows_costed.iter().map(|(window, seconds)| format!("{window}: {:.0} ms", seconds * 1e3)).collect();
-                let _ = writeln!(
-                    out,
-                    "window       chosen by predicted time per token, max(compute, disk at the reads in flight), each layer of window one fewer pinned: {}",
-                    costs.join(", ")
-                );
+                let _ = writeln!(out, "window       chosen by predicted time per token, max(compute, disk at the reads in flight), each layer of window one fewer pinned: {}", costs.join(", "));
             }
             let _ = writeln!(out, "per token    {} read from disk", format_bytes(self.streamed_bytes_per_token));
             if let Some(bound) = self.io_bound_tokens_per_sec {

@@ -108,15 +108,7 @@ pub struct PlanOptions {
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        PlanOptions {
-            mode: ModeChoice::Auto,
-            n_ctx: 4096,
-            n_ubatch: 512,
-            window_layers: None,
-            expert_cache_units: None,
-            expert_prefetch: None,
-            cache_policy: CachePolicy::Slru,
-        }
+        PlanOptions { mode: ModeChoice::Auto, n_ctx: 4096, n_ubatch: 512, window_layers: None, expert_cache_units: None, expert_prefetch: None, cache_policy: CachePolicy::Slru }
     }
 }
 

@@ -96,9 +96,7 @@ impl ModelName {
 fn valid_part(part: &str) -> bool {
     let mut characters = part.chars();
     let Some(first) = characters.next() else { return false };
-    part.len() <= 128
-        && (first.is_ascii_alphanumeric() || first == '_')
-        && characters.all(|character| character.is_ascii_alphanumeric() || matches!(character, '_' | '-' | '.'))
+    part.len() <= 128 && (first.is_ascii_alphanumeric() || first == '_') && characters.all(|character| character.is_ascii_alphanumeric() || matches!(character, '_' | '-' | '.'))
 }
 
 impl Catalog {
@@ -195,10 +193,7 @@ fn ollama_entries(store: &Path) -> Vec<ModelEntry> {
             for model in subdirectories(&namespace) {
                 let Ok(tags) = std::fs::read_dir(&model) else { continue };
                 for tag in tags.filter_map(|item| item.ok().map(|item| item.path())) {
-                    let name = [&host, &namespace, &model, &tag]
-                        .iter()
-                        .map(|path| path.file_name().and_then(|name| name.to_str()).unwrap_or(""))
-                        .collect::<Vec<_>>();
+                    let name = [&host, &namespace, &model, &tag].iter().map(|path| path.file_name().and_then(|name| name.to_str()).unwrap_or("")).collect::<Vec<_>>();
                     let Some(parsed) = ModelName::parse(&format!("{}/{}/{}:{}", name[0], name[1], name[2], name[3])) else { continue };
                     if let Some(entry) = manifest_entry(store, &tag, &parsed) {
                         entries.push(entry);
@@ -230,15 +225,7 @@ fn manifest_entry(store: &Path, manifest_path: &Path, name: &ModelName) -> Optio
     let blob = store.join("blobs").join(format!("sha256-{hex_digest}"));
     let blob_metadata = std::fs::metadata(&blob).ok()?;
     let modified = std::fs::metadata(manifest_path).and_then(|metadata| metadata.modified()).unwrap_or(SystemTime::UNIX_EPOCH);
-    Some(ModelEntry {
-        name: name.display(),
-        key: name.key(),
-        path: blob,
-        size: blob_metadata.len(),
-        modified,
-        digest: hex(&Sha256::digest(&bytes)),
-        owner: name.namespace.clone(),
-    })
+    Some(ModelEntry { name: name.display(), key: name.key(), path: blob, size: blob_metadata.len(), modified, digest: hex(&Sha256::digest(&bytes)), owner: name.namespace.clone() })
 }
 
 fn hex(bytes: &[u8]) -> String {

@@ -42,9 +42,7 @@ impl AppError {
         use crate::engine::SysError;
         let status = match error {
             EngineError::PromptTooLong { .. } | EngineError::EmptyPrompt => StatusCode::BAD_REQUEST,
-            EngineError::Sys(SysError::BadSampling { .. } | SysError::BadToken { .. } | SysError::Grammar(_) | SysError::TextTooLong { .. }) => {
-                StatusCode::BAD_REQUEST
-            }
+            EngineError::Sys(SysError::BadSampling { .. } | SysError::BadToken { .. } | SysError::Grammar(_) | SysError::TextTooLong { .. }) => StatusCode::BAD_REQUEST,
             EngineError::Template { .. } => StatusCode::BAD_REQUEST,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };

@@ -15,10 +15,10 @@ use super::catalog::ModelEntry;
 use super::error::AppError;
 use super::options::RequestOptions;
 use super::scheduler::{Event, GenerateJob, Scheduler};
-use crate::engine::Prompt;
 use super::wire::KeepAlive;
-use crate::engine::{DoneReason, Finished};
+use crate::engine::Prompt;
 use crate::engine::Token;
+use crate::engine::{DoneReason, Finished};
 
 /// Sets the flag when dropped.
 pub struct CancelOnDrop(Arc<AtomicBool>);

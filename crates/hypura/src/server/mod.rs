@@ -133,10 +133,7 @@ fn cors_layer(origins: &[String]) -> CorsLayer {
         let origin = origin.to_ascii_lowercase();
         any || configured.contains(&origin) || is_local_origin(&origin)
     });
-    CorsLayer::new()
-        .allow_origin(allow)
-        .allow_methods([Method::GET, Method::POST, Method::HEAD, Method::OPTIONS, Method::DELETE])
-        .allow_headers(AllowHeaders::mirror_request())
+    CorsLayer::new().allow_origin(allow).allow_methods([Method::GET, Method::POST, Method::HEAD, Method::OPTIONS, Method::DELETE]).allow_headers(AllowHeaders::mirror_request())
 }
 
 fn is_local_origin(origin: &str) -> bool {

@@ -29,11 +29,7 @@ fn open(path: &Path) -> Result<Gguf, AppError> {
 }
 
 fn details(gguf: &Gguf) -> Details {
-    Details {
-        family: gguf.architecture().unwrap_or("").to_string(),
-        parameter_size: parameter_size(parameter_count(gguf)),
-        quantization_level: quantization_level(gguf),
-    }
+    Details { family: gguf.architecture().unwrap_or("").to_string(), parameter_size: parameter_size(parameter_count(gguf)), quantization_level: quantization_level(gguf) }
 }
 
 fn parameter_count(gguf: &Gguf) -> u64 {
@@ -55,11 +51,39 @@ fn parameter_size(count: u64) -> String {
 /// llama.cpp's file type name (`general.file_type`), else the type holding the most bytes.
 fn quantization_level(gguf: &Gguf) -> String {
     const FILE_TYPES: &[(u64, &str)] = &[
-        (0, "F32"), (1, "F16"), (2, "Q4_0"), (3, "Q4_1"), (7, "Q8_0"), (8, "Q5_0"), (9, "Q5_1"), (10, "Q2_K"), (11, "Q3_K_S"),
-        (12, "Q3_K_M"), (13, "Q3_K_L"), (14, "Q4_K_S"), (15, "Q4_K_M"), (16, "Q5_K_S"), (17, "Q5_K_M"), (18, "Q6_K"),
-        (19, "IQ2_XXS"), (20, "IQ2_XS"), (21, "Q2_K_S"), (22, "IQ3_XS"), (23, "IQ3_XXS"), (24, "IQ1_S"), (25, "IQ4_NL"),
-        (26, "IQ3_S"), (27, "IQ3_M"), (28, "IQ2_S"), (29, "IQ2_M"), (30, "IQ4_XS"), (31, "IQ1_M"), (32, "BF16"),
-        (36, "TQ1_0"), (37, "TQ2_0"), (38, "MXFP4"),
+        (0, "F32"),
+        (1, "F16"),
+        (2, "Q4_0"),
+        (3, "Q4_1"),
+        (7, "Q8_0"),
+        (8, "Q5_0"),
+        (9, "Q5_1"),
+        (10, "Q2_K"),
+        (11, "Q3_K_S"),
+        (12, "Q3_K_M"),
+        (13, "Q3_K_L"),
+        (14, "Q4_K_S"),
+        (15, "Q4_K_M"),
+        (16, "Q5_K_S"),
+        (17, "Q5_K_M"),
+        (18, "Q6_K"),
+        (19, "IQ2_XXS"),
+        (20, "IQ2_XS"),
+        (21, "Q2_K_S"),
+        (22, "IQ3_XS"),
+        (23, "IQ3_XXS"),
+        (24, "IQ1_S"),
+        (25, "IQ4_NL"),
+        (26, "IQ3_S"),
+        (27, "IQ3_M"),
+        (28, "IQ2_S"),
+        (29, "IQ2_M"),
+        (30, "IQ4_XS"),
+        (31, "IQ1_M"),
+        (32, "BF16"),
+        (36, "TQ1_0"),
+        (37, "TQ2_0"),
+        (38, "MXFP4"),
     ];
     if let Some(name) = gguf.get_u64("general.file_type").and_then(|id| FILE_TYPES.iter().find(|(known, _)| *known == id)).map(|(_, name)| *name) {
         return name.to_string();

@@ -19,9 +19,9 @@ use super::error::AppError;
 use super::generation::{self, done_reason, GenerationSpec};
 use super::options::{format_grammar, parse_options};
 use super::scheduler::{EmbedJob, Event};
-use crate::engine::Prompt;
-use super::wire::{ndjson_line, nanos, parse_body, rfc3339, stream_response, KeepAlive};
+use super::wire::{nanos, ndjson_line, parse_body, rfc3339, stream_response, KeepAlive};
 use super::{model_details, AppState};
+use crate::engine::Prompt;
 use crate::engine::{ChatMessage, Finished};
 
 /// The Ollama version Hypura's API matches. Clients gate features on it, so it is Ollama's
@@ -91,9 +91,7 @@ pub async fn show(State(state): State<AppState>, body: Result<Bytes, BytesReject
     let entry = state.resolve(&name).await?;
     let verbose = body.verbose;
     let path = entry.path.clone();
-    let shown = tokio::task::spawn_blocking(move || super::show_model(&path, verbose))
-        .await
-        .map_err(|error| AppError::internal(error.to_string()))??;
+    let shown = tokio::task::spawn_blocking(move || super::show_model(&path, verbose)).await.map_err(|error| AppError::internal(error.to_string()))??;
     let mut object = shown;
     object.insert("modified_at".into(), json!(rfc3339(entry.modified)));
     Ok(Json(Value::Object(object)))

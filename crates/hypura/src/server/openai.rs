@@ -25,9 +25,9 @@ use super::generation::{self, done_reason, GenerationSpec};
 use super::ollama::{dimensions, embed_inputs, normalise};
 use super::options::{float, integer, max_tokens, seed, RequestOptions};
 use super::scheduler::Event;
-use crate::engine::Prompt;
 use super::wire::{parse_body, sse_event, stream_response, unix_seconds};
 use super::AppState;
+use crate::engine::Prompt;
 use crate::engine::{ChatMessage, Finished, SamplerParams};
 
 type OpenAiResult<T> = Result<T, OpenAiError>;
@@ -83,7 +83,9 @@ impl Sampling {
         let stop = match present(&self.stop) {
             None => Vec::new(),
             Some(Value::String(text)) => vec![text],
-            Some(Value::Array(items)) => items.iter().map(|item| item.as_str().map(str::to_string).ok_or_else(|| AppError::bad_request("stop must be a string or a list of strings"))).collect::<Result<_, _>>()?,
+            Some(Value::Array(items)) => {
+                items.iter().map(|item| item.as_str().map(str::to_string).ok_or_else(|| AppError::bad_request("stop must be a string or a list of strings"))).collect::<Result<_, _>>()?
+            }
             Some(_) => return Err(AppError::bad_request("stop must be a string or a list of strings")),
         };
         if let Some(count) = present(&self.n) {
@@ -240,10 +242,7 @@ pub async fn chat_completions(State(state): State<AppState>, body: Result<Bytes,
     if messages.is_empty() {
         return Err(AppError::bad_request("[] is too short - 'messages'").into());
     }
-    let messages = messages
-        .into_iter()
-        .map(|message| Ok(ChatMessage::new(message.role.to_ascii_lowercase(), content_text(message.content)?)))
-        .collect::<Result<Vec<_>, AppError>>()?;
+    let messages = messages.into_iter().map(|message| Ok(ChatMessage::new(message.role.to_ascii_lowercase(), content_text(message.content)?))).collect::<Result<Vec<_>, AppError>>()?;
     let options = body.sampling.options()?;
     let grammar = response_grammar(body.response_format.as_ref())?;
     let spec = GenerationSpec { context: Vec::new(), prompt: Prompt::Chat(messages), options, grammar };

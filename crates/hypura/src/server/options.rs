@@ -30,9 +30,26 @@ impl Default for RequestOptions {
 }
 
 const IGNORED: &[&str] = &[
-    "num_keep", "typical_p", "num_batch", "num_gpu", "main_gpu", "use_mmap", "num_thread", "numa", "low_vram", "f16_kv",
-    "logits_all", "vocab_only", "use_mlock", "embedding_only", "tfs_z", "mirostat", "mirostat_tau", "mirostat_eta",
-    "penalize_newline", "draft_num_predict",
+    "num_keep",
+    "typical_p",
+    "num_batch",
+    "num_gpu",
+    "main_gpu",
+    "use_mmap",
+    "num_thread",
+    "numa",
+    "low_vram",
+    "f16_kv",
+    "logits_all",
+    "vocab_only",
+    "use_mlock",
+    "embedding_only",
+    "tfs_z",
+    "mirostat",
+    "mirostat_tau",
+    "mirostat_eta",
+    "penalize_newline",
+    "draft_num_predict",
 ];
 
 /// Parse `options` (absent or null: defaults).

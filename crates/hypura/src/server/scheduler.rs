@@ -165,9 +165,7 @@ impl Lease {
     fn submit(self, work: Work) -> Result<(), AppError> {
         let sender = self.model.sender.lock().unwrap_or_else(|poison| poison.into_inner()).clone();
         let sender = sender.ok_or_else(|| AppError::new(axum::http::StatusCode::SERVICE_UNAVAILABLE, "the model is unloading; try again"))?;
-        sender
-            .send(Job { work, received: Instant::now(), lease: self })
-            .map_err(|_| AppError::internal("the model's worker has stopped"))
+        sender.send(Job { work, received: Instant::now(), lease: self }).map_err(|_| AppError::internal("the model's worker has stopped"))
     }
 
     pub fn generate(self, job: GenerateJob) -> Result<(), AppError> {
@@ -212,8 +210,7 @@ impl Inner {
     fn unload_if_idle(&self, path: &Path, idle: Duration) -> bool {
         let mut models = self.models.lock().unwrap_or_else(|poison| poison.into_inner());
         let Some(model) = models.get(path) else { return false };
-        let idle_enough = model.pending.load(Ordering::Acquire) == 0
-            && model.usage.lock().unwrap_or_else(|poison| poison.into_inner()).idle_since.is_some_and(|since| since.elapsed() >= idle);
+        let idle_enough = model.pending.load(Ordering::Acquire) == 0 && model.usage.lock().unwrap_or_else(|poison| poison.into_inner()).idle_since.is_some_and(|since| since.elapsed() >= idle);
         if !idle_enough {
             return false;
         }
@@ -282,10 +279,7 @@ impl Scheduler {
             status: Mutex::new(Status::Loading),
         });
         let worker = Worker { model: Arc::downgrade(&model), path: entry.path.clone(), config: self.inner.config.clone() };
-        std::thread::Builder::new()
-            .name(format!("model {}", entry.name))
-            .spawn(move || worker.run(receiver))
-            .map_err(|error| AppError::internal(format!("starting the model thread: {error}")))?;
+        std::thread::Builder::new().name(format!("model {}", entry.name)).spawn(move || worker.run(receiver)).map_err(|error| AppError::internal(format!("starting the model thread: {error}")))?;
         Ok(model)
     }
 

@@ -139,9 +139,7 @@ impl CacheModel {
     }
 
     fn lru_where(&self, eligible: impl Fn(&CacheModel, usize) -> bool, pinned: &[usize]) -> Option<usize> {
-        (0..self.resident.len())
-            .filter(|&candidate| eligible(self, candidate) && !pinned.contains(&candidate))
-            .min_by_key(|&candidate| self.last_used[candidate])
+        (0..self.resident.len()).filter(|&candidate| eligible(self, candidate) && !pinned.contains(&candidate)).min_by_key(|&candidate| self.last_used[candidate])
     }
 }
 
@@ -240,7 +238,6 @@ impl RouterWeights {
 /// Predict only for batches this small (decode); a prefill batch loads the union anyway.
 const PREDICT_MAX_TOKENS: usize = 4;
 
-
 /// Drives expert residency from the router's choices.
 pub struct ExpertStream {
     residency: Arc<Residency>,
@@ -276,11 +273,7 @@ impl ExpertStream {
             prefetch_issued: AtomicU64::new(0),
             prefetch_used: AtomicU64::new(0),
             prefetch_cancelled: AtomicU64::new(0),
-            state: Mutex::new(State {
-                cache: CacheModel::new(policy, units, capacity.max(n_expert)),
-                pinned: Vec::new(),
-                prefetched: vec![Vec::new(); n_layer],
-            }),
+            state: Mutex::new(State { cache: CacheModel::new(policy, units, capacity.max(n_expert)), pinned: Vec::new(), prefetched: vec![Vec::new(); n_layer] }),
             counters: ExpertCounters { misses_by_layer: (0..n_layer).map(|_| AtomicU64::new(0)).collect(), ..ExpertCounters::default() },
             trace: trace.then(|| Mutex::new(Vec::new())),
             failure: FailureLatch::default(),
@@ -305,7 +298,6 @@ impl ExpertStream {
         self
     }
 
-
     pub fn snapshot(&self) -> ExpertSnapshot {
         ExpertSnapshot {
             hits: self.counters.hits.load(Ordering::Relaxed),
@@ -323,7 +315,6 @@ impl ExpertStream {
         self.trace.as_ref().map(|trace| std::mem::take(&mut *trace.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))).unwrap_or_default()
     }
 
-
     fn streams(&self, layer: usize) -> bool {
         self.streamed_layers.get(layer).copied().unwrap_or(false)
     }
@@ -338,10 +329,7 @@ impl ExpertStream {
         let mut chosen: Vec<usize> = Vec::new();
         for &expert in rows.iter().flatten() {
             // An id outside the expert count would make ggml read outside the tensor.
-            let expert = usize::try_from(expert).ok().filter(|&expert| expert < self.n_expert).ok_or(ResidencyError::NoSuchUnit {
-                unit: expert.max(0) as usize,
-                count: self.n_expert,
-            })?;
+            let expert = usize::try_from(expert).ok().filter(|&expert| expert < self.n_expert).ok_or(ResidencyError::NoSuchUnit { unit: expert.max(0) as usize, count: self.n_expert })?;
             let unit = self.numbering.unit(layer, expert);
             if !chosen.contains(&unit) {
                 chosen.push(unit);

@@ -47,34 +47,16 @@ pub enum IoError {
     Metadata { path: PathBuf, source: io::Error },
 
     #[error("reading {len} bytes at offset {offset} of {path} failed: {source}")]
-    Read {
-        path: PathBuf,
-        offset: u64,
-        len: usize,
-        source: io::Error,
-    },
+    Read { path: PathBuf, offset: u64, len: usize, source: io::Error },
 
-    #[error(
-        "short read of {path} at offset {offset}: wanted {wanted} bytes, got {got} (end of file)"
-    )]
-    ShortRead {
-        path: PathBuf,
-        offset: u64,
-        wanted: usize,
-        got: usize,
-    },
+    #[error("short read of {path} at offset {offset}: wanted {wanted} bytes, got {got} (end of file)")]
+    ShortRead { path: PathBuf, offset: u64, wanted: usize, got: usize },
 
     #[error(
         "direct read of {path} at offset {offset} ({len} bytes, buffer address {buffer_address:#x}) \
          is not aligned to {alignment_bytes} bytes"
     )]
-    Unaligned {
-        path: PathBuf,
-        offset: u64,
-        len: usize,
-        buffer_address: usize,
-        alignment_bytes: u64,
-    },
+    Unaligned { path: PathBuf, offset: u64, len: usize, buffer_address: usize, alignment_bytes: u64 },
 
     #[error("cannot evict {path} from the page cache: {source}")]
     Evict { path: PathBuf, source: io::Error },
@@ -86,10 +68,7 @@ pub enum IoError {
         "invalid aligned buffer: alignment {alignment_bytes} must be a power of two >= 512, \
          and {len_bytes} bytes rounded up to it must fit in memory"
     )]
-    BufferLayout {
-        len_bytes: usize,
-        alignment_bytes: usize,
-    },
+    BufferLayout { len_bytes: usize, alignment_bytes: usize },
 }
 
 /// A zero-initialised heap buffer whose start address and length are multiples of its alignment,
@@ -122,32 +101,22 @@ impl AlignedBuf {
 
     /// A zeroed buffer of `len_bytes` rounded up to `alignment_bytes` (a power of two >= 512).
     pub fn with_alignment(len_bytes: usize, alignment_bytes: usize) -> Result<AlignedBuf, IoError> {
-        let layout_error = || IoError::BufferLayout {
-            len_bytes,
-            alignment_bytes,
-        };
+        let layout_error = || IoError::BufferLayout { len_bytes, alignment_bytes };
         if !alignment_bytes.is_power_of_two() || alignment_bytes < MIN_ALIGNMENT_BYTES {
             return Err(layout_error());
         }
-        let rounded_bytes = len_bytes
-            .checked_next_multiple_of(alignment_bytes)
-            .ok_or_else(layout_error)?;
+        let rounded_bytes = len_bytes.checked_next_multiple_of(alignment_bytes).ok_or_else(layout_error)?;
         // A zero-sized allocation is undefined behaviour for `alloc_zeroed`, so an empty buffer
         // still owns one alignment unit; `len()` reports 0.
         let allocated_bytes = rounded_bytes.max(alignment_bytes);
-        let layout = Layout::from_size_align(allocated_bytes, alignment_bytes)
-            .map_err(|_| layout_error())?;
+        let layout = Layout::from_size_align(allocated_bytes, alignment_bytes).map_err(|_| layout_error())?;
         // SAFETY: `layout` has a non-zero size (at least one alignment unit) and a valid
         // power-of-two alignment, which is all `alloc_zeroed` requires.
         let raw_pointer = unsafe { alloc::alloc_zeroed(layout) };
         let Some(pointer) = NonNull::new(raw_pointer) else {
             alloc::handle_alloc_error(layout);
         };
-        Ok(AlignedBuf {
-            pointer,
-            len_bytes: rounded_bytes,
-            layout,
-        })
+        Ok(AlignedBuf { pointer, len_bytes: rounded_bytes, layout })
     }
 
     /// Length in bytes (the requested length rounded up to the alignment).
@@ -187,11 +156,7 @@ impl Drop for AlignedBuf {
 
 impl fmt::Debug for AlignedBuf {
     fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
-        formatter
-            .debug_struct("AlignedBuf")
-            .field("len_bytes", &self.len_bytes)
-            .field("alignment_bytes", &self.layout.align())
-            .finish()
+        formatter.debug_struct("AlignedBuf").field("len_bytes", &self.len_bytes).field("alignment_bytes", &self.layout.align()).finish()
     }
 }
 
@@ -239,11 +204,7 @@ impl DirectFile {
     /// Open read-only with `O_DIRECT`. If the filesystem refuses `O_DIRECT` (EINVAL), open buffered
     /// instead and record [`ReadPath::Buffered`]. Never opens for writing.
     pub fn open(path: &Path) -> Result<DirectFile, IoError> {
-        match OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(path)
-        {
+        match OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path) {
             Ok(file) => DirectFile::from_file(file, path, ReadPath::Direct),
             Err(error) if error.raw_os_error() == Some(libc::EINVAL) => {
                 tracing::warn!(
@@ -252,30 +213,18 @@ impl DirectFile {
                 );
                 DirectFile::open_buffered(path)
             }
-            Err(source) => Err(IoError::Open {
-                path: path.to_path_buf(),
-                source,
-            }),
+            Err(source) => Err(IoError::Open { path: path.to_path_buf(), source }),
         }
     }
 
     /// Open read-only through the page cache (no alignment rules).
     pub fn open_buffered(path: &Path) -> Result<DirectFile, IoError> {
-        let file = OpenOptions::new()
-            .read(true)
-            .open(path)
-            .map_err(|source| IoError::Open {
-                path: path.to_path_buf(),
-                source,
-            })?;
+        let file = OpenOptions::new().read(true).open(path).map_err(|source| IoError::Open { path: path.to_path_buf(), source })?;
         DirectFile::from_file(file, path, ReadPath::Buffered)
     }
 
     fn from_file(file: File, path: &Path, read_path: ReadPath) -> Result<DirectFile, IoError> {
-        let metadata = file.metadata().map_err(|source| IoError::Metadata {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let metadata = file.metadata().map_err(|source| IoError::Metadata { path: path.to_path_buf(), source })?;
         Ok(DirectFile {
             file,
             path: path.to_path_buf(),
@@ -328,12 +277,7 @@ impl DirectFile {
         let wanted = buffer.len();
         let got = self.read_at(buffer, offset)?;
         if got < wanted {
-            return Err(IoError::ShortRead {
-                path: self.path.clone(),
-                offset,
-                wanted,
-                got,
-            });
+            return Err(IoError::ShortRead { path: self.path.clone(), offset, wanted, got });
         }
         Ok(())
     }
@@ -352,22 +296,12 @@ impl DirectFile {
                 Ok(0) => break,
                 Ok(count) => filled += count,
                 Err(error) if error.kind() == io::ErrorKind::Interrupted => continue,
-                Err(error)
-                    if error.raw_os_error() == Some(libc::EINVAL)
-                        && self.read_path() == ReadPath::Direct =>
-                {
+                Err(error) if error.raw_os_error() == Some(libc::EINVAL) && self.read_path() == ReadPath::Direct => {
                     // The filesystem accepted O_DIRECT at open but refuses this read (e.g. a device
                     // with a logical block larger than our alignment). Buffered reads still work.
                     self.switch_to_buffered(position)?;
                 }
-                Err(source) => {
-                    return Err(IoError::Read {
-                        path: self.path.clone(),
-                        offset: position,
-                        len: buffer.len() - filled,
-                        source,
-                    })
-                }
+                Err(source) => return Err(IoError::Read { path: self.path.clone(), offset: position, len: buffer.len() - filled, source }),
             }
         }
         Ok(filled)
@@ -375,9 +309,7 @@ impl DirectFile {
 
     fn pread(&self, buffer: &mut [u8], offset: u64) -> io::Result<usize> {
         #[cfg(test)]
-        if self.read_path() == ReadPath::Direct
-            && self.inject_direct_einval.swap(false, Ordering::Relaxed)
-        {
+        if self.read_path() == ReadPath::Direct && self.inject_direct_einval.swap(false, Ordering::Relaxed) {
             return Err(io::Error::from_raw_os_error(libc::EINVAL));
         }
         self.file.read_at(buffer, offset)
@@ -388,17 +320,8 @@ impl DirectFile {
         let buffer_address = buffer.as_ptr() as usize;
         // The alignment is a power of two, so the low bits below it must all be zero.
         let misaligned = |value: u64| value & (alignment - 1) != 0;
-        if misaligned(offset)
-            || misaligned(buffer.len() as u64)
-            || misaligned(buffer_address as u64)
-        {
-            return Err(IoError::Unaligned {
-                path: self.path.clone(),
-                offset,
-                len: buffer.len(),
-                buffer_address,
-                alignment_bytes: alignment,
-            });
+        if misaligned(offset) || misaligned(buffer.len() as u64) || misaligned(buffer_address as u64) {
+            return Err(IoError::Unaligned { path: self.path.clone(), offset, len: buffer.len(), buffer_address, alignment_bytes: alignment });
         }
         Ok(())
     }
@@ -407,10 +330,7 @@ impl DirectFile {
     /// this file's life. Idempotent, so racing reader threads may all call it.
     fn switch_to_buffered(&self, offset: u64) -> Result<(), IoError> {
         let descriptor = self.file.as_raw_fd();
-        let switch_error = |source| IoError::SwitchToBuffered {
-            path: self.path.clone(),
-            source,
-        };
+        let switch_error = |source| IoError::SwitchToBuffered { path: self.path.clone(), source };
         // SAFETY: `descriptor` belongs to `self.file`, which is open for as long as `&self` lives;
         // F_GETFL reads only the descriptor's status flags.
         let flags = unsafe { libc::fcntl(descriptor, libc::F_GETFL) };
@@ -422,16 +342,7 @@ impl DirectFile {
         if unsafe { libc::fcntl(descriptor, libc::F_SETFL, flags & !libc::O_DIRECT) } < 0 {
             return Err(switch_error(io::Error::last_os_error()));
         }
-        if self
-            .path_kind
-            .compare_exchange(
-                PATH_DIRECT,
-                PATH_BUFFERED,
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            )
-            .is_ok()
-        {
+        if self.path_kind.compare_exchange(PATH_DIRECT, PATH_BUFFERED, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
             tracing::warn!(
                 path = %self.path.display(),
                 offset,
@@ -470,22 +381,10 @@ impl Region {
     /// dense-stream throughput here). Small units (experts of a few MB) should not: a unit
     /// boundary inside a huge page backs the whole 2 MiB, inflating memory beyond the budget.
     pub fn reserve(len_bytes: u64, huge_pages: bool) -> Result<Region, IoError> {
-        let len_bytes = usize::try_from(len_bytes.div_ceil(PAGE_BYTES) * PAGE_BYTES).map_err(|_| IoError::BufferLayout {
-            len_bytes: usize::MAX,
-            alignment_bytes: PAGE_BYTES as usize,
-        })?;
+        let len_bytes = usize::try_from(len_bytes.div_ceil(PAGE_BYTES) * PAGE_BYTES).map_err(|_| IoError::BufferLayout { len_bytes: usize::MAX, alignment_bytes: PAGE_BYTES as usize })?;
         // SAFETY: an anonymous private mapping with no address hint; the kernel picks a free
         // range or fails. We own the mapping until Drop unmaps it.
-        let pointer = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len_bytes.max(1),
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
+        let pointer = unsafe { libc::mmap(std::ptr::null_mut(), len_bytes.max(1), libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE, -1, 0) };
         if pointer == libc::MAP_FAILED {
             return Err(IoError::Reserve { len_bytes: len_bytes as u64, source: io::Error::last_os_error() });
         }
@@ -610,23 +509,14 @@ impl Drop for Region {
 /// Drop the cached pages of the file at `path`, so the next read comes from the device.
 /// Opens read-only; model files are never written, so there are no dirty pages to flush first.
 pub fn evict_from_page_cache(path: &Path) -> Result<(), IoError> {
-    let file = File::open(path).map_err(|source| IoError::Open {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    advise_dont_need(&file).map_err(|source| IoError::Evict {
-        path: path.to_path_buf(),
-        source,
-    })
+    let file = File::open(path).map_err(|source| IoError::Open { path: path.to_path_buf(), source })?;
+    advise_dont_need(&file).map_err(|source| IoError::Evict { path: path.to_path_buf(), source })
 }
 
 /// Drop the cached pages of an open file. `POSIX_FADV_DONTNEED` skips dirty pages, so for a file
 /// this process wrote, call `file.sync_all()` first.
 pub fn evict_file(file: &File) -> Result<(), IoError> {
-    advise_dont_need(file).map_err(|source| IoError::Evict {
-        path: describe_descriptor(file),
-        source,
-    })
+    advise_dont_need(file).map_err(|source| IoError::Evict { path: describe_descriptor(file), source })
 }
 
 fn advise_dont_need(file: &File) -> io::Result<()> {
@@ -643,8 +533,7 @@ fn advise_dont_need(file: &File) -> io::Result<()> {
 /// A path for error messages about a bare `File`: where /proc says it points, else its descriptor.
 fn describe_descriptor(file: &File) -> PathBuf {
     let descriptor = file.as_raw_fd();
-    std::fs::read_link(format!("/proc/self/fd/{descriptor}"))
-        .unwrap_or_else(|_| PathBuf::from(format!("<file descriptor {descriptor}>")))
+    std::fs::read_link(format!("/proc/self/fd/{descriptor}")).unwrap_or_else(|_| PathBuf::from(format!("<file descriptor {descriptor}>")))
 }
 
 #[cfg(test)]
@@ -657,17 +546,12 @@ mod tests {
     fn disk_test_directory() -> tempfile::TempDir {
         let executable = std::env::current_exe().expect("test binary path");
         let directory = executable.parent().expect("test binary directory");
-        tempfile::Builder::new()
-            .prefix(".hypura-io-test-")
-            .tempdir_in(directory)
-            .expect("create a test directory on the build disk")
+        tempfile::Builder::new().prefix(".hypura-io-test-").tempdir_in(directory).expect("create a test directory on the build disk")
     }
 
     /// Bytes that differ at every offset, so a read from the wrong offset cannot pass.
     fn patterned_bytes(len: usize) -> Vec<u8> {
-        (0..len)
-            .map(|index| ((index * 7 + index / 4096) % 251) as u8)
-            .collect()
+        (0..len).map(|index| ((index * 7 + index / 4096) % 251) as u8).collect()
     }
 
     fn write_file(directory: &Path, name: &str, contents: &[u8]) -> PathBuf {
@@ -699,24 +583,15 @@ mod tests {
     #[test]
     fn aligned_buffer_rejects_bad_alignment() {
         for alignment in [0usize, 256, 3000, 4097] {
-            assert!(matches!(
-                AlignedBuf::with_alignment(4096, alignment),
-                Err(IoError::BufferLayout { .. })
-            ));
+            assert!(matches!(AlignedBuf::with_alignment(4096, alignment), Err(IoError::BufferLayout { .. })));
         }
         assert!(AlignedBuf::with_alignment(usize::MAX - 10, 4096).is_err());
     }
 
     #[test]
     fn read_path_serialises_lowercase() {
-        assert_eq!(
-            serde_json::to_string(&ReadPath::Direct).unwrap(),
-            "\"direct\""
-        );
-        assert_eq!(
-            serde_json::from_str::<ReadPath>("\"buffered\"").unwrap(),
-            ReadPath::Buffered
-        );
+        assert_eq!(serde_json::to_string(&ReadPath::Direct).unwrap(), "\"direct\"");
+        assert_eq!(serde_json::from_str::<ReadPath>("\"buffered\"").unwrap(), ReadPath::Buffered);
     }
 
     fn assert_reads_match(file: &DirectFile, expected: &[u8]) {
@@ -724,11 +599,7 @@ mod tests {
         for offset in [0u64, 4096, 8192 * 3, 65536] {
             file.read_exact_at(buffer.as_mut_slice(), offset).unwrap();
             let start = offset as usize;
-            assert_eq!(
-                buffer.as_slice(),
-                &expected[start..start + buffer.len()],
-                "offset {offset}"
-            );
+            assert_eq!(buffer.as_slice(), &expected[start..start + buffer.len()], "offset {offset}");
         }
     }
 
@@ -739,11 +610,7 @@ mod tests {
         let expected = std::fs::read(&path).unwrap();
 
         let direct = DirectFile::open(&path).unwrap();
-        assert_eq!(
-            direct.read_path(),
-            ReadPath::Direct,
-            "the build disk should support O_DIRECT"
-        );
+        assert_eq!(direct.read_path(), ReadPath::Direct, "the build disk should support O_DIRECT");
         assert_eq!(direct.len(), 1 << 20);
         evict_from_page_cache(&path).unwrap();
         assert_reads_match(&direct, &expected);
@@ -763,32 +630,18 @@ mod tests {
         // Not a multiple of the alignment, like a real GGUF file's tail.
         let path = write_file(directory.path(), "tail.bin", &patterned_bytes(10_000));
         let expected = std::fs::read(&path).unwrap();
-        for file in [
-            DirectFile::open(&path).unwrap(),
-            DirectFile::open_buffered(&path).unwrap(),
-        ] {
+        for file in [DirectFile::open(&path).unwrap(), DirectFile::open_buffered(&path).unwrap()] {
             let mut buffer = AlignedBuf::new(4096);
             match file.read_exact_at(buffer.as_mut_slice(), 8192) {
-                Err(IoError::ShortRead {
-                    offset,
-                    wanted,
-                    got,
-                    ..
-                }) => {
+                Err(IoError::ShortRead { offset, wanted, got, .. }) => {
                     assert_eq!((offset, wanted, got), (8192, 4096, 10_000 - 8192));
                 }
-                other => panic!(
-                    "expected ShortRead from {:?} path, got {other:?}",
-                    file.read_path()
-                ),
+                other => panic!("expected ShortRead from {:?} path, got {other:?}", file.read_path()),
             }
             // read_at returns the partial tail instead.
             let got = file.read_at(buffer.as_mut_slice(), 8192).unwrap();
             assert_eq!(&buffer.as_slice()[..got], &expected[8192..]);
-            assert!(matches!(
-                file.read_exact_at(buffer.as_mut_slice(), 16384),
-                Err(IoError::ShortRead { got: 0, .. })
-            ));
+            assert!(matches!(file.read_exact_at(buffer.as_mut_slice(), 16384), Err(IoError::ShortRead { got: 0, .. })));
         }
     }
 
@@ -800,18 +653,9 @@ mod tests {
         assert_eq!(file.read_path(), ReadPath::Direct);
         let mut buffer = AlignedBuf::new(8192);
         // Unaligned offset, unaligned length, unaligned address.
-        assert!(matches!(
-            file.read_exact_at(buffer.as_mut_slice(), 100),
-            Err(IoError::Unaligned { offset: 100, .. })
-        ));
-        assert!(matches!(
-            file.read_exact_at(&mut buffer.as_mut_slice()[..1000], 0),
-            Err(IoError::Unaligned { len: 1000, .. })
-        ));
-        assert!(matches!(
-            file.read_exact_at(&mut buffer.as_mut_slice()[512..4608], 0),
-            Err(IoError::Unaligned { .. })
-        ));
+        assert!(matches!(file.read_exact_at(buffer.as_mut_slice(), 100), Err(IoError::Unaligned { offset: 100, .. })));
+        assert!(matches!(file.read_exact_at(&mut buffer.as_mut_slice()[..1000], 0), Err(IoError::Unaligned { len: 1000, .. })));
+        assert!(matches!(file.read_exact_at(&mut buffer.as_mut_slice()[512..4608], 0), Err(IoError::Unaligned { .. })));
         // A refused read does not switch the file to buffered.
         assert_eq!(file.read_path(), ReadPath::Direct);
     }
@@ -839,17 +683,9 @@ mod tests {
         let path = write_file(directory.path(), "data.bin", &patterned_bytes(1 << 20));
         let expected = std::fs::read(&path).unwrap();
         // tmpfs refused O_DIRECT before Linux 6.6 and accepts it since; ask the kernel directly.
-        let kernel_accepts_direct = OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(&path)
-            .is_ok();
+        let kernel_accepts_direct = OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(&path).is_ok();
         let file = DirectFile::open(&path).unwrap();
-        let expected_path = if kernel_accepts_direct {
-            ReadPath::Direct
-        } else {
-            ReadPath::Buffered
-        };
+        let expected_path = if kernel_accepts_direct { ReadPath::Direct } else { ReadPath::Buffered };
         assert_eq!(file.read_path(), expected_path);
         evict_from_page_cache(&path).unwrap();
         assert_reads_match(&file, &expected);
@@ -879,9 +715,7 @@ mod tests {
         // SAFETY: a fresh read-only shared mapping of a file we keep open for the call; the
         // kernel picks the address. Mapping does not fault pages in, so it does not change the
         // residency we measure.
-        let mapping = unsafe {
-            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, file.as_raw_fd(), 0)
-        };
+        let mapping = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, file.as_raw_fd(), 0) };
         assert_ne!(mapping, libc::MAP_FAILED, "{}", io::Error::last_os_error());
         let mut residency = vec![0u8; len.div_ceil(page_bytes)];
         // SAFETY: `mapping` is the page-aligned start of a live mapping of `len` bytes, and
@@ -919,9 +753,6 @@ mod tests {
         evict_from_page_cache(&path).unwrap();
         evict_file(&File::open(&path).unwrap()).unwrap();
         let missing = directory.path().join("missing");
-        assert!(matches!(
-            evict_from_page_cache(&missing),
-            Err(IoError::Open { .. })
-        ));
+        assert!(matches!(evict_from_page_cache(&missing), Err(IoError::Open { .. })));
     }
 }

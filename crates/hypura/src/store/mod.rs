@@ -16,7 +16,7 @@ pub mod residency;
 pub mod stats;
 
 pub use dense::DenseWindow;
-pub use layout::{ExpertUnits, StreamedTensor};
 pub use expert::{CacheModel, CachePolicy, ExpertSnapshot, ExpertStream, RouteRecord, RouterWeights};
-pub use residency::{FailureLatch, CHUNK_BYTES, Residency, ResidencyError, SliceState, StreamUnit, UnitReader};
+pub use layout::{ExpertUnits, StreamedTensor};
+pub use residency::{FailureLatch, Residency, ResidencyError, SliceState, StreamUnit, UnitReader, CHUNK_BYTES};
 pub use stats::{IoSnapshot, IoStats};

@@ -123,9 +123,7 @@ pub struct Residency {
 impl Residency {
     pub fn new(region: Arc<Region>, reader: Arc<dyn UnitReader>, units: Vec<StreamUnit>, workers: usize, stats: Arc<IoStats>) -> Residency {
         let shared = Arc::new(Shared {
-            units: Mutex::new(
-                units.iter().map(|_| UnitState { state: SliceState::Empty, generation: 0, pending_chunks: 0, error: None }).collect(),
-            ),
+            units: Mutex::new(units.iter().map(|_| UnitState { state: SliceState::Empty, generation: 0, pending_chunks: 0, error: None }).collect()),
             unit_bytes: units.iter().map(StreamUnit::bytes).collect(),
             changed: Condvar::new(),
             queue: Mutex::new(VecDeque::new()),
@@ -138,10 +136,7 @@ impl Residency {
                 let region = region.clone();
                 let reader = reader.clone();
                 let stats = stats.clone();
-                std::thread::Builder::new()
-                    .name(format!("hypura-io-{index}"))
-                    .spawn(move || worker(&shared, &region, reader.as_ref(), &stats))
-                    .expect("spawning an I/O worker")
+                std::thread::Builder::new().name(format!("hypura-io-{index}")).spawn(move || worker(&shared, &region, reader.as_ref(), &stats)).expect("spawning an I/O worker")
             })
             .collect();
         Residency { region, units, shared, stats, workers }
@@ -402,7 +397,7 @@ mod tests {
     #[test]
     fn a_load_not_yet_started_is_cancelled_and_one_under_way_is_not() {
         let region = Arc::new(Region::reserve(64 << 20, false).unwrap());
-        let units = vec![StreamUnit { ranges: vec![0..(9 << 20)] }, StreamUnit { ranges: vec![(16 << 20)..(17 << 20), (20 << 20)..(21 << 20)] }];
+        let units = vec![StreamUnit { ranges: std::iter::once(0..(9 << 20)).collect() }, StreamUnit { ranges: vec![(16 << 20)..(17 << 20), (20 << 20)..(21 << 20)] }];
         let reader = Arc::new(GatedReader { open: Mutex::new(false), opened: Condvar::new(), calls: AtomicUsize::new(0) });
         let residency = Residency::new(region.clone(), reader.clone(), units, 1, Arc::new(IoStats::default()));
         residency.request(0).unwrap();
@@ -428,10 +423,7 @@ mod tests {
 
     fn residency(fail_on: Vec<usize>) -> Residency {
         let region = Arc::new(Region::reserve(64 << 20, false).unwrap());
-        let units = vec![
-            StreamUnit { ranges: vec![0..(9 << 20)] },
-            StreamUnit { ranges: vec![(16 << 20)..(17 << 20) + 123, (20 << 20)..(21 << 20)] },
-        ];
+        let units = vec![StreamUnit { ranges: std::iter::once(0..(9 << 20)).collect() }, StreamUnit { ranges: vec![(16 << 20)..(17 << 20) + 123, (20 << 20)..(21 << 20)] }];
         Residency::new(region, Arc::new(FakeReader { calls: AtomicUsize::new(0), fail_on }), units, 3, Arc::new(IoStats::default()))
     }
 

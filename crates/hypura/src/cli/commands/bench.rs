@@ -27,11 +27,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let threads = settings::threads(engine.n_threads);
     let placement = PeerPlacement::parse(&args.baseline_placement, engine.plan.as_ref(), facts.gpu_budget_bytes)
         .with_context(|| format!("unknown --baseline-placement {:?}: use default, fit, exps-cpu or same", args.baseline_placement))?;
-    let peer = baseline.then_some(PeerConfig {
-        load_mode: if args.baseline_no_mmap { hypura_sys::LoadMode::Read } else { hypura_sys::LoadMode::Mmap },
-        repack: !args.baseline_no_repack,
-        placement,
-    });
+    let peer =
+        baseline.then_some(PeerConfig { load_mode: if args.baseline_no_mmap { crate::engine::LoadMode::Read } else { crate::engine::LoadMode::Mmap }, repack: !args.baseline_no_repack, placement });
     let options = BenchOptions { n_prompt: args.n_prompt, n_gen: args.n_gen, reps: args.reps.max(1), hypura: !args.baseline_only, peer, engine, threads };
     let report = bench::run(&path, &options, &|stage| tracing::info!("bench: {stage}"))?;
     if let Some(seconds) = report.compute_seconds_per_token {

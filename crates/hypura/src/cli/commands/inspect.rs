@@ -47,11 +47,7 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
             tensor_count: inventory.tensors.len(),
             n_params: inventory.n_params(),
             hparams: &inventory.hparams,
-            quantization: inventory
-                .quantization_mix()
-                .into_iter()
-                .map(|(ggml_type, tensors, bytes)| QuantRow { ggml_type: ggml_type.name(), tensors, bytes })
-                .collect(),
+            quantization: inventory.quantization_mix().into_iter().map(|(ggml_type, tensors, bytes)| QuantRow { ggml_type: ggml_type.name(), tensors, bytes }).collect(),
             bytes_by_role: inventory.bytes_by_role().into_iter().collect(),
             bytes_by_layer: inventory.bytes_by_layer(),
             tensors: args.tensors.then_some(inventory.tensors.as_slice()),
@@ -91,11 +87,7 @@ pub fn render(inventory: &Inventory, with_tensors: bool) -> String {
         hparams.n_layer, hparams.n_embd, hparams.n_head, hparams.n_head_kv, hparams.head_dim_k, hparams.n_ff, hparams.n_ctx_train, hparams.n_vocab
     );
     if hparams.n_expert > 0 {
-        let _ = writeln!(
-            out,
-            "experts      {} experts, {} used per token, expert n_ff {}",
-            hparams.n_expert, hparams.n_expert_used, hparams.n_ff_expert
-        );
+        let _ = writeln!(out, "experts      {} experts, {} used per token, expert n_ff {}", hparams.n_expert, hparams.n_expert_used, hparams.n_ff_expert);
         let mut per_layer = 0;
         for tensor in inventory.expert_tensors().filter(|tensor| tensor.layer == Some(0)) {
             let slices = tensor.experts.expect("expert tensors have slices");
@@ -123,17 +115,7 @@ pub fn render(inventory: &Inventory, with_tensors: bool) -> String {
         for tensor in &inventory.tensors {
             let dims = tensor.dims.iter().map(u64::to_string).collect::<Vec<_>>().join(" x ");
             let layer = tensor.layer.map_or_else(|| "-".to_string(), |layer| layer.to_string());
-            let _ = writeln!(
-                out,
-                "{:<40} {:<18} {:>5} {:<7} {:<24} {:>12} {:>14}",
-                tensor.name,
-                tensor.role.name(),
-                layer,
-                tensor.ggml_type.name(),
-                dims,
-                tensor.bytes,
-                tensor.file_offset
-            );
+            let _ = writeln!(out, "{:<40} {:<18} {:>5} {:<7} {:<24} {:>12} {:>14}", tensor.name, tensor.role.name(), layer, tensor.ggml_type.name(), dims, tensor.bytes, tensor.file_offset);
         }
     }
     out

@@ -14,7 +14,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     let sampling = settings::sampler_params(&args.sampling)?;
     let setup = settings::setup(&args.model_args, &path)?;
     // Free memory of each GPU before the load, so --stats can say what the model took there.
-    let gpu_free_before = args.stats.then(gpu_free);
+    let gpu_free_before = args.stats.then(crate::engine::setup::gpu_free_by_name);
     let engine = Arc::new(Engine::load(setup.inventory, setup.options).with_context(|| format!("loading {}", path.display()))?);
     if args.stats {
         if let Some(plan) = &engine.options().plan {
@@ -28,13 +28,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         let cancel = cancel.clone();
         ctrlc::set_handler(move || cancel.store(true, Ordering::Relaxed)).context("installing the Ctrl-C handler")?;
     }
-    let request = |prompt: Prompt| GenerateRequest {
-        max_tokens: args.max_tokens,
-        sampling: sampling.clone(),
-        stop: args.stop.clone(),
-        cancel: Some(cancel.clone()),
-        ..GenerateRequest::new(prompt)
-    };
+    let request = |prompt: Prompt| GenerateRequest { max_tokens: args.max_tokens, sampling: sampling.clone(), stop: args.stop.clone(), cancel: Some(cancel.clone()), ..GenerateRequest::new(prompt) };
     let mut messages = Vec::new();
     if let Some(system) = &args.system {
         messages.push(ChatMessage::new("system", system.clone()));
@@ -133,16 +127,6 @@ fn answer(session: &mut Session, request: &GenerateRequest) -> anyhow::Result<Ge
     Ok(output)
 }
 
-/// Free memory of each dedicated GPU, by name.
-fn gpu_free() -> Vec<(String, u64)> {
-    hypura_sys::Backend::get()
-        .devices()
-        .into_iter()
-        .filter(|device| device.kind == hypura_sys::DeviceKind::Gpu)
-        .map(|device| (device.name, device.free_bytes))
-        .collect()
-}
-
 /// With --stats (`gpu_free_before`: the GPUs' free memory before the load), what a run took.
 fn print_stats(gpu_free_before: Option<&[(String, u64)]>, output: &GenerateOutput) {
     let Some(gpu_free_before) = gpu_free_before else {
@@ -179,7 +163,7 @@ fn print_stats(gpu_free_before: Option<&[(String, u64)]>, output: &GenerateOutpu
     }
     // What the model, its context and the answer took on each GPU (free memory before the
     // load less free memory now; other processes on the device count too).
-    for ((name, before), (_, now)) in gpu_free_before.iter().zip(gpu_free()) {
+    for ((name, before), (_, now)) in gpu_free_before.iter().zip(crate::engine::setup::gpu_free_by_name()) {
         eprintln!("gpu memory  {} used on {name}", crate::hw::format::format_bytes(before.saturating_sub(now)));
     }
     if let Some(io) = &stats.io {
