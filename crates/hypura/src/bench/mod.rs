@@ -131,6 +131,8 @@ pub struct BenchReport {
     pub bytes_read_per_token: Option<f64>,
     /// Streaming: share of tg wall time that compute waited for I/O.
     pub stall_fraction: Option<f64>,
+    /// Peak resident memory of the process (both sides when they run in one process).
+    pub peak_memory_bytes: Option<u64>,
     /// Hypura's tg time per token not spent waiting on reads (the compute term of the limit),
     /// over `generated_tokens`.
     pub compute_seconds_per_token: Option<f64>,
@@ -344,6 +346,7 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         mode: hypura.as_ref().map_or("llama.cpp only", |side| side.engine.mode().name()),
         bytes_read_per_token: (totals.graphs > 0).then(|| totals.bytes_read as f64 / totals.graphs as f64),
         stall_fraction: (totals.wall_seconds > 0.0).then(|| totals.stall_seconds / totals.wall_seconds),
+        peak_memory_bytes: crate::hw::peak_rss_bytes(),
         compute_seconds_per_token: (totals.generated > 0).then(|| totals.compute_seconds / totals.generated as f64),
         generated_tokens: totals.generated,
         expert_hit_rate: (totals.expert_hits + totals.expert_misses > 0).then(|| totals.expert_hits as f64 / (totals.expert_hits + totals.expert_misses) as f64),
@@ -416,6 +419,9 @@ pub fn render(report: &BenchReport) -> String {
     );
     if let Some(placement) = &report.llama_cpp_placement {
         let _ = writeln!(out, "llama.cpp placement: {placement}");
+    }
+    if let Some(peak) = report.peak_memory_bytes {
+        let _ = writeln!(out, "peak memory: {}", crate::format::format_bytes(peak));
     }
     if let (Some(same), Some(hash)) = (report.same_output, &report.hypura_output_sha256) {
         let _ = writeln!(out, "greedy output after the pp prompt identical to llama.cpp: {same} (sha256 {})", &hash[..16]);
