@@ -74,3 +74,38 @@ fn every_tiny_preset_has_llama_cpp_logits() {
         }
     }
 }
+
+/// A cancel flag set while a long prompt decodes stops that decode between graph nodes: the
+/// answer ends cancelled with no token generated, and the half-filled cache is dropped, so the
+/// same prompt afterwards reuses nothing. (Checked only at the next step, the whole prompt
+/// would be decoded, one token sampled and the prompt kept for reuse.)
+#[test]
+fn cancelling_a_long_prompt_stops_its_decode_between_graph_nodes() {
+    let path = common::gemma_path();
+    let options = EngineOptions { n_ctx: 4096, n_batch: 2048, n_ubatch: 2048, n_threads: Some(2), ..EngineOptions::default() };
+    let mut session = Session::new(Arc::new(Engine::open(&path, options).unwrap())).unwrap();
+    let text = "The sea was calm and the sky was grey over the harbour that morning. ".repeat(120);
+    let tokens = session.tokenize_prompt(&Prompt::Raw(text)).unwrap();
+    assert!(tokens.len() > 1500 && tokens.len() < 2048, "{}", tokens.len());
+    let cancel = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let setter = {
+        let cancel = cancel.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+        })
+    };
+    let request = GenerateRequest { max_tokens: Some(4), sampling: SamplerParams::greedy(), cancel: Some(cancel), ..GenerateRequest::new(Prompt::Tokens(tokens.clone())) };
+    let output = session.generate(&request, &mut |_| Control::Continue).unwrap();
+    setter.join().unwrap();
+    assert_eq!(output.done_reason, DoneReason::Cancelled);
+    assert_eq!(output.stats.eval_count, 0, "a token was generated: the prompt's decode ran to its end");
+    let again = greedy_tokens(&mut session, tokens, 2);
+    assert_eq!(again.stats.reused_prompt_tokens, 0, "the cancelled prompt's cache was kept");
+    assert_eq!(again.tokens.len(), 2);
+}
+
+fn greedy_tokens(session: &mut Session, tokens: Vec<hypura::engine::Token>, count: u32) -> hypura::engine::GenerateOutput {
+    let request = GenerateRequest { max_tokens: Some(count), sampling: SamplerParams::greedy(), ignore_eos: true, ..GenerateRequest::new(Prompt::Tokens(tokens)) };
+    session.generate(&request, &mut |_| Control::Continue).unwrap()
+}

@@ -245,10 +245,10 @@ impl HypuraSide {
             self.totals.prefetch[2] += experts.prefetch_cancelled;
         }
         if let Some(seconds) = stats.eval_compute_seconds_per_token() {
-            self.totals.compute_seconds += seconds * f64::from(stats.eval_decodes());
-            self.totals.generated += u64::from(stats.eval_decodes());
+            self.totals.compute_seconds += seconds * f64::from(stats.eval_decodes);
+            self.totals.generated += u64::from(stats.eval_decodes);
         }
-        let rate = stats.eval_decodes() as f64 / stats.eval_duration.as_secs_f64().max(1e-9);
+        let rate = stats.eval_decodes as f64 / stats.eval_duration.as_secs_f64().max(1e-9);
         output.tokens.truncate(count);
         Ok((rate, output.tokens))
     }

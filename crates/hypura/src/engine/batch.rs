@@ -28,8 +28,8 @@
 //! sequence): with one buffer per sequence, llama.cpp splits a batch into one graph per run of
 //! consecutive sequence ids with equal token counts, and each graph is another pass over the
 //! weights (another read from disk when streaming). With their own buffers, steps where every
-//! sequence generates are one graph as long as the generating slots are consecutive (new
-//! requests take the lowest free slot); a step that mixes a prompt chunk with generated tokens
+//! sequence generates are one graph as long as the generating slots are consecutive (a new
+//! request without a cached prefix takes the lowest free slot); a step that mixes a prompt chunk with generated tokens
 //! takes two.
 //!
 //! The batcher is synchronous and owned by one thread (the server's model worker, or the
@@ -75,6 +75,12 @@ struct Active {
     pending: Option<Token>,
     /// Tokens of this sequence in the batch being decoded.
     queued: Vec<Token>,
+    /// Whether `queued` holds a generated token (not a prompt chunk).
+    queued_generated: bool,
+    /// Generated tokens decoded so far.
+    decodes: u32,
+    /// The text is final (a stop string matched): nothing held back is flushed.
+    flushed: bool,
     /// Row of this sequence's logits in the last decoded batch.
     logits_row: Option<i32>,
     sampler: Sampler,
@@ -115,6 +121,11 @@ pub struct Batcher {
     n_ctx_per_sequence: usize,
     /// Which prefilling sequence goes first in the next batch, so that long prompts share.
     prefill_turn: usize,
+    /// Flags that abort a decode between graph nodes: the streaming failure latch's, plus the
+    /// cancel flag of the one sequence in the batch when it is alone there (`armed`), so that
+    /// cancelling a long prompt stops it within a node rather than a batch.
+    abort_base: Vec<Arc<AtomicBool>>,
+    armed: Option<(i32, Arc<AtomicBool>)>,
 }
 
 impl Batcher {
@@ -130,14 +141,15 @@ impl Batcher {
         let mut context = Context::new(engine.model(), &params)?;
         // A streaming read failure aborts the decode before any node computes on missing
         // weights; the failure is then reported to the sequences in that batch.
+        let abort_base: Vec<Arc<AtomicBool>> = engine.streaming().map(|streaming| streaming.driver.abort_flag()).into_iter().collect();
         if let Some(streaming) = engine.streaming() {
             streaming.driver.take_failure();
-            context.set_abort_flags(vec![streaming.driver.abort_flag()]);
         }
+        context.set_abort_flags(abort_base.clone());
         let n_ctx_per_sequence = (context.n_ctx() / n_sequences) as usize;
         let batch = Batch::new(params.n_batch as usize, 1);
         let slots = (0..n_sequences as i32).map(|seq_id| Slot { seq_id, cached: Vec::new(), active: None }).collect();
-        Ok(Batcher { engine, context, batch, slots, n_ctx_per_sequence, prefill_turn: 0 })
+        Ok(Batcher { engine, context, batch, slots, n_ctx_per_sequence, prefill_turn: 0, abort_base, armed: None })
     }
 
     pub fn engine(&self) -> &Arc<Engine> {
@@ -186,6 +198,9 @@ impl Batcher {
                     prompt: tokens,
                     pending: None,
                     queued: Vec::new(),
+                    queued_generated: false,
+                    decodes: 0,
+                    flushed: false,
                     logits_row: None,
                     sampler,
                     grammar,
@@ -277,13 +292,30 @@ impl Batcher {
         if !self.fill_batch() {
             return false;
         }
+        self.arm_abort();
         let observations_before = self.engine.streaming().map(|streaming| streaming.observations());
-        if let Err(error) = self.context.decode(&self.batch) {
-            // A read failure aborts the graph from the eval hook: report the read, not the abort.
-            let failure = self.engine.streaming().and_then(|streaming| streaming.driver.take_failure());
-            let message = failure.map_or_else(|| EngineError::from(error).to_string(), |failure| failure.to_string());
-            let streamed = self.engine.streaming().is_some();
-            self.fail_batch(|| if streamed { EngineError::Store(message.clone()) } else { EngineError::Decode(message.clone()) });
+        let decoded = self.context.decode(&self.batch);
+        // A read failure stops the graph from the eval hook (or, where the rest of the graph
+        // ran where no abort flag is checked, leaves it computed on missing weights): either
+        // way the batch fails with the read's error.
+        if let Some(failure) = self.engine.streaming().and_then(|streaming| streaming.driver.take_failure()) {
+            let message = failure.to_string();
+            self.fail_batch(|| EngineError::Store(message.clone()));
+            return true;
+        }
+        if let Err(error) = decoded {
+            // The one sequence in the batch was cancelled mid-decode: it ends, cancelled.
+            let cancelled = self.armed.as_ref().filter(|(_, cancel)| cancel.load(Ordering::Relaxed)).and_then(|(seq_id, _)| self.slots.iter().position(|slot| slot.seq_id == *seq_id));
+            if let (hypura_sys::SysError::Aborted, Some(index)) = (&error, cancelled) {
+                let seq_id = self.slots[index].seq_id;
+                // The KV cache may hold part of the batch.
+                self.context.truncate_sequence(seq_id, 0);
+                self.slots[index].cached.clear();
+                self.finish(index, DoneReason::Cancelled);
+                return true;
+            }
+            let message = EngineError::from(error).to_string();
+            self.fail_batch(|| EngineError::Decode(message.clone()));
             return true;
         }
         // A graph whose streamed layers were never loaded computed on missing weights.
@@ -300,6 +332,7 @@ impl Batcher {
         for (index, slot) in self.slots.iter_mut().enumerate() {
             let Some(active) = slot.active.as_mut() else { continue };
             slot.cached.append(&mut active.queued);
+            active.decodes += u32::from(active.queued_generated);
             if active.logits_row.is_some() {
                 ready.push(index);
             }
@@ -317,11 +350,13 @@ impl Batcher {
         for slot in &mut self.slots {
             let Some(active) = slot.active.as_mut() else { continue };
             active.queued.clear();
+            active.queued_generated = false;
             active.logits_row = None;
             if let Some(token) = active.pending.take() {
                 let row = self.batch.len() as i32;
                 if self.batch.push(token, slot.cached.len() as i32, &[slot.seq_id], true).is_ok() {
                     active.queued.push(token);
+                    active.queued_generated = true;
                     active.logits_row = Some(row);
                 } else {
                     active.pending = Some(token);
@@ -356,6 +391,29 @@ impl Batcher {
         }
         self.prefill_turn = (self.prefill_turn + 1) % count.max(1);
         !self.batch.is_empty()
+    }
+
+    /// Abort flags for the next decode: the one sequence in the batch may stop it mid-graph
+    /// (with several, one request's cancel must not fail the others' shared decode).
+    fn arm_abort(&mut self) {
+        let mut involved = self.slots.iter().filter(|slot| slot.active.as_ref().is_some_and(|active| !active.queued.is_empty()));
+        let alone = match (involved.next(), involved.next()) {
+            (Some(slot), None) => Some(slot),
+            _ => None,
+        };
+        let wanted = alone.and_then(|slot| Some((slot.seq_id, slot.active.as_ref()?.cancel.clone())));
+        let same = match (&wanted, &self.armed) {
+            (Some((wanted_seq, wanted_flag)), Some((armed_seq, armed_flag))) => wanted_seq == armed_seq && Arc::ptr_eq(wanted_flag, armed_flag),
+            (None, None) => true,
+            _ => false,
+        };
+        if same {
+            return;
+        }
+        let mut flags = self.abort_base.clone();
+        flags.extend(wanted.as_ref().map(|(_, cancel)| cancel.clone()));
+        self.context.set_abort_flags(flags);
+        self.armed = wanted;
     }
 
     /// A failed decode: the KV cache may hold part of the batch, so every sequence in it starts
@@ -412,6 +470,7 @@ impl Batcher {
         match active.stops.push(&piece) {
             StopScan::Stopped(before) => {
                 emit(active, &before);
+                active.flushed = true;
                 return self.finish(index, DoneReason::Stop);
             }
             StopScan::Continue(ready) => {
@@ -436,7 +495,7 @@ impl Batcher {
     /// slot keeps its KV entries for the next request that shares the prefix.
     fn finish(&mut self, index: usize, done_reason: DoneReason) {
         let Some(mut active) = self.slots[index].active.take() else { return };
-        if done_reason != DoneReason::Cancelled {
+        if done_reason != DoneReason::Cancelled && !active.flushed {
             let rest = active.utf8.finish();
             let tail = match active.stops.push(&rest) {
                 StopScan::Stopped(before) => before,
@@ -455,6 +514,7 @@ impl Batcher {
             None => stats.prompt_eval_duration = now - active.started,
         }
         stats.eval_count = active.generated.len() as u32;
+        stats.eval_decodes = active.decodes;
         stats.total_duration = now - active.started;
         active.counters.fill_since(&self.engine, &mut stats);
         let output = GenerateOutput { text: std::mem::take(&mut active.text), tokens: std::mem::take(&mut active.generated), done_reason, stats, prompt_logits: active.prompt_logits.take() };

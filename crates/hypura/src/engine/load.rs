@@ -41,7 +41,8 @@ pub struct EngineOptions {
     /// Batch-invariant kernels: ggml's reference CPU kernels and no weight repacking, so that a
     /// token's logits do not depend on the shape of the batch it is computed in (a cached
     /// prefix, other sequences). Measured on Gemma 3 270M: prompt processing about 40% slower,
-    /// generation unchanged. Prompt batches that go to a GPU are not covered.
+    /// generation unchanged. Op offload is off with it (prompt batches stay on the CPU); layers
+    /// in a GPU tier run the GPU's kernels, which are not batch-invariant.
     pub batch_invariant: bool,
 }
 
@@ -247,7 +248,9 @@ impl Engine {
             eval_hook: self.streaming.as_ref().map(|streaming| streaming.driver.hook()),
             // Without a GPU tier nothing goes to a GPU, prompt batches included; a tier without
             // room for op offload's copies keeps prompt batches of host layers on the CPU.
-            op_offload: self.options.plan.as_ref().is_none_or(|plan| plan.gpu.as_ref().is_some_and(|gpu| gpu.op_offload)),
+            // Batch-invariant runs keep prompt batches on the CPU too, where the reference
+            // kernels are.
+            op_offload: !self.options.batch_invariant && self.options.plan.as_ref().is_none_or(|plan| plan.gpu.as_ref().is_some_and(|gpu| gpu.op_offload)),
             batch_invariant: self.options.batch_invariant,
             ..defaults
         }
@@ -257,7 +260,8 @@ impl Engine {
 /// A plan made for another file (or another version of it) would place tensors by the wrong
 /// offsets.
 fn check_plan_matches(plan: &Plan, inventory: &Inventory) -> Result<(), EngineError> {
-    let same = plan.tensors.len() == inventory.tensors.len() && plan.tensors.iter().zip(&inventory.tensors).all(|(placement, tensor)| placement.name == tensor.name);
+    let same = plan.tensors.len() == inventory.tensors.len()
+        && plan.tensors.iter().zip(&inventory.tensors).all(|(placement, tensor)| placement.name == tensor.name && placement.bytes == tensor.bytes && placement.layer == tensor.layer);
     if same {
         Ok(())
     } else {

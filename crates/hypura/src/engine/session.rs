@@ -2,7 +2,7 @@
 //! `generate` drives the loop until the answer is done, streaming text through a callback, and
 //! returns Ollama's statistics. The KV cache keeps the conversation, so the next turn reuses
 //! its shared prefix.
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::mpsc;
 use std::sync::Arc;
 
@@ -124,29 +124,35 @@ impl Session {
             });
             super::Control::Continue
         });
-        // The callback's Stop and the caller's flag both end the answer at the next step.
-        let stop = Arc::new(AtomicBool::new(false));
-        let caller = request.cancel.clone();
-        let cancelled = || caller.as_ref().is_some_and(|flag| flag.load(Ordering::Relaxed));
-        let admitted = GenerateRequest { cancel: Some(stop.clone()), ..request.clone() };
-        self.batcher.admit(admitted, sink).map_err(|(error, _)| error)?;
+        // The caller's flag aborts a decode in progress (a long prompt) between graph nodes.
+        self.batcher.admit(request.clone(), sink).map_err(|(error, _)| error)?;
+        // What the callback was given: after it says Stop, the answer ends at once and is what
+        // the callback saw.
+        let mut seen = String::new();
+        let mut stopped = false;
         loop {
-            if cancelled() {
-                stop.store(true, Ordering::Relaxed);
-            }
             let stepped = self.batcher.step();
             let mut events = receiver.try_iter().peekable();
-            if !stepped && events.peek().is_none() && self.batcher.is_idle() {
+            if !stepped && events.peek().is_none() {
                 return Err(EngineError::Decode("the sequence ended without an answer".into()));
             }
             for event in events {
                 match event {
-                    Event::Text(text) => {
+                    Event::Text(text) if !stopped => {
+                        seen.push_str(&text);
                         if on_text(&text) == Control::Stop {
-                            stop.store(true, Ordering::Relaxed);
+                            stopped = true;
+                            self.batcher.cancel_all();
                         }
                     }
-                    Event::Done(output) => return Ok(*output),
+                    Event::Text(_) => {}
+                    Event::Done(mut output) => {
+                        if stopped {
+                            output.text = seen;
+                            output.done_reason = DoneReason::Cancelled;
+                        }
+                        return Ok(*output);
+                    }
                     Event::Failed(error) => return Err(error),
                 }
             }

@@ -15,6 +15,10 @@ pub struct GenerationStats {
     pub prompt_eval_count: u32,
     pub prompt_eval_duration: Duration,
     pub eval_count: u32,
+    /// Generated tokens decoded (passes over the weights after the prompt): an answer that
+    /// ends on its last sampled token (max tokens, a stop string, a full context) never
+    /// decodes that token; one that ends on end-of-generation decoded every counted token.
+    pub eval_decodes: u32,
     pub eval_duration: Duration,
     pub total_duration: Duration,
     /// Prompt tokens whose KV entries were reused from an earlier request.
@@ -33,25 +37,25 @@ impl GenerationStats {
         rate(self.prompt_eval_count, self.prompt_eval_duration)
     }
 
+    /// Ollama's rate: generated tokens over the generation time.
     pub fn eval_tokens_per_sec(&self) -> f64 {
         rate(self.eval_count, self.eval_duration)
     }
 
-    /// Tokens decoded after the prompt: every generated token but the last, which ends the
-    /// answer without a pass over the weights.
-    pub fn eval_decodes(&self) -> u32 {
-        self.eval_count.saturating_sub(1)
+    /// Decoded tokens over the generation time: what llama.cpp's `tg` measures.
+    pub fn decode_tokens_per_sec(&self) -> f64 {
+        rate(self.eval_decodes, self.eval_duration)
     }
 
     /// Passes over the weights this request made: the prompt's (counted once) and each decode.
     pub fn weight_passes(&self) -> u32 {
-        u32::from(self.prompt_eval_count > 0) + self.eval_decodes()
+        u32::from(self.prompt_eval_count > 0) + self.eval_decodes
     }
 
     /// Generation time per decoded token that was not spent waiting on reads: the compute term
     /// of the physical limit. None without a decode.
     pub fn eval_compute_seconds_per_token(&self) -> Option<f64> {
-        (self.eval_decodes() > 0).then(|| self.eval_duration.saturating_sub(self.eval_stall).as_secs_f64() / f64::from(self.eval_decodes()))
+        (self.eval_decodes > 0).then(|| self.eval_duration.saturating_sub(self.eval_stall).as_secs_f64() / f64::from(self.eval_decodes))
     }
 }
 

@@ -52,7 +52,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         print_stats(gpu_free_before.as_deref(), &output);
         if let Some(seconds) = output.stats.eval_compute_seconds_per_token() {
             let engine = session.engine();
-            crate::engine::setup::record_compute(&path, settings::threads(engine.options().n_threads), engine.streaming().is_some(), seconds, u64::from(output.stats.eval_decodes()));
+            crate::engine::setup::record_compute(&path, settings::threads(engine.options().n_threads), engine.streaming().is_some(), seconds, u64::from(output.stats.eval_decodes));
         }
         write_trace(&session, args.model_args.plan.trace.as_deref())?;
         return Ok(());
@@ -134,15 +134,16 @@ fn print_stats(gpu_free_before: Option<&[(String, u64)]>, output: &GenerateOutpu
     };
     let stats = &output.stats;
     eprintln!(
-        "load {:.2} s | prompt {} tokens in {:.3} s ({:.1} tok/s, {} reused) | eval {} tokens in {:.3} s ({:.1} tok/s) | total {:.3} s | done: {:?}",
+        "load {:.2} s | prompt {} tokens in {:.3} s ({:.1} tok/s, {} reused) | eval {} tokens ({} decoded) in {:.3} s ({:.1} tok/s decoded) | total {:.3} s | done: {:?}",
         stats.load_duration.as_secs_f64(),
         stats.prompt_eval_count,
         stats.prompt_eval_duration.as_secs_f64(),
         stats.prompt_tokens_per_sec(),
         stats.reused_prompt_tokens,
         stats.eval_count,
+        stats.eval_decodes,
         stats.eval_duration.as_secs_f64(),
-        stats.eval_tokens_per_sec(),
+        stats.decode_tokens_per_sec(),
         stats.total_duration.as_secs_f64(),
         output.done_reason
     );
