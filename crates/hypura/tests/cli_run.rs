@@ -59,7 +59,7 @@ fn run_rejects_bad_input_clearly() {
     assert_fails_with(&hypura(&["run", model, "-p", "hi", "--min-p", "-0.1"]), "min_p");
     assert_fails_with(&hypura(&["run", model, "-p", "hi", "--repeat-penalty", "0"]), "repeat_penalty");
     let long_prompt = "the king of paris ".repeat(40);
-    assert_fails_with(&hypura(&["run", model, "--raw", "-p", &long_prompt, "--context", "32"]), "tokens but the context holds");
+    assert_fails_with(&hypura(&["run", model, "--raw", "-p", &long_prompt, "--context", "32"]), "the prompt is too long");
     let missing = directory.path().join("absent.gguf");
     assert_fails_with(&hypura(&["run", missing.to_str().unwrap(), "-p", "hi"]), "absent.gguf");
 }

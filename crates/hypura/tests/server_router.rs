@@ -160,7 +160,9 @@ async fn bad_requests_get_400_and_unknown_models_404() {
         (json!({"model": MODEL, "prompt": "x", "format": {"type": "thing"}}), "unknown type"),
         (json!({"model": MODEL, "prompt": "x", "keep_alive": "soon"}), "invalid duration"),
         (json!({"model": MODEL, "prompt": "x", "context": [999_999_999]}), "outside the vocabulary"),
-        (json!({"model": MODEL, "prompt": "word ".repeat(600)}), "context"),
+        // Worded so that agents' overflow detectors compact and retry.
+        (json!({"model": MODEL, "prompt": "word ".repeat(600)}), "the prompt is too long"),
+        (json!({"model": MODEL, "prompt": "word ".repeat(600)}), "exceed the context length of 512"),
     ];
     for (body, expected) in cases {
         let reply = post(&app, "/api/generate", body.clone()).await;

@@ -37,7 +37,9 @@ pub enum EngineError {
     Model(#[from] crate::model::ModelError),
     #[error(transparent)]
     Sys(#[from] hypura_sys::SysError),
-    #[error("the prompt is {tokens} tokens but the context holds {n_ctx}; use a larger --context or a shorter prompt")]
+    /// Worded as agents' overflow detectors expect ("prompt is too long", "exceeds the context
+    /// length"), so a client compacts its history and retries instead of giving up.
+    #[error("the prompt is too long: {tokens} tokens exceed the context length of {n_ctx}; use a larger --context (num_ctx) or a shorter prompt")]
     PromptTooLong { tokens: usize, n_ctx: u32 },
     #[error("the prompt is empty")]
     EmptyPrompt,
