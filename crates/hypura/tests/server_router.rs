@@ -119,7 +119,10 @@ async fn meta_endpoints_answer_like_ollama() {
     assert_eq!(show["model_info"]["general.architecture"], "llama");
     assert!(show["model_info"]["general.parameter_count"].as_u64().unwrap() > 0);
     assert_eq!(show["model_info"]["tokenizer.ggml.tokens"], json!([]), "long arrays are emptied unless verbose");
-    assert_eq!(show["capabilities"], json!(["completion"]));
+    assert_eq!(show["capabilities"], json!(["completion", "embedding"]));
+    // The context each request is served (the test server's 512), not the trained one.
+    assert_eq!(show["model_info"]["llama.context_length"], 512);
+    assert!(show["model_info"]["hypura.context_length_trained"].as_u64().unwrap() > 512);
     let verbose = post(&app, "/api/show", json!({"name": MODEL, "verbose": true})).await.json();
     assert!(verbose["model_info"]["tokenizer.ggml.tokens"].as_array().unwrap().len() > 64);
     assert!(!verbose["tensors"].as_array().unwrap().is_empty());

@@ -94,7 +94,28 @@ pub async fn show(State(state): State<AppState>, body: Result<Bytes, BytesReject
     let shown = tokio::task::spawn_blocking(move || super::show_model(&path, verbose)).await.map_err(|error| AppError::internal(error.to_string()))??;
     let mut object = shown;
     object.insert("modified_at".into(), json!(rfc3339(entry.modified)));
+    served_context(&state, &entry.path, &mut object);
     Ok(Json(Value::Object(object)))
+}
+
+/// Clients size their prompts by `model_info["<arch>.context_length"]`: report the context the
+/// server serves each request (the loaded context, or the one it will load with), and keep the
+/// trained length beside it.
+fn served_context(state: &AppState, path: &std::path::Path, object: &mut Map<String, Value>) {
+    let Some(Value::Object(info)) = object.get_mut("model_info") else { return };
+    let Some(arch) = info.get("general.architecture").and_then(Value::as_str).map(str::to_string) else { return };
+    let key = format!("{arch}.context_length");
+    let trained = info.get(&key).and_then(Value::as_u64).filter(|&trained| trained > 0);
+    let loaded = state.scheduler.loaded().into_iter().find(|model| model.entry.path == path).and_then(|model| model.info()).map(|info| info.context_length as u64);
+    let configured = match u64::from(state.scheduler.config().run.n_ctx) {
+        0 => trained,
+        asked => Some(trained.map_or(asked, |trained| asked.min(trained))),
+    };
+    let Some(served) = loaded.or(configured) else { return };
+    if let Some(trained) = trained {
+        info.insert("hypura.context_length_trained".into(), json!(trained));
+    }
+    info.insert(key, json!(served));
 }
 
 /// Fields both generate and chat share.
