@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 
 use hypura_sys::{Batch, Context, Grammar, Sampler, Token};
 
-use super::prompt::{self, Prompt};
+use super::prompt;
 use super::session::{Control, DoneReason, GenerateOutput, GenerateRequest};
 use super::stats::{Counters, GenerationStats};
 use super::text::{StopMatcher, StopScan, Utf8Stream};
@@ -185,11 +185,7 @@ impl Batcher {
     /// llama.cpp cannot parse, a prompt longer than the context, no free slot) are returned
     /// with the sink, before anything is decoded.
     pub fn admit(&mut self, request: GenerateRequest, sink: SequenceSink) -> Result<(), (EngineError, SequenceSink)> {
-        let tokens = match &request.prompt {
-            Prompt::Tokens(tokens) => prompt::check_tokens(&self.engine, tokens).map(|()| tokens.clone()),
-            other => prompt::tokenize(&self.engine, other),
-        };
-        match tokens.and_then(|tokens| self.prepare(&request, tokens)) {
+        match prompt::tokenize(&self.engine, &request.prompt).and_then(|tokens| self.prepare(&request, tokens)) {
             Ok((index, tokens, sampler, grammar, reused)) => {
                 let limit = self.limit(&request);
                 let stats = GenerationStats { reused_prompt_tokens: reused as u32, prompt_eval_count: (tokens.len() - reused) as u32, ..GenerationStats::default() };

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use hypura_sys::EmbeddingContext;
 
-use super::{prompt, Engine, EngineError};
+use super::{Engine, EngineError};
 
 /// What embedding one input gave.
 #[derive(Clone, Debug)]
@@ -43,7 +43,6 @@ impl Embedder {
 
     /// The pooled embedding of `tokens`.
     pub fn embed(&mut self, tokens: &[hypura_sys::Token]) -> Result<Embedding, EngineError> {
-        prompt::check_tokens(&self.engine, tokens)?;
         let observations_before = self.engine.streaming().map(|streaming| streaming.observations());
         let result = self.context.embed(tokens);
         // This context has no abort flags: a failed read is caught here, after the decode, and

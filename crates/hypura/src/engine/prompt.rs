@@ -44,7 +44,7 @@ pub fn tokenize(engine: &Engine, prompt: &Prompt) -> Result<Vec<Token>, EngineEr
 }
 
 /// Every token id within the vocabulary.
-pub fn check_tokens(engine: &Engine, tokens: &[Token]) -> Result<(), EngineError> {
+fn check_tokens(engine: &Engine, tokens: &[Token]) -> Result<(), EngineError> {
     let n_vocab = engine.model().vocab().n_tokens();
     match tokens.iter().find(|&&token| token < 0 || token >= n_vocab) {
         Some(&bad) => Err(SysError::BadToken { token: bad, n_vocab }.into()),

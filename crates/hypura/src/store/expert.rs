@@ -242,8 +242,6 @@ const PREDICT_MAX_TOKENS: usize = 4;
 pub struct ExpertStream {
     residency: Arc<Residency>,
     numbering: ExpertUnits,
-    n_layer: usize,
-    n_expert: usize,
     /// Prefetch likely next-layer experts into idle I/O (stale-gate prediction).
     routers: Option<RouterWeights>,
     /// Layers whose experts stream (the others are in device memory).
@@ -266,8 +264,6 @@ impl ExpertStream {
         ExpertStream {
             residency,
             numbering,
-            n_layer,
-            n_expert,
             routers: None,
             streamed_layers: vec![true; n_layer],
             prefetch_issued: AtomicU64::new(0),
@@ -287,7 +283,7 @@ impl ExpertStream {
     /// Stream only the layers marked true (the others' experts are in device memory): the
     /// graph runs through the rest without stopping.
     pub fn with_streamed_layers(mut self, streamed: Vec<bool>) -> ExpertStream {
-        assert_eq!(streamed.len(), self.n_layer, "one flag per layer");
+        assert_eq!(streamed.len(), self.numbering.n_layer, "one flag per layer");
         self.streamed_layers = streamed;
         self
     }
@@ -329,7 +325,8 @@ impl ExpertStream {
         let mut chosen: Vec<usize> = Vec::new();
         for &expert in rows.iter().flatten() {
             // An id outside the expert count would make ggml read outside the tensor.
-            let expert = usize::try_from(expert).ok().filter(|&expert| expert < self.n_expert).ok_or(ResidencyError::NoSuchUnit { unit: expert.max(0) as usize, count: self.n_expert })?;
+            let expert =
+                usize::try_from(expert).ok().filter(|&expert| expert < self.numbering.n_expert).ok_or(ResidencyError::NoSuchUnit { unit: expert.max(0) as usize, count: self.numbering.n_expert })?;
             let unit = self.numbering.unit(layer, expert);
             if !chosen.contains(&unit) {
                 chosen.push(unit);
@@ -411,7 +408,7 @@ impl ExpertStream {
         for (token, state) in rows.iter().zip(hidden) {
             for expert in routers.top_k(next, state, token.len()).unwrap_or_default() {
                 let unit = self.numbering.unit(next, expert);
-                if expert < self.n_expert && !predicted.contains(&unit) {
+                if expert < self.numbering.n_expert && !predicted.contains(&unit) {
                     predicted.push(unit);
                 }
             }
