@@ -1,4 +1,4 @@
-//! Builds the C shims (Hypura's stream buffer type, and the context's kernel switch) against the exact ggml headers that
+//! Builds the C shims (Hypura's stream buffer type, the context's kernel switch, and the chat layer's C interface) against the exact ggml headers that
 //! llama-cpp-sys-2 vendors (`ggml-backend-impl.h` lives in `ggml/src`).
 use std::path::PathBuf;
 
@@ -18,6 +18,21 @@ fn main() {
         .include(ggml.join("include"))
         .warnings(true)
         .compile("hypura_context_kernels");
+    // The chat shim reaches llama.cpp's chat layer (common/chat.h), compiled into the
+    // llama-common library that the crate's `common` feature links.
+    println!("cargo:rerun-if-changed=csrc/chat.cpp");
+    cc::Build::new()
+        .cpp(true)
+        .std("c++17")
+        .file("csrc/chat.cpp")
+        .include(llama.join("common"))
+        .include(llama.join("include"))
+        .include(llama.join("vendor"))
+        .include(ggml.join("include"))
+        .warnings(true)
+        // llama.cpp's Jinja headers define static helpers that this file does not call.
+        .flag_if_supported("-Wno-unused-function")
+        .compile("hypura_chat");
 }
 
 /// The `ggml` directory of the llama-cpp-sys-2 source this build links.

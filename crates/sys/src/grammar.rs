@@ -37,6 +37,11 @@ impl Grammar {
         Ok(Grammar { pointer, vocab: vocab.clone() })
     }
 
+    /// Take a grammar sampler llama.cpp built (the chat layer's tool-call grammar).
+    pub(crate) fn from_raw(pointer: NonNull<raw::llama_sampler>, vocab: &Vocab) -> Grammar {
+        Grammar { pointer, vocab: vocab.clone() }
+    }
+
     pub(crate) fn as_ptr(&self) -> *mut raw::llama_sampler {
         self.pointer.as_ptr()
     }

@@ -26,7 +26,7 @@ mod vocab;
 
 pub use backend::{Backend, DeviceInfo, DeviceKind};
 pub use batch::Batch;
-pub use chat::{apply_builtin_template, ChatTurn};
+pub use chat::{ChatTemplates, RenderedChat};
 pub use context::{Context, ContextParams};
 pub use embedding::EmbeddingContext;
 pub use error::SysError;

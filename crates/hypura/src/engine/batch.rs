@@ -39,8 +39,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use std::collections::HashSet;
+
 use hypura_sys::{Batch, Context, Grammar, Sampler, Token};
 
+use super::chat::ChatStream;
 use super::prompt;
 use super::session::{Control, DoneReason, GenerateOutput, GenerateRequest};
 use super::stats::{Counters, GenerationStats};
@@ -57,8 +60,11 @@ pub struct Finished {
 
 /// What a sequence's callback receives.
 pub enum SequenceEvent<'a> {
-    /// Final text (never part of a stop string). Returning `Control::Stop` cancels.
+    /// Final text (never part of a stop string); for a conversation whose template has tools
+    /// or reasoning, the answer's content. Returning `Control::Stop` cancels.
     Text(&'a str),
+    /// Reasoning text, kept out of the content (templates with a reasoning section).
+    Thinking(&'a str),
     Done(Box<Finished>),
     /// The decode failed; the sequence is gone.
     Failed(EngineError),
@@ -93,6 +99,10 @@ struct Active {
     limit: usize,
     utf8: Utf8Stream,
     stops: StopMatcher,
+    /// Reads a conversation's answer into content, reasoning and tool calls.
+    chat: Option<ChatStream>,
+    /// Control tokens whose text stays in the output (a template's tool-call markers).
+    keep_special: HashSet<Token>,
     text: String,
     generated: Vec<Token>,
     cancel: Arc<AtomicBool>,
@@ -185,9 +195,26 @@ impl Batcher {
     /// llama.cpp cannot parse, a prompt longer than the context, no free slot) are returned
     /// with the sink, before anything is decoded.
     pub fn admit(&mut self, request: GenerateRequest, sink: SequenceSink) -> Result<(), (EngineError, SequenceSink)> {
-        match prompt::tokenize(&self.engine, &request.prompt).and_then(|tokens| self.prepare(&request, tokens)) {
-            Ok((index, tokens, sampler, grammar, reused)) => {
+        let prepared = prompt::prepare(&self.engine, &request.prompt).and_then(|(tokens, turn)| {
+            let chat_grammar = match turn.as_ref().and_then(|turn| turn.chat.as_ref()) {
+                Some(chat) => chat.grammar(self.engine.model())?,
+                None => None,
+            };
+            let prepared = self.prepare(&request, tokens, chat_grammar)?;
+            Ok((prepared, turn))
+        });
+        match prepared {
+            Ok(((index, tokens, sampler, grammar, reused), turn)) => {
                 let limit = self.limit(&request);
+                let mut stop = request.stop.clone();
+                let (chat, keep_special) = match turn {
+                    Some(turn) => {
+                        stop.extend(turn.stops.iter().cloned());
+                        let keep = turn.preserved_tokens(self.engine.model());
+                        (turn.chat, keep)
+                    }
+                    None => (None, HashSet::new()),
+                };
                 let stats = GenerationStats { reused_prompt_tokens: reused as u32, prompt_eval_count: (tokens.len() - reused) as u32, ..GenerationStats::default() };
                 self.slots[index].active = Some(Active {
                     next_prompt: reused,
@@ -206,7 +233,9 @@ impl Batcher {
                     prompt_logits: None,
                     limit,
                     utf8: Utf8Stream::default(),
-                    stops: StopMatcher::new(&request.stop),
+                    stops: StopMatcher::new(&stop),
+                    chat,
+                    keep_special,
                     text: String::new(),
                     generated: Vec::new(),
                     cancel: request.cancel.unwrap_or_default(),
@@ -229,7 +258,7 @@ impl Batcher {
 
     /// Validate a request and pick its slot: the free one sharing the longest prefix.
     #[allow(clippy::type_complexity)]
-    fn prepare(&mut self, request: &GenerateRequest, tokens: Vec<Token>) -> Result<(usize, Vec<Token>, Sampler, Option<Grammar>, usize), EngineError> {
+    fn prepare(&mut self, request: &GenerateRequest, tokens: Vec<Token>, chat_grammar: Option<Grammar>) -> Result<(usize, Vec<Token>, Sampler, Option<Grammar>, usize), EngineError> {
         request.sampling.validate()?;
         if tokens.is_empty() {
             return Err(EngineError::EmptyPrompt);
@@ -238,9 +267,10 @@ impl Batcher {
         if tokens.len() >= limit {
             return Err(EngineError::PromptTooLong { tokens: tokens.len(), n_ctx: limit as u32 });
         }
-        let grammar = match &request.grammar {
-            Some(text) => Some(Grammar::new(&self.engine.model().vocab(), text, "root")?),
-            None => None,
+        let grammar = match (&request.grammar, chat_grammar) {
+            (Some(_), Some(_)) => return Err(EngineError::Unsupported("a request cannot have both a format (grammar) and tools".into())),
+            (Some(text), None) => Some(Grammar::new(&self.engine.model().vocab(), text, "root")?),
+            (None, chat_grammar) => chat_grammar,
         };
         let mut sampler = Sampler::new(&request.sampling, &self.context)?;
         for &token in &tokens {
@@ -461,7 +491,7 @@ impl Batcher {
             return self.finish(index, DoneReason::Stop);
         }
         active.generated.push(token);
-        let bytes = vocab.token_bytes(token, false).unwrap_or_default();
+        let bytes = vocab.token_bytes(token, active.keep_special.contains(&token)).unwrap_or_default();
         let piece = active.utf8.push(&bytes);
         match active.stops.push(&piece) {
             StopScan::Stopped(before) => {
@@ -499,6 +529,13 @@ impl Batcher {
             };
             emit(&mut active, &tail);
         }
+        let message = active.chat.as_mut().map(|chat| {
+            let (delta, message) = chat.finish();
+            if done_reason != DoneReason::Cancelled {
+                send_delta(&mut active.sink, &delta.thinking, &delta.content);
+            }
+            message
+        });
         let now = Instant::now();
         let mut stats = std::mem::take(&mut active.stats);
         stats.load_duration = self.engine.load_duration();
@@ -513,7 +550,7 @@ impl Batcher {
         stats.eval_decodes = active.decodes;
         stats.total_duration = now - active.started;
         active.counters.fill_since(&self.engine, &mut stats);
-        let output = GenerateOutput { text: std::mem::take(&mut active.text), tokens: std::mem::take(&mut active.generated), done_reason, stats, prompt_logits: active.prompt_logits.take() };
+        let output = GenerateOutput { text: std::mem::take(&mut active.text), message, tokens: std::mem::take(&mut active.generated), done_reason, stats, prompt_logits: active.prompt_logits.take() };
         let prompt = std::mem::take(&mut active.prompt);
         (active.sink)(SequenceEvent::Done(Box::new(Finished { output, prompt })));
     }
@@ -531,7 +568,24 @@ fn emit(active: &mut Active, piece: &str) -> Control {
         return Control::Continue;
     }
     active.text.push_str(piece);
-    (active.sink)(SequenceEvent::Text(piece))
+    match active.chat.as_mut() {
+        Some(chat) => {
+            let delta = chat.push(piece);
+            send_delta(&mut active.sink, &delta.thinking, &delta.content)
+        }
+        None => (active.sink)(SequenceEvent::Text(piece)),
+    }
+}
+
+/// A conversation's new reasoning, then its new content.
+fn send_delta(sink: &mut SequenceSink, thinking: &str, content: &str) -> Control {
+    if !thinking.is_empty() && sink(SequenceEvent::Thinking(thinking)) == Control::Stop {
+        return Control::Stop;
+    }
+    if !content.is_empty() {
+        return sink(SequenceEvent::Text(content));
+    }
+    Control::Continue
 }
 
 fn shared_prefix(cached: &[Token], tokens: &[Token]) -> usize {

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use hypura_sys::{Backend, ContextParams, LoadMode, Model, ModelParams, Placement, StreamBufferType};
 
-use super::template::ChatTemplate;
+use super::chat::ChatTemplate;
 use super::EngineError;
 use crate::model::Inventory;
 use crate::plan::{Mode, Plan, Tier};
@@ -44,6 +44,9 @@ pub struct EngineOptions {
     /// generation unchanged. Op offload is off with it (prompt batches stay on the CPU); layers
     /// in a GPU tier run the GPU's kernels, which are not batch-invariant.
     pub batch_invariant: bool,
+    /// A Jinja chat template to use instead of the file's (a file without one runs chat as
+    /// plain completion).
+    pub chat_template: Option<String>,
 }
 
 impl Default for EngineOptions {
@@ -61,6 +64,7 @@ impl Default for EngineOptions {
             io_workers: 4,
             trace_routing: false,
             batch_invariant: false,
+            chat_template: None,
         }
     }
 }
@@ -181,9 +185,7 @@ impl Engine {
             let host_patterns = options.plan.as_ref().map(|plan| plan.host_patterns(&[Tier::Ram])).unwrap_or_default();
             (Model::load_placed(backend, path, &params, Placement { host_patterns, ..Placement::default() })?, None)
         };
-        let vocab = model.vocab();
-        let token_text = |token| vocab.token_bytes(token, true).map(|bytes| String::from_utf8_lossy(&bytes).into_owned()).unwrap_or_default();
-        let template = ChatTemplate::resolve(model.chat_template(), &inventory.arch, token_text(vocab.bos()), token_text(vocab.eos()));
+        let template = ChatTemplate::new(&model, options.chat_template.as_deref()).map_err(|reason| EngineError::Template { path: inventory.path.clone(), reason })?;
         tracing::debug!("chat template: {}", template.describe());
         Ok(Engine { model, streaming, inventory, template, options, load_duration: started.elapsed() })
     }

@@ -8,13 +8,13 @@
 //! sampler chain, streaming text out through a callback; `Session` is that loop with one
 //! sequence. `stats` holds what a generation measured.
 pub mod batch;
+pub mod chat;
 mod embed;
 mod load;
 pub mod prompt;
 mod session;
 pub mod setup;
 mod stats;
-mod template;
 mod text;
 
 use std::path::PathBuf;
@@ -22,10 +22,10 @@ use std::path::PathBuf;
 pub use batch::{Batcher, Finished, SequenceEvent, SequenceSink};
 pub use embed::{Embedder, Embedding};
 pub use load::{Engine, EngineOptions, StreamDriver, Streaming};
-pub use prompt::{ChatMessage, Prompt};
+pub use chat::{AssistantMessage, ChatDelta, ChatMessage, ChatRequest, ChatTemplate, TemplateCaps, Think, ToolCall, ToolChoice};
+pub use prompt::Prompt;
 pub use session::{Control, DoneReason, GenerateOutput, GenerateRequest, Session};
 pub use stats::GenerationStats;
-pub use template::ChatTemplate;
 pub use text::{StopMatcher, Utf8Stream};
 
 pub use hypura_sys::{LoadMode, SamplerParams, SysError, Token};
@@ -47,6 +47,9 @@ pub enum EngineError {
     Store(String),
     #[error("decoding: {0}")]
     Decode(String),
+    /// The model cannot do what the request asks (tools without a template that renders them).
+    #[error("{0}")]
+    Unsupported(String),
     #[error("chat template of {path}: {reason}")]
     Template { path: PathBuf, reason: String },
     #[error(transparent)]

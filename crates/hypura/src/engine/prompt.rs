@@ -1,31 +1,20 @@
 //! Prompts: what a generation starts from, and how it becomes tokens. The chat template
-//! renders conversations (`template.rs`); tokenizing turns special-token text into control
+//! renders conversations (`chat.rs`); tokenizing turns special-token text into control
 //! tokens, adds BOS when the model wants it, and never doubles a BOS the template wrote itself.
 //! The CLI, the benchmark and the server all tokenize here.
 use hypura_sys::{SysError, Token};
-use serde::{Deserialize, Serialize};
 
+use super::chat::{ChatError, ChatRequest, RenderedTurn};
 use super::{Engine, EngineError};
-
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ChatMessage {
-    pub role: String,
-    pub content: String,
-}
-
-impl ChatMessage {
-    pub fn new(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
-        ChatMessage { role: role.into(), content: content.into() }
-    }
-}
 
 /// What to generate from.
 #[derive(Clone, Debug)]
 pub enum Prompt {
     /// Text passed to the tokenizer as is (BOS added when the model wants it).
     Raw(String),
-    /// A conversation rendered with the model's chat template, the assistant's turn opened.
-    Chat(Vec<ChatMessage>),
+    /// A conversation rendered with the model's chat template, the assistant's turn opened
+    /// (with its tools and thinking switch); the answer is parsed back (`chat::ChatStream`).
+    Chat(ChatRequest),
     /// Token ids, used as they are (benchmarks, and Ollama's `context`).
     Tokens(Vec<Token>),
 }
@@ -33,13 +22,22 @@ pub enum Prompt {
 /// The prompt's tokens. Token ids are checked against the vocabulary (an id out of range would
 /// be an out-of-bounds read inside llama.cpp).
 pub fn tokenize(engine: &Engine, prompt: &Prompt) -> Result<Vec<Token>, EngineError> {
+    prepare(engine, prompt).map(|(tokens, _)| tokens)
+}
+
+/// The prompt's tokens and, for a conversation, its rendering (the answer's parser, the
+/// template's stop strings and marker tokens).
+pub fn prepare(engine: &Engine, prompt: &Prompt) -> Result<(Vec<Token>, Option<RenderedTurn>), EngineError> {
     match prompt {
         Prompt::Tokens(tokens) => {
             check_tokens(engine, tokens)?;
-            Ok(tokens.clone())
+            Ok((tokens.clone(), None))
         }
-        Prompt::Raw(text) => tokenize_text(engine, text, true),
-        Prompt::Chat(messages) => tokenize_text(engine, &render_chat(engine, messages)?, true),
+        Prompt::Raw(text) => Ok((tokenize_text(engine, text, true)?, None)),
+        Prompt::Chat(request) => {
+            let turn = render_chat(engine, request)?;
+            Ok((tokenize_text(engine, &turn.prompt, true)?, Some(turn)))
+        }
     }
 }
 
@@ -53,8 +51,11 @@ fn check_tokens(engine: &Engine, tokens: &[Token]) -> Result<(), EngineError> {
 }
 
 /// Render a conversation with the engine's chat template, the assistant's turn opened.
-pub fn render_chat(engine: &Engine, messages: &[ChatMessage]) -> Result<String, EngineError> {
-    engine.template().render(messages, true).map_err(|reason| EngineError::Template { path: engine.inventory().path.clone(), reason })
+pub fn render_chat(engine: &Engine, request: &ChatRequest) -> Result<RenderedTurn, EngineError> {
+    engine.template().render(request).map_err(|error| match error {
+        ChatError::Unsupported(reason) => EngineError::Unsupported(reason),
+        ChatError::Template(reason) => EngineError::Template { path: engine.inventory().path.clone(), reason },
+    })
 }
 
 /// Tokenize text: special-token text becomes control tokens, BOS is added when `add_special`

@@ -11,6 +11,7 @@ use serde::Serialize;
 
 use super::batch::{Batcher, SequenceEvent};
 use super::prompt::{self, Prompt};
+use super::chat::AssistantMessage;
 use super::stats::GenerationStats;
 use super::{Engine, EngineError};
 
@@ -61,7 +62,11 @@ pub enum DoneReason {
 
 #[derive(Clone, Debug)]
 pub struct GenerateOutput {
+    /// The generated text as the model wrote it (tool-call markup included).
     pub text: String,
+    /// A conversation's answer read back: content, reasoning and tool calls (None for plain
+    /// prompts, and for templates with neither tools nor reasoning, whose answer is `text`).
+    pub message: Option<AssistantMessage>,
     pub tokens: Vec<Token>,
     pub done_reason: DoneReason,
     pub stats: GenerationStats,
@@ -119,6 +124,8 @@ impl Session {
         let sink = Box::new(move |event: SequenceEvent<'_>| {
             let _ = sender.send(match event {
                 SequenceEvent::Text(text) => Event::Text(text.to_string()),
+                // The reasoning is in the output's message; the callback gets the content.
+                SequenceEvent::Thinking(_) => return Control::Continue,
                 SequenceEvent::Done(finished) => Event::Done(Box::new(finished.output)),
                 SequenceEvent::Failed(error) => Event::Failed(error),
             });

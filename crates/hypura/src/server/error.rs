@@ -43,7 +43,7 @@ impl AppError {
         let status = match error {
             EngineError::PromptTooLong { .. } | EngineError::EmptyPrompt => StatusCode::BAD_REQUEST,
             EngineError::Sys(SysError::BadSampling { .. } | SysError::BadToken { .. } | SysError::Grammar(_) | SysError::TextTooLong { .. }) => StatusCode::BAD_REQUEST,
-            EngineError::Template { .. } => StatusCode::BAD_REQUEST,
+            EngineError::Template { .. } | EngineError::Unsupported(_) | EngineError::Sys(SysError::Chat(_)) => StatusCode::BAD_REQUEST,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
         AppError::new(status, error.to_string())

@@ -48,6 +48,7 @@ pub struct Generation {
 /// The outcome of a whole generation, for non-streaming answers.
 pub struct Collected {
     pub text: String,
+    pub thinking: String,
     pub finished: Finished,
 }
 
@@ -93,6 +94,7 @@ impl Generation {
     /// Wait for the end, joining the text.
     pub async fn collect(mut self) -> Result<Collected, AppError> {
         let mut text = String::new();
+        let mut thinking = String::new();
         loop {
             let event = match self.first.take() {
                 Some(event) => Some(event),
@@ -100,7 +102,8 @@ impl Generation {
             };
             match event {
                 Some(Event::Text(piece)) => text.push_str(&piece),
-                Some(Event::Done(finished)) => return Ok(Collected { text, finished: *finished }),
+                Some(Event::Thinking(piece)) => thinking.push_str(&piece),
+                Some(Event::Done(finished)) => return Ok(Collected { text, thinking, finished: *finished }),
                 Some(Event::Failed(error)) => return Err(error),
                 None => return Err(AppError::internal("the model's worker stopped before finishing")),
             }

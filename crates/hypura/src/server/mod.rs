@@ -15,6 +15,7 @@ pub mod ollama;
 pub mod openai;
 pub mod options;
 pub mod scheduler;
+pub mod tools;
 pub mod wire;
 
 use std::collections::HashMap;

@@ -1,8 +1,10 @@
 //! Ollama's native API: `/`, `/api/version`, `/api/tags`, `/api/ps`, `/api/show`,
 //! `/api/generate`, `/api/chat`, `/api/embed` and `/api/embeddings`, field by field as Ollama
 //! answers them (see the research notes on its wire format). Generations stream NDJSON by
-//! default; `stream: false` answers one object. What Hypura does not do (images, `suffix`,
-//! `template` overrides, thinking, tools) is refused with a 400 that says so, never ignored.
+//! default; `stream: false` answers one object. Chat takes tools and tool results in its
+//! history, and answers with `message.tool_calls` and `message.thinking` (`tools.rs`). What
+//! Hypura does not do (images, `suffix`, `template` overrides) is refused with a 400 that says
+//! so, never ignored.
 use std::time::{Instant, SystemTime};
 
 use axum::body::Bytes;
@@ -19,10 +21,11 @@ use super::error::AppError;
 use super::generation::{self, done_reason, GenerationSpec};
 use super::options::{format_grammar, parse_options};
 use super::scheduler::{EmbedJob, Event};
+use super::tools;
 use super::wire::{nanos, ndjson_line, parse_body, rfc3339, stream_response, KeepAlive};
 use super::{model_details, AppState};
 use crate::engine::Prompt;
-use crate::engine::{ChatMessage, Finished};
+use crate::engine::{ChatMessage, ChatRequest, Finished};
 
 /// The Ollama version Hypura's API matches. Clients gate features on it, so it is Ollama's
 /// numbering, not Hypura's.
@@ -148,7 +151,10 @@ struct MessageBody {
     role: String,
     content: Option<String>,
     images: Option<Vec<String>>,
+    thinking: Option<String>,
     tool_calls: Option<Value>,
+    tool_name: Option<String>,
+    tool_call_id: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -166,16 +172,6 @@ fn model_name(model: Option<String>) -> Result<String, AppError> {
 
 fn keep_alive(value: Option<&Value>) -> Result<Option<KeepAlive>, AppError> {
     value.filter(|value| !value.is_null()).map(KeepAlive::parse).transpose()
-}
-
-/// `think`: false (or absent) is fine; asking for thinking is refused, as Ollama does for models
-/// without the capability. Hypura does not parse thinking output yet.
-fn check_think(name: &str, think: Option<&Value>) -> Result<(), AppError> {
-    match think {
-        None | Some(Value::Null) | Some(Value::Bool(false)) => Ok(()),
-        Some(Value::Bool(true)) | Some(Value::String(_)) => Err(AppError::bad_request(format!("\"{name}\" does not support thinking"))),
-        Some(other) => Err(AppError::bad_request(format!("think must be a boolean or one of \"low\", \"medium\", \"high\", not {other}"))),
-    }
 }
 
 fn check_images(name: &str, images: Option<&Vec<String>>) -> Result<(), AppError> {
@@ -229,33 +225,56 @@ enum Shape {
     Chat,
 }
 
+/// What one object carries: text, reasoning and (chat) tool calls; empty fields are left out,
+/// as Ollama's `omitempty` does.
+#[derive(Default)]
+struct Piece<'a> {
+    text: &'a str,
+    thinking: &'a str,
+    tool_calls: &'a [crate::engine::ToolCall],
+}
+
 impl Shape {
-    fn object(&self, model: &str, text: &str) -> Map<String, Value> {
+    fn object(&self, model: &str, piece: &Piece<'_>) -> Map<String, Value> {
         let mut object = Map::new();
         object.insert("model".into(), json!(model));
         object.insert("created_at".into(), json!(rfc3339(SystemTime::now())));
         match self {
-            Shape::Generate { .. } => object.insert("response".into(), json!(text)),
-            Shape::Chat => object.insert("message".into(), json!({"role": "assistant", "content": text})),
+            Shape::Generate { .. } => {
+                object.insert("response".into(), json!(piece.text));
+                if !piece.thinking.is_empty() {
+                    object.insert("thinking".into(), json!(piece.thinking));
+                }
+            }
+            Shape::Chat => {
+                let mut message = json!({"role": "assistant", "content": piece.text});
+                if !piece.thinking.is_empty() {
+                    message["thinking"] = json!(piece.thinking);
+                }
+                if !piece.tool_calls.is_empty() {
+                    message["tool_calls"] = tools::ollama_calls(piece.tool_calls);
+                }
+                object.insert("message".into(), message);
+            }
         };
         object
     }
 
-    fn chunk(&self, model: &str, text: &str) -> Value {
-        let mut object = self.object(model, text);
+    fn chunk(&self, model: &str, piece: &Piece<'_>) -> Value {
+        let mut object = self.object(model, piece);
         object.insert("done".into(), json!(false));
         Value::Object(object)
     }
 
-    fn last(&self, model: &str, text: &str, finished: &Finished) -> Value {
-        let mut object = self.object(model, text);
+    fn last(&self, model: &str, piece: &Piece<'_>, finished: &Finished) -> Value {
+        let mut object = self.object(model, piece);
         final_fields(&mut object, finished, matches!(self, Shape::Generate { with_context: true }));
         Value::Object(object)
     }
 
     /// The answer to an empty prompt: the model was loaded (or unloaded).
     fn loaded(&self, model: &str, reason: &str) -> Value {
-        let mut object = self.object(model, "");
+        let mut object = self.object(model, &Piece::default());
         object.insert("done".into(), json!(true));
         object.insert("done_reason".into(), json!(reason));
         Value::Object(object)
@@ -276,7 +295,7 @@ pub async fn generate(State(state): State<AppState>, body: Result<Bytes, BytesRe
         return Err(AppError::bad_request(format!("\"{name}\" does not support insert")));
     }
     check_images(&name, body.images.as_ref())?;
-    check_think(&name, body.common.think.as_ref())?;
+    let think = tools::parse_think(body.common.think.as_ref())?;
     let keep_alive = keep_alive(body.common.keep_alive.as_ref())?;
     let options = parse_options(body.common.options.as_ref())?;
     let grammar = format_grammar(body.common.format.as_ref())?;
@@ -293,7 +312,7 @@ pub async fn generate(State(state): State<AppState>, body: Result<Bytes, BytesRe
             messages.push(ChatMessage::new("system", system));
         }
         messages.push(ChatMessage::new("user", prompt));
-        Prompt::Chat(messages)
+        Prompt::Chat(ChatRequest { think, ..ChatRequest::new(messages) })
     };
     let spec = GenerationSpec { context: body.context.unwrap_or_default(), prompt, options, grammar };
     respond(&state, &entry, name, keep_alive, spec, body.common.stream.unwrap_or(true), shape).await
@@ -303,25 +322,29 @@ pub async fn chat(State(state): State<AppState>, body: Result<Bytes, BytesReject
     let body: ChatBody = parse_body(body)?;
     let name = model_name(body.model)?;
     let entry = state.resolve(&name).await?;
-    if body.tools.as_ref().is_some_and(|tools| !tools.is_empty()) {
-        return Err(AppError::bad_request(format!("{name} does not support tools")));
-    }
-    check_think(&name, body.common.think.as_ref())?;
+    let tools = tools::parse_tools(body.tools)?;
+    let think = tools::parse_think(body.common.think.as_ref())?;
     let keep_alive = keep_alive(body.common.keep_alive.as_ref())?;
     let options = parse_options(body.common.options.as_ref())?;
     let grammar = format_grammar(body.common.format.as_ref())?;
     let mut messages = Vec::new();
     for message in body.messages.unwrap_or_default() {
         check_images(&name, message.images.as_ref())?;
-        if message.tool_calls.as_ref().is_some_and(|calls| calls.as_array().is_some_and(|calls| !calls.is_empty())) {
-            return Err(AppError::bad_request(format!("{name} does not support tools")));
-        }
-        messages.push(ChatMessage::new(message.role.to_ascii_lowercase(), message.content.unwrap_or_default()));
+        messages.push(ChatMessage {
+            role: message.role.to_ascii_lowercase(),
+            content: message.content.unwrap_or_default(),
+            thinking: message.thinking,
+            tool_calls: tools::parse_calls(message.tool_calls.as_ref())?,
+            tool_name: message.tool_name,
+            tool_call_id: message.tool_call_id,
+        });
     }
     if messages.is_empty() {
         return load_only(&state, &entry, &name, keep_alive, &Shape::Chat).await;
     }
-    let spec = GenerationSpec { context: Vec::new(), prompt: Prompt::Chat(messages), options, grammar };
+    tools::resolve_tool_names(&mut messages);
+    let request = ChatRequest { tools, think, ..ChatRequest::new(messages) };
+    let spec = GenerationSpec { context: Vec::new(), prompt: Prompt::Chat(request), options, grammar };
     respond(&state, &entry, name, keep_alive, spec, body.common.stream.unwrap_or(true), Shape::Chat).await
 }
 
@@ -340,15 +363,30 @@ async fn respond(state: &AppState, entry: &ModelEntry, name: String, keep_alive:
     let generation = generation::start(&state.scheduler, entry, keep_alive, spec).await?;
     if !stream {
         let collected = generation.collect().await?;
-        return Ok(Json(shape.last(&name, &collected.text, &collected.finished)).into_response());
+        let message = collected.finished.output.message.as_ref();
+        let piece = match message {
+            Some(message) => Piece { text: &message.content, thinking: &message.thinking, tool_calls: &message.tool_calls },
+            None => Piece { text: &collected.text, thinking: &collected.thinking, tool_calls: &[] },
+        };
+        return Ok(Json(shape.last(&name, &piece, &collected.finished)).into_response());
     }
     let lines = generation.into_stream().map(move |event| {
         let line = match event {
-            Event::Text(text) => shape.chunk(&name, &text),
-            Event::Done(finished) => shape.last(&name, "", &finished),
-            Event::Failed(error) => json!({ "error": error.message }),
+            Event::Text(text) => ndjson_line(&shape.chunk(&name, &Piece { text: &text, ..Piece::default() })),
+            Event::Thinking(thinking) => ndjson_line(&shape.chunk(&name, &Piece { thinking: &thinking, ..Piece::default() })),
+            Event::Done(finished) => {
+                // The calls come whole, in a chunk of their own before the last line.
+                let calls = finished.output.message.as_ref().map(|message| message.tool_calls.as_slice()).unwrap_or_default();
+                let mut lines = Vec::new();
+                if !calls.is_empty() {
+                    lines.extend_from_slice(&ndjson_line(&shape.chunk(&name, &Piece { tool_calls: calls, ..Piece::default() })));
+                }
+                lines.extend_from_slice(&ndjson_line(&shape.last(&name, &Piece::default(), &finished)));
+                Bytes::from(lines)
+            }
+            Event::Failed(error) => ndjson_line(&json!({ "error": error.message })),
         };
-        Ok(ndjson_line(&line))
+        Ok(line)
     });
     Ok(stream_response("application/x-ndjson", lines))
 }

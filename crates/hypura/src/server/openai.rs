@@ -6,7 +6,9 @@
 //! chunk with `finish_reason`, and a usage chunk when `stream_options.include_usage` is set;
 //! errors use OpenAI's `{"error": {"message", "type", "param", "code"}}`, and an error in the
 //! middle of a stream is one `data: {"error": ...}` event. `/v1/completions` sends the prompt
-//! to the model as is (no chat template), which is what a completion is.
+//! to the model as is (no chat template), which is what a completion is. Chat takes `tools`,
+//! `tool_choice` and `reasoning_effort`, and answers with `tool_calls` (ids, JSON-string
+//! arguments, `finish_reason: "tool_calls"`) and `reasoning_content`.
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::SystemTime;
 
@@ -25,10 +27,11 @@ use super::generation::{self, done_reason, GenerationSpec};
 use super::ollama::{dimensions, embed_inputs, normalise};
 use super::options::{float, integer, max_tokens, seed, RequestOptions};
 use super::scheduler::Event;
+use super::tools;
 use super::wire::{parse_body, sse_event, stream_response, unix_seconds};
 use super::AppState;
 use crate::engine::Prompt;
-use crate::engine::{ChatMessage, Finished, SamplerParams};
+use crate::engine::{ChatMessage, ChatRequest, Finished, SamplerParams};
 
 type OpenAiResult<T> = Result<T, OpenAiError>;
 
@@ -106,6 +109,8 @@ struct ChatBody {
     model: Option<String>,
     messages: Option<Vec<MessageBody>>,
     tools: Option<Vec<Value>>,
+    tool_choice: Option<Value>,
+    reasoning_effort: Option<String>,
     response_format: Option<Value>,
     #[serde(flatten)]
     sampling: Sampling,
@@ -115,6 +120,11 @@ struct ChatBody {
 struct MessageBody {
     role: String,
     content: Option<Value>,
+    reasoning_content: Option<String>,
+    reasoning: Option<String>,
+    tool_calls: Option<Value>,
+    tool_call_id: Option<String>,
+    name: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -207,8 +217,16 @@ impl Envelope {
         }
     }
 
+    /// A chat delta that is not content: reasoning, or the answer's tool calls.
+    fn chat_delta(&self, mut delta: Value, first: bool) -> Value {
+        if first {
+            delta["role"] = json!("assistant");
+        }
+        self.chunk(json!([{ "index": 0, "delta": delta, "finish_reason": null }]))
+    }
+
     fn finish(&self, finished: &Finished) -> Value {
-        let reason = done_reason(finished.output.done_reason);
+        let reason = finish_reason(finished);
         match self.kind {
             Kind::Chat => self.chunk(json!([{ "index": 0, "delta": {}, "finish_reason": reason }])),
             Kind::Text => self.chunk(json!([{ "index": 0, "text": "", "finish_reason": reason }])),
@@ -221,13 +239,40 @@ impl Envelope {
         chunk
     }
 
-    fn whole(&self, text: &str, finished: &Finished) -> Value {
-        let reason = done_reason(finished.output.done_reason);
+    fn whole(&self, text: &str, thinking: &str, finished: &Finished) -> Value {
+        let reason = finish_reason(finished);
         let (object, choice) = match self.kind {
-            Kind::Chat => ("chat.completion", json!({ "index": 0, "message": { "role": "assistant", "content": text }, "finish_reason": reason })),
+            Kind::Chat => {
+                let mut message = json!({ "role": "assistant", "content": text });
+                if !thinking.is_empty() {
+                    // llama.cpp's field, and Ollama's.
+                    message["reasoning_content"] = json!(thinking);
+                    message["reasoning"] = json!(thinking);
+                }
+                if let Some(calls) = tool_calls(finished) {
+                    message["tool_calls"] = tools::openai_calls(calls);
+                    if text.is_empty() {
+                        message["content"] = Value::Null;
+                    }
+                }
+                ("chat.completion", json!({ "index": 0, "message": message, "finish_reason": reason }))
+            }
             Kind::Text => ("text_completion", json!({ "index": 0, "text": text, "finish_reason": reason })),
         };
         json!({ "id": self.id, "object": object, "created": self.created, "model": self.model, "system_fingerprint": FINGERPRINT, "choices": [choice], "usage": usage(finished) })
+    }
+}
+
+/// The answer's tool calls, if it made any.
+fn tool_calls(finished: &Finished) -> Option<&[crate::engine::ToolCall]> {
+    finished.output.message.as_ref().map(|message| message.tool_calls.as_slice()).filter(|calls| !calls.is_empty())
+}
+
+/// "tool_calls" when the answer ended by calling tools.
+fn finish_reason(finished: &Finished) -> &'static str {
+    match (finished.output.done_reason, tool_calls(finished)) {
+        (crate::engine::DoneReason::Stop, Some(_)) => "tool_calls",
+        (reason, _) => done_reason(reason),
     }
 }
 
@@ -235,17 +280,32 @@ pub async fn chat_completions(State(state): State<AppState>, body: Result<Bytes,
     let body: ChatBody = parse_body(body)?;
     let name = model_name(body.model)?;
     let entry = state.resolve(&name).await?;
-    if body.tools.as_ref().is_some_and(|tools| !tools.is_empty()) {
-        return Err(AppError::bad_request(format!("{name} does not support tools")).into());
-    }
+    let tools = tools::parse_tools(body.tools)?;
+    let tool_choice = tools::parse_tool_choice(body.tool_choice.as_ref())?;
+    let think = body.reasoning_effort.as_deref().map(tools::reasoning_effort).transpose()?.flatten();
     let messages = body.messages.unwrap_or_default();
     if messages.is_empty() {
         return Err(AppError::bad_request("[] is too short - 'messages'").into());
     }
-    let messages = messages.into_iter().map(|message| Ok(ChatMessage::new(message.role.to_ascii_lowercase(), content_text(message.content)?))).collect::<Result<Vec<_>, AppError>>()?;
+    let mut messages = messages
+        .into_iter()
+        .map(|message| {
+            let role = message.role.to_ascii_lowercase();
+            Ok(ChatMessage {
+                content: content_text(message.content)?,
+                thinking: message.reasoning_content.or(message.reasoning),
+                tool_calls: tools::parse_calls(message.tool_calls.as_ref())?,
+                tool_name: message.name.filter(|_| role == "tool"),
+                tool_call_id: message.tool_call_id,
+                role,
+            })
+        })
+        .collect::<Result<Vec<_>, AppError>>()?;
+    tools::resolve_tool_names(&mut messages);
     let options = body.sampling.options()?;
     let grammar = response_grammar(body.response_format.as_ref())?;
-    let spec = GenerationSpec { context: Vec::new(), prompt: Prompt::Chat(messages), options, grammar };
+    let request = ChatRequest { tools, tool_choice, think, ..ChatRequest::new(messages) };
+    let spec = GenerationSpec { context: Vec::new(), prompt: Prompt::Chat(request), options, grammar };
     let envelope = Envelope { kind: Kind::Chat, id: next_id("chatcmpl"), created: unix_seconds(SystemTime::now()), model: name };
     respond(&state, &entry, spec, envelope, body.sampling.stream, body.sampling.include_usage()).await
 }
@@ -275,7 +335,11 @@ async fn respond(state: &AppState, entry: &super::catalog::ModelEntry, spec: Gen
     let generation = generation::start(&state.scheduler, entry, None, spec).await?;
     if !stream {
         let collected = generation.collect().await?;
-        return Ok(Json(envelope.whole(&collected.text, &collected.finished)).into_response());
+        let (text, thinking) = match &collected.finished.output.message {
+            Some(message) => (message.content.as_str(), message.thinking.as_str()),
+            None => (collected.text.as_str(), collected.thinking.as_str()),
+        };
+        return Ok(Json(envelope.whole(text, thinking, &collected.finished)).into_response());
     }
     let mut first = true;
     let events = generation.into_stream().map(move |event| {
@@ -285,7 +349,15 @@ async fn respond(state: &AppState, entry: &super::catalog::ModelEntry, spec: Gen
                 bytes.extend_from_slice(&sse_event(&envelope.delta(&text, first)));
                 first = false;
             }
+            Event::Thinking(thinking) => {
+                bytes.extend_from_slice(&sse_event(&envelope.chat_delta(json!({ "reasoning_content": thinking, "reasoning": thinking }), first)));
+                first = false;
+            }
             Event::Done(finished) => {
+                if let Some(calls) = tool_calls(&finished) {
+                    bytes.extend_from_slice(&sse_event(&envelope.chat_delta(json!({ "tool_calls": tools::openai_calls(calls) }), first)));
+                    first = false;
+                }
                 if first {
                     // Clients expect the role chunk even when nothing was generated.
                     bytes.extend_from_slice(&sse_event(&envelope.delta("", true)));

@@ -118,7 +118,10 @@ pub struct GenerateJob {
 /// What a generation sends back.
 #[derive(Debug)]
 pub enum Event {
+    /// Answer text (a conversation's content).
     Text(String),
+    /// Reasoning, kept apart from the content.
+    Thinking(String),
     Done(Box<Finished>),
     Failed(AppError),
 }
@@ -459,12 +462,17 @@ fn admit(batcher: &mut Batcher, job: Job, ready_at: Instant) {
     let Job { work, received, lease } = job;
     let Work::Generate(generate) = work else { return };
     let engine = batcher.engine().clone();
-    let tokens = match prompt_tokens(&engine, &generate.context, &generate.prompt) {
-        Ok(tokens) => tokens,
-        Err(error) => {
-            let _ = generate.events.send(Event::Failed(AppError::from_engine(&error)));
-            return;
-        }
+    // A conversation is rendered by the batcher (its answer is parsed there too); text and
+    // token prompts are put after Ollama's `context` here.
+    let prompt = match generate.prompt {
+        Prompt::Chat(chat) => Prompt::Chat(chat),
+        other => match prompt_tokens(&engine, &generate.context, &other) {
+            Ok(tokens) => Prompt::Tokens(tokens),
+            Err(error) => {
+                let _ = generate.events.send(Event::Failed(AppError::from_engine(&error)));
+                return;
+            }
+        },
     };
     let load_duration = ready_at.saturating_duration_since(received);
     let events = generate.events.clone();
@@ -472,6 +480,7 @@ fn admit(batcher: &mut Batcher, job: Job, ready_at: Instant) {
     let sink = Box::new(move |event: SequenceEvent<'_>| -> Control {
         let sent = match event {
             SequenceEvent::Text(text) => events.send(Event::Text(text.to_string())),
+            SequenceEvent::Thinking(text) => events.send(Event::Thinking(text.to_string())),
             // The lease ends before the last event leaves, so that a client that has its
             // answer sees the model already released (or unloaded, with keep_alive 0).
             SequenceEvent::Done(mut finished) => {
@@ -499,10 +508,15 @@ fn admit(batcher: &mut Batcher, job: Job, ready_at: Instant) {
         grammar: generate.grammar,
         n_ctx: generate.n_ctx,
         cancel: Some(generate.cancel),
-        ..GenerateRequest::new(Prompt::Tokens(tokens))
+        ..GenerateRequest::new(prompt)
     };
     if let Err((error, _sink)) = batcher.admit(request, sink) {
-        let _ = generate.events.send(Event::Failed(AppError::from_engine(&error)));
+        // A capability the model lacks is named with the model, as Ollama words it.
+        let error = match &error {
+            EngineError::Unsupported(reason) => AppError::bad_request(format!("\"{}\" {reason}", engine.inventory().path.file_stem().map(|stem| stem.to_string_lossy().into_owned()).unwrap_or_default())),
+            _ => AppError::from_engine(&error),
+        };
+        let _ = generate.events.send(Event::Failed(error));
     }
 }
 
@@ -512,7 +526,7 @@ fn prompt_tokens(engine: &Engine, context: &[Token], text: &Prompt) -> Result<Ve
     let text = match text {
         Prompt::Tokens(tokens) => return Ok(context.iter().chain(tokens).copied().collect()),
         Prompt::Raw(text) => text.clone(),
-        Prompt::Chat(messages) => prompt::render_chat(engine, messages)?,
+        Prompt::Chat(request) => prompt::render_chat(engine, request)?.prompt,
     };
     let mut tokens = context.to_vec();
     tokens.extend(prompt::tokenize_text(engine, &text, context.is_empty())?);

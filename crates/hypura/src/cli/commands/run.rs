@@ -7,7 +7,7 @@ use anyhow::Context;
 
 use crate::cli::args::RunArgs;
 use crate::cli::settings;
-use crate::engine::{ChatMessage, Control, DoneReason, Engine, GenerateOutput, GenerateRequest, Prompt, Session};
+use crate::engine::{ChatMessage, ChatRequest, Control, DoneReason, Engine, GenerateOutput, GenerateRequest, Prompt, Session};
 
 pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     let path = settings::model_path(args.model.as_ref())?;
@@ -46,7 +46,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
             Prompt::Raw(text)
         } else {
             messages.push(ChatMessage::new("user", text));
-            Prompt::Chat(messages)
+            Prompt::Chat(ChatRequest::new(messages))
         };
         let output = answer(&mut session, &request(prompt))?;
         print_stats(gpu_free_before.as_deref(), &output);
@@ -92,7 +92,7 @@ fn chat_loop(
         }
         cancel.store(false, Ordering::Relaxed);
         messages.push(ChatMessage::new("user", line));
-        let output = answer(session, &request(Prompt::Chat(messages.clone())))?;
+        let output = answer(session, &request(Prompt::Chat(ChatRequest::new(messages.clone()))))?;
         if output.done_reason == DoneReason::Cancelled {
             eprintln!("[stopped]");
         }

@@ -1,0 +1,471 @@
+//! Chat: the model's template renders a conversation (with tools and the thinking switch), and
+//! the model's answer is read back into content, reasoning and tool calls. Both are llama.cpp's
+//! own chat layer (`common/chat.h`, through the fence): its Jinja engine renders the file's
+//! template, its per-format parsers (Hermes/Qwen `<tool_call>`, Llama 3.x, Mistral, gpt-oss
+//! channels, DeepSeek, GLM, Qwen3.5, and what its autoparser reads from other templates) read the
+//! output, and its lazy grammar keeps a call well formed once the model starts one.
+//!
+//! A file without a template runs as plain completion, as Ollama does: the messages' text is
+//! the prompt. `--chat-template` (or `EngineOptions::chat_template`) supplies one.
+use std::collections::HashSet;
+use std::hash::{BuildHasher, Hasher};
+
+use hypura_sys::{ChatTemplates, Grammar, Model, RenderedChat, Token};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+/// One turn of a conversation.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+    /// The assistant's reasoning (Ollama's `thinking`, OpenAI's `reasoning_content`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub thinking: Option<String>,
+    /// Calls the assistant made.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// A tool result: which tool, and which call it answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+}
+
+impl ChatMessage {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
+        ChatMessage { role: role.into(), content: content.into(), ..ChatMessage::default() }
+    }
+
+    /// OpenAI's message shape, which llama.cpp's chat layer reads.
+    fn to_openai(&self) -> Value {
+        let mut message = json!({ "role": self.role, "content": self.content });
+        if let Some(thinking) = self.thinking.as_ref().filter(|text| !text.is_empty()) {
+            message["reasoning_content"] = json!(thinking);
+        }
+        if !self.tool_calls.is_empty() {
+            let calls: Vec<Value> = self
+                .tool_calls
+                .iter()
+                .map(|call| {
+                    let arguments = match &call.arguments {
+                        Value::String(text) => text.clone(),
+                        other => other.to_string(),
+                    };
+                    let mut value = json!({ "type": "function", "function": { "name": call.name, "arguments": arguments } });
+                    if let Some(id) = &call.id {
+                        value["id"] = json!(id);
+                    }
+                    value
+                })
+                .collect();
+            message["tool_calls"] = Value::Array(calls);
+        }
+        if let Some(name) = &self.tool_name {
+            message["name"] = json!(name);
+        }
+        if let Some(id) = &self.tool_call_id {
+            message["tool_call_id"] = json!(id);
+        }
+        message
+    }
+}
+
+/// A tool call: the function's name and its arguments (a JSON object).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ToolCall {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    pub name: String,
+    pub arguments: Value,
+}
+
+/// Whether the model may think first, and how hard (gpt-oss's levels).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Think {
+    Off,
+    On,
+    Level(String),
+}
+
+/// Which tool the model must call: OpenAI's `tool_choice`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ToolChoice {
+    #[default]
+    Auto,
+    Required,
+    None,
+}
+
+/// A conversation to answer.
+#[derive(Clone, Debug, Default)]
+pub struct ChatRequest {
+    pub messages: Vec<ChatMessage>,
+    /// OpenAI tool definitions: `{"type": "function", "function": {name, description, parameters}}`.
+    pub tools: Vec<Value>,
+    pub tool_choice: ToolChoice,
+    /// None: the template's default.
+    pub think: Option<Think>,
+}
+
+impl ChatRequest {
+    pub fn new(messages: Vec<ChatMessage>) -> ChatRequest {
+        ChatRequest { messages, ..ChatRequest::default() }
+    }
+}
+
+/// What the model's template can do.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct TemplateCaps {
+    /// The file (or the override) has a template; without one, chat is plain completion.
+    pub template: bool,
+    /// The template renders tools.
+    pub tools: bool,
+    /// The template has a reasoning section.
+    pub thinking: bool,
+}
+
+#[derive(Deserialize)]
+struct Describe {
+    explicit: bool,
+    tools: bool,
+    thinking: bool,
+}
+
+/// The model's chat template.
+pub struct ChatTemplate {
+    templates: Option<ChatTemplates>,
+    caps: TemplateCaps,
+}
+
+/// Why a conversation cannot be rendered: the request's fault (a 400), not the server's.
+#[derive(Debug, thiserror::Error)]
+pub enum ChatError {
+    #[error("{0}")]
+    Unsupported(String),
+    #[error("{0}")]
+    Template(String),
+}
+
+impl ChatTemplate {
+    /// The file's template, or `override_template` in its place.
+    pub fn new(model: &Model, override_template: Option<&str>) -> Result<ChatTemplate, String> {
+        let templates = ChatTemplates::new(model, override_template.filter(|text| !text.trim().is_empty())).map_err(|error| error.to_string())?;
+        let describe: Describe = serde_json::from_str(&templates.describe().map_err(|error| error.to_string())?).map_err(|error| error.to_string())?;
+        if !describe.explicit {
+            return Ok(ChatTemplate { templates: None, caps: TemplateCaps::default() });
+        }
+        Ok(ChatTemplate { templates: Some(templates), caps: TemplateCaps { template: true, tools: describe.tools, thinking: describe.thinking } })
+    }
+
+    pub fn caps(&self) -> TemplateCaps {
+        self.caps
+    }
+
+    pub fn describe(&self) -> String {
+        match (&self.templates, self.caps.tools, self.caps.thinking) {
+            (None, _, _) => "none (plain completion)".into(),
+            (Some(_), tools, thinking) => format!("the file's Jinja template (tools: {tools}, thinking: {thinking})"),
+        }
+    }
+
+    /// Render a conversation, the assistant's turn opened.
+    pub fn render(&self, request: &ChatRequest) -> Result<RenderedTurn, ChatError> {
+        if matches!(request.think, Some(Think::On | Think::Level(_))) && !self.caps.thinking {
+            return Err(ChatError::Unsupported("does not support thinking".into()));
+        }
+        let Some(templates) = &self.templates else {
+            if !request.tools.is_empty() {
+                return Err(ChatError::Unsupported("does not support tools (the model has no chat template)".into()));
+            }
+            let prompt = request.messages.iter().map(|message| message.content.as_str()).filter(|text| !text.is_empty()).collect::<Vec<_>>().join("\n\n");
+            return Ok(RenderedTurn { prompt, chat: None, stops: Vec::new(), preserved: Vec::new() });
+        };
+        if !request.tools.is_empty() && !self.caps.tools {
+            return Err(ChatError::Unsupported("does not support tools (its chat template does not render them)".into()));
+        }
+        for tool in &request.tools {
+            check_tool(tool)?;
+        }
+        let mut body = json!({
+            "messages": request.messages.iter().map(ChatMessage::to_openai).collect::<Vec<_>>(),
+            "tool_choice": match request.tool_choice { ToolChoice::Auto => "auto", ToolChoice::Required => "required", ToolChoice::None => "none" },
+            "parallel_tool_calls": true,
+            "reasoning_format": "deepseek",
+            "add_generation_prompt": true,
+        });
+        if !request.tools.is_empty() {
+            body["tools"] = Value::Array(request.tools.clone());
+        }
+        match &request.think {
+            Some(Think::Off) => body["enable_thinking"] = json!(false),
+            Some(Think::On) => body["enable_thinking"] = json!(true),
+            Some(Think::Level(level)) => {
+                body["enable_thinking"] = json!(true);
+                body["chat_template_kwargs"] = json!({ "reasoning_effort": level });
+            }
+            None => {}
+        }
+        let rendered = templates.apply(&body.to_string()).map_err(|error| ChatError::Template(error.to_string()))?;
+        tracing::debug!("chat layer: {}", rendered.json());
+        let params: RenderedParams = serde_json::from_str(rendered.json()).map_err(|error| ChatError::Template(format!("the chat layer's answer: {error}")))?;
+        // The parser runs only where it has something to find: tool calls, or a reasoning section.
+        let parse = !request.tools.is_empty() || params.supports_thinking;
+        Ok(RenderedTurn {
+            prompt: params.prompt,
+            stops: params.additional_stops,
+            preserved: params.preserved_tokens,
+            chat: parse.then(|| ChatStream { rendered, text: String::new(), sent_content: 0, sent_thinking: 0, tool_names: request.tools.iter().filter_map(|tool| tool.pointer("/function/name").and_then(Value::as_str).map(str::to_string)).collect() }),
+        })
+    }
+}
+
+/// A tool definition has a function with a name, and parameters (if any) that are a JSON
+/// Schema object: checked here so a malformed one is a clear 400, not a template's error.
+fn check_tool(tool: &Value) -> Result<(), ChatError> {
+    let function = tool.get("function").filter(|function| function.is_object()).ok_or_else(|| ChatError::Template(format!("a tool must be {{\"type\": \"function\", \"function\": {{...}}}}, not {tool}")))?;
+    if let Some(kind) = tool.get("type") {
+        if kind != "function" {
+            return Err(ChatError::Template(format!("tool type {kind} is not supported; only \"function\" is")));
+        }
+    }
+    match function.get("name") {
+        Some(Value::String(name)) if !name.trim().is_empty() => {}
+        _ => return Err(ChatError::Template(format!("a tool's function needs a name: {function}"))),
+    }
+    match function.get("parameters") {
+        None | Some(Value::Null) | Some(Value::Object(_)) => Ok(()),
+        Some(other) => Err(ChatError::Template(format!("a tool's parameters must be a JSON Schema object, not {other}"))),
+    }
+}
+
+#[derive(Deserialize)]
+struct RenderedParams {
+    prompt: String,
+    #[serde(default)]
+    preserved_tokens: Vec<String>,
+    #[serde(default)]
+    additional_stops: Vec<String>,
+    #[serde(default)]
+    supports_thinking: bool,
+}
+
+/// A rendered conversation: the prompt, extra stop strings, the template's marker tokens whose
+/// text must stay in the output (a tool call's `<tool_call>`), and the parser for the answer.
+pub struct RenderedTurn {
+    pub prompt: String,
+    pub stops: Vec<String>,
+    pub preserved: Vec<String>,
+    /// None: the answer is plain content.
+    pub chat: Option<ChatStream>,
+}
+
+impl RenderedTurn {
+    /// The preserved markers that are single tokens.
+    pub fn preserved_tokens(&self, model: &Model) -> HashSet<Token> {
+        let vocab = model.vocab();
+        self.preserved.iter().filter_map(|text| vocab.tokenize(text, false, true).ok()).filter(|tokens| tokens.len() == 1).map(|tokens| tokens[0]).collect()
+    }
+}
+
+/// Text for the client as the answer grows: content and reasoning kept apart.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ChatDelta {
+    pub content: String,
+    pub thinking: String,
+}
+
+/// The parsed answer.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct AssistantMessage {
+    pub content: String,
+    pub thinking: String,
+    pub tool_calls: Vec<ToolCall>,
+}
+
+#[derive(Deserialize)]
+struct ParsedMessage {
+    #[serde(default)]
+    content: Option<Value>,
+    #[serde(default)]
+    reasoning_content: Option<String>,
+    #[serde(default)]
+    tool_calls: Vec<ParsedCall>,
+}
+
+#[derive(Deserialize)]
+struct ParsedCall {
+    #[serde(default)]
+    id: Option<String>,
+    function: ParsedFunction,
+}
+
+#[derive(Deserialize)]
+struct ParsedFunction {
+    name: String,
+    #[serde(default)]
+    arguments: String,
+}
+
+/// Reads the answer as it streams: each push re-parses the text so far (the formats' markers
+/// can span tokens) and returns what is new in the content and the reasoning. Tool calls come
+/// out whole, when the answer ends.
+///
+/// Small models often write a call as bare JSON, without their template's markers
+/// (Qwen2.5-Coder-0.5B answers `{"name": "read", "arguments": {...}}` rather than
+/// `<tool_call>...</tool_call>`). When tools were offered, an answer that is only such JSON,
+/// naming an offered tool, is read as that call, as Ollama's parser reads it; content that
+/// starts like one is held back until the answer shows what it is.
+pub struct ChatStream {
+    rendered: RenderedChat,
+    text: String,
+    sent_content: usize,
+    sent_thinking: usize,
+    /// The offered tools' names (empty: no tools).
+    tool_names: Vec<String>,
+}
+
+impl ChatStream {
+    /// The grammar that keeps tool calls well formed (None without tools).
+    pub fn grammar(&self, model: &Model) -> Result<Option<Grammar>, hypura_sys::SysError> {
+        if self.tool_names.is_empty() {
+            return Ok(None);
+        }
+        self.rendered.grammar(&model.vocab())
+    }
+
+    pub fn push(&mut self, piece: &str) -> ChatDelta {
+        self.text.push_str(piece);
+        match self.parse(true) {
+            Some(message) => self.delta(&message),
+            None => ChatDelta::default(),
+        }
+    }
+
+    /// The whole answer, and whatever of it was not yet sent. Output the parser cannot read
+    /// (a botched call) is returned as plain content.
+    pub fn finish(&mut self) -> (ChatDelta, AssistantMessage) {
+        let mut message = self.parse(false).unwrap_or_else(|| AssistantMessage { content: self.text.clone(), ..AssistantMessage::default() });
+        if message.tool_calls.is_empty() && self.sent_content == 0 {
+            if let Some(calls) = bare_calls(&message.content, &self.tool_names) {
+                message.tool_calls = calls;
+                message.content.clear();
+            }
+        }
+        let delta = self.delta_final(&message);
+        (delta, message)
+    }
+
+    /// Content that may still turn out to be a bare JSON call is not sent yet.
+    fn may_be_bare_call(&self, content: &str) -> bool {
+        let start = content.trim_start();
+        !self.tool_names.is_empty() && self.sent_content == 0 && (start.is_empty() || start.starts_with('{') || start.starts_with('[') || start.starts_with("```"))
+    }
+
+    fn delta_final(&mut self, message: &AssistantMessage) -> ChatDelta {
+        let held = std::mem::take(&mut self.tool_names);
+        let delta = self.delta(message);
+        self.tool_names = held;
+        delta
+    }
+
+    /// What the content and reasoning gained since the last delta. A parse that rewrites text
+    /// already sent (rare: a marker the partial parse read as content) sends nothing more for
+    /// that part; the final message has it right.
+    fn delta(&mut self, message: &AssistantMessage) -> ChatDelta {
+        let mut delta = ChatDelta::default();
+        if message.content.len() > self.sent_content && message.content.is_char_boundary(self.sent_content) && !self.may_be_bare_call(&message.content) {
+            delta.content = message.content[self.sent_content..].to_string();
+            self.sent_content = message.content.len();
+        }
+        if message.thinking.len() > self.sent_thinking && message.thinking.is_char_boundary(self.sent_thinking) {
+            delta.thinking = message.thinking[self.sent_thinking..].to_string();
+            self.sent_thinking = message.thinking.len();
+        }
+        delta
+    }
+
+    fn parse(&self, partial: bool) -> Option<AssistantMessage> {
+        let json = match self.rendered.parse(&self.text, partial) {
+            Ok(json) => json,
+            Err(error) => {
+                if !partial {
+                    tracing::warn!("the answer does not parse as the template's format ({error}); it is returned as plain text");
+                }
+                return None;
+            }
+        };
+        let parsed: ParsedMessage = serde_json::from_str(&json).ok()?;
+        let content = match parsed.content {
+            Some(Value::String(text)) => text,
+            Some(Value::Array(parts)) => parts.iter().filter_map(|part| part.get("text").and_then(Value::as_str)).collect::<Vec<_>>().join("\n"),
+            _ => String::new(),
+        };
+        let tool_calls = parsed
+            .tool_calls
+            .into_iter()
+            .map(|call| ToolCall {
+                id: Some(call.id.filter(|id| !id.is_empty()).unwrap_or_else(new_call_id)),
+                arguments: serde_json::from_str(&call.function.arguments).unwrap_or(Value::String(call.function.arguments)),
+                name: call.function.name,
+            })
+            .collect();
+        Some(AssistantMessage { content, thinking: parsed.reasoning_content.unwrap_or_default(), tool_calls })
+    }
+}
+
+/// The calls in an answer that is nothing but JSON calls of offered tools: one object
+/// `{"name", "arguments"}` (or `"parameters"`), a list of them, or several in a row, optionally
+/// in a ```json fence. None for anything else, which stays content.
+fn bare_calls(content: &str, tool_names: &[String]) -> Option<Vec<ToolCall>> {
+    if tool_names.is_empty() {
+        return None;
+    }
+    let mut text = content.trim();
+    if let Some(fenced) = text.strip_prefix("```") {
+        let fenced = fenced.strip_prefix("json").unwrap_or(fenced);
+        text = fenced.strip_suffix("```")?.trim();
+    }
+    let mut values = Vec::new();
+    for value in serde_json::Deserializer::from_str(text).into_iter::<Value>() {
+        match value.ok()? {
+            Value::Array(items) => values.extend(items),
+            other => values.push(other),
+        }
+    }
+    let calls: Vec<ToolCall> = values
+        .into_iter()
+        .map(|value| {
+            let name = value.get("name")?.as_str()?.to_string();
+            if !tool_names.contains(&name) {
+                return None;
+            }
+            let arguments = match value.get("arguments").or_else(|| value.get("parameters")) {
+                Some(Value::String(text)) => serde_json::from_str(text).ok()?,
+                Some(arguments @ Value::Object(_)) => arguments.clone(),
+                None => json!({}),
+                Some(_) => return None,
+            };
+            Some(ToolCall { id: Some(new_call_id()), name, arguments })
+        })
+        .collect::<Option<_>>()?;
+    (!calls.is_empty()).then_some(calls)
+}
+
+/// An id for a call the model did not number itself ("call_" and 24 random letters and digits,
+/// OpenAI's shape).
+fn new_call_id() -> String {
+    const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+    let mut id = String::from("call_");
+    let mut bits = 0u64;
+    for index in 0..24 {
+        if index % 8 == 0 {
+            let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+            hasher.write_usize(index);
+            bits = hasher.finish();
+        }
+        id.push(ALPHABET[(bits % ALPHABET.len() as u64) as usize] as char);
+        bits /= ALPHABET.len() as u64;
+    }
+    id
+}
