@@ -13,7 +13,7 @@ mod write;
 
 use std::path::PathBuf;
 
-pub use spec::{preset, Arch, ForgeSpec, Init, QuantMix, Shape, TensorPlan, PRESETS};
+pub use spec::{preset, Arch, ForgeSpec, Init, QuantMix, Shape, TensorPlan, PRESETS, QWEN3_TEMPLATE};
 pub use vocab::Vocabulary;
 pub use write::{metadata, write_model, ForgeSummary};
 

@@ -113,7 +113,28 @@ pub struct ForgeSpec {
     /// variance; real models add little per layer, so their hidden state (and routing) drifts
     /// slowly from layer to layer, which is what makes the stale gate predict.
     pub residual_scale: f32,
+    /// `tokenizer.chat_template`: the Qwen3 presets carry a Qwen3-style template with a
+    /// reasoning section (`<think>`), the others none (base models).
+    pub chat_template: Option<String>,
 }
+
+/// A Qwen3-style chat template: ChatML turns, the assistant's reasoning in `<think>` tags,
+/// and `enable_thinking=false` closing an empty reasoning block.
+pub const QWEN3_TEMPLATE: &str = concat!(
+    "{%- for message in messages %}",
+    "{%- if message.role == 'assistant' %}",
+    "{{- '<|im_start|>assistant\\n' }}",
+    "{%- if message.reasoning_content %}{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}",
+    "{{- message.content + '<|im_end|>\\n' }}",
+    "{%- else %}",
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}",
+    "{%- endif %}",
+    "{%- endfor %}",
+    "{%- if add_generation_prompt %}",
+    "{{- '<|im_start|>assistant\\n' }}",
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}",
+    "{%- endif %}",
+);
 
 impl ForgeSpec {
     pub fn is_moe(&self) -> bool {
@@ -148,7 +169,8 @@ pub fn preset(name: &str) -> Option<ForgeSpec> {
         "tiny-moe-30b" => (Arch::Qwen3Moe, moe(4, 256, 4, 2, 128, 256, 16, 4)),
         _ => return None,
     };
-    Some(ForgeSpec { name: canonical.to_string(), arch, shape, quant: QuantMix::Q4KM, seed: 42, router_skew: 0.0, router_locality: 0.0, residual_scale: 1.0 })
+    let chat_template = matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe).then(|| QWEN3_TEMPLATE.to_string());
+    Some(ForgeSpec { name: canonical.to_string(), arch, shape, quant: QuantMix::Q4KM, seed: 42, router_skew: 0.0, router_locality: 0.0, residual_scale: 1.0, chat_template })
 }
 
 fn dense(n_layer: u64, n_embd: u64, n_head: u64, n_head_kv: u64, n_ff: u64, rope_freq_base: f32) -> Shape {

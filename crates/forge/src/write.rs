@@ -66,6 +66,9 @@ pub fn metadata(spec: &ForgeSpec, vocabulary: &Vocabulary) -> Vec<(String, Value
         entries.push((key("expert_feed_forward_length"), Value::U32(shape.n_ff as u32)));
     }
     entries.extend(vocabulary.metadata());
+    if let Some(template) = &spec.chat_template {
+        entries.push(("tokenizer.chat_template".into(), Value::String(template.clone())));
+    }
     entries
 }
 

@@ -31,22 +31,35 @@ fn run_generates_and_reports_stats() {
     assert!(!output.stdout.is_empty());
 }
 
+fn run_model(model: &std::path::Path, extra: &[&str]) -> String {
+    let mut args = vec!["run", model.to_str().unwrap(), "-n", "8", "--temperature", "0", "-t", "1"];
+    args.extend_from_slice(extra);
+    let output = hypura(&args);
+    assert!(output.status.success(), "{}", stderr(&output));
+    String::from_utf8(output.stdout).unwrap()
+}
+
 #[test]
-fn run_greedy_is_deterministic_and_raw_differs_from_chat() {
-    let path = common::gemma_path();
-    let model = path.to_str().unwrap();
-    let run = |extra: &[&str]| {
-        let mut args = vec!["run", model, "-n", "8", "--temperature", "0", "-t", "1"];
-        args.extend_from_slice(extra);
-        let output = hypura(&args);
-        assert!(output.status.success(), "{}", stderr(&output));
-        String::from_utf8(output.stdout).unwrap()
-    };
-    let raw = run(&["--raw", "-p", "Question: What is the capital of France?\nAnswer:"]);
-    assert!(raw.contains("Paris"), "{raw}");
-    assert_eq!(raw, run(&["--raw", "-p", "Question: What is the capital of France?\nAnswer:"]));
-    let chat = run(&["-p", "Question: What is the capital of France?\nAnswer:"]);
-    assert_ne!(raw, chat, "the chat template must change the prompt");
+fn a_base_model_without_a_template_runs_chat_as_plain_completion() {
+    // Gemma 3 270M is a base model and its file has no chat template: a prompt is completed
+    // as written, with or without --raw (a made-up template once made it answer "tersebut").
+    let gemma = common::gemma_path();
+    let raw = run_model(&gemma, &["--raw", "-p", "Water freezes at a temperature of"]);
+    assert!(raw.contains('0') || raw.to_lowercase().contains("zero"), "{raw}");
+    assert_eq!(raw, run_model(&gemma, &["--raw", "-p", "Water freezes at a temperature of"]), "greedy output repeats");
+    assert_eq!(raw, run_model(&gemma, &["-p", "Water freezes at a temperature of"]), "no template: chat is the prompt as written");
+}
+
+#[test]
+fn an_instruct_model_answers_through_its_template() {
+    let qwen = common::chat_model_path();
+    let chat = run_model(&qwen, &["-p", "What is the capital of France? One word."]);
+    assert!(chat.contains("Paris"), "{chat}");
+    // The same text without the template is a different prompt (and `-m` names the model as
+    // llama.cpp's flag does).
+    let output = hypura(&["run", "-m", qwen.to_str().unwrap(), "--raw", "-p", "What is the capital of France? One word.", "-n", "8", "--temperature", "0", "-t", "1"]);
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert_ne!(String::from_utf8(output.stdout).unwrap(), chat);
 }
 
 #[test]

@@ -25,12 +25,27 @@ pub fn forge_with(name: &str, directory: &Path, adjust: impl FnOnce(&mut hypura_
 /// The real Gemma 3 270M file, fetched by `scripts/fetch-test-model` (CI runs it before the
 /// tests). `HYPURA_TEST_MODEL` overrides the path.
 pub fn gemma_path() -> PathBuf {
-    if let Some(path) = std::env::var_os("HYPURA_TEST_MODEL") {
+    cached_model("HYPURA_TEST_MODEL", "gemma-3-270m-q4_k_m.gguf", "gemma-3-270m")
+}
+
+/// Qwen2.5-Coder-0.5B-Instruct Q4_K_M: an instruct model whose template renders tools.
+pub fn chat_model_path() -> PathBuf {
+    cached_model("HYPURA_CHAT_MODEL", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "qwen2.5-coder-0.5b")
+}
+
+/// SmolLM2-135M-Instruct Q4_1: a ChatML template without tools.
+pub fn smollm_path() -> PathBuf {
+    cached_model("HYPURA_SMOLLM_MODEL", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m")
+}
+
+/// A model `scripts/fetch-model` put in the cache, or the file the environment names.
+fn cached_model(variable: &str, file: &str, fetch_name: &str) -> PathBuf {
+    if let Some(path) = std::env::var_os(variable) {
         return PathBuf::from(path);
     }
     let cache = std::env::var_os("HYPURA_CACHE_DIR").map(PathBuf::from).or_else(|| dirs::cache_dir().map(|dir| dir.join("hypura"))).expect("a cache directory");
-    let path = cache.join("models/gemma-3-270m-q4_k_m.gguf");
-    assert!(path.exists(), "{} is missing: run scripts/fetch-test-model first", path.display());
+    let path = cache.join("models").join(file);
+    assert!(path.exists(), "{} is missing: run scripts/fetch-model {fetch_name} first", path.display());
     path
 }
 

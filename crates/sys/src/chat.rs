@@ -61,7 +61,7 @@ fn c_text(text: &str, what: &str) -> Result<CString, SysError> {
 pub struct ChatTemplates {
     pointer: NonNull<RawChat>,
     /// Held so that the model (whose vocabulary the templates read) outlives them.
-    _model: Model,
+    _model: Option<Model>,
 }
 
 // SAFETY: after init the templates are only read (apply and describe take a const pointer and
@@ -80,7 +80,22 @@ impl ChatTemplates {
         // is NUL-terminated or null; `error` is a valid out pointer.
         let pointer = unsafe { hypura_chat_init(model.as_ptr(), template.as_ref().map_or(std::ptr::null(), |text| text.as_ptr()), &mut error) };
         let pointer = NonNull::new(pointer).ok_or_else(|| shim_error(error))?;
-        Ok(ChatTemplates { pointer, _model: model.clone() })
+        Ok(ChatTemplates { pointer, _model: Some(model.clone()) })
+    }
+
+    /// A template text alone, without a model (for what it can do: `describe`). Its BOS and
+    /// EOS tokens render empty.
+    pub fn from_text(template: &str) -> Result<ChatTemplates, SysError> {
+        if template.trim().is_empty() {
+            return Err(SysError::Chat("the chat template is empty".into()));
+        }
+        let template = c_text(template, "chat template")?;
+        let mut error = std::ptr::null_mut();
+        // SAFETY: a null model is allowed with a non-empty template (llama.cpp reads the model
+        // only for its own template and tokens); the text is NUL-terminated; `error` is valid.
+        let pointer = unsafe { hypura_chat_init(std::ptr::null(), template.as_ptr(), &mut error) };
+        let pointer = NonNull::new(pointer).ok_or_else(|| shim_error(error))?;
+        Ok(ChatTemplates { pointer, _model: None })
     }
 
     /// JSON: `explicit`, `tools`, `thinking`, and the template's capability flags (`caps`).

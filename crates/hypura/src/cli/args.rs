@@ -42,22 +42,21 @@ pub struct ProfileArgs {
 
 #[derive(Args, Debug)]
 pub struct InspectArgs {
-    /// A GGUF file (the first file of a split model).
-    pub model: PathBuf,
+    /// A GGUF file (the first file of a split model) or the name of a model pulled by Ollama.
+    #[arg(value_name = "MODEL")]
+    pub model: Option<String>,
+    /// The model, as llama.cpp's -m gives it.
+    #[arg(short = 'm', long = "model", conflicts_with = "model", value_name = "MODEL")]
+    pub model_flag: Option<String>,
     /// List every tensor.
     #[arg(long)]
     pub tensors: bool,
     /// Print JSON instead of tables.
     #[arg(long)]
     pub json: bool,
-    /// Context length the plan reserves KV cache for.
-    #[arg(long, short = 'c', default_value_t = 4096)]
-    pub context: u32,
-    /// CPU threads the run will use (the measured compute time is per thread count).
-    #[arg(long, short = 't')]
-    pub threads: Option<i32>,
+    /// The run's model and context flags: the plan printed is the plan `run` uses with them.
     #[command(flatten)]
-    pub plan: PlanArgs,
+    pub model_args: ModelArgs,
 }
 
 /// Sampling flags shared by `run` and `bench`, with llama.cpp's names and defaults.
@@ -132,14 +131,16 @@ pub struct PlanArgs {
 /// Model and context flags shared by `run` and `bench`.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// Context length in tokens (0 = the model's training context).
-    #[arg(long, short = 'c', default_value_t = 4096)]
-    pub context: u32,
+    /// Context length of each sequence in tokens; 0 is the model's training context. Default:
+    /// the longest of 32K, 16K, 8K, 4K and 2K (at most the trained length) whose KV cache takes
+    /// at most a quarter of the memory budget.
+    #[arg(long, short = 'c', value_name = "TOKENS")]
+    pub context: Option<u32>,
     /// CPU threads (default: every core).
     #[arg(long, short = 't')]
     pub threads: Option<i32>,
-    /// Logical batch size for prompt processing.
-    #[arg(long, default_value_t = 512)]
+    /// Batch size for prompt processing (llama.cpp's -b and -ub; Hypura uses one size for both).
+    #[arg(long, short = 'b', visible_alias = "ubatch-size", default_value_t = 512)]
     pub batch_size: u32,
     /// Turn off llama.cpp's CPU weight repacking.
     #[arg(long)]
@@ -158,8 +159,13 @@ pub struct ModelArgs {
 
 #[derive(Args, Debug)]
 pub struct RunArgs {
-    /// A GGUF file; default: the Gemma 3 270M test model fetched by scripts/fetch-test-model.
-    pub model: Option<PathBuf>,
+    /// A GGUF file or the name of a model pulled by Ollama; default: Qwen2.5-Coder-0.5B-Instruct,
+    /// fetched by scripts/fetch-model.
+    #[arg(value_name = "MODEL")]
+    pub model: Option<String>,
+    /// The model, as llama.cpp's -m gives it.
+    #[arg(short = 'm', long = "model", conflicts_with = "model", value_name = "MODEL")]
+    pub model_flag: Option<String>,
     /// The prompt (rendered with the model's chat template unless --raw).
     #[arg(long, short = 'p', conflicts_with = "interactive")]
     pub prompt: Option<String>,
@@ -190,8 +196,12 @@ pub struct RunArgs {
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
-    /// A GGUF file; default: the Gemma 3 270M test model.
-    pub model: Option<PathBuf>,
+    /// A GGUF file or the name of a model pulled by Ollama; default: the default model.
+    #[arg(value_name = "MODEL")]
+    pub model: Option<String>,
+    /// The model, as llama.cpp's -m gives it.
+    #[arg(short = 'm', long = "model", conflicts_with = "model", value_name = "MODEL")]
+    pub model_flag: Option<String>,
     /// Prompt tokens for the prompt-processing test (pp).
     #[arg(short = 'p', long = "n-prompt", default_value_t = 512)]
     pub n_prompt: usize,

@@ -9,16 +9,30 @@ use crate::engine::setup::{RunSpec, Setup};
 use crate::engine::SamplerParams;
 use crate::plan::{Mode, ModeChoice, PlanOptions};
 
-/// The model path, or the default model that `scripts/fetch-test-model` put in the cache.
-pub fn model_path(model: Option<&PathBuf>) -> anyhow::Result<PathBuf> {
-    if let Some(path) = model {
-        return Ok(path.clone());
+/// The default model's file name, as `scripts/fetch-model` stores it in the cache: an instruct
+/// model whose template renders tools.
+pub const DEFAULT_MODEL: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
+
+/// The model a command names: a GGUF path, or the name of a model pulled by Ollama (as
+/// `ollama run NAME` takes it); with none, the default model `scripts/fetch-model` put in the
+/// cache.
+pub fn model_path(model: Option<&str>) -> anyhow::Result<PathBuf> {
+    let Some(model) = model else {
+        let path = crate::hw::default_cache_dir().join("models").join(DEFAULT_MODEL);
+        if !path.exists() {
+            anyhow::bail!("no model given and the default model {} is missing; run scripts/fetch-model", path.display());
+        }
+        return Ok(path);
+    };
+    let path = PathBuf::from(model);
+    if path.exists() {
+        return Ok(path);
     }
-    let path = crate::hw::default_cache_dir().join("models/gemma-3-270m-q4_k_m.gguf");
-    if !path.exists() {
-        anyhow::bail!("no model given and the default model {} is missing; run scripts/fetch-test-model", path.display());
+    let catalog = crate::server::Catalog { ollama_stores: crate::server::Catalog::default_ollama_store().into_iter().collect(), ..crate::server::Catalog::default() };
+    match catalog.resolve(model) {
+        Ok(entry) => Ok(entry.path),
+        Err(_) => anyhow::bail!("{model} is neither a file nor a model pulled by Ollama (looked in {})", crate::server::Catalog::default_ollama_store().map_or("no Ollama store".into(), |store| store.display().to_string())),
     }
-    Ok(path)
 }
 
 /// The run the flags ask for, in library types (`engine::setup` turns it into a plan and
@@ -34,7 +48,7 @@ pub fn run_spec(args: &ModelArgs) -> anyhow::Result<RunSpec> {
 }
 
 /// The part of a run the planner reads (`inspect` has only these flags).
-pub fn plan_spec(args: &PlanArgs, context: u32, threads: Option<i32>) -> anyhow::Result<RunSpec> {
+pub fn plan_spec(args: &PlanArgs, context: Option<u32>, threads: Option<i32>) -> anyhow::Result<RunSpec> {
     Ok(RunSpec {
         n_ctx: context,
         n_threads: threads,

@@ -151,6 +151,21 @@ impl ChatTemplate {
     /// The file's template, or `override_template` in its place.
     pub fn new(model: &Model, override_template: Option<&str>) -> Result<ChatTemplate, String> {
         let templates = ChatTemplates::new(model, override_template.filter(|text| !text.trim().is_empty())).map_err(|error| error.to_string())?;
+        ChatTemplate::with(templates)
+    }
+
+    pub fn caps(&self) -> TemplateCaps {
+        self.caps
+    }
+
+    /// A template text alone, without the model (its BOS and EOS tokens render empty): what
+    /// `/api/show` reads a file's template with.
+    pub fn from_text(template: &str) -> Result<ChatTemplate, String> {
+        let templates = ChatTemplates::from_text(template).map_err(|error| error.to_string())?;
+        ChatTemplate::with(templates)
+    }
+
+    fn with(templates: ChatTemplates) -> Result<ChatTemplate, String> {
         let describe: Describe = serde_json::from_str(&templates.describe().map_err(|error| error.to_string())?).map_err(|error| error.to_string())?;
         if !describe.explicit {
             return Ok(ChatTemplate { templates: None, caps: TemplateCaps::default() });
@@ -158,8 +173,10 @@ impl ChatTemplate {
         Ok(ChatTemplate { templates: Some(templates), caps: TemplateCaps { template: true, tools: describe.tools, thinking: describe.thinking } })
     }
 
-    pub fn caps(&self) -> TemplateCaps {
-        self.caps
+    /// What a file's template text can do, without loading the model (`/api/show`). A
+    /// template llama.cpp cannot parse can do nothing.
+    pub fn caps_of(template: Option<&str>) -> TemplateCaps {
+        template.filter(|text| !text.trim().is_empty()).and_then(|text| ChatTemplate::from_text(text).ok()).map(|template| template.caps).unwrap_or_default()
     }
 
     pub fn describe(&self) -> String {
@@ -468,4 +485,95 @@ fn new_call_id() -> String {
         bits /= ALPHABET.len() as u64;
     }
     id
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn qwen3() -> ChatTemplate {
+        ChatTemplate::from_text(hypura_forge::QWEN3_TEMPLATE).unwrap()
+    }
+
+    fn weather_tool() -> Value {
+        json!({"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}})
+    }
+
+    #[test]
+    fn a_reasoning_template_is_read_as_thinking_and_its_answer_split() {
+        let template = qwen3();
+        assert!(template.caps().template && template.caps().thinking, "{:?}", template.caps());
+        assert!(!template.caps().tools, "this template does not render tools");
+        let mut turn = template.render(&ChatRequest::new(vec![ChatMessage::new("user", "Why is the sky blue?")])).unwrap();
+        assert!(turn.prompt.ends_with("<|im_start|>user\nWhy is the sky blue?<|im_end|>\n<|im_start|>assistant\n"), "{}", turn.prompt);
+        let chat = turn.chat.as_mut().expect("a reasoning template's answer is parsed");
+        let mut thinking = String::new();
+        let mut content = String::new();
+        for piece in ["<think>\nRay", "leigh scattering.", "\n</think>\n\nBlue light", " scatters most."] {
+            let delta = chat.push(piece);
+            thinking.push_str(&delta.thinking);
+            content.push_str(&delta.content);
+        }
+        let (delta, message) = chat.finish();
+        thinking.push_str(&delta.thinking);
+        content.push_str(&delta.content);
+        assert_eq!(message.thinking.trim_end(), "Rayleigh scattering.");
+        assert_eq!(message.content, "Blue light scatters most.");
+        assert_eq!((thinking.as_str(), content.as_str()), (message.thinking.as_str(), message.content.as_str()), "the stream's deltas add up to the message");
+    }
+
+    #[test]
+    fn think_false_closes_the_reasoning_block_and_history_keeps_reasoning() {
+        let template = qwen3();
+        let request = ChatRequest { think: Some(Think::Off), ..ChatRequest::new(vec![ChatMessage::new("user", "Hi")]) };
+        let turn = template.render(&request).unwrap();
+        assert!(turn.prompt.ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n"), "{}", turn.prompt);
+        let history = vec![ChatMessage::new("user", "Hi"), ChatMessage { thinking: Some("greet back".into()), ..ChatMessage::new("assistant", "Hello.") }, ChatMessage::new("user", "Bye")];
+        let turn = template.render(&ChatRequest::new(history)).unwrap();
+        assert!(turn.prompt.contains("<think>\ngreet back\n</think>\n\nHello.<|im_end|>"), "{}", turn.prompt);
+    }
+
+    #[test]
+    fn capabilities_the_template_lacks_are_refused() {
+        let template = qwen3();
+        let tools = ChatRequest { tools: vec![weather_tool()], ..ChatRequest::new(vec![ChatMessage::new("user", "Weather?")]) };
+        assert!(matches!(template.render(&tools), Err(ChatError::Unsupported(reason)) if reason.contains("does not support tools")));
+        let chatml = ChatTemplate::from_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}").unwrap();
+        assert!(!chatml.caps().thinking);
+        let think = ChatRequest { think: Some(Think::On), ..ChatRequest::new(vec![ChatMessage::new("user", "Hi")]) };
+        assert!(matches!(chatml.render(&think), Err(ChatError::Unsupported(reason)) if reason.contains("does not support thinking")));
+        // A plain ChatML answer is content as it streams: no parser is needed.
+        assert!(chatml.render(&ChatRequest::new(vec![ChatMessage::new("user", "Hi")])).unwrap().chat.is_none());
+    }
+
+    #[test]
+    fn malformed_tools_are_clear_errors() {
+        for (tool, needle) in [
+            (json!({"type": "function"}), "\"function\""),
+            (json!({"type": "function", "function": {"description": "no name"}}), "needs a name"),
+            (json!({"type": "function", "function": {"name": "f", "parameters": "a string"}}), "JSON Schema object"),
+            (json!({"type": "retrieval", "function": {"name": "f"}}), "only \"function\""),
+        ] {
+            let error = check_tool(&tool).unwrap_err().to_string();
+            assert!(error.contains(needle), "{error:?} should contain {needle:?}");
+        }
+        assert!(check_tool(&weather_tool()).is_ok());
+    }
+
+    #[test]
+    fn bare_json_calls_of_offered_tools_are_calls() {
+        let names = vec!["get_weather".to_string()];
+        let calls = bare_calls("{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}", &names).unwrap();
+        assert_eq!((calls[0].name.as_str(), calls[0].arguments["city"].as_str()), ("get_weather", Some("Paris")));
+        assert!(calls[0].id.as_deref().is_some_and(|id| id.starts_with("call_") && id.len() == 29));
+        let fenced = bare_calls("```json\n[{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Oslo\"}}]\n```", &names).unwrap();
+        assert_eq!(fenced[0].arguments["city"], "Oslo");
+        assert_eq!(bare_calls("{\"name\": \"get_weather\", \"arguments\": {}}\n{\"name\": \"get_weather\", \"arguments\": {}}", &names).unwrap().len(), 2);
+        // Anything else stays content: an unknown tool, prose, JSON that is not a call.
+        assert!(bare_calls("{\"name\": \"delete_everything\", \"arguments\": {}}", &names).is_none());
+        assert!(bare_calls("It is sunny in Paris.", &names).is_none());
+        assert!(bare_calls("{\"city\": \"Paris\"}", &names).is_none());
+        assert!(bare_calls("{\"name\": \"get_weather\"} and more", &names).is_none());
+        assert!(bare_calls("{\"name\": \"get_weather\", \"arguments\": {}}", &[]).is_none(), "no tools offered: no calls");
+    }
 }

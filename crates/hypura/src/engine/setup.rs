@@ -13,8 +13,9 @@ use super::{EngineError, EngineOptions};
 /// What a run asks for, in library types. `None` means the machine's default.
 #[derive(Clone, Debug)]
 pub struct RunSpec {
-    /// Context length of each sequence in tokens (0: the model's training context).
-    pub n_ctx: u32,
+    /// Context length of each sequence in tokens: None chooses it from the budget
+    /// (`auto_context`), Some(0) is the model's training context.
+    pub n_ctx: Option<u32>,
     /// Sequences decoded together (the server's parallel requests); the plan reserves KV cache
     /// for each.
     pub n_sequences: u32,
@@ -42,7 +43,7 @@ impl Default for RunSpec {
     fn default() -> Self {
         let engine = EngineOptions::default();
         RunSpec {
-            n_ctx: engine.n_ctx,
+            n_ctx: None,
             n_sequences: 1,
             n_batch: engine.n_batch,
             n_threads: None,
@@ -85,7 +86,7 @@ pub fn prepare(path: &Path, spec: &RunSpec) -> Result<Setup, EngineError> {
     let facts = machine_facts(spec, path)?;
     let plan = plan_for(&inventory, spec, &facts)?;
     let options = EngineOptions {
-        n_ctx: spec.n_ctx,
+        n_ctx: context_for(&inventory, spec, &facts),
         n_batch: spec.n_batch,
         n_ubatch: spec.n_batch,
         n_seq_max: spec.n_sequences.max(1),
@@ -103,8 +104,51 @@ pub fn prepare(path: &Path, spec: &RunSpec) -> Result<Setup, EngineError> {
 
 /// The plan for this spec and these facts. The KV cache is planned for every sequence.
 pub fn plan_for(inventory: &Inventory, spec: &RunSpec, facts: &MachineFacts) -> Result<Plan, EngineError> {
-    let options = PlanOptions { n_ctx: spec.n_ctx.saturating_mul(spec.n_sequences.max(1)), n_ubatch: spec.n_batch, ..spec.plan.clone() };
-    Ok(plan::plan(inventory, facts, &options)?)
+    let n_ctx = context_for(inventory, spec, facts);
+    let options = PlanOptions { n_ctx: n_ctx.saturating_mul(spec.n_sequences.max(1)), n_ubatch: spec.n_batch, ..spec.plan.clone() };
+    plan::plan(inventory, facts, &options).map_err(|error| match error {
+        // Say how long a context the budget holds, so that a client can ask for that.
+        plan::PlanError::BudgetTooSmall { budget, needed, kv, .. } => {
+            let n_sequences = u64::from(spec.n_sequences.max(1));
+            let per_token = plan::kv_cache_bytes(inventory, 1).max(1) * n_sequences;
+            let fits = budget.saturating_sub(needed - kv) / per_token;
+            EngineError::Setup(format!("{error}; a context of {n_ctx} tokens for {n_sequences} sequence(s) does not fit, and at most {fits} tokens would (by KV cache alone)"))
+        }
+        other => other.into(),
+    })
+}
+
+/// The context each sequence gets: the spec's, the training context for 0, or by default the
+/// one the budget affords (`auto_context`). Never more than the training context.
+pub fn context_for(inventory: &Inventory, spec: &RunSpec, facts: &MachineFacts) -> u32 {
+    let trained = trained_context(inventory);
+    match spec.n_ctx {
+        Some(0) => trained,
+        Some(n_ctx) => n_ctx.min(trained),
+        None => auto_context(inventory, spec.n_sequences, facts.memory_budget_bytes),
+    }
+}
+
+/// The model's training context (4096 where the file does not say).
+fn trained_context(inventory: &Inventory) -> u32 {
+    match u32::try_from(inventory.hparams.n_ctx_train) {
+        Ok(0) => 4096,
+        Ok(trained) => trained,
+        Err(_) => u32::MAX,
+    }
+}
+
+/// Context lengths the default tries, longest first: agents' prompts (a system prompt with
+/// tool definitions, then the conversation) need 16K and more.
+const AUTO_CONTEXTS: [u32; 5] = [32768, 16384, 8192, 4096, 2048];
+
+/// The default context: the longest of `AUTO_CONTEXTS` (at most the training context) whose KV
+/// cache, for every sequence, takes at most a quarter of the memory budget, so that the
+/// weights keep the rest. 2048 tokens at least.
+pub fn auto_context(inventory: &Inventory, n_sequences: u32, memory_budget_bytes: u64) -> u32 {
+    let trained = trained_context(inventory);
+    let fits = |n_ctx: u32| plan::kv_cache_bytes(inventory, n_ctx.saturating_mul(n_sequences.max(1))) <= memory_budget_bytes / 4;
+    AUTO_CONTEXTS.iter().map(|&n_ctx| n_ctx.min(trained)).find(|&n_ctx| fits(n_ctx)).unwrap_or(AUTO_CONTEXTS[AUTO_CONTEXTS.len() - 1].min(trained))
 }
 
 /// Keep the compute time per generated token of a streaming run for the next plan of this

@@ -53,7 +53,8 @@ pub struct Collected {
 }
 
 pub async fn start(scheduler: &Scheduler, entry: &ModelEntry, keep_alive: Option<KeepAlive>, spec: GenerationSpec) -> Result<Generation, AppError> {
-    let lease = scheduler.acquire(entry, keep_alive)?;
+    // A `num_ctx` longer than the loaded context reloads the model with it.
+    let lease = scheduler.acquire_with_context(entry, keep_alive, spec.options.n_ctx)?;
     let flag = Arc::new(AtomicBool::new(false));
     let cancel = CancelOnDrop(flag.clone());
     let (sender, mut events) = mpsc::unbounded_channel();

@@ -11,6 +11,12 @@
 //! starts the `keep_alive` clock. `keep_alive: 0` unloads at once; a reaper unloads the rest when
 //! their time is up. Unloading closes the channel: the thread finishes what it holds, then drops
 //! the engine.
+//!
+//! A request whose `num_ctx` is longer than the loaded context reloads the model with it, as
+//! Ollama does: the loaded worker is retired (it finishes the requests it holds) and a new one
+//! plans and loads with the longer context once the old one has dropped its engine (one load
+//! gate per file, so two copies never share the budget). A shorter `num_ctx` is served by the
+//! loaded context, capped per request.
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -67,6 +73,9 @@ struct Usage {
 /// A model with its worker thread.
 pub struct LoadedModel {
     pub entry: ModelEntry,
+    /// The context each sequence was asked to have (None: the configured default).
+    context: Option<u32>,
+    trained_context: Option<u32>,
     sender: Mutex<Option<Sender<Job>>>,
     pending: AtomicUsize,
     usage: Mutex<Usage>,
@@ -80,6 +89,22 @@ impl LoadedModel {
             Status::Ready(info) => Some(info.clone()),
             _ => None,
         }
+    }
+
+    /// Whether a request for `n_ctx` tokens needs a reload: the model is (or will be) loaded
+    /// with a shorter context. While it loads with the default, the request waits for it and
+    /// the per-request limit applies.
+    fn too_short_for(&self, n_ctx: u32) -> bool {
+        let loaded = match &*self.status.lock().unwrap_or_else(|poison| poison.into_inner()) {
+            Status::Ready(info) => Some(info.context_length as u32),
+            _ => self.context,
+        };
+        loaded.is_some_and(|loaded| n_ctx > loaded && !self.at_trained_limit(loaded))
+    }
+
+    /// A context as long as the model was trained for cannot grow.
+    fn at_trained_limit(&self, loaded: u32) -> bool {
+        self.trained_context.is_some_and(|trained| loaded >= trained)
     }
 
     /// Requests holding the model: generating, embedding or queued.
@@ -206,6 +231,9 @@ impl Drop for Lease {
 struct Inner {
     config: SchedulerConfig,
     models: Mutex<HashMap<PathBuf, Arc<LoadedModel>>>,
+    /// One per file: a worker holds its file's gate from before it loads until its engine is
+    /// gone, so a reload waits for the copy it replaces.
+    gates: Mutex<HashMap<PathBuf, Arc<Mutex<()>>>>,
 }
 
 impl Inner {
@@ -233,18 +261,31 @@ pub struct Scheduler {
 
 impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Scheduler {
-        Scheduler { inner: Arc::new(Inner { config, models: Mutex::new(HashMap::new()) }) }
+        Scheduler { inner: Arc::new(Inner { config, models: Mutex::new(HashMap::new()), gates: Mutex::new(HashMap::new()) }) }
     }
 
     pub fn config(&self) -> &SchedulerConfig {
         &self.inner.config
     }
 
-    /// Take a lease on a model, starting its worker (and so its load) if it is not loaded.
+    /// Take a lease on a model, starting its worker (and so its load) if it is not loaded, or
+    /// if it is loaded with a context shorter than `n_ctx` (a request's `num_ctx`).
     /// 503 when the model already has `n_parallel + max_queue` requests.
     pub fn acquire(&self, entry: &ModelEntry, keep_alive: Option<KeepAlive>) -> Result<Lease, AppError> {
+        self.acquire_with_context(entry, keep_alive, None)
+    }
+
+    pub fn acquire_with_context(&self, entry: &ModelEntry, keep_alive: Option<KeepAlive>, n_ctx: Option<u32>) -> Result<Lease, AppError> {
         let config = &self.inner.config;
         let mut models = self.inner.models.lock().unwrap_or_else(|poison| poison.into_inner());
+        if let Some(n_ctx) = n_ctx {
+            if models.get(&entry.path).is_some_and(|model| model.too_short_for(n_ctx)) {
+                let retired = models.remove(&entry.path).expect("looked up above");
+                // Its worker finishes what it holds, then drops its engine and the gate.
+                retired.sender.lock().unwrap_or_else(|poison| poison.into_inner()).take();
+                tracing::info!("reloading {} with a context of {n_ctx} tokens (num_ctx)", entry.name);
+            }
+        }
         // A model whose load failed is forgotten, so that the next request tries again.
         if models.get(&entry.path).is_some_and(|model| matches!(*model.status.lock().unwrap_or_else(|poison| poison.into_inner()), Status::Failed)) {
             if let Some(model) = models.remove(&entry.path) {
@@ -254,7 +295,7 @@ impl Scheduler {
         let model = match models.get(&entry.path) {
             Some(model) => model.clone(),
             None => {
-                let model = self.start_worker(entry)?;
+                let model = self.start_worker(entry, n_ctx)?;
                 models.insert(entry.path.clone(), model.clone());
                 model
             }
@@ -272,18 +313,35 @@ impl Scheduler {
         Ok(Lease { model, scheduler: Arc::downgrade(&self.inner) })
     }
 
-    fn start_worker(&self, entry: &ModelEntry) -> Result<Arc<LoadedModel>, AppError> {
+    fn start_worker(&self, entry: &ModelEntry, n_ctx: Option<u32>) -> Result<Arc<LoadedModel>, AppError> {
         let (sender, receiver) = std::sync::mpsc::channel();
+        let trained_context = crate::model::Inventory::open(&entry.path).ok().and_then(|inventory| u32::try_from(inventory.hparams.n_ctx_train).ok()).filter(|&trained| trained > 0);
+        let context = n_ctx.map(|n_ctx| trained_context.map_or(n_ctx, |trained| n_ctx.min(trained)));
+        let gate = self.inner.gates.lock().unwrap_or_else(|poison| poison.into_inner()).entry(entry.path.clone()).or_default().clone();
         let model = Arc::new(LoadedModel {
             entry: entry.clone(),
+            context,
+            trained_context,
             sender: Mutex::new(Some(sender)),
             pending: AtomicUsize::new(0),
             usage: Mutex::new(Usage { keep_alive: self.inner.config.default_keep_alive, idle_since: Some(Instant::now()) }),
             status: Mutex::new(Status::Loading),
         });
-        let worker = Worker { model: Arc::downgrade(&model), path: entry.path.clone(), config: self.inner.config.clone() };
+        let mut config = self.inner.config.clone();
+        if context.is_some() {
+            config.run.n_ctx = context;
+        }
+        let worker = Worker { model: Arc::downgrade(&model), path: entry.path.clone(), config, gate };
         std::thread::Builder::new().name(format!("model {}", entry.name)).spawn(move || worker.run(receiver)).map_err(|error| AppError::internal(format!("starting the model thread: {error}")))?;
         Ok(model)
+    }
+
+    /// The context a model not yet loaded would get by default (chosen from the budget).
+    pub fn default_context(&self, path: &Path) -> Option<u32> {
+        let run = RunSpec { n_sequences: self.inner.config.n_parallel, ..self.inner.config.run.clone() };
+        let inventory = crate::model::Inventory::open(path).ok()?;
+        let facts = crate::engine::setup::machine_facts(&run, path).ok()?;
+        Some(crate::engine::setup::context_for(&inventory, &run, &facts))
     }
 
     /// Models that are loaded (or loading), most recently expiring first.
@@ -330,6 +388,7 @@ struct Worker {
     model: Weak<LoadedModel>,
     path: PathBuf,
     config: SchedulerConfig,
+    gate: Arc<Mutex<()>>,
 }
 
 impl Worker {
@@ -340,6 +399,9 @@ impl Worker {
     }
 
     fn run(self, receiver: Receiver<Job>) {
+        // Held until this function returns, after the engine below is dropped.
+        let gate = self.gate.clone();
+        let _loading = gate.lock().unwrap_or_else(|poison| poison.into_inner());
         let started = Instant::now();
         let run = RunSpec { n_sequences: self.config.n_parallel, ..self.config.run.clone() };
         let loaded = crate::engine::setup::prepare(&self.path, &run)

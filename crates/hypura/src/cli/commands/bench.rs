@@ -10,7 +10,7 @@ use crate::hw::format::format_bytes;
 const BASELINE_HEADROOM_BYTES: u64 = 4 << 30;
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
-    let path = settings::model_path(args.model.as_ref())?;
+    let path = settings::model_path(args.model.as_deref().or(args.model_flag.as_deref()))?;
     let file_bytes = std::fs::metadata(&path).with_context(|| format!("reading {}", path.display()))?.len();
     let available = crate::hw::memory_info().effective_available_bytes();
     let baseline = !args.no_baseline;

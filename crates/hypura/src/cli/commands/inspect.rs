@@ -34,8 +34,8 @@ struct QuantRow {
 }
 
 pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
-    let inventory = Inventory::open(&args.model)?;
-    let spec = crate::cli::settings::plan_spec(&args.plan, args.context, args.threads)?;
+    let inventory = Inventory::open(&crate::cli::settings::model_path(args.model.as_deref().or(args.model_flag.as_deref()))?)?;
+    let spec = crate::cli::settings::run_spec(&args.model_args)?;
     let plan = crate::engine::setup::plan_for(&inventory, &spec, &crate::engine::setup::machine_facts(&spec, &inventory.path)?)?;
     let output = if args.json {
         let report = InspectReport {

@@ -10,7 +10,7 @@ use crate::cli::settings;
 use crate::engine::{ChatMessage, ChatRequest, Control, DoneReason, Engine, GenerateOutput, GenerateRequest, Prompt, Session};
 
 pub fn run(args: &RunArgs) -> anyhow::Result<()> {
-    let path = settings::model_path(args.model.as_ref())?;
+    let path = settings::model_path(args.model.as_deref().or(args.model_flag.as_deref()))?;
     let sampling = settings::sampler_params(&args.sampling)?;
     let setup = settings::setup(&args.model_args, &path)?;
     // Free memory of each GPU before the load, so --stats can say what the model took there.
