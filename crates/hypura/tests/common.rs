@@ -65,6 +65,8 @@ impl Server {
             .args(arguments)
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])
             .env("OLLAMA_MODELS", "/nonexistent")
+            // Info: the log shows loads, reloads and an agent's tool calls and results.
+            .env("HYPURA_LOG", std::env::var("HYPURA_LOG").unwrap_or_else(|_| "hypura=info".into()))
             .stdout(Stdio::null())
             .stderr(log_file)
             .spawn()
@@ -113,15 +115,33 @@ impl Server {
     /// POST a JSON body and return the JSON reply (a plain HTTP/1.1 exchange: replies with
     /// `stream: false` have a length, not chunks).
     pub fn post(&self, path: &str, body: &serde_json::Value) -> serde_json::Value {
+        let (status, payload) = self.post_status(path, body);
+        assert_eq!(status, 200, "{path}: {payload}\n--- server log\n{}", self.log_text());
+        serde_json::from_str(&payload).unwrap_or_else(|error| panic!("{path}: {error}: {payload:?}"))
+    }
+
+    /// POST a JSON body and return the status and the body, whatever the status.
+    pub fn post_status(&self, path: &str, body: &serde_json::Value) -> (u16, String) {
+        let body = body.to_string();
+        self.exchange(&format!("POST {path} HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n", body.len()), &body)
+    }
+
+    /// GET a JSON reply.
+    pub fn get(&self, path: &str) -> serde_json::Value {
+        let (status, payload) = self.exchange(&format!("GET {path} HTTP/1.1\r\n"), "");
+        assert_eq!(status, 200, "{path}: {payload}");
+        serde_json::from_str(&payload).unwrap_or_else(|error| panic!("{path}: {error}: {payload:?}"))
+    }
+
+    fn exchange(&self, head: &str, body: &str) -> (u16, String) {
         let address = self.base.trim_start_matches("http://");
         let mut stream = std::net::TcpStream::connect(address).unwrap();
-        let body = body.to_string();
-        write!(stream, "POST {path} HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
+        write!(stream, "{head}Host: {address}\r\nConnection: close\r\n\r\n{body}").unwrap();
         let mut reply = String::new();
         stream.read_to_string(&mut reply).unwrap();
         let (head, payload) = reply.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no HTTP reply: {reply:?}"));
-        assert!(head.starts_with("HTTP/1.1 200"), "{path}: {head}\n{payload}\n--- server log\n{}", self.log_text());
-        serde_json::from_str(payload).unwrap_or_else(|error| panic!("{path}: {error}: {payload:?}"))
+        let status = head.split_whitespace().nth(1).and_then(|code| code.parse().ok()).unwrap_or_else(|| panic!("no status in {head:?}"));
+        (status, payload.to_string())
     }
 }
 

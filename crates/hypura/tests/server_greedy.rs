@@ -36,7 +36,7 @@ fn a_greedy_answer_repeats_with_its_prefix_cached_and_another_request_in_the_bat
     let directory = tempfile::tempdir().unwrap();
     let gemma = common::gemma_path();
     let mut arguments = vec![gemma.display().to_string()];
-    arguments.extend(strings(&["--context", "1024", "--parallel", "4", "--threads", "2"]));
+    arguments.extend(strings(&["--context", "1024", "--parallel", "4", "--threads", "2", "--batch-invariant"]));
     let server = Server::start(&arguments, directory.path().join("serve.log"));
     let model = model_name(&gemma);
     let neighbour = greedy(&model, "List the planets of the solar system, from the closest to the sun to the farthest, with one fact about each of them.", 64);
@@ -65,7 +65,7 @@ fn a_greedy_answer_repeats_with_its_prefix_cached_and_another_request_in_the_bat
 fn streaming_equals_resident(model: &std::path::Path, mode: Mode, prompts: &[&str]) {
     let directory = tempfile::tempdir().unwrap();
     let (context, parallel) = (256, 2);
-    let common_arguments = strings(&["--context", &context.to_string(), "--parallel", &parallel.to_string(), "--threads", "2"]);
+    let common_arguments = strings(&["--context", &context.to_string(), "--parallel", &parallel.to_string(), "--threads", "2", "--batch-invariant"]);
     let answers = |extra: Vec<String>| -> Vec<Value> {
         let mut arguments = vec![model.display().to_string()];
         arguments.extend(common_arguments.clone());

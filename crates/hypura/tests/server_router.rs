@@ -17,10 +17,10 @@ use hypura::server::{router, AppState, Catalog, HttpConfig, SchedulerConfig};
 use serde_json::{json, Value};
 use tower::ServiceExt;
 
-/// How the test models load: batch-invariant kernels, as `hypura serve` runs by default, so
+/// How the test models load: batch-invariant kernels (`hypura serve --batch-invariant`), so
 /// parallel sequences give exactly the answers they give alone.
 fn run() -> RunSpec {
-    RunSpec { n_ctx: 512, n_batch: 256, n_threads: Some(2), repack: false, batch_invariant: true, ..RunSpec::default() }
+    RunSpec { n_ctx: Some(512), n_batch: 256, n_threads: Some(2), repack: false, batch_invariant: true, ..RunSpec::default() }
 }
 
 fn app_with(files: Vec<PathBuf>, n_parallel: u32, max_queue: usize, http: HttpConfig) -> Router {

@@ -31,15 +31,22 @@ pub fn model_path(model: Option<&str>) -> anyhow::Result<PathBuf> {
     let catalog = crate::server::Catalog { ollama_stores: crate::server::Catalog::default_ollama_store().into_iter().collect(), ..crate::server::Catalog::default() };
     match catalog.resolve(model) {
         Ok(entry) => Ok(entry.path),
-        Err(_) => anyhow::bail!("{model} is neither a file nor a model pulled by Ollama (looked in {})", crate::server::Catalog::default_ollama_store().map_or("no Ollama store".into(), |store| store.display().to_string())),
+        Err(_) => anyhow::bail!(
+            "{model} is neither a file nor a model pulled by Ollama (looked in {})",
+            crate::server::Catalog::default_ollama_store().map_or("no Ollama store".into(), |store| store.display().to_string())
+        ),
     }
 }
+
+/// The prompt batch when `--batch-size` is not given (llama.cpp's default).
+const DEFAULT_BATCH: u32 = 512;
 
 /// The run the flags ask for, in library types (`engine::setup` turns it into a plan and
 /// engine options).
 pub fn run_spec(args: &ModelArgs) -> anyhow::Result<RunSpec> {
     Ok(RunSpec {
-        n_batch: args.batch_size,
+        n_batch: args.batch_size.unwrap_or(DEFAULT_BATCH),
+        grow_batch: args.batch_size.is_none(),
         repack: !args.no_repack,
         load_mode: if args.no_mmap { crate::engine::LoadMode::Read } else { crate::engine::LoadMode::Mmap },
         batch_invariant: args.batch_invariant.unwrap_or(false),

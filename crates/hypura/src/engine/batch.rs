@@ -215,6 +215,7 @@ impl Batcher {
                     }
                     None => (None, HashSet::new()),
                 };
+                tracing::debug!("sequence {index}: a prompt of {} tokens, {reused} of them cached", tokens.len());
                 let stats = GenerationStats { reused_prompt_tokens: reused as u32, prompt_eval_count: (tokens.len() - reused) as u32, ..GenerationStats::default() };
                 self.slots[index].active = Some(Active {
                     next_prompt: reused,

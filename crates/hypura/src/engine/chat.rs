@@ -232,7 +232,13 @@ impl ChatTemplate {
             prompt: params.prompt,
             stops: params.additional_stops,
             preserved: params.preserved_tokens,
-            chat: parse.then(|| ChatStream { rendered, text: String::new(), sent_content: 0, sent_thinking: 0, tool_names: request.tools.iter().filter_map(|tool| tool.pointer("/function/name").and_then(Value::as_str).map(str::to_string)).collect() }),
+            chat: parse.then(|| ChatStream {
+                rendered,
+                text: String::new(),
+                sent_content: 0,
+                sent_thinking: 0,
+                tool_names: request.tools.iter().filter_map(|tool| tool.pointer("/function/name").and_then(Value::as_str).map(str::to_string)).collect(),
+            }),
         })
     }
 }
@@ -240,7 +246,8 @@ impl ChatTemplate {
 /// A tool definition has a function with a name, and parameters (if any) that are a JSON
 /// Schema object: checked here so a malformed one is a clear 400, not a template's error.
 fn check_tool(tool: &Value) -> Result<(), ChatError> {
-    let function = tool.get("function").filter(|function| function.is_object()).ok_or_else(|| ChatError::Template(format!("a tool must be {{\"type\": \"function\", \"function\": {{...}}}}, not {tool}")))?;
+    let function =
+        tool.get("function").filter(|function| function.is_object()).ok_or_else(|| ChatError::Template(format!("a tool must be {{\"type\": \"function\", \"function\": {{...}}}}, not {tool}")))?;
     if let Some(kind) = tool.get("type") {
         if kind != "function" {
             return Err(ChatError::Template(format!("tool type {kind} is not supported; only \"function\" is")));
@@ -538,7 +545,9 @@ mod tests {
         let template = qwen3();
         let tools = ChatRequest { tools: vec![weather_tool()], ..ChatRequest::new(vec![ChatMessage::new("user", "Weather?")]) };
         assert!(matches!(template.render(&tools), Err(ChatError::Unsupported(reason)) if reason.contains("does not support tools")));
-        let chatml = ChatTemplate::from_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}").unwrap();
+        let chatml =
+            ChatTemplate::from_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+                .unwrap();
         assert!(!chatml.caps().thinking);
         let think = ChatRequest { think: Some(Think::On), ..ChatRequest::new(vec![ChatMessage::new("user", "Hi")]) };
         assert!(matches!(chatml.render(&think), Err(ChatError::Unsupported(reason)) if reason.contains("does not support thinking")));

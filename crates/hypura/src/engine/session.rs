@@ -10,8 +10,8 @@ use hypura_sys::{SamplerParams, Token};
 use serde::Serialize;
 
 use super::batch::{Batcher, SequenceEvent};
-use super::prompt::{self, Prompt};
 use super::chat::AssistantMessage;
+use super::prompt::{self, Prompt};
 use super::stats::GenerationStats;
 use super::{Engine, EngineError};
 

@@ -21,6 +21,9 @@ pub struct RunSpec {
     pub n_sequences: u32,
     /// Logical and physical batch size for prompt processing.
     pub n_batch: u32,
+    /// Let a streaming plan use a larger prompt batch where the budget holds it (the user did
+    /// not choose `n_batch`): see `grow_batch`.
+    pub grow_batch: bool,
     pub n_threads: Option<i32>,
     /// Let llama.cpp repack CPU weights (resident mode only; streaming never repacks).
     pub repack: bool,
@@ -46,6 +49,7 @@ impl Default for RunSpec {
             n_ctx: None,
             n_sequences: 1,
             n_batch: engine.n_batch,
+            grow_batch: false,
             n_threads: None,
             repack: engine.repack,
             load_mode: engine.load_mode,
@@ -84,11 +88,11 @@ impl Setup {
 pub fn prepare(path: &Path, spec: &RunSpec) -> Result<Setup, EngineError> {
     let inventory = Inventory::open(path)?;
     let facts = machine_facts(spec, path)?;
-    let plan = plan_for(&inventory, spec, &facts)?;
+    let (n_batch, plan) = grow_batch(&inventory, spec, &facts, plan_for(&inventory, spec, &facts)?);
     let options = EngineOptions {
         n_ctx: context_for(&inventory, spec, &facts),
-        n_batch: spec.n_batch,
-        n_ubatch: spec.n_batch,
+        n_batch,
+        n_ubatch: n_batch,
         n_seq_max: spec.n_sequences.max(1),
         n_threads: spec.n_threads,
         repack: spec.repack,
@@ -111,11 +115,40 @@ pub fn plan_for(inventory: &Inventory, spec: &RunSpec, facts: &MachineFacts) -> 
         plan::PlanError::BudgetTooSmall { budget, needed, kv, .. } => {
             let n_sequences = u64::from(spec.n_sequences.max(1));
             let per_token = plan::kv_cache_bytes(inventory, 1).max(1) * n_sequences;
-            let fits = budget.saturating_sub(needed - kv) / per_token;
-            EngineError::Setup(format!("{error}; a context of {n_ctx} tokens for {n_sequences} sequence(s) does not fit, and at most {fits} tokens would (by KV cache alone)"))
+            let rest = needed.saturating_sub(kv);
+            if rest >= budget {
+                return EngineError::Setup(format!("{error}; even without a KV cache it needs {}", format_bytes(rest)));
+            }
+            let fits = (budget - rest) / per_token;
+            EngineError::Setup(format!("{error}; a context of {n_ctx} tokens for {n_sequences} sequence(s) does not fit: at most {fits} tokens would"))
         }
         other => other.into(),
     })
+}
+
+/// Prompt batch sizes a streaming plan may grow to, largest first.
+const STREAMING_BATCHES: [u32; 3] = [4096, 2048, 1024];
+
+/// The prompt batch for a streaming plan: each batch of prompt tokens is one sweep over the
+/// streamed weights, so an agent's 6,000-token prompt costs 12 sweeps at 512 tokens a batch and
+/// 2 at 4096. The largest batch (at most the context) whose plan is the same mode and streams
+/// no more bytes per generated token (its larger compute buffer comes out of slack, not out of
+/// resident weights) is taken; a resident plan, or a batch the user chose, stays as it is.
+fn grow_batch(inventory: &Inventory, spec: &RunSpec, facts: &MachineFacts, plan: Plan) -> (u32, Plan) {
+    if !spec.grow_batch || plan.mode == plan::Mode::Resident {
+        return (spec.n_batch, plan);
+    }
+    let n_ctx = context_for(inventory, spec, facts);
+    for n_batch in STREAMING_BATCHES.into_iter().filter(|&n_batch| n_batch > spec.n_batch && n_batch <= n_ctx) {
+        let bigger = RunSpec { n_batch, ..spec.clone() };
+        if let Ok(candidate) = plan_for(inventory, &bigger, facts) {
+            if candidate.mode == plan.mode && candidate.streamed_bytes_per_token <= plan.streamed_bytes_per_token {
+                tracing::info!("prompt batches of {n_batch} tokens: the budget holds their compute buffer without streaming more");
+                return (n_batch, candidate);
+            }
+        }
+    }
+    (spec.n_batch, plan)
 }
 
 /// The context each sequence gets: the spec's, the training context for 0, or by default the

@@ -326,6 +326,7 @@ pub async fn chat(State(state): State<AppState>, body: Result<Bytes, BytesReject
     let tools = tools::parse_tools(body.tools)?;
     let think = tools::parse_think(body.common.think.as_ref())?;
     let keep_alive = keep_alive(body.common.keep_alive.as_ref())?;
+    tracing::debug!("chat {name}: {} tools, think {:?}, options {}", tools.len(), body.common.think, body.common.options.as_ref().map_or_else(|| "none".to_string(), |options| options.to_string()));
     let options = parse_options(body.common.options.as_ref())?;
     let grammar = format_grammar(body.common.format.as_ref())?;
     let mut messages = Vec::new();

@@ -526,8 +526,12 @@ fn admit(batcher: &mut Batcher, job: Job, ready_at: Instant) {
     let engine = batcher.engine().clone();
     // A conversation is rendered by the batcher (its answer is parsed there too); text and
     // token prompts are put after Ollama's `context` here.
+    let name = engine.inventory().path.file_stem().map(|stem| stem.to_string_lossy().into_owned()).unwrap_or_default();
     let prompt = match generate.prompt {
-        Prompt::Chat(chat) => Prompt::Chat(chat),
+        Prompt::Chat(chat) => {
+            super::tools::log_results(&name, &chat);
+            Prompt::Chat(chat)
+        }
         other => match prompt_tokens(&engine, &generate.context, &other) {
             Ok(tokens) => Prompt::Tokens(tokens),
             Err(error) => {
@@ -538,6 +542,7 @@ fn admit(batcher: &mut Batcher, job: Job, ready_at: Instant) {
     };
     let load_duration = ready_at.saturating_duration_since(received);
     let events = generate.events.clone();
+    let model_name = name.clone();
     let mut lease = Some(lease);
     let sink = Box::new(move |event: SequenceEvent<'_>| -> Control {
         let sent = match event {
@@ -546,6 +551,9 @@ fn admit(batcher: &mut Batcher, job: Job, ready_at: Instant) {
             // The lease ends before the last event leaves, so that a client that has its
             // answer sees the model already released (or unloaded, with keep_alive 0).
             SequenceEvent::Done(mut finished) => {
+                if let Some(message) = &finished.output.message {
+                    super::tools::log_calls(&model_name, &message.tool_calls);
+                }
                 finished.output.stats.load_duration = load_duration;
                 finished.output.stats.total_duration = received.elapsed();
                 lease.take();
@@ -575,7 +583,7 @@ fn admit(batcher: &mut Batcher, job: Job, ready_at: Instant) {
     if let Err((error, _sink)) = batcher.admit(request, sink) {
         // A capability the model lacks is named with the model, as Ollama words it.
         let error = match &error {
-            EngineError::Unsupported(reason) => AppError::bad_request(format!("\"{}\" {reason}", engine.inventory().path.file_stem().map(|stem| stem.to_string_lossy().into_owned()).unwrap_or_default())),
+            EngineError::Unsupported(reason) => AppError::bad_request(format!("\"{name}\" {reason}")),
             _ => AppError::from_engine(&error),
         };
         let _ = generate.events.send(Event::Failed(error));

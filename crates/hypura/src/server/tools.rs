@@ -91,6 +91,23 @@ pub fn reasoning_effort(level: &str) -> Result<Option<Think>, AppError> {
     }
 }
 
+/// Log the tool results a turn sends back (those after the last assistant message), so that the
+/// server's log shows an agent's loop: `info` level.
+pub fn log_results(model: &str, request: &crate::engine::ChatRequest) {
+    let start = request.messages.iter().rposition(|message| message.role == "assistant").map_or(0, |index| index + 1);
+    for message in request.messages[start..].iter().filter(|message| message.role == "tool") {
+        let preview: String = message.content.chars().take(120).collect();
+        tracing::info!("{model}: tool result for {} ({} bytes): {preview:?}", message.tool_name.as_deref().unwrap_or("?"), message.content.len());
+    }
+}
+
+/// Log the calls an answer made (`info` level).
+pub fn log_calls(model: &str, calls: &[ToolCall]) {
+    for call in calls {
+        tracing::info!("{model}: tool call {}({})", call.name, call.arguments);
+    }
+}
+
 /// Ollama's shape: `[{"id", "function": {"index", "name", "arguments": {...}}}]`.
 pub fn ollama_calls(calls: &[ToolCall]) -> Value {
     Value::Array(calls.iter().enumerate().map(|(index, call)| json!({ "id": call.id, "function": { "index": index, "name": call.name, "arguments": call.arguments } })).collect())

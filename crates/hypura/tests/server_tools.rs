@@ -1,0 +1,64 @@
+//! Tools, thinking and the context through `hypura serve` and the real clients: `ollama`,
+//! `openai` and `langchain-ollama` (installed by `scripts/test`) call a tool on
+//! Qwen2.5-Coder-0.5B-Instruct, streamed and not, and answer from its result in a second
+//! turn; `/api/show` lists what each model's template can do (SmolLM2's ChatML renders no
+//! tools, a forged Qwen3 has a reasoning section); a `num_ctx` longer than the loaded context
+//! reloads the model. Each test fails when its script or check fails.
+mod common;
+
+use std::process::Command;
+use std::sync::Mutex;
+
+use common::Server;
+use serde_json::json;
+
+/// Each test starts a server; one at a time keeps two cores from being shared.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn stem(path: &std::path::Path) -> String {
+    path.file_stem().unwrap().to_string_lossy().into_owned()
+}
+
+#[test]
+fn tool_calls_through_the_python_clients() {
+    let _guard = ONE_AT_A_TIME.lock().unwrap_or_else(|poison| poison.into_inner());
+    let status = Command::new("python3").args(["-c", "import ollama, openai, langchain_ollama"]).status().expect("python3");
+    assert!(status.success(), "the Python clients are missing: pip install ollama openai langchain-ollama (scripts/test does)");
+    let directory = tempfile::tempdir().unwrap();
+    let (qwen, smollm) = (common::chat_model_path(), common::smollm_path());
+    let reasoning = common::forge("tiny-qwen3", directory.path());
+    let arguments: Vec<String> = [qwen.display().to_string(), smollm.display().to_string(), reasoning.display().to_string(), "--threads".into(), "2".into()].into();
+    let server = Server::start(&arguments, directory.path().join("serve.log"));
+    let output = server.python("tools.py", &[stem(&qwen), stem(&smollm), "tiny-qwen3".into()]);
+    for line in ["capabilities: ok", "ollama tools: ok", "openai tools: ok", "langchain tools: ok"] {
+        assert!(output.contains(line), "{output}");
+    }
+    let log = server.log_text();
+    assert!(log.contains("tool call get_weather({\"city\":\"Paris\"})") && log.contains("tool result for get_weather"), "{log}");
+}
+
+#[test]
+fn a_longer_num_ctx_reloads_the_model_and_an_overflow_says_so() {
+    let _guard = ONE_AT_A_TIME.lock().unwrap_or_else(|poison| poison.into_inner());
+    let directory = tempfile::tempdir().unwrap();
+    let qwen = common::chat_model_path();
+    let arguments: Vec<String> = [qwen.display().to_string(), "--context".into(), "1024".into(), "--parallel".into(), "1".into(), "--threads".into(), "2".into()].into();
+    let server = Server::start(&arguments, directory.path().join("serve.log"));
+    let model = stem(&qwen);
+    let long = "one two three four ".repeat(400);
+    let chat = |options: serde_json::Value| json!({"model": model, "stream": false, "messages": [{"role": "user", "content": format!("{long} How many words?")}], "options": options});
+    // Too long for the loaded 1024 tokens: Ollama's words, which agents' overflow detectors know.
+    let refused = server.post_status("/api/chat", &chat(json!({"num_predict": 4})));
+    assert_eq!(refused.0, 400, "{refused:?}");
+    assert!(refused.1.contains("the prompt is too long") && refused.1.contains("exceed the context length of 1024"), "{refused:?}");
+    // num_ctx: the model reloads with the longer context and answers.
+    let answer = server.post("/api/chat", &chat(json!({"num_predict": 4, "num_ctx": 4096})));
+    assert!(answer["done"].as_bool().unwrap() && answer["prompt_eval_count"].as_u64().unwrap() > 1024, "{answer}");
+    let ps = server.get("/api/ps");
+    assert_eq!(ps["models"][0]["context_length"], 4096, "{ps}");
+    assert!(server.log_text().contains("reloading"), "{}", server.log_text());
+    // A shorter num_ctx is served by the loaded context, without a reload, and limits the request.
+    let limited = server.post_status("/api/chat", &chat(json!({"num_predict": 4, "num_ctx": 512})));
+    assert!(limited.0 == 400 && limited.1.contains("context length of 512"), "{limited:?}");
+    assert_eq!(server.log_text().matches("reloading").count(), 1);
+}
