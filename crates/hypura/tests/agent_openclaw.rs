@@ -48,13 +48,17 @@ fn agent_turn(extra: &[&str]) -> (String, String) {
     let config = serde_json::json!({
         "models": {"providers": {"ollama": {
             "baseUrl": server.base, "apiKey": "ollama-local", "api": "ollama",
-            "models": [{"id": name, "name": name, "input": ["text"], "contextWindow": 16384, "maxTokens": 256, "params": {"temperature": 0}}],
+            "models": [{"id": name, "name": name, "input": ["text"], "contextWindow": 16384, "maxTokens": 256, "params": {"temperature": 0, "num_predict": 256}}],
         }}},
-        // Two changes from OpenClaw's defaults, both for a 0.5B model: greedy sampling, so the
-        // turn is the same every run, and no first-run bootstrap (BOOTSTRAP.md asks a new agent
-        // to introduce itself and choose a name and avatar, 15,000 characters this model then
-        // follows instead of the task). Its tools are OpenClaw's defaults.
+        // Changes from OpenClaw's defaults, all for a 0.5B model: greedy sampling, so that the
+        // turn is the same every run, and at most 256 tokens an answer (a small model that
+        // repeats itself otherwise runs to the end of the context); no first-run bootstrap
+        // (BOOTSTRAP.md asks a new agent to introduce itself and choose a name and an avatar:
+        // 15,000 characters this model then follows instead of the task); and the one tool the
+        // task needs. With OpenClaw's twelve default tools it does call `read` and gets the
+        // result, but then calls it again instead of answering.
         "agents": {"defaults": {"workspace": workspace, "model": {"primary": format!("ollama/{name}")}, "skipBootstrap": true}},
+        "tools": {"allow": ["read"]},
     });
     let config_path = directory.path().join("openclaw.json");
     std::fs::write(&config_path, config.to_string()).unwrap();
@@ -66,7 +70,7 @@ fn agent_turn(extra: &[&str]) -> (String, String) {
     let started = Instant::now();
     let path = format!("{}:{}", node.display(), std::env::var("PATH").unwrap_or_default());
     let output = Command::new(&binary)
-        .args(["agent", "--local", "--timeout", "2400", "-m", "Read the file notes.txt in your workspace with the read tool, then reply with the secret word written in it."])
+        .args(["agent", "--local", "--timeout", "2400", "-m", "Use the read tool to read notes.txt. Then tell me the secret word from that file."])
         .env("PATH", path)
         .env("HOME", &home)
         .env("OPENCLAW_CONFIG_PATH", &config_path)
