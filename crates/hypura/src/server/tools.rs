@@ -140,7 +140,7 @@ mod tests {
         let openai = parse_call(&json!({"id": "call_1", "type": "function", "function": {"name": "read", "arguments": "{\"path\":\"notes.txt\"}"}})).unwrap();
         assert_eq!(ollama.arguments, openai.arguments);
         assert_eq!(openai.id.as_deref(), Some("call_1"));
-        assert_eq!(ollama_calls(&[openai.clone()])[0]["function"]["arguments"]["path"], "notes.txt");
+        assert_eq!(ollama_calls(std::slice::from_ref(&openai))[0]["function"]["arguments"]["path"], "notes.txt");
         assert_eq!(openai_calls(&[openai])[0]["function"]["arguments"], "{\"path\":\"notes.txt\"}");
         assert!(parse_call(&json!({"function": {"arguments": {}}})).is_err(), "a call without a name is refused");
         assert!(parse_calls(Some(&json!("read"))).is_err());
