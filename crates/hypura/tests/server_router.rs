@@ -207,7 +207,7 @@ async fn generate_streams_ndjson_and_answers_whole_objects() {
     let app = app(vec![tiny(directory.path())]);
     let options = json!({"temperature": 0, "num_predict": 8});
 
-    let stream = post(&app, "/api/generate", json!({"model": MODEL, "prompt": "the king of paris", "options": options})).await;
+    let stream = post(&app, "/api/generate", json!({"model": MODEL, "prompt": "once upon a time", "options": options})).await;
     assert_eq!(stream.status, StatusCode::OK);
     assert_eq!(stream.content_type, "application/x-ndjson");
     let lines = stream.lines();
@@ -221,7 +221,7 @@ async fn generate_streams_ndjson_and_answers_whole_objects() {
     }
     let streamed: String = lines.iter().map(|line| line["response"].as_str().unwrap()).collect();
 
-    let whole = post(&app, "/api/generate", json!({"model": MODEL, "prompt": "the king of paris", "options": options, "stream": false})).await;
+    let whole = post(&app, "/api/generate", json!({"model": MODEL, "prompt": "once upon a time", "options": options, "stream": false})).await;
     assert!(whole.content_type.starts_with("application/json"), "{}", whole.content_type);
     let whole = whole.json();
     assert_eq!(whole["response"], streamed.as_str(), "greedy answers are the same streamed or not");

@@ -35,7 +35,7 @@ fn tool_calls_through_the_python_clients() {
     // Every client's second turn sent the result back, and it reached the model's prompt.
     let log = server.log_text();
     assert!(log.contains("tool call get_weather({\"city\":\"Paris\"})"), "{log}");
-    assert!(log.matches("tool result for get_weather (44 bytes)").count() >= 3, "{log}");
+    assert!(log.matches("tool result for get_weather (44 bytes): \"It is 31 degrees").count() >= 3, "{log}");
 }
 
 #[test]

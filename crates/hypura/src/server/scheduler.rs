@@ -524,11 +524,11 @@ fn admit(batcher: &mut Batcher, job: Job, ready_at: Instant) {
     let Job { work, received, lease } = job;
     let Work::Generate(generate) = work else { return };
     let engine = batcher.engine().clone();
-    // A conversation is rendered by the batcher (its answer is parsed there too); text and
-    // token prompts are put after Ollama's `context` here.
+    // A conversation is rendered by the batcher (its answer is parsed there too); text, token
+    // prompts and a generate prompt after Ollama's `context` are tokenized here.
     let name = engine.inventory().path.file_stem().map(|stem| stem.to_string_lossy().into_owned()).unwrap_or_default();
     let prompt = match generate.prompt {
-        Prompt::Chat(chat) => {
+        Prompt::Chat(chat) if generate.context.is_empty() => {
             super::tools::log_results(&name, &chat);
             Prompt::Chat(chat)
         }

@@ -31,15 +31,24 @@ pub fn parse_calls(value: Option<&Value>) -> Result<Vec<ToolCall>, AppError> {
 }
 
 /// A tool result names its tool; where it gives only the call's id, the tool is found among
-/// the calls before it (as Ollama's OpenAI layer does).
+/// the calls before it (as Ollama's OpenAI layer does), and where it gives neither (LangChain
+/// sends ids its calls did not carry), the n-th result after an assistant's calls answers the
+/// n-th call.
 pub fn resolve_tool_names(messages: &mut [ChatMessage]) {
     for index in 0..messages.len() {
         if messages[index].role != "tool" || messages[index].tool_name.is_some() {
             continue;
         }
-        let Some(id) = messages[index].tool_call_id.clone() else { continue };
-        let name = messages[..index].iter().rev().flat_map(|message| message.tool_calls.iter()).find(|call| call.id.as_deref() == Some(id.as_str())).map(|call| call.name.clone());
-        messages[index].tool_name = name;
+        let by_id = messages[index]
+            .tool_call_id
+            .clone()
+            .and_then(|id| messages[..index].iter().rev().flat_map(|message| message.tool_calls.iter()).find(|call| call.id.as_deref() == Some(id.as_str())).map(|call| call.name.clone()));
+        let by_position = || {
+            let caller = messages[..index].iter().rposition(|message| message.role != "tool")?;
+            let position = index - caller - 1;
+            messages[caller].tool_calls.get(position).map(|call| call.name.clone())
+        };
+        messages[index].tool_name = by_id.or_else(by_position);
     }
 }
 
@@ -154,6 +163,17 @@ mod tests {
         ];
         resolve_tool_names(&mut messages);
         assert_eq!(messages[1].tool_name.as_deref(), Some("read"));
+        // No name and an id no call carries: the results answer the calls in order.
+        let mut messages = vec![
+            ChatMessage {
+                tool_calls: vec![ToolCall { id: None, name: "read".into(), arguments: json!({}) }, ToolCall { id: None, name: "ls".into(), arguments: json!({}) }],
+                ..ChatMessage::new("assistant", "")
+            },
+            ChatMessage { tool_call_id: Some("lc-1".into()), ..ChatMessage::new("tool", "file text") },
+            ChatMessage::new("tool", "a.txt b.txt"),
+        ];
+        resolve_tool_names(&mut messages);
+        assert_eq!((messages[1].tool_name.as_deref(), messages[2].tool_name.as_deref()), (Some("read"), Some("ls")));
     }
 
     #[test]
