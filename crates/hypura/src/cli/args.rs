@@ -143,7 +143,7 @@ pub struct ModelArgs {
     /// Default: 512, and in a streaming plan the largest of 4096, 2048 and 1024 whose compute
     /// buffer the budget holds without streaming more (each prompt batch is one sweep over the
     /// streamed weights).
-    #[arg(long, short = 'b', visible_alias = "ubatch-size")]
+    #[arg(long, short = 'b', visible_alias = "ubatch-size", overrides_with = "batch_size")]
     pub batch_size: Option<u32>,
     /// Turn off llama.cpp's CPU weight repacking.
     #[arg(long)]

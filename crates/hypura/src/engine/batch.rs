@@ -32,14 +32,18 @@
 //! request without a cached prefix takes the lowest free slot); a step that mixes a prompt chunk with generated tokens
 //! takes two.
 //!
+//! A conversation (`Prompt::Chat`) is rendered here by the model's template (`chat.rs`): its
+//! tools bring a lazy grammar and the template's stop strings and marker tokens, and its answer
+//! is read back as it streams, content (`SequenceEvent::Text`) apart from reasoning
+//! (`SequenceEvent::Thinking`), with the tool calls in the finished output's `message`.
+//!
 //! The batcher is synchronous and owned by one thread (the server's model worker, or the
 //! caller of `Session::generate`); text and the final statistics leave through a per-sequence
 //! callback.
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-use std::collections::HashSet;
 
 use hypura_sys::{Batch, Context, Grammar, Sampler, Token};
 

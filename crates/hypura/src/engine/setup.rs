@@ -158,7 +158,7 @@ pub fn context_for(inventory: &Inventory, spec: &RunSpec, facts: &MachineFacts) 
     match spec.n_ctx {
         Some(0) => trained,
         Some(n_ctx) => n_ctx.min(trained),
-        None => auto_context(inventory, spec.n_sequences, facts.memory_budget_bytes),
+        None => auto_context(inventory, spec, facts),
     }
 }
 
@@ -177,10 +177,15 @@ const AUTO_CONTEXTS: [u32; 5] = [32768, 16384, 8192, 4096, 2048];
 
 /// The default context: the longest of `AUTO_CONTEXTS` (at most the training context) whose KV
 /// cache, for every sequence, takes at most a quarter of the memory budget, so that the
-/// weights keep the rest. 2048 tokens at least.
-pub fn auto_context(inventory: &Inventory, n_sequences: u32, memory_budget_bytes: u64) -> u32 {
+/// weights keep the rest, and with which the plan fits the budget (the context shrinks before
+/// the budget is refused). 2048 tokens at least.
+pub fn auto_context(inventory: &Inventory, spec: &RunSpec, facts: &MachineFacts) -> u32 {
     let trained = trained_context(inventory);
-    let fits = |n_ctx: u32| plan::kv_cache_bytes(inventory, n_ctx.saturating_mul(n_sequences.max(1))) <= memory_budget_bytes / 4;
+    let n_sequences = spec.n_sequences.max(1);
+    let fits = |n_ctx: u32| {
+        let total = n_ctx.saturating_mul(n_sequences);
+        plan::kv_cache_bytes(inventory, total) <= facts.memory_budget_bytes / 4 && plan::plan(inventory, facts, &PlanOptions { n_ctx: total, n_ubatch: spec.n_batch, ..spec.plan.clone() }).is_ok()
+    };
     AUTO_CONTEXTS.iter().map(|&n_ctx| n_ctx.min(trained)).find(|&n_ctx| fits(n_ctx)).unwrap_or(AUTO_CONTEXTS[AUTO_CONTEXTS.len() - 1].min(trained))
 }
 
