@@ -99,19 +99,10 @@ fn bench_prints_a_table_and_json_against_llama_cpp() {
 
 #[test]
 fn run_and_inspect_take_a_model_pulled_by_ollama_by_name_and_llama_cpp_flags() {
-    use sha2::Digest as _;
-    // An Ollama store holding a forged model as `tiny:q4`: a blob named by its digest and a
-    // manifest pointing at it.
+    // An Ollama store holding a forged model as `tiny:q4`.
     let store = tempfile::tempdir().unwrap();
     let model = common::forge("tiny-dense-1b", store.path());
-    let bytes = std::fs::read(&model).unwrap();
-    let digest: String = sha2::Sha256::digest(&bytes).iter().map(|byte| format!("{byte:02x}")).collect();
-    std::fs::create_dir_all(store.path().join("blobs")).unwrap();
-    std::fs::rename(&model, store.path().join(format!("blobs/sha256-{digest}"))).unwrap();
-    let manifests = store.path().join("manifests/registry.ollama.ai/library/tiny");
-    std::fs::create_dir_all(&manifests).unwrap();
-    let manifest = serde_json::json!({"schemaVersion": 2, "layers": [{"mediaType": "application/vnd.ollama.image.model", "digest": format!("sha256:{digest}"), "size": bytes.len()}]});
-    std::fs::write(manifests.join("q4"), manifest.to_string()).unwrap();
+    common::ollama_store(store.path(), &model, "tiny", "q4");
     let with_store = |args: &[&str]| Command::new(env!("CARGO_BIN_EXE_hypura")).args(args).env("HYPURA_LOG", "off").env("OLLAMA_MODELS", store.path()).output().unwrap();
 
     let output = with_store(&["run", "tiny:q4", "-p", "hello", "-n", "4", "--temperature", "0", "-t", "1", "-c", "256", "-b", "64", "-ub", "64", "--stats"]);

@@ -156,3 +156,17 @@ pub fn streaming_budget(path: &Path, mode: hypura::plan::Mode, n_ctx: u32) -> u6
         other => panic!("expected the planner to ask for more memory: {other:?}"),
     }
 }
+
+/// Put `model` into an Ollama store at `store` as `library/NAME:TAG`: a blob named by its
+/// sha256 and a manifest pointing at it (the file is moved).
+pub fn ollama_store(store: &Path, model: &Path, name: &str, tag: &str) {
+    use sha2::Digest as _;
+    let bytes = std::fs::read(model).unwrap();
+    let digest: String = sha2::Sha256::digest(&bytes).iter().map(|byte| format!("{byte:02x}")).collect();
+    std::fs::create_dir_all(store.join("blobs")).unwrap();
+    std::fs::rename(model, store.join(format!("blobs/sha256-{digest}"))).unwrap();
+    let manifests = store.join("manifests/registry.ollama.ai/library").join(name);
+    std::fs::create_dir_all(&manifests).unwrap();
+    let manifest = serde_json::json!({"schemaVersion": 2, "layers": [{"mediaType": "application/vnd.ollama.image.model", "digest": format!("sha256:{digest}"), "size": bytes.len()}]});
+    std::fs::write(manifests.join(tag), manifest.to_string()).unwrap();
+}

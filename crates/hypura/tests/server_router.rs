@@ -456,15 +456,7 @@ async fn parallel_requests_decode_together_and_match_sequential_answers() {
 async fn ollama_store_names_resolve_and_never_escape_it() {
     let store = tempfile::tempdir().unwrap();
     let model = tiny(store.path());
-    let bytes = std::fs::read(&model).unwrap();
-    use sha2::Digest as _;
-    let digest: String = sha2::Sha256::digest(&bytes).iter().map(|byte| format!("{byte:02x}")).collect();
-    std::fs::create_dir_all(store.path().join("blobs")).unwrap();
-    std::fs::rename(&model, store.path().join(format!("blobs/sha256-{digest}"))).unwrap();
-    let manifests = store.path().join("manifests/registry.ollama.ai/library/tiny");
-    std::fs::create_dir_all(&manifests).unwrap();
-    let manifest = json!({"schemaVersion": 2, "layers": [{"mediaType": "application/vnd.ollama.image.model", "digest": format!("sha256:{digest}"), "size": bytes.len()}]});
-    std::fs::write(manifests.join("q4"), manifest.to_string()).unwrap();
+    common::ollama_store(store.path(), &model, "tiny", "q4");
 
     let catalog = Catalog { ollama_stores: vec![store.path().to_path_buf()], ..Catalog::default() };
     let scheduler = SchedulerConfig { n_parallel: 1, max_queue: 1, default_keep_alive: KeepAlive::For(Duration::from_secs(60)), run: run(), embedding_context: 64 };
