@@ -361,7 +361,7 @@ impl ChatStream {
     pub fn push(&mut self, piece: &str) -> ChatDelta {
         self.text.push_str(piece);
         match self.parse(true) {
-            Some(message) => self.delta(&message),
+            Some(message) => self.delta(&message, false),
             None => ChatDelta::default(),
         }
     }
@@ -376,7 +376,7 @@ impl ChatStream {
                 message.content.clear();
             }
         }
-        let delta = self.delta_final(&message);
+        let delta = self.delta(&message, true);
         (delta, message)
     }
 
@@ -386,19 +386,13 @@ impl ChatStream {
         !self.tool_names.is_empty() && self.sent_content == 0 && (start.is_empty() || start.starts_with('{') || start.starts_with('[') || start.starts_with("```"))
     }
 
-    fn delta_final(&mut self, message: &AssistantMessage) -> ChatDelta {
-        let held = std::mem::take(&mut self.tool_names);
-        let delta = self.delta(message);
-        self.tool_names = held;
-        delta
-    }
-
-    /// What the content and reasoning gained since the last delta. A parse that rewrites text
+    /// What the content and reasoning gained since the last delta (`last`: the answer is
+    /// complete, so nothing is held back any more). A parse that rewrites text
     /// already sent (rare: a marker the partial parse read as content) sends nothing more for
     /// that part; the final message has it right.
-    fn delta(&mut self, message: &AssistantMessage) -> ChatDelta {
+    fn delta(&mut self, message: &AssistantMessage, last: bool) -> ChatDelta {
         let mut delta = ChatDelta::default();
-        if message.content.len() > self.sent_content && message.content.is_char_boundary(self.sent_content) && !self.may_be_bare_call(&message.content) {
+        if message.content.len() > self.sent_content && message.content.is_char_boundary(self.sent_content) && (last || !self.may_be_bare_call(&message.content)) {
             delta.content = message.content[self.sent_content..].to_string();
             self.sent_content = message.content.len();
         }

@@ -52,6 +52,8 @@ pub struct EngineInfo {
     pub size_bytes: u64,
     pub vram_bytes: u64,
     pub context_length: usize,
+    /// The context the model was trained for (0: the file does not say).
+    pub trained_context: u64,
     pub mode: &'static str,
     /// Streaming I/O counters (streaming modes).
     pub io: Option<Arc<crate::store::IoStats>>,
@@ -75,7 +77,6 @@ pub struct LoadedModel {
     pub entry: ModelEntry,
     /// The context each sequence was asked to have (None: the configured default).
     context: Option<u32>,
-    trained_context: Option<u32>,
     sender: Mutex<Option<Sender<Job>>>,
     pending: AtomicUsize,
     usage: Mutex<Usage>,
@@ -91,20 +92,15 @@ impl LoadedModel {
         }
     }
 
-    /// Whether a request for `n_ctx` tokens needs a reload: the model is (or will be) loaded
-    /// with a shorter context. While it loads with the default, the request waits for it and
-    /// the per-request limit applies.
+    /// Whether a request for `n_ctx` tokens needs a reload: the model is loaded with a
+    /// shorter context that could grow (below its training context), or is loading with a
+    /// shorter one asked for. While it loads with the default, the request waits for it and the
+    /// per-request limit applies.
     fn too_short_for(&self, n_ctx: u32) -> bool {
-        let loaded = match &*self.status.lock().unwrap_or_else(|poison| poison.into_inner()) {
-            Status::Ready(info) => Some(info.context_length as u32),
-            _ => self.context,
-        };
-        loaded.is_some_and(|loaded| n_ctx > loaded && !self.at_trained_limit(loaded))
-    }
-
-    /// A context as long as the model was trained for cannot grow.
-    fn at_trained_limit(&self, loaded: u32) -> bool {
-        self.trained_context.is_some_and(|trained| loaded >= trained)
+        match &*self.status.lock().unwrap_or_else(|poison| poison.into_inner()) {
+            Status::Ready(info) => n_ctx as usize > info.context_length && (info.trained_context == 0 || (info.context_length as u64) < info.trained_context),
+            _ => self.context.is_some_and(|asked| n_ctx > asked),
+        }
     }
 
     /// Requests holding the model: generating, embedding or queued.
@@ -315,21 +311,19 @@ impl Scheduler {
 
     fn start_worker(&self, entry: &ModelEntry, n_ctx: Option<u32>) -> Result<Arc<LoadedModel>, AppError> {
         let (sender, receiver) = std::sync::mpsc::channel();
-        let trained_context = crate::model::Inventory::open(&entry.path).ok().and_then(|inventory| u32::try_from(inventory.hparams.n_ctx_train).ok()).filter(|&trained| trained > 0);
-        let context = n_ctx.map(|n_ctx| trained_context.map_or(n_ctx, |trained| n_ctx.min(trained)));
         let gate = self.inner.gates.lock().unwrap_or_else(|poison| poison.into_inner()).entry(entry.path.clone()).or_default().clone();
         let model = Arc::new(LoadedModel {
             entry: entry.clone(),
-            context,
-            trained_context,
+            context: n_ctx,
             sender: Mutex::new(Some(sender)),
             pending: AtomicUsize::new(0),
             usage: Mutex::new(Usage { keep_alive: self.inner.config.default_keep_alive, idle_since: Some(Instant::now()) }),
             status: Mutex::new(Status::Loading),
         });
         let mut config = self.inner.config.clone();
-        if context.is_some() {
-            config.run.n_ctx = context;
+        // The plan caps a longer context at the trained one.
+        if n_ctx.is_some() {
+            config.run.n_ctx = n_ctx;
         }
         let worker = Worker { model: Arc::downgrade(&model), path: entry.path.clone(), config, gate };
         std::thread::Builder::new().name(format!("model {}", entry.name)).spawn(move || worker.run(receiver)).map_err(|error| AppError::internal(format!("starting the model thread: {error}")))?;
@@ -611,5 +605,5 @@ fn engine_info(engine: &Engine, batcher: &Batcher) -> EngineInfo {
         None => (engine.model().size_bytes() + kv, 0),
     };
     let io = engine.streaming().map(|streaming| streaming.stats.clone());
-    EngineInfo { size_bytes, vram_bytes, context_length: batcher.n_ctx_per_sequence(), mode: engine.mode().name(), io }
+    EngineInfo { size_bytes, vram_bytes, context_length: batcher.n_ctx_per_sequence(), trained_context: engine.inventory().hparams.n_ctx_train, mode: engine.mode().name(), io }
 }
