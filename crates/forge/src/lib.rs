@@ -7,13 +7,15 @@
 //! every correctness invariant and benchmark applies to them. Presets are named after the
 //! benchmark scenarios (`dense-1b`, `dense-8b`, `moe-8x`, `moe-30b`) plus `tiny-*` variants
 //! for tests.
+mod arch;
 mod spec;
 mod vocab;
 mod write;
 
 use std::path::PathBuf;
 
-pub use spec::{preset, Arch, ForgeSpec, Init, QuantMix, Shape, TensorPlan, PRESETS, QWEN3_TEMPLATE};
+pub use arch::{block, Meta, Tensors};
+pub use spec::{preset, presets, Arch, ForgeSpec, Init, QuantMix, Shape, TensorPlan, QWEN3_TEMPLATE};
 pub use vocab::Vocabulary;
 pub use write::{metadata, write_model, ForgeSummary};
 

@@ -4,7 +4,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use hypura_forge::{preset, write_model, Arch, QuantMix, PRESETS};
+use hypura_forge::{preset, presets, write_model, Arch, QuantMix};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 #[derive(Parser, Debug)]
@@ -57,7 +57,7 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let Some(mut spec) = preset(&args.preset) else {
-        bail!("unknown preset {:?}; presets: {}", args.preset, PRESETS.join(", "));
+        bail!("unknown preset {:?}; presets: {}", args.preset, presets().join(", "));
     };
     spec.seed = args.seed;
     spec.router_skew = args.router_skew;

@@ -2,8 +2,8 @@
 //! named presets that the benchmark scenarios use.
 use std::fmt;
 
-/// The llama.cpp architectures the forge writes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The llama.cpp architectures the forge writes, each named by its `general.architecture`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Arch {
     /// `llama`: dense (TinyLlama, Llama 3) or, with experts, the Mixtral layout.
     Llama,
@@ -11,27 +11,73 @@ pub enum Arch {
     Qwen3,
     /// `qwen3moe`: Qwen3-30B-A3B layout (q/k norms, many small experts).
     Qwen3Moe,
+    /// `qwen35moe`: Qwen3.5/3.6 MoE: gated delta-net and attention layers, a gated shared expert.
+    Qwen35Moe,
+    /// `qwen3next`: Qwen3-Next, the hybrid layout before Qwen3.5.
+    Qwen3Next,
+    /// `gpt-oss`: MXFP4 experts with biases, attention sinks, a sliding window.
+    GptOss,
+    /// `deepseek2`: DeepSeek-V3/R1 and Kimi-K2: MLA attention, leading dense layers, shared
+    /// experts, `exp_probs_b`.
+    Deepseek2,
+    /// `deepseek4`: DeepSeek-V4.
+    Deepseek4,
+    /// `kimi-k3`: Kimi-K3.
+    KimiK3,
+    /// `glm4moe`: GLM-4.5/4.6: leading dense layers, a shared expert, an MTP layer.
+    Glm4Moe,
+    /// `glm5-next`: GLM-5.
+    Glm5Next,
+    /// `gemma4`: Gemma 4 (MoE).
+    Gemma4,
+    /// `llama4`: Llama 4: MoE and dense layers interleaved, a shared expert.
+    Llama4,
+    /// `minimax-m2`: MiniMax-M2.
+    MinimaxM2,
 }
 
 impl Arch {
+    pub const ALL: [Arch; 14] = [
+        Arch::Llama,
+        Arch::Qwen3,
+        Arch::Qwen3Moe,
+        Arch::Qwen35Moe,
+        Arch::Qwen3Next,
+        Arch::GptOss,
+        Arch::Deepseek2,
+        Arch::Deepseek4,
+        Arch::KimiK3,
+        Arch::Glm4Moe,
+        Arch::Glm5Next,
+        Arch::Gemma4,
+        Arch::Llama4,
+        Arch::MinimaxM2,
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             Arch::Llama => "llama",
             Arch::Qwen3 => "qwen3",
             Arch::Qwen3Moe => "qwen3moe",
+            Arch::Qwen35Moe => "qwen35moe",
+            Arch::Qwen3Next => "qwen3next",
+            Arch::GptOss => "gpt-oss",
+            Arch::Deepseek2 => "deepseek2",
+            Arch::Deepseek4 => "deepseek4",
+            Arch::KimiK3 => "kimi-k3",
+            Arch::Glm4Moe => "glm4moe",
+            Arch::Glm5Next => "glm5-next",
+            Arch::Gemma4 => "gemma4",
+            Arch::Llama4 => "llama4",
+            Arch::MinimaxM2 => "minimax-m2",
         }
     }
 
     pub fn parse(text: &str) -> Option<Arch> {
-        match text {
-            "llama" => Some(Arch::Llama),
-            "qwen3" => Some(Arch::Qwen3),
-            "qwen3moe" => Some(Arch::Qwen3Moe),
-            _ => None,
-        }
+        Arch::ALL.into_iter().find(|arch| arch.name() == text)
     }
 
-    fn has_qk_norm(self) -> bool {
+    pub(crate) fn has_qk_norm(self) -> bool {
         matches!(self, Arch::Qwen3 | Arch::Qwen3Moe)
     }
 }
@@ -76,8 +122,9 @@ impl fmt::Display for QuantMix {
     }
 }
 
-/// Shape in llama.cpp's hparam words.
-#[derive(Clone, Debug, PartialEq)]
+/// Shape in llama.cpp's hparam words. Each architecture's module derives the widths it has
+/// beyond these (latent ranks, recurrent state, windows) from them.
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Shape {
     pub n_layer: u64,
     pub n_embd: u64,
@@ -90,6 +137,12 @@ pub struct Shape {
     /// 0 for dense models.
     pub n_expert: u64,
     pub n_expert_used: u64,
+    /// Width of the shared expert(s) beside the routed ones; 0 for none.
+    pub n_ff_shared: u64,
+    /// Leading layers with a dense FFN instead of experts (DeepSeek, GLM); 0 for none.
+    pub n_dense_lead: u64,
+    /// Width of the dense FFN layers of an MoE model (its `feed_forward_length`); 0 for none.
+    pub n_ff_dense: u64,
     pub n_ctx_train: u64,
     pub rope_freq_base: f32,
 }
@@ -140,10 +193,25 @@ impl ForgeSpec {
     pub fn is_moe(&self) -> bool {
         self.shape.n_expert > 0
     }
+
+    /// Every tensor in file order, with its type under the quantization mix.
+    pub fn tensors(&self, n_vocab: u64) -> Vec<TensorPlan> {
+        crate::arch::tensors(self, n_vocab)
+    }
 }
 
+/// The benchmark presets and the tiny variants of the classic layouts; every other
+/// architecture's presets come from its module (`tiny-<arch>`, and full shapes).
+const CLASSIC_PRESETS: &[&str] = &["dense-1b", "dense-8b", "moe-8x", "moe-30b", "tiny-dense-1b", "tiny-dense-8b", "tiny-qwen3", "tiny-moe-8x", "tiny-moe-30b"];
+
 /// Names of all presets, for help text and tests.
-pub const PRESETS: &[&str] = &["dense-1b", "dense-8b", "moe-8x", "moe-30b", "tiny-dense-1b", "tiny-dense-8b", "tiny-qwen3", "tiny-moe-8x", "tiny-moe-30b"];
+pub fn presets() -> Vec<&'static str> {
+    let mut names = CLASSIC_PRESETS.to_vec();
+    for definition in crate::arch::DEFINITIONS {
+        names.extend((definition.presets)().into_iter().map(|(name, _)| name));
+    }
+    names
+}
 
 /// A named preset. `tiny-dense`, `tiny-moe` and `tiny-moe30b` are aliases.
 pub fn preset(name: &str) -> Option<ForgeSpec> {
@@ -153,7 +221,18 @@ pub fn preset(name: &str) -> Option<ForgeSpec> {
         "tiny-moe30b" => "tiny-moe-30b",
         other => other,
     };
-    let (arch, shape) = match canonical {
+    let (name, arch, shape) = match classic(canonical) {
+        Some((arch, shape)) => (canonical, arch, shape),
+        None => crate::arch::DEFINITIONS.iter().find_map(|definition| {
+            (definition.presets)().into_iter().find(|(preset, _)| *preset == canonical).map(|(preset, shape)| (preset, definition.arch, shape))
+        })?,
+    };
+    let chat_template = matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe).then(|| QWEN3_TEMPLATE.to_string());
+    Some(ForgeSpec { name: name.to_string(), arch, shape, quant: QuantMix::Q4KM, seed: 42, router_skew: 0.0, router_locality: 0.0, residual_scale: 1.0, chat_template })
+}
+
+fn classic(name: &str) -> Option<(Arch, Shape)> {
+    Some(match name {
         // TinyLlama 1.1B.
         "dense-1b" => (Arch::Llama, dense(22, 2048, 32, 4, 5632, 10_000.0)),
         // Llama 3 8B.
@@ -168,22 +247,21 @@ pub fn preset(name: &str) -> Option<ForgeSpec> {
         "tiny-moe-8x" => (Arch::Llama, moe(4, 256, 4, 2, 64, 512, 8, 2)),
         "tiny-moe-30b" => (Arch::Qwen3Moe, moe(4, 256, 4, 2, 128, 256, 16, 4)),
         _ => return None,
-    };
-    let chat_template = matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe).then(|| QWEN3_TEMPLATE.to_string());
-    Some(ForgeSpec { name: canonical.to_string(), arch, shape, quant: QuantMix::Q4KM, seed: 42, router_skew: 0.0, router_locality: 0.0, residual_scale: 1.0, chat_template })
+    })
 }
 
-fn dense(n_layer: u64, n_embd: u64, n_head: u64, n_head_kv: u64, n_ff: u64, rope_freq_base: f32) -> Shape {
-    Shape { n_layer, n_embd, n_head, n_head_kv, head_dim: n_embd / n_head, n_ff, n_expert: 0, n_expert_used: 0, n_ctx_train: 4096, rope_freq_base }
+pub(crate) fn dense(n_layer: u64, n_embd: u64, n_head: u64, n_head_kv: u64, n_ff: u64, rope_freq_base: f32) -> Shape {
+    Shape { n_layer, n_embd, n_head, n_head_kv, head_dim: n_embd / n_head, n_ff, n_ctx_train: 4096, rope_freq_base, ..Shape::default() }
 }
 
+/// An MoE shape: `n_ff` is each routed expert's width.
 #[allow(clippy::too_many_arguments)]
-fn moe(n_layer: u64, n_embd: u64, n_head: u64, n_head_kv: u64, head_dim: u64, n_ff: u64, n_expert: u64, n_expert_used: u64) -> Shape {
-    Shape { n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_expert, n_expert_used, n_ctx_train: 4096, rope_freq_base: 1_000_000.0 }
+pub(crate) fn moe(n_layer: u64, n_embd: u64, n_head: u64, n_head_kv: u64, head_dim: u64, n_ff: u64, n_expert: u64, n_expert_used: u64) -> Shape {
+    Shape { n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_expert, n_expert_used, n_ctx_train: 4096, rope_freq_base: 1_000_000.0, ..Shape::default() }
 }
 
 /// What each tensor is, which decides how its values are drawn.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Init {
     /// RMS-norm weights: around 1.
     Norm,
@@ -196,6 +274,8 @@ pub enum Init {
     Embedding,
     /// Router rows, scaled per expert by the skew.
     Router { fan_in: u64 },
+    /// Uniform in `low..high`: biases, recurrent-state parameters, sinks.
+    Uniform { low: f32, high: f32 },
 }
 
 /// One tensor of the forged file.
@@ -207,69 +287,3 @@ pub struct TensorPlan {
     pub init: Init,
 }
 
-/// llama.cpp's `use_more_bits`: the layers where Q4_K_M spends Q6_K on attn_v and ffn_down.
-fn use_more_bits(layer: u64, n_layer: u64) -> bool {
-    // Written as llama.cpp writes it (the middle test's first half is implied by the first).
-    layer < n_layer / 8 || layer >= 7 * n_layer / 8 || (layer - n_layer / 8) % 3 == 2
-}
-
-impl ForgeSpec {
-    /// Every tensor in file order, with its type under the quantization mix.
-    pub fn tensors(&self, n_vocab: u64) -> Vec<TensorPlan> {
-        use hypura_gguf::GgmlType;
-        let shape = &self.shape;
-        let quant = self.quant;
-        let pick = |base: GgmlType, more_bits: bool, row: u64| -> GgmlType {
-            let wanted = match quant {
-                QuantMix::F16 => GgmlType::F16,
-                QuantMix::Q8_0 => GgmlType::Q8_0,
-                QuantMix::Q4KM if more_bits => GgmlType::Q6_K,
-                QuantMix::Q4KM => base,
-            };
-            // K-quants need rows of 256; llama.cpp falls back to a 32-block type otherwise.
-            if row.is_multiple_of(wanted.block_size()) {
-                wanted
-            } else {
-                GgmlType::Q8_0
-            }
-        };
-        let mut plans = Vec::new();
-        let mut add = |name: String, dims: Vec<u64>, ggml_type: GgmlType, init: Init| {
-            plans.push(TensorPlan { name, dims, ggml_type, init });
-        };
-        let q_width = shape.n_head * shape.head_dim;
-        let kv_width = shape.n_head_kv * shape.head_dim;
-        add("token_embd.weight".into(), vec![shape.n_embd, n_vocab], pick(GgmlType::Q4_K, false, shape.n_embd), Init::Embedding);
-        for layer in 0..shape.n_layer {
-            let more_bits = use_more_bits(layer, shape.n_layer);
-            let block = |suffix: &str| format!("blk.{layer}.{suffix}");
-            let projection = |fan_in| Init::Projection { fan_in };
-            let residual = |fan_in| Init::Residual { fan_in };
-            add(block("attn_norm.weight"), vec![shape.n_embd], GgmlType::F32, Init::Norm);
-            add(block("attn_q.weight"), vec![shape.n_embd, q_width], pick(GgmlType::Q4_K, false, shape.n_embd), projection(shape.n_embd));
-            add(block("attn_k.weight"), vec![shape.n_embd, kv_width], pick(GgmlType::Q4_K, false, shape.n_embd), projection(shape.n_embd));
-            add(block("attn_v.weight"), vec![shape.n_embd, kv_width], pick(GgmlType::Q4_K, more_bits, shape.n_embd), projection(shape.n_embd));
-            add(block("attn_output.weight"), vec![q_width, shape.n_embd], pick(GgmlType::Q4_K, false, q_width), residual(q_width));
-            if self.arch.has_qk_norm() {
-                add(block("attn_q_norm.weight"), vec![shape.head_dim], GgmlType::F32, Init::Norm);
-                add(block("attn_k_norm.weight"), vec![shape.head_dim], GgmlType::F32, Init::Norm);
-            }
-            add(block("ffn_norm.weight"), vec![shape.n_embd], GgmlType::F32, Init::Norm);
-            if shape.n_expert == 0 {
-                add(block("ffn_gate.weight"), vec![shape.n_embd, shape.n_ff], pick(GgmlType::Q4_K, false, shape.n_embd), projection(shape.n_embd));
-                add(block("ffn_up.weight"), vec![shape.n_embd, shape.n_ff], pick(GgmlType::Q4_K, false, shape.n_embd), projection(shape.n_embd));
-                add(block("ffn_down.weight"), vec![shape.n_ff, shape.n_embd], pick(GgmlType::Q4_K, more_bits, shape.n_ff), residual(shape.n_ff));
-            } else {
-                // llama.cpp keeps the router in F32.
-                add(block("ffn_gate_inp.weight"), vec![shape.n_embd, shape.n_expert], GgmlType::F32, Init::Router { fan_in: shape.n_embd });
-                let experts = shape.n_expert;
-                add(block("ffn_gate_exps.weight"), vec![shape.n_embd, shape.n_ff, experts], pick(GgmlType::Q4_K, false, shape.n_embd), projection(shape.n_embd));
-                add(block("ffn_up_exps.weight"), vec![shape.n_embd, shape.n_ff, experts], pick(GgmlType::Q4_K, false, shape.n_embd), projection(shape.n_embd));
-                add(block("ffn_down_exps.weight"), vec![shape.n_ff, shape.n_embd, experts], pick(GgmlType::Q4_K, more_bits, shape.n_ff), residual(shape.n_ff));
-            }
-        }
-        add("output_norm.weight".into(), vec![shape.n_embd], GgmlType::F32, Init::Norm);
-        add("output.weight".into(), vec![shape.n_embd, n_vocab], pick(GgmlType::Q6_K, false, shape.n_embd), Init::Projection { fan_in: shape.n_embd });
-        plans
-    }
-}

@@ -10,6 +10,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
+use crate::arch::Meta;
 use crate::spec::{ForgeSpec, Init, TensorPlan};
 use crate::vocab::Vocabulary;
 use crate::ForgeError;
@@ -33,43 +34,45 @@ pub struct ForgeSummary {
     pub n_vocab: u64,
 }
 
-/// Every metadata key llama.cpp needs to load the spec as its architecture.
+/// Every metadata key llama.cpp needs to load the spec as its architecture: the keys every
+/// architecture reads, the vocabulary, then the architecture's own keys (which may replace
+/// them), then the chat template.
 pub fn metadata(spec: &ForgeSpec, vocabulary: &Vocabulary) -> Vec<(String, Value)> {
-    let arch = spec.arch.name();
     let shape = &spec.shape;
-    let key = |suffix: &str| format!("{arch}.{suffix}");
-    let mut entries = vec![
-        ("general.architecture".to_string(), Value::String(arch.into())),
-        ("general.name".to_string(), Value::String(format!("hypura-forge {}", spec.name))),
-        ("general.file_type".to_string(), Value::U32(spec.quant.file_type())),
-        ("general.quantization_version".to_string(), Value::U32(2)),
-        ("hypura.forge.seed".to_string(), Value::U64(spec.seed)),
-        ("hypura.forge.router_skew".to_string(), Value::F32(spec.router_skew)),
-        ("hypura.forge.router_locality".to_string(), Value::F32(spec.router_locality)),
-        ("hypura.forge.residual_scale".to_string(), Value::F32(spec.residual_scale)),
-        (key("context_length"), Value::U32(shape.n_ctx_train as u32)),
-        (key("embedding_length"), Value::U32(shape.n_embd as u32)),
-        (key("block_count"), Value::U32(shape.n_layer as u32)),
-        (key("feed_forward_length"), Value::U32(shape.n_ff as u32)),
-        (key("attention.head_count"), Value::U32(shape.n_head as u32)),
-        (key("attention.head_count_kv"), Value::U32(shape.n_head_kv as u32)),
-        (key("attention.key_length"), Value::U32(shape.head_dim as u32)),
-        (key("attention.value_length"), Value::U32(shape.head_dim as u32)),
-        (key("attention.layer_norm_rms_epsilon"), Value::F32(1e-6)),
-        (key("rope.freq_base"), Value::F32(shape.rope_freq_base)),
-        (key("rope.dimension_count"), Value::U32(shape.head_dim as u32)),
-        (key("vocab_size"), Value::U32(vocabulary.len() as u32)),
-    ];
+    let mut meta = Meta::new(spec.arch);
+    meta.set_key("general.architecture", Value::String(spec.arch.name().into()));
+    meta.set_key("general.name", Value::String(format!("hypura-forge {}", spec.name)));
+    meta.set_key("general.file_type", Value::U32(spec.quant.file_type()));
+    meta.set_key("general.quantization_version", Value::U32(2));
+    meta.set_key("hypura.forge.seed", Value::U64(spec.seed));
+    meta.set_key("hypura.forge.router_skew", Value::F32(spec.router_skew));
+    meta.set_key("hypura.forge.router_locality", Value::F32(spec.router_locality));
+    meta.set_key("hypura.forge.residual_scale", Value::F32(spec.residual_scale));
+    meta.u32("context_length", shape.n_ctx_train);
+    meta.u32("embedding_length", shape.n_embd);
+    meta.u32("block_count", shape.n_layer);
+    meta.u32("feed_forward_length", if spec.is_moe() && shape.n_ff_dense > 0 { shape.n_ff_dense } else { shape.n_ff });
+    meta.u32("attention.head_count", shape.n_head);
+    meta.u32("attention.head_count_kv", shape.n_head_kv);
+    meta.u32("attention.key_length", shape.head_dim);
+    meta.u32("attention.value_length", shape.head_dim);
+    meta.f32("attention.layer_norm_rms_epsilon", 1e-6);
+    meta.f32("rope.freq_base", shape.rope_freq_base);
+    meta.u32("rope.dimension_count", shape.head_dim);
+    meta.u32("vocab_size", vocabulary.len() as u64);
     if spec.is_moe() {
-        entries.push((key("expert_count"), Value::U32(shape.n_expert as u32)));
-        entries.push((key("expert_used_count"), Value::U32(shape.n_expert_used as u32)));
-        entries.push((key("expert_feed_forward_length"), Value::U32(shape.n_ff as u32)));
+        meta.u32("expert_count", shape.n_expert);
+        meta.u32("expert_used_count", shape.n_expert_used);
+        meta.u32("expert_feed_forward_length", shape.n_ff);
     }
-    entries.extend(vocabulary.metadata());
+    for (key, value) in vocabulary.metadata() {
+        meta.set_key(key, value);
+    }
+    crate::arch::metadata(spec, &mut meta);
     if let Some(template) = &spec.chat_template {
-        entries.push(("tokenizer.chat_template".into(), Value::String(template.clone())));
+        meta.set_key("tokenizer.chat_template", Value::String(template.clone()));
     }
-    entries
+    meta.entries
 }
 
 /// One piece of work: rows `first_row..first_row + row_count` of tensor `tensor`.
@@ -200,6 +203,7 @@ fn generate_rows(spec: &ForgeSpec, plan: &TensorPlan, piece: &Piece, locality_di
                 }
             }
         }
+        Init::Uniform { low, high } => values.iter_mut().for_each(|value| *value = rng.gen_range(low..high)),
         Init::Router { fan_in } => {
             let limit = (3.0 / fan_in as f32).sqrt();
             let n_expert = spec.shape.n_expert.max(1) as f32;
@@ -223,7 +227,8 @@ fn piece_bytes(spec: &ForgeSpec, plan: &TensorPlan, piece: &Piece, locality_dire
     let row_elements = plan.dims[0];
     let block_elements = ggml_type.block_size();
     let blocks = row_elements / block_elements * piece.row_count;
-    let pooled = block_elements == 256 && matches!(plan.init, Init::Projection { .. } | Init::Residual { .. }) && blocks > 4 * BLOCK_POOL;
+    // The K-quants and MXFP4 (whose quantizer is also slow enough to matter at 20 GB).
+    let pooled = (block_elements == 256 || ggml_type == GgmlType::MXFP4) && matches!(plan.init, Init::Projection { .. } | Init::Residual { .. }) && blocks > 4 * BLOCK_POOL;
     if !pooled {
         let values = generate_rows(spec, plan, piece, locality_direction);
         return encode(ggml_type, &values, row_elements);

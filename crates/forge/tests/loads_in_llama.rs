@@ -1,6 +1,6 @@
 //! Every tiny preset must load in plain libllama as its real architecture and give finite,
 //! non-degenerate logits; the file must be deterministic from the seed.
-use hypura_forge::{preset, write_model, PRESETS};
+use hypura_forge::{preset, presets, write_model};
 use hypura_sys::{Backend, Batch, Context, ContextParams, Model, ModelParams};
 
 fn forge(name: &str, directory: &std::path::Path) -> std::path::PathBuf {
@@ -10,34 +10,67 @@ fn forge(name: &str, directory: &std::path::Path) -> std::path::PathBuf {
     path
 }
 
-#[test]
-fn every_tiny_preset_loads_in_libllama_with_finite_logits() {
+/// Forge `name`, load it in libllama without repacking, and decode a prompt.
+fn loads_with_finite_logits(name: &str) {
     let directory = tempfile::tempdir().unwrap();
     let backend = Backend::get();
-    let tiny: Vec<&str> = PRESETS.iter().copied().filter(|name| name.starts_with("tiny-")).collect();
-    assert!(tiny.len() >= 4, "expected tiny variants of every preset, got {tiny:?}");
-    for name in tiny {
-        let spec = preset(name).unwrap();
-        let path = forge(name, directory.path());
-        let model = Model::load(backend, &path, &ModelParams { use_extra_bufts: false, ..ModelParams::default() }).unwrap_or_else(|error| panic!("{name}: {error}"));
-        assert_eq!(model.n_layer() as u64, spec.shape.n_layer, "{name}");
-        assert_eq!(model.n_embd() as u64, spec.shape.n_embd, "{name}");
-        let vocab = model.vocab();
-        let tokens = vocab.tokenize("The capital of France is Paris", true, false).unwrap();
-        assert!(tokens.len() >= 3, "{name}: tokenized to {tokens:?}");
-        assert_eq!(tokens[0], vocab.bos(), "{name}: BOS first");
-        let mut context = Context::new(&model, &ContextParams { n_ctx: 256, n_threads: 2, n_threads_batch: 2, ..ContextParams::default() }).unwrap();
-        let mut batch = Batch::new(tokens.len(), 1);
-        for (position, &token) in tokens.iter().enumerate() {
-            batch.push(token, position as i32, &[0], position + 1 == tokens.len()).unwrap();
-        }
-        context.decode(&batch).unwrap();
-        let logits = context.logits(-1).unwrap();
-        assert_eq!(logits.len() as i32, vocab.n_tokens());
-        assert!(logits.iter().all(|logit| logit.is_finite()), "{name}: non-finite logits");
-        let (min, max) = logits.iter().fold((f32::MAX, f32::MIN), |(low, high), &logit| (low.min(logit), high.max(logit)));
-        assert!(max - min > 1e-3, "{name}: logits are flat ({min}..{max})");
+    let spec = preset(name).unwrap_or_else(|| panic!("preset {name}"));
+    let path = forge(name, directory.path());
+    let model = Model::load(backend, &path, &ModelParams { use_extra_bufts: false, ..ModelParams::default() }).unwrap_or_else(|error| panic!("{name}: {error}"));
+    assert_eq!(model.n_layer() as u64, spec.shape.n_layer, "{name}");
+    assert_eq!(model.n_embd() as u64, spec.shape.n_embd, "{name}");
+    let vocab = model.vocab();
+    let tokens = vocab.tokenize("The capital of France is Paris", true, false).unwrap();
+    assert!(tokens.len() >= 3, "{name}: tokenized to {tokens:?}");
+    let mut context = Context::new(&model, &ContextParams { n_ctx: 256, n_threads: 2, n_threads_batch: 2, ..ContextParams::default() }).unwrap();
+    let mut batch = Batch::new(tokens.len(), 1);
+    for (position, &token) in tokens.iter().enumerate() {
+        batch.push(token, position as i32, &[0], position + 1 == tokens.len()).unwrap();
     }
+    context.decode(&batch).unwrap_or_else(|error| panic!("{name}: {error}"));
+    let logits = context.logits(-1).unwrap();
+    assert_eq!(logits.len() as i32, vocab.n_tokens());
+    assert!(logits.iter().all(|logit| logit.is_finite()), "{name}: non-finite logits");
+    let (min, max) = logits.iter().fold((f32::MAX, f32::MIN), |(low, high), &logit| (low.min(logit), high.max(logit)));
+    assert!(max - min > 1e-3, "{name}: logits are flat ({min}..{max})");
+}
+
+macro_rules! loads {
+    ($($test:ident => $preset:literal),* $(,)?) => {
+        $(
+            #[test]
+            fn $test() {
+                loads_with_finite_logits($preset);
+            }
+        )*
+
+        /// Every tiny preset has its test above.
+        #[test]
+        fn every_tiny_preset_is_tested() {
+            let tested = [$($preset),*];
+            let tiny: Vec<&str> = presets().into_iter().filter(|name| name.starts_with("tiny-")).collect();
+            assert_eq!(tiny, tested, "a tiny preset without a load test, or a test without its preset");
+        }
+    };
+}
+
+loads! {
+    tiny_dense_1b => "tiny-dense-1b",
+    tiny_dense_8b => "tiny-dense-8b",
+    tiny_qwen3 => "tiny-qwen3",
+    tiny_moe_8x => "tiny-moe-8x",
+    tiny_moe_30b => "tiny-moe-30b",
+    tiny_qwen35moe => "tiny-qwen35moe",
+    tiny_qwen3next => "tiny-qwen3next",
+    tiny_gpt_oss => "tiny-gpt-oss",
+    tiny_deepseek2 => "tiny-deepseek2",
+    tiny_deepseek4 => "tiny-deepseek4",
+    tiny_kimi_k3 => "tiny-kimi-k3",
+    tiny_glm4moe => "tiny-glm4moe",
+    tiny_glm5_next => "tiny-glm5-next",
+    tiny_gemma4 => "tiny-gemma4",
+    tiny_llama4 => "tiny-llama4",
+    tiny_minimax_m2 => "tiny-minimax-m2",
 }
 
 #[test]
