@@ -237,13 +237,20 @@ impl Engine {
         }
     }
 
+    /// The prompt batch: the asked one, at most the logical batch, and at most what the plan's
+    /// expert cache holds the picks of.
+    pub fn n_ubatch(&self) -> u32 {
+        let planned = self.options.plan.as_ref().and_then(|plan| plan.experts.as_ref()?.max_ubatch).unwrap_or(u32::MAX);
+        self.options.n_ubatch.min(self.options.n_batch).min(planned)
+    }
+
     pub(super) fn context_params(&self) -> ContextParams {
         let defaults = ContextParams::default();
         let threads = self.options.n_threads.unwrap_or(defaults.n_threads);
         ContextParams {
             n_ctx: self.n_ctx(),
             n_batch: self.options.n_batch,
-            n_ubatch: self.options.n_ubatch.min(self.options.n_batch),
+            n_ubatch: self.n_ubatch(),
             n_seq_max: self.options.n_seq_max,
             n_threads: threads,
             n_threads_batch: threads,

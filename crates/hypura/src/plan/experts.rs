@@ -1,10 +1,12 @@
 //! The expert-stream layout: every routed expert tensor of a layer the GPU does not hold is read
 //! by (layer, expert) unit on the router's picks, through an expert cache sized to what the
-//! budget leaves after the resident weights, the KV cache and the compute buffers (at least one
-//! layer's every expert); whether the stale-gate prefetch runs follows from the slice size.
+//! budget leaves after the resident weights, the KV cache and the compute buffers (what a
+//! prompt batch may pick in one layer, or smaller prompt batches where the budget holds less);
+//! whether the stale-gate prefetch runs follows from the slice size.
 use serde::Serialize;
 
 use super::gpu::place;
+use super::sizing::compute_buffer_bytes;
 use super::types::{BudgetUse, CachePolicy, MachineFacts, Plan, PlanError, PlanOptions, Tier};
 use crate::model::{Inventory, TensorEntry};
 
@@ -22,6 +24,9 @@ pub struct ExpertLayout {
     pub min_slice_bytes: u64,
     /// Stale-gate prefetch of the next layer's experts.
     pub prefetch: bool,
+    /// The largest prompt batch whose picks the cache holds at once (`cache_units` ÷ k), where
+    /// the cache is smaller than what a batch of the asked size may pick; None where it is not.
+    pub max_ubatch: Option<u32>,
 }
 
 /// Expert slices at least this large are backed by huge pages inside (the store advises their
@@ -53,15 +58,33 @@ pub(super) fn plan_experts(inventory: &Inventory, machine: &MachineFacts, option
     let expert_bytes: u64 = streamed.iter().map(|tensor| tensor.bytes).sum();
     let fixed = base.budget.resident_weight_bytes - expert_bytes;
     let budget = machine.memory_budget_bytes;
-    // The cache must hold one layer's every expert: a prefill batch may pick them all.
-    let minimum_units = if moe_layers == 0 { 0 } else { n_expert as usize };
-    let needed = fixed + kv + compute + minimum_units as u64 * unit_bytes;
-    if needed > budget {
-        return Err(PlanError::BudgetTooSmall { budget, needed, resident: fixed, window: minimum_units as u64 * unit_bytes, layers: 1, kv, compute });
-    }
-    let affordable = ((budget - fixed - kv - compute) / unit_bytes.max(1)) as usize;
+    // Every expert a graph's batch picks in a layer must be resident while that layer computes:
+    // k per token, at most the layer's every expert. A cache that holds fewer than a full
+    // prompt batch may pick takes smaller prompt batches (down to one token, k units).
+    let k = hparams.n_expert_used.clamp(1, n_expert);
+    let batch_units = |ubatch: u64| if moe_layers == 0 { 0 } else { n_expert.min(k * ubatch.max(1)) as usize };
+    let full_units = batch_units(u64::from(options.n_ubatch));
     let total_units = (moe_layers * n_expert) as usize;
-    let cache_units = options.expert_cache_units.map_or(affordable, |units| units.min(affordable)).clamp(minimum_units, total_units.max(minimum_units));
+    let cache_for = |compute: u64| {
+        let affordable = (budget.saturating_sub(fixed + kv + compute) / unit_bytes.max(1)) as usize;
+        options.expert_cache_units.map_or(affordable, |units| units.min(affordable)).min(total_units.max(full_units))
+    };
+    let mut cache_units = cache_for(compute);
+    let (max_ubatch, compute) = if cache_units >= full_units {
+        (None, compute)
+    } else {
+        // Smaller prompt batches need smaller compute buffers, which leave the cache more room
+        // (so it still holds k units for each token of the batch).
+        let decode_units = batch_units(1);
+        let ubatch = ((cache_units.max(decode_units) as u64 / k) as u32).clamp(1, options.n_ubatch.max(1));
+        let compute = compute_buffer_bytes(inventory, options.n_ctx, ubatch);
+        cache_units = cache_for(compute);
+        if cache_units < decode_units {
+            let needed = fixed + kv + compute + decode_units as u64 * unit_bytes;
+            return Err(PlanError::BudgetTooSmall { budget, needed, resident: fixed, window: decode_units as u64 * unit_bytes, layers: 1, kv, compute });
+        }
+        (Some(ubatch), compute)
+    };
     let tensors = place(inventory, base.gpu.as_ref(), |tensor| {
         if tensor.experts.is_some() {
             (Tier::Stream, "routed experts: only the router's picks are read, through the expert cache")
@@ -89,6 +112,7 @@ pub(super) fn plan_experts(inventory: &Inventory, machine: &MachineFacts, option
             policy: options.cache_policy,
             min_slice_bytes,
             prefetch: options.expert_prefetch.unwrap_or(min_slice_bytes >= HUGE_SLICE_MIN_BYTES),
+            max_ubatch,
         }),
         streamed_bytes_per_token: worst_case,
         io_bound_tokens_per_sec: machine.disk_bytes_per_sec.filter(|_| worst_case > 0).map(|bandwidth| bandwidth / worst_case as f64),
@@ -96,4 +120,58 @@ pub(super) fn plan_experts(inventory: &Inventory, machine: &MachineFacts, option
         limit_tokens_per_sec: None,
         ..base
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::plan::test_support::*;
+    use crate::plan::{compute_buffer_bytes, kv_cache_bytes, plan, MachineFacts, Mode, ModeChoice, PlanError, PlanOptions};
+
+    /// 128 experts of 3 × 1 MiB per layer, 8 picked per token; a budget with room for `units`
+    /// units beside the rest, at a prompt batch of 512.
+    fn planned(units: u64, cache: Option<usize>) -> Result<crate::plan::Plan, PlanError> {
+        let inventory = moe_inventory(4, 128, 8, 1 << 20);
+        let fixed = inventory.tensors.iter().filter(|tensor| tensor.experts.is_none()).map(|tensor| tensor.bytes).sum::<u64>();
+        let budget = fixed + kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 512) + units * (3 << 20);
+        let options = PlanOptions { mode: ModeChoice::Auto, n_ctx: 1024, n_ubatch: 512, expert_cache_units: cache, ..PlanOptions::default() };
+        plan(&inventory, &MachineFacts { memory_budget_bytes: budget, ..MachineFacts::default() }, &options)
+    }
+
+    #[test]
+    fn a_cache_of_a_layers_experts_keeps_the_prompt_batch() {
+        let plan = planned(200, None).unwrap();
+        assert_eq!(plan.mode, Mode::ExpertStream);
+        let experts = plan.experts.as_ref().unwrap();
+        assert_eq!(experts.cache_units, 200);
+        assert_eq!(experts.max_ubatch, None);
+        assert!(plan.budget.total_bytes <= plan.budget.budget_bytes);
+    }
+
+    #[test]
+    fn a_cache_smaller_than_a_layers_experts_takes_smaller_prompt_batches() {
+        let plan = planned(40, None).unwrap();
+        let experts = plan.experts.as_ref().unwrap();
+        let ubatch = experts.max_ubatch.expect("a smaller batch");
+        // Its picks fit: 8 per token.
+        assert!(ubatch >= 5 && experts.cache_units >= 8 * ubatch as usize, "{experts:?}");
+        assert!(plan.budget.total_bytes <= plan.budget.budget_bytes, "{:?}", plan.budget);
+        assert!(plan.render().contains(&format!("prompt batches of at most {ubatch} tokens")), "{}", plan.render());
+        // A cache forced to one token's picks: one token per batch.
+        let forced = planned(200, Some(8)).unwrap();
+        assert_eq!((forced.experts.as_ref().unwrap().cache_units, forced.experts.as_ref().unwrap().max_ubatch), (8, Some(1)));
+    }
+
+    #[test]
+    fn a_budget_below_one_tokens_picks_is_refused() {
+        // Room for the compute buffers of a one-token batch and 7 units, one fewer than a
+        // token picks.
+        let inventory = moe_inventory(4, 128, 8, 1 << 20);
+        let fixed = inventory.tensors.iter().filter(|tensor| tensor.experts.is_none()).map(|tensor| tensor.bytes).sum::<u64>();
+        let budget = fixed + kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 1) + 7 * (3 << 20);
+        let options = PlanOptions { mode: ModeChoice::Auto, n_ctx: 1024, n_ubatch: 512, ..PlanOptions::default() };
+        match plan(&inventory, &MachineFacts { memory_budget_bytes: budget, ..MachineFacts::default() }, &options) {
+            Err(PlanError::BudgetTooSmall { needed, budget, .. }) => assert!(needed > budget),
+            other => panic!("{other:?}"),
+        }
+    }
 }

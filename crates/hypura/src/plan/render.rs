@@ -72,6 +72,9 @@ impl Plan {
                     format!(" (slices of {} cost more CPU to read than overlapping saves on few cores)", format_bytes(experts.min_slice_bytes))
                 }
             );
+            if let Some(ubatch) = experts.max_ubatch {
+                let _ = writeln!(out, "batches      prompt batches of at most {ubatch} tokens: the cache holds fewer units than a larger batch may pick in a layer");
+            }
             let _ = writeln!(out, "per token    at most {} read from disk (every pick a miss)", format_bytes(self.streamed_bytes_per_token));
             if let Some(bound) = self.io_bound_tokens_per_sec {
                 let _ = writeln!(out, "bound        at least {bound:.2} tok/s from disk bandwidth alone, before cache hits");

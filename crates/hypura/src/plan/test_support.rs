@@ -44,6 +44,25 @@ pub(super) fn inventory(n_layer: u64, attention_bytes: u64, ffn_bytes: u64, embe
     }
 }
 
+/// An MoE inventory: per layer one attention tensor and gate/up/down expert tensors of
+/// `n_expert` slices of `slice_bytes`, `n_expert_used` picked per token.
+pub(super) fn moe_inventory(n_layer: u64, n_expert: u64, n_expert_used: u64, slice_bytes: u64) -> Inventory {
+    let mut inventory = inventory(n_layer, 1 << 20, 0, 8 << 20);
+    inventory.tensors.retain(|tensor| !tensor.role.is_dense_ffn());
+    let mut offset = inventory.file_bytes;
+    for layer in 0..n_layer as u32 {
+        for (suffix, role) in [("ffn_gate_exps", Role::ExpertGate), ("ffn_up_exps", Role::ExpertUp), ("ffn_down_exps", Role::ExpertDown)] {
+            let bytes = n_expert * slice_bytes;
+            let experts = Some(crate::model::ExpertSlices { n_expert, slice_bytes });
+            inventory.tensors.push(TensorEntry { name: format!("blk.{layer}.{suffix}.weight"), role, layer: Some(layer), ggml_type: GgmlType::Q4_K, dims: vec![256, slice_bytes / 144, n_expert], bytes, split: 0, file_offset: offset, experts });
+            offset += bytes;
+        }
+    }
+    inventory.file_bytes = offset;
+    inventory.hparams = Hparams { n_expert, n_expert_used, n_ff_expert: 768, n_ff: 0, ..inventory.hparams };
+    inventory
+}
+
 pub(super) fn options(mode: ModeChoice, window_layers: usize) -> PlanOptions {
     PlanOptions { mode, n_ctx: 1024, n_ubatch: 256, window_layers: Some(window_layers), ..PlanOptions::default() }
 }

@@ -257,9 +257,10 @@ pub struct ExpertStream {
 }
 
 impl ExpertStream {
-    /// Units are numbered as `numbering` says; `capacity` is how many the cache holds.
+    /// Units are numbered as `numbering` says; `capacity` is how many the cache holds (at least
+    /// what one graph's batch picks in a layer, which the plan sees to).
     pub fn new(residency: Arc<Residency>, numbering: ExpertUnits, capacity: usize, policy: CachePolicy, trace: bool) -> ExpertStream {
-        let ExpertUnits { n_layer, n_expert } = numbering;
+        let ExpertUnits { n_layer, .. } = numbering;
         let units = numbering.count();
         ExpertStream {
             residency,
@@ -269,7 +270,7 @@ impl ExpertStream {
             prefetch_issued: AtomicU64::new(0),
             prefetch_used: AtomicU64::new(0),
             prefetch_cancelled: AtomicU64::new(0),
-            state: Mutex::new(State { cache: CacheModel::new(policy, units, capacity.max(n_expert)), pinned: Vec::new(), prefetched: vec![Vec::new(); n_layer] }),
+            state: Mutex::new(State { cache: CacheModel::new(policy, units, capacity), pinned: Vec::new(), prefetched: vec![Vec::new(); n_layer] }),
             counters: ExpertCounters { misses_by_layer: (0..n_layer).map(|_| AtomicU64::new(0)).collect(), ..ExpertCounters::default() },
             trace: trace.then(|| Mutex::new(Vec::new())),
             failure: FailureLatch::default(),
@@ -336,6 +337,10 @@ impl ExpertStream {
         let mut to_load = Vec::new();
         {
             let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            // Every pick must be resident at once; the plan sizes prompt batches so they fit.
+            if chosen.len() > state.cache.capacity() {
+                return Err(ResidencyError::CacheTooSmall { layer, picked: chosen.len(), capacity: state.cache.capacity() });
+            }
             state.pinned.clone_from(&chosen);
             // Score the prediction for this layer; cancel the reads it got wrong that have not
             // started, so they neither take I/O from real misses nor hold cache room.

@@ -78,6 +78,8 @@ pub enum ResidencyError {
     Read { unit: usize, reason: String },
     #[error("stream unit {unit} does not exist (there are {count})")]
     NoSuchUnit { unit: usize, count: usize },
+    #[error("layer {layer} picked {picked} experts in one batch, more than the expert cache's {capacity}")]
+    CacheTooSmall { layer: usize, picked: usize, capacity: usize },
     #[error(transparent)]
     Io(#[from] IoError),
 }
