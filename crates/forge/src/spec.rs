@@ -223,9 +223,9 @@ pub fn preset(name: &str) -> Option<ForgeSpec> {
     };
     let (name, arch, shape) = match classic(canonical) {
         Some((arch, shape)) => (canonical, arch, shape),
-        None => crate::arch::DEFINITIONS.iter().find_map(|definition| {
-            (definition.presets)().into_iter().find(|(preset, _)| *preset == canonical).map(|(preset, shape)| (preset, definition.arch, shape))
-        })?,
+        None => crate::arch::DEFINITIONS
+            .iter()
+            .find_map(|definition| (definition.presets)().into_iter().find(|(preset, _)| *preset == canonical).map(|(preset, shape)| (preset, definition.arch, shape)))?,
     };
     let chat_template = matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe).then(|| QWEN3_TEMPLATE.to_string());
     Some(ForgeSpec { name: name.to_string(), arch, shape, quant: QuantMix::Q4KM, seed: 42, router_skew: 0.0, router_locality: 0.0, residual_scale: 1.0, chat_template })
@@ -286,4 +286,3 @@ pub struct TensorPlan {
     pub ggml_type: hypura_gguf::GgmlType,
     pub init: Init,
 }
-

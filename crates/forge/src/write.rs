@@ -59,7 +59,7 @@ pub fn metadata(spec: &ForgeSpec, vocabulary: &Vocabulary) -> Vec<(String, Value
     meta.f32("attention.layer_norm_rms_epsilon", 1e-6);
     meta.f32("rope.freq_base", shape.rope_freq_base);
     meta.u32("rope.dimension_count", shape.head_dim);
-    meta.u32("vocab_size", vocabulary.len() as u64);
+    meta.u32("vocab_size", vocabulary.len());
     if spec.is_moe() {
         meta.u32("expert_count", shape.n_expert);
         meta.u32("expert_used_count", shape.n_expert_used);

@@ -1,11 +1,174 @@
-//! PLACEHOLDER: `KimiK3` is being written; it has no preset yet.
-use super::{Definition, Meta, Tensors};
-use crate::spec::{Arch, ForgeSpec};
+//! `kimi-k3`: Kimi-K3 (`src/models/kimi-k3.cpp`). Hybrid attention as in Kimi-Linear: KDA
+//! (gated delta-net, recurrent) layers marked by `head_count_kv = 0`, and MLA layers in the
+//! absorbed layout (`attn_k_b`/`attn_v_b`) with no RoPE applied and a sigmoid output gate
+//! (`attn_gate`). On top: cross-layer residual attention (`attn_res_score`, `ffn_res_score`,
+//! `output_res_score`), a latent MoE (the routed experts run at `expert_latent_length` between
+//! `ffn_routed_down` and `ffn_routed_up`, the router and the shared expert at `n_embd`), the
+//! situ activation everywhere, and leading dense layers.
+//!
+//! Widths beyond the shape: the MLA ones follow Kimi's ratios from the shape's `head_dim` (the
+//! MLA key width, 192): RoPE-slot part `head_dim / 3` (64; sliced but never rotated), no-RoPE
+//! part and value width the rest (128), `kv_lora_rank = 4 * 128`, `q_lora_rank = 3 * kv_lora`;
+//! the KDA head width is the no-RoPE width (128, as Kimi-Linear) with the same head count; the
+//! expert latent is `n_embd / 2`. Every third layer (2, 5, 8, ...) is MLA, the rest KDA.
+use hypura_gguf::GgmlType;
 
-pub(super) const DEFINITION: Definition = Definition { arch: Arch::KimiK3, presets: Vec::new, metadata, tensors };
+use super::{block, use_more_bits, Definition, Meta, Tensors};
+use crate::spec::{moe, Arch, ForgeSpec, Init, Shape};
 
-fn metadata(_: &ForgeSpec, _: &mut Meta) {}
+pub(super) const DEFINITION: Definition = Definition { arch: Arch::KimiK3, presets, metadata, tensors };
 
-fn tensors(_: &mut Tensors) {
-    unreachable!("no preset yet")
+/// Layers between residual-attention checkpoints (a checkpoint is banked at `il % size == 0`).
+const ATTN_RES_BLOCK_SIZE: u64 = 2;
+const SSM_CONV_KERNEL: u64 = 4;
+/// Not a clamp: when set, the KDA decay gate is `lower_bound * sigmoid(...)`, in (-5, 0).
+const KDA_GATE_LOWER_BOUND: f32 = -5.0;
+const SITU_BETA: f32 = 4.0;
+const SITU_LINEAR_BETA: f32 = 8.0;
+
+fn presets() -> Vec<(&'static str, Shape)> {
+    vec![(
+        "tiny-kimi-k3",
+        Shape {
+            // 6 layers: KDA 0 (dense FFN), KDA 1, MLA 2, KDA 3, KDA 4, MLA 5; 16 experts, top-4,
+            // expert latent 256 under n_embd 512.
+            n_head_kv: 1,
+            n_ff_shared: 256,
+            n_dense_lead: 1,
+            n_ff_dense: 512,
+            n_ctx_train: 262_144,
+            rope_freq_base: 50_000.0,
+            ..moe(6, 512, 8, 1, 96, 256, 16, 4)
+        },
+    )]
+}
+
+struct Widths {
+    k_head: u64,
+    rope: u64,
+    nope: u64,
+    v_head: u64,
+    kv_lora: u64,
+    q_lora: u64,
+    kda_head: u64,
+    latent: u64,
+}
+
+fn widths(shape: &Shape) -> Widths {
+    let rope = shape.head_dim / 3;
+    let nope = shape.head_dim - rope;
+    let kv_lora = 4 * nope;
+    Widths { k_head: shape.head_dim, rope, nope, v_head: nope, kv_lora, q_lora: 3 * kv_lora, kda_head: nope, latent: shape.n_embd / 2 }
+}
+
+fn is_mla(layer: u64) -> bool {
+    layer % 3 == 2
+}
+
+fn metadata(spec: &ForgeSpec, meta: &mut Meta) {
+    let shape = &spec.shape;
+    let widths = widths(shape);
+    meta.u32("feed_forward_length", shape.n_ff_dense);
+    // 0 marks a KDA (recurrent) layer; an MLA layer has the one latent KV head.
+    meta.u32_array("attention.head_count_kv", (0..shape.n_layer).map(|layer| u64::from(is_mla(layer))));
+    meta.u32("attention.q_lora_rank", widths.q_lora);
+    meta.u32("attention.kv_lora_rank", widths.kv_lora);
+    meta.u32("attention.key_length", widths.kv_lora + widths.rope);
+    meta.u32("attention.value_length", widths.kv_lora);
+    meta.u32("attention.key_length_mla", widths.k_head);
+    meta.u32("attention.value_length_mla", widths.v_head);
+    meta.u32("rope.dimension_count", widths.rope);
+    meta.u32("ssm.conv_kernel", SSM_CONV_KERNEL);
+    meta.u32("kda.head_dim", widths.kda_head);
+    meta.f32("kda.gate_lower_bound", KDA_GATE_LOWER_BOUND);
+    meta.u32("leading_dense_block_count", shape.n_dense_lead);
+    meta.u32("expert_feed_forward_length", shape.n_ff);
+    meta.u32("expert_shared_count", shape.n_ff_shared / shape.n_ff);
+    meta.u32("expert_latent_length", widths.latent);
+    meta.f32("expert_weights_scale", 2.827);
+    meta.bool("expert_weights_norm", true);
+    // LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID.
+    meta.u32("expert_gating_func", 2);
+    // As Kimi-K2 writes them: one group, so no group-limited routing.
+    meta.u32("expert_group_count", 1);
+    meta.u32("expert_group_used_count", 1);
+    meta.u32("attn_res.block_size", ATTN_RES_BLOCK_SIZE);
+    meta.f32("activation.situ_beta", SITU_BETA);
+    meta.f32("activation.situ_linear_beta", SITU_LINEAR_BETA);
+}
+
+fn projection(tensors: &mut Tensors, name: String, dims: &[u64], more_bits: bool) {
+    let ggml_type = tensors.quant(GgmlType::Q4_K, more_bits, dims[0]);
+    tensors.add(name, dims, ggml_type, Init::Projection { fan_in: dims[0] });
+}
+
+fn residual(tensors: &mut Tensors, name: String, dims: &[u64], more_bits: bool) {
+    let ggml_type = tensors.quant(GgmlType::Q4_K, more_bits, dims[0]);
+    tensors.add(name, dims, ggml_type, Init::Residual { fan_in: dims[0] });
+}
+
+fn tensors(tensors: &mut Tensors) {
+    let shape = tensors.shape().clone();
+    let widths = widths(&shape);
+    let n_embd = shape.n_embd;
+    let n_head = shape.n_head;
+    let d_inner = n_head * widths.kda_head;
+    // Q4_K_M spends Q6_K on attn_v by its index among the attn_v tensors (KDA layers only).
+    let n_kda = (0..shape.n_layer).filter(|&layer| !is_mla(layer)).count() as u64;
+    let mut kda_index = 0;
+    tensors.token_embedding();
+    for layer in 0..shape.n_layer {
+        let down_bits = use_more_bits(layer, shape.n_layer);
+        tensors.uniform(block(layer, "attn_res_score.weight"), &[n_embd], -0.05, 0.05);
+        tensors.norm(block(layer, "attn_norm.weight"), &[n_embd]);
+        if is_mla(layer) {
+            tensors.norm(block(layer, "attn_q_a_norm.weight"), &[widths.q_lora]);
+            tensors.norm(block(layer, "attn_kv_a_norm.weight"), &[widths.kv_lora]);
+            projection(tensors, block(layer, "attn_q_a.weight"), &[n_embd, widths.q_lora], false);
+            projection(tensors, block(layer, "attn_q_b.weight"), &[widths.q_lora, n_head * widths.k_head], false);
+            projection(tensors, block(layer, "attn_kv_a_mqa.weight"), &[n_embd, widths.kv_lora + widths.rope], false);
+            projection(tensors, block(layer, "attn_k_b.weight"), &[widths.nope, widths.kv_lora, n_head], false);
+            projection(tensors, block(layer, "attn_v_b.weight"), &[widths.kv_lora, widths.v_head, n_head], false);
+            projection(tensors, block(layer, "attn_gate.weight"), &[n_embd, n_head * widths.v_head], false);
+            residual(tensors, block(layer, "attn_output.weight"), &[n_head * widths.v_head, n_embd], false);
+        } else {
+            for conv in ["ssm_conv1d_q.weight", "ssm_conv1d_k.weight", "ssm_conv1d_v.weight"] {
+                tensors.add(block(layer, conv), &[SSM_CONV_KERNEL, 1, d_inner], GgmlType::F32, Init::Projection { fan_in: SSM_CONV_KERNEL });
+            }
+            projection(tensors, block(layer, "attn_q.weight"), &[n_embd, d_inner], false);
+            projection(tensors, block(layer, "attn_k.weight"), &[n_embd, d_inner], false);
+            projection(tensors, block(layer, "attn_v.weight"), &[n_embd, d_inner], use_more_bits(kda_index, n_kda));
+            kda_index += 1;
+            projection(tensors, block(layer, "ssm_f_a.weight"), &[n_embd, widths.kda_head], false);
+            projection(tensors, block(layer, "ssm_f_b.weight"), &[widths.kda_head, d_inner], false);
+            projection(tensors, block(layer, "ssm_beta.weight"), &[n_embd, n_head], false);
+            // -exp(A_log), folded at conversion: must be negative.
+            tensors.uniform(block(layer, "ssm_a"), &[n_head], -2.0, -0.5);
+            tensors.uniform(block(layer, "ssm_dt.bias"), &[d_inner], -0.5, 0.5);
+            projection(tensors, block(layer, "ssm_g.weight"), &[n_embd, d_inner], false);
+            tensors.norm(block(layer, "ssm_norm.weight"), &[widths.kda_head]);
+            residual(tensors, block(layer, "attn_output.weight"), &[d_inner, n_embd], false);
+        }
+        tensors.uniform(block(layer, "ffn_res_score.weight"), &[n_embd], -0.05, 0.05);
+        tensors.norm(block(layer, "ffn_norm.weight"), &[n_embd]);
+        if layer < shape.n_dense_lead {
+            projection(tensors, block(layer, "ffn_gate.weight"), &[n_embd, shape.n_ff_dense], false);
+            projection(tensors, block(layer, "ffn_up.weight"), &[n_embd, shape.n_ff_dense], false);
+            residual(tensors, block(layer, "ffn_down.weight"), &[shape.n_ff_dense, n_embd], down_bits);
+        } else {
+            tensors.router(block(layer, "ffn_gate_inp.weight"), &[n_embd, shape.n_expert]);
+            tensors.uniform(block(layer, "exp_probs_b.bias"), &[shape.n_expert], -0.05, 0.05);
+            projection(tensors, block(layer, "ffn_routed_down.weight"), &[n_embd, widths.latent], false);
+            projection(tensors, block(layer, "ffn_gate_exps.weight"), &[widths.latent, shape.n_ff, shape.n_expert], false);
+            projection(tensors, block(layer, "ffn_up_exps.weight"), &[widths.latent, shape.n_ff, shape.n_expert], false);
+            residual(tensors, block(layer, "ffn_down_exps.weight"), &[shape.n_ff, widths.latent, shape.n_expert], down_bits);
+            tensors.norm(block(layer, "ffn_routed_norm.weight"), &[widths.latent]);
+            residual(tensors, block(layer, "ffn_routed_up.weight"), &[widths.latent, n_embd], false);
+            projection(tensors, block(layer, "ffn_gate_shexp.weight"), &[n_embd, shape.n_ff_shared], false);
+            projection(tensors, block(layer, "ffn_up_shexp.weight"), &[n_embd, shape.n_ff_shared], false);
+            residual(tensors, block(layer, "ffn_down_shexp.weight"), &[shape.n_ff_shared, n_embd], down_bits);
+        }
+    }
+    tensors.uniform("output_res_score.weight", &[n_embd], -0.05, 0.05);
+    tensors.output();
 }

@@ -140,8 +140,9 @@ impl Tensors<'_> {
     }
 
     /// The type a quantized tensor gets: `base` under Q4_K_M (Q6_K where `more_bits`), Q8_0 or
-    /// F16 under the other mixes, and Q8_0 where the row does not split into `base`'s blocks
-    /// (llama.cpp's fallback).
+    /// F16 under the other mixes; where the row does not split into that type's blocks,
+    /// llama.cpp's fallback (Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to Q8_0), and F16 where even that
+    /// does not split it.
     pub fn quant(&self, base: GgmlType, more_bits: bool, row: u64) -> GgmlType {
         let wanted = match self.spec.quant {
             QuantMix::F16 => GgmlType::F16,
@@ -150,9 +151,17 @@ impl Tensors<'_> {
             QuantMix::Q4KM => base,
         };
         if row.is_multiple_of(wanted.block_size()) {
-            wanted
+            return wanted;
+        }
+        let fallback = match wanted {
+            GgmlType::Q4_K => GgmlType::Q5_0,
+            GgmlType::Q5_K => GgmlType::Q5_1,
+            _ => GgmlType::Q8_0,
+        };
+        if row.is_multiple_of(fallback.block_size()) {
+            fallback
         } else {
-            GgmlType::Q8_0
+            GgmlType::F16
         }
     }
 
@@ -256,7 +265,7 @@ impl Tensors<'_> {
 }
 
 /// llama.cpp's `use_more_bits`: the layers where Q4_K_M spends Q6_K on attn_v and ffn_down.
-fn use_more_bits(layer: u64, n_layer: u64) -> bool {
+pub(super) fn use_more_bits(layer: u64, n_layer: u64) -> bool {
     // Written as llama.cpp writes it (the middle test's first half is implied by the first).
     layer < n_layer / 8 || layer >= 7 * n_layer / 8 || (layer - n_layer / 8) % 3 == 2
 }
