@@ -155,7 +155,7 @@ impl Batcher {
         let mut context = Context::new(engine.model(), &params)?;
         // A streaming read failure aborts the decode before any node computes on missing
         // weights; the failure is then reported to the sequences in that batch.
-        let abort_base: Vec<Arc<AtomicBool>> = engine.streaming().map(|streaming| streaming.driver.abort_flag()).into_iter().collect();
+        let abort_base: Vec<Arc<AtomicBool>> = engine.streaming().map(|streaming| streaming.driver.abort_flags()).unwrap_or_default();
         if let Some(streaming) = engine.streaming() {
             streaming.driver.take_failure();
         }

@@ -69,47 +69,71 @@ impl Default for EngineOptions {
     }
 }
 
-/// What decides residency from the eval hook.
-pub enum StreamDriver {
-    Dense(Arc<DenseWindow>),
-    Expert(Arc<ExpertStream>),
+/// What decides residency from the eval hook: the dense window, the expert cache, or both (an
+/// MoE model whose dense FFN layers stream too).
+pub struct StreamDriver {
+    pub dense: Option<Arc<DenseWindow>>,
+    pub experts: Option<Arc<ExpertStream>>,
+    hook: Arc<dyn hypura_sys::EvalHook>,
+}
+
+/// Both drivers on one graph: each stops at its own nodes.
+struct BothHooks(Arc<DenseWindow>, Arc<ExpertStream>);
+
+impl hypura_sys::EvalHook for BothHooks {
+    fn wants(&self, name: &str) -> bool {
+        self.0.wants(name) || self.1.wants(name)
+    }
+
+    fn observe(&self, node: &hypura_sys::ObservedNode<'_>) {
+        if self.1.wants(node.name()) {
+            self.1.observe(node);
+        } else {
+            self.0.observe(node);
+        }
+    }
 }
 
 impl StreamDriver {
+    fn new(dense: Option<Arc<DenseWindow>>, experts: Option<Arc<ExpertStream>>) -> StreamDriver {
+        let hook: Arc<dyn hypura_sys::EvalHook> = match (&dense, &experts) {
+            (Some(dense), Some(experts)) => Arc::new(BothHooks(dense.clone(), experts.clone())),
+            (Some(dense), None) => dense.clone(),
+            (None, Some(experts)) => experts.clone(),
+            (None, None) => unreachable!("a streaming engine has a driver"),
+        };
+        StreamDriver { dense, experts, hook }
+    }
+
     pub fn hook(&self) -> Arc<dyn hypura_sys::EvalHook> {
-        match self {
-            StreamDriver::Dense(window) => window.clone(),
-            StreamDriver::Expert(experts) => experts.clone(),
-        }
+        self.hook.clone()
     }
 
-    pub fn failure(&self) -> &crate::store::FailureLatch {
-        match self {
-            StreamDriver::Dense(window) => &window.failure,
-            StreamDriver::Expert(experts) => &experts.failure,
-        }
+    fn failures(&self) -> impl Iterator<Item = &crate::store::FailureLatch> {
+        self.dense.iter().map(|dense| &dense.failure).chain(self.experts.iter().map(|experts| &experts.failure))
     }
 
+    /// The first read error of either driver, taken.
     pub fn take_failure(&self) -> Option<ResidencyError> {
-        self.failure().take()
+        self.failures().fold(None, |first, latch| first.or(latch.take()))
     }
 
-    pub fn abort_flag(&self) -> Arc<std::sync::atomic::AtomicBool> {
-        self.failure().abort_flag()
+    /// The flags that abort a decode when a read fails, one per driver.
+    pub fn abort_flags(&self) -> Vec<Arc<std::sync::atomic::AtomicBool>> {
+        self.failures().map(crate::store::FailureLatch::abort_flag).collect()
     }
 
+    /// The dense window's residency, or the expert cache's.
     pub fn residency(&self) -> &Arc<Residency> {
-        match self {
-            StreamDriver::Dense(window) => window.residency(),
-            StreamDriver::Expert(experts) => experts.residency(),
+        match (&self.dense, &self.experts) {
+            (Some(dense), _) => dense.residency(),
+            (None, Some(experts)) => experts.residency(),
+            (None, None) => unreachable!("a streaming engine has a driver"),
         }
     }
 
     pub fn experts(&self) -> Option<&Arc<ExpertStream>> {
-        match self {
-            StreamDriver::Expert(experts) => Some(experts),
-            StreamDriver::Dense(_) => None,
-        }
+        self.experts.as_ref()
     }
 }
 
@@ -134,9 +158,10 @@ impl Streaming {
         if self.observations() > observations_before {
             return Ok(());
         }
-        let node = match self.driver {
-            StreamDriver::Dense(_) => "ffn_norm-<layer>",
-            StreamDriver::Expert(_) => "ffn_moe_topk-<layer>",
+        let node = match (&self.driver.experts, &self.driver.dense) {
+            (Some(_), _) => "ffn_moe_topk-<layer>".to_string(),
+            (None, Some(dense)) => format!("{}-<layer>", dense.entry_node()),
+            (None, None) => unreachable!("a streaming engine has a driver"),
         };
         Err(EngineError::Store(format!("llama.cpp's graph for this architecture has no {node} node, so streamed weights were never loaded; use --mode resident or another mode")))
     }
@@ -198,8 +223,8 @@ impl Engine {
     pub fn mode(&self) -> Mode {
         match self.streaming.as_ref().map(|streaming| &streaming.driver) {
             None => Mode::Resident,
-            Some(StreamDriver::Dense(_)) => Mode::DenseStream,
-            Some(StreamDriver::Expert(_)) => Mode::ExpertStream,
+            Some(driver) if driver.experts.is_some() => Mode::ExpertStream,
+            Some(_) => Mode::DenseStream,
         }
     }
 
@@ -334,22 +359,34 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
     let layout: Vec<StreamedTensor> =
         streamed.iter().filter_map(|tensor| Some(StreamedTensor { layer: tensor.layer?, file_offset: tensor.file_offset, bytes: tensor.bytes, experts: tensor.experts })).collect();
     let n_layer = inventory.hparams.n_layer as usize;
-    if let Some(experts) = &plan.experts {
-        let numbering = ExpertUnits { n_layer, n_expert: experts.n_expert as usize };
-        let units = numbering.build(&layout);
-        advise_huge_slices(&region, &units, crate::plan::HUGE_SLICE_MIN_BYTES);
-        let streamed_layers = numbering.streamed_layers(&units);
-        let residency = Arc::new(Residency::new(region, file, units, options.io_workers, stats.clone()));
-        let mut driver = ExpertStream::new(residency, numbering, experts.cache_units, experts.policy, options.trace_routing).with_streamed_layers(streamed_layers);
-        if experts.prefetch {
-            driver = driver.with_prefetch(read_router_weights(path, inventory)?);
+    // Expert units are (layer, expert) slices of the expert tensors; dense units whole layers of
+    // the other streamed tensors. Each driver has its own residency over the one region.
+    let experts = match &plan.experts {
+        Some(experts) => {
+            let numbering = ExpertUnits { n_layer, n_expert: experts.n_expert as usize };
+            let units = numbering.build(&layout);
+            advise_huge_slices(&region, &units, crate::plan::HUGE_SLICE_MIN_BYTES);
+            let streamed_layers = numbering.streamed_layers(&units);
+            let residency = Arc::new(Residency::new(region.clone(), file.clone(), units, options.io_workers, stats.clone()));
+            let mut driver = ExpertStream::new(residency, numbering, experts.cache_units, experts.policy, options.trace_routing).with_streamed_layers(streamed_layers);
+            if experts.prefetch {
+                driver = driver.with_prefetch(read_router_weights(path, inventory)?);
+            }
+            Some(Arc::new(driver))
         }
-        return Ok((model, Streaming { driver: StreamDriver::Expert(Arc::new(driver)), stats, load_bytes }));
-    }
-    let dense = plan.dense.as_ref().ok_or_else(|| EngineError::Store("a streaming plan without a dense layout".into()))?;
-    let (units, unit_of_layer) = dense_units(&dense.streamed_layers, &layout, n_layer);
-    let residency = Arc::new(Residency::new(region, file, units, options.io_workers, stats.clone()));
-    let window = Arc::new(DenseWindow::new(residency, unit_of_layer, dense.window_layers));
-    window.prefetch_start().map_err(|error| EngineError::Store(error.to_string()))?;
-    Ok((model, Streaming { driver: StreamDriver::Dense(window), stats, load_bytes }))
+        None => None,
+    };
+    let dense = match &plan.dense {
+        Some(dense) => {
+            let dense_tensors: Vec<StreamedTensor> = layout.iter().filter(|tensor| tensor.experts.is_none() || plan.experts.is_none()).cloned().collect();
+            let (units, unit_of_layer) = dense_units(&dense.streamed_layers, &dense_tensors, n_layer);
+            let residency = Arc::new(Residency::new(region, file, units, options.io_workers, stats.clone()));
+            let window = Arc::new(DenseWindow::new(residency, unit_of_layer, dense.window_layers, crate::model::ffn_entry_node(&inventory.arch)));
+            window.prefetch_start().map_err(|error| EngineError::Store(error.to_string()))?;
+            Some(window)
+        }
+        None if experts.is_none() => return Err(EngineError::Store("a streaming plan without a dense or expert layout".into())),
+        None => None,
+    };
+    Ok((model, Streaming { driver: StreamDriver::new(dense, experts), stats, load_bytes }))
 }

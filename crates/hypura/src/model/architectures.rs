@@ -156,3 +156,18 @@ pub const KNOWN_ARCHITECTURES: &[&str] = &[
     "qwen3tts",
     "pockettts",
 ];
+
+/// The graph node each architecture names just before the first use of a layer's FFN weights
+/// (dense or expert), without its `-<layer>` suffix: where dense streaming must have a layer's
+/// FFN ready. Most graphs call it `ffn_norm`; the others were read from `src/models/<arch>.cpp`
+/// and checked with the eval hook on forged models (`tests/architectures.rs`).
+pub fn ffn_entry_node(arch: &str) -> &'static str {
+    match arch {
+        // The FFN input norm is the post-attention norm.
+        "qwen35moe" | "qwen3next" | "gpt-oss" => "attn_post_norm",
+        "glm4moe" => "post_attn_norm",
+        // The routed experts run first, after their own input norm; the dense FFN after them.
+        "gemma4" => "ffn_norm_2",
+        _ => "ffn_norm",
+    }
+}

@@ -41,6 +41,9 @@ pub struct Hparams {
     pub n_expert_used: u64,
     pub n_ff_expert: u64,
     pub n_vocab: u64,
+    /// Trailing multi-token-prediction layers (`nextn_predict_layers`), counted in `n_layer`;
+    /// decode does not run them.
+    pub n_layer_mtp: u64,
 }
 
 /// Where each expert's bytes lie inside an expert tensor (`[.., .., n_expert]`, expert-major).
@@ -111,8 +114,10 @@ impl Inventory {
         let hparams = read_hparams(path, &arch, first)?;
         let mut tensors = Vec::with_capacity(first.tensors.len());
         for tensor in files.tensors() {
-            let role = Role::from_tensor_name(&tensor.info.name);
             let layer = layer_of(&tensor.info.name);
+            // Every tensor of an MTP layer belongs to the MTP head, whatever its name.
+            let mtp = layer.is_some_and(|layer| u64::from(layer) + hparams.n_layer_mtp >= hparams.n_layer);
+            let role = if mtp { Role::Mtp } else { Role::from_tensor_name(&tensor.info.name) };
             if let Some(layer) = layer {
                 if u64::from(layer) >= hparams.n_layer {
                     return Err(ModelError::LayerOutOfRange { path: path.to_path_buf(), tensor: tensor.info.name.clone(), layer, n_layer: hparams.n_layer });
@@ -228,5 +233,6 @@ fn read_hparams(path: &Path, arch: &str, gguf: &hypura_gguf::Gguf) -> Result<Hpa
         n_expert_used: number("expert_used_count").unwrap_or(0),
         n_ff_expert: number("expert_feed_forward_length").unwrap_or(0),
         n_vocab,
+        n_layer_mtp: number("nextn_predict_layers").unwrap_or(0).min(n_layer),
     })
 }

@@ -7,6 +7,6 @@ mod architectures;
 mod inventory;
 mod role;
 
-pub use architectures::KNOWN_ARCHITECTURES;
+pub use architectures::{ffn_entry_node, KNOWN_ARCHITECTURES};
 pub use inventory::{ExpertSlices, Hparams, Inventory, ModelError, TensorEntry};
 pub use role::Role;

@@ -25,12 +25,28 @@ pub enum Role {
     ExpertDown,
     /// Fused gate and up experts (`ffn_gate_up_exps`).
     ExpertGateUp,
+    /// Per-expert biases and scales of routed experts (`ffn_*_exps.bias`, gpt-oss): small,
+    /// resident.
+    ExpertBias,
+    /// Shared experts beside the routed ones, and their gate.
     SharedExpert,
+    /// The rest of attention: sinks, output gates, DeepSeek's sparse-attention indexer and KV
+    /// compressor, relative-position biases.
+    AttentionOther,
+    /// Recurrent layers' weights (gated delta-net, Mamba, RWKV, short convolutions).
+    Recurrent,
+    /// Multi-token-prediction layers (`nextn`), which decode does not run.
+    Mtp,
+    /// The dense projections around latent experts (Kimi-K3's `ffn_routed_*`).
+    MoeLatent,
+    /// Small tables and scalars every token touches: rope factors, per-layer output scales,
+    /// hyper-connection and residual-attention mixing.
+    Auxiliary,
     Other,
 }
 
 impl Role {
-    pub const ALL: [Role; 18] = [
+    pub const ALL: [Role; 24] = [
         Role::TokenEmbedding,
         Role::Output,
         Role::Norm,
@@ -47,7 +63,13 @@ impl Role {
         Role::ExpertUp,
         Role::ExpertDown,
         Role::ExpertGateUp,
+        Role::ExpertBias,
         Role::SharedExpert,
+        Role::AttentionOther,
+        Role::Recurrent,
+        Role::Mtp,
+        Role::MoeLatent,
+        Role::Auxiliary,
         Role::Other,
     ];
 
@@ -69,7 +91,13 @@ impl Role {
             Role::ExpertUp => "expert up",
             Role::ExpertDown => "expert down",
             Role::ExpertGateUp => "expert gate+up",
+            Role::ExpertBias => "expert bias",
             Role::SharedExpert => "shared expert",
+            Role::AttentionOther => "attention other",
+            Role::Recurrent => "recurrent",
+            Role::Mtp => "mtp (unused)",
+            Role::MoeLatent => "moe latent",
+            Role::Auxiliary => "auxiliary",
             Role::Other => "other",
         }
     }
@@ -84,27 +112,44 @@ impl Role {
         matches!(self, Role::ExpertGate | Role::ExpertUp | Role::ExpertDown | Role::ExpertGateUp)
     }
 
-    /// Classify by llama.cpp tensor name, e.g. `blk.3.ffn_up_exps.weight`.
+    /// Classify by llama.cpp tensor name, e.g. `blk.3.ffn_up_exps.weight`. Tensors of MTP
+    /// layers are named like any layer's; the inventory marks them from the layer count.
     pub fn from_tensor_name(name: &str) -> Role {
         let base = strip_layer(name);
-        let stem = base.strip_suffix(".weight").or_else(|| base.strip_suffix(".bias")).unwrap_or(base);
+        let (stem, suffix) = base.rsplit_once('.').unwrap_or((base, ""));
+        let expert = match stem {
+            "ffn_gate_exps" => Some(Role::ExpertGate),
+            "ffn_up_exps" => Some(Role::ExpertUp),
+            "ffn_down_exps" => Some(Role::ExpertDown),
+            "ffn_gate_up_exps" => Some(Role::ExpertGateUp),
+            _ => None,
+        };
+        if let Some(role) = expert {
+            // The expert slices are the weights; their biases and scales are small vectors.
+            return if suffix == "weight" { role } else { Role::ExpertBias };
+        }
+        let prefix = |prefixes: &[&str]| prefixes.iter().any(|prefix| stem.starts_with(prefix));
         match stem {
             "token_embd" | "tok_embd" | "per_layer_token_embd" => Role::TokenEmbedding,
             "output" => Role::Output,
-            "attn_q" => Role::AttentionQ,
-            "attn_k" => Role::AttentionK,
-            "attn_v" => Role::AttentionV,
+            // Multi-head latent attention's low-rank projections count as q, k and v.
+            "attn_q" | "attn_q_a" | "attn_q_b" => Role::AttentionQ,
+            "attn_k" | "attn_kv_a_mqa" | "attn_kv_b" | "attn_k_b" | "attn_kv" => Role::AttentionK,
+            "attn_v" | "attn_v_b" => Role::AttentionV,
             "attn_qkv" => Role::AttentionQkv,
-            "attn_output" | "attn_out" => Role::AttentionOutput,
-            "ffn_gate_inp" | "exp_probs_b" => Role::Router,
+            "attn_output" | "attn_out" | "attn_output_a" | "attn_output_b" => Role::AttentionOutput,
+            "attn_sinks" | "attn_gate" | "attn_rel_b" | "attn_rot_embd" | "attn_res_score" => Role::AttentionOther,
+            _ if prefix(&["indexer", "attn_compressor", "attn_conv"]) => Role::AttentionOther,
+            "ffn_gate_inp" | "exp_probs_b" | "exp_probs_b_vl" | "ffn_gate_tid2eid" => Role::Router,
             "ffn_gate" => Role::FfnGate,
             "ffn_up" => Role::FfnUp,
             "ffn_down" => Role::FfnDown,
-            "ffn_gate_exps" => Role::ExpertGate,
-            "ffn_up_exps" => Role::ExpertUp,
-            "ffn_down_exps" => Role::ExpertDown,
-            "ffn_gate_up_exps" => Role::ExpertGateUp,
             "ffn_gate_shexp" | "ffn_up_shexp" | "ffn_down_shexp" | "ffn_gate_inp_shexp" => Role::SharedExpert,
+            _ if stem.starts_with("nextn") => Role::Mtp,
+            _ if prefix(&["ssm_", "time_mix_", "channel_mix_", "shortconv", "conv1d"]) => Role::Recurrent,
+            "ffn_routed_down" | "ffn_routed_up" | "ffn_routed_norm" => Role::MoeLatent,
+            "rope_freqs" | "rope_factors_long" | "rope_factors_short" | "layer_output_scale" => Role::Auxiliary,
+            _ if prefix(&["hc_", "output_hc_"]) || stem.ends_with("res_score") => Role::Auxiliary,
             _ if stem.ends_with("norm") || stem.contains("_norm") || stem.starts_with("norm") => Role::Norm,
             _ => Role::Other,
         }
@@ -146,7 +191,27 @@ mod tests {
             ("blk.3.ffn_down_exps.weight", Role::ExpertDown),
             ("blk.3.ffn_gate_up_exps.weight", Role::ExpertGateUp),
             ("blk.3.ffn_up_shexp.weight", Role::SharedExpert),
-            ("rope_freqs.weight", Role::Other),
+            ("blk.3.ffn_gate_inp_shexp.weight", Role::SharedExpert),
+            ("blk.3.ffn_gate_up_exps.bias", Role::ExpertBias),
+            ("blk.3.ffn_down_exps.bias", Role::ExpertBias),
+            ("blk.3.ffn_down_exps.scale", Role::ExpertBias),
+            ("blk.3.attn_sinks.weight", Role::AttentionOther),
+            ("blk.3.attn_q_a.weight", Role::AttentionQ),
+            ("blk.3.attn_q_a_norm.weight", Role::Norm),
+            ("blk.3.attn_kv_a_mqa.weight", Role::AttentionK),
+            ("blk.3.attn_k_b.weight", Role::AttentionK),
+            ("blk.3.attn_v_b.weight", Role::AttentionV),
+            ("blk.3.ssm_conv1d.weight", Role::Recurrent),
+            ("blk.3.ssm_a", Role::Recurrent),
+            ("blk.3.ssm_norm.weight", Role::Recurrent),
+            ("blk.46.nextn.eh_proj.weight", Role::Mtp),
+            ("rope_freqs.weight", Role::Auxiliary),
+            ("blk.3.hc_ffn_fn.weight", Role::Auxiliary),
+            ("output_hc_base.weight", Role::Auxiliary),
+            ("blk.3.ffn_res_score.weight", Role::Auxiliary),
+            ("blk.3.ffn_routed_up.weight", Role::MoeLatent),
+            ("blk.3.ffn_gate_inp.scale", Role::Router),
+            ("blk.3.unknown_thing.weight", Role::Other),
         ];
         for (name, role) in cases {
             assert_eq!(Role::from_tensor_name(name), role, "{name}");

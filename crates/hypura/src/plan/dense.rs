@@ -62,32 +62,20 @@ pub(super) fn plan_dense(inventory: &Inventory, machine: &MachineFacts, options:
         }
         return Err(PlanError::ModeUnavailable { mode: "dense-stream", what: "FFN tensors in layers" });
     }
-    let n_layer = layer_ffn.len();
     let fixed_weights = weights - layer_ffn.iter().sum::<u64>();
     let forced = options.mode == ModeChoice::Forced(Mode::DenseStream);
-    let fits = everything <= budget;
-    let candidates: Vec<usize> = match options.window_layers {
-        Some(layers) => vec![layers.clamp(1, n_layer)],
-        None => (1..=MAX_WINDOW_LAYERS.min(n_layer)).collect(),
-    };
-    let costed: Vec<DenseCandidate> = candidates.iter().filter_map(|&window| dense_candidate(&layer_ffn, fixed_weights + kv + compute, budget, window, forced, fits, machine)).collect();
-    // The least predicted time per token; a larger window must win by more than 2% to be
-    // worth the layer it takes from the pinned set.
-    let Some(chosen) = costed.iter().fold(None::<&DenseCandidate>, |best, candidate| match best {
-        Some(best) if candidate.seconds_per_token >= best.seconds_per_token * 0.98 => Some(best),
-        _ => Some(candidate),
-    }) else {
-        let window = candidates[0];
-        let largest = layer_ffn.iter().copied().max().unwrap_or(0);
-        let window_bytes = largest * (window as u64 + 1).min(n_layer as u64);
-        return Err(PlanError::BudgetTooSmall { budget, needed: fixed_weights + window_bytes + kv + compute, resident: fixed_weights, window: window_bytes, layers: window, kv, compute });
-    };
-    // The candidate numbers host layers; name them by layer.
-    let streamed_layers: Vec<u32> = chosen.streamed_layers.iter().map(|&index| host_layers[index as usize]).collect();
-    let pinned_layers: Vec<u32> = host_layers.iter().copied().filter(|layer| !streamed_layers.contains(layer)).collect();
-    let streamed_bytes_per_token = chosen.streamed_bytes;
+    let DenseChoice { layout, streamed_bytes: streamed_bytes_per_token, window_bytes } =
+        choose_window(&host_layers, &layer_ffn, fixed_weights + kv + compute, budget, options, machine, forced, everything <= budget).map_err(|(window, window_bytes)| PlanError::BudgetTooSmall {
+            budget,
+            needed: fixed_weights + window_bytes + kv + compute,
+            resident: fixed_weights,
+            window: window_bytes,
+            layers: window,
+            kv,
+            compute,
+        })?;
     let tensors = place(inventory, gpu.as_ref(), |tensor| {
-        let streamed = is_streamable(tensor) && streamed_layers.contains(&tensor.layer.expect("streamable tensors have a layer"));
+        let streamed = is_streamable(tensor) && layout.streamed_layers.contains(&tensor.layer.expect("streamable tensors have a layer"));
         match (streamed, is_streamable(tensor)) {
             (true, _) => (Tier::Stream, "FFN of a streamed layer: read through the window each token"),
             (false, true) => (Tier::Ram, "FFN of a pinned layer: the budget holds it"),
@@ -95,7 +83,6 @@ pub(super) fn plan_dense(inventory: &Inventory, machine: &MachineFacts, options:
         }
     });
     let resident_weight_bytes = weights - streamed_bytes_per_token;
-    let window_bytes = chosen.window_bytes;
     let io_bound_tokens_per_sec = machine.disk_bytes_per_sec.filter(|_| streamed_bytes_per_token > 0).map(|bandwidth| bandwidth / streamed_bytes_per_token as f64);
     Ok(Plan {
         budget: BudgetUse {
@@ -107,18 +94,53 @@ pub(super) fn plan_dense(inventory: &Inventory, machine: &MachineFacts, options:
             total_bytes: resident_weight_bytes + window_bytes + kv + compute,
         },
         tensors,
-        dense: Some(DenseLayout {
-            streamed_layers,
-            pinned_layers,
-            window_layers: chosen.window,
-            window_sized: options.window_layers.is_none(),
-            windows_costed: costed.iter().map(|candidate| (candidate.window, candidate.seconds_per_token)).collect(),
-        }),
+        dense: Some(layout),
         streamed_bytes_per_token,
         io_bound_tokens_per_sec,
         limit_tokens_per_sec: physical_limit(machine, streamed_bytes_per_token),
         ..base
     })
+}
+
+/// A chosen dense window: the layout, the bytes streamed per token and the window's bytes.
+pub(super) struct DenseChoice {
+    pub layout: DenseLayout,
+    pub streamed_bytes: u64,
+    pub window_bytes: u64,
+}
+
+/// The window over `layers` (whose FFN bytes are `layer_ffn`, in the same order) that the cost
+/// model predicts fastest, pinning what the budget leaves after `fixed` bytes. Err: the first
+/// window weighed and its bytes, which the budget cannot hold.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn choose_window(layers: &[u32], layer_ffn: &[u64], fixed: u64, budget: u64, options: &PlanOptions, machine: &MachineFacts, forced: bool, fits: bool) -> Result<DenseChoice, (usize, u64)> {
+    let n_layer = layer_ffn.len();
+    let candidates: Vec<usize> = match options.window_layers {
+        Some(layers) => vec![layers.clamp(1, n_layer)],
+        None => (1..=MAX_WINDOW_LAYERS.min(n_layer)).collect(),
+    };
+    let costed: Vec<DenseCandidate> = candidates.iter().filter_map(|&window| dense_candidate(layer_ffn, fixed, budget, window, forced, fits, machine)).collect();
+    // The least predicted time per token; a larger window must win by more than 2% to be
+    // worth the layer it takes from the pinned set.
+    let Some(chosen) = costed.iter().fold(None::<&DenseCandidate>, |best, candidate| match best {
+        Some(best) if candidate.seconds_per_token >= best.seconds_per_token * 0.98 => Some(best),
+        _ => Some(candidate),
+    }) else {
+        let window = candidates[0];
+        let largest = layer_ffn.iter().copied().max().unwrap_or(0);
+        return Err((window, largest * (window as u64 + 1).min(n_layer as u64)));
+    };
+    // The candidate numbers the given layers; name them by layer.
+    let streamed_layers: Vec<u32> = chosen.streamed_layers.iter().map(|&index| layers[index as usize]).collect();
+    let pinned_layers: Vec<u32> = layers.iter().copied().filter(|layer| !streamed_layers.contains(layer)).collect();
+    let layout = DenseLayout {
+        streamed_layers,
+        pinned_layers,
+        window_layers: chosen.window,
+        window_sized: options.window_layers.is_none(),
+        windows_costed: costed.iter().map(|candidate| (candidate.window, candidate.seconds_per_token)).collect(),
+    };
+    Ok(DenseChoice { layout, streamed_bytes: chosen.streamed_bytes, window_bytes: chosen.window_bytes })
 }
 
 fn dense_candidate(layer_ffn: &[u64], fixed: u64, budget: u64, window: usize, forced: bool, fits: bool, machine: &MachineFacts) -> Option<DenseCandidate> {

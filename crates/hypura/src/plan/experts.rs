@@ -5,9 +5,10 @@
 //! whether the stale-gate prefetch runs follows from the slice size.
 use serde::Serialize;
 
+use super::dense::choose_window;
 use super::gpu::place;
 use super::sizing::compute_buffer_bytes;
-use super::types::{BudgetUse, CachePolicy, MachineFacts, Plan, PlanError, PlanOptions, Tier};
+use super::types::{BudgetUse, CachePolicy, MachineFacts, Mode, ModeChoice, Plan, PlanError, PlanOptions, Tier};
 use crate::model::{Inventory, TensorEntry};
 
 /// The expert-stream layout.
@@ -37,7 +38,8 @@ pub struct ExpertLayout {
 pub const HUGE_SLICE_MIN_BYTES: u64 = 4 << 20;
 
 /// Expert-stream: every routed expert tensor of a layer the GPU does not hold streams by
-/// expert; the rest is resident, and what the budget leaves is the expert cache.
+/// expert, dense FFN layers among them through a dense window where the budget needs it; the
+/// rest is resident, and what the budget leaves is the expert cache.
 pub(super) fn plan_experts(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions, base: Plan) -> Result<Plan, PlanError> {
     let hparams = &inventory.hparams;
     let n_expert = hparams.n_expert;
@@ -57,6 +59,12 @@ pub(super) fn plan_experts(inventory: &Inventory, machine: &MachineFacts, option
     let moe_layers = unit_bytes_by_layer.iter().filter(|&&bytes| bytes > 0).count() as u64;
     let expert_bytes: u64 = streamed.iter().map(|tensor| tensor.bytes).sum();
     let fixed = base.budget.resident_weight_bytes - expert_bytes;
+    let mut dense_bytes_by_layer = vec![0u64; hparams.n_layer as usize];
+    for tensor in inventory.tensors.iter().filter(|tensor| tensor.role.is_dense_ffn() && !on_gpu(tensor)) {
+        if let Some(layer) = tensor.layer {
+            dense_bytes_by_layer[layer as usize] += tensor.bytes;
+        }
+    }
     let budget = machine.memory_budget_bytes;
     // Every expert a graph's batch picks in a layer must be resident while that layer computes:
     // k per token, at most the layer's every expert. A cache that holds fewer than a full
@@ -64,6 +72,25 @@ pub(super) fn plan_experts(inventory: &Inventory, machine: &MachineFacts, option
     let k = hparams.n_expert_used.clamp(1, n_expert);
     let batch_units = |ubatch: u64| if moe_layers == 0 { 0 } else { n_expert.min(k * ubatch.max(1)) as usize };
     let full_units = batch_units(u64::from(options.n_ubatch));
+    // Dense FFN layers among the MoE layers (DeepSeek's and GLM's first layers, Llama 4's
+    // interleave) stay resident while the budget holds them beside a cache of what a prompt
+    // batch picks; otherwise, or where expert-stream was forced, they stream through a dense
+    // window in the same plan.
+    let dense_layers: Vec<u32> = (0..hparams.n_layer as u32).filter(|&layer| dense_bytes_by_layer[layer as usize] > 0).collect();
+    let dense_ffn: Vec<u64> = dense_layers.iter().map(|&layer| dense_bytes_by_layer[layer as usize]).collect();
+    let forced = options.mode == ModeChoice::Forced(Mode::ExpertStream);
+    let tight = fixed + kv + compute + full_units as u64 * unit_bytes > budget;
+    let dense = if dense_layers.is_empty() || !(forced || tight) {
+        None
+    } else {
+        let without_dense = fixed - dense_ffn.iter().sum::<u64>() + kv + compute;
+        // Room for a full batch's picks first; failing that, for one token's.
+        [full_units, batch_units(1)].into_iter().find_map(|units| choose_window(&dense_layers, &dense_ffn, without_dense + units as u64 * unit_bytes, budget, options, machine, forced, !tight).ok())
+    };
+    let (dense_streamed, dense_window) = dense.as_ref().map_or((0, 0), |dense| (dense.streamed_bytes, dense.window_bytes));
+    // From here, `fixed` is what is not the expert cache: resident weights and the dense window.
+    let resident = fixed - dense_streamed;
+    let fixed = resident + dense_window;
     let total_units = (moe_layers * n_expert) as usize;
     let cache_for = |compute: u64| {
         let affordable = (budget.saturating_sub(fixed + kv + compute) / unit_bytes.max(1)) as usize;
@@ -85,25 +112,31 @@ pub(super) fn plan_experts(inventory: &Inventory, machine: &MachineFacts, option
         }
         (Some(ubatch), compute)
     };
+    let dense_streamed_layers = dense.as_ref().map_or(&[][..], |dense| &dense.layout.streamed_layers[..]);
     let tensors = place(inventory, base.gpu.as_ref(), |tensor| {
         if tensor.experts.is_some() {
             (Tier::Stream, "routed experts: only the router's picks are read, through the expert cache")
+        } else if tensor.role.is_dense_ffn() && tensor.layer.is_some_and(|layer| dense_streamed_layers.contains(&layer)) {
+            (Tier::Stream, "FFN of a streamed dense layer: read through the window each token")
+        } else if tensor.role.is_dense_ffn() && tensor.layer.is_some() {
+            (Tier::Ram, "FFN of a pinned dense layer: the budget holds it")
         } else {
             (Tier::Ram, "touched by every token and small: always resident")
         }
     });
-    let worst_case = moe_layers * hparams.n_expert_used.max(1) * unit_bytes;
+    let worst_case = moe_layers * hparams.n_expert_used.max(1) * unit_bytes + dense_streamed;
     let cache_bytes = cache_units as u64 * unit_bytes;
     Ok(Plan {
         budget: BudgetUse {
             budget_bytes: budget,
-            resident_weight_bytes: fixed,
-            window_bytes: cache_bytes,
+            resident_weight_bytes: resident,
+            window_bytes: cache_bytes + dense_window,
             kv_cache_bytes: kv,
             compute_buffer_bytes: compute,
             total_bytes: fixed + cache_bytes + kv + compute,
         },
         tensors,
+        dense: dense.map(|dense| dense.layout),
         experts: Some(ExpertLayout {
             n_expert,
             n_expert_used: hparams.n_expert_used,

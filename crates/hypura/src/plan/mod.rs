@@ -26,15 +26,34 @@ pub use gpu::GpuLayout;
 pub use sizing::{compute_buffer_bytes, kv_cache_bytes};
 pub use types::{BudgetUse, CachePolicy, MachineFacts, Mode, ModeChoice, Plan, PlanError, PlanOptions, TensorPlacement, Tier};
 
-use crate::model::{Inventory, TensorEntry};
+use crate::model::{Inventory, Role, TensorEntry};
 use dense::plan_dense;
 use experts::plan_experts;
 use gpu::{gpu_tier, place};
 use sizing::ffn_bytes_by_layer;
 
 /// The plan for `inventory` on `machine`: the GPU tier first, then the mode (resident where the
-/// host holds the rest), then that mode's layout.
+/// host holds the rest), then that mode's layout. MTP layers, which llama.cpp does not load
+/// for decoding, are planned as unused and cost nothing.
 pub fn plan(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions) -> Result<Plan, PlanError> {
+    if !inventory.tensors.iter().any(|tensor| tensor.role == Role::Mtp) {
+        return plan_loaded(inventory, machine, options);
+    }
+    let loaded = Inventory { tensors: inventory.tensors.iter().filter(|tensor| tensor.role != Role::Mtp).cloned().collect(), ..inventory.clone() };
+    let mut plan = plan_loaded(&loaded, machine, options)?;
+    let mut placed = std::mem::take(&mut plan.tensors).into_iter();
+    plan.tensors = inventory
+        .tensors
+        .iter()
+        .map(|tensor| match tensor.role {
+            Role::Mtp => TensorPlacement { name: tensor.name.clone(), layer: tensor.layer, tier: Tier::Unused, bytes: tensor.bytes, why: "an MTP layer: decoding does not run it, and llama.cpp does not load it" },
+            _ => placed.next().expect("one placement per loaded tensor"),
+        })
+        .collect();
+    Ok(plan)
+}
+
+fn plan_loaded(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions) -> Result<Plan, PlanError> {
     let all_layer_ffn = ffn_bytes_by_layer(inventory);
     // Forced streaming (tests, benchmarks) streams every FFN layer the host cannot hold: none
     // of them goes to the GPU.

@@ -3,10 +3,11 @@
 //! their bytes per layer, and the input tables llama.cpp always keeps in host memory.
 use crate::model::{Inventory, TensorEntry};
 
-/// KV cache bytes at f16 for `n_ctx` tokens (an upper bound for sliding-window models).
+/// KV cache bytes at f16 for `n_ctx` tokens in every layer but the MTP ones (an upper bound for
+/// sliding-window, hybrid and latent-attention models).
 pub fn kv_cache_bytes(inventory: &Inventory, n_ctx: u32) -> u64 {
     let hparams = &inventory.hparams;
-    hparams.n_layer * u64::from(n_ctx) * hparams.n_head_kv * (hparams.head_dim_k + hparams.head_dim_v) * 2
+    (hparams.n_layer - hparams.n_layer_mtp) * u64::from(n_ctx) * hparams.n_head_kv * (hparams.head_dim_k + hparams.head_dim_v) * 2
 }
 
 /// llama.cpp's CPU compute buffer, estimated: the logits and a few FFN-wide and model-wide

@@ -38,6 +38,7 @@ pub(super) fn inventory(n_layer: u64, attention_bytes: u64, ffn_bytes: u64, embe
             n_expert_used: 0,
             n_ff_expert: 0,
             n_vocab: 32000,
+            n_layer_mtp: 0,
         },
         tensors,
         file_bytes: offset + 4096,
@@ -54,7 +55,17 @@ pub(super) fn moe_inventory(n_layer: u64, n_expert: u64, n_expert_used: u64, sli
         for (suffix, role) in [("ffn_gate_exps", Role::ExpertGate), ("ffn_up_exps", Role::ExpertUp), ("ffn_down_exps", Role::ExpertDown)] {
             let bytes = n_expert * slice_bytes;
             let experts = Some(crate::model::ExpertSlices { n_expert, slice_bytes });
-            inventory.tensors.push(TensorEntry { name: format!("blk.{layer}.{suffix}.weight"), role, layer: Some(layer), ggml_type: GgmlType::Q4_K, dims: vec![256, slice_bytes / 144, n_expert], bytes, split: 0, file_offset: offset, experts });
+            inventory.tensors.push(TensorEntry {
+                name: format!("blk.{layer}.{suffix}.weight"),
+                role,
+                layer: Some(layer),
+                ggml_type: GgmlType::Q4_K,
+                dims: vec![256, slice_bytes / 144, n_expert],
+                bytes,
+                split: 0,
+                file_offset: offset,
+                experts,
+            });
             offset += bytes;
         }
     }

@@ -43,6 +43,8 @@ pub enum Tier {
     Ram,
     /// Read from disk on demand through the stream window.
     Stream,
+    /// Never loaded: MTP layers, which llama.cpp skips unless it speculates with them.
+    Unused,
 }
 
 /// Which cached (layer, expert) unit the expert cache evicts to make room (expert-stream).

@@ -1,7 +1,8 @@
 //! Dense-FFN streaming: attention and norms stay resident; the FFN weights of streamed layers
 //! pass through a window of `D` layers prefetched ahead of the forward pass.
 //!
-//! The eval hook stops once per layer, at `ffn_norm-L` (the node just before layer L's FFN).
+//! The eval hook stops once per layer, at the node just before layer L's FFN (`ffn_norm-L` in
+//! most architectures; `model::ffn_entry_node` names it).
 //! There it releases the previous streamed layer (its FFN has run), asks for this layer and the
 //! next `D` streamed layers in forward order (wrapping to the first layers for the next token),
 //! and blocks until layer L's FFN bytes are ready. So at most `D + 1` streamed layers are in
@@ -12,9 +13,6 @@ use hypura_sys::{EvalHook, ObservedNode};
 
 use super::residency::{FailureLatch, Residency, ResidencyError};
 
-/// The node each architecture names just before its FFN (llama.cpp's `cb(cur, "ffn_norm", il)`).
-const FFN_ENTRY_NODE: &str = "ffn_norm-";
-
 /// Drives the dense window from the eval hook.
 pub struct DenseWindow {
     residency: Arc<Residency>,
@@ -23,15 +21,23 @@ pub struct DenseWindow {
     /// Streamed layers in forward order.
     streamed_layers: Vec<u32>,
     window: usize,
+    /// The entry node's name up to its layer number (`ffn_norm-`).
+    entry_prefix: String,
     /// The first read error and the abort flag it raises.
     pub failure: FailureLatch,
 }
 
 impl DenseWindow {
-    /// `unit_of_layer[L]` is the residency unit holding layer L's FFN, if it streams.
-    pub fn new(residency: Arc<Residency>, unit_of_layer: Vec<Option<usize>>, window: usize) -> DenseWindow {
+    /// `unit_of_layer[L]` is the residency unit holding layer L's FFN, if it streams;
+    /// `entry_node` the graph node before each layer's FFN (`ffn_norm`).
+    pub fn new(residency: Arc<Residency>, unit_of_layer: Vec<Option<usize>>, window: usize, entry_node: &str) -> DenseWindow {
         let streamed_layers = unit_of_layer.iter().enumerate().filter(|(_, unit)| unit.is_some()).map(|(layer, _)| layer as u32).collect();
-        DenseWindow { residency, unit_of_layer, streamed_layers, window: window.max(1), failure: FailureLatch::default() }
+        DenseWindow { residency, unit_of_layer, streamed_layers, window: window.max(1), entry_prefix: format!("{entry_node}-"), failure: FailureLatch::default() }
+    }
+
+    /// The entry node's name, for messages.
+    pub fn entry_node(&self) -> &str {
+        self.entry_prefix.trim_end_matches('-')
     }
 
     pub fn residency(&self) -> &Arc<Residency> {
@@ -53,8 +59,8 @@ impl DenseWindow {
         (self.window + 1).min(self.streamed_layers.len())
     }
 
-    fn layer_of(name: &str) -> Option<usize> {
-        name.strip_prefix(FFN_ENTRY_NODE)?.parse().ok()
+    fn layer_of(&self, name: &str) -> Option<usize> {
+        name.strip_prefix(&self.entry_prefix)?.parse().ok()
     }
 
     /// The work at the entry of layer `layer`'s FFN.
@@ -91,11 +97,11 @@ impl DenseWindow {
 
 impl EvalHook for DenseWindow {
     fn wants(&self, name: &str) -> bool {
-        Self::layer_of(name).is_some_and(|layer| layer < self.unit_of_layer.len())
+        self.layer_of(name).is_some_and(|layer| layer < self.unit_of_layer.len())
     }
 
     fn observe(&self, node: &ObservedNode<'_>) {
-        let Some(layer) = Self::layer_of(node.name()) else {
+        let Some(layer) = self.layer_of(node.name()) else {
             return;
         };
         self.residency.stats().record_observation();
