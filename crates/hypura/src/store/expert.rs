@@ -11,6 +11,7 @@
 //! one layer to the next). Predicted units are queued behind this layer's misses, only into
 //! cache room that evicts nothing protected, are kept from eviction until their layer runs,
 //! and a mispredicted read that has not started by then is cancelled.
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -27,7 +28,11 @@ const ROUTER_LOGITS_NODE: &str = "ffn_moe_logits-";
 /// The plan chooses the policy; the cache below carries it out.
 pub use crate::plan::CachePolicy;
 
-/// Replacement bookkeeping, independent of I/O so the trace simulator can replay it.
+/// Replacement bookkeeping, independent of I/O so the trace simulator can replay it. Resident
+/// units are kept ordered by last use in two sets (SLRU's probationary and protected segments;
+/// LRU uses the first alone), so finding a victim costs O(log units) however many experts the
+/// model has: tens of thousands of units (Qwen3-Next: 48 layers × 512) cost no more per token
+/// than eight.
 #[derive(Clone, Debug)]
 pub struct CacheModel {
     policy: CachePolicy,
@@ -35,8 +40,11 @@ pub struct CacheModel {
     resident: Vec<bool>,
     protected_segment: Vec<bool>,
     last_used: Vec<u64>,
+    /// Resident units outside the protected segment, by (last use, unit).
+    probation: BTreeSet<(u64, usize)>,
+    /// Resident units in SLRU's protected segment, by (last use, unit).
+    protected: BTreeSet<(u64, usize)>,
     resident_count: usize,
-    protected_count: usize,
     clock: u64,
 }
 
@@ -48,8 +56,9 @@ impl CacheModel {
             resident: vec![false; units],
             protected_segment: vec![false; units],
             last_used: vec![0; units],
+            probation: BTreeSet::new(),
+            protected: BTreeSet::new(),
             resident_count: 0,
-            protected_count: 0,
             clock: 0,
         }
     }
@@ -62,20 +71,37 @@ impl CacheModel {
         self.resident[unit]
     }
 
-    /// Record a use of resident `unit`.
-    pub fn touch(&mut self, unit: usize) {
+    /// The segment resident `unit` is in.
+    fn segment(&mut self, unit: usize) -> &mut BTreeSet<(u64, usize)> {
+        if self.protected_segment[unit] {
+            &mut self.protected
+        } else {
+            &mut self.probation
+        }
+    }
+
+    /// Stamp resident `unit` as used now, in `protect`ed segment or not.
+    fn stamp(&mut self, unit: usize, protect: bool) {
+        let key = (self.last_used[unit], unit);
+        self.segment(unit).remove(&key);
         self.clock += 1;
         self.last_used[unit] = self.clock;
-        if self.policy == CachePolicy::Slru && !self.protected_segment[unit] {
-            self.protected_segment[unit] = true;
-            self.protected_count += 1;
-            // Keep the protected segment at most 80% of the cache: demote its LRU.
-            let limit = self.capacity * 4 / 5;
-            if self.protected_count > limit {
-                if let Some(victim) = self.lru_where(|model, candidate| model.protected_segment[candidate] && candidate != unit, &[]) {
-                    self.protected_segment[victim] = false;
-                    self.protected_count -= 1;
-                }
+        self.protected_segment[unit] = protect;
+        let key = (self.clock, unit);
+        self.segment(unit).insert(key);
+    }
+
+    /// Record a use of resident `unit`.
+    pub fn touch(&mut self, unit: usize) {
+        let promote = self.policy == CachePolicy::Slru;
+        let newly = promote && !self.protected_segment[unit];
+        self.stamp(unit, promote || self.protected_segment[unit]);
+        // Keep the protected segment at most 80% of the cache: demote its LRU.
+        if newly && self.protected.len() > self.capacity * 4 / 5 {
+            if let Some(&(used, victim)) = self.protected.iter().find(|(_, candidate)| *candidate != unit) {
+                self.protected.remove(&(used, victim));
+                self.protected_segment[victim] = false;
+                self.probation.insert((used, victim));
             }
         }
     }
@@ -85,20 +111,16 @@ impl CacheModel {
     pub fn admit(&mut self, unit: usize, pinned: &[usize]) -> Vec<usize> {
         let mut evicted = Vec::new();
         while self.resident_count >= self.capacity {
-            let victim = match self.policy {
-                CachePolicy::Lru => self.lru_where(|model, candidate| model.resident[candidate], pinned),
-                CachePolicy::Slru => self
-                    .lru_where(|model, candidate| model.resident[candidate] && !model.protected_segment[candidate], pinned)
-                    .or_else(|| self.lru_where(|model, candidate| model.resident[candidate], pinned)),
-            };
-            let Some(victim) = victim else { break };
+            // The least recent unpinned unit: probationary first (for LRU, the only segment).
+            let oldest = |segment: &BTreeSet<(u64, usize)>| segment.iter().map(|&(_, candidate)| candidate).find(|candidate| !pinned.contains(candidate));
+            let Some(victim) = oldest(&self.probation).or_else(|| oldest(&self.protected)) else { break };
             self.remove(victim);
             evicted.push(victim);
         }
+        self.remove(unit);
         self.resident[unit] = true;
         self.resident_count += 1;
-        self.clock += 1;
-        self.last_used[unit] = self.clock;
+        self.stamp(unit, false);
         evicted
     }
 
@@ -107,7 +129,10 @@ impl CacheModel {
     pub fn try_admit(&mut self, unit: usize, protected: &[usize]) -> Option<Vec<usize>> {
         if self.resident_count >= self.capacity {
             // Only a full cache needs victims: count the unprotected ones then.
-            let evictable = (0..self.resident.len()).filter(|&candidate| self.resident[candidate] && !protected.contains(&candidate)).count();
+            let mut shielded = protected.to_vec();
+            shielded.sort_unstable();
+            shielded.dedup();
+            let evictable = self.resident_count - shielded.iter().filter(|&&candidate| self.resident[candidate]).count();
             if self.resident_count + 1 - self.capacity > evictable {
                 return None;
             }
@@ -118,8 +143,8 @@ impl CacheModel {
     /// Mark resident `unit` as recently used without counting it as a use (no promotion to
     /// SLRU's protected segment): a prediction, not a hit.
     pub fn refresh(&mut self, unit: usize) {
-        self.clock += 1;
-        self.last_used[unit] = self.clock;
+        let protect = self.protected_segment[unit];
+        self.stamp(unit, protect);
     }
 
     /// Drop a unit that is no longer in memory (a cancelled read).
@@ -129,17 +154,12 @@ impl CacheModel {
 
     fn remove(&mut self, unit: usize) {
         if self.resident[unit] {
+            let key = (self.last_used[unit], unit);
+            self.segment(unit).remove(&key);
             self.resident[unit] = false;
             self.resident_count -= 1;
         }
-        if self.protected_segment[unit] {
-            self.protected_segment[unit] = false;
-            self.protected_count -= 1;
-        }
-    }
-
-    fn lru_where(&self, eligible: impl Fn(&CacheModel, usize) -> bool, pinned: &[usize]) -> Option<usize> {
-        (0..self.resident.len()).filter(|&candidate| eligible(self, candidate) && !pinned.contains(&candidate)).min_by_key(|&candidate| self.last_used[candidate])
+        self.protected_segment[unit] = false;
     }
 }
 
