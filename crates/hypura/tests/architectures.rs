@@ -19,15 +19,8 @@ const TOKENS: u32 = 24;
 
 fn engine(path: &Path, mode: Mode, n_ubatch: u32, cache_units: Option<usize>) -> Arc<Engine> {
     let inventory = Inventory::open(path).unwrap();
-    let options = PlanOptions {
-        mode: ModeChoice::Forced(mode),
-        n_ctx: 512,
-        n_ubatch,
-        window_layers: Some(1),
-        expert_cache_units: cache_units,
-        expert_prefetch: Some(false),
-        cache_policy: CachePolicy::Lru,
-    };
+    let options =
+        PlanOptions { mode: ModeChoice::Forced(mode), n_ctx: 512, n_ubatch, window_layers: Some(1), expert_cache_units: cache_units, expert_prefetch: Some(false), cache_policy: CachePolicy::Lru };
     let plan = plan::plan(&inventory, &MachineFacts { memory_budget_bytes: 8 << 30, ..MachineFacts::default() }, &options).unwrap_or_else(|error| panic!("{}: {error}", path.display()));
     let options = EngineOptions { n_ctx: 512, n_ubatch, n_threads: Some(1), repack: false, plan: Some(plan), ..EngineOptions::default() };
     let engine = Arc::new(Engine::open(path, options).unwrap_or_else(|error| panic!("{}: {error}", path.display())));
@@ -74,7 +67,8 @@ fn matrix(preset: &str) {
     let experts = output.stats.experts.expect("expert stats");
     let io = output.stats.io.expect("io stats");
     assert!(experts.misses > 0 && io.units_released > 0, "{preset}: the cache must miss and evict: {experts:?} {io:?}");
-    let moe_layers = inventory.expert_tensors().filter_map(|tensor| tensor.layer).filter(|&layer| u64::from(layer) + hparams.n_layer_mtp < hparams.n_layer).collect::<std::collections::BTreeSet<_>>().len() as u64;
+    let moe_layers =
+        inventory.expert_tensors().filter_map(|tensor| tensor.layer).filter(|&layer| u64::from(layer) + hparams.n_layer_mtp < hparams.n_layer).collect::<std::collections::BTreeSet<_>>().len() as u64;
     // One router call per MoE layer per graph (the counters are the engine's, so they include
     // the logits run before).
     assert!(experts.layer_visits % moe_layers == 0 && experts.layer_visits >= moe_layers * u64::from(passes), "{preset}: {} router calls, {moe_layers} MoE layers", experts.layer_visits);

@@ -49,8 +49,28 @@ fn inspect_moe_shows_expert_slices() {
     let output = hypura(&["inspect", path.to_str().unwrap()]);
     assert!(output.status.success());
     let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(stdout.contains("16 experts, 4 used per token"), "{stdout}");
+    assert!(stdout.contains("16 experts in 4 of 4 layers, 4 used per token"), "{stdout}");
     assert!(stdout.contains("blk.0.ffn_down_exps.weight"), "{stdout}");
+}
+
+/// DeepSeek's layout: a leading dense layer, MoE layers and an MTP block, each summarized on
+/// one line; the expert slice shown is the first MoE layer's; the MTP block is planned unused.
+#[test]
+fn inspect_summarizes_layers_by_kind() {
+    let directory = tempfile::tempdir().unwrap();
+    let path = common::forge("tiny-deepseek2", directory.path());
+    let output = hypura(&["inspect", path.to_str().unwrap()]);
+    assert!(output.status.success());
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains("16 experts in 3 of 5 layers"), "{stdout}");
+    assert!(stdout.contains("one expert of layer 1 (all its tensors)"), "{stdout}");
+    let kinds: Vec<&str> = stdout.lines().skip_while(|line| !line.starts_with("bytes by layer")).skip(1).take_while(|line| !line.is_empty()).collect();
+    assert_eq!(kinds.len(), 3, "{stdout}");
+    assert!(kinds[0].contains("dense") && kinds[0].contains("layers 0"), "{kinds:?}");
+    assert!(kinds[1].contains("moe") && kinds[1].contains("3 layers") && kinds[1].contains("layers 1-3"), "{kinds:?}");
+    assert!(kinds[2].contains("mtp") && kinds[2].contains("layers 4"), "{kinds:?}");
+    assert!(stdout.lines().any(|line| line.trim_start().starts_with("unused") && line.contains("MTP")), "{stdout}");
+    assert!(!stdout.lines().any(|line| line.trim_start().starts_with("other ")), "a tensor without a role: {stdout}");
 }
 
 #[test]

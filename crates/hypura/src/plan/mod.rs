@@ -46,7 +46,13 @@ pub fn plan(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions
         .tensors
         .iter()
         .map(|tensor| match tensor.role {
-            Role::Mtp => TensorPlacement { name: tensor.name.clone(), layer: tensor.layer, tier: Tier::Unused, bytes: tensor.bytes, why: "an MTP layer: decoding does not run it, and llama.cpp does not load it" },
+            Role::Mtp => TensorPlacement {
+                name: tensor.name.clone(),
+                layer: tensor.layer,
+                tier: Tier::Unused,
+                bytes: tensor.bytes,
+                why: "an MTP layer: decoding does not run it, and llama.cpp does not load it",
+            },
             _ => placed.next().expect("one placement per loaded tensor"),
         })
         .collect();

@@ -87,14 +87,24 @@ pub fn render(inventory: &Inventory, with_tensors: bool) -> String {
         hparams.n_layer, hparams.n_embd, hparams.n_head, hparams.n_head_kv, hparams.head_dim_k, hparams.n_ff, hparams.n_ctx_train, hparams.n_vocab
     );
     if hparams.n_expert > 0 {
-        let _ = writeln!(out, "experts      {} experts, {} used per token, expert n_ff {}", hparams.n_expert, hparams.n_expert_used, hparams.n_ff_expert);
+        let moe_layers: std::collections::BTreeSet<u32> = inventory.expert_tensors().filter(|tensor| tensor.role != Role::Mtp).filter_map(|tensor| tensor.layer).collect();
+        let first = moe_layers.first().copied().unwrap_or(0);
+        let _ = writeln!(
+            out,
+            "experts      {} experts in {} of {} layers, {} used per token, expert n_ff {}",
+            hparams.n_expert,
+            moe_layers.len(),
+            hparams.n_layer,
+            hparams.n_expert_used,
+            hparams.n_ff_expert
+        );
         let mut per_layer = 0;
-        for tensor in inventory.expert_tensors().filter(|tensor| tensor.layer == Some(0)) {
+        for tensor in inventory.expert_tensors().filter(|tensor| tensor.layer == Some(first)) {
             let slices = tensor.experts.expect("expert tensors have slices");
             per_layer += slices.slice_bytes;
             let _ = writeln!(out, "  slice      {:<28} {:>6} {:>12} per expert", tensor.name, tensor.ggml_type.name(), format_bytes(slices.slice_bytes));
         }
-        let _ = writeln!(out, "  one expert of layer 0 (all its tensors): {}", format_bytes(per_layer));
+        let _ = writeln!(out, "  one expert of layer {first} (all its tensors): {}", format_bytes(per_layer));
     } else {
         let _ = writeln!(out, "experts      none (dense)");
     }
@@ -103,12 +113,16 @@ pub fn render(inventory: &Inventory, with_tensors: bool) -> String {
         let _ = writeln!(out, "  {:<8} {:>5} tensors {:>12} {:>6.1}%", ggml_type.name(), count, format_bytes(bytes), percent(bytes));
     }
     let _ = writeln!(out, "\nbytes by role");
-    for (role, bytes) in inventory.bytes_by_role() {
-        let _ = writeln!(out, "  {:<18} {:>12} {:>6.1}%", role.name(), format_bytes(bytes), percent(bytes));
+    let by_role = inventory.bytes_by_role();
+    for (role, bytes) in &by_role {
+        let _ = writeln!(out, "  {:<18} {:>12} {:>6.1}%", role.name(), format_bytes(*bytes), percent(*bytes));
     }
-    let _ = writeln!(out, "\nbytes by layer");
-    for (layer, bytes) in inventory.bytes_by_layer().iter().enumerate() {
-        let _ = writeln!(out, "  {layer:>4} {:>12}", format_bytes(*bytes));
+    let _ = writeln!(out, "  {:<18} {:>12} {:>6.1}%", "total", format_bytes(by_role.values().sum()), percent(by_role.values().sum()));
+    let _ = writeln!(out, "\nbytes by layer, by kind");
+    for group in layer_groups(inventory) {
+        let total: u64 = group.bytes.iter().sum();
+        let count = format!("{} layer{}", group.layers.len(), if group.layers.len() == 1 { "" } else { "s" });
+        let _ = writeln!(out, "  {:<10} {count:>10} {:>12} ({})  layers {}", group.kind, format_bytes(total), group.size(), layer_ranges(&group.layers));
     }
     if with_tensors {
         let _ = writeln!(out, "\n{:<40} {:<18} {:>5} {:<7} {:<24} {:>12} {:>14}", "tensor", "role", "layer", "type", "dims", "bytes", "offset");
@@ -119,4 +133,69 @@ pub fn render(inventory: &Inventory, with_tensors: bool) -> String {
         }
     }
     out
+}
+
+/// Layers of one kind (what their FFN is) and their bytes.
+struct LayerGroup {
+    kind: &'static str,
+    bytes: Vec<u64>,
+    layers: Vec<u32>,
+}
+
+/// Layers grouped by what their FFN is (experts, dense, MTP), in order of their first layer: a
+/// model of 90 layers prints a few lines.
+fn layer_groups(inventory: &Inventory) -> Vec<LayerGroup> {
+    let bytes = inventory.bytes_by_layer();
+    let mut kinds = vec!["attention"; bytes.len()];
+    for tensor in &inventory.tensors {
+        let Some(layer) = tensor.layer else { continue };
+        let kind = &mut kinds[layer as usize];
+        *kind = match (tensor.role, *kind) {
+            (Role::Mtp, _) | (_, "mtp") => "mtp",
+            (role, _) if role.is_expert() => "moe",
+            (role, "attention") if role.is_dense_ffn() => "dense",
+            (_, kind) => kind,
+        };
+    }
+    let mut groups: Vec<LayerGroup> = Vec::new();
+    for (layer, (&bytes, kind)) in bytes.iter().zip(kinds).enumerate() {
+        match groups.iter_mut().find(|group| group.kind == kind) {
+            Some(group) => {
+                group.layers.push(layer as u32);
+                group.bytes.push(bytes);
+            }
+            None => groups.push(LayerGroup { kind, bytes: vec![bytes], layers: vec![layer as u32] }),
+        }
+    }
+    groups
+}
+
+impl LayerGroup {
+    /// `524.3 MiB each`, or `450.3–524.3 MiB` where the layers differ (Q4_K_M's Q6_K layers).
+    fn size(&self) -> String {
+        let (low, high) = (self.bytes.iter().copied().min().unwrap_or(0), self.bytes.iter().copied().max().unwrap_or(0));
+        if low == high {
+            format!("{} each", format_bytes(low))
+        } else {
+            format!("{}–{}", format_bytes(low), format_bytes(high))
+        }
+    }
+}
+
+/// `0-2, 4-6, 8` for layers 0, 1, 2, 4, 5, 6, 8; at most 8 ranges, then how many more.
+fn layer_ranges(layers: &[u32]) -> String {
+    let mut ranges: Vec<(u32, u32)> = Vec::new();
+    for &layer in layers {
+        match ranges.last_mut() {
+            Some((_, end)) if *end + 1 == layer => *end = layer,
+            _ => ranges.push((layer, layer)),
+        }
+    }
+    let shown: Vec<String> = ranges.iter().take(8).map(|&(start, end)| if start == end { start.to_string() } else { format!("{start}-{end}") }).collect();
+    let more = ranges.len().saturating_sub(8);
+    if more > 0 {
+        format!("{} and {more} more ranges", shown.join(", "))
+    } else {
+        shown.join(", ")
+    }
 }
