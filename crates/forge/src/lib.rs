@@ -17,7 +17,7 @@ use std::path::PathBuf;
 pub use arch::{block, Meta, Tensors};
 pub use spec::{preset, presets, Arch, ForgeSpec, Init, QuantMix, Shape, TensorPlan, QWEN3_TEMPLATE};
 pub use vocab::Vocabulary;
-pub use write::{metadata, write_model, ForgeSummary};
+pub use write::{metadata, plan_model, write_model, ForgeSummary};
 
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

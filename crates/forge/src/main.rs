@@ -4,18 +4,21 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use hypura_forge::{preset, presets, write_model, Arch, QuantMix};
+use hypura_forge::{plan_model, preset, presets, write_model, Arch, QuantMix};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 #[derive(Parser, Debug)]
 #[command(name = "hypura-forge", version, about = "Write synthetic GGUF models that llama.cpp loads as real architectures")]
 struct Args {
-    /// Preset: dense-1b, dense-8b, moe-8x, moe-30b, tiny-dense-1b, tiny-dense-8b, tiny-qwen3,
-    /// tiny-moe-8x, tiny-moe-30b (aliases: tiny-dense, tiny-moe, tiny-moe30b).
+    /// Preset: dense-1b, dense-8b, moe-8x, moe-30b, qwen3.6-35b-a3b, gpt-oss-20b, glm-4.5-air,
+    /// glm-4.5, deepseek4-flash, and tiny-<arch> for tests (an unknown name lists them all).
     preset: String,
     /// Output file.
-    #[arg(short, long)]
-    output: PathBuf,
+    #[arg(short, long, required_unless_present = "dry_run")]
+    output: Option<PathBuf>,
+    /// Print the file's size and tensor count without writing it.
+    #[arg(long)]
+    dry_run: bool,
     /// Seed for every weight.
     #[arg(long, default_value_t = 42)]
     seed: u64,
@@ -32,7 +35,7 @@ struct Args {
     /// little per layer, e.g. 0.1).
     #[arg(long, default_value_t = 1.0)]
     residual_scale: f32,
-    /// Override the architecture: llama, qwen3, qwen3moe.
+    /// Override the architecture (its `general.architecture` name, e.g. llama, qwen3moe).
     #[arg(long)]
     arch: Option<String>,
     #[arg(long)]
@@ -83,22 +86,28 @@ fn main() -> anyhow::Result<()> {
             *field = value;
         }
     }
+    if args.dry_run {
+        let summary = plan_model(&spec).with_context(|| format!("planning {}", spec.name))?;
+        println!("{} ({} {}): {} tensors, {} bytes", spec.name, spec.arch.name(), spec.quant, summary.tensor_count, summary.file_bytes);
+        return Ok(());
+    }
+    let output = args.output.expect("clap requires it without --dry-run");
     let bar = ProgressBar::new(0);
     if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         bar.set_draw_target(ProgressDrawTarget::hidden());
     }
     bar.set_style(ProgressStyle::with_template("{spinner} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta} {wide_bar}")?);
     let started = Instant::now();
-    let summary = write_model(&spec, &args.output, &|done, total| {
+    let summary = write_model(&spec, &output, &|done, total| {
         bar.set_length(total);
         bar.set_position(done);
     })
-    .with_context(|| format!("forging {}", args.output.display()))?;
+    .with_context(|| format!("forging {}", output.display()))?;
     bar.finish_and_clear();
     let seconds = started.elapsed().as_secs_f64();
     println!(
         "wrote {} ({}, {} {}, {} tensors, {} bytes) in {:.1} s ({:.0} MB/s)",
-        args.output.display(),
+        output.display(),
         spec.name,
         spec.arch.name(),
         spec.quant,

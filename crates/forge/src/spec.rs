@@ -276,6 +276,9 @@ pub enum Init {
     Router { fan_in: u64 },
     /// Uniform in `low..high`: biases, recurrent-state parameters, sinks.
     Uniform { low: f32, high: f32 },
+    /// I32 rows of distinct expert ids below `n_expert` (DeepSeek-V4's token-to-expert table
+    /// of its hash-routed layers).
+    ExpertIds { n_expert: u64 },
 }
 
 /// One tensor of the forged file.

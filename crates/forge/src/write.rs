@@ -84,17 +84,7 @@ struct Piece {
 
 /// Write `spec` to `path`. `progress(done_bytes, total_bytes)` is called as pieces land.
 pub fn write_model(spec: &ForgeSpec, path: &Path, progress: &(dyn Fn(u64, u64) + Sync)) -> Result<ForgeSummary, ForgeError> {
-    validate(spec)?;
-    let vocabulary = Vocabulary::build();
-    let plans = spec.tensors(vocabulary.len());
-    let mut writer = GgufWriter::new();
-    for (key, value) in metadata(spec, &vocabulary) {
-        writer.add_metadata(key, value);
-    }
-    for plan in &plans {
-        writer.add_tensor(plan.name.clone(), &plan.dims, plan.ggml_type);
-    }
-    let layout = writer.layout()?;
+    let (plans, layout, n_vocab) = layout(spec)?;
     let io_error = |source| ForgeError::Io { path: path.to_path_buf(), source };
     let file = File::create(path).map_err(io_error)?;
     file.set_len(layout.file_bytes).map_err(io_error)?;
@@ -117,7 +107,29 @@ pub fn write_model(spec: &ForgeSpec, path: &Path, progress: &(dyn Fn(u64, u64) +
     })?;
     file.sync_all().map_err(io_error)?;
     progress(total, total);
-    Ok(ForgeSummary { file_bytes: layout.file_bytes, tensor_count: plans.len(), n_vocab: vocabulary.len() })
+    Ok(ForgeSummary { file_bytes: layout.file_bytes, tensor_count: plans.len(), n_vocab })
+}
+
+/// What `write_model` would write, without writing it.
+pub fn plan_model(spec: &ForgeSpec) -> Result<ForgeSummary, ForgeError> {
+    let (plans, layout, n_vocab) = layout(spec)?;
+    Ok(ForgeSummary { file_bytes: layout.file_bytes, tensor_count: plans.len(), n_vocab })
+}
+
+/// The spec's tensors and the file layout (header bytes, offsets) they take.
+fn layout(spec: &ForgeSpec) -> Result<(Vec<TensorPlan>, hypura_gguf::Layout, u64), ForgeError> {
+    validate(spec)?;
+    let vocabulary = Vocabulary::build();
+    let plans = spec.tensors(vocabulary.len());
+    let mut writer = GgufWriter::new();
+    for (key, value) in metadata(spec, &vocabulary) {
+        writer.add_metadata(key, value);
+    }
+    for plan in &plans {
+        writer.add_tensor(plan.name.clone(), &plan.dims, plan.ggml_type);
+    }
+    let layout = writer.layout()?;
+    Ok((plans, layout, vocabulary.len()))
 }
 
 fn validate(spec: &ForgeSpec) -> Result<(), ForgeError> {
@@ -204,6 +216,17 @@ fn generate_rows(spec: &ForgeSpec, plan: &TensorPlan, piece: &Piece, locality_di
             }
         }
         Init::Uniform { low, high } => values.iter_mut().for_each(|value| *value = rng.gen_range(low..high)),
+        Init::ExpertIds { n_expert } => {
+            // A partial shuffle per row: distinct ids, held exactly as floats until encoded.
+            let mut experts: Vec<u32> = (0..n_expert as u32).collect();
+            for row in values.chunks_mut(row_elements) {
+                for (slot, value) in row.iter_mut().enumerate() {
+                    let pick = rng.gen_range(slot..experts.len());
+                    experts.swap(slot, pick);
+                    *value = experts[slot] as f32;
+                }
+            }
+        }
         Init::Router { fan_in } => {
             let limit = (3.0 / fan_in as f32).sqrt();
             let n_expert = spec.shape.n_expert.max(1) as f32;
@@ -251,6 +274,7 @@ fn piece_bytes(spec: &ForgeSpec, plan: &TensorPlan, piece: &Piece, locality_dire
 fn encode(ggml_type: GgmlType, values: &[f32], row_elements: u64) -> Result<Vec<u8>, ForgeError> {
     match ggml_type {
         GgmlType::F32 => Ok(values.iter().flat_map(|value| value.to_le_bytes()).collect()),
+        GgmlType::I32 => Ok(values.iter().flat_map(|value| (*value as i32).to_le_bytes()).collect()),
         other => Ok(hypura_sys::quantize_rows(other.id(), values, row_elements as usize)?),
     }
 }

@@ -54,6 +54,48 @@ fn forged_moe_has_expert_slices_that_tile_each_tensor() {
     }
 }
 
+/// Every tiny MoE architecture under every quantization mix: each expert tensor (3-D, experts
+/// last; MXFP4, K-quants, Q5_0, Q8_0, F16) splits into slices of exactly one expert's rows, the
+/// per-expert biases and scales stay resident vectors, every tensor has a role, and the MTP
+/// layers' tensors are marked.
+#[test]
+fn every_moe_architecture_slices_its_experts_under_every_mix() {
+    let directory = tempfile::tempdir().unwrap();
+    let presets: Vec<&str> = hypura_forge::presets().into_iter().filter(|name| name.starts_with("tiny-") && hypura_forge::preset(name).unwrap().is_moe()).collect();
+    assert!(presets.len() >= 13, "{presets:?}");
+    let mut types_seen = std::collections::BTreeSet::new();
+    for preset in presets {
+        for quant in [hypura_forge::QuantMix::Q4KM, hypura_forge::QuantMix::Q8_0, hypura_forge::QuantMix::F16] {
+            let path = common::forge_with(preset, directory.path(), |spec| spec.quant = quant);
+            let inventory = Inventory::open(&path).unwrap();
+            let label = format!("{preset} {quant}");
+            let others: Vec<&str> = inventory.tensors.iter().filter(|tensor| tensor.role == Role::Other).map(|tensor| tensor.name.as_str()).collect();
+            assert!(others.is_empty(), "{label}: {others:?}");
+            let experts: Vec<_> = inventory.expert_tensors().collect();
+            assert!(!experts.is_empty(), "{label}");
+            for tensor in experts {
+                let slices = tensor.experts.unwrap();
+                assert_eq!(tensor.dims.len(), 3, "{label}: {}", tensor.name);
+                assert_eq!(slices.n_expert, tensor.dims[2], "{label}: {}", tensor.name);
+                assert_eq!(slices.slice_bytes, tensor.ggml_type.tensor_bytes(&tensor.dims[..2]).unwrap(), "{label}: {}", tensor.name);
+                assert_eq!(slices.range(tensor.file_offset, slices.n_expert - 1).end, tensor.file_offset + tensor.bytes);
+                types_seen.insert(tensor.ggml_type.name());
+            }
+            for tensor in inventory.tensors.iter().filter(|tensor| tensor.role == Role::ExpertBias) {
+                assert!(tensor.experts.is_none() && tensor.dims.len() <= 2, "{label}: {}", tensor.name);
+            }
+            let mtp = inventory.hparams.n_layer_mtp;
+            for tensor in &inventory.tensors {
+                let in_mtp = tensor.layer.is_some_and(|layer| u64::from(layer) + mtp >= inventory.hparams.n_layer);
+                assert_eq!(tensor.role == Role::Mtp, in_mtp, "{label}: {}", tensor.name);
+            }
+        }
+    }
+    for expected in ["mxfp4", "q4_K", "q6_K", "q8_0", "f16"] {
+        assert!(types_seen.contains(expected), "no expert tensor of type {expected}: {types_seen:?}");
+    }
+}
+
 #[test]
 fn forged_dense_models_classify_every_tensor() {
     let directory = tempfile::tempdir().unwrap();

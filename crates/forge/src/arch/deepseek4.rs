@@ -7,12 +7,9 @@
 //! hyper-connection copies mixed by `hc_*` before and after each sublayer and collapsed by
 //! `output_hc_*` before the head. One MTP (`nextn`) block follows the trunk; `block_count`
 //! counts it and libllama loads it with `TENSOR_SKIP`.
-//!
-//! What the forge leaves out: the hash-routed leading layers (`hash_layer_count` 3 in the real
-//! model, where `blk.N.ffn_gate_tid2eid.weight`, an I32 `[n_expert_used, n_vocab]` table, picks
-//! the experts from the token id instead of `exp_probs_b`). The writer encodes every tensor
-//! through ggml's quantizers, which have no I32 path, so `hash_layer_count` is 0 and those
-//! layers route like the others.
+//! The first `hash_layer_count` layers are hash-routed: `blk.N.ffn_gate_tid2eid.weight`, an I32
+//! `[n_expert_used, n_vocab]` table, picks each token's experts from its id instead of the
+//! router's scores (the graph still names the ids `ffn_moe_topk-N`).
 use hypura_gguf::{GgmlType, Value, ValueType};
 
 use super::{block, use_more_bits, Definition, Meta, Tensors};
@@ -125,8 +122,12 @@ fn metadata(spec: &ForgeSpec, meta: &mut Meta) {
     meta.u32("hyper_connection.count", HC_MULT);
     meta.u32("hyper_connection.sinkhorn_iterations", 20);
     meta.f32("hyper_connection.epsilon", 1e-6);
-    // The hash-routed layers need an I32 tensor the writer cannot encode (see the module doc).
-    meta.u32("hash_layer_count", 0);
+    meta.u32("hash_layer_count", hash_layers(&spec.shape));
+}
+
+/// The leading hash-routed layers: Flash's 3 of 43, one in the tiny preset.
+fn hash_layers(shape: &Shape) -> u64 {
+    (shape.n_layer * 3 / 43).max(1)
 }
 
 /// The quantized type of a tensor llama-quantize treats as "other" (Q4_K under Q4_K_M).
@@ -203,7 +204,11 @@ fn tensors(tensors: &mut Tensors) {
 
         // MoE: router, selection bias, routed experts (3-D, experts last), one shared expert.
         tensors.router(name("ffn_gate_inp.weight"), &[n_embd, n_expert]);
-        tensors.uniform(name("exp_probs_b.bias"), &[n_expert], -0.05, 0.05);
+        if layer < hash_layers(&shape) {
+            tensors.add(name("ffn_gate_tid2eid.weight"), &[shape.n_expert_used, tensors.n_vocab], GgmlType::I32, Init::ExpertIds { n_expert });
+        } else {
+            tensors.uniform(name("exp_probs_b.bias"), &[n_expert], -0.05, 0.05);
+        }
         tensors.norm(name("ffn_norm.weight"), &[n_embd]);
         let up_type = expert_type(tensors, n_embd);
         let down_type = expert_type(tensors, n_ff_exp);

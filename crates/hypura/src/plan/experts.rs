@@ -158,7 +158,7 @@ pub(super) fn plan_experts(inventory: &Inventory, machine: &MachineFacts, option
 #[cfg(test)]
 mod tests {
     use crate::plan::test_support::*;
-    use crate::plan::{compute_buffer_bytes, kv_cache_bytes, plan, MachineFacts, Mode, ModeChoice, PlanError, PlanOptions};
+    use crate::plan::{compute_buffer_bytes, kv_cache_bytes, plan, MachineFacts, Mode, ModeChoice, PlanError, PlanOptions, Tier};
 
     /// 128 experts of 3 × 1 MiB per layer, 8 picked per token; a budget with room for `units`
     /// units beside the rest, at a prompt batch of 512.
@@ -192,6 +192,32 @@ mod tests {
         // A cache forced to one token's picks: one token per batch.
         let forced = planned(200, Some(8)).unwrap();
         assert_eq!((forced.experts.as_ref().unwrap().cache_units, forced.experts.as_ref().unwrap().max_ubatch), (8, Some(1)));
+    }
+
+    #[test]
+    fn dense_layers_among_moe_layers_stream_in_the_same_plan_only_where_the_budget_needs_it() {
+        // Four dense layers of 3 × 64 MiB, then 6 MoE layers of 64 experts of 3 × 1 MiB.
+        let inventory = mixed_inventory(4, 10, 64 << 20, 64, 4, 1 << 20);
+        let fixed = inventory.tensors.iter().filter(|tensor| tensor.experts.is_none()).map(|tensor| tensor.bytes).sum::<u64>();
+        let extra = kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 512);
+        let options = PlanOptions { mode: ModeChoice::Auto, n_ctx: 1024, n_ubatch: 512, ..PlanOptions::default() };
+        let plan_at = |budget: u64| plan(&inventory, &MachineFacts { memory_budget_bytes: budget, ..MachineFacts::default() }, &options);
+        // Room for the dense layers and a full batch's picks (64 units): they stay resident.
+        let roomy = plan_at(fixed + extra + 100 * (3 << 20)).unwrap();
+        assert_eq!(roomy.mode, Mode::ExpertStream);
+        assert!(roomy.dense.is_none(), "{}", roomy.render());
+        // Room for a full batch's picks and two dense layers, not four: the dense layers stream
+        // through a window (one ahead and the one computing).
+        let tight = plan_at(fixed - 4 * (3 * 64 << 20) + extra + 64 * (3 << 20) + 2 * (3 * 64 << 20) + (8 << 20)).unwrap();
+        let dense = tight.dense.as_ref().expect("a dense window");
+        assert!(dense.streamed_layers.len() >= 3 && dense.streamed_layers.iter().all(|&layer| layer < 4), "{}", tight.render());
+        assert!(tight.budget.total_bytes <= tight.budget.budget_bytes, "{:?}", tight.budget);
+        assert!(tight.experts.as_ref().unwrap().cache_units >= 64, "{}", tight.render());
+        let streamed_dense: u64 =
+            tight.tensors.iter().zip(&inventory.tensors).filter(|(placement, tensor)| placement.tier == Tier::Stream && tensor.role.is_dense_ffn()).map(|(_, tensor)| tensor.bytes).sum();
+        assert_eq!(streamed_dense, dense.streamed_layers.len() as u64 * (3 * 64 << 20));
+        let rendered = tight.render();
+        assert!(rendered.contains("and the streamed dense layers") && rendered.lines().filter(|line| line.starts_with("per token")).count() == 1, "{rendered}");
     }
 
     #[test]

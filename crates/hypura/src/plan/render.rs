@@ -75,7 +75,8 @@ impl Plan {
             if let Some(ubatch) = experts.max_ubatch {
                 let _ = writeln!(out, "batches      prompt batches of at most {ubatch} tokens: the cache holds fewer units than a larger batch may pick in a layer");
             }
-            let _ = writeln!(out, "per token    at most {} read from disk (every pick a miss)", format_bytes(self.streamed_bytes_per_token));
+            let also = if self.dense.is_some() { ", and the streamed dense layers" } else { "" };
+            let _ = writeln!(out, "per token    at most {} read from disk (every pick a miss{also})", format_bytes(self.streamed_bytes_per_token));
             if let Some(bound) = self.io_bound_tokens_per_sec {
                 let _ = writeln!(out, "bound        at least {bound:.2} tok/s from disk bandwidth alone, before cache hits");
             }
@@ -95,9 +96,12 @@ impl Plan {
                 let costs: Vec<String> = dense.windows_costed.iter().map(|(window, seconds)| format!("{window}: {:.0} ms", seconds * 1e3)).collect();
                 let _ = writeln!(out, "window       chosen by predicted time per token, max(compute, disk at the reads in flight), each layer of window one fewer pinned: {}", costs.join(", "));
             }
-            let _ = writeln!(out, "per token    {} read from disk", format_bytes(self.streamed_bytes_per_token));
-            if let Some(bound) = self.io_bound_tokens_per_sec {
-                let _ = writeln!(out, "bound        at most {bound:.2} tok/s from disk bandwidth alone");
+            // With experts, their lines above already count the dense layers' bytes.
+            if self.experts.is_none() {
+                let _ = writeln!(out, "per token    {} read from disk", format_bytes(self.streamed_bytes_per_token));
+                if let Some(bound) = self.io_bound_tokens_per_sec {
+                    let _ = writeln!(out, "bound        at most {bound:.2} tok/s from disk bandwidth alone");
+                }
             }
         }
         if let Some(limit) = self.limit_tokens_per_sec {

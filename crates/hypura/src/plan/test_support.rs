@@ -74,6 +74,22 @@ pub(super) fn moe_inventory(n_layer: u64, n_expert: u64, n_expert_used: u64, sli
     inventory
 }
 
+/// DeepSeek's layout: `n_dense` leading layers with a dense FFN of 3 × `ffn_bytes`, then MoE
+/// layers as `moe_inventory` makes them.
+pub(super) fn mixed_inventory(n_dense: u64, n_layer: u64, ffn_bytes: u64, n_expert: u64, n_expert_used: u64, slice_bytes: u64) -> Inventory {
+    let dense = inventory(n_layer, 1 << 20, ffn_bytes, 8 << 20);
+    let mut mixed = moe_inventory(n_layer, n_expert, n_expert_used, slice_bytes);
+    mixed.tensors.retain(|tensor| !tensor.layer.is_some_and(|layer| u64::from(layer) < n_dense && tensor.experts.is_some()));
+    let mut offset = mixed.file_bytes;
+    for tensor in dense.tensors.into_iter().filter(|tensor| tensor.role.is_dense_ffn() && tensor.layer.is_some_and(|layer| u64::from(layer) < n_dense)) {
+        mixed.tensors.push(TensorEntry { file_offset: offset, ..tensor });
+        offset += ffn_bytes;
+    }
+    mixed.file_bytes = offset;
+    mixed.hparams.n_ff = 4096;
+    mixed
+}
+
 pub(super) fn options(mode: ModeChoice, window_layers: usize) -> PlanOptions {
     PlanOptions { mode, n_ctx: 1024, n_ubatch: 256, window_layers: Some(window_layers), ..PlanOptions::default() }
 }
