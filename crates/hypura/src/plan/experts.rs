@@ -197,6 +197,7 @@ mod tests {
     #[test]
     fn dense_layers_among_moe_layers_stream_in_the_same_plan_only_where_the_budget_needs_it() {
         // Four dense layers of 3 × 64 MiB, then 6 MoE layers of 64 experts of 3 × 1 MiB.
+        let layer: u64 = 3 * (64 << 20);
         let inventory = mixed_inventory(4, 10, 64 << 20, 64, 4, 1 << 20);
         let fixed = inventory.tensors.iter().filter(|tensor| tensor.experts.is_none()).map(|tensor| tensor.bytes).sum::<u64>();
         let extra = kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 512);
@@ -208,14 +209,14 @@ mod tests {
         assert!(roomy.dense.is_none(), "{}", roomy.render());
         // Room for a full batch's picks and two dense layers, not four: the dense layers stream
         // through a window (one ahead and the one computing).
-        let tight = plan_at(fixed - 4 * (3 * 64 << 20) + extra + 64 * (3 << 20) + 2 * (3 * 64 << 20) + (8 << 20)).unwrap();
+        let tight = plan_at(fixed - 4 * layer + extra + 64 * (3 << 20) + 2 * layer + (8 << 20)).unwrap();
         let dense = tight.dense.as_ref().expect("a dense window");
         assert!(dense.streamed_layers.len() >= 3 && dense.streamed_layers.iter().all(|&layer| layer < 4), "{}", tight.render());
         assert!(tight.budget.total_bytes <= tight.budget.budget_bytes, "{:?}", tight.budget);
         assert!(tight.experts.as_ref().unwrap().cache_units >= 64, "{}", tight.render());
         let streamed_dense: u64 =
             tight.tensors.iter().zip(&inventory.tensors).filter(|(placement, tensor)| placement.tier == Tier::Stream && tensor.role.is_dense_ffn()).map(|(_, tensor)| tensor.bytes).sum();
-        assert_eq!(streamed_dense, dense.streamed_layers.len() as u64 * (3 * 64 << 20));
+        assert_eq!(streamed_dense, dense.streamed_layers.len() as u64 * layer);
         let rendered = tight.render();
         assert!(rendered.contains("and the streamed dense layers") && rendered.lines().filter(|line| line.starts_with("per token")).count() == 1, "{rendered}");
     }
