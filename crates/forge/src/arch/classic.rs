@@ -25,7 +25,7 @@ fn tensors(tensors: &mut Tensors) {
         if spec.is_moe() {
             tensors.routed_experts(layer);
         } else {
-            tensors.dense_ffn(layer, shape.n_ff);
+            tensors.ffn(layer, "", shape.n_ff);
         }
     }
     tensors.output();

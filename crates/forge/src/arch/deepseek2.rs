@@ -90,16 +90,6 @@ fn metadata(spec: &ForgeSpec, meta: &mut Meta) {
     meta.f32("rope.scaling.yarn_log_multiplier", 0.1);
 }
 
-fn projection(tensors: &mut Tensors, name: String, dims: &[u64]) {
-    let ggml_type = tensors.quant(GgmlType::Q4_K, false, dims[0]);
-    tensors.add(name, dims, ggml_type, Init::Projection { fan_in: dims[0] });
-}
-
-fn residual(tensors: &mut Tensors, name: String, dims: &[u64], more_bits: bool) {
-    let ggml_type = tensors.quant(GgmlType::Q4_K, more_bits, dims[0]);
-    tensors.add(name, dims, ggml_type, Init::Residual { fan_in: dims[0] });
-}
-
 fn tensors(tensors: &mut Tensors) {
     let shape = tensors.shape().clone();
     let mla = mla(&shape);
@@ -112,35 +102,35 @@ fn tensors(tensors: &mut Tensors) {
         tensors.norm(block(layer, "attn_norm.weight"), &[n_embd]);
         tensors.norm(block(layer, "attn_q_a_norm.weight"), &[mla.q_lora]);
         tensors.norm(block(layer, "attn_kv_a_norm.weight"), &[mla.kv_lora]);
-        projection(tensors, block(layer, "attn_q_a.weight"), &[n_embd, mla.q_lora]);
-        projection(tensors, block(layer, "attn_q_b.weight"), &[mla.q_lora, n_head * mla.k_head]);
-        projection(tensors, block(layer, "attn_kv_a_mqa.weight"), &[n_embd, mla.kv_lora + mla.rope]);
-        projection(tensors, block(layer, "attn_k_b.weight"), &[mla.nope, mla.kv_lora, n_head]);
-        projection(tensors, block(layer, "attn_v_b.weight"), &[mla.kv_lora, mla.v_head, n_head]);
-        residual(tensors, block(layer, "attn_output.weight"), &[n_head * mla.v_head, n_embd], false);
+        tensors.weight(block(layer, "attn_q_a.weight"), &[n_embd, mla.q_lora]);
+        tensors.weight(block(layer, "attn_q_b.weight"), &[mla.q_lora, n_head * mla.k_head]);
+        tensors.weight(block(layer, "attn_kv_a_mqa.weight"), &[n_embd, mla.kv_lora + mla.rope]);
+        tensors.weight(block(layer, "attn_k_b.weight"), &[mla.nope, mla.kv_lora, n_head]);
+        tensors.weight(block(layer, "attn_v_b.weight"), &[mla.kv_lora, mla.v_head, n_head]);
+        tensors.residual_bits(block(layer, "attn_output.weight"), &[n_head * mla.v_head, n_embd], false);
         tensors.norm(block(layer, "ffn_norm.weight"), &[n_embd]);
         if layer < shape.n_dense_lead {
-            projection(tensors, block(layer, "ffn_gate.weight"), &[n_embd, shape.n_ff_dense]);
-            projection(tensors, block(layer, "ffn_up.weight"), &[n_embd, shape.n_ff_dense]);
-            residual(tensors, block(layer, "ffn_down.weight"), &[shape.n_ff_dense, n_embd], down_bits);
+            tensors.weight(block(layer, "ffn_gate.weight"), &[n_embd, shape.n_ff_dense]);
+            tensors.weight(block(layer, "ffn_up.weight"), &[n_embd, shape.n_ff_dense]);
+            tensors.residual_bits(block(layer, "ffn_down.weight"), &[shape.n_ff_dense, n_embd], down_bits);
         } else {
             tensors.router(block(layer, "ffn_gate_inp.weight"), &[n_embd, shape.n_expert]);
             tensors.uniform(block(layer, "exp_probs_b.bias"), &[shape.n_expert], -0.05, 0.05);
-            projection(tensors, block(layer, "ffn_gate_exps.weight"), &[n_embd, shape.n_ff, shape.n_expert]);
-            projection(tensors, block(layer, "ffn_up_exps.weight"), &[n_embd, shape.n_ff, shape.n_expert]);
-            residual(tensors, block(layer, "ffn_down_exps.weight"), &[shape.n_ff, n_embd, shape.n_expert], down_bits);
-            projection(tensors, block(layer, "ffn_gate_shexp.weight"), &[n_embd, shape.n_ff_shared]);
-            projection(tensors, block(layer, "ffn_up_shexp.weight"), &[n_embd, shape.n_ff_shared]);
-            residual(tensors, block(layer, "ffn_down_shexp.weight"), &[shape.n_ff_shared, n_embd], down_bits);
+            tensors.weight(block(layer, "ffn_gate_exps.weight"), &[n_embd, shape.n_ff, shape.n_expert]);
+            tensors.weight(block(layer, "ffn_up_exps.weight"), &[n_embd, shape.n_ff, shape.n_expert]);
+            tensors.residual_bits(block(layer, "ffn_down_exps.weight"), &[shape.n_ff, n_embd, shape.n_expert], down_bits);
+            tensors.weight(block(layer, "ffn_gate_shexp.weight"), &[n_embd, shape.n_ff_shared]);
+            tensors.weight(block(layer, "ffn_up_shexp.weight"), &[n_embd, shape.n_ff_shared]);
+            tensors.residual_bits(block(layer, "ffn_down_shexp.weight"), &[shape.n_ff_shared, n_embd], down_bits);
         }
         if layer >= shape.n_layer {
             // The MTP head: its own embedding and LM head copies, as the checkpoint has them.
-            projection(tensors, block(layer, "nextn.eh_proj.weight"), &[2 * n_embd, n_embd]);
+            tensors.weight(block(layer, "nextn.eh_proj.weight"), &[2 * n_embd, n_embd]);
             let ggml_type = tensors.quant(GgmlType::Q4_K, false, n_embd);
             tensors.add(block(layer, "nextn.embed_tokens.weight"), &[n_embd, tensors.n_vocab], ggml_type, Init::Embedding);
             tensors.norm(block(layer, "nextn.enorm.weight"), &[n_embd]);
             tensors.norm(block(layer, "nextn.hnorm.weight"), &[n_embd]);
-            projection(tensors, block(layer, "nextn.shared_head_head.weight"), &[n_embd, tensors.n_vocab]);
+            tensors.weight(block(layer, "nextn.shared_head_head.weight"), &[n_embd, tensors.n_vocab]);
             tensors.norm(block(layer, "nextn.shared_head_norm.weight"), &[n_embd]);
         }
     }

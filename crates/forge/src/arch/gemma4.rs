@@ -105,7 +105,7 @@ fn tensors(tensors: &mut Tensors) {
         tensors.uniform(block(layer, "layer_output_scale.weight"), &[1], 0.5, 1.0);
         // The dense GeGLU FFN every layer has beside its experts.
         tensors.norm(block(layer, "ffn_norm.weight"), &[n_embd]);
-        tensors.dense_ffn(layer, shape.n_ff_dense);
+        tensors.ffn(layer, "", shape.n_ff_dense);
         tensors.norm(block(layer, "post_ffw_norm.weight"), &[n_embd]);
         // The router reads rms_norm(x) / sqrt(n_embd) * scale: a scale near sqrt(n_embd) gives
         // unit-variance logits.

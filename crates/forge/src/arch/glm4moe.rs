@@ -15,7 +15,7 @@
 //! layer `n_layer`.
 use hypura_gguf::GgmlType;
 
-use super::{block, use_more_bits, Definition, Meta, Tensors};
+use super::{block, Definition, Meta, Tensors};
 use crate::spec::{moe, Arch, ForgeSpec, Init, Shape};
 
 pub(super) const DEFINITION: Definition = Definition { arch: Arch::Glm4Moe, presets, metadata, tensors };
@@ -62,55 +62,28 @@ fn metadata(spec: &ForgeSpec, meta: &mut Meta) {
     meta.u32("expert_gating_func", 2);
 }
 
-/// The layer-wise state of the tensor list: llama.cpp counts `attn_v` and `ffn_down` over every
-/// block, the MTP block included, when it picks the layers that get more bits.
-struct Layers<'t, 'a> {
-    tensors: &'t mut Tensors<'a>,
-    n_block: u64,
-}
-
-impl Layers<'_, '_> {
-    fn more_bits(&self, layer: u64) -> bool {
-        use_more_bits(layer, self.n_block)
+/// A GLM layer's FFN (GLM-4.5 and GLM-5 alike): dense in the leading layers, else the router,
+/// the selection bias, the routed experts and the shared expert.
+pub(super) fn ffn(tensors: &mut Tensors, layer: u64) {
+    let shape = tensors.shape().clone();
+    let (n_embd, n_ff, n_expert) = (shape.n_embd, shape.n_ff, shape.n_expert);
+    if layer < shape.n_dense_lead {
+        tensors.ffn(layer, "", shape.n_ff_dense);
+        return;
     }
-
-    /// A projection read from its first dimension (Q4_K under Q4_K_M).
-    fn weight(&mut self, name: String, dims: &[u64]) {
-        let ggml_type = self.tensors.quant(GgmlType::Q4_K, false, dims[0]);
-        self.tensors.add(name, dims, ggml_type, Init::Projection { fan_in: dims[0] });
-    }
-
-    /// `attn_v`: Q6_K in the layers where Q4_K_M spends more bits.
-    fn value(&mut self, layer: u64, name: String, dims: &[u64]) {
-        let ggml_type = self.tensors.quant(GgmlType::Q4_K, self.more_bits(layer), dims[0]);
-        self.tensors.add(name, dims, ggml_type, Init::Projection { fan_in: dims[0] });
-    }
-
-    /// `attn_output`: into the residual stream, Q4_K.
-    fn residual(&mut self, name: String, dims: &[u64]) {
-        let ggml_type = self.tensors.quant(GgmlType::Q4_K, false, dims[0]);
-        self.tensors.add(name, dims, ggml_type, Init::Residual { fan_in: dims[0] });
-    }
-
-    /// Every `ffn_down` (dense, routed, shared): Q6_K in the layers where Q4_K_M spends more bits.
-    fn down(&mut self, layer: u64, name: String, dims: &[u64]) {
-        let ggml_type = self.tensors.quant(GgmlType::Q4_K, self.more_bits(layer), dims[0]);
-        self.tensors.add(name, dims, ggml_type, Init::Residual { fan_in: dims[0] });
-    }
-
-    /// Gate, up and down of a SwiGLU FFN `n_ff` wide, with `infix` `""` (dense) or `"_shexp"`.
-    fn ffn(&mut self, layer: u64, infix: &str, n_ff: u64) {
-        let n_embd = self.tensors.shape().n_embd;
-        self.weight(block(layer, &format!("ffn_gate{infix}.weight")), &[n_embd, n_ff]);
-        self.weight(block(layer, &format!("ffn_up{infix}.weight")), &[n_embd, n_ff]);
-        self.down(layer, block(layer, &format!("ffn_down{infix}.weight")), &[n_ff, n_embd]);
-    }
+    tensors.router(block(layer, "ffn_gate_inp.weight"), &[n_embd, n_expert]);
+    // e_score_correction_bias: added to the sigmoid scores for the selection only.
+    tensors.uniform(block(layer, "exp_probs_b.bias"), &[n_expert], -0.05, 0.05);
+    tensors.weight(block(layer, "ffn_gate_exps.weight"), &[n_embd, n_ff, n_expert]);
+    tensors.weight(block(layer, "ffn_up_exps.weight"), &[n_embd, n_ff, n_expert]);
+    tensors.down(layer, block(layer, "ffn_down_exps.weight"), &[n_ff, n_embd, n_expert]);
+    tensors.ffn(layer, "_shexp", shape.n_ff_shared);
 }
 
 fn tensors(tensors: &mut Tensors) {
     let spec = tensors.spec;
     let shape = spec.shape.clone();
-    let (n_embd, n_ff, n_expert) = (shape.n_embd, shape.n_ff, shape.n_expert);
+    let n_embd = shape.n_embd;
     let q_width = shape.n_head * shape.head_dim;
     let kv_width = shape.n_head_kv * shape.head_dim;
     let qk_norm = has_qk_norm(spec);
@@ -118,40 +91,31 @@ fn tensors(tensors: &mut Tensors) {
 
     let embd_type = tensors.quant(GgmlType::Q4_K, false, n_embd);
     tensors.add("token_embd.weight", &[n_embd, tensors.n_vocab], embd_type, Init::Embedding);
-    let mut layers = Layers { tensors, n_block };
+    // llama.cpp counts `attn_v` and `ffn_down` over every block, the MTP block included.
+    tensors.count_more_bits_over(n_block);
     for layer in 0..n_block {
-        layers.tensors.norm(block(layer, "attn_norm.weight"), &[n_embd]);
-        layers.weight(block(layer, "attn_q.weight"), &[n_embd, q_width]);
-        layers.tensors.bias(block(layer, "attn_q.bias"), &[q_width]);
-        layers.weight(block(layer, "attn_k.weight"), &[n_embd, kv_width]);
-        layers.tensors.bias(block(layer, "attn_k.bias"), &[kv_width]);
-        layers.value(layer, block(layer, "attn_v.weight"), &[n_embd, kv_width]);
-        layers.tensors.bias(block(layer, "attn_v.bias"), &[kv_width]);
-        layers.residual(block(layer, "attn_output.weight"), &[q_width, n_embd]);
+        tensors.norm(block(layer, "attn_norm.weight"), &[n_embd]);
+        tensors.weight(block(layer, "attn_q.weight"), &[n_embd, q_width]);
+        tensors.bias(block(layer, "attn_q.bias"), &[q_width]);
+        tensors.weight(block(layer, "attn_k.weight"), &[n_embd, kv_width]);
+        tensors.bias(block(layer, "attn_k.bias"), &[kv_width]);
+        tensors.value(layer, block(layer, "attn_v.weight"), &[n_embd, kv_width]);
+        tensors.bias(block(layer, "attn_v.bias"), &[kv_width]);
+        tensors.residual(block(layer, "attn_output.weight"), &[q_width, n_embd]);
         if qk_norm {
-            layers.tensors.norm(block(layer, "attn_q_norm.weight"), &[shape.head_dim]);
-            layers.tensors.norm(block(layer, "attn_k_norm.weight"), &[shape.head_dim]);
+            tensors.norm(block(layer, "attn_q_norm.weight"), &[shape.head_dim]);
+            tensors.norm(block(layer, "attn_k_norm.weight"), &[shape.head_dim]);
         }
-        layers.tensors.norm(block(layer, "post_attention_norm.weight"), &[n_embd]);
-        if layer < shape.n_dense_lead {
-            layers.ffn(layer, "", shape.n_ff_dense);
-        } else {
-            layers.tensors.router(block(layer, "ffn_gate_inp.weight"), &[n_embd, n_expert]);
-            // e_score_correction_bias: added to the sigmoid scores for the selection only.
-            layers.tensors.uniform(block(layer, "exp_probs_b.bias"), &[n_expert], -0.05, 0.05);
-            layers.weight(block(layer, "ffn_gate_exps.weight"), &[n_embd, n_ff, n_expert]);
-            layers.weight(block(layer, "ffn_up_exps.weight"), &[n_embd, n_ff, n_expert]);
-            layers.down(layer, block(layer, "ffn_down_exps.weight"), &[n_ff, n_embd, n_expert]);
-            layers.ffn(layer, "_shexp", shape.n_ff_shared);
-        }
+        tensors.norm(block(layer, "post_attention_norm.weight"), &[n_embd]);
+        ffn(tensors, layer);
         if layer >= shape.n_layer {
             // The MTP block's own tensors: the projection of [enorm(embedding); hnorm(hidden)]
             // back to the model width, its two norms and the norm in front of the shared head.
-            layers.weight(block(layer, "nextn.eh_proj.weight"), &[2 * n_embd, n_embd]);
-            layers.tensors.norm(block(layer, "nextn.enorm.weight"), &[n_embd]);
-            layers.tensors.norm(block(layer, "nextn.hnorm.weight"), &[n_embd]);
-            layers.tensors.norm(block(layer, "nextn.shared_head_norm.weight"), &[n_embd]);
+            tensors.weight(block(layer, "nextn.eh_proj.weight"), &[2 * n_embd, n_embd]);
+            tensors.norm(block(layer, "nextn.enorm.weight"), &[n_embd]);
+            tensors.norm(block(layer, "nextn.hnorm.weight"), &[n_embd]);
+            tensors.norm(block(layer, "nextn.shared_head_norm.weight"), &[n_embd]);
         }
     }
-    layers.tensors.output();
+    tensors.output();
 }

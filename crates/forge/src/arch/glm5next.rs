@@ -128,11 +128,10 @@ fn metadata(spec: &ForgeSpec, meta: &mut Meta) {
     meta.u32("expert_gating_func", 2);
 }
 
-/// The tensor list with the counters llama.cpp's quantizer keeps: `ffn_down` over every block,
-/// `attn_v` over the tensors of that name (KDA layers only).
+/// The tensor list with the counter llama.cpp's quantizer keeps for `attn_v`: over the tensors
+/// of that name (KDA layers only). `ffn_down` counts every block (`Tensors::count_more_bits_over`).
 struct Layers<'t, 'a> {
     tensors: &'t mut Tensors<'a>,
-    n_block: u64,
     n_value: u64,
     value_index: u64,
 }
@@ -140,12 +139,6 @@ struct Layers<'t, 'a> {
 impl Layers<'_, '_> {
     fn shape(&self) -> &Shape {
         self.tensors.shape()
-    }
-
-    /// A projection quantized as the mix says (Q4_K under Q4_K_M).
-    fn weight(&mut self, name: String, dims: &[u64]) {
-        let ggml_type = self.tensors.quant(GgmlType::Q4_K, false, dims[0]);
-        self.tensors.add(name, dims, ggml_type, Init::Projection { fan_in: dims[0] });
     }
 
     /// A projection llama.cpp keeps at Q8_0 or above (`attn_q_a`, `attn_q_b`, `nextn.eh_proj`).
@@ -180,26 +173,6 @@ impl Layers<'_, '_> {
         self.tensors.add(name, dims, ggml_type, Init::Projection { fan_in: dims[0] });
     }
 
-    /// An attention output into the residual stream, Q4_K.
-    fn residual(&mut self, name: String, dims: &[u64]) {
-        let ggml_type = self.tensors.quant(GgmlType::Q4_K, false, dims[0]);
-        self.tensors.add(name, dims, ggml_type, Init::Residual { fan_in: dims[0] });
-    }
-
-    /// Every `ffn_down` (dense, routed, shared): Q6_K in the layers where Q4_K_M spends more bits.
-    fn down(&mut self, layer: u64, name: String, dims: &[u64]) {
-        let ggml_type = self.tensors.quant(GgmlType::Q4_K, use_more_bits(layer, self.n_block), dims[0]);
-        self.tensors.add(name, dims, ggml_type, Init::Residual { fan_in: dims[0] });
-    }
-
-    /// Gate, up and down of a SwiGLU FFN `n_ff` wide, with `infix` `""` (dense) or `"_shexp"`.
-    fn ffn(&mut self, layer: u64, infix: &str, n_ff: u64) {
-        let n_embd = self.shape().n_embd;
-        self.weight(block(layer, &format!("ffn_gate{infix}.weight")), &[n_embd, n_ff]);
-        self.weight(block(layer, &format!("ffn_up{infix}.weight")), &[n_embd, n_ff]);
-        self.down(layer, block(layer, &format!("ffn_down{infix}.weight")), &[n_ff, n_embd]);
-    }
-
     /// mHC around one sub-layer (`kind` "attn" or "ffn"): the mixing projection of the four
     /// RMS-normed streams, its bias and the three scales (pre, post, combination).
     fn hyper_connection(&mut self, layer: u64, kind: &str) {
@@ -219,8 +192,8 @@ impl Layers<'_, '_> {
         for conv in ["ssm_conv1d_q", "ssm_conv1d_k", "ssm_conv1d_v"] {
             self.tensors.add(block(layer, &format!("{conv}.weight")), &[CONV_KERNEL, 1, d_inner], GgmlType::F32, Init::Projection { fan_in: CONV_KERNEL });
         }
-        self.weight(block(layer, "attn_q.weight"), &[n_embd, d_inner]);
-        self.weight(block(layer, "attn_k.weight"), &[n_embd, d_inner]);
+        self.tensors.weight(block(layer, "attn_q.weight"), &[n_embd, d_inner]);
+        self.tensors.weight(block(layer, "attn_k.weight"), &[n_embd, d_inner]);
         self.value(block(layer, "attn_v.weight"), &[n_embd, d_inner]);
         self.weight_kept(block(layer, "ssm_f_a.weight"), &[n_embd, head_dim]);
         self.weight_kept(block(layer, "ssm_f_b.weight"), &[head_dim, d_inner]);
@@ -232,7 +205,7 @@ impl Layers<'_, '_> {
         self.weight_kept(block(layer, "ssm_g_a.weight"), &[n_embd, head_dim]);
         self.weight_kept(block(layer, "ssm_g_b.weight"), &[head_dim, d_inner]);
         self.tensors.norm(block(layer, "ssm_norm.weight"), &[head_dim]);
-        self.residual(block(layer, "attn_output.weight"), &[d_inner, n_embd]);
+        self.tensors.residual(block(layer, "attn_output.weight"), &[d_inner, n_embd]);
     }
 
     /// An MLA layer: the query through its low-rank path, the compressed latent, the per-head
@@ -248,7 +221,7 @@ impl Layers<'_, '_> {
         self.weight_kept(block(layer, "attn_kv_a_mqa.weight"), &[n_embd, dims.kv_lora_rank]);
         self.weight_kept(block(layer, "attn_k_b.weight"), &[dims.key_mla, dims.kv_lora_rank, n_head]);
         self.weight_kept(block(layer, "attn_v_b.weight"), &[dims.kv_lora_rank, dims.value_mla, n_head]);
-        self.residual(block(layer, "attn_output.weight"), &[n_head * dims.value_mla, n_embd]);
+        self.tensors.residual(block(layer, "attn_output.weight"), &[n_head * dims.value_mla, n_embd]);
         if full {
             self.tensors.norm(block(layer, "indexer.k_norm.weight"), &[dims.indexer_width]);
             self.tensors.bias(block(layer, "indexer.k_norm.bias"), &[dims.indexer_width]);
@@ -264,13 +237,15 @@ impl Layers<'_, '_> {
 
 fn tensors(tensors: &mut Tensors) {
     let shape = tensors.shape().clone();
-    let (n_embd, n_ff, n_expert) = (shape.n_embd, shape.n_ff, shape.n_expert);
+    let n_embd = shape.n_embd;
     let n_block = shape.n_layer + NEXTN_LAYERS;
     let n_value = (0..n_block).filter(|&layer| !is_attention(layer, shape.n_layer)).count() as u64;
 
     let embd_type = tensors.quant(GgmlType::Q4_K, false, n_embd);
     tensors.add("token_embd.weight", &[n_embd, tensors.n_vocab], embd_type, Init::Embedding);
-    let mut layers = Layers { tensors, n_block, n_value, value_index: 0 };
+    // `ffn_down` counts every block, the MTP block included.
+    tensors.count_more_bits_over(n_block);
+    let mut layers = Layers { tensors, n_value, value_index: 0 };
     for layer in 0..n_block {
         let nextn = layer >= shape.n_layer;
         layers.tensors.norm(block(layer, "attn_norm.weight"), &[n_embd]);
@@ -284,17 +259,7 @@ fn tensors(tensors: &mut Tensors) {
         } else {
             layers.kda(layer);
         }
-        if layer < shape.n_dense_lead {
-            layers.ffn(layer, "", shape.n_ff_dense);
-        } else {
-            layers.tensors.router(block(layer, "ffn_gate_inp.weight"), &[n_embd, n_expert]);
-            // e_score_correction_bias: added to the sigmoid scores for the selection only.
-            layers.tensors.uniform(block(layer, "exp_probs_b.bias"), &[n_expert], -0.05, 0.05);
-            layers.weight(block(layer, "ffn_gate_exps.weight"), &[n_embd, n_ff, n_expert]);
-            layers.weight(block(layer, "ffn_up_exps.weight"), &[n_embd, n_ff, n_expert]);
-            layers.down(layer, block(layer, "ffn_down_exps.weight"), &[n_ff, n_embd, n_expert]);
-            layers.ffn(layer, "_shexp", shape.n_ff_shared);
-        }
+        super::glm4moe::ffn(layers.tensors, layer);
         if nextn {
             layers.weight_q8(block(layer, "nextn.eh_proj.weight"), &[2 * n_embd, n_embd]);
             layers.tensors.norm(block(layer, "nextn.enorm.weight"), &[n_embd]);

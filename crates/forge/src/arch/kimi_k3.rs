@@ -97,16 +97,6 @@ fn metadata(spec: &ForgeSpec, meta: &mut Meta) {
     meta.f32("activation.situ_linear_beta", SITU_LINEAR_BETA);
 }
 
-fn projection(tensors: &mut Tensors, name: String, dims: &[u64], more_bits: bool) {
-    let ggml_type = tensors.quant(GgmlType::Q4_K, more_bits, dims[0]);
-    tensors.add(name, dims, ggml_type, Init::Projection { fan_in: dims[0] });
-}
-
-fn residual(tensors: &mut Tensors, name: String, dims: &[u64], more_bits: bool) {
-    let ggml_type = tensors.quant(GgmlType::Q4_K, more_bits, dims[0]);
-    tensors.add(name, dims, ggml_type, Init::Residual { fan_in: dims[0] });
-}
-
 fn tensors(tensors: &mut Tensors) {
     let shape = tensors.shape().clone();
     let widths = widths(&shape);
@@ -124,49 +114,49 @@ fn tensors(tensors: &mut Tensors) {
         if is_mla(layer) {
             tensors.norm(block(layer, "attn_q_a_norm.weight"), &[widths.q_lora]);
             tensors.norm(block(layer, "attn_kv_a_norm.weight"), &[widths.kv_lora]);
-            projection(tensors, block(layer, "attn_q_a.weight"), &[n_embd, widths.q_lora], false);
-            projection(tensors, block(layer, "attn_q_b.weight"), &[widths.q_lora, n_head * widths.k_head], false);
-            projection(tensors, block(layer, "attn_kv_a_mqa.weight"), &[n_embd, widths.kv_lora + widths.rope], false);
-            projection(tensors, block(layer, "attn_k_b.weight"), &[widths.nope, widths.kv_lora, n_head], false);
-            projection(tensors, block(layer, "attn_v_b.weight"), &[widths.kv_lora, widths.v_head, n_head], false);
-            projection(tensors, block(layer, "attn_gate.weight"), &[n_embd, n_head * widths.v_head], false);
-            residual(tensors, block(layer, "attn_output.weight"), &[n_head * widths.v_head, n_embd], false);
+            tensors.weight(block(layer, "attn_q_a.weight"), &[n_embd, widths.q_lora]);
+            tensors.weight(block(layer, "attn_q_b.weight"), &[widths.q_lora, n_head * widths.k_head]);
+            tensors.weight(block(layer, "attn_kv_a_mqa.weight"), &[n_embd, widths.kv_lora + widths.rope]);
+            tensors.weight(block(layer, "attn_k_b.weight"), &[widths.nope, widths.kv_lora, n_head]);
+            tensors.weight(block(layer, "attn_v_b.weight"), &[widths.kv_lora, widths.v_head, n_head]);
+            tensors.weight(block(layer, "attn_gate.weight"), &[n_embd, n_head * widths.v_head]);
+            tensors.residual_bits(block(layer, "attn_output.weight"), &[n_head * widths.v_head, n_embd], false);
         } else {
             for conv in ["ssm_conv1d_q.weight", "ssm_conv1d_k.weight", "ssm_conv1d_v.weight"] {
                 tensors.add(block(layer, conv), &[SSM_CONV_KERNEL, 1, d_inner], GgmlType::F32, Init::Projection { fan_in: SSM_CONV_KERNEL });
             }
-            projection(tensors, block(layer, "attn_q.weight"), &[n_embd, d_inner], false);
-            projection(tensors, block(layer, "attn_k.weight"), &[n_embd, d_inner], false);
-            projection(tensors, block(layer, "attn_v.weight"), &[n_embd, d_inner], use_more_bits(kda_index, n_kda));
+            tensors.weight(block(layer, "attn_q.weight"), &[n_embd, d_inner]);
+            tensors.weight(block(layer, "attn_k.weight"), &[n_embd, d_inner]);
+            tensors.projection(block(layer, "attn_v.weight"), &[n_embd, d_inner], use_more_bits(kda_index, n_kda));
             kda_index += 1;
-            projection(tensors, block(layer, "ssm_f_a.weight"), &[n_embd, widths.kda_head], false);
-            projection(tensors, block(layer, "ssm_f_b.weight"), &[widths.kda_head, d_inner], false);
-            projection(tensors, block(layer, "ssm_beta.weight"), &[n_embd, n_head], false);
+            tensors.weight(block(layer, "ssm_f_a.weight"), &[n_embd, widths.kda_head]);
+            tensors.weight(block(layer, "ssm_f_b.weight"), &[widths.kda_head, d_inner]);
+            tensors.weight(block(layer, "ssm_beta.weight"), &[n_embd, n_head]);
             // -exp(A_log), folded at conversion: must be negative.
             tensors.uniform(block(layer, "ssm_a"), &[n_head], -2.0, -0.5);
             tensors.uniform(block(layer, "ssm_dt.bias"), &[d_inner], -0.5, 0.5);
-            projection(tensors, block(layer, "ssm_g.weight"), &[n_embd, d_inner], false);
+            tensors.weight(block(layer, "ssm_g.weight"), &[n_embd, d_inner]);
             tensors.norm(block(layer, "ssm_norm.weight"), &[widths.kda_head]);
-            residual(tensors, block(layer, "attn_output.weight"), &[d_inner, n_embd], false);
+            tensors.residual_bits(block(layer, "attn_output.weight"), &[d_inner, n_embd], false);
         }
         tensors.uniform(block(layer, "ffn_res_score.weight"), &[n_embd], -0.05, 0.05);
         tensors.norm(block(layer, "ffn_norm.weight"), &[n_embd]);
         if layer < shape.n_dense_lead {
-            projection(tensors, block(layer, "ffn_gate.weight"), &[n_embd, shape.n_ff_dense], false);
-            projection(tensors, block(layer, "ffn_up.weight"), &[n_embd, shape.n_ff_dense], false);
-            residual(tensors, block(layer, "ffn_down.weight"), &[shape.n_ff_dense, n_embd], down_bits);
+            tensors.weight(block(layer, "ffn_gate.weight"), &[n_embd, shape.n_ff_dense]);
+            tensors.weight(block(layer, "ffn_up.weight"), &[n_embd, shape.n_ff_dense]);
+            tensors.residual_bits(block(layer, "ffn_down.weight"), &[shape.n_ff_dense, n_embd], down_bits);
         } else {
             tensors.router(block(layer, "ffn_gate_inp.weight"), &[n_embd, shape.n_expert]);
             tensors.uniform(block(layer, "exp_probs_b.bias"), &[shape.n_expert], -0.05, 0.05);
-            projection(tensors, block(layer, "ffn_routed_down.weight"), &[n_embd, widths.latent], false);
-            projection(tensors, block(layer, "ffn_gate_exps.weight"), &[widths.latent, shape.n_ff, shape.n_expert], false);
-            projection(tensors, block(layer, "ffn_up_exps.weight"), &[widths.latent, shape.n_ff, shape.n_expert], false);
-            residual(tensors, block(layer, "ffn_down_exps.weight"), &[shape.n_ff, widths.latent, shape.n_expert], down_bits);
+            tensors.weight(block(layer, "ffn_routed_down.weight"), &[n_embd, widths.latent]);
+            tensors.weight(block(layer, "ffn_gate_exps.weight"), &[widths.latent, shape.n_ff, shape.n_expert]);
+            tensors.weight(block(layer, "ffn_up_exps.weight"), &[widths.latent, shape.n_ff, shape.n_expert]);
+            tensors.residual_bits(block(layer, "ffn_down_exps.weight"), &[shape.n_ff, widths.latent, shape.n_expert], down_bits);
             tensors.norm(block(layer, "ffn_routed_norm.weight"), &[widths.latent]);
-            residual(tensors, block(layer, "ffn_routed_up.weight"), &[widths.latent, n_embd], false);
-            projection(tensors, block(layer, "ffn_gate_shexp.weight"), &[n_embd, shape.n_ff_shared], false);
-            projection(tensors, block(layer, "ffn_up_shexp.weight"), &[n_embd, shape.n_ff_shared], false);
-            residual(tensors, block(layer, "ffn_down_shexp.weight"), &[shape.n_ff_shared, n_embd], down_bits);
+            tensors.residual_bits(block(layer, "ffn_routed_up.weight"), &[widths.latent, n_embd], false);
+            tensors.weight(block(layer, "ffn_gate_shexp.weight"), &[n_embd, shape.n_ff_shared]);
+            tensors.weight(block(layer, "ffn_up_shexp.weight"), &[n_embd, shape.n_ff_shared]);
+            tensors.residual_bits(block(layer, "ffn_down_shexp.weight"), &[shape.n_ff_shared, n_embd], down_bits);
         }
     }
     tensors.uniform("output_res_score.weight", &[n_embd], -0.05, 0.05);

@@ -51,9 +51,9 @@ fn tensors(tensors: &mut Tensors) {
         if is_moe_layer(&shape, layer) {
             tensors.routed_experts(layer);
             // llama.cpp makes the shared expert as wide as a routed one.
-            tensors.shared_expert(layer, shape.n_ff);
+            tensors.ffn(layer, "_shexp", shape.n_ff);
         } else {
-            tensors.dense_ffn(layer, shape.n_ff_dense);
+            tensors.ffn(layer, "", shape.n_ff_dense);
         }
     }
     tensors.output();

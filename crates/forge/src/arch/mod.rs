@@ -53,7 +53,7 @@ fn definition(arch: Arch) -> &'static Definition {
 }
 
 pub(crate) fn tensors(spec: &ForgeSpec, n_vocab: u64) -> Vec<TensorPlan> {
-    let mut tensors = Tensors { spec, n_vocab, plans: Vec::new() };
+    let mut tensors = Tensors { spec, n_vocab, bits_layers: spec.shape.n_layer, plans: Vec::new() };
     (definition(spec.arch).tensors)(&mut tensors);
     tensors.plans
 }
@@ -121,6 +121,8 @@ impl Meta {
 pub struct Tensors<'a> {
     pub spec: &'a ForgeSpec,
     pub n_vocab: u64,
+    /// The layer count over which `value` and `down` pick the layers that get more bits.
+    bits_layers: u64,
     plans: Vec<TensorPlan>,
 }
 
@@ -132,6 +134,12 @@ pub fn block(layer: u64, suffix: &str) -> String {
 impl Tensors<'_> {
     pub fn shape(&self) -> &Shape {
         &self.spec.shape
+    }
+
+    /// Pick the layers that get more bits over `n_layer` blocks: llama.cpp's quantizer counts
+    /// every block, MTP blocks included (the default is the shape's layers).
+    pub fn count_more_bits_over(&mut self, n_layer: u64) {
+        self.bits_layers = n_layer;
     }
 
     /// Any tensor, with its type and values given.
@@ -182,27 +190,35 @@ impl Tensors<'_> {
 
     /// A projection read from its first dimension (Q4_K under Q4_K_M).
     pub fn weight(&mut self, name: impl Into<String>, dims: &[u64]) {
-        let ggml_type = self.quant(GgmlType::Q4_K, false, dims[0]);
+        self.projection(name, dims, false);
+    }
+
+    /// A projection, Q6_K under Q4_K_M where `more_bits`.
+    pub fn projection(&mut self, name: impl Into<String>, dims: &[u64], more_bits: bool) {
+        let ggml_type = self.quant(GgmlType::Q4_K, more_bits, dims[0]);
         self.add(name, dims, ggml_type, Init::Projection { fan_in: dims[0] });
     }
 
     /// A value projection: Q6_K in the layers where Q4_K_M spends more bits.
     pub fn value(&mut self, layer: u64, name: impl Into<String>, dims: &[u64]) {
-        let ggml_type = self.quant(GgmlType::Q4_K, use_more_bits(layer, self.spec.shape.n_layer), dims[0]);
-        self.add(name, dims, ggml_type, Init::Projection { fan_in: dims[0] });
+        self.projection(name, dims, use_more_bits(layer, self.bits_layers));
     }
 
     /// A projection into the residual stream that Q4_K_M keeps at Q4_K (attention output).
     pub fn residual(&mut self, name: impl Into<String>, dims: &[u64]) {
-        let ggml_type = self.quant(GgmlType::Q4_K, false, dims[0]);
+        self.residual_bits(name, dims, false);
+    }
+
+    /// A projection into the residual stream, Q6_K under Q4_K_M where `more_bits`.
+    pub fn residual_bits(&mut self, name: impl Into<String>, dims: &[u64], more_bits: bool) {
+        let ggml_type = self.quant(GgmlType::Q4_K, more_bits, dims[0]);
         self.add(name, dims, ggml_type, Init::Residual { fan_in: dims[0] });
     }
 
     /// An FFN down projection (dense, expert or shared): into the residual stream, Q6_K in the
     /// layers where Q4_K_M spends more bits.
     pub fn down(&mut self, layer: u64, name: impl Into<String>, dims: &[u64]) {
-        let ggml_type = self.quant(GgmlType::Q4_K, use_more_bits(layer, self.spec.shape.n_layer), dims[0]);
-        self.add(name, dims, ggml_type, Init::Residual { fan_in: dims[0] });
+        self.residual_bits(name, dims, use_more_bits(layer, self.bits_layers));
     }
 
     /// The router (`ffn_gate_inp`), F32 as llama.cpp keeps it, `[n_embd, n_expert]`.
@@ -237,12 +253,13 @@ impl Tensors<'_> {
         self.residual(block(layer, "attn_output.weight"), &[q_width, shape.n_embd]);
     }
 
-    /// A dense SwiGLU FFN of width `n_ff`: `ffn_gate`, `ffn_up`, `ffn_down`.
-    pub fn dense_ffn(&mut self, layer: u64, n_ff: u64) {
+    /// A SwiGLU FFN of width `n_ff`: `ffn_gate{infix}`, `ffn_up{infix}`, `ffn_down{infix}`, with
+    /// `infix` `""` (dense) or `"_shexp"` (a shared expert).
+    pub fn ffn(&mut self, layer: u64, infix: &str, n_ff: u64) {
         let n_embd = self.shape().n_embd;
-        self.weight(block(layer, "ffn_gate.weight"), &[n_embd, n_ff]);
-        self.weight(block(layer, "ffn_up.weight"), &[n_embd, n_ff]);
-        self.down(layer, block(layer, "ffn_down.weight"), &[n_ff, n_embd]);
+        self.weight(block(layer, &format!("ffn_gate{infix}.weight")), &[n_embd, n_ff]);
+        self.weight(block(layer, &format!("ffn_up{infix}.weight")), &[n_embd, n_ff]);
+        self.down(layer, block(layer, &format!("ffn_down{infix}.weight")), &[n_ff, n_embd]);
     }
 
     /// The router and the routed experts (`ffn_gate_inp`, `ffn_{gate,up,down}_exps`) with the
@@ -253,14 +270,6 @@ impl Tensors<'_> {
         self.weight(block(layer, "ffn_gate_exps.weight"), &[shape.n_embd, shape.n_ff, shape.n_expert]);
         self.weight(block(layer, "ffn_up_exps.weight"), &[shape.n_embd, shape.n_ff, shape.n_expert]);
         self.down(layer, block(layer, "ffn_down_exps.weight"), &[shape.n_ff, shape.n_embd, shape.n_expert]);
-    }
-
-    /// A shared expert of width `n_ff`: `ffn_{gate,up,down}_shexp`.
-    pub fn shared_expert(&mut self, layer: u64, n_ff: u64) {
-        let n_embd = self.shape().n_embd;
-        self.weight(block(layer, "ffn_gate_shexp.weight"), &[n_embd, n_ff]);
-        self.weight(block(layer, "ffn_up_shexp.weight"), &[n_embd, n_ff]);
-        self.down(layer, block(layer, "ffn_down_shexp.weight"), &[n_ff, n_embd]);
     }
 }
 

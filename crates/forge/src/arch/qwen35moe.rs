@@ -138,7 +138,7 @@ pub(super) fn moe_ffn(tensors: &mut Tensors, layer: u64) {
     let shape = tensors.shape().clone();
     tensors.routed_experts(layer);
     tensors.add(block(layer, "ffn_gate_inp_shexp.weight"), &[shape.n_embd], GgmlType::F32, Init::Projection { fan_in: shape.n_embd });
-    tensors.shared_expert(layer, shape.n_ff_shared);
+    tensors.ffn(layer, "_shexp", shape.n_ff_shared);
 }
 
 /// The MTP block: a full-attention layer with the MoE FFN, fed by `eh_proj` from the
