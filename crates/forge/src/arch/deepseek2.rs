@@ -39,18 +39,18 @@ fn presets() -> Vec<(&'static str, Shape)> {
     )]
 }
 
-/// The MLA widths derived from the shape.
-struct Mla {
+/// The MLA widths derived from the shape (DeepSeek-V3's ratios; Kimi-K3 shares them).
+pub(super) struct Mla {
     /// Per-head key width as MHA sees it (`key_length_mla`): no-RoPE + RoPE parts.
-    k_head: u64,
-    rope: u64,
-    nope: u64,
-    v_head: u64,
-    kv_lora: u64,
-    q_lora: u64,
+    pub k_head: u64,
+    pub rope: u64,
+    pub nope: u64,
+    pub v_head: u64,
+    pub kv_lora: u64,
+    pub q_lora: u64,
 }
 
-fn mla(shape: &Shape) -> Mla {
+pub(super) fn mla(shape: &Shape) -> Mla {
     let rope = shape.head_dim / 3;
     let nope = shape.head_dim - rope;
     let kv_lora = 4 * nope;
@@ -76,6 +76,17 @@ fn metadata(spec: &ForgeSpec, meta: &mut Meta) {
     // MLA as converted for the absorbed cache: one KV head holding the compressed latent and
     // the RoPE part; the MHA-view head widths go in the *_mla keys.
     meta.u32("attention.head_count_kv", 1);
+    mla_metadata(meta, &mla);
+    meta.set("rope.scaling.type", Value::String("yarn".into()));
+    meta.f32("rope.scaling.factor", YARN_FACTOR);
+    meta.u32("rope.scaling.original_context_length", YARN_ORIGINAL_CONTEXT);
+    // The converter writes 0.1 * mscale_all_dim (1.0); llama.cpp divides the 0.1 back out.
+    meta.f32("rope.scaling.yarn_log_multiplier", 0.1);
+}
+
+/// The MLA keys: the latent and query ranks, the cache row (latent + RoPE part, one KV head's
+/// worth) and the MHA-view head widths.
+pub(super) fn mla_metadata(meta: &mut Meta, mla: &Mla) {
     meta.u32("attention.q_lora_rank", mla.q_lora);
     meta.u32("attention.kv_lora_rank", mla.kv_lora);
     meta.u32("attention.key_length", mla.kv_lora + mla.rope);
@@ -83,11 +94,19 @@ fn metadata(spec: &ForgeSpec, meta: &mut Meta) {
     meta.u32("attention.key_length_mla", mla.k_head);
     meta.u32("attention.value_length_mla", mla.v_head);
     meta.u32("rope.dimension_count", mla.rope);
-    meta.set("rope.scaling.type", Value::String("yarn".into()));
-    meta.f32("rope.scaling.factor", YARN_FACTOR);
-    meta.u32("rope.scaling.original_context_length", YARN_ORIGINAL_CONTEXT);
-    // The converter writes 0.1 * mscale_all_dim (1.0); llama.cpp divides the 0.1 back out.
-    meta.f32("rope.scaling.yarn_log_multiplier", 0.1);
+}
+
+/// An MLA layer's norms and projections before its output: the low-rank query, the latent KV
+/// with its RoPE part, and the absorbed per-head k and v up-projections (3-D, heads last).
+pub(super) fn mla_projections(tensors: &mut Tensors, layer: u64, mla: &Mla) {
+    let (n_embd, n_head) = (tensors.shape().n_embd, tensors.shape().n_head);
+    tensors.norm(block(layer, "attn_q_a_norm.weight"), &[mla.q_lora]);
+    tensors.norm(block(layer, "attn_kv_a_norm.weight"), &[mla.kv_lora]);
+    tensors.weight(block(layer, "attn_q_a.weight"), &[n_embd, mla.q_lora]);
+    tensors.weight(block(layer, "attn_q_b.weight"), &[mla.q_lora, n_head * mla.k_head]);
+    tensors.weight(block(layer, "attn_kv_a_mqa.weight"), &[n_embd, mla.kv_lora + mla.rope]);
+    tensors.weight(block(layer, "attn_k_b.weight"), &[mla.nope, mla.kv_lora, n_head]);
+    tensors.weight(block(layer, "attn_v_b.weight"), &[mla.kv_lora, mla.v_head, n_head]);
 }
 
 fn tensors(tensors: &mut Tensors) {
@@ -100,14 +119,8 @@ fn tensors(tensors: &mut Tensors) {
     for layer in 0..n_block {
         let down_bits = use_more_bits(layer, n_block);
         tensors.norm(block(layer, "attn_norm.weight"), &[n_embd]);
-        tensors.norm(block(layer, "attn_q_a_norm.weight"), &[mla.q_lora]);
-        tensors.norm(block(layer, "attn_kv_a_norm.weight"), &[mla.kv_lora]);
-        tensors.weight(block(layer, "attn_q_a.weight"), &[n_embd, mla.q_lora]);
-        tensors.weight(block(layer, "attn_q_b.weight"), &[mla.q_lora, n_head * mla.k_head]);
-        tensors.weight(block(layer, "attn_kv_a_mqa.weight"), &[n_embd, mla.kv_lora + mla.rope]);
-        tensors.weight(block(layer, "attn_k_b.weight"), &[mla.nope, mla.kv_lora, n_head]);
-        tensors.weight(block(layer, "attn_v_b.weight"), &[mla.kv_lora, mla.v_head, n_head]);
-        tensors.residual_bits(block(layer, "attn_output.weight"), &[n_head * mla.v_head, n_embd], false);
+        mla_projections(tensors, layer, &mla);
+        tensors.residual(block(layer, "attn_output.weight"), &[n_head * mla.v_head, n_embd]);
         tensors.norm(block(layer, "ffn_norm.weight"), &[n_embd]);
         if layer < shape.n_dense_lead {
             tensors.weight(block(layer, "ffn_gate.weight"), &[n_embd, shape.n_ff_dense]);

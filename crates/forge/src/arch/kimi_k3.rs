@@ -13,6 +13,7 @@
 //! expert latent is `n_embd / 2`. Every third layer (2, 5, 8, ...) is MLA, the rest KDA.
 use hypura_gguf::GgmlType;
 
+use super::deepseek2::{mla, mla_metadata, mla_projections, Mla};
 use super::{block, use_more_bits, Definition, Meta, Tensors};
 use crate::spec::{moe, Arch, ForgeSpec, Init, Shape};
 
@@ -43,22 +44,17 @@ fn presets() -> Vec<(&'static str, Shape)> {
     )]
 }
 
+/// Kimi-K3's widths: DeepSeek's MLA ratios, KDA heads as wide as MLA's no-RoPE part, and
+/// experts on a latent half the model's width.
 struct Widths {
-    k_head: u64,
-    rope: u64,
-    nope: u64,
-    v_head: u64,
-    kv_lora: u64,
-    q_lora: u64,
+    mla: Mla,
     kda_head: u64,
     latent: u64,
 }
 
 fn widths(shape: &Shape) -> Widths {
-    let rope = shape.head_dim / 3;
-    let nope = shape.head_dim - rope;
-    let kv_lora = 4 * nope;
-    Widths { k_head: shape.head_dim, rope, nope, v_head: nope, kv_lora, q_lora: 3 * kv_lora, kda_head: nope, latent: shape.n_embd / 2 }
+    let mla = mla(shape);
+    Widths { kda_head: mla.nope, latent: shape.n_embd / 2, mla }
 }
 
 fn is_mla(layer: u64) -> bool {
@@ -71,13 +67,7 @@ fn metadata(spec: &ForgeSpec, meta: &mut Meta) {
     meta.u32("feed_forward_length", shape.n_ff_dense);
     // 0 marks a KDA (recurrent) layer; an MLA layer has the one latent KV head.
     meta.u32_array("attention.head_count_kv", (0..shape.n_layer).map(|layer| u64::from(is_mla(layer))));
-    meta.u32("attention.q_lora_rank", widths.q_lora);
-    meta.u32("attention.kv_lora_rank", widths.kv_lora);
-    meta.u32("attention.key_length", widths.kv_lora + widths.rope);
-    meta.u32("attention.value_length", widths.kv_lora);
-    meta.u32("attention.key_length_mla", widths.k_head);
-    meta.u32("attention.value_length_mla", widths.v_head);
-    meta.u32("rope.dimension_count", widths.rope);
+    mla_metadata(meta, &widths.mla);
     meta.u32("ssm.conv_kernel", SSM_CONV_KERNEL);
     meta.u32("kda.head_dim", widths.kda_head);
     meta.f32("kda.gate_lower_bound", KDA_GATE_LOWER_BOUND);
@@ -112,15 +102,9 @@ fn tensors(tensors: &mut Tensors) {
         tensors.uniform(block(layer, "attn_res_score.weight"), &[n_embd], -0.05, 0.05);
         tensors.norm(block(layer, "attn_norm.weight"), &[n_embd]);
         if is_mla(layer) {
-            tensors.norm(block(layer, "attn_q_a_norm.weight"), &[widths.q_lora]);
-            tensors.norm(block(layer, "attn_kv_a_norm.weight"), &[widths.kv_lora]);
-            tensors.weight(block(layer, "attn_q_a.weight"), &[n_embd, widths.q_lora]);
-            tensors.weight(block(layer, "attn_q_b.weight"), &[widths.q_lora, n_head * widths.k_head]);
-            tensors.weight(block(layer, "attn_kv_a_mqa.weight"), &[n_embd, widths.kv_lora + widths.rope]);
-            tensors.weight(block(layer, "attn_k_b.weight"), &[widths.nope, widths.kv_lora, n_head]);
-            tensors.weight(block(layer, "attn_v_b.weight"), &[widths.kv_lora, widths.v_head, n_head]);
-            tensors.weight(block(layer, "attn_gate.weight"), &[n_embd, n_head * widths.v_head]);
-            tensors.residual_bits(block(layer, "attn_output.weight"), &[n_head * widths.v_head, n_embd], false);
+            mla_projections(tensors, layer, &widths.mla);
+            tensors.weight(block(layer, "attn_gate.weight"), &[n_embd, n_head * widths.mla.v_head]);
+            tensors.residual(block(layer, "attn_output.weight"), &[n_head * widths.mla.v_head, n_embd]);
         } else {
             for conv in ["ssm_conv1d_q.weight", "ssm_conv1d_k.weight", "ssm_conv1d_v.weight"] {
                 tensors.add(block(layer, conv), &[SSM_CONV_KERNEL, 1, d_inner], GgmlType::F32, Init::Projection { fan_in: SSM_CONV_KERNEL });
