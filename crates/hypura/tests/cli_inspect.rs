@@ -140,3 +140,21 @@ fn a_gpu_budget_places_on_a_gpu_only_where_there_is_one() {
         assert!(stderr.contains("ggml sees no dedicated GPU here"), "{stderr}");
     }
 }
+
+/// Qwen2.5's 152K-token vocabulary makes the logits of a 512-token prompt batch alone 311 MB of
+/// compute buffer. A budget that holds the rest takes a smaller batch before it is refused, and
+/// the run generates with it; a batch the user chose is kept, and refused.
+#[test]
+fn a_budget_too_small_for_the_default_batch_takes_a_smaller_one() {
+    let model = common::chat_model_path();
+    let model = model.to_str().unwrap();
+    let output = hypura(&["inspect", model, "--memory-budget", "520MB"]);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let batch: u32 = stdout.lines().find_map(|line| line.strip_prefix("batch        prompt batches of ")?.split(' ').next()?.parse().ok()).unwrap_or_else(|| panic!("{stdout}"));
+    assert!((32..512).contains(&batch), "{stdout}");
+    assert_clean_failure(&hypura(&["inspect", model, "--memory-budget", "520MB", "-b", "512"]), "too small");
+    let run = hypura(&["run", model, "--memory-budget", "520MB", "-p", "Say hello.", "-n", "4", "--temperature", "0", "-t", "2"]);
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    assert!(!run.stdout.is_empty());
+}

@@ -21,8 +21,9 @@ pub struct RunSpec {
     pub n_sequences: u32,
     /// Logical and physical batch size for prompt processing.
     pub n_batch: u32,
-    /// Let a streaming plan use a larger prompt batch where the budget holds it (the user did
-    /// not choose `n_batch`): see `grow_batch`.
+    /// The user did not choose `n_batch`: a streaming plan may use a larger prompt batch where
+    /// the budget holds it (`grow_batch`), and a budget that does not hold the compute buffers
+    /// of `n_batch` gets a smaller one before it is refused (`fit_batch`).
     pub grow_batch: bool,
     pub n_threads: Option<i32>,
     /// Let llama.cpp repack CPU weights (resident mode only; streaming never repacks).
@@ -88,7 +89,7 @@ impl Setup {
 pub fn prepare(path: &Path, spec: &RunSpec) -> Result<Setup, EngineError> {
     let inventory = Inventory::open(path)?;
     let facts = machine_facts(spec, path)?;
-    let (n_batch, plan) = grow_batch(&inventory, spec, &facts, plan_for(&inventory, spec, &facts)?);
+    let (n_batch, plan) = plan_run(&inventory, spec, &facts)?;
     let options = EngineOptions {
         n_ctx: context_for(&inventory, spec, &facts),
         n_batch,
@@ -124,6 +125,38 @@ pub fn plan_for(inventory: &Inventory, spec: &RunSpec, facts: &MachineFacts) -> 
         }
         other => other.into(),
     })
+}
+
+/// The prompt batch and the plan a run gets (what `prepare` loads and `inspect` prints): the
+/// batch shrunk to what the budget holds (`fit_batch`), then grown where streaming gains from it
+/// (`grow_batch`), for a batch the user did not choose.
+pub fn plan_run(inventory: &Inventory, spec: &RunSpec, facts: &MachineFacts) -> Result<(u32, Plan), EngineError> {
+    let (n_batch, plan) = fit_batch(inventory, spec, facts)?;
+    Ok(grow_batch(inventory, &RunSpec { n_batch, ..spec.clone() }, facts, plan))
+}
+
+/// Prompt batch sizes a budget too small for the default's compute buffers may shrink to,
+/// largest first: the logits of a batch alone take 4 bytes × vocabulary × batch (311 MB for
+/// Qwen2.5's 152K tokens at 512).
+const SMALLER_BATCHES: [u32; 4] = [256, 128, 64, 32];
+
+/// The plan at the spec's prompt batch or, where the budget does not hold that batch's compute
+/// buffers and the user did not choose the batch, at the largest smaller one it does hold,
+/// said in the log. Refused with the first plan's reason when none fits.
+fn fit_batch(inventory: &Inventory, spec: &RunSpec, facts: &MachineFacts) -> Result<(u32, Plan), EngineError> {
+    let refusal = match plan_for(inventory, spec, facts) {
+        Ok(plan) => return Ok((spec.n_batch, plan)),
+        Err(refusal) => refusal,
+    };
+    if spec.grow_batch {
+        for n_batch in SMALLER_BATCHES.into_iter().filter(|&n_batch| n_batch < spec.n_batch) {
+            if let Ok(plan) = plan_for(inventory, &RunSpec { n_batch, ..spec.clone() }, facts) {
+                tracing::info!("prompt batches of {n_batch} tokens: the budget does not hold the compute buffers of {}", spec.n_batch);
+                return Ok((n_batch, plan));
+            }
+        }
+    }
+    Err(refusal)
 }
 
 /// Prompt batch sizes a streaming plan may grow to, largest first.
@@ -177,14 +210,16 @@ const AUTO_CONTEXTS: [u32; 5] = [32768, 16384, 8192, 4096, 2048];
 
 /// The default context: the longest of `AUTO_CONTEXTS` (at most the training context) whose KV
 /// cache, for every sequence, takes at most a quarter of the memory budget, so that the
-/// weights keep the rest, and with which the plan fits the budget (the context shrinks before
-/// the budget is refused). 2048 tokens at least.
+/// weights keep the rest, and with which the plan fits the budget at some prompt batch (the
+/// batch shrinks first, then the context, before the budget is refused). 2048 tokens at least.
 pub fn auto_context(inventory: &Inventory, spec: &RunSpec, facts: &MachineFacts) -> u32 {
     let trained = trained_context(inventory);
     let n_sequences = spec.n_sequences.max(1);
     let fits = |n_ctx: u32| {
         let total = n_ctx.saturating_mul(n_sequences);
-        plan::kv_cache_bytes(inventory, total) <= facts.memory_budget_bytes / 4 && plan::plan(inventory, facts, &PlanOptions { n_ctx: total, n_ubatch: spec.n_batch, ..spec.plan.clone() }).is_ok()
+        // A prompt batch the user did not choose shrinks before the context does (`fit_batch`).
+        let n_ubatch = if spec.grow_batch { SMALLER_BATCHES[SMALLER_BATCHES.len() - 1].min(spec.n_batch) } else { spec.n_batch };
+        plan::kv_cache_bytes(inventory, total) <= facts.memory_budget_bytes / 4 && plan::plan(inventory, facts, &PlanOptions { n_ctx: total, n_ubatch, ..spec.plan.clone() }).is_ok()
     };
     AUTO_CONTEXTS.iter().map(|&n_ctx| n_ctx.min(trained)).find(|&n_ctx| fits(n_ctx)).unwrap_or(AUTO_CONTEXTS[AUTO_CONTEXTS.len() - 1].min(trained))
 }

@@ -24,6 +24,8 @@ struct InspectReport<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     tensors: Option<&'a [crate::model::TensorEntry]>,
     plan: &'a crate::plan::Plan,
+    /// The prompt batch the run gets.
+    n_batch: u32,
 }
 
 #[derive(Serialize)]
@@ -36,7 +38,7 @@ struct QuantRow {
 pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
     let inventory = Inventory::open(&crate::cli::settings::model_path(args.model.as_deref().or(args.model_flag.as_deref()))?)?;
     let spec = crate::cli::settings::run_spec(&args.model_args)?;
-    let plan = crate::engine::setup::plan_for(&inventory, &spec, &crate::engine::setup::machine_facts(&spec, &inventory.path)?)?;
+    let (n_batch, plan) = crate::engine::setup::plan_run(&inventory, &spec, &crate::engine::setup::machine_facts(&spec, &inventory.path)?)?;
     let output = if args.json {
         let report = InspectReport {
             path: &inventory.path,
@@ -52,10 +54,11 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
             bytes_by_layer: inventory.bytes_by_layer(),
             tensors: args.tensors.then_some(inventory.tensors.as_slice()),
             plan: &plan,
+            n_batch,
         };
         serde_json::to_string_pretty(&report).context("serialising the report")? + "\n"
     } else {
-        render(&inventory, args.tensors) + "\n" + &plan.render()
+        render(&inventory, args.tensors) + "\n" + &plan.render() + &format!("batch        prompt batches of {n_batch} tokens\n")
     };
     print!("{output}");
     Ok(())
