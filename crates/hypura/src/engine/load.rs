@@ -380,6 +380,11 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
         Some(dense) => {
             let dense_tensors: Vec<StreamedTensor> = layout.iter().filter(|tensor| tensor.experts.is_none() || plan.experts.is_none()).cloned().collect();
             let (units, unit_of_layer) = dense_units(&dense.streamed_layers, &dense_tensors, n_layer);
+            if plan.experts.is_some() {
+                // The region was reserved without huge pages, for the expert slices: advise the
+                // dense layers' interiors as the expert slices' are.
+                advise_huge_slices(&region, &units, crate::plan::HUGE_SLICE_MIN_BYTES);
+            }
             let residency = Arc::new(Residency::new(region, file, units, options.io_workers, stats.clone()));
             let window = Arc::new(DenseWindow::new(residency, unit_of_layer, dense.window_layers, crate::model::ffn_entry_node(&inventory.arch)));
             window.prefetch_start().map_err(|error| EngineError::Store(error.to_string()))?;
