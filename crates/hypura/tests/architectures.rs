@@ -19,8 +19,16 @@ const TOKENS: u32 = 24;
 
 fn engine(path: &Path, mode: Mode, n_ubatch: u32, cache_units: Option<usize>) -> Arc<Engine> {
     let inventory = Inventory::open(path).unwrap();
-    let options =
-        PlanOptions { mode: ModeChoice::Forced(mode), n_ctx: 512, n_ubatch, window_layers: Some(1), expert_cache_units: cache_units, expert_prefetch: Some(false), cache_policy: CachePolicy::Lru };
+    let options = PlanOptions {
+        mode: ModeChoice::Forced(mode),
+        n_ctx: 512,
+        n_ubatch,
+        window_layers: Some(1),
+        expert_cache_units: cache_units,
+        expert_prefetch: Some(false),
+        cache_policy: CachePolicy::Lru,
+        ..PlanOptions::default()
+    };
     let plan = plan::plan(&inventory, &MachineFacts { memory_budget_bytes: 8 << 30, ..MachineFacts::default() }, &options).unwrap_or_else(|error| panic!("{}: {error}", path.display()));
     let options = EngineOptions { n_ctx: 512, n_ubatch, n_threads: Some(1), repack: false, plan: Some(plan), ..EngineOptions::default() };
     let engine = Arc::new(Engine::open(path, options).unwrap_or_else(|error| panic!("{}: {error}", path.display())));

@@ -16,8 +16,16 @@ fn engine(path: &Path, mode: Mode, cache_units: usize, policy: CachePolicy) -> A
 
 fn engine_with(path: &Path, mode: Mode, cache_units: usize, policy: CachePolicy, prefetch: bool) -> Arc<Engine> {
     let inventory = Inventory::open(path).unwrap();
-    let options =
-        PlanOptions { mode: ModeChoice::Forced(mode), n_ctx: 512, n_ubatch: 512, window_layers: Some(2), expert_cache_units: Some(cache_units), expert_prefetch: Some(prefetch), cache_policy: policy };
+    let options = PlanOptions {
+        mode: ModeChoice::Forced(mode),
+        n_ctx: 512,
+        n_ubatch: 512,
+        window_layers: Some(2),
+        expert_cache_units: Some(cache_units),
+        expert_prefetch: Some(prefetch),
+        cache_policy: policy,
+        ..PlanOptions::default()
+    };
     let plan = plan::plan(&inventory, &MachineFacts { memory_budget_bytes: 8 << 30, disk_bytes_per_sec: None, ..MachineFacts::default() }, &options).unwrap();
     let engine_options = EngineOptions { n_ctx: 512, n_threads: Some(1), repack: false, plan: Some(plan), ..EngineOptions::default() };
     let engine = Arc::new(Engine::open(path, engine_options).unwrap());

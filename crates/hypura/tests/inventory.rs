@@ -144,3 +144,25 @@ fn layer_beyond_block_count_is_refused() {
     writer.write_file(&path, |_| vec![0; 32 * 4 * 4]).unwrap();
     assert!(matches!(Inventory::open(&path), Err(ModelError::LayerOutOfRange { layer: 5, .. })));
 }
+
+/// The context's memory as llama.cpp allocates it (its log, at a 1024-token context and one
+/// sequence, for the forged files): Qwen3.5's one attention layer of four keeps a KV cache of
+/// 0.50 MiB and its three gated delta-net layers a recurrent state of 0.11 MiB; DeepSeek's
+/// latent attention caches the compressed K row only (2.25 MiB for 4 layers, V 0); Kimi-K3's KDA
+/// layers do not say their state size, so every layer is counted as attending (more than the
+/// 1.12 MiB KV + 0.57 MiB state llama.cpp allocates).
+#[test]
+fn context_memory_matches_what_llama_cpp_allocates() {
+    let directory = tempfile::tempdir().unwrap();
+    let memory = |preset: &str| {
+        let inventory = Inventory::open(&common::forge(preset, directory.path())).unwrap();
+        (hypura::plan::kv_cache_bytes(&inventory, 1024), inventory.hparams.recurrent_state_bytes, inventory.hparams.n_layer_kv)
+    };
+    let (kv, state, layers) = memory("tiny-qwen35moe");
+    assert_eq!((kv, layers), (512 << 10, 1));
+    assert!((0.105..0.115).contains(&(state as f64 / f64::from(1 << 20))), "{state}");
+    let (kv, state, layers) = memory("tiny-deepseek2");
+    assert_eq!((kv, state, layers), (2304 << 10, 0, 4));
+    let (kv, state, _) = memory("tiny-kimi-k3");
+    assert!(kv + state >= (1152 + 584) << 10, "{kv} + {state}");
+}

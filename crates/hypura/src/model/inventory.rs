@@ -44,6 +44,14 @@ pub struct Hparams {
     /// Trailing multi-token-prediction layers (`nextn_predict_layers`), counted in `n_layer`;
     /// decode does not run them.
     pub n_layer_mtp: u64,
+    /// Layers with a KV cache: all but the MTP ones, less the recurrent layers of hybrid models
+    /// (Qwen3.5/3.6 attend in every 4th layer) whose state size is known.
+    pub n_layer_kv: u64,
+    /// Elements of one token's KV row in one layer: K and V of every KV head, or K alone where
+    /// the cache holds multi-head latent attention's compressed row (V is a view of it).
+    pub kv_row_elements: u64,
+    /// The recurrent layers' state for one sequence (conv and SSM state, F32), 0 without.
+    pub recurrent_state_bytes: u64,
 }
 
 /// Where each expert's bytes lie inside an expert tensor (`[.., .., n_expert]`, expert-major).
@@ -220,19 +228,52 @@ fn read_hparams(path: &Path, arch: &str, gguf: &hypura_gguf::Gguf) -> Result<Hpa
     let default_head_dim = n_embd.checked_div(n_head).unwrap_or(0);
     let head_dim_k = number("attention.key_length").unwrap_or(default_head_dim);
     let n_vocab = number("vocab_size").or_else(|| gguf.get("tokenizer.ggml.tokens").and_then(Value::as_array).map(|tokens| tokens.len() as u64)).unwrap_or(0);
+    let n_layer_mtp = number("nextn_predict_layers").unwrap_or(0).min(n_layer);
+    let head_dim_v = number("attention.value_length").unwrap_or(head_dim_k);
+    let (n_layer_kv, recurrent_state_bytes) = attention_layers(gguf, arch, &key, n_layer - n_layer_mtp);
+    let latent = number("attention.key_length_mla").is_some();
     Ok(Hparams {
         n_layer,
         n_embd,
         n_head,
         n_head_kv,
         head_dim_k,
-        head_dim_v: number("attention.value_length").unwrap_or(head_dim_k),
+        head_dim_v,
         n_ctx_train: number("context_length").unwrap_or(0),
         n_ff: number("feed_forward_length").unwrap_or(0),
         n_expert: number("expert_count").unwrap_or(0),
         n_expert_used: number("expert_used_count").unwrap_or(0),
         n_ff_expert: number("expert_feed_forward_length").unwrap_or(0),
         n_vocab,
-        n_layer_mtp: number("nextn_predict_layers").unwrap_or(0).min(n_layer),
+        n_layer_mtp,
+        n_layer_kv,
+        kv_row_elements: n_head_kv * (head_dim_k + if latent { 0 } else { head_dim_v }),
+        recurrent_state_bytes,
     })
+}
+
+/// Of the `trunk` layers (all but MTP): how many keep a KV cache, and the recurrent layers'
+/// state per sequence. A hybrid model says which layers attend by a per-layer
+/// `head_count_kv` (0 for a recurrent layer) or, in Qwen3-Next and Qwen3.5/3.6, by
+/// `full_attention_interval` (every 4th by default). The recurrent state is llama.cpp's for a
+/// Mamba-style layer: (conv kernel − 1) × (inner + 2 × groups × state) conv values and
+/// state × inner SSM values, F32. Where the file does not give those sizes (Kimi's and GLM's
+/// KDA layers), every trunk layer is counted as attending instead, which is more.
+fn attention_layers(gguf: &hypura_gguf::Gguf, arch: &str, key: &dyn Fn(&str) -> String, trunk: u64) -> (u64, u64) {
+    let get = |suffix: &str| gguf.get(&key(suffix)).and_then(Value::as_u64);
+    let attends: Vec<bool> = match gguf.get(&key("attention.head_count_kv")) {
+        Some(Value::Array(_, values)) => values.iter().take(trunk as usize).map(|value| value.as_u64().unwrap_or(1) > 0).collect(),
+        _ if matches!(arch, "qwen35moe" | "qwen3next") => {
+            let interval = get("full_attention_interval").unwrap_or(4).max(1);
+            (0..trunk).map(|layer| (layer + 1) % interval == 0).collect()
+        }
+        _ => return (trunk, 0),
+    };
+    let recurrent = attends.iter().filter(|&&attends| !attends).count() as u64;
+    let (Some(state), Some(inner), Some(conv)) = (get("ssm.state_size"), get("ssm.inner_size"), get("ssm.conv_kernel")) else {
+        return (trunk, 0);
+    };
+    let groups = get("ssm.group_count").unwrap_or(1);
+    let per_layer = 4 * (conv.saturating_sub(1) * (inner + 2 * groups * state) + state * inner);
+    (trunk - recurrent, recurrent * per_layer)
 }

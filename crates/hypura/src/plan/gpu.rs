@@ -3,7 +3,7 @@
 //! `n_gpu_layers` and the override patterns that keep host tensors in host memory.
 use serde::Serialize;
 
-use super::sizing::{compute_buffer_bytes, is_streamable, kv_cache_bytes, on_input_layer};
+use super::sizing::{compute_buffer_bytes, context_memory_bytes, is_streamable, on_input_layer};
 use super::types::{MachineFacts, Plan, PlanOptions, TensorPlacement, Tier};
 use crate::format::format_bytes;
 use crate::model::{Inventory, TensorEntry};
@@ -105,7 +105,7 @@ pub(super) fn gpu_tier(inventory: &Inventory, options: &PlanOptions, machine: &M
     let costs = DeviceCosts {
         budget: machine.gpu_budget_bytes,
         runtime: machine.gpu_runtime_bytes,
-        kv: kv_cache_bytes(inventory, options.n_ctx),
+        kv: context_memory_bytes(inventory, options.n_ctx, options.n_sequences),
         compute: compute_buffer_bytes(inventory, options.n_ctx, options.n_ubatch),
         layer_attention,
         layer_ffn,
@@ -259,7 +259,7 @@ mod tests {
     use super::*;
     use crate::model::Role;
     use crate::plan::test_support::*;
-    use crate::plan::{plan, Mode, ModeChoice};
+    use crate::plan::{kv_cache_bytes, plan, Mode, ModeChoice};
 
     #[test]
     fn the_gpu_takes_what_every_token_touches_then_whole_ffn_layers_from_the_last() {

@@ -23,7 +23,7 @@ mod types;
 pub use dense::{DenseLayout, READ_CHUNK_BYTES};
 pub use experts::{ExpertLayout, HUGE_SLICE_MIN_BYTES};
 pub use gpu::GpuLayout;
-pub use sizing::{compute_buffer_bytes, kv_cache_bytes};
+pub use sizing::{compute_buffer_bytes, context_memory_bytes, kv_cache_bytes};
 pub use types::{BudgetUse, CachePolicy, MachineFacts, Mode, ModeChoice, Plan, PlanError, PlanOptions, TensorPlacement, Tier};
 
 use crate::model::{Inventory, Role, TensorEntry};
@@ -72,7 +72,7 @@ fn plan_loaded(inventory: &Inventory, machine: &MachineFacts, options: &PlanOpti
     // What the host holds: weights not on the GPU, the KV cache unless the GPU holds it, and
     // the CPU's compute buffers (the CPU still computes host-resident and streamed layers).
     let weights: u64 = inventory.tensors.iter().filter(|tensor| !on_gpu(tensor)).map(|tensor| tensor.bytes).sum();
-    let kv = kv_cache_bytes(inventory, options.n_ctx) - gpu.as_ref().map_or(0, |gpu| gpu.kv_cache_bytes);
+    let kv = context_memory_bytes(inventory, options.n_ctx, options.n_sequences) - gpu.as_ref().map_or(0, |gpu| gpu.kv_cache_bytes);
     let compute = compute_buffer_bytes(inventory, options.n_ctx, options.n_ubatch);
     let budget = machine.memory_budget_bytes;
     let everything = weights + kv + compute;

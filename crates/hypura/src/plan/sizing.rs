@@ -3,11 +3,17 @@
 //! their bytes per layer, and the input tables llama.cpp always keeps in host memory.
 use crate::model::{Inventory, TensorEntry};
 
-/// KV cache bytes at f16 for `n_ctx` tokens in every layer but the MTP ones (an upper bound for
-/// sliding-window, hybrid and latent-attention models).
+/// KV cache bytes at f16 for `n_ctx` tokens in the layers that keep one (an upper bound for
+/// sliding-window models, whose window layers llama.cpp may size to the full context).
 pub fn kv_cache_bytes(inventory: &Inventory, n_ctx: u32) -> u64 {
     let hparams = &inventory.hparams;
-    (hparams.n_layer - hparams.n_layer_mtp) * u64::from(n_ctx) * hparams.n_head_kv * (hparams.head_dim_k + hparams.head_dim_v) * 2
+    hparams.n_layer_kv * u64::from(n_ctx) * hparams.kv_row_elements * 2
+}
+
+/// The context's memory: the KV cache for `n_ctx` tokens in all, and the recurrent layers'
+/// state for each of `n_sequences`.
+pub fn context_memory_bytes(inventory: &Inventory, n_ctx: u32, n_sequences: u32) -> u64 {
+    kv_cache_bytes(inventory, n_ctx) + inventory.hparams.recurrent_state_bytes * u64::from(n_sequences.max(1))
 }
 
 /// llama.cpp's CPU compute buffer, estimated: the logits and a few FFN-wide and model-wide

@@ -95,7 +95,10 @@ pub struct MachineFacts {
 #[derive(Clone, Debug, PartialEq)]
 pub struct PlanOptions {
     pub mode: ModeChoice,
+    /// Context tokens of every sequence together (the KV cache's size).
     pub n_ctx: u32,
+    /// Sequences decoded at once: each keeps its own recurrent state in hybrid models.
+    pub n_sequences: u32,
     pub n_ubatch: u32,
     /// Streamed layers read ahead of the one computing (dense-stream); None: the cost model
     /// sizes it.
@@ -110,7 +113,7 @@ pub struct PlanOptions {
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        PlanOptions { mode: ModeChoice::Auto, n_ctx: 4096, n_ubatch: 512, window_layers: None, expert_cache_units: None, expert_prefetch: None, cache_policy: CachePolicy::Slru }
+        PlanOptions { mode: ModeChoice::Auto, n_ctx: 4096, n_sequences: 1, n_ubatch: 512, window_layers: None, expert_cache_units: None, expert_prefetch: None, cache_policy: CachePolicy::Slru }
     }
 }
 
