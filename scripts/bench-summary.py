@@ -59,7 +59,7 @@ if hypura and reference:
     random_rate = ((profile.get("disk") or {}).get("random_1mib") or {}).get("bytes_per_sec")
     if hypura.get("expert_hit_rate") is not None and random_rate and ours:
         random_limit = 1 / max(t_compute, per_token / random_rate)
-        print(f"at the profile's 1 MiB random-read rate ({random_rate / 1e9:.2f} GB/s) the limit is {random_limit:.3f} tok/s -> Hypura reaches {ours / random_limit:.2f} of it")
+        print(f"at the profile's 1 MiB random-read rate ({random_rate / 1e9:.2f} GB/s; the bound for slices near 1 MiB, larger ones read faster) the limit is {random_limit:.3f} tok/s -> Hypura reaches {ours / random_limit:.2f} of it")
     print(f"load: Hypura {hypura.get('hypura_load_seconds') or float('nan'):.2f} s; stall fraction {hypura.get('stall_fraction') or 0:.2f}")
 for label in ["hypura", "hypura-b"] + peers:
     report = load(label + ".json")
