@@ -143,6 +143,8 @@ pub struct Streaming {
     pub stats: Arc<IoStats>,
     /// Bytes read at load (resident tensors), not counting streamed ones.
     pub load_bytes: u64,
+    /// The model's `general.architecture`, for the refusal below.
+    arch: String,
 }
 
 impl Streaming {
@@ -163,7 +165,7 @@ impl Streaming {
             (None, Some(dense)) => format!("{}-<layer>", dense.entry_node()),
             (None, None) => unreachable!("a streaming engine has a driver"),
         };
-        Err(EngineError::Store(format!("llama.cpp's graph for this architecture has no {node} node, so streamed weights were never loaded; use --mode resident or another mode")))
+        Err(EngineError::Store(format!("llama.cpp's graph for {} has no {node} node, so streamed weights were never loaded; use --mode resident or another mode", self.arch)))
     }
 }
 
@@ -393,5 +395,5 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
         None if experts.is_none() => return Err(EngineError::Store("a streaming plan without a dense or expert layout".into())),
         None => None,
     };
-    Ok((model, Streaming { driver: StreamDriver::new(dense, experts), stats, load_bytes }))
+    Ok((model, Streaming { driver: StreamDriver::new(dense, experts), stats, load_bytes, arch: inventory.arch.clone() }))
 }
