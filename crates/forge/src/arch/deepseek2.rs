@@ -9,7 +9,7 @@
 //! `kv_lora_rank = 4 * 128 = 512`, `q_lora_rank = 3 * 512 = 1536`.
 use hypura_gguf::{GgmlType, Value};
 
-use super::{block, use_more_bits, Definition, Meta, Tensors};
+use super::{block, Definition, Meta, Tensors};
 use crate::spec::{moe, Arch, ForgeSpec, Init, Shape};
 
 pub(super) const DEFINITION: Definition = Definition { arch: Arch::Deepseek2, presets, metadata, tensors };
@@ -116,26 +116,14 @@ fn tensors(tensors: &mut Tensors) {
     let n_head = shape.n_head;
     let n_block = shape.n_layer + N_NEXTN;
     tensors.token_embedding();
+    // llama.cpp counts `ffn_down` over every block, the MTP block included.
+    tensors.count_more_bits_over(n_block);
     for layer in 0..n_block {
-        let down_bits = use_more_bits(layer, n_block);
         tensors.norm(block(layer, "attn_norm.weight"), &[n_embd]);
         mla_projections(tensors, layer, &mla);
         tensors.residual(block(layer, "attn_output.weight"), &[n_head * mla.v_head, n_embd]);
         tensors.norm(block(layer, "ffn_norm.weight"), &[n_embd]);
-        if layer < shape.n_dense_lead {
-            tensors.weight(block(layer, "ffn_gate.weight"), &[n_embd, shape.n_ff_dense]);
-            tensors.weight(block(layer, "ffn_up.weight"), &[n_embd, shape.n_ff_dense]);
-            tensors.residual_bits(block(layer, "ffn_down.weight"), &[shape.n_ff_dense, n_embd], down_bits);
-        } else {
-            tensors.router(block(layer, "ffn_gate_inp.weight"), &[n_embd, shape.n_expert]);
-            tensors.uniform(block(layer, "exp_probs_b.bias"), &[shape.n_expert], -0.05, 0.05);
-            tensors.weight(block(layer, "ffn_gate_exps.weight"), &[n_embd, shape.n_ff, shape.n_expert]);
-            tensors.weight(block(layer, "ffn_up_exps.weight"), &[n_embd, shape.n_ff, shape.n_expert]);
-            tensors.residual_bits(block(layer, "ffn_down_exps.weight"), &[shape.n_ff, n_embd, shape.n_expert], down_bits);
-            tensors.weight(block(layer, "ffn_gate_shexp.weight"), &[n_embd, shape.n_ff_shared]);
-            tensors.weight(block(layer, "ffn_up_shexp.weight"), &[n_embd, shape.n_ff_shared]);
-            tensors.residual_bits(block(layer, "ffn_down_shexp.weight"), &[shape.n_ff_shared, n_embd], down_bits);
-        }
+        tensors.deepseek_ffn(layer);
         if layer >= shape.n_layer {
             // The MTP head: its own embedding and LM head copies, as the checkpoint has them.
             tensors.weight(block(layer, "nextn.eh_proj.weight"), &[2 * n_embd, n_embd]);

@@ -12,7 +12,7 @@
 //! router's scores (the graph still names the ids `ffn_moe_topk-N`).
 use hypura_gguf::{GgmlType, Value, ValueType};
 
-use super::{block, use_more_bits, Definition, Meta, Tensors};
+use super::{block, Definition, Meta, Tensors};
 use crate::spec::{moe, Arch, ForgeSpec, Init, QuantMix, Shape};
 
 pub(super) const DEFINITION: Definition = Definition { arch: Arch::Deepseek4, presets, metadata, tensors };
@@ -156,6 +156,8 @@ fn tensors(tensors: &mut Tensors) {
     let n_expert = shape.n_expert;
 
     tensors.token_embedding();
+    // llama.cpp counts `ffn_down` over every block, the MTP block included.
+    tensors.count_more_bits_over(n_layer_all);
     for layer in 0..n_layer_all {
         let name = |suffix: &str| block(layer, suffix);
         // Attention: low-rank query, one shared K=V head, sinks, grouped low-rank output.
@@ -217,8 +219,7 @@ fn tensors(tensors: &mut Tensors) {
         tensors.add(name("ffn_up_exps.weight"), &[n_embd, n_ff_exp, n_expert], up_type, Init::Projection { fan_in: n_embd });
         let n_ff_shexp = n_ff_exp * n_expert_shared(&shape);
         tensors.weight(name("ffn_gate_shexp.weight"), &[n_embd, n_ff_shexp]);
-        let shexp_down_type = tensors.quant(GgmlType::Q4_K, use_more_bits(layer, n_layer_all), n_ff_shexp);
-        tensors.add(name("ffn_down_shexp.weight"), &[n_ff_shexp, n_embd], shexp_down_type, Init::Residual { fan_in: n_ff_shexp });
+        tensors.down(layer, name("ffn_down_shexp.weight"), &[n_ff_shexp, n_embd]);
         tensors.weight(name("ffn_up_shexp.weight"), &[n_embd, n_ff_shexp]);
 
         // The MTP block: its input projection and norms (it shares token_embd and output).

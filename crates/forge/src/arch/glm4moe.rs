@@ -62,24 +62,6 @@ fn metadata(spec: &ForgeSpec, meta: &mut Meta) {
     meta.u32("expert_gating_func", 2);
 }
 
-/// A GLM layer's FFN (GLM-4.5 and GLM-5 alike): dense in the leading layers, else the router,
-/// the selection bias, the routed experts and the shared expert.
-pub(super) fn ffn(tensors: &mut Tensors, layer: u64) {
-    let shape = tensors.shape().clone();
-    let (n_embd, n_ff, n_expert) = (shape.n_embd, shape.n_ff, shape.n_expert);
-    if layer < shape.n_dense_lead {
-        tensors.ffn(layer, "", shape.n_ff_dense);
-        return;
-    }
-    tensors.router(block(layer, "ffn_gate_inp.weight"), &[n_embd, n_expert]);
-    // e_score_correction_bias: added to the sigmoid scores for the selection only.
-    tensors.uniform(block(layer, "exp_probs_b.bias"), &[n_expert], -0.05, 0.05);
-    tensors.weight(block(layer, "ffn_gate_exps.weight"), &[n_embd, n_ff, n_expert]);
-    tensors.weight(block(layer, "ffn_up_exps.weight"), &[n_embd, n_ff, n_expert]);
-    tensors.down(layer, block(layer, "ffn_down_exps.weight"), &[n_ff, n_embd, n_expert]);
-    tensors.ffn(layer, "_shexp", shape.n_ff_shared);
-}
-
 fn tensors(tensors: &mut Tensors) {
     let spec = tensors.spec;
     let shape = spec.shape.clone();
@@ -107,7 +89,7 @@ fn tensors(tensors: &mut Tensors) {
             tensors.norm(block(layer, "attn_k_norm.weight"), &[shape.head_dim]);
         }
         tensors.norm(block(layer, "post_attention_norm.weight"), &[n_embd]);
-        ffn(tensors, layer);
+        tensors.deepseek_ffn(layer);
         if layer >= shape.n_layer {
             // The MTP block's own tensors: the projection of [enorm(embedding); hnorm(hidden)]
             // back to the model width, its two norms and the norm in front of the shared head.

@@ -259,7 +259,7 @@ fn tensors(tensors: &mut Tensors) {
         } else {
             layers.kda(layer);
         }
-        super::glm4moe::ffn(layers.tensors, layer);
+        layers.tensors.deepseek_ffn(layer);
         if nextn {
             layers.weight_q8(block(layer, "nextn.eh_proj.weight"), &[2 * n_embd, n_embd]);
             layers.tensors.norm(block(layer, "nextn.enorm.weight"), &[n_embd]);

@@ -13,7 +13,7 @@
 //! same reason, so it carries the same types.
 use hypura_gguf::GgmlType;
 
-use super::{block, use_more_bits, Definition, Meta, Tensors};
+use super::{block, Definition, Meta, Tensors};
 use crate::spec::{moe, Arch, ForgeSpec, Init, Shape};
 
 pub(super) const DEFINITION: Definition = Definition { arch: Arch::GptOss, presets, metadata, tensors };
@@ -49,27 +49,21 @@ fn metadata(spec: &ForgeSpec, meta: &mut Meta) {
 
 fn tensors(tensors: &mut Tensors) {
     let shape = tensors.shape().clone();
-    let n_vocab = tensors.n_vocab;
     let (n_embd, n_ff, n_expert) = (shape.n_embd, shape.n_ff, shape.n_expert);
     let q_width = shape.n_head * shape.head_dim;
     let kv_width = shape.n_head_kv * shape.head_dim;
     let projection = |fan_in| Init::Projection { fan_in };
 
-    let embd_type = tensors.quant(GgmlType::Q4_K, false, n_embd);
-    tensors.add("token_embd.weight", &[n_embd, n_vocab], embd_type, Init::Embedding);
+    tensors.token_embedding();
     for layer in 0..shape.n_layer {
-        let more_bits = use_more_bits(layer, shape.n_layer);
         tensors.norm(block(layer, "attn_norm.weight"), &[n_embd]);
-        let q_type = tensors.quant(GgmlType::Q4_K, false, n_embd);
-        let v_type = tensors.quant(GgmlType::Q4_K, more_bits, n_embd);
-        let o_type = tensors.quant(GgmlType::Q4_K, false, q_width);
-        tensors.add(block(layer, "attn_q.weight"), &[n_embd, q_width], q_type, projection(n_embd));
+        tensors.weight(block(layer, "attn_q.weight"), &[n_embd, q_width]);
         tensors.bias(block(layer, "attn_q.bias"), &[q_width]);
-        tensors.add(block(layer, "attn_k.weight"), &[n_embd, kv_width], q_type, projection(n_embd));
+        tensors.weight(block(layer, "attn_k.weight"), &[n_embd, kv_width]);
         tensors.bias(block(layer, "attn_k.bias"), &[kv_width]);
-        tensors.add(block(layer, "attn_v.weight"), &[n_embd, kv_width], v_type, projection(n_embd));
+        tensors.value(layer, block(layer, "attn_v.weight"), &[n_embd, kv_width]);
         tensors.bias(block(layer, "attn_v.bias"), &[kv_width]);
-        tensors.add(block(layer, "attn_output.weight"), &[q_width, n_embd], o_type, Init::Residual { fan_in: q_width });
+        tensors.residual(block(layer, "attn_output.weight"), &[q_width, n_embd]);
         tensors.bias(block(layer, "attn_output.bias"), &[n_embd]);
         // One learned logit per head, added to the softmax's denominator.
         tensors.uniform(block(layer, "attn_sinks.weight"), &[shape.n_head], -1.0, 1.0);
@@ -85,9 +79,7 @@ fn tensors(tensors: &mut Tensors) {
         tensors.add(block(layer, "ffn_down_exps.weight"), &[n_ff, n_embd, n_expert], GgmlType::MXFP4, Init::Residual { fan_in: n_ff });
         tensors.bias(block(layer, "ffn_down_exps.bias"), &[n_embd, n_expert]);
     }
-    tensors.norm("output_norm.weight", &[n_embd]);
-    let output_type = tensors.quant(GgmlType::Q6_K, false, n_embd);
-    tensors.add("output.weight", &[n_embd, n_vocab], output_type, projection(n_embd));
+    tensors.output();
 }
 
 #[cfg(test)]

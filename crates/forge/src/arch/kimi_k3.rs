@@ -98,7 +98,6 @@ fn tensors(tensors: &mut Tensors) {
     let mut kda_index = 0;
     tensors.token_embedding();
     for layer in 0..shape.n_layer {
-        let down_bits = use_more_bits(layer, shape.n_layer);
         tensors.uniform(block(layer, "attn_res_score.weight"), &[n_embd], -0.05, 0.05);
         tensors.norm(block(layer, "attn_norm.weight"), &[n_embd]);
         if is_mla(layer) {
@@ -121,26 +120,22 @@ fn tensors(tensors: &mut Tensors) {
             tensors.uniform(block(layer, "ssm_dt.bias"), &[d_inner], -0.5, 0.5);
             tensors.weight(block(layer, "ssm_g.weight"), &[n_embd, d_inner]);
             tensors.norm(block(layer, "ssm_norm.weight"), &[widths.kda_head]);
-            tensors.residual_bits(block(layer, "attn_output.weight"), &[d_inner, n_embd], false);
+            tensors.residual(block(layer, "attn_output.weight"), &[d_inner, n_embd]);
         }
         tensors.uniform(block(layer, "ffn_res_score.weight"), &[n_embd], -0.05, 0.05);
         tensors.norm(block(layer, "ffn_norm.weight"), &[n_embd]);
         if layer < shape.n_dense_lead {
-            tensors.weight(block(layer, "ffn_gate.weight"), &[n_embd, shape.n_ff_dense]);
-            tensors.weight(block(layer, "ffn_up.weight"), &[n_embd, shape.n_ff_dense]);
-            tensors.residual_bits(block(layer, "ffn_down.weight"), &[shape.n_ff_dense, n_embd], down_bits);
+            tensors.ffn(layer, "", shape.n_ff_dense);
         } else {
             tensors.router(block(layer, "ffn_gate_inp.weight"), &[n_embd, shape.n_expert]);
             tensors.uniform(block(layer, "exp_probs_b.bias"), &[shape.n_expert], -0.05, 0.05);
             tensors.weight(block(layer, "ffn_routed_down.weight"), &[n_embd, widths.latent]);
             tensors.weight(block(layer, "ffn_gate_exps.weight"), &[widths.latent, shape.n_ff, shape.n_expert]);
             tensors.weight(block(layer, "ffn_up_exps.weight"), &[widths.latent, shape.n_ff, shape.n_expert]);
-            tensors.residual_bits(block(layer, "ffn_down_exps.weight"), &[shape.n_ff, widths.latent, shape.n_expert], down_bits);
+            tensors.down(layer, block(layer, "ffn_down_exps.weight"), &[shape.n_ff, widths.latent, shape.n_expert]);
             tensors.norm(block(layer, "ffn_routed_norm.weight"), &[widths.latent]);
-            tensors.residual_bits(block(layer, "ffn_routed_up.weight"), &[widths.latent, n_embd], false);
-            tensors.weight(block(layer, "ffn_gate_shexp.weight"), &[n_embd, shape.n_ff_shared]);
-            tensors.weight(block(layer, "ffn_up_shexp.weight"), &[n_embd, shape.n_ff_shared]);
-            tensors.residual_bits(block(layer, "ffn_down_shexp.weight"), &[shape.n_ff_shared, n_embd], down_bits);
+            tensors.residual(block(layer, "ffn_routed_up.weight"), &[widths.latent, n_embd]);
+            tensors.ffn(layer, "_shexp", shape.n_ff_shared);
         }
     }
     tensors.uniform("output_res_score.weight", &[n_embd], -0.05, 0.05);

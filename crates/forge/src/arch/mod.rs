@@ -262,6 +262,25 @@ impl Tensors<'_> {
         self.down(layer, block(layer, &format!("ffn_down{infix}.weight")), &[n_ff, n_embd]);
     }
 
+    /// DeepSeek's FFN layout (DeepSeek-V3, GLM-4.5, GLM-5): a dense FFN in the leading layers,
+    /// else the router, the selection bias `exp_probs_b`, the routed experts and the shared
+    /// expert.
+    pub fn deepseek_ffn(&mut self, layer: u64) {
+        let shape = self.shape().clone();
+        let (n_embd, n_ff, n_expert) = (shape.n_embd, shape.n_ff, shape.n_expert);
+        if layer < shape.n_dense_lead {
+            self.ffn(layer, "", shape.n_ff_dense);
+            return;
+        }
+        self.router(block(layer, "ffn_gate_inp.weight"), &[n_embd, n_expert]);
+        // e_score_correction_bias: added to the scores for the selection only.
+        self.uniform(block(layer, "exp_probs_b.bias"), &[n_expert], -0.05, 0.05);
+        self.weight(block(layer, "ffn_gate_exps.weight"), &[n_embd, n_ff, n_expert]);
+        self.weight(block(layer, "ffn_up_exps.weight"), &[n_embd, n_ff, n_expert]);
+        self.down(layer, block(layer, "ffn_down_exps.weight"), &[n_ff, n_embd, n_expert]);
+        self.ffn(layer, "_shexp", shape.n_ff_shared);
+    }
+
     /// The router and the routed experts (`ffn_gate_inp`, `ffn_{gate,up,down}_exps`) with the
     /// shape's expert count and width.
     pub fn routed_experts(&mut self, layer: u64) {
