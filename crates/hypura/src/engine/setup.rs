@@ -89,9 +89,9 @@ impl Setup {
 pub fn prepare(path: &Path, spec: &RunSpec) -> Result<Setup, EngineError> {
     let inventory = Inventory::open(path)?;
     let facts = machine_facts(spec, path)?;
-    let (n_batch, plan) = plan_run(&inventory, spec, &facts)?;
+    let (n_ctx, n_batch, plan) = plan_run(&inventory, spec, &facts)?;
     let options = EngineOptions {
-        n_ctx: context_for(&inventory, spec, &facts),
+        n_ctx,
         n_batch,
         n_ubatch: n_batch,
         n_seq_max: spec.n_sequences.max(1),
@@ -127,12 +127,17 @@ pub fn plan_for(inventory: &Inventory, spec: &RunSpec, facts: &MachineFacts) -> 
     })
 }
 
-/// The prompt batch and the plan a run gets (what `prepare` loads and `inspect` prints): the
-/// batch shrunk to what the budget holds (`fit_batch`), then grown where streaming gains from it
-/// (`grow_batch`), for a batch the user did not choose.
-pub fn plan_run(inventory: &Inventory, spec: &RunSpec, facts: &MachineFacts) -> Result<(u32, Plan), EngineError> {
+/// The context, the prompt batch and the plan a run gets (what `prepare` loads and `inspect`
+/// prints): the batch shrunk to what the budget holds (`fit_batch`), then grown where streaming
+/// gains from it (`grow_batch`), for a batch the user did not choose.
+pub fn plan_run(inventory: &Inventory, spec: &RunSpec, facts: &MachineFacts) -> Result<(u32, u32, Plan), EngineError> {
+    // The default context does not depend on the batch (`auto_context`): choose it once for
+    // every plan weighed below.
+    let n_ctx = context_for(inventory, spec, facts);
+    let spec = &RunSpec { n_ctx: Some(n_ctx), ..spec.clone() };
     let (n_batch, plan) = fit_batch(inventory, spec, facts)?;
-    Ok(grow_batch(inventory, &RunSpec { n_batch, ..spec.clone() }, facts, plan))
+    let (n_batch, plan) = grow_batch(inventory, &RunSpec { n_batch, ..spec.clone() }, facts, plan);
+    Ok((n_ctx, n_batch, plan))
 }
 
 /// Prompt batch sizes a budget too small for the default's compute buffers may shrink to,

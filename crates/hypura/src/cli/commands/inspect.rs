@@ -38,7 +38,7 @@ struct QuantRow {
 pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
     let inventory = Inventory::open(&crate::cli::settings::model_path(args.model.as_deref().or(args.model_flag.as_deref()))?)?;
     let spec = crate::cli::settings::run_spec(&args.model_args)?;
-    let (n_batch, plan) = crate::engine::setup::plan_run(&inventory, &spec, &crate::engine::setup::machine_facts(&spec, &inventory.path)?)?;
+    let (_, n_batch, plan) = crate::engine::setup::plan_run(&inventory, &spec, &crate::engine::setup::machine_facts(&spec, &inventory.path)?)?;
     let output = if args.json {
         let report = InspectReport {
             path: &inventory.path,
@@ -149,17 +149,20 @@ struct LayerGroup {
 /// model of 90 layers prints a few lines.
 fn layer_groups(inventory: &Inventory) -> Vec<LayerGroup> {
     let bytes = inventory.bytes_by_layer();
-    let mut kinds = vec!["attention"; bytes.len()];
-    for tensor in &inventory.tensors {
-        let Some(layer) = tensor.layer else { continue };
-        let kind = &mut kinds[layer as usize];
-        *kind = match (tensor.role, *kind) {
-            (Role::Mtp, _) | (_, "mtp") => "mtp",
-            (role, _) if role.is_expert() => "moe",
-            (role, "attention") if role.is_dense_ffn() => "dense",
-            (_, kind) => kind,
-        };
-    }
+    // A layer is what its FFN is: an MTP block, experts, a dense FFN, or attention alone.
+    let kind = |layer: usize| {
+        let roles: Vec<Role> = inventory.tensors.iter().filter(|tensor| tensor.layer == Some(layer as u32)).map(|tensor| tensor.role).collect();
+        if roles.contains(&Role::Mtp) {
+            "mtp"
+        } else if roles.iter().any(|role| role.is_expert()) {
+            "moe"
+        } else if roles.iter().any(|role| role.is_dense_ffn()) {
+            "dense"
+        } else {
+            "attention"
+        }
+    };
+    let kinds: Vec<&str> = (0..bytes.len()).map(kind).collect();
     let mut groups: Vec<LayerGroup> = Vec::new();
     for (layer, (&bytes, kind)) in bytes.iter().zip(kinds).enumerate() {
         match groups.iter_mut().find(|group| group.kind == kind) {
