@@ -113,7 +113,7 @@ impl StreamDriver {
         self.dense.iter().map(|dense| &dense.failure).chain(self.experts.iter().map(|experts| &experts.failure))
     }
 
-    /// The first read error of either driver, taken.
+    /// The read error of the dense window, else the expert cache's; both latches are cleared.
     pub fn take_failure(&self) -> Option<ResidencyError> {
         self.failures().fold(None, |first, latch| first.or(latch.take()))
     }
