@@ -1,4 +1,4 @@
-//! Builds the C shims (Hypura's stream buffer type, the context's kernel switch, and the chat layer's C interface) against the exact ggml headers that
+//! Builds the C shims (Hypura's stream buffer type, the context's kernel switch, and the C interfaces of the chat layer and of speculative decoding) against the exact ggml headers that
 //! llama-cpp-sys-2 vendors (`ggml-backend-impl.h` lives in `ggml/src`).
 use std::path::PathBuf;
 
@@ -33,6 +33,19 @@ fn main() {
         // llama.cpp's Jinja headers define static helpers that this file does not call.
         .flag_if_supported("-Wno-unused-function")
         .compile("hypura_chat");
+    // The speculative shim reaches llama.cpp's drafters (common/speculative.h), in the same
+    // llama-common library.
+    println!("cargo:rerun-if-changed=csrc/speculative.cpp");
+    cc::Build::new()
+        .cpp(true)
+        .std("c++17")
+        .file("csrc/speculative.cpp")
+        .include(llama.join("common"))
+        .include(llama.join("include"))
+        .include(llama.join("vendor"))
+        .include(ggml.join("include"))
+        .warnings(true)
+        .compile("hypura_speculative");
 }
 
 /// The `ggml` directory of the llama-cpp-sys-2 source this build links.

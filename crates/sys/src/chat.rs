@@ -35,7 +35,7 @@ unsafe extern "C" {
 }
 
 /// Take ownership of a string the shim allocated: copy it out and free it.
-fn take_string(pointer: *mut c_char) -> Option<String> {
+pub(crate) fn take_string(pointer: *mut c_char) -> Option<String> {
     if pointer.is_null() {
         return None;
     }

@@ -34,6 +34,8 @@ pub enum SysError {
     Grammar(String),
     #[error("chat template: {0}")]
     Chat(String),
+    #[error("speculative decoding: {0}")]
+    Speculative(String),
     #[error("embedding: {0}")]
     Embedding(String),
 }

@@ -21,6 +21,7 @@ mod log;
 mod model;
 mod quantize;
 mod sampler;
+mod speculative;
 mod stream;
 mod vocab;
 
@@ -37,6 +38,7 @@ pub use load_reader::LoadReader;
 pub use model::{exact_name_pattern, LoadMode, Model, ModelParams, Placement};
 pub use quantize::{ggml_type_block_size, ggml_type_name, ggml_type_size, quantize_rows};
 pub use sampler::{first_maximum, Sampler, SamplerParams};
+pub use speculative::{DraftRequest, SpeculativeParams, Speculator, SPECULATIVE_TYPES};
 pub use stream::StreamBufferType;
 pub use vocab::{Token, Vocab};
 

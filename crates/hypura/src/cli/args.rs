@@ -159,6 +159,35 @@ pub struct ModelArgs {
     pub batch_invariant: Option<bool>,
     #[command(flatten)]
     pub plan: PlanArgs,
+    #[command(flatten)]
+    pub speculative: SpeculativeArgs,
+}
+
+/// Speculative decoding, with llama.cpp's spellings: drafts from a small model of the same
+/// vocabulary, or from n-grams of the sequence's own tokens, verified several to a pass over
+/// the weights (one read of every streamed weight). Greedy output is the same with or without.
+#[derive(Args, Debug, Clone, Default)]
+pub struct SpeculativeArgs {
+    /// A draft model: a GGUF file (or a pulled Ollama model) with the target's vocabulary,
+    /// loaded resident; its memory comes out of the budget.
+    #[arg(long = "model-draft", visible_alias = "spec-draft-model", value_name = "MODEL")]
+    pub model_draft: Option<String>,
+    /// Drafters, comma-separated, in llama.cpp's names: draft-simple (the draft model),
+    /// ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache (prompt lookup, no
+    /// model). Default: draft-simple with --model-draft.
+    #[arg(long = "spec-type", value_delimiter = ',', value_name = "TYPES")]
+    pub spec_type: Vec<String>,
+    /// Most tokens drafted at once (default: 16 when weights stream, where a pass costs a read
+    /// of every streamed weight; llama.cpp's 3 when resident).
+    #[arg(long = "draft-max", visible_aliases = ["spec-draft-n-max", "draft", "draft-n"], value_name = "N")]
+    pub draft_max: Option<u32>,
+    /// A shorter draft is not verified (llama.cpp's default: 0).
+    #[arg(long = "draft-min", visible_alias = "spec-draft-n-min", value_name = "N", default_value_t = 0)]
+    pub draft_min: u32,
+    /// The draft model stops drafting where its best token's probability is below this
+    /// (llama.cpp's default: 0).
+    #[arg(long = "draft-p-min", visible_alias = "spec-draft-p-min", value_name = "P", default_value_t = 0.0)]
+    pub draft_p_min: f32,
 }
 
 #[derive(Args, Debug)]

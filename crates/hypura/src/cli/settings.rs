@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 
-use crate::cli::args::{ModelArgs, PlanArgs, SamplingArgs};
+use crate::cli::args::{ModelArgs, PlanArgs, SamplingArgs, SpeculativeArgs};
 use crate::engine::setup::{RunSpec, Setup};
 use crate::engine::SamplerParams;
 use crate::plan::{Mode, ModeChoice, PlanOptions};
@@ -50,8 +50,33 @@ pub fn run_spec(args: &ModelArgs) -> anyhow::Result<RunSpec> {
         repack: !args.no_repack,
         load_mode: if args.no_mmap { crate::engine::LoadMode::Read } else { crate::engine::LoadMode::Mmap },
         batch_invariant: args.batch_invariant.unwrap_or(false),
+        speculation: speculation(&args.speculative)?,
         ..plan_spec(&args.plan, args.context, args.threads)?
     })
+}
+
+/// The speculative flags, or None without a draft model or a drafter type. The draft length
+/// left unset is chosen with the plan (`setup`).
+pub fn speculation(args: &SpeculativeArgs) -> anyhow::Result<Option<crate::engine::Speculation>> {
+    if args.model_draft.is_none() && args.spec_type.is_empty() {
+        return Ok(None);
+    }
+    if let Some(unknown) = args.spec_type.iter().find(|name| !hypura_sys::SPECULATIVE_TYPES.contains(&name.as_str())) {
+        anyhow::bail!("unknown --spec-type {unknown:?}: use {}", hypura_sys::SPECULATIVE_TYPES.join(", "));
+    }
+    let draft_model = args.model_draft.as_deref().map(|model| model_path(Some(model))).transpose().context("--model-draft")?;
+    let mut speculation = crate::engine::Speculation::new(draft_model, args.spec_type.clone());
+    // 0: chosen with the plan.
+    speculation.params.n_max = args.draft_max.unwrap_or(0);
+    speculation.params.n_min = args.draft_min;
+    speculation.params.p_min = args.draft_p_min;
+    if args.draft_max == Some(0) {
+        anyhow::bail!("--draft-max must be at least 1");
+    }
+    if args.draft_max.is_some_and(|n_max| args.draft_min > n_max) {
+        anyhow::bail!("--draft-min ({}) is more than --draft-max ({})", args.draft_min, speculation.params.n_max);
+    }
+    Ok(Some(speculation))
 }
 
 /// The part of a run the planner reads (`inspect` has only these flags).

@@ -45,7 +45,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hypura_sys::{Batch, Context, Grammar, Sampler, Token};
+use hypura_sys::{Batch, Context, DraftRequest, Grammar, Sampler, Speculator, Token};
 
 use super::chat::ChatStream;
 use super::prompt;
@@ -83,6 +83,8 @@ struct Active {
     next_prompt: usize,
     /// A sampled token not yet decoded.
     pending: Option<Token>,
+    /// Drafted tokens queued after `pending` in the batch being decoded, each with logits.
+    draft: Vec<Token>,
     /// Tokens of this sequence in the batch being decoded.
     queued: Vec<Token>,
     /// Whether `queued` holds a generated token (not a prompt chunk).
@@ -140,6 +142,8 @@ pub struct Batcher {
     /// cancelling a long prompt stops it within a node rather than a batch.
     abort_base: Vec<Arc<AtomicBool>>,
     armed: Option<(i32, Arc<AtomicBool>)>,
+    /// Speculative decoding's drafters (and the draft model's context), when the engine has them.
+    speculator: Option<Speculator>,
 }
 
 impl Batcher {
@@ -163,7 +167,14 @@ impl Batcher {
         let n_ctx_per_sequence = (context.n_ctx() / n_sequences) as usize;
         let batch = Batch::new(params.n_batch as usize, 1);
         let slots = (0..n_sequences as i32).map(|seq_id| Slot { seq_id, cached: Vec::new(), active: None }).collect();
-        Ok(Batcher { engine, context, batch, slots, n_ctx_per_sequence, prefill_turn: 0, abort_base, armed: None })
+        let speculator = match &engine.options().speculation {
+            Some(speculation) => {
+                let draft = engine.draft_model().map(|model| Context::new(model, &engine.draft_context_params(&params))).transpose()?;
+                Some(Speculator::new(&context, draft, &speculation.params)?)
+            }
+            None => None,
+        };
+        Ok(Batcher { engine, context, batch, slots, n_ctx_per_sequence, prefill_turn: 0, abort_base, armed: None, speculator })
     }
 
     pub fn engine(&self) -> &Arc<Engine> {
@@ -220,11 +231,16 @@ impl Batcher {
                     None => (None, HashSet::new()),
                 };
                 tracing::debug!("sequence {index}: a prompt of {} tokens, {reused} of them cached", tokens.len());
+                let seq_id = self.slots[index].seq_id;
+                if let Some(error) = self.speculator.as_mut().and_then(|speculator| speculator.begin(seq_id, &tokens).err()) {
+                    self.stop_speculating(&error);
+                }
                 let stats = GenerationStats { reused_prompt_tokens: reused as u32, prompt_eval_count: (tokens.len() - reused) as u32, ..GenerationStats::default() };
                 self.slots[index].active = Some(Active {
                     next_prompt: reused,
                     prompt: tokens,
                     pending: None,
+                    draft: Vec::new(),
                     queued: Vec::new(),
                     queued_generated: false,
                     decodes: 0,
@@ -357,6 +373,10 @@ impl Batcher {
                 return true;
             }
         }
+        // The drafters follow what the target decoded (the draft model decodes it too).
+        if let Some(error) = self.speculator.as_mut().and_then(|speculator| speculator.process(&self.batch).err()) {
+            self.stop_speculating(&error);
+        }
         // On a GPU the decode may still be running: the clocks read below must include it.
         self.context.synchronize();
         let mut ready = Vec::new();
@@ -374,21 +394,33 @@ impl Batcher {
         true
     }
 
-    /// Next tokens of generating sequences first (one each), then prompt chunks.
+    /// Next tokens of generating sequences first (one each, with its draft when speculating),
+    /// then prompt chunks.
     fn fill_batch(&mut self) -> bool {
         self.batch.clear();
         let capacity = self.batch.capacity();
-        for slot in &mut self.slots {
+        let mut drafts = self.make_drafts();
+        for (index, slot) in self.slots.iter_mut().enumerate() {
             let Some(active) = slot.active.as_mut() else { continue };
             active.queued.clear();
             active.queued_generated = false;
             active.logits_row = None;
+            active.draft.clear();
             if let Some(token) = active.pending.take() {
                 let row = self.batch.len() as i32;
                 if self.batch.push(token, slot.cached.len() as i32, &[slot.seq_id], true).is_ok() {
                     active.queued.push(token);
                     active.queued_generated = true;
                     active.logits_row = Some(row);
+                    // Each drafted token is verified from its own row of logits.
+                    for token in drafts.get_mut(index).map(std::mem::take).unwrap_or_default() {
+                        let position = (slot.cached.len() + active.queued.len()) as i32;
+                        if self.batch.push(token, position, &[slot.seq_id], true).is_err() {
+                            break;
+                        }
+                        active.queued.push(token);
+                        active.draft.push(token);
+                    }
                 } else {
                     active.pending = Some(token);
                 }
@@ -422,6 +454,45 @@ impl Batcher {
         }
         self.prefill_turn = (self.prefill_turn + 1) % count.max(1);
         !self.batch.is_empty()
+    }
+
+    /// Drafts for every generating sequence, by slot index (empty where none): at most what the
+    /// sequence's context and token limit leave after its pending token.
+    fn make_drafts(&mut self) -> Vec<Vec<Token>> {
+        let Some(speculator) = self.speculator.as_mut() else { return Vec::new() };
+        let room = self.batch.capacity().saturating_sub(self.slots.len());
+        let mut indices = Vec::new();
+        let mut requests = Vec::new();
+        for (index, slot) in self.slots.iter().enumerate() {
+            let Some(active) = slot.active.as_ref() else { continue };
+            let Some(last) = active.pending else { continue };
+            // The pending token and the draft take cells; one more is needed to sample after them.
+            let by_context = active.limit.saturating_sub(slot.cached.len() + 2);
+            // A pass yields up to draft + 1 tokens, the pending one already counted.
+            let by_tokens = active.max_tokens.map_or(usize::MAX, |limit| (limit as usize).saturating_sub(active.generated.len() + 1));
+            let n_max = speculator.n_max().min(by_context).min(by_tokens).min(room);
+            if n_max > 0 {
+                indices.push(index);
+                requests.push(DraftRequest { seq_id: slot.seq_id, n_max, last, history: &slot.cached });
+            }
+        }
+        let mut drafts = vec![Vec::new(); self.slots.len()];
+        match speculator.draft(&requests) {
+            Ok(made) => {
+                for (index, draft) in indices.into_iter().zip(made) {
+                    drafts[index] = draft;
+                }
+            }
+            Err(error) => self.stop_speculating(&error),
+        }
+        drafts
+    }
+
+    /// The drafters failed (the draft model's context, most likely): generation goes on without
+    /// drafts, which changes no token.
+    fn stop_speculating(&mut self, error: &hypura_sys::SysError) {
+        tracing::warn!("{error}; generation continues without speculative decoding");
+        self.speculator = None;
     }
 
     /// Abort flags for the next decode: the one sequence in the batch may stop it mid-graph
@@ -464,12 +535,57 @@ impl Batcher {
         }
     }
 
+    /// Sample the sequence's next token from its row of logits and, where the batch held its
+    /// draft, go on from the next row while each sampled token is the drafted one: every
+    /// accepted token was sampled from the target's own logits, so the text is the one
+    /// generation without drafts gives (to the bit with batch-invariant kernels). The KV cells
+    /// of the rejected drafted tokens are dropped.
     fn sample_next(&mut self, index: usize) {
-        let vocab = self.engine.model().vocab();
+        let Some(active) = self.slots[index].active.as_mut() else { return };
+        let Some(first_row) = active.logits_row.take() else { return };
+        let draft = std::mem::take(&mut active.draft);
+        active.stats.draft_tokens += draft.len() as u32;
+        // Cells that hold history when no drafted token is accepted.
+        let valid = self.slots[index].cached.len() - draft.len();
+        let mut accepted = 0;
+        let next = loop {
+            match self.sample_row(index, first_row + accepted as i32, valid + accepted) {
+                Some(token) if accepted < draft.len() && token == draft[accepted] => {
+                    accepted += 1;
+                    if let Some(active) = self.slots[index].active.as_mut() {
+                        active.stats.draft_accepted += 1;
+                    }
+                }
+                other => break other,
+            }
+        };
         let slot = &mut self.slots[index];
-        let cached = slot.cached.len();
-        let Some(active) = slot.active.as_mut() else { return };
-        let Some(row) = active.logits_row.take() else { return };
+        if let (Some(token), Some(active)) = (next, slot.active.as_mut()) {
+            active.pending = Some(token);
+        }
+        if draft.is_empty() {
+            return;
+        }
+        let keep = valid + accepted;
+        if keep < slot.cached.len() {
+            slot.cached.truncate(keep);
+            if !self.context.truncate_sequence(slot.seq_id, keep as i32) {
+                // Only a recurrent state refuses, and speculation is refused for those at load.
+                self.context.truncate_sequence(slot.seq_id, 0);
+                slot.cached.clear();
+                return self.fail(index, EngineError::Decode("the KV cache could not drop the rejected drafted tokens".into()));
+            }
+        }
+        if let Some(error) = self.speculator.as_mut().and_then(|speculator| speculator.accept(slot.seq_id, accepted).err()) {
+            self.stop_speculating(&error);
+        }
+    }
+
+    /// Sample one token from `row` for the sequence, whose KV cache holds `cached` valid cells
+    /// at that row; returns it unless the sequence ended (or failed) with it.
+    fn sample_row(&mut self, index: usize, row: i32, cached: usize) -> Option<Token> {
+        let vocab = self.engine.model().vocab();
+        let active = self.slots[index].active.as_mut()?;
         if active.eval_started.is_none() {
             let now = Instant::now();
             active.stats.prompt_eval_duration = now - active.started;
@@ -477,12 +593,16 @@ impl Batcher {
             if active.keep_prompt_logits {
                 match self.context.logits(row) {
                     Ok(logits) => active.prompt_logits = Some(logits.to_vec()),
-                    Err(error) => return self.fail(index, error.into()),
+                    Err(error) => {
+                        self.fail(index, error.into());
+                        return None;
+                    }
                 }
             }
         }
         if active.max_tokens.is_some_and(|limit| active.generated.len() >= limit as usize) {
-            return self.finish(index, DoneReason::Length);
+            self.finish(index, DoneReason::Length);
+            return None;
         }
         let sampled = match active.grammar.as_mut() {
             Some(grammar) => active.sampler.sample_constrained(&mut self.context, row, grammar),
@@ -490,10 +610,14 @@ impl Batcher {
         };
         let token = match sampled {
             Ok(token) => token,
-            Err(error) => return self.fail(index, error.into()),
+            Err(error) => {
+                self.fail(index, error.into());
+                return None;
+            }
         };
         if !active.ignore_eos && vocab.is_end_of_generation(token) {
-            return self.finish(index, DoneReason::Stop);
+            self.finish(index, DoneReason::Stop);
+            return None;
         }
         active.generated.push(token);
         let bytes = vocab.token_bytes(token, active.keep_special.contains(&token)).unwrap_or_default();
@@ -502,18 +626,21 @@ impl Batcher {
             StopScan::Stopped(before) => {
                 emit(active, &before);
                 active.flushed = true;
-                return self.finish(index, DoneReason::Stop);
+                self.finish(index, DoneReason::Stop);
+                return None;
             }
             StopScan::Continue(ready) => {
                 if emit(active, &ready) == Control::Stop {
-                    return self.finish(index, DoneReason::Cancelled);
+                    self.finish(index, DoneReason::Cancelled);
+                    return None;
                 }
             }
         }
         if active.max_tokens.is_some_and(|limit| active.generated.len() >= limit as usize) || cached + 1 >= active.limit {
-            return self.finish(index, DoneReason::Length);
+            self.finish(index, DoneReason::Length);
+            return None;
         }
-        active.pending = Some(token);
+        Some(token)
     }
 
     fn fail(&mut self, index: usize, error: EngineError) {

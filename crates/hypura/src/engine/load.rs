@@ -1,11 +1,11 @@
 //! `Engine`: a loaded model with its inventory and chat template.
 use std::collections::HashMap;
 use std::ops::Range;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hypura_sys::{Backend, ContextParams, LoadMode, Model, ModelParams, Placement, StreamBufferType};
+use hypura_sys::{Backend, ContextParams, LoadMode, Model, ModelParams, Placement, SpeculativeParams, Speculator, StreamBufferType};
 
 use super::chat::ChatTemplate;
 use super::EngineError;
@@ -47,6 +47,37 @@ pub struct EngineOptions {
     /// A Jinja chat template to use instead of the file's (a file without one runs chat as
     /// plain completion).
     pub chat_template: Option<String>,
+    /// Speculative decoding: drafts (a draft model's, or n-grams of the sequence's own tokens)
+    /// verified several tokens to one pass over the weights.
+    pub speculation: Option<Speculation>,
+}
+
+/// Speculative decoding for every sequence of an engine.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Speculation {
+    /// A draft model with the target's vocabulary (`--model-draft`), loaded resident.
+    pub draft_model: Option<PathBuf>,
+    /// llama.cpp's drafter types and draft limits; `draft-simple` needs `draft_model`.
+    pub params: SpeculativeParams,
+}
+
+impl Speculation {
+    /// llama.cpp's defaults (`--spec-draft-n-max 3`, `--spec-draft-n-min 0`,
+    /// `--spec-draft-p-min 0`), with `draft-simple` when there is a draft model.
+    pub fn new(draft_model: Option<PathBuf>, types: Vec<String>) -> Speculation {
+        let types = if types.is_empty() && draft_model.is_some() { vec!["draft-simple".to_string()] } else { types };
+        Speculation { draft_model, params: SpeculativeParams { types, n_max: 3, n_min: 0, p_min: 0.0 } }
+    }
+
+    /// The draft length when the user sets none: a pass over streamed weights costs a read of
+    /// every one of them, so a streaming plan drafts longer than llama.cpp's default of 3.
+    pub fn default_draft_max(mode: Mode) -> u32 {
+        if mode == Mode::Resident {
+            3
+        } else {
+            16
+        }
+    }
 }
 
 impl Default for EngineOptions {
@@ -65,6 +96,7 @@ impl Default for EngineOptions {
             trace_routing: false,
             batch_invariant: false,
             chat_template: None,
+            speculation: None,
         }
     }
 }
@@ -173,6 +205,8 @@ impl Streaming {
 pub struct Engine {
     // Declared first so it drops first: streamed tensors point into the region below.
     pub(super) model: Model,
+    /// The draft model of speculative decoding, resident.
+    draft: Option<Model>,
     streaming: Option<Streaming>,
     inventory: Inventory,
     template: ChatTemplate,
@@ -214,7 +248,22 @@ impl Engine {
         };
         let template = ChatTemplate::new(&model, options.chat_template.as_deref()).map_err(|reason| EngineError::Template { path: inventory.path.clone(), reason })?;
         tracing::debug!("chat template: {}", template.describe());
-        Ok(Engine { model, streaming, inventory, template, options, load_duration: started.elapsed() })
+        let draft = match &options.speculation {
+            Some(speculation) => load_draft(backend, &inventory, &model, speculation, &options)?,
+            None => None,
+        };
+        Ok(Engine { model, draft, streaming, inventory, template, options, load_duration: started.elapsed() })
+    }
+
+    /// The draft model of speculative decoding, if the engine has one.
+    pub fn draft_model(&self) -> Option<&Model> {
+        self.draft.as_ref()
+    }
+
+    /// The context for the draft model: the target's length, sequences and batches, without
+    /// the target's streaming hook.
+    pub(super) fn draft_context_params(&self, target: &ContextParams) -> ContextParams {
+        ContextParams { n_ubatch: target.n_ubatch.min(super::setup::DRAFT_UBATCH), eval_hook: None, batch_invariant: false, op_offload: true, ..target.clone() }
     }
 
     /// The streaming machinery, in dense-stream mode.
@@ -291,6 +340,36 @@ impl Engine {
             ..defaults
         }
     }
+}
+
+/// Check that speculation can run on this target, and load its draft model (resident, the way
+/// plain llama.cpp loads a model).
+fn load_draft(backend: &Backend, inventory: &Inventory, target: &Model, speculation: &Speculation, options: &EngineOptions) -> Result<Option<Model>, EngineError> {
+    let unsupported = |reason: String| Err(EngineError::Setup(format!("speculative decoding: {reason}")));
+    // Rejected drafts are removed from the KV cache; a recurrent state cannot drop tokens.
+    if inventory.hparams.recurrent_state_bytes > 0 {
+        return unsupported(format!("{} keeps a recurrent state, which cannot drop rejected drafts; run without a draft", inventory.arch));
+    }
+    let needs_model = speculation.params.types.iter().any(|name| name == "draft-simple");
+    let Some(path) = &speculation.draft_model else {
+        return if needs_model { unsupported("the draft-simple type needs a draft model (--model-draft)".into()) } else { Ok(None) };
+    };
+    if !needs_model {
+        return unsupported(format!("a draft model was given but no draft-simple type (types: {})", speculation.params.types.join(",")));
+    }
+    // The draft is checked like the target: a bad file is a typed error before llama.cpp sees it.
+    Inventory::open(path)?;
+    let on_gpu = options.plan.as_ref().is_some_and(|plan| plan.n_gpu_layers() > 0);
+    // Beside a streaming target the draft's weights are read into memory of their own: mapped,
+    // they would be page cache that the streamed reads evict.
+    let streams = options.plan.as_ref().is_some_and(|plan| plan.mode != Mode::Resident);
+    let load_mode = if streams { LoadMode::Read } else { options.load_mode };
+    let params = ModelParams { n_gpu_layers: if on_gpu { -1 } else { 0 }, load_mode, use_extra_bufts: options.repack, vocab_only: false };
+    let draft = Model::load(backend, path, &params)?;
+    if !Speculator::compatible(target, &draft) {
+        return unsupported(format!("the vocabulary of the draft model {} does not match the target's", path.display()));
+    }
+    Ok(Some(draft))
 }
 
 /// A plan made for another file (or another version of it) would place tensors by the wrong

@@ -8,7 +8,7 @@ use crate::hw::{default_cache_dir, format_bytes, machine_key, memory_info, Model
 use crate::model::Inventory;
 use crate::plan::{self, MachineFacts, Plan, PlanOptions};
 
-use super::{EngineError, EngineOptions};
+use super::{EngineError, EngineOptions, Speculation};
 
 /// What a run asks for, in library types. `None` means the machine's default.
 #[derive(Clone, Debug)]
@@ -41,6 +41,9 @@ pub struct RunSpec {
     /// Mode, window, expert cache and prefetch choices (its `n_ctx` and `n_ubatch` are set
     /// from the fields above).
     pub plan: PlanOptions,
+    /// Speculative decoding; a draft model's memory comes out of the budget before the plan. A
+    /// draft length (`n_max`) of 0 is chosen with the plan (`Speculation::default_draft_max`).
+    pub speculation: Option<Speculation>,
 }
 
 impl Default for RunSpec {
@@ -60,6 +63,7 @@ impl Default for RunSpec {
             io_workers: None,
             trace_routing: false,
             plan: PlanOptions::default(),
+            speculation: None,
         }
     }
 }
@@ -88,8 +92,10 @@ impl Setup {
 /// Open the model's index, read the machine facts once, plan, and build the engine options.
 pub fn prepare(path: &Path, spec: &RunSpec) -> Result<Setup, EngineError> {
     let inventory = Inventory::open(path)?;
-    let facts = machine_facts(spec, path)?;
+    let mut facts = machine_facts(spec, path)?;
+    let spec = &set_aside_draft(&inventory, spec, &mut facts)?;
     let (n_ctx, n_batch, plan) = plan_run(&inventory, spec, &facts)?;
+    let mode = plan.mode;
     let options = EngineOptions {
         n_ctx,
         n_batch,
@@ -102,9 +108,51 @@ pub fn prepare(path: &Path, spec: &RunSpec) -> Result<Setup, EngineError> {
         plan: Some(plan),
         io_workers: facts.read_queue_depth.map_or(DEFAULT_IO_WORKERS, |depth| depth as usize),
         trace_routing: spec.trace_routing,
+        speculation: spec.speculation.clone().map(|mut speculation| {
+            if speculation.params.n_max == 0 {
+                speculation.params.n_max = Speculation::default_draft_max(mode).max(speculation.params.n_min);
+            }
+            speculation
+        }),
         ..EngineOptions::default()
     };
     Ok(Setup { inventory, facts, options })
+}
+
+/// The prompt batch of a draft model's context: its prompt batches are split into ubatches
+/// this size, which keeps its compute buffer (the logits of a ubatch) small.
+pub const DRAFT_UBATCH: u32 = 64;
+
+/// Take a draft model's memory out of the budget the target is planned in: its weights and
+/// compute buffer first, then, once the target's context is chosen in what is left, its KV
+/// cache for that context and every sequence. The spec comes back with that context fixed.
+fn set_aside_draft(inventory: &Inventory, spec: &RunSpec, facts: &mut MachineFacts) -> Result<RunSpec, EngineError> {
+    let Some(path) = spec.speculation.as_ref().and_then(|speculation| speculation.draft_model.as_ref()) else { return Ok(spec.clone()) };
+    let draft = Inventory::open(path)?;
+    let n_sequences = spec.n_sequences.max(1);
+    let weights: u64 = draft.tensors.iter().map(|tensor| tensor.bytes).sum();
+    let compute = plan::compute_buffer_bytes(&draft, 0, DRAFT_UBATCH.min(spec.n_batch));
+    let too_small = |needed: u64, facts: &MachineFacts| {
+        EngineError::Setup(format!(
+            "the draft model {} needs {} (weights, KV cache and compute buffer), more than the budget of {}",
+            path.display(),
+            format_bytes(needed),
+            format_bytes(facts.memory_budget_bytes)
+        ))
+    };
+    facts.memory_budget_bytes = facts.memory_budget_bytes.checked_sub(weights + compute).ok_or_else(|| too_small(weights + compute, facts))?;
+    let n_ctx = context_for(inventory, spec, facts);
+    let kv = plan::context_memory_bytes(&draft, n_ctx.saturating_mul(n_sequences), n_sequences);
+    facts.memory_budget_bytes = facts.memory_budget_bytes.checked_sub(kv).ok_or_else(|| too_small(weights + compute + kv, facts))?;
+    tracing::info!(
+        "the draft model takes {} ({} of weights, {} of KV cache, {} of compute buffer); the target is planned in the {} left",
+        format_bytes(weights + compute + kv),
+        format_bytes(weights),
+        format_bytes(kv),
+        format_bytes(compute),
+        format_bytes(facts.memory_budget_bytes)
+    );
+    Ok(RunSpec { n_ctx: Some(n_ctx), ..spec.clone() })
 }
 
 /// The plan for this spec and these facts. The KV cache is planned for every sequence.

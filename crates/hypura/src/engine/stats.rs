@@ -30,6 +30,9 @@ pub struct GenerationStats {
     pub experts: Option<ExpertSnapshot>,
     /// Time the generation phase (after the prompt) waited on streamed reads.
     pub eval_stall: Duration,
+    /// Speculative decoding: tokens drafted, and how many of them the target accepted.
+    pub draft_tokens: u32,
+    pub draft_accepted: u32,
 }
 
 impl GenerationStats {
@@ -50,6 +53,17 @@ impl GenerationStats {
     /// Passes over the weights this request made: the prompt's (counted once) and each decode.
     pub fn weight_passes(&self) -> u32 {
         u32::from(self.prompt_eval_count > 0) + self.eval_decodes
+    }
+
+    /// Share of the drafted tokens the target accepted; None without a draft.
+    pub fn draft_acceptance(&self) -> Option<f64> {
+        (self.draft_tokens > 0).then(|| f64::from(self.draft_accepted) / f64::from(self.draft_tokens))
+    }
+
+    /// Generated tokens per decode (pass over the weights) after the prompt: 1 without
+    /// speculation, more where drafts were accepted. None without a decode.
+    pub fn tokens_per_pass(&self) -> Option<f64> {
+        (self.eval_decodes > 0).then(|| f64::from(self.eval_count) / f64::from(self.eval_decodes))
     }
 
     /// Generation time per decoded token that was not spent waiting on reads: the compute term
