@@ -413,30 +413,40 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
     // Huge pages pay off for dense layers (tens of MB each), not for expert slices.
     let region = Arc::new(Region::reserve(inventory.file_bytes, plan.experts.is_none()).map_err(store_error)?);
     // The plan's placements are the inventory's tensors, in order (checked at load).
-    let streamed: Vec<&crate::model::TensorEntry> = plan.tensors.iter().zip(&inventory.tensors).filter(|(placement, _)| placement.tier == Tier::Stream).map(|(_, tensor)| tensor).collect();
-    let offsets: HashMap<String, u64> = streamed.iter().map(|tensor| (tensor.name.clone(), tensor.file_offset)).collect();
+    let with_tier = |tier: Tier| -> Vec<&crate::model::TensorEntry> { plan.tensors.iter().zip(&inventory.tensors).filter(|(placement, _)| placement.tier == tier).map(|(_, tensor)| tensor).collect() };
+    let streamed = with_tier(Tier::Stream);
+    // Tables left in the file's pages live in the region too, mapped from the file after the load.
+    let mapped = with_tier(Tier::Mapped);
+    let in_region: Vec<&crate::model::TensorEntry> = streamed.iter().chain(&mapped).copied().collect();
+    let offsets: HashMap<String, u64> = in_region.iter().map(|tensor| (tensor.name.clone(), tensor.file_offset)).collect();
     // llama.cpp copies placeholder bytes into every host tensor at load; a sink the size of the
     // largest streamed tensor absorbs them, so the region is never faulted in by the load.
-    let largest = streamed.iter().map(|tensor| tensor.bytes).max().unwrap_or(0);
+    let largest = in_region.iter().map(|tensor| tensor.bytes).max().unwrap_or(0);
     let sink = Region::reserve(largest, false).map_err(store_error)?;
     let buffer_type = Arc::new(StreamBufferType::new(region.address(), region.len(), Some((sink.address(), sink.len())), offsets)?);
     let stats = Arc::new(IoStats::default());
-    let streamed_ranges: Vec<Range<u64>> = streamed.iter().map(|tensor| tensor.file_offset..tensor.file_offset + tensor.bytes).collect();
+    let streamed_ranges: Vec<Range<u64>> = in_region.iter().map(|tensor| tensor.file_offset..tensor.file_offset + tensor.bytes).collect();
     let reader = StoreLoadReader::new(DirectFile::open(path).map_err(store_error)?, streamed_ranges, stats.clone());
     let placement =
-        Placement { streamed: streamed.iter().map(|tensor| (tensor.name.clone(), buffer_type.clone())).collect(), host_patterns: plan.host_patterns(&[Tier::Ram]), reader: Some(Box::new(reader)) };
+        Placement { streamed: in_region.iter().map(|tensor| (tensor.name.clone(), buffer_type.clone())).collect(), host_patterns: plan.host_patterns(&[Tier::Ram]), reader: Some(Box::new(reader)) };
     // Streamed tensors cannot be repacked, and resident ones must not be either, or streamed
     // and resident runs would compute with different kernels.
     let params = ModelParams { n_gpu_layers: plan.n_gpu_layers(), load_mode: LoadMode::Read, use_extra_bufts: false, vocab_only: false };
     let model = Model::load_placed(backend, path, &params, placement)?;
     let moved = buffer_type.finalize();
     drop(sink);
-    if moved != streamed.len() {
-        return Err(EngineError::Store(format!("{moved} streamed tensors were placed, {} planned", streamed.len())));
+    if moved != in_region.len() {
+        return Err(EngineError::Store(format!("{moved} streamed and mapped tensors were placed, {} planned", in_region.len())));
     }
     let load_bytes = stats.snapshot().bytes_read;
 
     let file = Arc::new(DirectFile::open(path).map_err(store_error)?);
+    if !mapped.is_empty() {
+        let plain = std::fs::File::open(path).map_err(|error| EngineError::Store(format!("opening {}: {error}", path.display())))?;
+        for tensor in &mapped {
+            region.map_file(&plain, &file, tensor.file_offset..tensor.file_offset + tensor.bytes).map_err(store_error)?;
+        }
+    }
     let layout: Vec<StreamedTensor> =
         streamed.iter().filter_map(|tensor| Some(StreamedTensor { layer: tensor.layer?, file_offset: tensor.file_offset, bytes: tensor.bytes, experts: tensor.experts })).collect();
     let n_layer = inventory.hparams.n_layer as usize;

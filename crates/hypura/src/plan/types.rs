@@ -43,6 +43,9 @@ pub enum Tier {
     Ram,
     /// Read from disk on demand through the stream window.
     Stream,
+    /// Left in the file's pages (page cache, reclaimable), faulted in a row at a time: input
+    /// tables that each token reads one row of, in streaming plans. Takes no budget.
+    Mapped,
     /// Never loaded: MTP layers, which llama.cpp skips unless it speculates with them.
     Unused,
 }

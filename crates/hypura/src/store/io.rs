@@ -43,6 +43,9 @@ pub enum IoError {
     #[error("cannot release {len_bytes} bytes at region offset {offset}: {source}")]
     Release { offset: u64, len_bytes: u64, source: io::Error },
 
+    #[error("cannot map {len_bytes} bytes of {path} at offset {offset} into a stream region: {source}")]
+    Map { path: PathBuf, offset: u64, len_bytes: u64, source: io::Error },
+
     #[error("cannot read the metadata of {path}: {source}")]
     Metadata { path: PathBuf, source: io::Error },
 
@@ -478,6 +481,35 @@ impl Region {
         let status = unsafe { libc::madvise(self.base.as_ptr().add(start as usize).cast(), (end - start) as usize, libc::MADV_DONTNEED) };
         if status != 0 {
             return Err(IoError::Release { offset: start, len_bytes: end - start, source: io::Error::last_os_error() });
+        }
+        Ok(())
+    }
+
+    /// Back `range` with the file's own pages: the pages wholly inside it become a read-only
+    /// private mapping of the same file offsets (page cache, which the kernel reclaims under
+    /// pressure and faults back in on use, so it takes no budget), and the partial pages at its
+    /// edges, which neighbours share, are read in as `read_in` does. For tables read a few rows
+    /// at a time (the token embedding). The range must never be released or read into again.
+    pub fn map_file(&self, file: &File, direct: &DirectFile, range: std::ops::Range<u64>) -> Result<(), IoError> {
+        let inner = range.start.div_ceil(PAGE_BYTES) * PAGE_BYTES..(range.end / PAGE_BYTES * PAGE_BYTES).min(self.len_bytes as u64);
+        if inner.start >= inner.end {
+            return self.read_in(direct, range).map(|_| ());
+        }
+        let len = (inner.end - inner.start) as usize;
+        // SAFETY: `inner` is page-aligned and inside our live mapping (clamped above), so
+        // MAP_FIXED replaces only pages of this region, which no compute reads yet (load time);
+        // the file offset equals the region offset, as the mirror requires, and is page-aligned.
+        let pointer = unsafe {
+            libc::mmap(self.base.as_ptr().add(inner.start as usize).cast(), len, libc::PROT_READ, libc::MAP_PRIVATE | libc::MAP_FIXED, file.as_raw_fd(), inner.start as libc::off_t)
+        };
+        if pointer == libc::MAP_FAILED {
+            return Err(IoError::Map { path: direct.path().to_path_buf(), offset: inner.start, len_bytes: len as u64, source: io::Error::last_os_error() });
+        }
+        if range.start < inner.start {
+            self.read_in(direct, range.start..inner.start)?;
+        }
+        if inner.end < range.end {
+            self.read_in(direct, inner.end..range.end)?;
         }
         Ok(())
     }

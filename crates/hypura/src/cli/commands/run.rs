@@ -147,6 +147,17 @@ fn print_stats(gpu_free_before: Option<&[(String, u64)]>, output: &GenerateOutpu
         stats.total_duration.as_secs_f64(),
         output.done_reason
     );
+    if let Some(acceptance) = stats.draft_acceptance() {
+        let streamed = stats.io.as_ref().map(|io| format!(" | {:.1} MB read per generated token", io.bytes_read as f64 / f64::from(stats.eval_count.max(1)) / 1e6)).unwrap_or_default();
+        eprintln!(
+            "draft {} tokens drafted, {} accepted ({:.1}%) | {:.2} tokens per pass, {:.1} tok/s generated{streamed}",
+            stats.draft_tokens,
+            stats.draft_accepted,
+            100.0 * acceptance,
+            stats.tokens_per_pass().unwrap_or(0.0),
+            stats.eval_tokens_per_sec()
+        );
+    }
     if let Some(experts) = &stats.experts {
         eprintln!(
             "experts {} hits, {} misses over {} router calls: hit rate {:.1}% | prefetch {} issued, {} used, {} cancelled",
