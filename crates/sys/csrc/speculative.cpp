@@ -71,10 +71,10 @@ static bool spec_guarded(char ** error, F && body) {
 // "ngram-map-k4v", "ngram-mod", "ngram-cache"); ctx_dft may be null when no type needs a model.
 extern "C" hypura_spec * hypura_spec_init(
         llama_context * ctx_tgt, llama_context * ctx_dft, const char * types, int32_t n_seq,
-        int32_t n_max, int32_t n_min, float p_min, char ** error) {
+        int32_t n_max, int32_t n_min, float p_min, int32_t ngram_n, char ** error) {
     hypura_spec * result = nullptr;
     spec_guarded(error, [&]() {
-        if (ctx_tgt == nullptr || types == nullptr || n_seq <= 0 || n_max <= 0 || n_min < 0 || n_min > n_max) {
+        if (ctx_tgt == nullptr || types == nullptr || n_seq <= 0 || n_max <= 0 || n_min < 0 || n_min > n_max || ngram_n <= 0 || ngram_n > 1024) {
             throw std::invalid_argument("invalid speculative decoding arguments");
         }
         auto spec = std::make_unique<hypura_spec>();
@@ -110,7 +110,11 @@ extern "C" hypura_spec * hypura_spec_init(
         spec->params.draft.n_max = n_max;
         spec->params.draft.n_min = n_min;
         spec->params.draft.p_min = p_min;
-        // the n-gram drafters propose at most n_max tokens too
+        // the n-gram drafters match the last ngram_n tokens and propose at most n_max
+        spec->params.ngram_simple.size_n = (uint16_t) ngram_n;
+        spec->params.ngram_map_k.size_n = (uint16_t) ngram_n;
+        spec->params.ngram_map_k4v.size_n = (uint16_t) ngram_n;
+        spec->params.ngram_mod.n_match = ngram_n;
         spec->params.ngram_simple.size_m = (uint16_t) std::min<int32_t>(spec->params.ngram_simple.size_m, n_max);
         spec->params.ngram_map_k.size_m = (uint16_t) std::min<int32_t>(spec->params.ngram_map_k.size_m, n_max);
         spec->params.ngram_map_k4v.size_m = (uint16_t) std::min<int32_t>(spec->params.ngram_map_k4v.size_m, n_max);

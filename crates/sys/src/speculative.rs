@@ -32,7 +32,7 @@ struct RawRequest {
 }
 
 unsafe extern "C" {
-    fn hypura_spec_init(target: *mut raw::llama_context, draft: *mut raw::llama_context, types: *const c_char, n_seq: i32, n_max: i32, n_min: i32, p_min: f32, error: *mut *mut c_char) -> *mut RawSpeculator;
+    fn hypura_spec_init(target: *mut raw::llama_context, draft: *mut raw::llama_context, types: *const c_char, n_seq: i32, n_max: i32, n_min: i32, p_min: f32, ngram_n: i32, error: *mut *mut c_char) -> *mut RawSpeculator;
     fn hypura_spec_free(spec: *mut RawSpeculator);
     fn hypura_spec_begin(spec: *mut RawSpeculator, seq: i32, prompt: *const Token, n_prompt: usize, error: *mut *mut c_char) -> bool;
     fn hypura_spec_process(spec: *mut RawSpeculator, batch: *const raw::llama_batch, error: *mut *mut c_char) -> bool;
@@ -55,6 +55,8 @@ pub struct SpeculativeParams {
     pub n_min: u32,
     /// A draft model stops drafting below this probability of its best token (greedy).
     pub p_min: f32,
+    /// The n-gram drafters look up the sequence's last this many tokens in its history.
+    pub ngram_n: u32,
 }
 
 /// One sequence's request for a draft: propose at most `n_max` tokens to follow `last` (sampled,
@@ -92,8 +94,11 @@ impl Speculator {
         if let Some(unknown) = params.types.iter().find(|name| !SPECULATIVE_TYPES.contains(&name.as_str())) {
             return bad(format!("unknown speculative type {unknown:?}; known: {}", SPECULATIVE_TYPES.join(", ")));
         }
-        if params.types.is_empty() || params.n_max == 0 || params.n_min > params.n_max || params.n_max > u32::from(u16::MAX) {
-            return bad(format!("a draft needs a type and 0 < n_max (got {}) ≤ 65535 with n_min (got {}) ≤ n_max", params.n_max, params.n_min));
+        if params.types.is_empty() || params.n_max == 0 || params.n_min > params.n_max || params.n_max > u32::from(u16::MAX) || !(1..=1024).contains(&params.ngram_n) {
+            return bad(format!(
+                "a draft needs a type, 0 < n_max (got {}) ≤ 65535 with n_min (got {}) ≤ n_max, and an n-gram of 1 to 1024 tokens (got {})",
+                params.n_max, params.n_min, params.ngram_n
+            ));
         }
         let n_seq = target.params().n_seq_max.max(1);
         if let Some(draft) = &draft {
@@ -115,7 +120,7 @@ impl Speculator {
         // SAFETY: the target context is valid for this call (the shim reads it only here); the
         // draft context, when given, is owned by the Speculator and outlives the drafters; the
         // type list is NUL-terminated; `error` is a valid out pointer.
-        let pointer = unsafe { hypura_spec_init(target.as_ptr(), draft_pointer, types.as_ptr(), n_seq as i32, params.n_max as i32, params.n_min as i32, params.p_min, &mut error) };
+        let pointer = unsafe { hypura_spec_init(target.as_ptr(), draft_pointer, types.as_ptr(), n_seq as i32, params.n_max as i32, params.n_min as i32, params.p_min, params.ngram_n as i32, &mut error) };
         let pointer = NonNull::new(pointer).ok_or_else(|| speculative_error(error))?;
         Ok(Speculator { pointer, draft, n_seq: n_seq as usize, n_max: params.n_max as usize })
     }

@@ -188,6 +188,9 @@ pub struct SpeculativeArgs {
     /// (llama.cpp's default: 0).
     #[arg(long = "draft-p-min", visible_alias = "spec-draft-p-min", value_name = "P", default_value_t = 0.0)]
     pub draft_p_min: f32,
+    /// The n-gram drafters look up the last this many tokens in the sequence's history.
+    #[arg(long = "spec-ngram-size-n", value_name = "N", default_value_t = crate::engine::DEFAULT_NGRAM)]
+    pub ngram_size_n: u32,
 }
 
 #[derive(Args, Debug)]

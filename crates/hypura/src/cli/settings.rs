@@ -70,6 +70,7 @@ pub fn speculation(args: &SpeculativeArgs) -> anyhow::Result<Option<crate::engin
     speculation.params.n_max = args.draft_max.unwrap_or(0);
     speculation.params.n_min = args.draft_min;
     speculation.params.p_min = args.draft_p_min;
+    speculation.params.ngram_n = args.ngram_size_n;
     if args.draft_max == Some(0) {
         anyhow::bail!("--draft-max must be at least 1");
     }

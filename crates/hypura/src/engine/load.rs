@@ -52,6 +52,9 @@ pub struct EngineOptions {
     pub speculation: Option<Speculation>,
 }
 
+/// Tokens the n-gram drafters match by default (`Speculation::new`).
+pub const DEFAULT_NGRAM: u32 = 4;
+
 /// Speculative decoding for every sequence of an engine.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Speculation {
@@ -63,10 +66,12 @@ pub struct Speculation {
 
 impl Speculation {
     /// llama.cpp's defaults (`--spec-draft-n-max 3`, `--spec-draft-n-min 0`,
-    /// `--spec-draft-p-min 0`), with `draft-simple` when there is a draft model.
+    /// `--spec-draft-p-min 0`), with `draft-simple` when there is a draft model, and n-grams
+    /// of 4 tokens (llama.cpp's lookup decoding matched 1 to 4; its n-gram drafters' default of
+    /// 12 rarely matches in an answer that rewrites its prompt).
     pub fn new(draft_model: Option<PathBuf>, types: Vec<String>) -> Speculation {
         let types = if types.is_empty() && draft_model.is_some() { vec!["draft-simple".to_string()] } else { types };
-        Speculation { draft_model, params: SpeculativeParams { types, n_max: 3, n_min: 0, p_min: 0.0 } }
+        Speculation { draft_model, params: SpeculativeParams { types, n_max: 3, n_min: 0, p_min: 0.0, ngram_n: DEFAULT_NGRAM } }
     }
 
     /// The draft length when the user sets none: a pass over streamed weights costs a read of
