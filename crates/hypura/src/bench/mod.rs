@@ -225,7 +225,8 @@ impl HypuraSide {
 
     /// `tg`: `count` decoded tokens after `start`, timed as llama.cpp's side is (each token
     /// sampled and decoded). The loop ends an answer on its last sampled token without
-    /// decoding it, so one more token is asked for and not counted.
+    /// decoding it, so one more token is asked for and not counted. With speculative decoding
+    /// the same `count` tokens take fewer decodes.
     fn generate_rate(&mut self, start: &[Token], count: usize) -> Result<(f64, Vec<Token>), BenchError> {
         self.session.reset();
         let request = GenerateRequest { max_tokens: Some(count as u32 + 1), sampling: SamplerParams::greedy(), ignore_eos: true, ..GenerateRequest::new(Prompt::Tokens(start.to_vec())) };
@@ -248,7 +249,9 @@ impl HypuraSide {
             self.totals.compute_seconds += seconds * f64::from(stats.eval_decodes);
             self.totals.generated += u64::from(stats.eval_decodes);
         }
-        let rate = stats.eval_decodes as f64 / stats.eval_duration.as_secs_f64().max(1e-9);
+        // Tokens over time, not decodes: with speculative decoding a decode yields several
+        // (without it, the `count` tokens are `count` decodes).
+        let rate = f64::from(stats.eval_count.saturating_sub(1)) / stats.eval_duration.as_secs_f64().max(1e-9);
         output.tokens.truncate(count);
         Ok((rate, output.tokens))
     }

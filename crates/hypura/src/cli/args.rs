@@ -177,7 +177,7 @@ pub struct SpeculativeArgs {
     /// model). Default: draft-simple with --model-draft.
     #[arg(long = "spec-type", value_delimiter = ',', value_name = "TYPES")]
     pub spec_type: Vec<String>,
-    /// Most tokens drafted at once (default: 16 when weights stream, where a pass costs a read
+    /// Most tokens drafted at once (default: 6 when weights stream, where a pass costs a read
     /// of every streamed weight; llama.cpp's 3 when resident).
     #[arg(long = "draft-max", visible_aliases = ["spec-draft-n-max", "draft", "draft-n"], value_name = "N")]
     pub draft_max: Option<u32>,
@@ -185,9 +185,10 @@ pub struct SpeculativeArgs {
     #[arg(long = "draft-min", visible_alias = "spec-draft-n-min", value_name = "N", default_value_t = 0)]
     pub draft_min: u32,
     /// The draft model stops drafting where its best token's probability is below this
-    /// (llama.cpp's default: 0).
-    #[arg(long = "draft-p-min", visible_alias = "spec-draft-p-min", value_name = "P", default_value_t = 0.0)]
-    pub draft_p_min: f32,
+    /// (default: 0.75 when weights stream, where each drafted token costs a 2-core CPU more
+    /// than it saves unless it is likely accepted; llama.cpp's 0 when resident).
+    #[arg(long = "draft-p-min", visible_alias = "spec-draft-p-min", value_name = "P")]
+    pub draft_p_min: Option<f32>,
     /// The n-gram drafters look up the last this many tokens in the sequence's history.
     #[arg(long = "spec-ngram-size-n", value_name = "N", default_value_t = crate::engine::DEFAULT_NGRAM)]
     pub ngram_size_n: u32,

@@ -69,7 +69,8 @@ pub fn speculation(args: &SpeculativeArgs) -> anyhow::Result<Option<crate::engin
     // 0: chosen with the plan.
     speculation.params.n_max = args.draft_max.unwrap_or(0);
     speculation.params.n_min = args.draft_min;
-    speculation.params.p_min = args.draft_p_min;
+    // Negative: chosen with the plan.
+    speculation.params.p_min = args.draft_p_min.unwrap_or(-1.0);
     speculation.params.ngram_n = args.ngram_size_n;
     if args.draft_max == Some(0) {
         anyhow::bail!("--draft-max must be at least 1");

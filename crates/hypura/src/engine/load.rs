@@ -74,13 +74,17 @@ impl Speculation {
         Speculation { draft_model, params: SpeculativeParams { types, n_max: 3, n_min: 0, p_min: 0.0, ngram_n: DEFAULT_NGRAM } }
     }
 
-    /// The draft length when the user sets none: a pass over streamed weights costs a read of
-    /// every one of them, so a streaming plan drafts longer than llama.cpp's default of 3.
-    pub fn default_draft_max(mode: Mode) -> u32 {
+    /// The draft length and the draft model's confidence floor when the user sets neither: a
+    /// pass over streamed weights costs a read of every one of them, so a streaming plan drafts
+    /// longer than llama.cpp's default of 3, but only tokens the draft model is fairly sure of
+    /// (each drafted token is a decode of the draft model and a row of the verify batch, on the
+    /// same cores). Measured on Qwen2.5-Coder-1.5B streaming with the 0.5B as draft: 16 tokens
+    /// with no floor gave 2.3 tok/s (27% accepted), 6 tokens above 0.75 gave 4.8 (99%).
+    pub fn defaults_for(mode: Mode) -> (u32, f32) {
         if mode == Mode::Resident {
-            3
+            (3, 0.0)
         } else {
-            16
+            (6, 0.75)
         }
     }
 }

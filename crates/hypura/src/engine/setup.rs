@@ -42,7 +42,8 @@ pub struct RunSpec {
     /// from the fields above).
     pub plan: PlanOptions,
     /// Speculative decoding; a draft model's memory comes out of the budget before the plan. A
-    /// draft length (`n_max`) of 0 is chosen with the plan (`Speculation::default_draft_max`).
+    /// draft length (`n_max`) of 0 and a negative `p_min` are chosen with the plan
+    /// (`Speculation::defaults_for`).
     pub speculation: Option<Speculation>,
 }
 
@@ -109,8 +110,12 @@ pub fn prepare(path: &Path, spec: &RunSpec) -> Result<Setup, EngineError> {
         io_workers: facts.read_queue_depth.map_or(DEFAULT_IO_WORKERS, |depth| depth as usize),
         trace_routing: spec.trace_routing,
         speculation: spec.speculation.clone().map(|mut speculation| {
+            let (n_max, p_min) = Speculation::defaults_for(mode);
             if speculation.params.n_max == 0 {
-                speculation.params.n_max = Speculation::default_draft_max(mode).max(speculation.params.n_min);
+                speculation.params.n_max = n_max.max(speculation.params.n_min);
+            }
+            if speculation.params.p_min < 0.0 {
+                speculation.params.p_min = p_min;
             }
             speculation
         }),
@@ -409,7 +414,7 @@ mod tests {
 
     #[test]
     fn headroom_is_a_tenth_within_limits() {
-        assert_eq!(headroom_bytes(1 << 30), (1 << 30) / 10);
+        assert_eq!(headroom_bytes(2 << 30), (2 << 30) / 10);
         assert_eq!(headroom_bytes(640 << 20), 128 << 20);
         assert_eq!(headroom_bytes(10 << 30), 1 << 30);
         assert_eq!(headroom_bytes(100 << 30), 2 << 30);

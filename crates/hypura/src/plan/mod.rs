@@ -154,6 +154,31 @@ mod tests {
         assert!(message.contains("300.0 MiB") && message.contains("768.0 MiB resident weights"), "{message}");
     }
 
+    /// A streaming plan leaves an untied token embedding in the file's pages, outside the
+    /// budget; tied to the output it stays resident, and a resident plan keeps it in RAM.
+    #[test]
+    fn streaming_plans_map_an_untied_token_embedding_from_the_file() {
+        let tier_of = |plan: &Plan| plan.tensors.iter().find(|tensor| tensor.name == "token_embd.weight").unwrap().tier;
+        let facts = MachineFacts { memory_budget_bytes: 1 << 30, disk_bytes_per_sec: Some(1e9), ..MachineFacts::default() };
+        let tied = inventory(8, 16 << 20, 32 << 20, 256 << 20);
+        let mut untied = tied.clone();
+        let offset = untied.file_bytes;
+        untied.tensors.push(TensorEntry { name: "output.weight".into(), role: Role::Output, layer: None, ggml_type: hypura_gguf::GgmlType::Q6_K, dims: vec![256, 1000], bytes: 64 << 20, split: 0, file_offset: offset, experts: None });
+        untied.file_bytes += 64 << 20;
+        let tied_plan = plan(&tied, &facts, &options(ModeChoice::Forced(Mode::DenseStream), 2)).unwrap();
+        let untied_plan = plan(&untied, &facts, &options(ModeChoice::Forced(Mode::DenseStream), 2)).unwrap();
+        assert_eq!(tier_of(&tied_plan), Tier::Ram);
+        assert_eq!(tier_of(&untied_plan), Tier::Mapped);
+        // The resident weights are the RAM tier's bytes: the mapped embedding's 256 MiB are not.
+        for plan in [&tied_plan, &untied_plan] {
+            let in_ram: u64 = plan.tensors.iter().filter(|tensor| tensor.tier == Tier::Ram).map(|tensor| tensor.bytes).sum();
+            assert_eq!(plan.budget.resident_weight_bytes, in_ram);
+        }
+        assert!(untied_plan.budget.total_bytes <= 1 << 30);
+        let resident = plan(&untied, &MachineFacts { memory_budget_bytes: 8 << 30, ..facts }, &options(ModeChoice::Auto, 2)).unwrap();
+        assert_eq!((resident.mode, tier_of(&resident)), (Mode::Resident, Tier::Ram));
+    }
+
     proptest! {
         /// No plan exceeds its budgets (host and GPU), and every tensor has exactly one tier.
         #[test]

@@ -620,6 +620,29 @@ mod tests {
         assert!(AlignedBuf::with_alignment(usize::MAX - 10, 4096).is_err());
     }
 
+    /// A mapped table reads as the file at every byte, edges included, and a neighbour's
+    /// release leaves it whole.
+    #[test]
+    fn a_range_mapped_from_the_file_reads_as_the_file() {
+        let directory = disk_test_directory();
+        let contents = patterned_bytes(40 * 4096 + 123);
+        let path = write_file(directory.path(), "model.bin", &contents);
+        let direct = DirectFile::open(&path).unwrap();
+        let plain = File::open(&path).unwrap();
+        let region = Region::reserve(contents.len() as u64, false).unwrap();
+        // Unaligned at both ends, as tensors are; a neighbour shares each edge page.
+        let table = 5000u64..30 * 4096 + 77;
+        region.map_file(&plain, &direct, table.clone()).unwrap();
+        assert_eq!(region.copy_out(table.clone()), contents[table.start as usize..table.end as usize]);
+        region.read_in(&direct, 30 * 4096 + 77..40 * 4096).unwrap();
+        region.release(30 * 4096 + 77..40 * 4096).unwrap();
+        region.release(0..5000).unwrap();
+        assert_eq!(region.copy_out(table.clone()), contents[table.start as usize..table.end as usize]);
+        // A table inside one page is read in.
+        region.map_file(&plain, &direct, 40 * 4096 + 3..40 * 4096 + 100).unwrap();
+        assert_eq!(region.copy_out(40 * 4096 + 3..40 * 4096 + 100), contents[40 * 4096 + 3..40 * 4096 + 100]);
+    }
+
     #[test]
     fn read_path_serialises_lowercase() {
         assert_eq!(serde_json::to_string(&ReadPath::Direct).unwrap(), "\"direct\"");
