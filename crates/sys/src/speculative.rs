@@ -32,7 +32,17 @@ struct RawRequest {
 }
 
 unsafe extern "C" {
-    fn hypura_spec_init(target: *mut raw::llama_context, draft: *mut raw::llama_context, types: *const c_char, n_seq: i32, n_max: i32, n_min: i32, p_min: f32, ngram_n: i32, error: *mut *mut c_char) -> *mut RawSpeculator;
+    fn hypura_spec_init(
+        target: *mut raw::llama_context,
+        draft: *mut raw::llama_context,
+        types: *const c_char,
+        n_seq: i32,
+        n_max: i32,
+        n_min: i32,
+        p_min: f32,
+        ngram_n: i32,
+        error: *mut *mut c_char,
+    ) -> *mut RawSpeculator;
     fn hypura_spec_free(spec: *mut RawSpeculator);
     fn hypura_spec_begin(spec: *mut RawSpeculator, seq: i32, prompt: *const Token, n_prompt: usize, error: *mut *mut c_char) -> bool;
     fn hypura_spec_process(spec: *mut RawSpeculator, batch: *const raw::llama_batch, error: *mut *mut c_char) -> bool;
@@ -120,7 +130,8 @@ impl Speculator {
         // SAFETY: the target context is valid for this call (the shim reads it only here); the
         // draft context, when given, is owned by the Speculator and outlives the drafters; the
         // type list is NUL-terminated; `error` is a valid out pointer.
-        let pointer = unsafe { hypura_spec_init(target.as_ptr(), draft_pointer, types.as_ptr(), n_seq as i32, params.n_max as i32, params.n_min as i32, params.p_min, params.ngram_n as i32, &mut error) };
+        let pointer =
+            unsafe { hypura_spec_init(target.as_ptr(), draft_pointer, types.as_ptr(), n_seq as i32, params.n_max as i32, params.n_min as i32, params.p_min, params.ngram_n as i32, &mut error) };
         let pointer = NonNull::new(pointer).ok_or_else(|| speculative_error(error))?;
         Ok(Speculator { pointer, draft, n_seq: n_seq as usize, n_max: params.n_max as usize })
     }
@@ -191,7 +202,14 @@ impl Speculator {
         let stride = self.n_max;
         let raw_requests: Vec<RawRequest> = requests
             .iter()
-            .map(|request| RawRequest { seq: request.seq_id, n_max: request.n_max.clamp(1, stride) as i32, pos_last: request.history.len() as i32, last: request.last, history: request.history.as_ptr(), n_history: request.history.len() })
+            .map(|request| RawRequest {
+                seq: request.seq_id,
+                n_max: request.n_max.clamp(1, stride) as i32,
+                pos_last: request.history.len() as i32,
+                last: request.last,
+                history: request.history.as_ptr(),
+                n_history: request.history.len(),
+            })
             .collect();
         let mut out = vec![0 as Token; stride * requests.len()];
         let mut counts = vec![0i32; requests.len()];

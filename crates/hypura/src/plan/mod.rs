@@ -163,7 +163,17 @@ mod tests {
         let tied = inventory(8, 16 << 20, 32 << 20, 256 << 20);
         let mut untied = tied.clone();
         let offset = untied.file_bytes;
-        untied.tensors.push(TensorEntry { name: "output.weight".into(), role: Role::Output, layer: None, ggml_type: hypura_gguf::GgmlType::Q6_K, dims: vec![256, 1000], bytes: 64 << 20, split: 0, file_offset: offset, experts: None });
+        untied.tensors.push(TensorEntry {
+            name: "output.weight".into(),
+            role: Role::Output,
+            layer: None,
+            ggml_type: hypura_gguf::GgmlType::Q6_K,
+            dims: vec![256, 1000],
+            bytes: 64 << 20,
+            split: 0,
+            file_offset: offset,
+            experts: None,
+        });
         untied.file_bytes += 64 << 20;
         let tied_plan = plan(&tied, &facts, &options(ModeChoice::Forced(Mode::DenseStream), 2)).unwrap();
         let untied_plan = plan(&untied, &facts, &options(ModeChoice::Forced(Mode::DenseStream), 2)).unwrap();

@@ -499,9 +499,8 @@ impl Region {
         // SAFETY: `inner` is page-aligned and inside our live mapping (clamped above), so
         // MAP_FIXED replaces only pages of this region, which no compute reads yet (load time);
         // the file offset equals the region offset, as the mirror requires, and is page-aligned.
-        let pointer = unsafe {
-            libc::mmap(self.base.as_ptr().add(inner.start as usize).cast(), len, libc::PROT_READ, libc::MAP_PRIVATE | libc::MAP_FIXED, file.as_raw_fd(), inner.start as libc::off_t)
-        };
+        let pointer =
+            unsafe { libc::mmap(self.base.as_ptr().add(inner.start as usize).cast(), len, libc::PROT_READ, libc::MAP_PRIVATE | libc::MAP_FIXED, file.as_raw_fd(), inner.start as libc::off_t) };
         if pointer == libc::MAP_FAILED {
             return Err(IoError::Map { path: direct.path().to_path_buf(), offset: inner.start, len_bytes: len as u64, source: io::Error::last_os_error() });
         }
