@@ -12,7 +12,7 @@ use super::EngineError;
 use crate::model::Inventory;
 use crate::plan::{Mode, Plan, Tier};
 use crate::store::io::{DirectFile, Region};
-use crate::store::layout::{advise_huge_slices, dense_units};
+use crate::store::layout::{advise_huge_slices, dense_units, place_in_slots};
 use crate::store::load::StoreLoadReader;
 use crate::store::{DenseWindow, ExpertStream, ExpertUnits, IoStats, Residency, ResidencyError, RouterWeights, StreamedTensor};
 
@@ -419,15 +419,36 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
     if inventory.split_paths.len() > 1 {
         return Err(EngineError::Store(format!("streaming split models ({} files) is not supported yet", inventory.split_paths.len())));
     }
-    // Huge pages pay off for dense layers (tens of MB each), not for expert slices.
-    let region = Arc::new(Region::reserve(inventory.file_bytes, plan.experts.is_none()).map_err(store_error)?);
     // The plan's placements are the inventory's tensors, in order (checked at load).
     let with_tier = |tier: Tier| -> Vec<&crate::model::TensorEntry> { plan.tensors.iter().zip(&inventory.tensors).filter(|(placement, _)| placement.tier == tier).map(|(_, tensor)| tensor).collect() };
     let streamed = with_tier(Tier::Stream);
     // Tables left in the file's pages live in the region too, mapped from the file after the load.
     let mapped = with_tier(Tier::Mapped);
     let in_region: Vec<&crate::model::TensorEntry> = streamed.iter().chain(&mapped).copied().collect();
-    let offsets: HashMap<String, u64> = in_region.iter().map(|tensor| (tensor.name.clone(), tensor.file_offset)).collect();
+    let layout: Vec<StreamedTensor> =
+        streamed.iter().filter_map(|tensor| Some(StreamedTensor { layer: tensor.layer?, file_offset: tensor.file_offset, bytes: tensor.bytes, experts: tensor.experts })).collect();
+    let n_layer = inventory.hparams.n_layer as usize;
+    // Dense layers stream through reused slots after the file's mirror (as many as the window
+    // holds), expert slices through their mirror positions.
+    let dense_tensor = |experts: Option<crate::model::ExpertSlices>| experts.is_none() || plan.experts.is_none();
+    let mirror_bytes = inventory.file_bytes.next_multiple_of(2 << 20);
+    let dense_layout = plan.dense.as_ref().map(|dense| {
+        let dense_tensors: Vec<StreamedTensor> = layout.iter().filter(|tensor| dense_tensor(tensor.experts)).copied().collect();
+        let (mut units, unit_of_layer) = dense_units(&dense.streamed_layers, &dense_tensors, n_layer);
+        // As many slots as the window holds layers (`DenseWindow` reads at least one ahead).
+        let slot_bytes = place_in_slots(&mut units, dense.window_layers.max(1) + 1, mirror_bytes);
+        (units, unit_of_layer, slot_bytes)
+    });
+    // Where a streamed tensor lives: its dense unit's slot, else its mirror position.
+    let region_offset = |tensor: &crate::model::TensorEntry| -> u64 {
+        let shift = dense_layout.as_ref().filter(|_| dense_tensor(tensor.experts)).and_then(|(units, unit_of_layer, _)| Some(units[unit_of_layer.get(tensor.layer? as usize).copied().flatten()?].shift));
+        tensor.file_offset + shift.unwrap_or(0)
+    };
+    // Huge pages pay off for dense layers (tens of MB each), not for expert slices.
+    let slot_bytes = dense_layout.as_ref().map_or(0, |(_, _, bytes)| *bytes);
+    let region = Arc::new(Region::reserve(mirror_bytes + slot_bytes, plan.experts.is_none()).map_err(store_error)?);
+    let offsets: HashMap<String, u64> =
+        streamed.iter().map(|tensor| (tensor.name.clone(), region_offset(tensor))).chain(mapped.iter().map(|tensor| (tensor.name.clone(), tensor.file_offset))).collect();
     // llama.cpp copies placeholder bytes into every host tensor at load; a sink the size of the
     // largest streamed tensor absorbs them, so the region is never faulted in by the load.
     let largest = in_region.iter().map(|tensor| tensor.bytes).max().unwrap_or(0);
@@ -456,9 +477,6 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
             region.map_file(&plain, &file, tensor.file_offset..tensor.file_offset + tensor.bytes).map_err(store_error)?;
         }
     }
-    let layout: Vec<StreamedTensor> =
-        streamed.iter().filter_map(|tensor| Some(StreamedTensor { layer: tensor.layer?, file_offset: tensor.file_offset, bytes: tensor.bytes, experts: tensor.experts })).collect();
-    let n_layer = inventory.hparams.n_layer as usize;
     // Expert units are (layer, expert) slices of the expert tensors; dense units whole layers of
     // the other streamed tensors. Each driver has its own residency over the one region.
     let experts = match &plan.experts {
@@ -476,10 +494,8 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
         }
         None => None,
     };
-    let dense = match &plan.dense {
-        Some(dense) => {
-            let dense_tensors: Vec<StreamedTensor> = layout.iter().filter(|tensor| tensor.experts.is_none() || plan.experts.is_none()).cloned().collect();
-            let (units, unit_of_layer) = dense_units(&dense.streamed_layers, &dense_tensors, n_layer);
+    let dense = match (&plan.dense, dense_layout) {
+        (Some(dense), Some((units, unit_of_layer, _))) => {
             if plan.experts.is_some() {
                 // The region was reserved without huge pages, for the expert slices: advise the
                 // dense layers' interiors as the expert slices' are.
@@ -490,8 +506,8 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
             window.prefetch_start().map_err(|error| EngineError::Store(error.to_string()))?;
             Some(window)
         }
-        None if experts.is_none() => return Err(EngineError::Store("a streaming plan without a dense or expert layout".into())),
-        None => None,
+        _ if experts.is_none() => return Err(EngineError::Store("a streaming plan without a dense or expert layout".into())),
+        _ => None,
     };
     Ok((model, Streaming { driver: StreamDriver::new(dense, experts), stats, load_bytes, arch: inventory.arch.clone() }))
 }

@@ -435,12 +435,6 @@ impl Region {
         address >= self.address() && address.checked_add(len).is_some_and(|end| end <= self.address() + self.len_bytes)
     }
 
-    fn page_span(&self, range: &std::ops::Range<u64>) -> std::ops::Range<u64> {
-        let start = range.start / PAGE_BYTES * PAGE_BYTES;
-        let end = (range.end.div_ceil(PAGE_BYTES) * PAGE_BYTES).min(self.len_bytes as u64);
-        start..end
-    }
-
     /// Read the file bytes `range` into their mirror position. The read covers whole pages
     /// (direct I/O needs them), so it also rewrites neighbouring bytes of the same pages with
     /// their own file contents, which is harmless: every byte of the region only ever holds
@@ -449,16 +443,24 @@ impl Region {
     /// The caller must ensure no compute reads these pages while they are being written (the
     /// store's state machine: a slice is `Loading` until this returns).
     pub fn read_in(&self, file: &DirectFile, range: std::ops::Range<u64>) -> Result<u64, IoError> {
-        let span = self.page_span(&range);
-        let span = span.start..span.end.min(file.len().div_ceil(PAGE_BYTES) * PAGE_BYTES);
-        if span.is_empty() {
+        self.read_in_shifted(file, range, 0)
+    }
+
+    /// `read_in`, to region offset `range.start + shift` instead of the mirror position (a unit
+    /// in a reused slot); `shift` is a page multiple, so the read stays page-aligned.
+    pub fn read_in_shifted(&self, file: &DirectFile, range: std::ops::Range<u64>, shift: u64) -> Result<u64, IoError> {
+        debug_assert_eq!(shift % PAGE_BYTES, 0, "a shift must keep the page phase");
+        let start = range.start / PAGE_BYTES * PAGE_BYTES;
+        let end = range.end.div_ceil(PAGE_BYTES) * PAGE_BYTES;
+        let span = start..end.min(file.len().div_ceil(PAGE_BYTES) * PAGE_BYTES).min((self.len_bytes as u64).saturating_sub(shift));
+        if span.start >= span.end {
             return Ok(0);
         }
         let len = (span.end - span.start) as usize;
-        // SAFETY: `span` is inside the region (page_span clamps to it) and the mapping lives as
+        // SAFETY: `span + shift` is inside the region (clamped above) and the mapping lives as
         // long as `self`. Writers of these pages are serialised by the store's state machine
         // (documented contract above), and no Rust reference into the region outlives a call.
-        let target = unsafe { std::slice::from_raw_parts_mut(self.base.as_ptr().add(span.start as usize), len) };
+        let target = unsafe { std::slice::from_raw_parts_mut(self.base.as_ptr().add((span.start + shift) as usize), len) };
         let available = file.len().saturating_sub(span.start);
         let read = file.read_at(target, span.start)?;
         if (read as u64) < (len as u64).min(available) {

@@ -52,7 +52,7 @@ impl ExpertUnits {
     /// One unit per (layer, expert), each holding that expert's slice of every expert tensor
     /// of its layer, sorted. Layers without streamed expert tensors get empty units.
     pub fn build(&self, tensors: &[StreamedTensor]) -> Vec<StreamUnit> {
-        let mut units: Vec<StreamUnit> = (0..self.count()).map(|_| StreamUnit { ranges: Vec::new() }).collect();
+        let mut units: Vec<StreamUnit> = (0..self.count()).map(|_| StreamUnit::default()).collect();
         for tensor in tensors {
             let Some(slices) = tensor.experts else { continue };
             for expert in 0..self.n_expert {
@@ -90,9 +90,32 @@ pub fn dense_units(layers: &[u32], tensors: &[StreamedTensor], n_layer: usize) -
         if let Some(slot) = unit_of_layer.get_mut(layer as usize) {
             *slot = Some(units.len());
         }
-        units.push(StreamUnit { ranges: merged });
+        units.push(StreamUnit::mirrored(merged));
     }
     (units, unit_of_layer)
+}
+
+/// Put dense units (in the order the window sweeps them) in `slots` reused slots of memory
+/// from region offset `area_start` on: unit `i` in slot `i mod slots`, each slot as large as the
+/// largest unit's page span, the page phase of every byte kept (O_DIRECT reads stay aligned).
+/// A window of `slots - 1` layers read ahead never has two of its layers in one slot, so the
+/// slots are all the memory the window needs, faulted in once and read into again for every
+/// layer after (no fault, no zeroing, no release per token). Returns the slots' bytes.
+pub fn place_in_slots(units: &mut [StreamUnit], slots: usize, area_start: u64) -> u64 {
+    let page = super::io::PAGE_BYTES;
+    let span = |unit: &StreamUnit| match (unit.ranges.first(), unit.ranges.last()) {
+        (Some(first), Some(last)) => first.start / page * page..last.end.div_ceil(page) * page,
+        _ => 0..0,
+    };
+    let slots = slots.clamp(1, units.len().max(1));
+    let slot_bytes = units.iter().map(|unit| span(unit).end - span(unit).start).max().unwrap_or(0);
+    let area_start = area_start.div_ceil(page) * page;
+    for (index, unit) in units.iter_mut().enumerate() {
+        let at = area_start + (index % slots) as u64 * slot_bytes;
+        unit.shift = at - span(unit).start;
+        unit.slot = Some(index % slots);
+    }
+    slots as u64 * slot_bytes
 }
 
 /// Advise huge pages inside every range of at least `min_bytes` (at most `MAX_HUGE_SLICES` of
@@ -100,11 +123,11 @@ pub fn dense_units(layers: &[u32], tensors: &[StreamedTensor], n_layer: usize) -
 /// a resident slice still costs exactly its bytes. Returns how many were advised.
 pub fn advise_huge_slices(region: &Region, units: &[StreamUnit], min_bytes: u64) -> usize {
     let mut advised = 0;
-    for range in units.iter().flat_map(|unit| unit.ranges.iter()).filter(|range| range.end - range.start >= min_bytes) {
+    for (range, shift) in units.iter().flat_map(|unit| unit.ranges.iter().map(|range| (range, unit.shift))).filter(|(range, _)| range.end - range.start >= min_bytes) {
         if advised >= MAX_HUGE_SLICES {
             break;
         }
-        if region.advise_huge_interior(range.clone()) {
+        if region.advise_huge_interior(range.start + shift..range.end + shift) {
             advised += 1;
         }
     }
@@ -129,6 +152,22 @@ mod tests {
         assert_eq!(units[numbering.unit(1, 1)].ranges, vec![120..140, 1100..1200]);
         assert!(units[numbering.unit(0, 1)].ranges.is_empty());
         assert_eq!(numbering.streamed_layers(&units), vec![false, true, false]);
+    }
+
+    #[test]
+    fn dense_units_in_slots_keep_their_page_phase_and_alternate() {
+        let tensors = [tensor(0, 5000, 3 * 4096, None), tensor(1, 40_000, 9000, None), tensor(2, 90_000, 2 * 4096 + 17, None)];
+        let (mut units, _) = dense_units(&[0, 1, 2], &tensors, 3);
+        let area = place_in_slots(&mut units, 2, 1 << 20);
+        // The largest page span: layer 0's, 4 pages (5000 + 12288 crosses into a fourth).
+        assert_eq!(area, 2 * 4 * 4096);
+        assert_eq!(units.iter().map(|unit| unit.slot).collect::<Vec<_>>(), vec![Some(0), Some(1), Some(0)]);
+        for unit in &units {
+            assert_eq!(unit.shift % 4096, 0);
+            let start = unit.ranges[0].start + unit.shift;
+            let slot_start = (1 << 20) + unit.slot.unwrap() as u64 * 4 * 4096;
+            assert!(start >= slot_start && unit.ranges.last().unwrap().end + unit.shift <= slot_start + 4 * 4096, "{unit:?}");
+        }
     }
 
     #[test]

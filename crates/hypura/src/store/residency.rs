@@ -23,13 +23,24 @@ pub enum SliceState {
     Evicting,
 }
 
-/// One streamed unit: its file ranges (sorted, disjoint).
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// One streamed unit: its file ranges (sorted, disjoint), and where they land in the region.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub struct StreamUnit {
     pub ranges: Vec<Range<u64>>,
+    /// File byte `o` of the unit lives at region offset `o + shift`: 0 in the mirror of the
+    /// file, a page multiple for a unit that lives in a slot.
+    pub shift: u64,
+    /// The reused slot of memory the unit lives in (dense layers), shared with other units
+    /// of which at most one is loaded at a time; None: its own mirror range, released after use.
+    pub slot: Option<usize>,
 }
 
 impl StreamUnit {
+    /// A unit at its mirror position.
+    pub fn mirrored(ranges: Vec<Range<u64>>) -> StreamUnit {
+        StreamUnit { ranges, shift: 0, slot: None }
+    }
+
     pub fn bytes(&self) -> u64 {
         self.ranges.iter().map(|range| range.end - range.start).sum()
     }
@@ -59,16 +70,18 @@ struct Chunk {
     unit: usize,
     generation: u64,
     range: Range<u64>,
+    shift: u64,
 }
 
-/// The reader of a unit's bytes. Tests substitute failing readers.
+/// The reader of a unit's bytes: file `range` to region offset `range.start + shift`. Tests
+/// substitute failing readers.
 pub trait UnitReader: Send + Sync {
-    fn read(&self, region: &Region, range: Range<u64>) -> Result<u64, IoError>;
+    fn read(&self, region: &Region, range: Range<u64>, shift: u64) -> Result<u64, IoError>;
 }
 
 impl UnitReader for DirectFile {
-    fn read(&self, region: &Region, range: Range<u64>) -> Result<u64, IoError> {
-        region.read_in(self, range)
+    fn read(&self, region: &Region, range: Range<u64>, shift: u64) -> Result<u64, IoError> {
+        region.read_in_shifted(self, range, shift)
     }
 }
 
@@ -117,6 +130,8 @@ impl FailureLatch {
 pub struct Residency {
     region: Arc<Region>,
     units: Vec<StreamUnit>,
+    /// The units of each slot.
+    slot_units: Vec<Vec<usize>>,
     shared: Arc<Shared>,
     stats: Arc<IoStats>,
     workers: Vec<std::thread::JoinHandle<()>>,
@@ -141,7 +156,14 @@ impl Residency {
                 std::thread::Builder::new().name(format!("hypura-io-{index}")).spawn(move || worker(&shared, &region, reader.as_ref(), &stats)).expect("spawning an I/O worker")
             })
             .collect();
-        Residency { region, units, shared, stats, workers }
+        let n_slots = units.iter().filter_map(|unit| unit.slot).max().map_or(0, |slot| slot + 1);
+        let mut slot_units = vec![Vec::new(); n_slots];
+        for (index, unit) in units.iter().enumerate() {
+            if let Some(slot) = unit.slot {
+                slot_units[slot].push(index);
+            }
+        }
+        Residency { region, units, slot_units, shared, stats, workers }
     }
 
     pub fn units(&self) -> &[StreamUnit] {
@@ -168,14 +190,23 @@ impl Residency {
         units.get(unit).map(|state| (state.state, state.generation))
     }
 
-    /// Start loading `unit` if it is empty. Never blocks on I/O.
+    /// The unit other than `unit` that holds `unit`'s slot (loading or loaded), if any.
+    fn slot_holder(&self, units: &[UnitState], unit: usize) -> Option<usize> {
+        let slot = self.units[unit].slot?;
+        self.slot_units[slot].iter().copied().find(|&other| other != unit && units[other].state != SliceState::Empty)
+    }
+
+    /// Start loading `unit` if it is empty. Never blocks on I/O. A unit whose slot another
+    /// unit still holds is not loaded yet (a read-ahead that comes too early); `wait_ready`
+    /// takes the slot.
     pub fn request(&self, unit: usize) -> Result<(), ResidencyError> {
         self.check(unit)?;
         let mut units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let state = &mut units[unit];
-        if state.state != SliceState::Empty {
+        if units[unit].state != SliceState::Empty || self.slot_holder(&units, unit).is_some() {
             return Ok(());
         }
+        let shift = self.units[unit].shift;
+        let state = &mut units[unit];
         let chunks: Vec<Chunk> = self.units[unit]
             .ranges
             .iter()
@@ -189,7 +220,7 @@ impl Residency {
                 }
                 pieces
             })
-            .map(|range| Chunk { unit, generation: state.generation, range })
+            .map(|range| Chunk { unit, generation: state.generation, range, shift })
             .collect();
         if chunks.is_empty() {
             state.state = SliceState::Ready;
@@ -205,8 +236,29 @@ impl Residency {
         Ok(())
     }
 
-    /// Block until `unit` is ready (loading it if needed). Returns the time spent waiting.
+    /// Take `unit`'s slot from the unit holding it: that unit's load is waited for, then it is
+    /// empty (its bytes are overwritten by the next read). Only the caller that computes knows
+    /// the holder is not in use (the dense window, at the entry of `unit`'s layer).
+    fn claim_slot(&self, unit: usize) {
+        let mut units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        while let Some(holder) = self.slot_holder(&units, unit) {
+            if units[holder].state == SliceState::Loading {
+                units = self.shared.changed.wait(units).unwrap_or_else(|poisoned| poisoned.into_inner());
+                continue;
+            }
+            units[holder].state = SliceState::Empty;
+            units[holder].generation += 1;
+            units[holder].error = None;
+            self.stats.record_unit_released();
+            self.shared.changed.notify_all();
+        }
+    }
+
+    /// Block until `unit` is ready (loading it if needed, into its slot if it has one).
+    /// Returns the time spent waiting.
     pub fn wait_ready(&self, unit: usize) -> Result<Duration, ResidencyError> {
+        self.check(unit)?;
+        self.claim_slot(unit);
         self.request(unit)?;
         let started = Instant::now();
         let mut units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -218,8 +270,10 @@ impl Residency {
                     // Drop what the failed load wrote and forget it, so a later request tries
                     // again from scratch.
                     drop(units);
-                    for range in &self.units[unit].ranges {
-                        let _ = self.region.release(range.clone());
+                    if self.units[unit].slot.is_none() {
+                        for range in &self.units[unit].ranges {
+                            let _ = self.region.release(range.clone());
+                        }
                     }
                     let mut units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
                     units[unit].state = SliceState::Empty;
@@ -232,6 +286,7 @@ impl Residency {
                 SliceState::Ready => break,
                 SliceState::Empty => {
                     drop(units);
+                    self.claim_slot(unit);
                     self.request(unit)?;
                     units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
                 }
@@ -274,8 +329,9 @@ impl Residency {
         Ok(true)
     }
 
-    /// Drop `unit`'s pages. A unit still loading is waited for first (a read must never land
-    /// in released pages); an empty unit is left alone.
+    /// Drop `unit`'s pages (a unit in a slot keeps them, for the next unit of the slot to be
+    /// read into without faulting them in again). A unit still loading is waited for first (a
+    /// read must never land in released pages); an empty unit is left alone.
     pub fn release(&self, unit: usize) -> Result<(), ResidencyError> {
         self.check(unit)?;
         let mut units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -288,7 +344,7 @@ impl Residency {
         units[unit].state = SliceState::Evicting;
         drop(units);
         let mut result = Ok(());
-        for range in &self.units[unit].ranges {
+        for range in self.units[unit].ranges.iter().filter(|_| self.units[unit].slot.is_none()) {
             if let Err(error) = self.region.release(range.clone()) {
                 result = Err(error.into());
             }
@@ -317,7 +373,7 @@ fn worker(shared: &Shared, region: &Region, reader: &dyn UnitReader, stats: &IoS
             }
         };
         let started = Instant::now();
-        let result = reader.read(region, chunk.range.clone());
+        let result = reader.read(region, chunk.range.clone(), chunk.shift);
         let mut units = shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let state = &mut units[chunk.unit];
         if state.generation != chunk.generation || state.state != SliceState::Loading {
@@ -366,13 +422,13 @@ mod tests {
     }
 
     impl UnitReader for FakeReader {
-        fn read(&self, region: &Region, range: Range<u64>) -> Result<u64, IoError> {
+        fn read(&self, region: &Region, range: Range<u64>, shift: u64) -> Result<u64, IoError> {
             let call = self.calls.fetch_add(1, Ordering::SeqCst);
             if self.fail_on.contains(&call) {
                 return Err(IoError::ShortRead { path: "model.gguf".into(), offset: range.start, wanted: 10, got: 3 });
             }
             let bytes: Vec<u8> = (range.start..range.end).map(|offset| (offset % 251) as u8 + 1).collect();
-            region.write(range.start, &bytes);
+            region.write(range.start + shift, &bytes);
             Ok(range.end - range.start)
         }
     }
@@ -385,13 +441,13 @@ mod tests {
     }
 
     impl UnitReader for GatedReader {
-        fn read(&self, region: &Region, range: Range<u64>) -> Result<u64, IoError> {
+        fn read(&self, region: &Region, range: Range<u64>, shift: u64) -> Result<u64, IoError> {
             self.calls.fetch_add(1, Ordering::SeqCst);
             let mut open = self.open.lock().unwrap();
             while !*open {
                 open = self.opened.wait(open).unwrap();
             }
-            region.write(range.start, &vec![7u8; (range.end - range.start) as usize]);
+            region.write(range.start + shift, &vec![7u8; (range.end - range.start) as usize]);
             Ok(range.end - range.start)
         }
     }
@@ -399,7 +455,7 @@ mod tests {
     #[test]
     fn a_load_not_yet_started_is_cancelled_and_one_under_way_is_not() {
         let region = Arc::new(Region::reserve(64 << 20, false).unwrap());
-        let units = vec![StreamUnit { ranges: std::iter::once(0..(9 << 20)).collect() }, StreamUnit { ranges: vec![(16 << 20)..(17 << 20), (20 << 20)..(21 << 20)] }];
+        let units = vec![StreamUnit::mirrored(vec![0..(9 << 20)]), StreamUnit::mirrored(vec![(16 << 20)..(17 << 20), (20 << 20)..(21 << 20)])];
         let reader = Arc::new(GatedReader { open: Mutex::new(false), opened: Condvar::new(), calls: AtomicUsize::new(0) });
         let residency = Residency::new(region.clone(), reader.clone(), units, 1, Arc::new(IoStats::default()));
         residency.request(0).unwrap();
@@ -425,7 +481,7 @@ mod tests {
 
     fn residency(fail_on: Vec<usize>) -> Residency {
         let region = Arc::new(Region::reserve(64 << 20, false).unwrap());
-        let units = vec![StreamUnit { ranges: std::iter::once(0..(9 << 20)).collect() }, StreamUnit { ranges: vec![(16 << 20)..(17 << 20) + 123, (20 << 20)..(21 << 20)] }];
+        let units = vec![StreamUnit::mirrored(vec![0..(9 << 20)]), StreamUnit::mirrored(vec![(16 << 20)..(17 << 20) + 123, (20 << 20)..(21 << 20)])];
         Residency::new(region, Arc::new(FakeReader { calls: AtomicUsize::new(0), fail_on }), units, 3, Arc::new(IoStats::default()))
     }
 
@@ -446,6 +502,35 @@ mod tests {
         assert_eq!(stats.units_released, 1);
         // 1 MiB + 123 bytes rounds up to whole pages, plus 1 MiB.
         assert_eq!(stats.bytes_read, (1 << 20) + 123 + (1 << 20));
+    }
+
+    /// Units sharing a slot: a read-ahead waits while another unit holds the slot, the unit
+    /// that computes takes it, and the slot's pages stay faulted in across units.
+    #[test]
+    fn units_in_one_slot_take_turns_and_keep_its_pages() {
+        let region = Arc::new(Region::reserve(64 << 20, false).unwrap());
+        // Two file ranges that both live at region offset 32 MiB.
+        let in_slot = |start: u64| StreamUnit { ranges: vec![start..start + (1 << 20)], shift: (32 << 20) - start, slot: Some(0) };
+        let units = vec![in_slot(0), in_slot(4 << 20)];
+        let residency = Residency::new(region.clone(), Arc::new(FakeReader { calls: AtomicUsize::new(0), fail_on: vec![] }), units, 2, Arc::new(IoStats::default()));
+        let pattern = |start: u64| (start..start + (1 << 20)).map(|offset| (offset % 251) as u8 + 1).collect::<Vec<u8>>();
+        residency.wait_ready(0).unwrap();
+        assert_eq!(region.copy_out((32 << 20)..(33 << 20)), pattern(0));
+        // Unit 0 holds the slot: a read-ahead of unit 1 does nothing yet.
+        residency.request(1).unwrap();
+        assert_eq!(residency.state(1).unwrap().0, SliceState::Empty);
+        // Released, unit 0's bytes stay (no page is given back), and unit 1 loads over them.
+        residency.release(0).unwrap();
+        assert_eq!(region.copy_out((32 << 20)..(33 << 20)), pattern(0));
+        residency.request(1).unwrap();
+        residency.wait_ready(1).unwrap();
+        assert_eq!(region.copy_out((32 << 20)..(33 << 20)), pattern(4 << 20));
+        // The unit that computes takes the slot from a loaded one.
+        residency.wait_ready(0).unwrap();
+        assert_eq!(residency.state(1).unwrap().0, SliceState::Empty);
+        assert_eq!(region.copy_out((32 << 20)..(33 << 20)), pattern(0));
+        // Nothing was read at the mirror positions.
+        assert!(region.copy_out(0..(8 << 20)).iter().all(|&byte| byte == 0));
     }
 
     #[test]
