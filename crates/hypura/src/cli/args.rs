@@ -140,9 +140,9 @@ pub struct ModelArgs {
     #[arg(long, short = 't')]
     pub threads: Option<i32>,
     /// Batch size for prompt processing (llama.cpp's -b and -ub; Hypura uses one size for both).
-    /// Default: 512, and in a streaming plan the largest of 4096, 2048 and 1024 whose compute
-    /// buffer the budget holds without streaming more (each prompt batch is one sweep over the
-    /// streamed weights).
+    /// Default: 512, and in a streaming plan the one from 4096 down to 64 that streams the
+    /// fewest bytes for a 2048-token prompt and a 256-token answer (each prompt batch is one
+    /// sweep over the streamed weights, and a smaller compute buffer leaves more pinned).
     #[arg(long, short = 'b', visible_alias = "ubatch-size", overrides_with = "batch_size")]
     pub batch_size: Option<u32>,
     /// Turn off llama.cpp's CPU weight repacking.

@@ -441,7 +441,8 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
     });
     // Where a streamed tensor lives: its dense unit's slot, else its mirror position.
     let region_offset = |tensor: &crate::model::TensorEntry| -> u64 {
-        let shift = dense_layout.as_ref().filter(|_| dense_tensor(tensor.experts)).and_then(|(units, unit_of_layer, _)| Some(units[unit_of_layer.get(tensor.layer? as usize).copied().flatten()?].shift));
+        let shift =
+            dense_layout.as_ref().filter(|_| dense_tensor(tensor.experts)).and_then(|(units, unit_of_layer, _)| Some(units[unit_of_layer.get(tensor.layer? as usize).copied().flatten()?].shift));
         tensor.file_offset + shift.unwrap_or(0)
     };
     // Huge pages pay off for dense layers (tens of MB each), not for expert slices.
