@@ -353,7 +353,7 @@ pub fn machine_facts(spec: &RunSpec, model: &Path) -> Result<MachineFacts, Engin
     // memory is kept whether or not the plan uses the GPU.
     let memory_budget_bytes = spec.memory_budget_bytes.unwrap_or_else(|| default_memory_budget(memory_info().effective_available_bytes(), !gpu_free.is_empty()));
     let disk = ProfileCache::new(default_cache_dir()).load(&machine_key()).and_then(|profile| profile.disk);
-    let disk_bytes_per_sec = disk.as_ref().map(|disk| disk.best_direct.bytes_per_sec);
+    let disk_bytes_per_sec = disk.as_ref().map(crate::hw::DiskProfile::streaming_bytes_per_sec);
     let disk_read_points = disk.iter().flat_map(|disk| disk.direct.iter()).map(|point| (point.block_bytes * u64::from(point.queue_depth), point.bytes_per_sec)).collect();
     let io_workers = spec.io_workers.or_else(|| disk.as_ref().map(|disk| disk.best_direct.queue_depth as usize)).unwrap_or(DEFAULT_IO_WORKERS).clamp(1, 64);
     let compute_seconds_per_token = ModelRecords::new(default_cache_dir()).load(model).compute_seconds_per_token(spec.threads().max(1) as u32);

@@ -48,6 +48,20 @@ pub struct DiskProfile {
     /// True when a scratch file was written (and deleted) rather than an existing file read.
     #[serde(default)]
     pub scratch_file: bool,
+    /// Streaming's own pattern held for a long run: reads of the store's chunk size at the
+    /// best queue depth, over the whole file, pass after pass from an evicted page cache (a
+    /// short burst's rate is not what a token's worth of reads sustains). Absent in profiles
+    /// made before it was measured.
+    #[serde(default)]
+    pub sustained: Option<ReadPoint>,
+}
+
+impl DiskProfile {
+    /// The rate streaming can count on: the sustained one where it was measured, else the best
+    /// short burst.
+    pub fn streaming_bytes_per_sec(&self) -> f64 {
+        self.sustained.as_ref().map_or(self.best_direct.bytes_per_sec, |point| point.bytes_per_sec)
+    }
 }
 
 /// One timed read pattern.
@@ -83,6 +97,8 @@ pub struct DiskOptions {
     pub buffered_bytes: u64,
     /// Seed for scratch contents and random offsets, so runs are repeatable.
     pub seed: u64,
+    /// Bytes read by the sustained point (passes over the file until this much is read).
+    pub sustained_bytes: u64,
 }
 
 impl Default for DiskOptions {
@@ -98,6 +114,7 @@ impl Default for DiskOptions {
             buffered_block_bytes: 4 * MIB,
             buffered_bytes: 512 * MIB,
             seed: 0x4879_7075_7261, // "Hypura"
+            sustained_bytes: 4096 * MIB,
         }
     }
 }
@@ -115,6 +132,7 @@ impl DiskOptions {
             random_bytes: 4 * MIB,
             buffered_block_bytes: MIB,
             buffered_bytes: 4 * MIB,
+            sustained_bytes: 8 * MIB,
             ..DiskOptions::default()
         }
     }
@@ -191,7 +209,12 @@ pub fn measure_disk(probe: &Path, options: &DiskOptions, progress: &dyn Fn(u64, 
     // its planned size so that it still ends exactly at 100%.
     let random_progress_bytes = options.random_bytes;
     let sequential_total: u64 = sequential_plans.iter().map(|&(block, depth, per_thread)| block * u64::from(depth) * per_thread).sum();
-    let total_bytes = if read_in_place { 0 } else { file_bytes } + sequential_total + random_progress_bytes + buffered_blocks * options.buffered_block_bytes;
+    // The sustained point: the store's chunks, whole passes over the file.
+    let chunk_bytes = crate::store::CHUNK_BYTES.min(direct_bytes / ALIGNMENT_BYTES * ALIGNMENT_BYTES).max(ALIGNMENT_BYTES);
+    let chunks_per_pass = direct_bytes / chunk_bytes;
+    let sustained_passes = options.sustained_bytes.div_ceil((chunks_per_pass * chunk_bytes).max(1)).max(1);
+    let sustained_total = sustained_passes * chunks_per_pass * chunk_bytes;
+    let total_bytes = if read_in_place { 0 } else { file_bytes } + sequential_total + random_progress_bytes + buffered_blocks * options.buffered_block_bytes + sustained_total;
     let mut done_bytes = 0u64;
     progress(done_bytes, total_bytes);
 
@@ -251,6 +274,22 @@ pub fn measure_disk(probe: &Path, options: &DiskOptions, progress: &dyn Fn(u64, 
     let buffered_bytes = buffered_blocks * options.buffered_block_bytes;
     done_bytes += buffered_bytes;
     progress(done_bytes, total_bytes);
+    // Streaming's pattern, held: each pass over the file from an evicted page cache, the
+    // chunks dealt round-robin to the threads of the best queue depth.
+    let depth = best_direct.queue_depth.max(1);
+    let per_thread = chunks_per_pass.div_ceil(u64::from(depth));
+    let mut sustained_read = 0u64;
+    let mut sustained_seconds = 0.0;
+    for _ in 0..sustained_passes {
+        evict_from_page_cache(target)?;
+        let point = time_parallel_reads(&file, chunk_bytes, depth, |thread_index, read_index| (read_index * u64::from(depth) + u64::from(thread_index)) % chunks_per_pass.max(1) * chunk_bytes, per_thread)?;
+        sustained_read += point.bytes_read;
+        sustained_seconds += point.seconds;
+        done_bytes += point.bytes_read.min(chunks_per_pass * chunk_bytes);
+        progress(done_bytes.min(total_bytes), total_bytes);
+    }
+    let sustained = ReadPoint { block_bytes: chunk_bytes, queue_depth: depth, bytes_per_sec: sustained_read as f64 / sustained_seconds.max(1e-9), bytes_read: sustained_read, seconds: sustained_seconds };
+    progress(total_bytes, total_bytes);
     // Leave the page cache as we found it rather than full of probe data.
     evict_from_page_cache(target)?;
 
@@ -267,6 +306,7 @@ pub fn measure_disk(probe: &Path, options: &DiskOptions, progress: &dyn Fn(u64, 
         best_direct,
         file_bytes,
         scratch_file: scratch.is_some(),
+        sustained: Some(sustained),
     })
 }
 

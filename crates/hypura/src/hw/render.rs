@@ -95,6 +95,17 @@ fn render_disk(out: &mut String, disk: &DiskProfile, indent: &str) {
     }
     let best = &disk.best_direct;
     let _ = writeln!(out, "{indent}best direct       {} ({} blocks, QD {})", format_bytes_per_sec(best.bytes_per_sec), block_label(best.block_bytes), best.queue_depth);
+    if let Some(sustained) = &disk.sustained {
+        let _ = writeln!(
+            out,
+            "{indent}sustained         {} ({} chunks, QD {}, {} over {:.1} s: what streaming plans with)",
+            format_bytes_per_sec(sustained.bytes_per_sec),
+            block_label(sustained.block_bytes),
+            sustained.queue_depth,
+            format_bytes(sustained.bytes_read),
+            sustained.seconds
+        );
+    }
     let random = &disk.random_1mib;
     let _ = writeln!(out, "{indent}random {:<10} {} (QD {})", block_label(random.block_bytes), format_bytes_per_sec(random.bytes_per_sec), random.queue_depth);
     let _ = writeln!(out, "{indent}buffered          {} (sequential, from an evicted page cache)", format_bytes_per_sec(disk.buffered_bytes_per_sec));

@@ -43,6 +43,7 @@ pub(crate) fn sample_profile() -> Profile {
             best_direct,
             file_bytes: 1 << 30,
             scratch_file: true,
+            sustained: Some(point(4 * mib, 16, 1.9e9)),
         }),
     }
 }
