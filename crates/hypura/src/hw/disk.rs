@@ -282,13 +282,15 @@ pub fn measure_disk(probe: &Path, options: &DiskOptions, progress: &dyn Fn(u64, 
     let mut sustained_seconds = 0.0;
     for _ in 0..sustained_passes {
         evict_from_page_cache(target)?;
-        let point = time_parallel_reads(&file, chunk_bytes, depth, |thread_index, read_index| (read_index * u64::from(depth) + u64::from(thread_index)) % chunks_per_pass.max(1) * chunk_bytes, per_thread)?;
+        let point =
+            time_parallel_reads(&file, chunk_bytes, depth, |thread_index, read_index| (read_index * u64::from(depth) + u64::from(thread_index)) % chunks_per_pass.max(1) * chunk_bytes, per_thread)?;
         sustained_read += point.bytes_read;
         sustained_seconds += point.seconds;
         done_bytes += point.bytes_read.min(chunks_per_pass * chunk_bytes);
         progress(done_bytes.min(total_bytes), total_bytes);
     }
-    let sustained = ReadPoint { block_bytes: chunk_bytes, queue_depth: depth, bytes_per_sec: sustained_read as f64 / sustained_seconds.max(1e-9), bytes_read: sustained_read, seconds: sustained_seconds };
+    let sustained =
+        ReadPoint { block_bytes: chunk_bytes, queue_depth: depth, bytes_per_sec: sustained_read as f64 / sustained_seconds.max(1e-9), bytes_read: sustained_read, seconds: sustained_seconds };
     progress(total_bytes, total_bytes);
     // Leave the page cache as we found it rather than full of probe data.
     evict_from_page_cache(target)?;
@@ -478,6 +480,14 @@ mod tests {
 
     fn assert_points_complete(profile: &DiskProfile, options: &DiskOptions) {
         assert_eq!(profile.direct.len(), options.block_sizes_bytes.len() * options.queue_depths.len());
+        // The sustained point: the store's chunk (capped by the file), whole passes, at least
+        // the bytes asked for, at the best queue depth; planning uses it.
+        let sustained = profile.sustained.as_ref().expect("a sustained point");
+        assert_eq!(sustained.block_bytes, crate::store::CHUNK_BYTES.min(profile.file_bytes / 4096 * 4096));
+        assert_eq!(sustained.queue_depth, profile.best_direct.queue_depth);
+        assert!(sustained.bytes_read >= options.sustained_bytes && sustained.bytes_read % sustained.block_bytes == 0, "{sustained:?}");
+        assert!(sustained.bytes_per_sec > 0.0 && sustained.bytes_per_sec.is_finite());
+        assert_eq!(profile.streaming_bytes_per_sec(), sustained.bytes_per_sec);
         for point in &profile.direct {
             // quick(): every block × depth divides bytes_per_point exactly.
             assert_eq!(point.bytes_read, options.bytes_per_point, "{point:?}");
