@@ -485,7 +485,7 @@ mod tests {
         let sustained = profile.sustained.as_ref().expect("a sustained point");
         assert_eq!(sustained.block_bytes, crate::store::CHUNK_BYTES.min(profile.file_bytes / 4096 * 4096));
         assert_eq!(sustained.queue_depth, profile.best_direct.queue_depth);
-        assert!(sustained.bytes_read >= options.sustained_bytes && sustained.bytes_read % sustained.block_bytes == 0, "{sustained:?}");
+        assert!(sustained.bytes_read >= options.sustained_bytes && sustained.bytes_read.is_multiple_of(sustained.block_bytes), "{sustained:?}");
         assert!(sustained.bytes_per_sec > 0.0 && sustained.bytes_per_sec.is_finite());
         assert_eq!(profile.streaming_bytes_per_sec(), sustained.bytes_per_sec);
         for point in &profile.direct {

@@ -455,7 +455,7 @@ mod tests {
     #[test]
     fn a_load_not_yet_started_is_cancelled_and_one_under_way_is_not() {
         let region = Arc::new(Region::reserve(64 << 20, false).unwrap());
-        let units = vec![StreamUnit::mirrored(vec![0..(9 << 20)]), StreamUnit::mirrored(vec![(16 << 20)..(17 << 20), (20 << 20)..(21 << 20)])];
+        let units = vec![StreamUnit::mirrored(std::iter::once(0..(9 << 20)).collect()), StreamUnit::mirrored(vec![(16 << 20)..(17 << 20), (20 << 20)..(21 << 20)])];
         let reader = Arc::new(GatedReader { open: Mutex::new(false), opened: Condvar::new(), calls: AtomicUsize::new(0) });
         let residency = Residency::new(region.clone(), reader.clone(), units, 1, Arc::new(IoStats::default()));
         residency.request(0).unwrap();
@@ -481,7 +481,7 @@ mod tests {
 
     fn residency(fail_on: Vec<usize>) -> Residency {
         let region = Arc::new(Region::reserve(64 << 20, false).unwrap());
-        let units = vec![StreamUnit::mirrored(vec![0..(9 << 20)]), StreamUnit::mirrored(vec![(16 << 20)..(17 << 20) + 123, (20 << 20)..(21 << 20)])];
+        let units = vec![StreamUnit::mirrored(std::iter::once(0..(9 << 20)).collect()), StreamUnit::mirrored(vec![(16 << 20)..(17 << 20) + 123, (20 << 20)..(21 << 20)])];
         Residency::new(region, Arc::new(FakeReader { calls: AtomicUsize::new(0), fail_on }), units, 3, Arc::new(IoStats::default()))
     }
 
@@ -510,7 +510,7 @@ mod tests {
     fn units_in_one_slot_take_turns_and_keep_its_pages() {
         let region = Arc::new(Region::reserve(64 << 20, false).unwrap());
         // Two file ranges that both live at region offset 32 MiB.
-        let in_slot = |start: u64| StreamUnit { ranges: vec![start..start + (1 << 20)], shift: (32 << 20) - start, slot: Some(0) };
+        let in_slot = |start: u64| StreamUnit { ranges: std::iter::once(start..start + (1 << 20)).collect(), shift: (32 << 20) - start, slot: Some(0) };
         let units = vec![in_slot(0), in_slot(4 << 20)];
         let residency = Residency::new(region.clone(), Arc::new(FakeReader { calls: AtomicUsize::new(0), fail_on: vec![] }), units, 2, Arc::new(IoStats::default()));
         let pattern = |start: u64| (start..start + (1 << 20)).map(|offset| (offset % 251) as u8 + 1).collect::<Vec<u8>>();
