@@ -18,34 +18,25 @@ fn main() {
         .include(ggml.join("include"))
         .warnings(true)
         .compile("hypura_context_kernels");
-    // The chat shim reaches llama.cpp's chat layer (common/chat.h), compiled into the
-    // llama-common library that the crate's `common` feature links.
-    println!("cargo:rerun-if-changed=csrc/chat.cpp");
-    cc::Build::new()
-        .cpp(true)
-        .std("c++17")
-        .file("csrc/chat.cpp")
-        .include(llama.join("common"))
-        .include(llama.join("include"))
-        .include(llama.join("vendor"))
-        .include(ggml.join("include"))
-        .warnings(true)
-        // llama.cpp's Jinja headers define static helpers that this file does not call.
-        .flag_if_supported("-Wno-unused-function")
-        .compile("hypura_chat");
-    // The speculative shim reaches llama.cpp's drafters (common/speculative.h), in the same
-    // llama-common library.
-    println!("cargo:rerun-if-changed=csrc/speculative.cpp");
-    cc::Build::new()
-        .cpp(true)
-        .std("c++17")
-        .file("csrc/speculative.cpp")
-        .include(llama.join("common"))
-        .include(llama.join("include"))
-        .include(llama.join("vendor"))
-        .include(ggml.join("include"))
-        .warnings(true)
-        .compile("hypura_speculative");
+    // The chat shim reaches llama.cpp's chat layer (common/chat.h) and the speculative shim its
+    // drafters (common/speculative.h), both compiled into the llama-common library that the
+    // crate's `common` feature links.
+    println!("cargo:rerun-if-changed=csrc/shim_error.h");
+    for (file, library) in [("csrc/chat.cpp", "hypura_chat"), ("csrc/speculative.cpp", "hypura_speculative")] {
+        println!("cargo:rerun-if-changed={file}");
+        cc::Build::new()
+            .cpp(true)
+            .std("c++17")
+            .file(file)
+            .include(llama.join("common"))
+            .include(llama.join("include"))
+            .include(llama.join("vendor"))
+            .include(ggml.join("include"))
+            .warnings(true)
+            // llama.cpp's Jinja headers define static helpers that this file does not call.
+            .flag_if_supported("-Wno-unused-function")
+            .compile(library);
+    }
 }
 
 /// The `ggml` directory of the llama-cpp-sys-2 source this build links.

@@ -4,12 +4,13 @@
 // back into content, reasoning and tool calls, for every format llama.cpp knows (Hermes/Qwen,
 // Llama 3.x, Mistral, gpt-oss, DeepSeek, GLM, Qwen3.5 and the templates its autoparser reads).
 //
-// Every entry point catches every exception: a C++ exception must never cross into Rust. On
-// failure the function returns null and, when `error` is not null, stores a message there that
-// the caller frees with hypura_chat_string_free.
+// Every entry point catches every exception (`shim_error.h`): on failure the function returns
+// null and, when `error` is not null, stores a message there that the caller frees with
+// hypura_chat_string_free.
 #include "chat.h"
 #include "common.h"
 #include "json.h"
+#include "shim_error.h"
 
 #include <cctype>
 #include <cstdlib>
@@ -28,30 +29,13 @@ struct hypura_chat_result {
 };
 
 static char * copy_string(const std::string & text) {
-    char * out = (char *) std::malloc(text.size() + 1);
-    if (out != nullptr) {
-        std::memcpy(out, text.c_str(), text.size() + 1);
-    }
-    return out;
-}
-
-static void set_error(char ** error, const std::string & message) {
-    if (error != nullptr) {
-        *error = copy_string(message);
-    }
+    return hypura_copy_string(text);
 }
 
 // Run `body`, turning any exception into an error string and a null result.
 template <typename T, typename F>
 static T * guarded(char ** error, F && body) {
-    try {
-        return body();
-    } catch (const std::exception & e) {
-        set_error(error, e.what());
-    } catch (...) {
-        set_error(error, "unknown error in llama.cpp's chat layer");
-    }
-    return nullptr;
+    return hypura_guarded<T *>(error, "llama.cpp's chat layer", nullptr, body);
 }
 
 extern "C" void hypura_chat_string_free(char * text) {

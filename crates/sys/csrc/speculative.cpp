@@ -10,11 +10,12 @@
 // (rejected drafts removed, a prefix reused, a sequence restarted): the target's next batch for
 // a sequence, and its next draft, always start where its valid cache ends.
 //
-// Every entry point catches every exception: a C++ exception must never cross into Rust. On
-// failure the function returns null or false and, when `error` is not null, stores a message
-// there that the caller frees with hypura_chat_string_free (the chat shim's allocator).
+// Every entry point catches every exception (`shim_error.h`): on failure the function returns
+// null or false and, when `error` is not null, stores a message there that the caller frees with
+// hypura_chat_string_free (the chat shim's allocator).
 #include "common.h"
 #include "speculative.h"
+#include "shim_error.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -22,8 +23,6 @@
 #include <memory>
 #include <string>
 #include <vector>
-
-extern "C" void hypura_chat_string_free(char * text);
 
 struct hypura_spec {
     common_params_speculative params;
@@ -45,26 +44,9 @@ struct hypura_spec {
     }
 };
 
-static void spec_set_error(char ** error, const std::string & message) {
-    if (error != nullptr) {
-        char * out = (char *) std::malloc(message.size() + 1);
-        if (out != nullptr) {
-            std::memcpy(out, message.c_str(), message.size() + 1);
-        }
-        *error = out;
-    }
-}
-
 template <typename F>
 static bool spec_guarded(char ** error, F && body) {
-    try {
-        return body();
-    } catch (const std::exception & e) {
-        spec_set_error(error, e.what());
-    } catch (...) {
-        spec_set_error(error, "unknown error in llama.cpp's speculative decoding");
-    }
-    return false;
+    return hypura_guarded<bool>(error, "llama.cpp's speculative decoding", false, body);
 }
 
 // types: comma-separated llama.cpp names ("draft-simple", "ngram-simple", "ngram-map-k",

@@ -133,8 +133,10 @@ fn print_stats(gpu_free_before: Option<&[(String, u64)]>, output: &GenerateOutpu
         return;
     };
     let stats = &output.stats;
+    // With drafts a decode verifies several tokens: the rate is then the tokens generated.
+    let (rate, rate_label) = if stats.draft_tokens > 0 { (stats.eval_tokens_per_sec(), "generated") } else { (stats.decode_tokens_per_sec(), "decoded") };
     eprintln!(
-        "load {:.2} s | prompt {} tokens in {:.3} s ({:.1} tok/s, {} reused) | eval {} tokens ({} decoded) in {:.3} s ({:.1} tok/s decoded) | total {:.3} s | done: {:?}",
+        "load {:.2} s | prompt {} tokens in {:.3} s ({:.1} tok/s, {} reused) | eval {} tokens ({} decoded) in {:.3} s ({:.1} tok/s {rate_label}) | total {:.3} s | done: {:?}",
         stats.load_duration.as_secs_f64(),
         stats.prompt_eval_count,
         stats.prompt_eval_duration.as_secs_f64(),
@@ -143,7 +145,7 @@ fn print_stats(gpu_free_before: Option<&[(String, u64)]>, output: &GenerateOutpu
         stats.eval_count,
         stats.eval_decodes,
         stats.eval_duration.as_secs_f64(),
-        stats.decode_tokens_per_sec(),
+        rate,
         stats.total_duration.as_secs_f64(),
         output.done_reason
     );
