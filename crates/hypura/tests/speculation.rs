@@ -134,3 +134,22 @@ fn a_draft_that_cannot_draft_for_the_target_is_refused_at_load() {
     let error = Engine::open(&chat, options(Some(Speculation::new(None, vec!["draft-simple".into()])))).err().expect("draft-simple needs a model");
     assert!(error.to_string().contains("needs a draft model"), "{error}");
 }
+
+/// `bench` with a draft model reports how many drafted tokens were accepted and how many tokens
+/// a pass gave, next to its tg figure (the model drafts for itself: nearly all are accepted).
+#[test]
+fn bench_reports_acceptance_and_tokens_per_pass() {
+    let model = common::chat_model_path();
+    let model = model.to_str().unwrap();
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_hypura"))
+        .args(["bench", model, "--no-baseline", "-p", "16", "-n", "24", "-r", "1", "-t", "2", "--context", "512", "--model-draft", model, "--draft-max", "4"])
+        .env("HYPURA_LOG", "off")
+        .output()
+        .expect("run hypura bench");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let line = stdout.lines().find(|line| line.starts_with("speculation: ")).unwrap_or_else(|| panic!("{stdout}"));
+    let number = |after: &str| -> f64 { line.split(after).next().unwrap().rsplit(' ').next().unwrap().trim_end_matches('%').parse().unwrap_or_else(|_| panic!("{line}")) };
+    assert!(number("% of drafted") > 50.0, "{line}");
+    assert!(number(" tokens per pass") > 1.5, "{line}");
+}

@@ -141,6 +141,11 @@ pub struct BenchReport {
     /// (issued, used by the router, cancelled unstarted).
     pub expert_hit_rate: Option<f64>,
     pub prefetch_issued_used_cancelled: Option<[u64; 3]>,
+    /// Speculative decoding, over tg runs: share of drafted tokens accepted, generated tokens
+    /// per decode (pass over the weights), and bytes read per generated token.
+    pub draft_acceptance: Option<f64>,
+    pub tokens_per_pass: Option<f64>,
+    pub bytes_read_per_generated_token: Option<f64>,
     /// Streaming: bytes the plan streams per token, and the disk-only bound it implies.
     pub planned_bytes_per_token: Option<u64>,
     pub io_bound_tokens_per_sec: Option<f64>,
@@ -206,6 +211,12 @@ struct TgTotals {
     expert_hits: u64,
     expert_misses: u64,
     prefetch: [u64; 3],
+    /// Speculative decoding: tokens drafted and accepted, tokens generated and the decodes
+    /// that produced them.
+    drafted: u64,
+    accepted: u64,
+    tokens: u64,
+    passes: u64,
 }
 
 /// Hypura's side of a benchmark: one session, with totals for tg runs.
@@ -245,6 +256,10 @@ impl HypuraSide {
             self.totals.prefetch[1] += experts.prefetch_used;
             self.totals.prefetch[2] += experts.prefetch_cancelled;
         }
+        self.totals.drafted += u64::from(stats.draft_tokens);
+        self.totals.accepted += u64::from(stats.draft_accepted);
+        self.totals.tokens += u64::from(stats.eval_count);
+        self.totals.passes += u64::from(stats.eval_decodes);
         if let Some(seconds) = stats.eval_compute_seconds_per_token() {
             self.totals.compute_seconds += seconds * f64::from(stats.eval_decodes);
             self.totals.generated += u64::from(stats.eval_decodes);
@@ -354,6 +369,9 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         generated_tokens: totals.generated,
         expert_hit_rate: (totals.expert_hits + totals.expert_misses > 0).then(|| totals.expert_hits as f64 / (totals.expert_hits + totals.expert_misses) as f64),
         prefetch_issued_used_cancelled: (totals.prefetch[0] > 0).then_some(totals.prefetch),
+        draft_acceptance: (totals.drafted > 0).then(|| totals.accepted as f64 / totals.drafted as f64),
+        tokens_per_pass: (totals.drafted > 0 && totals.passes > 0).then(|| totals.tokens as f64 / totals.passes as f64),
+        bytes_read_per_generated_token: (totals.drafted > 0 && totals.tokens > 0 && totals.graphs > 0).then(|| totals.bytes_read as f64 / totals.tokens as f64),
         planned_bytes_per_token: plan.as_ref().map(|plan| plan.streamed_bytes_per_token),
         io_bound_tokens_per_sec: plan.as_ref().and_then(|plan| plan.io_bound_tokens_per_sec),
         threads: options.threads,
@@ -407,6 +425,14 @@ pub fn render(report: &BenchReport) -> String {
             report.planned_bytes_per_token.unwrap_or(0) as f64 / 1e6,
             100.0 * report.stall_fraction.unwrap_or(0.0),
             report.io_bound_tokens_per_sec.map_or_else(String::new, |bound| format!("; disk bound {bound:.2} tok/s"))
+        );
+    }
+    if let (Some(acceptance), Some(per_pass)) = (report.draft_acceptance, report.tokens_per_pass) {
+        let _ = writeln!(
+            out,
+            "speculation: {:.1}% of drafted tokens accepted, {per_pass:.2} tokens per pass{}",
+            100.0 * acceptance,
+            report.bytes_read_per_generated_token.map_or_else(String::new, |bytes| format!(", {:.1} MB read per generated token", bytes / 1e6))
         );
     }
     let load = |seconds: Option<f64>| seconds.map_or_else(|| "-".to_string(), |seconds| format!("{seconds:.2} s"));
