@@ -3,7 +3,7 @@
 //! `n_gpu_layers` and the override patterns that keep host tensors in host memory.
 use serde::Serialize;
 
-use super::sizing::{compute_buffer_bytes, context_memory_bytes, is_streamable, on_input_layer};
+use super::sizing::{compute_buffer_bytes, context_memory_bytes, is_streamable, on_input_layer, output_is_tied, TOKEN_EMBEDDING};
 use super::types::{MachineFacts, Plan, PlanOptions, TensorPlacement, Tier};
 use crate::format::format_bytes;
 use crate::model::{Inventory, TensorEntry};
@@ -60,11 +60,6 @@ impl GpuLayout {
     }
 }
 
-/// llama.cpp's name for the token embedding, which it keeps in host memory (tokens are looked up
-/// on the CPU). Models without an output matrix compute logits with a copy of it, under the
-/// same name, so overriding the name would move that copy off the GPU too.
-const TOKEN_EMBEDDING: &str = "token_embd.weight";
-
 /// What the GPU tier is planned from: the budget and the model's device-side costs.
 struct DeviceCosts<'a> {
     budget: u64,
@@ -99,9 +94,8 @@ pub(super) fn gpu_tier(inventory: &Inventory, options: &PlanOptions, machine: &M
             _ => outside_layers += tensor.bytes,
         }
     }
-    let has_output = inventory.tensors.iter().any(|tensor| tensor.role == crate::model::Role::Output);
     // Only `token_embd.weight` is copied for the logits (not, say, a per-layer embedding).
-    let tied_output_bytes = if has_output { 0 } else { inventory.tensors.iter().filter(|tensor| tensor.name == TOKEN_EMBEDDING).map(|tensor| tensor.bytes).sum() };
+    let tied_output_bytes = if output_is_tied(inventory) { inventory.tensors.iter().filter(|tensor| tensor.name == TOKEN_EMBEDDING).map(|tensor| tensor.bytes).sum() } else { 0 };
     let costs = DeviceCosts {
         budget: machine.gpu_budget_bytes,
         runtime: machine.gpu_runtime_bytes,

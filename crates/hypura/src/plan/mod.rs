@@ -101,11 +101,12 @@ fn plan_loaded(inventory: &Inventory, machine: &MachineFacts, options: &PlanOpti
         return Ok(Plan { tensors: place(inventory, gpu.as_ref(), |_| (Tier::Ram, why)), ..base });
     }
     // A streaming plan leaves the input tables in the file's pages: they cost no budget.
-    let mapped: u64 = inventory.tensors.iter().filter(|tensor| !on_gpu(tensor) && stays_in_file(inventory, tensor)).map(|tensor| tensor.bytes).sum();
+    let tied = sizing::output_is_tied(inventory);
+    let mapped: u64 = inventory.tensors.iter().filter(|tensor| !on_gpu(tensor) && stays_in_file(tensor, tied)).map(|tensor| tensor.bytes).sum();
     let base = Plan { budget: BudgetUse { resident_weight_bytes: weights - mapped, total_bytes: everything - mapped, ..base.budget }, ..base };
     let mut plan = if mode == Mode::ExpertStream { plan_experts(inventory, machine, options, base)? } else { plan_dense(inventory, machine, options, &all_layer_ffn, base)? };
     for (placement, tensor) in plan.tensors.iter_mut().zip(&inventory.tensors) {
-        if placement.tier == Tier::Ram && stays_in_file(inventory, tensor) {
+        if placement.tier == Tier::Ram && stays_in_file(tensor, tied) {
             placement.tier = Tier::Mapped;
             placement.why = "looked up a row per token: left in the file's pages, outside the budget";
         }
@@ -116,10 +117,9 @@ fn plan_loaded(inventory: &Inventory, machine: &MachineFacts, options: &PlanOpti
 /// Whether a streaming plan leaves `tensor` in the file's pages (`Tier::Mapped`): the input
 /// tables llama.cpp looks up by token (the token embedding: a row per token, 125 MiB of
 /// Qwen2.5-Coder-1.5B's 392 MiB of resident weights), unless the token embedding is also the
-/// output matrix, which every token reads whole.
-fn stays_in_file(inventory: &Inventory, tensor: &TensorEntry) -> bool {
-    let tied = tensor.role == Role::TokenEmbedding && tensor.name == "token_embd.weight" && !inventory.tensors.iter().any(|other| other.role == Role::Output);
-    sizing::on_input_layer(tensor) && !tied
+/// output matrix (`output_is_tied`), which every token reads whole.
+fn stays_in_file(tensor: &TensorEntry, output_is_tied: bool) -> bool {
+    sizing::on_input_layer(tensor) && !(output_is_tied && tensor.name == sizing::TOKEN_EMBEDDING)
 }
 
 #[cfg(test)]

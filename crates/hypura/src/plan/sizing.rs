@@ -28,6 +28,17 @@ pub fn compute_buffer_bytes(inventory: &Inventory, _n_ctx: u32, n_ubatch: u32) -
     4 * u64::from(n_ubatch) * per_token + (32 << 20)
 }
 
+/// llama.cpp's name for the token embedding, which it keeps in host memory (tokens are looked up
+/// on the CPU). Models without an output matrix compute logits with a copy of it, under the
+/// same name, so overriding the name would move that copy off the GPU too.
+pub(super) const TOKEN_EMBEDDING: &str = "token_embd.weight";
+
+/// Whether the file has no output matrix, so that the token embedding is the output too (read
+/// whole by every token).
+pub(super) fn output_is_tied(inventory: &Inventory) -> bool {
+    !inventory.tensors.iter().any(|tensor| tensor.role == crate::model::Role::Output)
+}
+
 /// Tensors llama.cpp keeps on its input layer, always on the CPU (they are looked up by
 /// token or position): the token embeddings and the few other input tables.
 pub(super) fn on_input_layer(tensor: &TensorEntry) -> bool {

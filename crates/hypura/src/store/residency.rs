@@ -270,11 +270,7 @@ impl Residency {
                     // Drop what the failed load wrote and forget it, so a later request tries
                     // again from scratch.
                     drop(units);
-                    if self.units[unit].slot.is_none() {
-                        for range in &self.units[unit].ranges {
-                            let _ = self.region.release(range.clone());
-                        }
-                    }
+                    let _ = self.give_back_pages(unit);
                     let mut units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
                     units[unit].state = SliceState::Empty;
                     units[unit].generation += 1;
@@ -329,6 +325,21 @@ impl Residency {
         Ok(true)
     }
 
+    /// Give `unit`'s pages back to the kernel, unless it lives in a slot (whose pages the next
+    /// unit of the slot is read into). The first error, after trying every range.
+    fn give_back_pages(&self, unit: usize) -> Result<(), ResidencyError> {
+        if self.units[unit].slot.is_some() {
+            return Ok(());
+        }
+        let mut result = Ok(());
+        for range in &self.units[unit].ranges {
+            if let (Err(error), true) = (self.region.release(range.clone()), result.is_ok()) {
+                result = Err(error.into());
+            }
+        }
+        result
+    }
+
     /// Drop `unit`'s pages (a unit in a slot keeps them, for the next unit of the slot to be
     /// read into without faulting them in again). A unit still loading is waited for first (a
     /// read must never land in released pages); an empty unit is left alone.
@@ -343,12 +354,7 @@ impl Residency {
         }
         units[unit].state = SliceState::Evicting;
         drop(units);
-        let mut result = Ok(());
-        for range in self.units[unit].ranges.iter().filter(|_| self.units[unit].slot.is_none()) {
-            if let Err(error) = self.region.release(range.clone()) {
-                result = Err(error.into());
-            }
-        }
+        let result = self.give_back_pages(unit);
         let mut units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         units[unit].state = SliceState::Empty;
         units[unit].generation += 1;
