@@ -1,10 +1,11 @@
-//! `hypura-forge PRESET -o FILE`: write a synthetic model.
+//! `hypura-forge PRESET -o FILE`: write a synthetic model; `hypura-forge --from-dense FILE -o FILE`:
+//! turn a real dense model into a mixture of experts.
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use hypura_forge::{plan_model, preset, presets, write_model, Arch, QuantMix};
+use hypura_forge::{moe_from_dense, plan_model, preset, presets, write_model, Arch, FromDense, QuantMix};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 #[derive(Parser, Debug)]
@@ -12,7 +13,22 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 struct Args {
     /// Preset: dense-1b, dense-8b, moe-8x, moe-30b, qwen3.6-35b-a3b, gpt-oss-20b, glm-4.5-air,
     /// glm-4.5, deepseek4-flash, and tiny-<arch> for tests (an unknown name lists them all).
-    preset: String,
+    #[arg(required_unless_present = "from_dense")]
+    preset: Option<String>,
+    /// Instead of a preset: a real dense model (qwen2 or llama) whose FFN neurons are clustered
+    /// into experts by what they do on a calibration text, with a router fitted to predict each
+    /// cluster's part from the layer's input. Takes --n-expert (default 8), --n-expert-used
+    /// (default 2), --n-shared, --calibration and --seed.
+    #[arg(long, value_name = "FILE", conflicts_with = "preset")]
+    from_dense: Option<PathBuf>,
+    /// Clusters that form the shared expert, with --from-dense (default: 1 for qwen2moe, which
+    /// needs one; 0 for llama).
+    #[arg(long, requires = "from_dense")]
+    n_shared: Option<u64>,
+    /// A text file the dense model reads to find which neurons work together and to fit the
+    /// router, with --from-dense (default: a built-in mix of prose, code and dialogue).
+    #[arg(long, value_name = "FILE", requires = "from_dense")]
+    calibration: Option<PathBuf>,
     /// Output file.
     #[arg(short, long, required_unless_present = "dry_run")]
     output: Option<PathBuf>,
@@ -59,8 +75,12 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let Some(mut spec) = preset(&args.preset) else {
-        bail!("unknown preset {:?}; presets: {}", args.preset, presets().join(", "));
+    if let Some(source) = &args.from_dense {
+        return from_dense(source, &args);
+    }
+    let name = args.preset.as_deref().expect("clap requires a preset without --from-dense");
+    let Some(mut spec) = preset(name) else {
+        bail!("unknown preset {name:?}; presets: {}", presets().join(", "));
     };
     spec.seed = args.seed;
     spec.router_skew = args.router_skew;
@@ -115,6 +135,32 @@ fn main() -> anyhow::Result<()> {
         summary.file_bytes,
         seconds,
         summary.file_bytes as f64 / seconds / 1e6
+    );
+    Ok(())
+}
+
+fn from_dense(source: &std::path::Path, args: &Args) -> anyhow::Result<()> {
+    let output = args.output.as_ref().context("--from-dense writes a file: give -o")?;
+    let calibration = match &args.calibration {
+        Some(path) => Some(std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?),
+        None => None,
+    };
+    let options = FromDense { n_expert: args.n_expert.unwrap_or(8), n_expert_used: args.n_expert_used.unwrap_or(2), n_shared: args.n_shared, seed: args.seed, calibration };
+    let started = Instant::now();
+    let summary = moe_from_dense(source, output, &options).with_context(|| format!("turning {} into experts", source.display()))?;
+    println!(
+        "wrote {} ({}, {} layers of {} experts of {} neurons, {} used{}, down {}; {} tensors, {} bytes) in {:.1} s",
+        output.display(),
+        summary.architecture,
+        summary.n_layer,
+        options.n_expert,
+        summary.expert_width,
+        options.n_expert_used,
+        if summary.shared_width > 0 { format!(", a shared expert of {}", summary.shared_width) } else { String::new() },
+        summary.down_type.name(),
+        summary.tensor_count,
+        summary.file_bytes,
+        started.elapsed().as_secs_f64()
     );
     Ok(())
 }

@@ -46,6 +46,12 @@ impl ObservedNode<'_> {
         rows(self.tensor, raw::GGML_TYPE_I32, i32::from_ne_bytes)
     }
 
+    /// The node's own rows where it is an F32 matrix (e.g. `ffn_norm-L`: the FFN's input, one
+    /// row per token), else None.
+    pub fn f32_rows(&self) -> Option<Vec<Vec<f32>>> {
+        rows(self.tensor, raw::GGML_TYPE_F32, f32::from_ne_bytes)
+    }
+
     /// The F32 rows of input `input` of the node named `ancestor`, found among this node's
     /// sources at most `max_depth` steps up. From `ffn_moe_topk-L`, ancestor
     /// `ffn_moe_logits-L` input 1 is the hidden state the router was applied to (still live:

@@ -36,7 +36,7 @@ pub use fit::{fit_placement, FitPlacement};
 pub use grammar::Grammar;
 pub use load_reader::LoadReader;
 pub use model::{exact_name_pattern, LoadMode, Model, ModelParams, Placement};
-pub use quantize::{ggml_type_block_size, ggml_type_name, ggml_type_size, quantize_rows};
+pub use quantize::{dequantize_rows, ggml_type_block_size, ggml_type_name, ggml_type_size, quantize_rows};
 pub use sampler::{first_maximum, Sampler, SamplerParams};
 pub use speculative::{DraftRequest, SpeculativeParams, Speculator, SPECULATIVE_TYPES};
 pub use stream::StreamBufferType;

@@ -70,3 +70,32 @@ pub fn quantize_rows(type_id: u32, source: &[f32], n_per_row: usize) -> Result<V
     }
     Ok(destination)
 }
+
+/// Unpack rows of `n_per_row` values of `type_id` into f32, with ggml's own `to_float` (f32
+/// itself, which has none, is copied).
+pub fn dequantize_rows(type_id: u32, source: &[u8], n_per_row: usize) -> Result<Vec<f32>, SysError> {
+    let ggml_type = checked_type(type_id)?;
+    let block = ggml_type_block_size(type_id)? as usize;
+    if n_per_row == 0 || !n_per_row.is_multiple_of(block) {
+        return Err(SysError::Quantize(format!("row length {n_per_row} is not a multiple of the block size {block} of {}", ggml_type_name(type_id)?)));
+    }
+    // SAFETY: the type id was checked above.
+    let row_bytes = unsafe { raw::ggml_row_size(ggml_type, n_per_row as i64) };
+    if !source.len().is_multiple_of(row_bytes) {
+        return Err(SysError::Quantize(format!("{} bytes do not split into rows of {row_bytes} bytes", source.len())));
+    }
+    if ggml_type == raw::GGML_TYPE_F32 {
+        return Ok(source.chunks_exact(4).map(|bytes| f32::from_le_bytes(bytes.try_into().expect("chunks of 4"))).collect());
+    }
+    // SAFETY: the type id was checked above; the traits table is static.
+    let to_float = unsafe { (*raw::ggml_get_type_traits(ggml_type)).to_float };
+    let Some(to_float) = to_float else {
+        return Err(SysError::Quantize(format!("ggml cannot unpack {}", ggml_type_name(type_id)?)));
+    };
+    let rows = source.len() / row_bytes;
+    let mut destination = vec![0f32; rows * n_per_row];
+    // SAFETY: `source` holds rows × row_bytes bytes, which is whole blocks of rows × n_per_row
+    // values (checked above), and `destination` has room for rows × n_per_row floats.
+    unsafe { to_float(source.as_ptr().cast(), destination.as_mut_ptr(), (rows * n_per_row) as i64) };
+    Ok(destination)
+}
