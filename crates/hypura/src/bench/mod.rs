@@ -78,6 +78,8 @@ pub struct BenchOptions {
     pub peer: Option<PeerConfig>,
     pub engine: EngineOptions,
     pub threads: i32,
+    /// The profile's streaming rate, for the physical limit; None if not measured.
+    pub disk_bytes_per_sec: Option<f64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -146,6 +148,12 @@ pub struct BenchReport {
     pub draft_acceptance: Option<f64>,
     pub tokens_per_pass: Option<f64>,
     pub bytes_read_per_generated_token: Option<f64>,
+    /// Streaming, over tg runs: the physical limit with this run's compute per pass and bytes
+    /// read per pass at the profile's streaming rate (`disk_bytes_per_sec`), and the share of
+    /// it Hypura's tg reached.
+    pub disk_bytes_per_sec: Option<f64>,
+    pub limit_tokens_per_sec: Option<f64>,
+    pub limit_fraction: Option<f64>,
     /// Streaming: bytes the plan streams per token, and the disk-only bound it implies.
     pub planned_bytes_per_token: Option<u64>,
     pub io_bound_tokens_per_sec: Option<f64>,
@@ -356,6 +364,16 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
     let inventory = crate::model::Inventory::open(path).map_err(EngineError::from)?;
     let totals = hypura.as_ref().map_or_else(TgTotals::default, |side| side.totals);
     let plan = hypura.as_ref().and_then(|side| side.engine.options().plan.clone().filter(|_| side.engine.streaming().is_some()));
+    let tg = result(format!("tg{}", options.n_gen), hypura_tg_samples, peer_tg_samples);
+    let limit = match (options.disk_bytes_per_sec, totals.graphs > 0 && totals.generated > 0) {
+        (Some(rate), true) => {
+            let passes = totals.passes.max(1) as f64;
+            let tokens_per_pass = if totals.passes > 0 { totals.tokens as f64 / passes } else { 1.0 };
+            let compute_per_pass = if totals.passes > 0 { totals.compute_seconds / passes } else { totals.compute_seconds / totals.generated as f64 };
+            crate::plan::limit_tokens_per_sec(compute_per_pass, totals.bytes_read as f64 / totals.graphs as f64, rate, tokens_per_pass)
+        }
+        _ => None,
+    };
     Ok(BenchReport {
         model: path.to_path_buf(),
         model_description: vocab.model_description(),
@@ -372,6 +390,9 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         draft_acceptance: (totals.drafted > 0).then(|| totals.accepted as f64 / totals.drafted as f64),
         tokens_per_pass: (totals.drafted > 0 && totals.passes > 0).then(|| totals.tokens as f64 / totals.passes as f64),
         bytes_read_per_generated_token: (totals.drafted > 0 && totals.tokens > 0 && totals.graphs > 0).then(|| totals.bytes_read as f64 / totals.tokens as f64),
+        disk_bytes_per_sec: options.disk_bytes_per_sec.filter(|_| limit.is_some()),
+        limit_tokens_per_sec: limit,
+        limit_fraction: limit.zip(tg.hypura.as_ref()).map(|(limit, rate)| rate.mean / limit),
         planned_bytes_per_token: plan.as_ref().map(|plan| plan.streamed_bytes_per_token),
         io_bound_tokens_per_sec: plan.as_ref().and_then(|plan| plan.io_bound_tokens_per_sec),
         threads: options.threads,
@@ -384,7 +405,7 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         llama_cpp_load_mode: options.peer.as_ref().map(|config| if config.load_mode == hypura_sys::LoadMode::Mmap { "mmap" } else { "no-mmap" }),
         llama_cpp_repack: options.peer.as_ref().map(|config| config.repack),
         llama_cpp_placement: peer.as_ref().map(|peer| peer.placement().to_string()),
-        results: vec![result(format!("pp{}", options.n_prompt), hypura_pp_samples, peer_pp_samples), result(format!("tg{}", options.n_gen), hypura_tg_samples, peer_tg_samples)],
+        results: vec![result(format!("pp{}", options.n_prompt), hypura_pp_samples, peer_pp_samples), tg],
         hypura_output_sha256: hypura_tokens.as_deref().map(token_hash),
         same_output: match (&peer_tokens, &hypura_tokens) {
             (Some(theirs), Some(ours)) => Some(theirs == ours),
@@ -426,6 +447,9 @@ pub fn render(report: &BenchReport) -> String {
             100.0 * report.stall_fraction.unwrap_or(0.0),
             report.io_bound_tokens_per_sec.map_or_else(String::new, |bound| format!("; disk bound {bound:.2} tok/s"))
         );
+        if let (Some(limit), Some(fraction), Some(rate)) = (report.limit_tokens_per_sec, report.limit_fraction, report.disk_bytes_per_sec) {
+            let _ = writeln!(out, "physical limit {limit:.2} tok/s (this run's compute and reads per pass, the disk at the profile's {:.2} GB/s): tg reached {fraction:.2} of it", rate / 1e9);
+        }
     }
     if let (Some(acceptance), Some(per_pass)) = (report.draft_acceptance, report.tokens_per_pass) {
         let _ = writeln!(

@@ -71,6 +71,42 @@ impl GenerationStats {
     pub fn eval_compute_seconds_per_token(&self) -> Option<f64> {
         (self.eval_decodes > 0).then(|| self.eval_duration.saturating_sub(self.eval_stall).as_secs_f64() / f64::from(self.eval_decodes))
     }
+
+    /// Where a streaming decode stands against its physical limit at `disk_bytes_per_sec`,
+    /// with this run's own figures: its compute per decode while streaming, the bytes it read
+    /// per pass over the weights and the tokens each decode yielded. None without reads or
+    /// decodes.
+    pub fn decode_limit(&self, disk_bytes_per_sec: f64) -> Option<DecodeLimit> {
+        let io = self.io.as_ref()?;
+        let compute_seconds = self.eval_compute_seconds_per_token()?;
+        let bytes_per_pass = io.bytes_read as f64 / f64::from(self.weight_passes().max(1));
+        let tokens_per_pass = if self.draft_tokens > 0 { self.tokens_per_pass().unwrap_or(1.0) } else { 1.0 };
+        let tokens_per_sec = crate::plan::limit_tokens_per_sec(compute_seconds, bytes_per_pass, disk_bytes_per_sec, tokens_per_pass)?;
+        let achieved = if self.draft_tokens > 0 { self.eval_tokens_per_sec() } else { self.decode_tokens_per_sec() };
+        let wall = self.total_duration.as_secs_f64();
+        Some(DecodeLimit {
+            compute_seconds,
+            read_seconds: bytes_per_pass / disk_bytes_per_sec,
+            tokens_per_sec,
+            fraction: achieved / tokens_per_sec,
+            disk_busy: if wall > 0.0 { io.bytes_read as f64 / disk_bytes_per_sec / wall } else { 0.0 },
+        })
+    }
+}
+
+/// A decode against its physical limit (`GenerationStats::decode_limit`).
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeLimit {
+    /// Compute per decode while streaming (stall time excluded).
+    pub compute_seconds: f64,
+    /// Reading one pass's bytes at the disk's rate.
+    pub read_seconds: f64,
+    /// The limit: tokens per pass ÷ the longer of the two.
+    pub tokens_per_sec: f64,
+    /// The decode rate reached, as a share of the limit.
+    pub fraction: f64,
+    /// Bytes read over the request ÷ what the disk reads at its rate in that time.
+    pub disk_busy: f64,
 }
 
 fn rate(count: u32, duration: Duration) -> f64 {
@@ -108,5 +144,52 @@ impl Counters {
         if let (Some(before), Some(after)) = (self.experts.clone(), now.experts) {
             stats.experts = Some(after - before);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn streaming_run(decodes: u32, compute_ms: u64, stall_ms: u64, bytes_per_pass: u64) -> GenerationStats {
+        let passes = u64::from(decodes) + 1;
+        GenerationStats {
+            prompt_eval_count: 8,
+            eval_count: decodes + 1,
+            eval_decodes: decodes,
+            eval_duration: Duration::from_millis(u64::from(decodes) * (compute_ms + stall_ms)),
+            eval_stall: Duration::from_millis(u64::from(decodes) * stall_ms),
+            total_duration: Duration::from_millis(passes * (compute_ms + stall_ms)),
+            io: Some(IoSnapshot { bytes_read: passes * bytes_per_pass, ..IoSnapshot::default() }),
+            ..GenerationStats::default()
+        }
+    }
+
+    #[test]
+    fn a_disk_bound_decode_that_waits_only_for_reads_is_at_its_limit() {
+        // 100 MB per pass at 1 GB/s is 100 ms; compute 60 ms, stall 40 ms: the limit is 10 tok/s
+        // and a decode every 100 ms reaches it.
+        let limit = streaming_run(20, 60, 40, 100_000_000).decode_limit(1e9).unwrap();
+        assert!((limit.read_seconds - 0.1).abs() < 1e-9 && (limit.compute_seconds - 0.06).abs() < 1e-9, "{limit:?}");
+        assert!((limit.tokens_per_sec - 10.0).abs() < 1e-6, "{limit:?}");
+        assert!((limit.fraction - 1.0).abs() < 1e-6, "{limit:?}");
+        assert!((limit.disk_busy - 1.0).abs() < 1e-6, "{limit:?}");
+    }
+
+    #[test]
+    fn stalls_beyond_the_read_time_fall_short_of_the_limit() {
+        // 50 MB per pass reads in 50 ms, compute 60 ms: the limit is 1 / 60 ms; 40 ms of stall
+        // per decode makes it 100 ms, 0.6 of the limit, with the disk busy half the time.
+        let limit = streaming_run(20, 60, 40, 50_000_000).decode_limit(1e9).unwrap();
+        assert!((limit.tokens_per_sec - 1.0 / 0.06).abs() < 1e-6, "{limit:?}");
+        assert!((limit.fraction - 0.6).abs() < 1e-6, "{limit:?}");
+        assert!((limit.disk_busy - 0.5).abs() < 1e-6, "{limit:?}");
+        assert!(GenerationStats { io: None, ..streaming_run(20, 60, 40, 1) }.decode_limit(1e9).is_none(), "a resident run has no streaming limit");
+    }
+
+    #[test]
+    fn a_pass_that_verifies_drafts_yields_its_tokens() {
+        assert_eq!(crate::plan::limit_tokens_per_sec(0.05, 1e8, 1e9, 3.0), Some(30.0));
+        assert_eq!(crate::plan::limit_tokens_per_sec(0.0, 0.0, 1e9, 1.0), None);
     }
 }

@@ -195,13 +195,20 @@ fn rate_in_flight(machine: &MachineFacts, in_flight: u64) -> f64 {
 /// both terms are known.
 fn physical_limit(machine: &MachineFacts, streamed_bytes_per_token: u64) -> Option<f64> {
     let compute = machine.compute_seconds_per_token?;
-    let disk = match machine.disk_bytes_per_sec {
-        Some(bandwidth) => streamed_bytes_per_token as f64 / bandwidth,
-        None if streamed_bytes_per_token == 0 => 0.0,
-        None => return None,
-    };
-    let seconds = compute.max(disk);
-    (seconds > 0.0).then(|| 1.0 / seconds)
+    match machine.disk_bytes_per_sec {
+        Some(bandwidth) => limit_tokens_per_sec(compute, streamed_bytes_per_token as f64, bandwidth, 1.0),
+        None if streamed_bytes_per_token == 0 => limit_tokens_per_sec(compute, 0.0, 1.0, 1.0),
+        None => None,
+    }
+}
+
+/// The physical limit (ARCHITECTURE.md §6): a pass over the weights takes the longer of its
+/// compute and the reading of its streamed bytes at the disk's rate, and yields
+/// `tokens_per_pass` tokens (more than one with speculative decoding). None if a pass would
+/// take no time.
+pub fn limit_tokens_per_sec(compute_seconds_per_pass: f64, bytes_per_pass: f64, disk_bytes_per_sec: f64, tokens_per_pass: f64) -> Option<f64> {
+    let seconds = compute_seconds_per_pass.max(bytes_per_pass / disk_bytes_per_sec);
+    (seconds > 0.0 && seconds.is_finite()).then(|| tokens_per_pass / seconds)
 }
 
 /// `count` of `total` indices spread evenly (so streaming I/O overlaps pinned layers' compute).

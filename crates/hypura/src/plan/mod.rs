@@ -20,7 +20,7 @@ mod sizing;
 mod test_support;
 mod types;
 
-pub use dense::{DenseLayout, READ_CHUNK_BYTES};
+pub use dense::{limit_tokens_per_sec, DenseLayout, READ_CHUNK_BYTES};
 pub use experts::{ExpertLayout, HUGE_SLICE_MIN_BYTES};
 pub use gpu::GpuLayout;
 pub use sizing::{compute_buffer_bytes, context_memory_bytes, kv_cache_bytes};

@@ -29,7 +29,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         .with_context(|| format!("unknown --baseline-placement {:?}: use default, fit, exps-cpu or same", args.baseline_placement))?;
     let peer =
         baseline.then_some(PeerConfig { load_mode: if args.baseline_no_mmap { crate::engine::LoadMode::Read } else { crate::engine::LoadMode::Mmap }, repack: !args.baseline_no_repack, placement });
-    let options = BenchOptions { n_prompt: args.n_prompt, n_gen: args.n_gen, reps: args.reps.max(1), hypura: !args.baseline_only, peer, engine, threads };
+    let options = BenchOptions { n_prompt: args.n_prompt, n_gen: args.n_gen, reps: args.reps.max(1), hypura: !args.baseline_only, peer, engine, threads, disk_bytes_per_sec: facts.disk_bytes_per_sec };
     let report = bench::run(&path, &options, &|stage| tracing::info!("bench: {stage}"))?;
     if let Some(seconds) = report.compute_seconds_per_token {
         crate::engine::setup::record_compute(&path, threads, report.bytes_read_per_token.is_some(), seconds, report.generated_tokens);

@@ -15,6 +15,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     let setup = settings::setup(&args.model_args, &path)?;
     // Free memory of each GPU before the load, so --stats can say what the model took there.
     let gpu_free_before = args.stats.then(crate::engine::setup::gpu_free_by_name);
+    let disk_rate = setup.facts.disk_bytes_per_sec;
     let engine = Arc::new(Engine::load(setup.inventory, setup.options).with_context(|| format!("loading {}", path.display()))?);
     if args.stats {
         if let Some(plan) = &engine.options().plan {
@@ -49,7 +50,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
             Prompt::Chat(ChatRequest::new(messages))
         };
         let output = answer(&mut session, &request(prompt))?;
-        print_stats(gpu_free_before.as_deref(), &output);
+        print_stats(gpu_free_before.as_deref(), disk_rate, &output);
         if let Some(seconds) = output.stats.eval_compute_seconds_per_token() {
             let engine = session.engine();
             crate::engine::setup::record_compute(&path, settings::threads(engine.options().n_threads), engine.streaming().is_some(), seconds, u64::from(output.stats.eval_decodes));
@@ -57,7 +58,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         write_trace(&session, args.model_args.plan.trace.as_deref())?;
         return Ok(());
     }
-    chat_loop(&mut session, &request, &cancel, &mut messages, gpu_free_before.as_deref())?;
+    chat_loop(&mut session, &request, &cancel, &mut messages, gpu_free_before.as_deref(), disk_rate)?;
     write_trace(&session, args.model_args.plan.trace.as_deref())?;
     Ok(())
 }
@@ -70,6 +71,7 @@ fn chat_loop(
     messages: &mut Vec<ChatMessage>,
     // With --stats: the GPUs' free memory before the load.
     stats: Option<&[(String, u64)]>,
+    disk_rate: Option<f64>,
 ) -> anyhow::Result<()> {
     let stdin = std::io::stdin();
     loop {
@@ -97,7 +99,7 @@ fn chat_loop(
             eprintln!("[stopped]");
         }
         messages.push(ChatMessage::new("assistant", output.text.clone()));
-        print_stats(stats, &output);
+        print_stats(stats, disk_rate, &output);
     }
 }
 
@@ -127,8 +129,9 @@ fn answer(session: &mut Session, request: &GenerateRequest) -> anyhow::Result<Ge
     Ok(output)
 }
 
-/// With --stats (`gpu_free_before`: the GPUs' free memory before the load), what a run took.
-fn print_stats(gpu_free_before: Option<&[(String, u64)]>, output: &GenerateOutput) {
+/// With --stats (`gpu_free_before`: the GPUs' free memory before the load), what a run took;
+/// `disk_rate` is the profile's streaming rate, for the physical limit.
+fn print_stats(gpu_free_before: Option<&[(String, u64)]>, disk_rate: Option<f64>, output: &GenerateOutput) {
     let Some(gpu_free_before) = gpu_free_before else {
         return;
     };
@@ -195,5 +198,16 @@ fn print_stats(gpu_free_before: Option<&[(String, u64)]>, output: &GenerateOutpu
             (wall - io.stall_seconds) / graphs * 1e3,
             io.stall_seconds / graphs * 1e3,
         );
+        if let Some((rate, limit)) = disk_rate.and_then(|rate| stats.decode_limit(rate).map(|limit| (rate, limit))) {
+            eprintln!(
+                "limit {:.2} tok/s (per pass: compute {:.1} ms, reads {:.1} ms at the profile's {:.2} GB/s) -> reached {:.2} of it | disk busy {:.0}% of that rate over the request",
+                limit.tokens_per_sec,
+                limit.compute_seconds * 1e3,
+                limit.read_seconds * 1e3,
+                rate / 1e9,
+                limit.fraction,
+                100.0 * limit.disk_busy
+            );
+        }
     }
 }
