@@ -46,6 +46,28 @@ pub fn simulate(records: &[RouteRecord], n_layer: usize, n_expert: usize, policy
     SimulationResult { policy, capacity_units: cache.capacity(), hits, misses, hit_rate: hits as f64 / total as f64 }
 }
 
+/// The trace as decoding the same text one token at a time would route it: each pass over the
+/// layers (a run of records whose layers rise) that routed several tokens at once, as a
+/// prompt batch does, becomes one pass per token, in token order. A token's picks are the same
+/// whether it was batched or decoded; only the cache's order of visits changes. Decode passes
+/// (one token) are unchanged.
+pub fn token_by_token(records: &[RouteRecord]) -> Vec<RouteRecord> {
+    let mut out = Vec::with_capacity(records.len());
+    let mut start = 0;
+    while start < records.len() {
+        let mut end = start + 1;
+        while end < records.len() && records[end].layer > records[end - 1].layer && records[end].experts.len() == records[start].experts.len() {
+            end += 1;
+        }
+        let pass = &records[start..end];
+        for token in 0..pass[0].experts.len() {
+            out.extend(pass.iter().map(|record| RouteRecord { layer: record.layer, experts: vec![record.experts[token].clone()] }));
+        }
+        start = end;
+    }
+    out
+}
+
 /// The comparison table: one row per capacity, one column per policy.
 pub fn render(results: &[SimulationResult]) -> String {
     let mut capacities: Vec<usize> = results.iter().map(|result| result.capacity_units).collect();
@@ -94,6 +116,17 @@ mod tests {
         let result = simulate(&records, 2, 4, CachePolicy::Lru, 8);
         assert_eq!(result.misses, 4);
         assert_eq!(result.hits, 36);
+    }
+
+    #[test]
+    fn a_batched_pass_replays_token_by_token() {
+        let batched = RouteRecord { layer: 0, experts: vec![vec![0, 1], vec![2, 3]] };
+        let next_layer = RouteRecord { layer: 1, experts: vec![vec![1, 2], vec![3, 0]] };
+        let decode = [record(0, &[3, 1]), record(1, &[0, 2])];
+        let records = [vec![batched, next_layer], decode.to_vec()].concat();
+        let replayed = token_by_token(&records);
+        let expected = [record(0, &[0, 1]), record(1, &[1, 2]), record(0, &[2, 3]), record(1, &[3, 0]), record(0, &[3, 1]), record(1, &[0, 2])];
+        assert_eq!(replayed, expected);
     }
 
     #[test]

@@ -323,6 +323,11 @@ pub struct SimulateArgs {
     /// Policies to compare, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "lru,slru")]
     pub policy: Vec<String>,
+    /// Replay prompt batches token by token, as decoding the same text would route it (a long
+    /// real text as the prompt then gives a decode trace of real text); by default a batch is
+    /// one visit to the union of its picks, as the expert store serves it.
+    #[arg(long)]
+    pub token_by_token: bool,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,

@@ -1,7 +1,7 @@
 //! `hypura simulate TRACE --model MODEL`: expert-cache policies compared on a recorded trace.
 use anyhow::Context;
 
-use crate::bench::simulate::{render, simulate};
+use crate::bench::simulate::{render, simulate, token_by_token};
 use crate::cli::args::SimulateArgs;
 use crate::model::Inventory;
 use crate::store::{CachePolicy, RouteRecord};
@@ -18,6 +18,7 @@ pub fn run(args: &SimulateArgs) -> anyhow::Result<()> {
         .filter(|(_, line)| !line.trim().is_empty())
         .map(|(number, line)| serde_json::from_str(line).with_context(|| format!("{} line {}", args.trace.display(), number + 1)))
         .collect::<anyhow::Result<_>>()?;
+    let records = if args.token_by_token { token_by_token(&records) } else { records };
     let policies: Vec<CachePolicy> = args.policy.iter().map(|name| CachePolicy::parse(name).with_context(|| format!("unknown policy {name:?}: use lru or slru"))).collect::<anyhow::Result<_>>()?;
     let total = n_layer * n_expert;
     let capacities = if args.capacity.is_empty() { (0..5).map(|step| n_expert + (total / 2 - n_expert.min(total / 2)) * step / 4).collect() } else { args.capacity.clone() };
