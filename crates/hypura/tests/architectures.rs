@@ -26,7 +26,7 @@ fn engine(path: &Path, mode: Mode, n_ubatch: u32, cache_units: Option<usize>) ->
         window_layers: Some(1),
         expert_cache_units: cache_units,
         expert_prefetch: Some(false),
-        cache_policy: CachePolicy::Lru,
+        cache_policy: Some(CachePolicy::Lru),
         ..PlanOptions::default()
     };
     let plan = plan::plan(&inventory, &MachineFacts { memory_budget_bytes: 8 << 30, ..MachineFacts::default() }, &options).unwrap_or_else(|error| panic!("{}: {error}", path.display()));

@@ -23,7 +23,7 @@ fn engine_with(path: &Path, mode: Mode, cache_units: usize, policy: CachePolicy,
         window_layers: Some(2),
         expert_cache_units: Some(cache_units),
         expert_prefetch: Some(prefetch),
-        cache_policy: policy,
+        cache_policy: Some(policy),
         ..PlanOptions::default()
     };
     let plan = plan::plan(&inventory, &MachineFacts { memory_budget_bytes: 8 << 30, disk_bytes_per_sec: None, ..MachineFacts::default() }, &options).unwrap();

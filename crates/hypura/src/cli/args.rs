@@ -115,8 +115,10 @@ pub struct PlanArgs {
     /// Expert cache size in (layer, expert) units (expert-stream; default: what the budget holds).
     #[arg(long)]
     pub expert_cache: Option<usize>,
-    /// Expert cache replacement: slru or lru.
-    #[arg(long, default_value = "slru")]
+    /// Expert cache replacement: auto, slru or lru. Auto takes LRU for a cache smaller than one
+    /// and a half tokens' picks (MoE layers × experts used), where SLRU serves far fewer of real
+    /// routing's picks, and SLRU above.
+    #[arg(long, default_value = "auto")]
     pub cache_policy: String,
     /// Read likely next-layer experts ahead (stale gate: the next layer's router applied to
     /// this layer's hidden state): auto, on or off. Auto turns it on for expert slices large

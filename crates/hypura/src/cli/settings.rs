@@ -153,7 +153,10 @@ pub fn parse_gpu_budget(text: &str) -> anyhow::Result<u64> {
 
 /// Mode, window, expert cache and prefetch flags.
 fn plan_options(args: &PlanArgs) -> anyhow::Result<PlanOptions> {
-    let cache_policy = crate::store::CachePolicy::parse(&args.cache_policy).with_context(|| format!("unknown cache policy {:?}: use slru or lru", args.cache_policy))?;
+    let cache_policy = match args.cache_policy.as_str() {
+        "auto" => None,
+        name => Some(crate::store::CachePolicy::parse(name).with_context(|| format!("unknown cache policy {name:?}: use auto, slru or lru"))?),
+    };
     Ok(PlanOptions {
         mode: parse_mode(&args.mode)?,
         window_layers: args.window.map(|layers| layers.max(1)),

@@ -142,7 +142,7 @@ pub(super) fn plan_experts(inventory: &Inventory, machine: &MachineFacts, option
             n_expert_used: hparams.n_expert_used,
             unit_bytes,
             cache_units,
-            policy: options.cache_policy,
+            policy: options.cache_policy.unwrap_or_else(|| CachePolicy::automatic(cache_units, (moe_layers * k) as usize)),
             min_slice_bytes,
             prefetch: options.expert_prefetch.unwrap_or(min_slice_bytes >= HUGE_SLICE_MIN_BYTES),
             max_ubatch,
@@ -158,7 +158,7 @@ pub(super) fn plan_experts(inventory: &Inventory, machine: &MachineFacts, option
 #[cfg(test)]
 mod tests {
     use crate::plan::test_support::*;
-    use crate::plan::{compute_buffer_bytes, kv_cache_bytes, plan, MachineFacts, Mode, ModeChoice, PlanError, PlanOptions, Tier};
+    use crate::plan::{compute_buffer_bytes, kv_cache_bytes, plan, CachePolicy, MachineFacts, Mode, ModeChoice, PlanError, PlanOptions, Tier};
 
     /// 128 experts of 3 × 1 MiB per layer, 8 picked per token; a budget with room for `units`
     /// units beside the rest, at a prompt batch of 512.
@@ -178,6 +178,26 @@ mod tests {
         assert_eq!(experts.cache_units, 200);
         assert_eq!(experts.max_ubatch, None);
         assert!(plan.budget.total_bytes <= plan.budget.budget_bytes);
+    }
+
+    #[test]
+    fn the_cache_policy_follows_the_cache_size_unless_given() {
+        // 4 MoE layers × 8 picks: a token touches 32 units.
+        let policy = |units: usize, given: Option<CachePolicy>| {
+            let inventory = moe_inventory(4, 128, 8, 1 << 20);
+            let fixed = inventory.tensors.iter().filter(|tensor| tensor.experts.is_none()).map(|tensor| tensor.bytes).sum::<u64>();
+            let budget = fixed + kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 512) + 200 * (3 << 20);
+            let options = PlanOptions { mode: ModeChoice::Auto, n_ctx: 1024, n_ubatch: 512, expert_cache_units: Some(units), cache_policy: given, ..PlanOptions::default() };
+            let plan = plan(&inventory, &MachineFacts { memory_budget_bytes: budget, ..MachineFacts::default() }, &options).unwrap();
+            let experts = plan.experts.unwrap();
+            assert_eq!(experts.cache_units, units);
+            experts.policy
+        };
+        assert_eq!(policy(40, None), CachePolicy::Lru);
+        assert_eq!(policy(200, None), CachePolicy::Slru);
+        assert_eq!(policy(40, Some(CachePolicy::Slru)), CachePolicy::Slru);
+        assert_eq!(CachePolicy::automatic(47, 32), CachePolicy::Lru);
+        assert_eq!(CachePolicy::automatic(48, 32), CachePolicy::Slru);
     }
 
     #[test]

@@ -63,6 +63,21 @@ pub enum CachePolicy {
 }
 
 impl CachePolicy {
+    /// The policy for a cache of `cache_units` when a token's picks touch `token_units`
+    /// (MoE layers × experts used): LRU below one and a half tokens' picks, SLRU above. On real
+    /// routing (a token changes about half its picks) SLRU's protected segment holds experts
+    /// the next token no longer picks, and a cache that small then serves a third to a half of
+    /// what LRU serves; from about 1.5 tokens' picks up the two agree within a few points, and
+    /// SLRU keeps steady experts when one-off picks pass through
+    /// (`docs/benchmarks/2026-12-01-routing/`).
+    pub fn automatic(cache_units: usize, token_units: usize) -> CachePolicy {
+        if 2 * cache_units < 3 * token_units {
+            CachePolicy::Lru
+        } else {
+            CachePolicy::Slru
+        }
+    }
+
     pub fn parse(text: &str) -> Option<CachePolicy> {
         match text {
             "lru" => Some(CachePolicy::Lru),
@@ -111,12 +126,13 @@ pub struct PlanOptions {
     /// Stale-gate expert prefetch (expert-stream); None: on where it measured a win, for
     /// slices large enough for huge pages.
     pub expert_prefetch: Option<bool>,
-    pub cache_policy: CachePolicy,
+    /// The expert cache's policy; None chooses by the cache's size (`CachePolicy::automatic`).
+    pub cache_policy: Option<CachePolicy>,
 }
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        PlanOptions { mode: ModeChoice::Auto, n_ctx: 4096, n_sequences: 1, n_ubatch: 512, window_layers: None, expert_cache_units: None, expert_prefetch: None, cache_policy: CachePolicy::Slru }
+        PlanOptions { mode: ModeChoice::Auto, n_ctx: 4096, n_sequences: 1, n_ubatch: 512, window_layers: None, expert_cache_units: None, expert_prefetch: None, cache_policy: None }
     }
 }
 
