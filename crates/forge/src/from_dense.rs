@@ -150,9 +150,8 @@ pub fn moe_from_dense(source: &Path, output: &Path, options: &FromDense) -> Resu
         return Err(bad(source, format!("{n_ff} FFN neurons do not split into {n_clusters} equal experts")));
     }
     let dims = Dims { n_embd, n_ff, width: n_ff / n_clusters, n_clusters, n_shared };
-    let down_type = DOWN_TYPE;
-    if !(dims.width as u64).is_multiple_of(down_type.block_size()) {
-        return Err(bad(source, format!("experts of {} neurons are not a whole number of {}-value blocks", dims.width, down_type.block_size())));
+    if !(dims.width as u64).is_multiple_of(DOWN_TYPE.block_size()) {
+        return Err(bad(source, format!("experts of {} neurons are not a whole number of {}-value blocks", dims.width, DOWN_TYPE.block_size())));
     }
     for layer in 0..n_layer {
         for (part, expected) in [("gate", [n_embd, n_ff]), ("up", [n_embd, n_ff]), ("down", [n_ff, n_embd])] {
@@ -178,7 +177,7 @@ pub fn moe_from_dense(source: &Path, output: &Path, options: &FromDense) -> Resu
             let tensor = |part: &str| model.tensor(&format!("blk.{layer}.ffn_{part}.weight")).expect("checked above");
             let (gate, up, down) = (tensor("gate"), tensor("up"), tensor("down"));
             let layer_seed = options.seed ^ (layer as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            expert_layer(dims, &inputs[layer], (gate.ggml_type, &read(gate)?), (up.ggml_type, &read(up)?), (down.ggml_type, &read(down)?), down_type, weight_scale, layer_seed)
+            expert_layer(dims, &inputs[layer], (gate.ggml_type, &read(gate)?), (up.ggml_type, &read(up)?), (down.ggml_type, &read(down)?), weight_scale, layer_seed)
         })
         .collect::<Result<_, ForgeError>>()?;
 
@@ -221,7 +220,7 @@ pub fn moe_from_dense(source: &Path, output: &Path, options: &FromDense) -> Resu
         match ffn_layer {
             Some(layer) if !emitted[layer] => {
                 emitted[layer] = true;
-                for (part, (name, shape, ggml_type)) in expert_tensors(dims, &model, layer, down_type, target.shared).into_iter().enumerate() {
+                for (part, (name, shape, ggml_type)) in expert_tensors(dims, &model, layer, target.shared).into_iter().enumerate() {
                     writer.add_tensor(name, &shape, ggml_type);
                     sources.push(Source::Expert { layer, part });
                 }
@@ -263,7 +262,7 @@ pub fn moe_from_dense(source: &Path, output: &Path, options: &FromDense) -> Resu
         n_layer: n_layer as u64,
         expert_width: dims.width as u64,
         shared_width: (dims.width * n_shared) as u64,
-        down_type,
+        down_type: DOWN_TYPE,
         tensor_count: writer.tensors.len(),
         file_bytes: layout.file_bytes,
     })
@@ -271,7 +270,7 @@ pub fn moe_from_dense(source: &Path, output: &Path, options: &FromDense) -> Resu
 
 /// Names, shapes and types of one layer's expert tensors, in the order `expert_layer` makes
 /// their bytes.
-fn expert_tensors(dims: Dims, model: &Gguf, layer: usize, down_type: GgmlType, shared: bool) -> Vec<(String, Vec<u64>, GgmlType)> {
+fn expert_tensors(dims: Dims, model: &Gguf, layer: usize, shared: bool) -> Vec<(String, Vec<u64>, GgmlType)> {
     let (n_embd, width, n_expert) = (dims.n_embd as u64, dims.width as u64, (dims.n_clusters - dims.n_shared) as u64);
     let source_type = |part: &str| model.tensor(&format!("blk.{layer}.ffn_{part}.weight")).expect("checked by the caller").ggml_type;
     let name = |part: &str| format!("blk.{layer}.{part}.weight");
@@ -279,7 +278,7 @@ fn expert_tensors(dims: Dims, model: &Gguf, layer: usize, down_type: GgmlType, s
         (name("ffn_gate_inp"), vec![n_embd, n_expert], GgmlType::F32),
         (name("ffn_gate_exps"), vec![n_embd, width, n_expert], source_type("gate")),
         (name("ffn_up_exps"), vec![n_embd, width, n_expert], source_type("up")),
-        (name("ffn_down_exps"), vec![width, n_embd, n_expert], down_type),
+        (name("ffn_down_exps"), vec![width, n_embd, n_expert], DOWN_TYPE),
     ];
     if shared {
         let shared_width = width * dims.n_shared as u64;
@@ -287,7 +286,7 @@ fn expert_tensors(dims: Dims, model: &Gguf, layer: usize, down_type: GgmlType, s
             (name("ffn_gate_inp_shexp"), vec![n_embd], GgmlType::F32),
             (name("ffn_gate_shexp"), vec![n_embd, shared_width], source_type("gate")),
             (name("ffn_up_shexp"), vec![n_embd, shared_width], source_type("up")),
-            (name("ffn_down_shexp"), vec![shared_width, n_embd], down_type),
+            (name("ffn_down_shexp"), vec![shared_width, n_embd], DOWN_TYPE),
         ]);
     }
     tensors
@@ -296,16 +295,7 @@ fn expert_tensors(dims: Dims, model: &Gguf, layer: usize, down_type: GgmlType, s
 /// One layer's expert tensors' bytes, in `expert_tensors` order. `inputs` are the layer's FFN
 /// inputs on the calibration text, one row of `n_embd` per token.
 #[allow(clippy::too_many_arguments)]
-fn expert_layer(
-    dims: Dims,
-    inputs: &[f32],
-    gate: (GgmlType, &[u8]),
-    up: (GgmlType, &[u8]),
-    down: (GgmlType, &[u8]),
-    down_type: GgmlType,
-    weight_scale: f32,
-    seed: u64,
-) -> Result<Vec<Vec<u8>>, ForgeError> {
+fn expert_layer(dims: Dims, inputs: &[f32], gate: (GgmlType, &[u8]), up: (GgmlType, &[u8]), down: (GgmlType, &[u8]), weight_scale: f32, seed: u64) -> Result<Vec<Vec<u8>>, ForgeError> {
     let Dims { n_embd, n_ff, n_clusters, n_shared, .. } = dims;
     let gate_values = dequantize_rows(gate.0.id(), gate.1, n_embd)?;
     let up_values = dequantize_rows(up.0.id(), up.1, n_embd)?;
@@ -315,7 +305,11 @@ fn expert_layer(
 
     // How much each neuron adds to each token's output: |silu(gate·x) · (up·x)| times the
     // length of its down column. Row j holds neuron j's importance over the tokens.
-    let column_norms: Vec<f32> = (0..n_ff).map(|j| (0..n_embd).map(|r| down_values[r * n_ff + j].powi(2)).sum::<f32>().sqrt()).collect();
+    let mut column_norms = vec![0f32; n_ff];
+    for row in down_values.chunks_exact(n_ff) {
+        column_norms.iter_mut().zip(row).for_each(|(norm, value)| *norm += value * value);
+    }
+    column_norms.iter_mut().for_each(|norm| *norm = norm.sqrt());
     let importance: Vec<f32> = (0..n_ff)
         .into_par_iter()
         .flat_map_iter(|j| {
@@ -324,21 +318,27 @@ fn expert_layer(
             (0..n_tokens).map(move |t| (silu(dot(g, token(t))) * dot(u, token(t))).abs() * column_norm)
         })
         .collect();
-    // Experts are neurons that work together: clusters of the importance patterns.
-    let mut clusters = cluster_rows(&importance, n_tokens, n_clusters, seed);
-    let score = |members: &[usize], t: usize| members.iter().map(|&j| importance[j * n_tokens + t]).sum::<f32>();
-    let total = |members: &[usize]| (0..n_tokens).map(|t| score(members, t)).sum::<f32>();
-    // The clusters that do the most on every text form the shared expert.
-    clusters.sort_by(|a, b| total(b).total_cmp(&total(a)));
+    // Experts are neurons that work together: clusters of the importance patterns. A
+    // cluster's score for a token is its neurons' summed importance.
+    let mut clusters: Vec<(Vec<usize>, Vec<f32>)> = cluster_rows(&importance, n_tokens, n_clusters, seed)
+        .into_iter()
+        .map(|members| {
+            let scores = (0..n_tokens).map(|t| members.iter().map(|&j| importance[j * n_tokens + t]).sum()).collect();
+            (members, scores)
+        })
+        .collect();
+    // The clusters that do the most over the whole text form the shared expert.
+    let total = |scores: &[f32]| scores.iter().sum::<f32>();
+    clusters.sort_by(|a, b| total(&b.1).total_cmp(&total(&a.1)));
     let (shared, routed) = clusters.split_at(n_shared);
-    let shared_members: Vec<usize> = shared.iter().flatten().copied().collect();
+    let shared_members: Vec<usize> = shared.iter().flat_map(|(members, _)| members.iter().copied()).collect();
 
     // Router: each cluster's score, fitted linearly to the FFN input (ridge regression). The
     // shared expert's gate is fitted the same way: llama.cpp computes its sigmoid as
     // silu(x) / x, which is NaN at exactly 0, so it cannot be a zero vector.
-    let mut targets: Vec<Vec<f32>> = routed.iter().map(|members| (0..n_tokens).map(|t| score(members, t)).collect()).collect();
+    let mut targets: Vec<Vec<f32>> = routed.iter().map(|(_, scores)| scores.clone()).collect();
     if n_shared > 0 {
-        targets.push((0..n_tokens).map(|t| score(&shared_members, t)).collect());
+        targets.push((0..n_tokens).map(|t| shared_members.iter().map(|&j| importance[j * n_tokens + t]).sum()).collect());
     }
     let rows_fitted = fit_linear(inputs, n_embd, &targets);
     let largest = rows_fitted[..routed.len()].iter().flat_map(|row| (0..n_tokens).map(move |t| dot(row, token(t)).abs())).fold(0f32, f32::max);
@@ -355,11 +355,11 @@ fn expert_layer(
         for neurons in members {
             let down_values = &down_values;
             let values: Vec<f32> = (0..n_embd).flat_map(|row| neurons.iter().map(move |&neuron| down_values[row * n_ff + neuron] * factor)).collect();
-            packed.extend(quantize_rows(down_type.id(), &values, neurons.len())?);
+            packed.extend(quantize_rows(DOWN_TYPE.id(), &values, neurons.len())?);
         }
         Ok(packed)
     };
-    let routed: Vec<&[usize]> = routed.iter().map(Vec::as_slice).collect();
+    let routed: Vec<&[usize]> = routed.iter().map(|(members, _)| members.as_slice()).collect();
     let mut parts = vec![router, rows(gate, &routed), rows(up, &routed), columns(&routed, weight_scale)?];
     if n_shared > 0 {
         let shared = [shared_members.as_slice()];
@@ -495,13 +495,12 @@ fn norm2(row: &[f32]) -> f32 {
     row.iter().map(|v| v * v).sum::<f32>().sqrt()
 }
 
-/// The mean of the rows `members` of `values` (rows of `n`), each first scaled to unit length
-/// where `unit` is set.
-fn mean_row(values: &[f32], n: usize, members: &[usize], unit: bool) -> Vec<f32> {
+/// The mean of the rows `members` of `values` (rows of `n`), each first scaled to unit length.
+fn mean_unit_row(values: &[f32], n: usize, members: &[usize]) -> Vec<f32> {
     let mut mean = vec![0f32; n];
     for &member in members {
         let row = &values[member * n..(member + 1) * n];
-        let scale = if unit { 1.0 / norm2(row).max(f32::MIN_POSITIVE) } else { 1.0 };
+        let scale = 1.0 / norm2(row).max(f32::MIN_POSITIVE);
         for (m, v) in mean.iter_mut().zip(row) {
             *m += v * scale;
         }
@@ -543,7 +542,7 @@ pub fn cluster_rows(values: &[f32], n: usize, n_clusters: usize, seed: u64) -> V
             }
         }
         for (centroid, members) in centroids.iter_mut().zip(&clusters) {
-            let mean = mean_row(values, n, members, true);
+            let mean = mean_unit_row(values, n, members);
             let length = norm2(&mean).max(f32::MIN_POSITIVE);
             *centroid = mean.iter().map(|v| v / length).collect();
         }

@@ -365,15 +365,12 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
     let totals = hypura.as_ref().map_or_else(TgTotals::default, |side| side.totals);
     let plan = hypura.as_ref().and_then(|side| side.engine.options().plan.clone().filter(|_| side.engine.streaming().is_some()));
     let tg = result(format!("tg{}", options.n_gen), hypura_tg_samples, peer_tg_samples);
-    let limit = match (options.disk_bytes_per_sec, totals.graphs > 0 && totals.generated > 0) {
-        (Some(rate), true) => {
-            let passes = totals.passes.max(1) as f64;
-            let tokens_per_pass = if totals.passes > 0 { totals.tokens as f64 / passes } else { 1.0 };
-            let compute_per_pass = if totals.passes > 0 { totals.compute_seconds / passes } else { totals.compute_seconds / totals.generated as f64 };
-            crate::plan::limit_tokens_per_sec(compute_per_pass, totals.bytes_read as f64 / totals.graphs as f64, rate, tokens_per_pass)
-        }
-        _ => None,
-    };
+    // The physical limit of the tg runs: their compute per decode, their bytes per pass, and
+    // the tokens a decode yielded (one without drafts).
+    let limit = options.disk_bytes_per_sec.filter(|_| totals.graphs > 0 && totals.generated > 0).and_then(|rate| {
+        let tokens_per_pass = if totals.drafted > 0 { totals.tokens as f64 / totals.passes as f64 } else { 1.0 };
+        crate::plan::limit_tokens_per_sec(totals.compute_seconds / totals.generated as f64, totals.bytes_read as f64 / totals.graphs as f64, rate, tokens_per_pass)
+    });
     Ok(BenchReport {
         model: path.to_path_buf(),
         model_description: vocab.model_description(),
