@@ -1,4 +1,4 @@
-//! Builds the C shims (Hypura's stream buffer type, the context's kernel switch, and the C interfaces of the chat layer and of speculative decoding) against the exact ggml headers that
+//! Builds the C shims (Hypura's stream buffer type, the memory-capped device of `hypura rpc-server`, the context's kernel switch, and the C interfaces of the chat layer and of speculative decoding) against the exact ggml headers that
 //! llama-cpp-sys-2 vendors (`ggml-backend-impl.h` lives in `ggml/src`).
 use std::path::PathBuf;
 
@@ -6,6 +6,8 @@ fn main() {
     let ggml = find_vendored_ggml();
     println!("cargo:rerun-if-changed=csrc/stream_buft.c");
     cc::Build::new().file("csrc/stream_buft.c").include(ggml.join("include")).include(ggml.join("src")).warnings(true).compile("hypura_stream_buft");
+    println!("cargo:rerun-if-changed=csrc/rpc_device.c");
+    cc::Build::new().file("csrc/rpc_device.c").include(ggml.join("include")).include(ggml.join("src")).warnings(true).compile("hypura_rpc_device");
     // The context shim includes llama.cpp's own context header (its scheduler accessor).
     let llama = ggml.parent().expect("ggml sits in the llama.cpp tree").to_path_buf();
     println!("cargo:rerun-if-changed=csrc/context_kernels.cpp");

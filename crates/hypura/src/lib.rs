@@ -2,8 +2,8 @@
 //!
 //! llama.cpp computes; Hypura decides where every weight lives (GPU memory, RAM or NVMe) and
 //! streams the rest from disk just in time. Data flow: `model` (the inventory read from the
-//! GGUF index) and `hw` (the measured machine) feed the pure planner; `store` moves bytes;
-//! `engine` runs llama.cpp through `hypura-sys`; `cli`, `bench` and `server` sit on top.
+//! GGUF index), `hw` (the measured machine) and `remote` (other machines' devices, through
+//! ggml's RPC backend) feed the pure planner; `store` moves bytes; `engine` runs llama.cpp through `hypura-sys`; `cli`, `bench` and `server` sit on top.
 pub mod bench;
 pub mod cli;
 pub mod engine;
@@ -11,5 +11,6 @@ pub mod format;
 pub mod hw;
 pub mod model;
 pub mod plan;
+pub mod remote;
 pub mod server;
 pub mod store;

@@ -70,40 +70,49 @@ impl Backend {
     /// takes: the best of `reps` copies, in bytes per second. None for a device that computes
     /// on host memory, or when the device cannot allocate `bytes`.
     pub fn host_to_device_bytes_per_sec(&self, device_index: usize, bytes: usize, reps: usize) -> Option<f64> {
-        let host = vec![0x5au8; bytes];
-        // SAFETY: the registry is initialised (we hold a Backend) and `device_index` is checked
-        // against the device count. The context is created with no_alloc and room for one
-        // tensor header; the tensor's memory comes from a device buffer allocated for it, and
-        // `tensor_set` copies exactly `bytes` from `host`, which is that long, into the
-        // `bytes`-byte tensor. Buffer and context are freed before returning, once each.
-        unsafe {
-            if device_index >= raw::ggml_backend_dev_count() {
-                return None;
-            }
-            let device = raw::ggml_backend_dev_get(device_index);
-            let buffer_type = raw::ggml_backend_dev_buffer_type(device);
-            if buffer_type.is_null() || raw::ggml_backend_buft_is_host(buffer_type) {
-                return None;
-            }
-            let context = raw::ggml_init(raw::ggml_init_params { mem_size: 2 * raw::ggml_tensor_overhead(), mem_buffer: std::ptr::null_mut(), no_alloc: true });
-            if context.is_null() {
-                return None;
-            }
-            let tensor = raw::ggml_new_tensor_1d(context, raw::GGML_TYPE_I8, bytes as i64);
-            let buffer = if tensor.is_null() { std::ptr::null_mut() } else { raw::ggml_backend_alloc_ctx_tensors_from_buft(context, buffer_type) };
-            let mut best: Option<f64> = None;
-            if !buffer.is_null() {
-                for _ in 0..reps.max(1) {
-                    let started = std::time::Instant::now();
-                    raw::ggml_backend_tensor_set(tensor, host.as_ptr().cast(), 0, bytes);
-                    let seconds = started.elapsed().as_secs_f64().max(1e-9);
-                    best = Some(best.map_or(bytes as f64 / seconds, |rate: f64| rate.max(bytes as f64 / seconds)));
-                }
-                raw::ggml_backend_buffer_free(buffer);
-            }
-            raw::ggml_free(context);
-            best
+        device_handles().get(device_index).and_then(|device| device.upload_bytes_per_sec(bytes, reps))
+    }
+}
+
+/// Every device in ggml's registry, in its order.
+pub(crate) fn device_handles() -> Vec<crate::rpc::DeviceHandle> {
+    // SAFETY: the registry lives for the process; every index below the count names a device.
+    unsafe { (0..raw::ggml_backend_dev_count()).map(|index| crate::rpc::DeviceHandle(raw::ggml_backend_dev_get(index))).collect() }
+}
+
+/// The rate of copying `bytes` from ordinary host memory into `device`'s own memory with
+/// `ggml_backend_tensor_set`: the best of `reps` copies, in bytes per second. None for a device
+/// that computes on host memory, or when the device cannot allocate `bytes`.
+pub(crate) fn upload_bytes_per_sec(device: raw::ggml_backend_dev_t, bytes: usize, reps: usize) -> Option<f64> {
+    let host = vec![0x5au8; bytes];
+    // SAFETY: `device` is a valid handle for the process (a DeviceHandle). The context is
+    // created with no_alloc and room for one tensor header; the tensor's memory comes from a
+    // device buffer allocated for it, and `tensor_set` copies exactly `bytes` from `host`, which
+    // is that long, into the `bytes`-byte tensor. Buffer and context are freed before
+    // returning, once each.
+    unsafe {
+        let buffer_type = raw::ggml_backend_dev_buffer_type(device);
+        if buffer_type.is_null() || raw::ggml_backend_buft_is_host(buffer_type) {
+            return None;
         }
+        let context = raw::ggml_init(raw::ggml_init_params { mem_size: 2 * raw::ggml_tensor_overhead(), mem_buffer: std::ptr::null_mut(), no_alloc: true });
+        if context.is_null() {
+            return None;
+        }
+        let tensor = raw::ggml_new_tensor_1d(context, raw::GGML_TYPE_I8, bytes as i64);
+        let buffer = if tensor.is_null() { std::ptr::null_mut() } else { raw::ggml_backend_alloc_ctx_tensors_from_buft(context, buffer_type) };
+        let mut best: Option<f64> = None;
+        if !buffer.is_null() {
+            for _ in 0..reps.max(1) {
+                let started = std::time::Instant::now();
+                raw::ggml_backend_tensor_set(tensor, host.as_ptr().cast(), 0, bytes);
+                let seconds = started.elapsed().as_secs_f64().max(1e-9);
+                best = Some(best.map_or(bytes as f64 / seconds, |rate: f64| rate.max(bytes as f64 / seconds)));
+            }
+            raw::ggml_backend_buffer_free(buffer);
+        }
+        raw::ggml_free(context);
+        best
     }
 }
 
@@ -125,7 +134,7 @@ pub(crate) fn cpu_buffer_type() -> Result<raw::ggml_backend_buffer_type_t, crate
     Ok(buffer_type)
 }
 
-fn c_string(pointer: *const std::ffi::c_char) -> String {
+pub(crate) fn c_string(pointer: *const std::ffi::c_char) -> String {
     if pointer.is_null() {
         return String::new();
     }

@@ -38,4 +38,6 @@ pub enum SysError {
     Speculative(String),
     #[error("embedding: {0}")]
     Embedding(String),
+    #[error("RPC: {0}")]
+    Rpc(String),
 }

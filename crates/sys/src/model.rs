@@ -9,6 +9,7 @@ use llama_cpp_sys_2 as raw;
 use crate::backend::{cpu_buffer_type, Backend};
 use crate::error::SysError;
 use crate::load_reader::{new_cookie, open_stream, LoadReader};
+use crate::rpc::DeviceHandle;
 use crate::stream::StreamBufferType;
 use crate::vocab::Vocab;
 
@@ -51,16 +52,23 @@ pub struct ModelParams {
     pub use_extra_bufts: bool,
     /// Only load the vocabulary (used by tests and by tokenizer-only tools).
     pub vocab_only: bool,
+    /// The devices `n_gpu_layers` places layers on, in order (llama.cpp's `devices`); empty:
+    /// every GPU ggml registered.
+    pub devices: Vec<DeviceHandle>,
+    /// The share of the offloaded layers (the output counted as one more, on the last device)
+    /// each of `devices` takes, as llama.cpp's `--tensor-split`; empty: by free memory.
+    pub tensor_split: Vec<f32>,
 }
 
 impl Default for ModelParams {
     fn default() -> Self {
-        ModelParams { n_gpu_layers: -1, load_mode: LoadMode::Mmap, use_extra_bufts: true, vocab_only: false }
+        ModelParams { n_gpu_layers: -1, load_mode: LoadMode::Mmap, use_extra_bufts: true, vocab_only: false, devices: Vec::new(), tensor_split: Vec::new() }
     }
 }
 
 impl ModelParams {
-    /// llama.cpp's parameters for these (no overrides).
+    /// llama.cpp's parameters for these (no overrides, no devices: `load_placed` points them at
+    /// arrays that live through the load).
     pub(crate) fn to_raw(&self) -> raw::llama_model_params {
         // SAFETY: returns a plain struct by value.
         let mut raw_params = unsafe { raw::llama_model_default_params() };
@@ -138,12 +146,29 @@ impl Model {
         if !patterns.is_empty() {
             raw_params.tensor_buft_overrides = overrides.as_ptr();
         }
+        // A null-terminated device list, and a split llama.cpp reads `llama_max_devices()` of.
+        let mut devices: Vec<raw::ggml_backend_dev_t> = params.devices.iter().map(|device| device.0).collect();
+        devices.push(std::ptr::null_mut());
+        // SAFETY: a plain query of a compile-time constant.
+        let max_devices = unsafe { raw::llama_max_devices() };
+        if params.devices.len() > max_devices || params.tensor_split.len() > max_devices {
+            return Err(SysError::ModelLoad { path: path.to_path_buf(), reason: format!("{} devices, and llama.cpp takes at most {max_devices}", params.devices.len()) });
+        }
+        let mut split = params.tensor_split.clone();
+        split.resize(max_devices, 0.0);
+        if !params.devices.is_empty() {
+            raw_params.devices = devices.as_mut_ptr();
+        }
+        if !params.tensor_split.is_empty() {
+            raw_params.tensor_split = split.as_ptr();
+        }
         crate::log::clear_last_error();
         let mut read_error = None;
         let pointer = match placement.reader {
             None => {
                 // SAFETY: c_path is a valid NUL-terminated string for the call; the override
-                // array (null-terminated) and its pattern strings outlive the call.
+                // array (null-terminated) and its pattern strings, the device list
+                // (null-terminated) and the split (`llama_max_devices()` long) outlive the call.
                 unsafe { raw::llama_model_load_from_file(c_path.as_ptr(), raw_params) }
             }
             Some(reader) => {
@@ -153,7 +178,7 @@ impl Model {
                 let mut cookie = new_cookie(reader);
                 let stream = open_stream(&mut cookie).ok_or(SysError::Allocation("a stdio stream for the model file"))?;
                 // SAFETY: the stream is valid until fclose below and its cookie outlives it; the
-                // override array and its strings outlive the call.
+                // override array and its strings, the device list and the split outlive the call.
                 let pointer = unsafe { raw::llama_model_load_from_file_ptr(stream.cast(), raw_params) };
                 // SAFETY: the stream came from fopencookie and is closed once; llama.cpp does
                 // not keep it (the loader is gone when the load returns).

@@ -24,6 +24,32 @@ pub enum Command {
     Simulate(SimulateArgs),
     /// Serve models over HTTP with Ollama's API and OpenAI's.
     Serve(ServeArgs),
+    /// Lend this machine's devices to other Hypura (or llama.cpp) processes over ggml's RPC
+    /// protocol, which has no authentication: bind only to networks you trust.
+    RpcServer(RpcServerArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct RpcServerArgs {
+    /// Address to bind. The default serves this machine only; the protocol has no
+    /// authentication, so another address lends this machine to anyone who reaches it.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 50052)]
+    pub port: u16,
+    /// Keep tensors clients send in this directory (ggml's cache: a later load of the same
+    /// model sends hashes instead of bytes).
+    #[arg(long)]
+    pub cache: Option<PathBuf>,
+    /// ggml devices to lend, comma-separated (default: CPU).
+    #[arg(long, value_delimiter = ',')]
+    pub device: Vec<String>,
+    /// Memory to lend, e.g. 4GiB (default: available memory, cgroup-aware, minus headroom).
+    #[arg(long)]
+    pub mem: Option<String>,
+    /// CPU threads (default: every core).
+    #[arg(long, short = 't')]
+    pub threads: Option<usize>,
 }
 
 #[derive(Args, Debug)]
@@ -34,6 +60,9 @@ pub struct ProfileArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Also measure the links to these RPC workers (round trip and upload rate), comma-separated.
+    #[arg(long, value_delimiter = ',', value_name = "HOST:PORT")]
+    pub rpc: Vec<String>,
     /// A file or directory on the volume to measure (default: the cache directory). A model
     /// file is read, never written.
     #[arg(long)]
@@ -128,6 +157,15 @@ pub struct PlanArgs {
     /// Record the router's choices to this file (JSON lines), for `hypura simulate`.
     #[arg(long)]
     pub trace: Option<std::path::PathBuf>,
+    /// RPC workers (`hypura rpc-server` on other machines, or llama.cpp's `rpc-server`),
+    /// comma-separated: their devices may hold the last layers whole, where the plan predicts
+    /// that beats streaming them locally. The protocol has no authentication.
+    #[arg(long, value_delimiter = ',', value_name = "HOST:PORT")]
+    pub rpc: Vec<String>,
+    /// Milliseconds added to every round trip to the RPC workers: an emulated link, for
+    /// measuring on one machine what a slower network would cost.
+    #[arg(long, value_name = "MS", requires = "rpc")]
+    pub rpc_link_delay: Option<f64>,
 }
 
 /// Model and context flags shared by `run` and `bench`.

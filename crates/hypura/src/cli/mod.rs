@@ -16,5 +16,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(args) => commands::bench::run(&args),
         Command::Simulate(args) => commands::simulate::run(&args),
         Command::Serve(args) => commands::serve::run(&args),
+        Command::RpcServer(args) => commands::rpc_server::run(&args),
     }
 }

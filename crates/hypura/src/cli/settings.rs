@@ -91,8 +91,22 @@ pub fn plan_spec(args: &PlanArgs, context: Option<u32>, threads: Option<i32>) ->
         io_workers: args.io_workers,
         trace_routing: args.trace.is_some(),
         plan: plan_options(args)?,
+        remote: remote_workers(args)?,
         ..RunSpec::default()
     })
+}
+
+/// The RPC workers of `--rpc`, checked and connected; None without the flag.
+pub fn remote_workers(args: &PlanArgs) -> anyhow::Result<Option<std::sync::Arc<crate::remote::Workers>>> {
+    if args.rpc.is_empty() {
+        return Ok(None);
+    }
+    let delay = match args.rpc_link_delay {
+        Some(ms) if !(0.0..=10_000.0).contains(&ms) => anyhow::bail!("--rpc-link-delay {ms} must be between 0 and 10000 ms"),
+        Some(ms) => std::time::Duration::from_secs_f64(ms / 1e3),
+        None => std::time::Duration::ZERO,
+    };
+    Ok(Some(crate::remote::Workers::connect(&args.rpc, delay, true)?))
 }
 
 /// The flags' plan, for this machine: facts read once, plan, engine options.

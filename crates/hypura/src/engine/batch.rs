@@ -350,6 +350,13 @@ impl Batcher {
             self.fail_batch(|| EngineError::Store(message.clone()));
             return true;
         }
+        // A remote worker that stopped answering was answered for with zeros by its relay: the
+        // batch's logits are wrong, and the request fails with the worker's name.
+        if let Err(error) = self.engine.check_remote() {
+            let message = error.to_string();
+            self.fail_batch(|| EngineError::Decode(message.clone()));
+            return true;
+        }
         if let Err(error) = decoded {
             // The one sequence in the batch was cancelled mid-decode: it ends, cancelled.
             let cancelled = self.armed.as_ref().filter(|(_, cancel)| cancel.load(Ordering::Relaxed)).and_then(|(seq_id, _)| self.slots.iter().position(|slot| slot.seq_id == *seq_id));

@@ -11,6 +11,7 @@ use super::chat::ChatTemplate;
 use super::EngineError;
 use crate::model::Inventory;
 use crate::plan::{Mode, Plan, Tier};
+use crate::remote::Workers;
 use crate::store::io::{DirectFile, Region};
 use crate::store::layout::{advise_huge_slices, dense_units, place_in_slots};
 use crate::store::load::StoreLoadReader;
@@ -50,6 +51,8 @@ pub struct EngineOptions {
     /// Speculative decoding: drafts (a draft model's, or n-grams of the sequence's own tokens)
     /// verified several tokens to one pass over the weights.
     pub speculation: Option<Speculation>,
+    /// RPC workers whose devices hold the plan's remote layers (`Plan::remote`).
+    pub remote: Option<Arc<Workers>>,
 }
 
 /// Tokens the n-gram drafters match by default (`Speculation::new`).
@@ -106,6 +109,7 @@ impl Default for EngineOptions {
             batch_invariant: false,
             chat_template: None,
             speculation: None,
+            remote: None,
         }
     }
 }
@@ -240,17 +244,20 @@ impl Engine {
         let path = inventory.path.clone();
         let path = path.as_path();
         let backend = Backend::get();
-        let streams = options.plan.as_ref().is_some_and(|plan| plan.mode != Mode::Resident && plan.streamed_tensors().next().is_some());
+        let streams = options.plan.as_ref().is_some_and(|plan| plan.mode != Mode::Resident && plan.tensors.iter().any(|tensor| matches!(tensor.tier, Tier::Stream | Tier::Mapped)));
         let (model, streaming) = if streams {
             let plan = options.plan.as_ref().expect("checked above");
             let (model, streaming) = load_streaming(backend, path, &inventory, plan, &options)?;
             (model, Some(streaming))
         } else {
+            let (devices, tensor_split) = remote_devices(&options)?;
             let params = ModelParams {
                 n_gpu_layers: options.plan.as_ref().map_or(options.n_gpu_layers, Plan::n_gpu_layers),
                 load_mode: options.load_mode,
                 use_extra_bufts: options.repack && !options.batch_invariant,
                 vocab_only: false,
+                devices,
+                tensor_split,
             };
             let host_patterns = options.plan.as_ref().map(|plan| plan.host_patterns(&[Tier::Ram])).unwrap_or_default();
             (Model::load_placed(backend, path, &params, Placement { host_patterns, ..Placement::default() })?, None)
@@ -262,6 +269,16 @@ impl Engine {
             None => None,
         };
         Ok(Engine { model, draft, streaming, inventory, template, options, load_duration: started.elapsed() })
+    }
+
+    /// Fails where a remote worker of the plan stopped answering.
+    pub fn check_remote(&self) -> Result<(), crate::remote::RemoteError> {
+        self.options.remote.as_ref().map_or(Ok(()), |workers| workers.check())
+    }
+
+    /// Traffic over the links to the remote workers so far (None without them).
+    pub fn remote_traffic(&self) -> Option<crate::remote::Traffic> {
+        self.options.remote.as_ref().map(|workers| workers.traffic())
     }
 
     /// The draft model of speculative decoding, if the engine has one.
@@ -373,7 +390,9 @@ fn load_draft(backend: &Backend, inventory: &Inventory, target: &Model, speculat
     // they would be page cache that the streamed reads evict.
     let streams = options.plan.as_ref().is_some_and(|plan| plan.mode != Mode::Resident);
     let load_mode = if streams { LoadMode::Read } else { options.load_mode };
-    let params = ModelParams { n_gpu_layers: if on_gpu { -1 } else { 0 }, load_mode, use_extra_bufts: options.repack, vocab_only: false };
+    // The draft computes locally: its layers never go to a remote tier's devices.
+    let on_gpu = on_gpu && options.plan.as_ref().is_some_and(|plan| plan.remote.is_none());
+    let params = ModelParams { n_gpu_layers: if on_gpu { -1 } else { 0 }, load_mode, use_extra_bufts: options.repack, ..ModelParams::default() };
     let draft = Model::load(backend, path, &params)?;
     if !Speculator::compatible(target, &draft) {
         return unsupported(format!("the vocabulary of the draft model {} does not match the target's", path.display()));
@@ -462,7 +481,8 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
         Placement { streamed: in_region.iter().map(|tensor| (tensor.name.clone(), buffer_type.clone())).collect(), host_patterns: plan.host_patterns(&[Tier::Ram]), reader: Some(Box::new(reader)) };
     // Streamed tensors cannot be repacked, and resident ones must not be either, or streamed
     // and resident runs would compute with different kernels.
-    let params = ModelParams { n_gpu_layers: plan.n_gpu_layers(), load_mode: LoadMode::Read, use_extra_bufts: false, vocab_only: false };
+    let (devices, tensor_split) = remote_devices(options)?;
+    let params = ModelParams { n_gpu_layers: plan.n_gpu_layers(), load_mode: LoadMode::Read, use_extra_bufts: false, vocab_only: false, devices, tensor_split };
     let model = Model::load_placed(backend, path, &params, placement)?;
     let moved = buffer_type.finalize();
     drop(sink);
@@ -511,4 +531,42 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
         _ => None,
     };
     Ok((model, Streaming { driver: StreamDriver::new(dense, experts), stats, load_bytes, arch: inventory.arch.clone() }))
+}
+
+/// llama.cpp's device list and tensor split for a plan with a remote tier: its devices in
+/// order, each taking its share of the layers; empty otherwise (llama.cpp's own GPUs).
+fn remote_devices(options: &EngineOptions) -> Result<(Vec<hypura_sys::DeviceHandle>, Vec<f32>), EngineError> {
+    let Some(remote) = options.plan.as_ref().and_then(|plan| plan.remote.as_ref()) else { return Ok((Vec::new(), Vec::new())) };
+    let workers = options.remote.as_ref().ok_or_else(|| EngineError::Setup("the plan puts layers on remote devices, but no RPC worker is connected".into()))?;
+    workers.check()?;
+    let names: Vec<&str> = remote.shares.iter().map(|share| share.name.as_str()).collect();
+    let devices = workers.handles(&names);
+    if devices.len() != names.len() {
+        return Err(EngineError::Setup(format!(
+            "the plan names remote devices {names:?}, and the connected workers offer {:?}",
+            workers.devices.iter().map(|device| &device.name).collect::<Vec<_>>()
+        )));
+    }
+    // A worker that has less memory now than it had when the plan was made is refused here,
+    // with the numbers, before any weight is sent.
+    for (share, device) in remote.shares.iter().zip(&devices) {
+        let (free, _) = device.memory();
+        workers.check()?;
+        if free < share.total_bytes() {
+            return Err(EngineError::Setup(format!(
+                "RPC worker {} ({}) has {} free, and the plan puts {} there (layers {}-{}: {} weights + {} KV cache + {} compute + {} reserve)",
+                share.worker,
+                share.name,
+                crate::format::format_bytes(free),
+                crate::format::format_bytes(share.total_bytes()),
+                share.layers.start,
+                share.layers.end - 1,
+                crate::format::format_bytes(share.weight_bytes),
+                crate::format::format_bytes(share.kv_cache_bytes),
+                crate::format::format_bytes(share.compute_buffer_bytes),
+                crate::format::format_bytes(crate::plan::REMOTE_RESERVE_BYTES)
+            )));
+        }
+    }
+    Ok((devices, remote.tensor_split()))
 }

@@ -56,4 +56,6 @@ pub enum EngineError {
     Plan(#[from] crate::plan::PlanError),
     #[error("{0}")]
     Setup(String),
+    #[error(transparent)]
+    Remote(#[from] crate::remote::RemoteError),
 }

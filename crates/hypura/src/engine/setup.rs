@@ -45,6 +45,8 @@ pub struct RunSpec {
     /// draft length (`n_max`) of 0 and a negative `p_min` are chosen with the plan
     /// (`Speculation::defaults_for`).
     pub speculation: Option<Speculation>,
+    /// Connected RPC workers, whose devices the plan may put the last layers on.
+    pub remote: Option<std::sync::Arc<crate::remote::Workers>>,
 }
 
 impl Default for RunSpec {
@@ -65,6 +67,7 @@ impl Default for RunSpec {
             trace_routing: false,
             plan: PlanOptions::default(),
             speculation: None,
+            remote: None,
         }
     }
 }
@@ -119,6 +122,7 @@ pub fn prepare(path: &Path, spec: &RunSpec) -> Result<Setup, EngineError> {
             }
             speculation
         }),
+        remote: spec.remote.clone(),
         ..EngineOptions::default()
     };
     Ok(Setup { inventory, facts, options })
@@ -365,6 +369,7 @@ pub fn machine_facts(spec: &RunSpec, model: &Path) -> Result<MachineFacts, Engin
         compute_seconds_per_token,
         gpu_budget_bytes,
         gpu_runtime_bytes: if gpu_budget_bytes > 0 { GPU_RUNTIME_DEVICE_BYTES } else { 0 },
+        remote_devices: spec.remote.as_ref().map(|workers| workers.facts()).unwrap_or_default(),
     })
 }
 

@@ -52,7 +52,10 @@ struct DenseCandidate {
 pub(super) fn plan_dense(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions, all_layer_ffn: &[u64], base: Plan) -> Result<Plan, PlanError> {
     let gpu = &base.gpu;
     let BudgetUse { budget_bytes: budget, resident_weight_bytes: weights, kv_cache_bytes: kv, compute_buffer_bytes: compute, total_bytes: everything, .. } = base.budget;
-    let host_layers: Vec<u32> = (0..all_layer_ffn.len() as u32).filter(|layer| !gpu.as_ref().is_some_and(|gpu| gpu.ffn_layers.contains(layer))).collect();
+    let remote = &base.remote;
+    let host_layers: Vec<u32> = (0..all_layer_ffn.len() as u32)
+        .filter(|layer| !gpu.as_ref().is_some_and(|gpu| gpu.ffn_layers.contains(layer)) && !remote.as_ref().is_some_and(|remote| remote.layers.contains(layer)))
+        .collect();
     let layer_ffn: Vec<u64> = host_layers.iter().map(|&layer| all_layer_ffn[layer as usize]).collect();
     if layer_ffn.iter().all(|&bytes| bytes == 0) {
         if all_layer_ffn.iter().any(|&bytes| bytes > 0) {
@@ -74,7 +77,7 @@ pub(super) fn plan_dense(inventory: &Inventory, machine: &MachineFacts, options:
             kv,
             compute,
         })?;
-    let tensors = place(inventory, gpu.as_ref(), |tensor| {
+    let tensors = place(inventory, gpu.as_ref(), remote.as_ref(), |tensor| {
         let streamed = is_streamable(tensor) && layout.streamed_layers.contains(&tensor.layer.expect("streamable tensors have a layer"));
         match (streamed, is_streamable(tensor)) {
             (true, _) => (Tier::Stream, "FFN of a streamed layer: read through the window each token"),

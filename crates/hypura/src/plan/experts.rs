@@ -43,7 +43,7 @@ pub const HUGE_SLICE_MIN_BYTES: u64 = 4 << 20;
 pub(super) fn plan_experts(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions, base: Plan) -> Result<Plan, PlanError> {
     let hparams = &inventory.hparams;
     let n_expert = hparams.n_expert;
-    let on_gpu = |tensor: &TensorEntry| base.gpu.as_ref().is_some_and(|gpu| gpu.holds(tensor));
+    let on_gpu = |tensor: &TensorEntry| base.gpu.as_ref().is_some_and(|gpu| gpu.holds(tensor)) || base.remote.as_ref().is_some_and(|remote| remote.holds(tensor));
     let streamed: Vec<&TensorEntry> = inventory.expert_tensors().filter(|tensor| !on_gpu(tensor)).collect();
     if n_expert == 0 || inventory.expert_tensors().next().is_none() {
         return Err(PlanError::ModeUnavailable { mode: "expert-stream", what: "routed expert tensors" });
@@ -113,7 +113,7 @@ pub(super) fn plan_experts(inventory: &Inventory, machine: &MachineFacts, option
         (Some(ubatch), compute)
     };
     let dense_streamed_layers = dense.as_ref().map_or(&[][..], |dense| &dense.layout.streamed_layers[..]);
-    let tensors = place(inventory, base.gpu.as_ref(), |tensor| {
+    let tensors = place(inventory, base.gpu.as_ref(), base.remote.as_ref(), |tensor| {
         if tensor.experts.is_some() {
             (Tier::Stream, "routed experts: only the router's picks are read, through the expert cache")
         } else if tensor.role.is_dense_ffn() && tensor.layer.is_some_and(|layer| dense_streamed_layers.contains(&layer)) {

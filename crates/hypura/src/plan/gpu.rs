@@ -3,6 +3,7 @@
 //! `n_gpu_layers` and the override patterns that keep host tensors in host memory.
 use serde::Serialize;
 
+use super::remote::RemoteLayout;
 use super::sizing::{compute_buffer_bytes, context_memory_bytes, is_streamable, on_input_layer, output_is_tied, TOKEN_EMBEDDING};
 use super::types::{MachineFacts, Plan, PlanOptions, TensorPlacement, Tier};
 use crate::format::format_bytes;
@@ -197,14 +198,16 @@ impl DeviceCosts<'_> {
     }
 }
 
-/// Each tensor's tier: the GPU's where it holds the tensor, else what `host` says.
-pub(super) fn place(inventory: &Inventory, gpu: Option<&GpuLayout>, host: impl Fn(&TensorEntry) -> (Tier, &'static str)) -> Vec<TensorPlacement> {
+/// Each tensor's tier: the GPU's where it holds the tensor, a remote device's where the remote
+/// tier holds its layer, else what `host` says.
+pub(super) fn place(inventory: &Inventory, gpu: Option<&GpuLayout>, remote: Option<&RemoteLayout>, host: impl Fn(&TensorEntry) -> (Tier, &'static str)) -> Vec<TensorPlacement> {
     inventory
         .tensors
         .iter()
         .map(|tensor| {
-            let (tier, why) = match gpu {
-                Some(gpu) if gpu.holds(tensor) => (Tier::Gpu, gpu_reason(gpu, tensor)),
+            let (tier, why) = match (gpu, remote) {
+                (Some(gpu), _) if gpu.holds(tensor) => (Tier::Gpu, gpu_reason(gpu, tensor)),
+                (_, Some(remote)) if remote.holds(tensor) => (Tier::Remote, "a layer a remote device holds whole: computed there"),
                 _ => host(tensor),
             };
             TensorPlacement { name: tensor.name.clone(), layer: tensor.layer, tier, bytes: tensor.bytes, why }
@@ -223,8 +226,12 @@ fn gpu_reason(gpu: &GpuLayout, tensor: &TensorEntry) -> &'static str {
 
 impl Plan {
     /// llama.cpp's `n_gpu_layers` for this plan: every layer (and the output) with a GPU tier,
-    /// the output and the last layers where the tier holds just those, none without.
+    /// the output and the last layers where the tier (or the remote tier) holds just those,
+    /// none without.
     pub fn n_gpu_layers(&self) -> i32 {
+        if let Some(remote) = &self.remote {
+            return remote.n_gpu_layers();
+        }
         match &self.gpu {
             // llama.cpp counts the output as one more layer, offloaded first.
             Some(GpuLayout { whole_layers: Some(layers), .. }) => layers.len() as i32 + 1,
@@ -236,6 +243,17 @@ impl Plan {
     /// Override patterns (exact names) that keep the tensors of `tiers` in host memory where
     /// `n_gpu_layers` would put them on the GPU: empty without a GPU tier.
     pub fn host_patterns(&self, tiers: &[Tier]) -> Vec<String> {
+        if self.remote.is_some() {
+            // `n_gpu_layers` gives the last device the output too: it stays on the host, where
+            // the logits are read (a row of the vocabulary per token instead of the logits over
+            // the link).
+            return self
+                .tensors
+                .iter()
+                .filter(|tensor| tiers.contains(&tensor.tier) && tensor.layer.is_none() && tensor.name != TOKEN_EMBEDDING)
+                .map(|tensor| exact_name_pattern(&tensor.name))
+                .collect();
+        }
         let Some(gpu) = &self.gpu else {
             return Vec::new();
         };

@@ -14,6 +14,7 @@
 mod dense;
 mod experts;
 mod gpu;
+mod remote;
 mod render;
 mod sizing;
 #[cfg(test)]
@@ -23,6 +24,7 @@ mod types;
 pub use dense::{limit_tokens_per_sec, DenseLayout, READ_CHUNK_BYTES};
 pub use experts::{ExpertLayout, HUGE_SLICE_MIN_BYTES};
 pub use gpu::GpuLayout;
+pub use remote::{RemoteDeviceFacts, RemoteLayout, RemoteShare, REMOTE_RESERVE_BYTES};
 pub use sizing::{compute_buffer_bytes, context_memory_bytes, kv_cache_bytes};
 pub use types::{BudgetUse, CachePolicy, MachineFacts, Mode, ModeChoice, Plan, PlanError, PlanOptions, TensorPlacement, Tier};
 
@@ -30,6 +32,7 @@ use crate::model::{Inventory, Role, TensorEntry};
 use dense::plan_dense;
 use experts::plan_experts;
 use gpu::{gpu_tier, place};
+use remote::remote_tier;
 use sizing::ffn_bytes_by_layer;
 
 /// The plan for `inventory` on `machine`: the GPU tier first, then the mode (resident where the
@@ -64,19 +67,82 @@ fn plan_loaded(inventory: &Inventory, machine: &MachineFacts, options: &PlanOpti
     // Forced streaming (tests, benchmarks) streams every FFN layer the host cannot hold: none
     // of them goes to the GPU.
     let forced_stream = matches!(options.mode, ModeChoice::Forced(Mode::DenseStream | Mode::ExpertStream));
+    // Remote devices and a local GPU are not combined yet: with remote devices, the host's
+    // layers compute on the CPU.
     let (gpu, gpu_unused) = match gpu_tier(inventory, options, machine, &all_layer_ffn, !forced_stream) {
+        Ok(Some(_)) if !machine.remote_devices.is_empty() => (None, Some("remote devices were given: a local GPU tier beside them is not built".to_string())),
         Ok(gpu) => (gpu, None),
         Err(why) => (None, Some(why)),
     };
-    let on_gpu = |tensor: &TensorEntry| gpu.as_ref().is_some_and(|gpu| gpu.holds(tensor));
-    // What the host holds: weights not on the GPU, the KV cache unless the GPU holds it, and
-    // the CPU's compute buffers (the CPU still computes host-resident and streamed layers).
-    let weights: u64 = inventory.tensors.iter().filter(|tensor| !on_gpu(tensor)).map(|tensor| tensor.bytes).sum();
-    let kv = context_memory_bytes(inventory, options.n_ctx, options.n_sequences) - gpu.as_ref().map_or(0, |gpu| gpu.kv_cache_bytes);
+    let local = plan_host(inventory, machine, options, &all_layer_ffn, gpu.clone(), gpu_unused.clone(), None);
+    let Some(mut remote) = remote_tier(inventory, options, machine) else {
+        let unused = (!machine.remote_devices.is_empty()).then(|| "no remote device holds one layer with its KV cache and compute buffer".to_string());
+        return local.map(|plan| Plan { remote_unused: unused, ..plan });
+    };
+    // The remote tier against streaming locally alone: the host's time for its layers, the
+    // remote layers' compute (as the host would take for them) and the links.
+    let n_layer = inventory.hparams.n_layer.max(1) as f64;
+    let remote_share = remote.layers.len() as f64 / n_layer;
+    let local_seconds = local.as_ref().map_or(f64::INFINITY, |plan| remote::host_seconds_per_token(machine, plan.streamed_bytes_per_token, 1.0));
+    remote.local_seconds_per_token = local_seconds;
+    let with_remote = plan_host(inventory, machine, options, &all_layer_ffn, None, gpu_unused, Some(remote.clone()));
+    let remote_seconds = with_remote.as_ref().map_or(f64::INFINITY, |plan| {
+        remote::host_seconds_per_token(machine, plan.streamed_bytes_per_token, 1.0 - remote_share) + machine.compute_seconds_per_token.unwrap_or(0.0) * remote_share + remote.link_seconds_per_token
+    });
+    remote.predicted_seconds_per_token = remote_seconds;
+    match with_remote {
+        Ok(mut plan) if remote_seconds < local_seconds || local.is_err() => {
+            plan.remote = Some(remote);
+            Ok(plan)
+        }
+        with_remote => {
+            let why = match with_remote {
+                Err(error) => format!("the host cannot hold the layers before {}: {error}", remote.describe()),
+                Ok(_) => format!(
+                    "streaming locally alone is predicted faster ({} per token against {} with {} and {} of links)",
+                    format_seconds(local_seconds),
+                    format_seconds(remote_seconds),
+                    remote.describe(),
+                    format_seconds(remote.link_seconds_per_token)
+                ),
+            };
+            local.map(|plan| Plan { remote_unused: Some(why), ..plan })
+        }
+    }
+}
+
+/// A duration in the unit that reads best: ms below a second.
+fn format_seconds(seconds: f64) -> String {
+    if seconds.is_infinite() {
+        "unbounded".into()
+    } else if seconds < 1.0 {
+        format!("{:.2} ms", seconds * 1e3)
+    } else {
+        format!("{seconds:.2} s")
+    }
+}
+
+/// The host's plan beside a GPU tier or a remote tier: the mode (resident where the host holds
+/// what they do not), then that mode's layout.
+fn plan_host(
+    inventory: &Inventory,
+    machine: &MachineFacts,
+    options: &PlanOptions,
+    all_layer_ffn: &[u64],
+    gpu: Option<GpuLayout>,
+    gpu_unused: Option<String>,
+    remote: Option<RemoteLayout>,
+) -> Result<Plan, PlanError> {
+    let off_host = |tensor: &TensorEntry| gpu.as_ref().is_some_and(|gpu| gpu.holds(tensor)) || remote.as_ref().is_some_and(|remote| remote.holds(tensor));
+    // What the host holds: weights not on the GPU or a remote device, the KV cache of its own
+    // layers, and the CPU's compute buffers (the CPU still computes host-resident and streamed
+    // layers).
+    let weights: u64 = inventory.tensors.iter().filter(|tensor| !off_host(tensor)).map(|tensor| tensor.bytes).sum();
+    let kv = context_memory_bytes(inventory, options.n_ctx, options.n_sequences) - gpu.as_ref().map_or(0, |gpu| gpu.kv_cache_bytes) - remote.as_ref().map_or(0, RemoteLayout::kv_cache_bytes);
     let compute = compute_buffer_bytes(inventory, options.n_ctx, options.n_ubatch);
     let budget = machine.memory_budget_bytes;
     let everything = weights + kv + compute;
-    let has_experts = inventory.expert_tensors().next().is_some();
+    let has_experts = inventory.expert_tensors().any(|tensor| !off_host(tensor));
     let mode = match options.mode {
         ModeChoice::Forced(mode) => mode,
         ModeChoice::Auto if everything <= budget => Mode::Resident,
@@ -91,20 +157,22 @@ fn plan_loaded(inventory: &Inventory, machine: &MachineFacts, options: &PlanOpti
         experts: None,
         gpu: gpu.clone(),
         gpu_unused,
+        remote: remote.clone(),
+        remote_unused: None,
         streamed_bytes_per_token: 0,
         io_bound_tokens_per_sec: None,
         // The measured compute is that of streaming runs; nothing streams here.
         limit_tokens_per_sec: None,
     };
     if mode == Mode::Resident {
-        let why = if gpu.is_some() { "the host holds what the GPU does not" } else { "the whole model fits" };
-        return Ok(Plan { tensors: place(inventory, gpu.as_ref(), |_| (Tier::Ram, why)), ..base });
+        let why = if gpu.is_some() || remote.is_some() { "the host holds what the GPU or the remote devices do not" } else { "the whole model fits" };
+        return Ok(Plan { tensors: place(inventory, gpu.as_ref(), remote.as_ref(), |_| (Tier::Ram, why)), ..base });
     }
     // A streaming plan leaves the input tables in the file's pages: they cost no budget.
     let tied = sizing::output_is_tied(inventory);
-    let mapped: u64 = inventory.tensors.iter().filter(|tensor| !on_gpu(tensor) && stays_in_file(tensor, tied)).map(|tensor| tensor.bytes).sum();
+    let mapped: u64 = inventory.tensors.iter().filter(|tensor| !off_host(tensor) && stays_in_file(tensor, tied)).map(|tensor| tensor.bytes).sum();
     let base = Plan { budget: BudgetUse { resident_weight_bytes: weights - mapped, total_bytes: everything - mapped, ..base.budget }, ..base };
-    let mut plan = if mode == Mode::ExpertStream { plan_experts(inventory, machine, options, base)? } else { plan_dense(inventory, machine, options, &all_layer_ffn, base)? };
+    let mut plan = if mode == Mode::ExpertStream { plan_experts(inventory, machine, options, base)? } else { plan_dense(inventory, machine, options, all_layer_ffn, base)? };
     for (placement, tensor) in plan.tensors.iter_mut().zip(&inventory.tensors) {
         if placement.tier == Tier::Ram && stays_in_file(tensor, tied) {
             placement.tier = Tier::Mapped;
@@ -214,6 +282,7 @@ mod tests {
                 compute_seconds_per_token: compute,
                 gpu_budget_bytes: gpu_mib << 20,
                 gpu_runtime_bytes: runtime_mib << 20,
+                remote_devices: Vec::new(),
             };
             let mode = if forced { ModeChoice::Forced(Mode::DenseStream) } else { ModeChoice::Auto };
             let options = PlanOptions { window_layers: window, ..options(mode, 1) };

@@ -51,6 +51,21 @@ impl Plan {
         if let Some(why) = &self.gpu_unused {
             let _ = writeln!(out, "gpu          unused: {why}");
         }
+        if let Some(remote) = &self.remote {
+            let _ = writeln!(out, "remote       layers {}-{} whole on other machines: {}", remote.layers.start, remote.layers.end - 1, remote.describe());
+            let _ = writeln!(
+                out,
+                "             links: {} hops, {} of hidden state per token, {:.2} ms per token predicted; {:.2} ms per token predicted against {:.2} ms streaming locally alone",
+                remote.shares.len() + 1,
+                format_bytes(remote.activation_bytes_per_token),
+                remote.link_seconds_per_token * 1e3,
+                remote.predicted_seconds_per_token * 1e3,
+                remote.local_seconds_per_token * 1e3
+            );
+        }
+        if let Some(why) = &self.remote_unused {
+            let _ = writeln!(out, "remote       unused: {why}");
+        }
         if let Some(experts) = &self.experts {
             let _ = writeln!(
                 out,

@@ -7,6 +7,7 @@ use serde::Serialize;
 use super::dense::DenseLayout;
 use super::experts::ExpertLayout;
 use super::gpu::GpuLayout;
+use super::remote::{RemoteDeviceFacts, RemoteLayout};
 use crate::format::format_bytes;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -48,6 +49,8 @@ pub enum Tier {
     Mapped,
     /// Never loaded: MTP layers, which llama.cpp skips unless it speculates with them.
     Unused,
+    /// Another machine's device (a ggml RPC worker), loaded once; computed there.
+    Remote,
 }
 
 /// Which cached (layer, expert) unit the expert cache evicts to make room (expert-stream).
@@ -108,6 +111,8 @@ pub struct MachineFacts {
     /// Device memory the GPU backend takes beyond the buffers the plan counts (kernels loaded
     /// on first use, memory pools), kept free inside the GPU budget.
     pub gpu_runtime_bytes: u64,
+    /// Other machines' devices (ggml RPC workers), in the order llama.cpp gets them.
+    pub remote_devices: Vec<RemoteDeviceFacts>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -169,6 +174,11 @@ pub struct Plan {
     pub gpu: Option<GpuLayout>,
     /// Why a GPU budget was given but not used.
     pub gpu_unused: Option<String>,
+    /// The last layers on other machines' devices; None without remote devices, or where
+    /// streaming locally alone is predicted faster.
+    pub remote: Option<RemoteLayout>,
+    /// Why remote devices were given but not used (with both predictions).
+    pub remote_unused: Option<String>,
     /// Bytes that must come from disk for every token (the streamed FFN layers).
     pub streamed_bytes_per_token: u64,
     /// Upper bound from the disk alone: bandwidth ÷ streamed bytes per token.

@@ -1,0 +1,168 @@
+//! Other machines as a tier: ggml RPC workers (`hypura rpc-server`, or llama.cpp's
+//! `rpc-server`) whose devices hold whole layers. `Workers::connect` checks each worker
+//! directly (protocol version, devices, the link's round trip), then starts a relay for it
+//! (`relay`) and registers the relay's endpoint with ggml's RPC backend, so ggml never talks
+//! to a worker that can vanish under it. The engine asks `Workers::check` after every decode:
+//! a worker that stopped answering fails the request with its name.
+mod relay;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::plan::RemoteDeviceFacts;
+use relay::{Relay, RelayState};
+
+/// Round trips timed when a worker is checked; the median is the link's.
+const PINGS: usize = 9;
+/// Bytes uploaded to time a link's rate.
+const LINK_PROBE_BYTES: usize = 8 << 20;
+
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub enum RemoteError {
+    #[error("RPC worker {worker} is not answering: {reason} (start it with `hypura rpc-server --host HOST --port PORT` on that machine)")]
+    Down { worker: String, reason: String },
+    #[error("RPC worker {worker} speaks protocol {major}, this build speaks {ours}: run the same Hypura (or llama.cpp) version on both sides")]
+    Version { worker: String, major: u8, ours: u8 },
+    #[error("RPC worker {worker} offers no device")]
+    NoDevices { worker: String },
+    #[error("{0:?} is not HOST:PORT")]
+    BadEndpoint(String),
+    #[error("RPC worker {worker} stopped answering: {reason}; the request failed, and the model will be planned again without it")]
+    Failed { worker: String, reason: String },
+    #[error("{0}")]
+    Sys(String),
+}
+
+/// One device of a worker.
+#[derive(Clone, Debug)]
+pub struct RemoteDevice {
+    pub device: hypura_sys::DeviceHandle,
+    /// ggml's name for it (`RPC0`).
+    pub name: String,
+    /// The worker's `host:port`, as the user gave it.
+    pub worker: String,
+    pub free_bytes: u64,
+    pub total_bytes: u64,
+}
+
+/// A worker's link, as measured when it was checked.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Link {
+    pub worker: String,
+    /// The median round trip of a small request (with any emulated delay).
+    pub round_trip: Duration,
+    /// Upload rate of a tensor's bytes; None where it was not measured.
+    pub bytes_per_sec: Option<f64>,
+}
+
+/// Bytes and round trips over every link since the workers were connected.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Traffic {
+    pub sent_bytes: u64,
+    pub received_bytes: u64,
+    pub round_trips: u64,
+}
+
+impl Traffic {
+    pub fn since(self, earlier: Traffic) -> Traffic {
+        Traffic { sent_bytes: self.sent_bytes - earlier.sent_bytes, received_bytes: self.received_bytes - earlier.received_bytes, round_trips: self.round_trips - earlier.round_trips }
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.sent_bytes + self.received_bytes
+    }
+}
+
+/// Connected workers: their devices (through relays), links and health.
+pub struct Workers {
+    relays: Vec<Arc<RelayState>>,
+    pub devices: Vec<RemoteDevice>,
+    pub links: Vec<Link>,
+}
+
+impl std::fmt::Debug for Workers {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.debug_struct("Workers").field("devices", &self.devices).field("links", &self.links).finish()
+    }
+}
+
+impl Workers {
+    /// Check and connect every worker in `endpoints` (`host:port`), in order; `delay` is added
+    /// to every round trip (an emulated link, for benchmarks). With `measure_rate`, each link's
+    /// upload rate is timed too (it allocates 8 MiB on the worker for a moment).
+    pub fn connect(endpoints: &[String], delay: Duration, measure_rate: bool) -> Result<Arc<Workers>, RemoteError> {
+        let backend = hypura_sys::Backend::get();
+        let mut workers = Workers { relays: Vec::new(), devices: Vec::new(), links: Vec::new() };
+        for worker in endpoints {
+            let worker = worker.trim();
+            match worker.rsplit_once(':') {
+                Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {}
+                _ => return Err(RemoteError::BadEndpoint(worker.to_string())),
+            }
+            let (major, count, mut pings) = relay::probe(worker, PINGS).map_err(|error| RemoteError::Down { worker: worker.to_string(), reason: error.to_string() })?;
+            if major != hypura_sys::RPC_PROTOCOL_MAJOR {
+                return Err(RemoteError::Version { worker: worker.to_string(), major, ours: hypura_sys::RPC_PROTOCOL_MAJOR });
+            }
+            if count == 0 {
+                return Err(RemoteError::NoDevices { worker: worker.to_string() });
+            }
+            pings.sort();
+            let relay = Relay::start(worker, delay).map_err(|error| RemoteError::Sys(format!("a relay for {worker}: {error}")))?;
+            let devices = hypura_sys::rpc_connect(backend, &relay.endpoint).map_err(|error| RemoteError::Sys(error.to_string()))?;
+            if let Some(reason) = relay.state.failure() {
+                return Err(RemoteError::Down { worker: worker.to_string(), reason });
+            }
+            let mut bytes_per_sec = None;
+            for device in devices {
+                let (free_bytes, total_bytes) = device.memory();
+                if measure_rate && bytes_per_sec.is_none() {
+                    bytes_per_sec = device.upload_bytes_per_sec(LINK_PROBE_BYTES, 2);
+                }
+                workers.devices.push(RemoteDevice { device, name: device.name(), worker: worker.to_string(), free_bytes, total_bytes });
+            }
+            workers.links.push(Link { worker: worker.to_string(), round_trip: pings[pings.len() / 2] + delay, bytes_per_sec });
+            workers.relays.push(relay.state);
+            workers.check()?;
+        }
+        Ok(Arc::new(workers))
+    }
+
+    /// Fails with the first worker that stopped answering.
+    pub fn check(&self) -> Result<(), RemoteError> {
+        match self.relays.iter().find_map(|relay| relay.failure().map(|reason| (relay.worker.clone(), reason))) {
+            Some((worker, reason)) => Err(RemoteError::Failed { worker, reason }),
+            None => Ok(()),
+        }
+    }
+
+    pub fn traffic(&self) -> Traffic {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.relays.iter().fold(Traffic::default(), |total, relay| Traffic {
+            sent_bytes: total.sent_bytes + relay.sent_bytes.load(Relaxed),
+            received_bytes: total.received_bytes + relay.received_bytes.load(Relaxed),
+            round_trips: total.round_trips + relay.round_trips.load(Relaxed),
+        })
+    }
+
+    /// The devices as the planner sees them.
+    pub fn facts(&self) -> Vec<RemoteDeviceFacts> {
+        self.devices
+            .iter()
+            .map(|device| {
+                let link = self.links.iter().find(|link| link.worker == device.worker).expect("a device's worker has a link");
+                RemoteDeviceFacts {
+                    name: device.name.clone(),
+                    worker: device.worker.clone(),
+                    free_bytes: device.free_bytes,
+                    round_trip_secs: link.round_trip.as_secs_f64(),
+                    link_bytes_per_sec: link.bytes_per_sec,
+                }
+            })
+            .collect()
+    }
+
+    /// The device handles for the devices named (in that order), for llama.cpp's device list.
+    pub fn handles(&self, names: &[&str]) -> Vec<hypura_sys::DeviceHandle> {
+        names.iter().filter_map(|name| self.devices.iter().find(|device| device.name == *name)).map(|device| device.device).collect()
+    }
+}
