@@ -78,6 +78,10 @@ pub struct Workers {
     relays: Vec<Arc<RelayState>>,
     pub devices: Vec<RemoteDevice>,
     pub links: Vec<Link>,
+    /// What they were connected with, to connect again (`reconnect`).
+    endpoints: Vec<String>,
+    delay: Duration,
+    measure_rate: bool,
 }
 
 impl std::fmt::Debug for Workers {
@@ -92,7 +96,7 @@ impl Workers {
     /// upload rate is timed too (it allocates 8 MiB on the worker for a moment).
     pub fn connect(endpoints: &[String], delay: Duration, measure_rate: bool) -> Result<Arc<Workers>, RemoteError> {
         let backend = hypura_sys::Backend::get();
-        let mut workers = Workers { relays: Vec::new(), devices: Vec::new(), links: Vec::new() };
+        let mut workers = Workers { relays: Vec::new(), devices: Vec::new(), links: Vec::new(), endpoints: endpoints.to_vec(), delay, measure_rate };
         for worker in endpoints {
             let worker = worker.trim();
             match worker.rsplit_once(':') {
@@ -125,6 +129,34 @@ impl Workers {
             workers.check()?;
         }
         Ok(Arc::new(workers))
+    }
+
+    /// Connect again, afresh (new relays), to every worker that answers now: None where none
+    /// does; the errors of those that do not.
+    pub fn reconnect(&self) -> (Option<Arc<Workers>>, Vec<RemoteError>) {
+        let mut down = Vec::new();
+        let answering: Vec<String> = self
+            .endpoints
+            .iter()
+            .filter(|worker| match relay::probe(worker, 1) {
+                Ok(_) => true,
+                Err(error) => {
+                    down.push(RemoteError::Down { worker: worker.to_string(), reason: error.to_string() });
+                    false
+                }
+            })
+            .cloned()
+            .collect();
+        if answering.is_empty() {
+            return (None, down);
+        }
+        match Workers::connect(&answering, self.delay, self.measure_rate) {
+            Ok(workers) => (Some(workers), down),
+            Err(error) => {
+                down.push(error);
+                (None, down)
+            }
+        }
     }
 
     /// Fails with the first worker that stopped answering.

@@ -397,7 +397,21 @@ impl Worker {
         let gate = self.gate.clone();
         let _loading = gate.lock().unwrap_or_else(|poison| poison.into_inner());
         let started = Instant::now();
-        let run = RunSpec { n_sequences: self.config.n_parallel, ..self.config.run.clone() };
+        let mut run = RunSpec { n_sequences: self.config.n_parallel, ..self.config.run.clone() };
+        // Workers connected when the server started, unless one has failed since: then the
+        // ones that answer now (the model is planned again without the others).
+        if let Some(workers) = run.remote.take() {
+            run.remote = match workers.check() {
+                Ok(()) => Some(workers),
+                Err(failed) => {
+                    let (answering, down) = workers.reconnect();
+                    for error in down.iter().chain(std::iter::once(&failed)) {
+                        tracing::warn!("planning {} without a worker: {error}", self.path.display());
+                    }
+                    answering
+                }
+            };
+        }
         let loaded = crate::engine::setup::prepare(&self.path, &run)
             .map_err(|error| AppError::internal(format!("planning {}: {error}", self.path.display())))
             .and_then(|setup| Engine::load(setup.inventory, setup.options).map_err(|error| AppError::internal(format!("loading {}: {error}", self.path.display()))))
@@ -453,6 +467,18 @@ impl Worker {
             }
             if !batcher.step() && !batcher.is_idle() {
                 std::thread::sleep(Duration::from_millis(1));
+            }
+            // A remote worker that stopped answering failed the batch it was in; the model is
+            // retired, so the next request loads it again with the workers that still answer.
+            if let Err(error) = engine.check_remote() {
+                tracing::error!("{}: {error}", self.path.display());
+                self.set_status(Status::Failed);
+                let error = AppError::internal(format!("{}: {error}", self.path.display()));
+                batcher.cancel_all();
+                for job in waiting.drain(..).chain(receiver.try_iter()) {
+                    fail_job(job, &error);
+                }
+                return;
             }
         }
         batcher.cancel_all();
