@@ -119,6 +119,8 @@ struct Active {
     counters: Counters,
     /// When the prompt was done, and the read stall then.
     eval_started: Option<(Instant, f64)>,
+    /// Traffic over the RPC links when generation started (a plan with a remote tier).
+    eval_links: Option<crate::remote::Traffic>,
 }
 
 struct Slot {
@@ -265,6 +267,7 @@ impl Batcher {
                     started: Instant::now(),
                     counters: Counters::read(&self.engine),
                     eval_started: None,
+                    eval_links: None,
                 });
                 Ok(())
             }
@@ -597,6 +600,7 @@ impl Batcher {
             let now = Instant::now();
             active.stats.prompt_eval_duration = now - active.started;
             active.eval_started = Some((now, Counters::read(&self.engine).stall_seconds()));
+            active.eval_links = self.engine.remote_traffic();
             if active.keep_prompt_logits {
                 match self.context.logits(row) {
                     Ok(logits) => active.prompt_logits = Some(logits.to_vec()),
@@ -689,6 +693,9 @@ impl Batcher {
         stats.eval_decodes = active.decodes;
         stats.total_duration = now - active.started;
         active.counters.fill_since(&self.engine, &mut stats);
+        if let (Some(before), Some(after)) = (active.eval_links, self.engine.remote_traffic()) {
+            stats.eval_links = Some(after.since(before));
+        }
         let output = GenerateOutput { text: std::mem::take(&mut active.text), message, tokens: std::mem::take(&mut active.generated), done_reason, stats, prompt_logits: active.prompt_logits.take() };
         let prompt = std::mem::take(&mut active.prompt);
         (active.sink)(SequenceEvent::Done(Box::new(Finished { output, prompt })));

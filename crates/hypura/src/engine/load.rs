@@ -516,7 +516,12 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
         None => None,
     };
     let dense = match (&plan.dense, dense_layout) {
-        (Some(dense), Some((units, unit_of_layer, _))) => {
+        (Some(dense), Some((units, mut unit_of_layer, _))) => {
+            // The window observes the layers the host computes only: a node observed in a remote
+            // device's layers would cut its graph into pieces, each sent whole over the link.
+            if let Some(remote) = &plan.remote {
+                unit_of_layer.truncate(remote.layers.start as usize);
+            }
             if plan.experts.is_some() {
                 // The region was reserved without huge pages, for the expert slices: advise the
                 // dense layers' interiors as the expert slices' are.

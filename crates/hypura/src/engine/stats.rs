@@ -6,6 +6,7 @@ use std::time::Duration;
 use crate::store::{ExpertSnapshot, IoSnapshot};
 
 use super::Engine;
+use crate::remote::Traffic;
 
 /// Ollama's statistics, as durations.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -26,6 +27,10 @@ pub struct GenerationStats {
     /// Streaming I/O during this request (streaming modes only). Sequences decoded together
     /// share their reads, so each one counts every read made while it was active.
     pub io: Option<IoSnapshot>,
+    /// Traffic over the links to RPC workers (a plan with a remote tier): the request's, and
+    /// generation's alone (from the first sampled token).
+    pub links: Option<Traffic>,
+    pub eval_links: Option<Traffic>,
     /// Expert cache hits and misses during this request (expert-stream only), shared as `io`.
     pub experts: Option<ExpertSnapshot>,
     /// Time the generation phase (after the prompt) waited on streamed reads.
@@ -122,12 +127,14 @@ fn rate(count: u32, duration: Duration) -> f64 {
 pub(super) struct Counters {
     io: Option<IoSnapshot>,
     experts: Option<ExpertSnapshot>,
+    links: Option<Traffic>,
 }
 
 impl Counters {
     pub(super) fn read(engine: &Engine) -> Counters {
-        let Some(streaming) = engine.streaming() else { return Counters::default() };
-        Counters { io: Some(streaming.stats.snapshot()), experts: streaming.driver.experts().map(|experts| experts.snapshot()) }
+        let links = engine.remote_traffic();
+        let Some(streaming) = engine.streaming() else { return Counters { links, ..Counters::default() } };
+        Counters { io: Some(streaming.stats.snapshot()), experts: streaming.driver.experts().map(|experts| experts.snapshot()), links }
     }
 
     /// Seconds spent waiting on reads so far (0 without streaming).
@@ -143,6 +150,9 @@ impl Counters {
         }
         if let (Some(before), Some(after)) = (self.experts.clone(), now.experts) {
             stats.experts = Some(after - before);
+        }
+        if let (Some(before), Some(after)) = (self.links, now.links) {
+            stats.links = Some(after.since(before));
         }
     }
 }

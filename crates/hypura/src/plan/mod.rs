@@ -272,6 +272,8 @@ mod tests {
             queue_depth in 1u32..64,
             gpu_mib in prop_oneof![Just(0u64), 1u64..20_000],
             runtime_mib in 0u64..512,
+            remote_mib in prop_oneof![Just(0u64), 1u64..20_000],
+            round_trip_ms in 0.01f64..50.0,
         ) {
             let inventory = inventory(n_layer, attention << 20, ffn << 20, embedding << 20);
             let machine = MachineFacts {
@@ -282,7 +284,9 @@ mod tests {
                 compute_seconds_per_token: compute,
                 gpu_budget_bytes: gpu_mib << 20,
                 gpu_runtime_bytes: runtime_mib << 20,
-                remote_devices: Vec::new(),
+                remote_devices: (remote_mib > 0)
+                    .then(|| vec![RemoteDeviceFacts { name: "RPC0".into(), worker: "10.0.0.2:50052".into(), free_bytes: remote_mib << 20, round_trip_secs: round_trip_ms / 1e3, link_bytes_per_sec: Some(1e9) }])
+                    .unwrap_or_default(),
             };
             let mode = if forced { ModeChoice::Forced(Mode::DenseStream) } else { ModeChoice::Auto };
             let options = PlanOptions { window_layers: window, ..options(mode, 1) };
@@ -296,7 +300,20 @@ mod tests {
                     let streamed: u64 = plan.streamed_tensors().map(|tensor| tensor.bytes).sum();
                     prop_assert_eq!(streamed, plan.streamed_bytes_per_token);
                     let on_gpu: u64 = plan.tensors.iter().filter(|tensor| tensor.tier == Tier::Gpu).map(|tensor| tensor.bytes).sum();
-                    prop_assert_eq!(plan.budget.resident_weight_bytes + streamed + on_gpu, inventory.tensor_data_bytes());
+                    let remote: u64 = plan.tensors.iter().filter(|tensor| tensor.tier == Tier::Remote).map(|tensor| tensor.bytes).sum();
+                    prop_assert_eq!(plan.budget.resident_weight_bytes + streamed + on_gpu + remote, inventory.tensor_data_bytes());
+                    // Remote devices hold whole last layers within their memory, and the host's
+                    // layers alone stream.
+                    match &plan.remote {
+                        Some(layout) => {
+                            prop_assert_eq!(layout.layers.end, n_layer as u32);
+                            prop_assert!(layout.shares.iter().all(|share| share.total_bytes() <= share.free_bytes));
+                            prop_assert!(plan.streamed_tensors().all(|tensor| tensor.layer.is_some_and(|layer| layer < layout.layers.start)));
+                            prop_assert!(plan.gpu.is_none());
+                            prop_assert!(layout.predicted_seconds_per_token < layout.local_seconds_per_token);
+                        }
+                        None => prop_assert_eq!(remote, 0),
+                    }
                     let gpu_layers = match &plan.gpu {
                         Some(gpu) => {
                             prop_assert!(gpu.total_bytes() <= gpu.budget_bytes, "{:?}", gpu);
@@ -320,7 +337,8 @@ mod tests {
                         }
                     };
                     if let Some(dense) = &plan.dense {
-                        prop_assert_eq!(dense.pinned_layers.len() + dense.streamed_layers.len() + gpu_layers, n_layer as usize);
+                        let remote_layers = plan.remote.as_ref().map_or(0, |layout| layout.layers.len());
+                        prop_assert_eq!(dense.pinned_layers.len() + dense.streamed_layers.len() + gpu_layers + remote_layers, n_layer as usize);
                         prop_assert!(plan.streamed_tensors().all(|tensor| inventory.tensors.iter().any(|entry| entry.name == tensor.name && entry.role.is_dense_ffn())));
                     }
                 }

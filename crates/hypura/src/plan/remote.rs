@@ -4,8 +4,9 @@
 //! before (resident, dense-stream or expert-stream), and keeps the output.
 //!
 //! A token crosses each device boundary once with its hidden state, so the link costs
-//! `hops × round trip + activation bytes ÷ link rate` per token, hops being the remote devices
-//! used plus one (back to the host). The planner takes the remote tier only where its predicted
+//! `round trips × round trip + activation bytes ÷ link rate` per token: one round trip per
+//! device (the host fetches each device's output; ggml copies between two workers through the
+//! host), and bytes for the hidden state in and out of each device plus its inputs. The planner takes the remote tier only where its predicted
 //! time per token beats streaming locally alone (`choose`), and says both.
 use std::ops::Range;
 
@@ -58,7 +59,8 @@ pub struct RemoteLayout {
     pub shares: Vec<RemoteShare>,
     /// Every remote layer: the last ones.
     pub layers: Range<u32>,
-    /// Hidden-state bytes that cross the links per token (each hop carries one row of f32).
+    /// Bytes that cross the links per token: the hidden state (a row of f32) at each hop and
+    /// each device's inputs (positions, a row of the attention mask).
     pub activation_bytes_per_token: u64,
     /// The links' predicted cost per generated token.
     pub link_seconds_per_token: f64,
@@ -172,17 +174,22 @@ pub(super) fn remote_tier(inventory: &Inventory, options: &PlanOptions, machine:
         return None;
     }
     shares.reverse();
+    // A token's hidden state goes to the first device, from each device to the next and back
+    // to the host; the host fetches each device's output (one round trip each: ggml copies
+    // between two workers through the host) and sends each device its inputs (positions and a
+    // row of the attention mask over the context) without waiting.
     let hops = shares.len() as u64 + 1;
     let row_bytes = 4 * inventory.hparams.n_embd;
-    let activation_bytes_per_token = hops * row_bytes;
-    // Each device's hidden state comes back over its link in one round trip (the last one's is
-    // the hop back to the host), and its bytes go at the link's rate.
+    let activation_bytes_per_token = hops * row_bytes + shares.len() as u64 * 4 * u64::from(options.n_ctx);
     let device_of = |share: &RemoteShare| machine.remote_devices.iter().find(|device| device.name == share.name).expect("a share's device");
-    let hop = |share: &RemoteShare| {
-        let device = device_of(share);
-        device.round_trip_secs + device.link_bytes_per_sec.map_or(0.0, |rate| row_bytes as f64 / rate)
-    };
-    let link_seconds_per_token = shares.iter().map(hop).sum::<f64>() + shares.last().map_or(0.0, hop);
+    let link_seconds_per_token = shares
+        .iter()
+        .map(|share| {
+            let device = device_of(share);
+            let bytes = 2 * row_bytes + 4 * u64::from(options.n_ctx);
+            device.round_trip_secs + device.link_bytes_per_sec.map_or(0.0, |rate| bytes as f64 / rate)
+        })
+        .sum::<f64>();
     Some(RemoteLayout {
         layers: shares[0].layers.start..layers.len() as u32,
         shares,
@@ -203,4 +210,112 @@ pub(super) fn host_seconds_per_token(machine: &MachineFacts, streamed_bytes_per_
     };
     let compute = machine.compute_seconds_per_token.unwrap_or(0.0) * host_layer_share;
     disk.max(compute)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::test_support::*;
+    use crate::plan::{plan, Mode, ModeChoice, Plan, Tier};
+
+    fn device(name: &str, free_bytes: u64, round_trip_secs: f64) -> RemoteDeviceFacts {
+        RemoteDeviceFacts { name: name.into(), worker: format!("10.0.0.{}:50052", name.trim_start_matches("RPC")), free_bytes, round_trip_secs, link_bytes_per_sec: Some(1e9) }
+    }
+
+    /// 16 layers of 16 MiB attention and 3 × 32 MiB FFN (112 MiB a layer), a 64 MiB embedding.
+    fn machine(host: u64, devices: Vec<RemoteDeviceFacts>) -> MachineFacts {
+        MachineFacts { memory_budget_bytes: host, disk_bytes_per_sec: Some(2e9), remote_devices: devices, ..MachineFacts::default() }
+    }
+
+    fn remote_plan(host: u64, devices: Vec<RemoteDeviceFacts>) -> Plan {
+        plan(&inventory(16, 16 << 20, 32 << 20, 64 << 20), &machine(host, devices), &auto_window(ModeChoice::Auto)).unwrap()
+    }
+
+    /// Room on each device for `layers` layers with their KV cache, compute buffer and reserve.
+    fn room_for(layers: u64) -> u64 {
+        let inventory = inventory(16, 16 << 20, 32 << 20, 64 << 20);
+        let kv = crate::plan::context_memory_bytes(&inventory, 1024, 1) / 16;
+        layers * ((112 << 20) + kv) + layer_compute_bytes(&inventory, 256) + REMOTE_RESERVE_BYTES
+    }
+
+    #[test]
+    fn devices_take_the_last_layers_in_order_and_the_split_counts_the_output_last() {
+        let plan = remote_plan(1536 << 20, vec![device("RPC0", room_for(3), 2e-4), device("RPC1", room_for(5), 2e-4)]);
+        let remote = plan.remote.as_ref().unwrap_or_else(|| panic!("{}", plan.render()));
+        assert_eq!(remote.layers, 8..16);
+        let ranges: Vec<_> = remote.shares.iter().map(|share| share.layers.clone()).collect();
+        assert_eq!(ranges, vec![8..11, 11..16]);
+        assert_eq!(remote.n_gpu_layers(), 9, "the layers and llama.cpp's output slot");
+        assert_eq!(remote.tensor_split(), vec![3.0, 6.0]);
+        // llama.cpp's split points: layer i of the 9 slots goes to the first device whose
+        // cumulative share exceeds i / 9.
+        let split = remote.tensor_split();
+        let cumulative = [split[0] / 9.0, 1.0];
+        let device_of = |slot: usize| cumulative.iter().position(|&point| slot as f32 / 9.0 < point).unwrap();
+        assert_eq!((0..8).map(device_of).collect::<Vec<_>>(), vec![0, 0, 0, 1, 1, 1, 1, 1]);
+        for share in &remote.shares {
+            assert!(share.total_bytes() <= share.free_bytes, "{share:?}");
+        }
+        // Their tensors are on the remote tier, the host keeps the rest and the output.
+        let tier = |name: &str| plan.tensors.iter().find(|tensor| tensor.name == name).unwrap().tier;
+        assert_eq!((tier("blk.7.ffn_up.weight"), tier("blk.8.attn_q.weight"), tier("blk.15.ffn_down.weight")), (Tier::Ram, Tier::Remote, Tier::Remote));
+        assert_eq!(plan.mode, Mode::Resident, "the host holds its 8 layers: {}", plan.render());
+        assert_eq!(plan.budget.resident_weight_bytes, (64 << 20) + 8 * (112 << 20));
+        assert_eq!(plan.n_gpu_layers(), 9);
+        assert!(plan.render().contains("remote       layers 8-15 whole on other machines"), "{}", plan.render());
+    }
+
+    #[test]
+    fn the_host_streams_what_neither_it_nor_the_devices_hold() {
+        // The devices hold 4 layers; the host's budget holds far fewer than the other 12.
+        let plan = remote_plan(700 << 20, vec![device("RPC0", room_for(4), 2e-4)]);
+        let remote = plan.remote.as_ref().unwrap_or_else(|| panic!("{}", plan.render()));
+        assert_eq!(remote.layers, 12..16);
+        assert_eq!(plan.mode, Mode::DenseStream);
+        let dense = plan.dense.as_ref().unwrap();
+        assert!(dense.streamed_layers.iter().chain(&dense.pinned_layers).all(|&layer| layer < 12), "{dense:?}");
+        assert_eq!(dense.streamed_layers.len() + dense.pinned_layers.len(), 12);
+        assert!(plan.budget.total_bytes <= plan.budget.budget_bytes);
+        assert!(remote.predicted_seconds_per_token < remote.local_seconds_per_token, "{remote:?}");
+    }
+
+    #[test]
+    fn a_model_the_host_holds_stays_local() {
+        let plan = remote_plan(8 << 30, vec![device("RPC0", room_for(8), 2e-4)]);
+        assert!(plan.remote.is_none());
+        assert!(plan.tensors.iter().all(|tensor| tensor.tier != Tier::Remote));
+        assert!(plan.remote_unused.as_deref().unwrap().contains("streaming locally alone is predicted faster"), "{:?}", plan.remote_unused);
+    }
+
+    /// The planner switches to local streaming where the links cost more than the streamed
+    /// bytes they save.
+    #[test]
+    fn a_slow_link_loses_to_local_streaming() {
+        let budget = 1400 << 20;
+        let near = remote_plan(budget, vec![device("RPC0", room_for(2), 2e-4)]);
+        let near_remote = near.remote.as_ref().unwrap_or_else(|| panic!("{}", near.render()));
+        // What the two remote layers save: their streamed FFN at the disk's rate.
+        let saved = near_remote.local_seconds_per_token - (near_remote.predicted_seconds_per_token - near_remote.link_seconds_per_token);
+        assert!(saved > 0.0, "{near_remote:?}");
+        let far = remote_plan(budget, vec![device("RPC0", room_for(2), saved * 1.5)]);
+        assert!(far.remote.is_none(), "{}", far.render());
+        assert!(far.remote_unused.as_deref().unwrap().contains("predicted faster"), "{:?}", far.remote_unused);
+        assert!(far.streamed_bytes_per_token > near.streamed_bytes_per_token);
+    }
+
+    #[test]
+    fn devices_too_small_for_a_layer_are_unused_and_say_so() {
+        let plan = remote_plan(700 << 20, vec![device("RPC0", 64 << 20, 2e-4)]);
+        assert!(plan.remote.is_none());
+        assert!(plan.remote_unused.as_deref().unwrap().contains("no remote device holds one layer"), "{:?}", plan.remote_unused);
+    }
+
+    #[test]
+    fn forced_streaming_with_remote_devices_streams_only_host_layers() {
+        let inventory = inventory(16, 16 << 20, 32 << 20, 64 << 20);
+        let options = auto_window(ModeChoice::Forced(Mode::DenseStream));
+        let plan = plan(&inventory, &machine(900 << 20, vec![device("RPC0", room_for(6), 2e-4)]), &options).unwrap();
+        assert_eq!(plan.remote.as_ref().map(|remote| remote.layers.clone()), Some(10..16), "{}", plan.render());
+        assert!(plan.streamed_tensors().all(|tensor| tensor.layer.is_some_and(|layer| layer < 10)));
+    }
 }

@@ -55,8 +55,8 @@ impl Plan {
             let _ = writeln!(out, "remote       layers {}-{} whole on other machines: {}", remote.layers.start, remote.layers.end - 1, remote.describe());
             let _ = writeln!(
                 out,
-                "             links: {} hops, {} of hidden state per token, {:.2} ms per token predicted; {:.2} ms per token predicted against {:.2} ms streaming locally alone",
-                remote.shares.len() + 1,
+                "             links: {} round trips and {} per token, {:.2} ms per token predicted; {:.2} ms per token predicted against {:.2} ms streaming locally alone",
+                remote.shares.len(),
                 format_bytes(remote.activation_bytes_per_token),
                 remote.link_seconds_per_token * 1e3,
                 remote.predicted_seconds_per_token * 1e3,

@@ -10,6 +10,12 @@
 //! also passes a counter (bytes each way, round trips), and an emulated link delay can hold each
 //! response back by a round trip, for benchmarks where no real link is at hand.
 //!
+//! One more thing the relay does: a graph the client sends again byte for byte (ggml's client
+//! sends every split graph whole while an eval callback is set, which Hypura's streaming always
+//! sets) goes to the worker as ggml's own "compute the last graph again" command, which the
+//! worker runs on the graph it already holds. Identical bytes are the same graph, so the result
+//! is the same; a decoded token then costs the link a few kilobytes instead of a megabyte.
+//!
 //! The framing is ggml's (protocol 7): a request is `cmd: u8 | size: u64 | payload`, a response
 //! `size: u64 | payload`; which commands have a response, and how long it is, is read from
 //! `ggml-rpc.cpp`'s server loop.
@@ -20,6 +26,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 const CMD_HELLO: u8 = 14;
+const CMD_GRAPH_COMPUTE: u8 = 10;
+const CMD_GRAPH_RECOMPUTE: u8 = 16;
 const CMD_COUNT: u8 = 19;
 /// `rpc_msg_hello_rsp`: major, minor, patch, padding, then the transport's 24 capability bytes.
 const HELLO_RESPONSE_BYTES: u64 = 4 + 24;
@@ -62,6 +70,8 @@ pub(crate) struct RelayState {
     pub sent_bytes: AtomicU64,
     pub received_bytes: AtomicU64,
     pub round_trips: AtomicU64,
+    /// Graph bytes not sent because the worker already held the graph.
+    pub graph_bytes_saved: AtomicU64,
     failed: AtomicBool,
     failure: Mutex<Option<String>>,
     /// Added before each response reaches the client (an emulated link's round trip).
@@ -142,6 +152,8 @@ fn relay_connection(mut client: TcpStream, state: &RelayState) {
         },
     };
     let mut chunk = vec![0u8; CHUNK_BYTES];
+    // The last graph forwarded for each of the worker's devices.
+    let mut last_graphs: std::collections::HashMap<u32, Vec<u8>> = std::collections::HashMap::new();
     loop {
         let mut header = [0u8; 9];
         if client.read_exact(&mut header).is_err() {
@@ -160,6 +172,18 @@ fn relay_connection(mut client: TcpStream, state: &RelayState) {
                 break;
             }
         }
+        let (mut header, mut payload) = (header, payload);
+        if cmd == CMD_GRAPH_COMPUTE && payload.len() >= 4 {
+            let device = u32::from_le_bytes(payload[..4].try_into().expect("4 bytes"));
+            if last_graphs.get(&device) == Some(&payload) {
+                state.graph_bytes_saved.fetch_add(payload.len() as u64, Ordering::Relaxed);
+                payload.truncate(4);
+                header = recompute_header();
+            } else {
+                last_graphs.insert(device, payload.clone());
+            }
+        }
+        let size = if holds_payload(cmd) { payload.len() as u64 } else { size };
         if let Some(stream) = worker.as_mut() {
             let forwarded = forward_request(stream, &mut client, &header, &payload, size, &mut chunk, state);
             match forwarded {
@@ -200,6 +224,14 @@ fn relay_connection(mut client: TcpStream, state: &RelayState) {
     if let Some(stream) = worker {
         let _ = stream.shutdown(Shutdown::Both);
     }
+}
+
+/// The header of `GRAPH_RECOMPUTE` (its payload is the device's 4 bytes).
+fn recompute_header() -> [u8; 9] {
+    let mut header = [0u8; 9];
+    header[0] = CMD_GRAPH_RECOMPUTE;
+    header[1..].copy_from_slice(&4u64.to_le_bytes());
+    header
 }
 
 /// Which side of a relayed exchange failed.
@@ -389,6 +421,45 @@ mod tests {
         let mut answer = [0xffu8; 12];
         client.read_exact(&mut answer).unwrap();
         assert_eq!(u64::from_le_bytes(answer[..8].try_into().unwrap()), 4);
+    }
+
+    /// A graph sent again byte for byte reaches the worker as "compute the last graph again";
+    /// any other graph goes whole.
+    #[test]
+    fn a_repeated_graph_is_recomputed_not_sent() {
+        let worker = TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = worker.local_addr().unwrap().to_string();
+        let seen = std::thread::spawn(move || {
+            let (mut stream, _) = worker.accept().unwrap();
+            let mut commands = Vec::new();
+            for _ in 0..4 {
+                let mut header = [0u8; 9];
+                stream.read_exact(&mut header).unwrap();
+                let mut payload = vec![0u8; u64::from_le_bytes(header[1..].try_into().unwrap()) as usize];
+                stream.read_exact(&mut payload).unwrap();
+                commands.push((header[0], payload));
+            }
+            commands
+        });
+        let relay = Relay::start(&address, Duration::ZERO).unwrap();
+        let mut client = TcpStream::connect(&relay.endpoint).unwrap();
+        let graph = |device: u32, fill: u8| {
+            let mut payload = device.to_le_bytes().to_vec();
+            payload.extend_from_slice(&[fill; 100]);
+            let mut frame = vec![CMD_GRAPH_COMPUTE];
+            frame.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+            frame.extend_from_slice(&payload);
+            frame
+        };
+        for frame in [graph(0, 1), graph(0, 1), graph(1, 1), graph(0, 2)] {
+            client.write_all(&frame).unwrap();
+        }
+        let commands = seen.join().unwrap();
+        let kinds: Vec<u8> = commands.iter().map(|(cmd, _)| *cmd).collect();
+        assert_eq!(kinds, vec![CMD_GRAPH_COMPUTE, CMD_GRAPH_RECOMPUTE, CMD_GRAPH_COMPUTE, CMD_GRAPH_COMPUTE]);
+        assert_eq!(commands[1].1, 0u32.to_le_bytes().to_vec(), "the device to recompute");
+        assert_eq!(commands[3].1[4], 2);
+        assert_eq!(relay.state.graph_bytes_saved.load(Ordering::Relaxed), 104);
     }
 
     #[test]

@@ -183,6 +183,17 @@ fn print_stats(gpu_free_before: Option<&[(String, u64)]>, disk_rate: Option<f64>
     for ((name, before), (_, now)) in gpu_free_before.iter().zip(crate::engine::setup::gpu_free_by_name()) {
         eprintln!("gpu memory  {} used on {name}", crate::hw::format::format_bytes(before.saturating_sub(now)));
     }
+    if let Some(links) = &stats.links {
+        let decodes = f64::from(stats.eval_decodes.max(1));
+        let eval = stats.eval_links.unwrap_or_default();
+        eprintln!(
+            "links {} sent, {} received over the RPC workers' links | per decoded token: {:.1} KB, {:.1} round trips",
+            crate::hw::format::format_bytes(links.sent_bytes),
+            crate::hw::format::format_bytes(links.received_bytes),
+            eval.bytes() as f64 / decodes / 1e3,
+            eval.round_trips as f64 / decodes
+        );
+    }
     if let Some(io) = &stats.io {
         let graphs = stats.weight_passes().max(1) as f64;
         let wall = stats.total_duration.as_secs_f64().max(1e-9);
