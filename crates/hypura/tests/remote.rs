@@ -217,3 +217,39 @@ fn a_worker_killed_mid_answer_fails_that_request_and_the_next_one_is_planned_wit
     let expected = resident.post("/api/generate", &serde_json::json!({"model": name, "prompt": PROMPT, "stream": false, "options": {"temperature": 0, "num_predict": 24}}));
     assert_eq!(reply["response"], expected["response"], "{log}");
 }
+
+/// A plan made when a worker had more memory than it has at load is refused there, with the
+/// numbers, before any weight is sent; the link profile times round trips and transfers.
+#[test]
+fn a_worker_with_less_memory_than_planned_is_refused_at_load_and_its_link_is_profiled() {
+    let model = common::chat_model_path();
+    let lent = hypura::cli::settings::parse_bytes(LENT).unwrap();
+    let worker = Worker::start(LENT, lent + (160 << 20));
+    let workers = hypura::remote::Workers::connect(std::slice::from_ref(&worker.endpoint), Duration::ZERO, false).unwrap();
+    assert_eq!(workers.devices.len(), 1);
+    assert_eq!(workers.devices[0].free_bytes, lent, "the worker reports what it lends");
+    let spec = hypura::engine::setup::RunSpec {
+        n_ctx: Some(512),
+        n_batch: 64,
+        memory_budget_bytes: Some(hypura::cli::settings::parse_bytes(HOST_BUDGET).unwrap()),
+        remote: Some(workers.clone()),
+        ..hypura::engine::setup::RunSpec::default()
+    };
+    let inventory = hypura::model::Inventory::open(&model).unwrap();
+    let mut facts = hypura::engine::setup::machine_facts(&spec, &model).unwrap();
+    // The plan believes in twice the memory.
+    facts.remote_devices[0].free_bytes = 2 * lent;
+    let (n_ctx, n_batch, plan) = hypura::engine::setup::plan_run(&inventory, &spec, &facts).unwrap();
+    let share = plan.remote.as_ref().expect("a remote tier").shares[0].clone();
+    assert!(share.total_bytes() > lent, "{share:?}");
+    let options = hypura::engine::EngineOptions { n_ctx, n_batch, n_ubatch: n_batch, repack: false, plan: Some(plan), remote: Some(workers), ..hypura::engine::EngineOptions::default() };
+    let error = hypura::engine::Engine::load(inventory, options).err().expect("refused at load").to_string();
+    assert!(error.contains(&format!("RPC worker {}", worker.endpoint)) && error.contains("200.0 MiB free, and the plan puts"), "{error}");
+    drop(error);
+
+    let link = hypura::remote::profile_link(&worker.endpoint, 10, 4 << 20).unwrap();
+    assert!(link.round_trip_median_secs > 0.0 && link.round_trip_median_secs <= link.round_trip_p90_secs, "{link:?}");
+    assert!(link.upload_bytes_per_sec.unwrap() > 1e6 && link.download_bytes_per_sec.unwrap() > 1e6, "{link:?}");
+    assert_eq!(link.devices.len(), 1);
+    assert_eq!(link.devices[0].1, lent);
+}

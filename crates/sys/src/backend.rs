@@ -70,7 +70,7 @@ impl Backend {
     /// takes: the best of `reps` copies, in bytes per second. None for a device that computes
     /// on host memory, or when the device cannot allocate `bytes`.
     pub fn host_to_device_bytes_per_sec(&self, device_index: usize, bytes: usize, reps: usize) -> Option<f64> {
-        device_handles().get(device_index).and_then(|device| device.upload_bytes_per_sec(bytes, reps))
+        device_handles().get(device_index).and_then(|device| device.transfer_bytes_per_sec(bytes, reps)).map(|(upload, _)| upload)
     }
 }
 
@@ -80,16 +80,21 @@ pub(crate) fn device_handles() -> Vec<crate::rpc::DeviceHandle> {
     unsafe { (0..raw::ggml_backend_dev_count()).map(|index| crate::rpc::DeviceHandle(raw::ggml_backend_dev_get(index))).collect() }
 }
 
-/// The rate of copying `bytes` from ordinary host memory into `device`'s own memory with
-/// `ggml_backend_tensor_set`: the best of `reps` copies, in bytes per second. None for a device
-/// that computes on host memory, or when the device cannot allocate `bytes`.
-pub(crate) fn upload_bytes_per_sec(device: raw::ggml_backend_dev_t, bytes: usize, reps: usize) -> Option<f64> {
-    let host = vec![0x5au8; bytes];
+/// The rates of copying `bytes` from ordinary host memory into `device`'s own memory with
+/// `ggml_backend_tensor_set`, and back with `ggml_backend_tensor_get`: the best of `reps`
+/// copies each way, in bytes per second. None for a device that computes on host memory, or
+/// when the device cannot allocate `bytes`.
+pub(crate) fn transfer_bytes_per_sec(device: raw::ggml_backend_dev_t, bytes: usize, reps: usize) -> Option<(f64, f64)> {
+    let mut host = vec![0x5au8; bytes];
+    let best = |best: Option<f64>, started: std::time::Instant| {
+        let rate = bytes as f64 / started.elapsed().as_secs_f64().max(1e-9);
+        Some(best.map_or(rate, |best: f64| best.max(rate)))
+    };
     // SAFETY: `device` is a valid handle for the process (a DeviceHandle). The context is
     // created with no_alloc and room for one tensor header; the tensor's memory comes from a
-    // device buffer allocated for it, and `tensor_set` copies exactly `bytes` from `host`, which
-    // is that long, into the `bytes`-byte tensor. Buffer and context are freed before
-    // returning, once each.
+    // device buffer allocated for it, and `tensor_set`/`tensor_get` copy exactly `bytes` between
+    // `host`, which is that long, and the `bytes`-byte tensor. Buffer and context are freed
+    // before returning, once each.
     unsafe {
         let buffer_type = raw::ggml_backend_dev_buffer_type(device);
         if buffer_type.is_null() || raw::ggml_backend_buft_is_host(buffer_type) {
@@ -101,18 +106,20 @@ pub(crate) fn upload_bytes_per_sec(device: raw::ggml_backend_dev_t, bytes: usize
         }
         let tensor = raw::ggml_new_tensor_1d(context, raw::GGML_TYPE_I8, bytes as i64);
         let buffer = if tensor.is_null() { std::ptr::null_mut() } else { raw::ggml_backend_alloc_ctx_tensors_from_buft(context, buffer_type) };
-        let mut best: Option<f64> = None;
+        let (mut upload, mut download) = (None, None);
         if !buffer.is_null() {
             for _ in 0..reps.max(1) {
                 let started = std::time::Instant::now();
                 raw::ggml_backend_tensor_set(tensor, host.as_ptr().cast(), 0, bytes);
-                let seconds = started.elapsed().as_secs_f64().max(1e-9);
-                best = Some(best.map_or(bytes as f64 / seconds, |rate: f64| rate.max(bytes as f64 / seconds)));
+                upload = best(upload, started);
+                let started = std::time::Instant::now();
+                raw::ggml_backend_tensor_get(tensor, host.as_mut_ptr().cast(), 0, bytes);
+                download = best(download, started);
             }
             raw::ggml_backend_buffer_free(buffer);
         }
         raw::ggml_free(context);
-        best
+        upload.zip(download)
     }
 }
 

@@ -55,11 +55,12 @@ impl DeviceHandle {
         (free as u64, total as u64)
     }
 
-    /// The rate of `ggml_backend_tensor_set` into this device's own memory, the path a model's
-    /// weights take at load: the best of `reps` copies of `bytes`, in bytes per second. None
-    /// for a device that computes on host memory, or that cannot allocate `bytes`.
-    pub fn upload_bytes_per_sec(&self, bytes: usize, reps: usize) -> Option<f64> {
-        crate::backend::upload_bytes_per_sec(self.0, bytes, reps)
+    /// The rates of `ggml_backend_tensor_set` into this device's own memory (the path a
+    /// model's weights take at load) and of `ggml_backend_tensor_get` back: the best of `reps`
+    /// copies of `bytes` each way, in bytes per second. None for a device that computes on host
+    /// memory, or that cannot allocate `bytes`.
+    pub fn transfer_bytes_per_sec(&self, bytes: usize, reps: usize) -> Option<(f64, f64)> {
+        crate::backend::transfer_bytes_per_sec(self.0, bytes, reps)
     }
 }
 

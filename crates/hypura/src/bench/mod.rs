@@ -23,12 +23,14 @@ pub struct PeerConfig {
     pub load_mode: hypura_sys::LoadMode,
     pub repack: bool,
     pub placement: PeerPlacement,
+    /// The devices llama.cpp offloads to (its `--rpc` workers' devices); empty: its own GPUs.
+    pub devices: Vec<hypura_sys::DeviceHandle>,
 }
 
 impl Default for PeerConfig {
     /// llama.cpp's own defaults.
     fn default() -> Self {
-        PeerConfig { load_mode: hypura_sys::LoadMode::Mmap, repack: true, placement: PeerPlacement::Default }
+        PeerConfig { load_mode: hypura_sys::LoadMode::Mmap, repack: true, placement: PeerPlacement::Default, devices: Vec::new() }
     }
 }
 
@@ -156,6 +158,12 @@ pub struct BenchReport {
     pub limit_fraction: Option<f64>,
     /// Streaming: bytes the plan streams per token, and the disk-only bound it implies.
     pub planned_bytes_per_token: Option<u64>,
+    /// A remote tier, over tg runs: bytes over the links and round trips per decoded token.
+    pub link_bytes_per_token: Option<f64>,
+    pub link_round_trips_per_token: Option<f64>,
+    /// The plan's predicted time per token (`Plan::predicted_seconds_per_token`), to set beside
+    /// the measured tg.
+    pub predicted_seconds_per_token: Option<f64>,
     pub io_bound_tokens_per_sec: Option<f64>,
     pub threads: i32,
     pub repack: bool,
@@ -225,6 +233,10 @@ struct TgTotals {
     accepted: u64,
     tokens: u64,
     passes: u64,
+    /// A remote tier: bytes and round trips over the links while generating, and the decodes.
+    link_bytes: u64,
+    link_round_trips: u64,
+    link_decodes: u64,
 }
 
 /// Hypura's side of a benchmark: one session, with totals for tg runs.
@@ -263,6 +275,11 @@ impl HypuraSide {
             self.totals.prefetch[0] += experts.prefetch_issued;
             self.totals.prefetch[1] += experts.prefetch_used;
             self.totals.prefetch[2] += experts.prefetch_cancelled;
+        }
+        if let Some(links) = stats.eval_links {
+            self.totals.link_bytes += links.bytes();
+            self.totals.link_round_trips += links.round_trips;
+            self.totals.link_decodes += u64::from(stats.eval_decodes);
         }
         self.totals.drafted += u64::from(stats.draft_tokens);
         self.totals.accepted += u64::from(stats.draft_accepted);
@@ -364,6 +381,8 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
     let inventory = crate::model::Inventory::open(path).map_err(EngineError::from)?;
     let totals = hypura.as_ref().map_or_else(TgTotals::default, |side| side.totals);
     let plan = hypura.as_ref().and_then(|side| side.engine.options().plan.clone().filter(|_| side.engine.streaming().is_some()));
+    let any_plan = hypura.as_ref().and_then(|side| side.engine.options().plan.clone());
+    let disk_rate = options.disk_bytes_per_sec;
     let tg = result(format!("tg{}", options.n_gen), hypura_tg_samples, peer_tg_samples);
     // The physical limit of the tg runs: their compute per decode, their bytes per pass, and
     // the tokens a decode yielded (one without drafts).
@@ -391,6 +410,9 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         limit_tokens_per_sec: limit,
         limit_fraction: limit.zip(tg.hypura.as_ref()).map(|(limit, rate)| rate.mean / limit),
         planned_bytes_per_token: plan.as_ref().map(|plan| plan.streamed_bytes_per_token),
+        link_bytes_per_token: (totals.link_decodes > 0).then(|| totals.link_bytes as f64 / totals.link_decodes as f64),
+        link_round_trips_per_token: (totals.link_decodes > 0).then(|| totals.link_round_trips as f64 / totals.link_decodes as f64),
+        predicted_seconds_per_token: any_plan.as_ref().and_then(|plan| plan.predicted_seconds_per_token(disk_rate)),
         io_bound_tokens_per_sec: plan.as_ref().and_then(|plan| plan.io_bound_tokens_per_sec),
         threads: options.threads,
         repack: hypura.as_ref().map_or(options.engine.repack, |side| side.engine.repacked()),
@@ -447,6 +469,18 @@ pub fn render(report: &BenchReport) -> String {
         if let (Some(limit), Some(fraction), Some(rate)) = (report.limit_tokens_per_sec, report.limit_fraction, report.disk_bytes_per_sec) {
             let _ = writeln!(out, "physical limit {limit:.2} tok/s (this run's compute and reads per pass, the disk at the profile's {:.2} GB/s): tg reached {fraction:.2} of it", rate / 1e9);
         }
+    }
+    if let (Some(bytes), Some(round_trips)) = (report.link_bytes_per_token, report.link_round_trips_per_token) {
+        let _ = writeln!(out, "links: {:.1} KB and {round_trips:.1} round trips per decoded token over the RPC workers' links", bytes / 1e3);
+    }
+    if let Some(predicted) = report.predicted_seconds_per_token {
+        let measured = report.results.iter().find(|result| result.test.starts_with("tg")).and_then(|result| result.hypura.as_ref()).map(|rate| 1.0 / rate.mean.max(1e-9));
+        let _ = writeln!(
+            out,
+            "time per token: predicted {:.1} ms, measured {}",
+            predicted * 1e3,
+            measured.map_or_else(|| "-".to_string(), |seconds| format!("{:.1} ms (tg)", seconds * 1e3))
+        );
     }
     if let (Some(acceptance), Some(per_pass)) = (report.draft_acceptance, report.tokens_per_pass) {
         let _ = writeln!(

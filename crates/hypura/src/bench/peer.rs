@@ -25,7 +25,7 @@ impl PlainLlama {
 
     /// As `load`, choosing mmap or `--no-mmap`.
     pub fn load_with(path: &Path, n_ctx: u32, n_threads: i32, repack: bool, load_mode: LoadMode) -> Result<PlainLlama, SysError> {
-        PlainLlama::load_configured(path, n_ctx, n_threads, &PeerConfig { load_mode, repack, placement: PeerPlacement::Default })
+        PlainLlama::load_configured(path, n_ctx, n_threads, &PeerConfig { load_mode, repack, ..PeerConfig::default() })
     }
 
     /// Load as `config` says, the GPU placement included (`--fit` asks llama.cpp's fit first,
@@ -33,7 +33,8 @@ impl PlainLlama {
     pub fn load_configured(path: &Path, n_ctx: u32, n_threads: i32, config: &PeerConfig) -> Result<PlainLlama, SysError> {
         let started = Instant::now();
         let backend = Backend::get();
-        let mut model_params = ModelParams { use_extra_bufts: config.repack, load_mode: config.load_mode, ..ModelParams::default() };
+        // With RPC devices, llama.cpp's `--rpc`: every layer offloaded, split by free memory.
+        let mut model_params = ModelParams { use_extra_bufts: config.repack, load_mode: config.load_mode, devices: config.devices.clone(), ..ModelParams::default() };
         let params = ContextParams { n_ctx, n_threads, n_threads_batch: n_threads, ..ContextParams::default() };
         let host_patterns = match &config.placement {
             PeerPlacement::Default => Vec::new(),
@@ -63,7 +64,8 @@ impl PlainLlama {
         let model = Model::load_placed(backend, path, &model_params, placed)?;
         let context = Context::new(&model, &params)?;
         let batch = Batch::new(params.n_batch as usize, 1);
-        let placement = format!("n_gpu_layers {}, host patterns {:?}", model_params.n_gpu_layers, host_patterns);
+        let devices = if config.devices.is_empty() { String::new() } else { format!(", devices {:?}", config.devices.iter().map(hypura_sys::DeviceHandle::name).collect::<Vec<_>>()) };
+        let placement = format!("n_gpu_layers {}, host patterns {:?}{devices}", model_params.n_gpu_layers, host_patterns);
         Ok(PlainLlama { context, batch, position: 0, load_duration: started.elapsed(), placement })
     }
 

@@ -220,6 +220,21 @@ impl Plan {
         }
     }
 
+    /// The predicted time per generated token: the remote tier's prediction where there is
+    /// one, else the longer of the host's streamed bytes at `disk_bytes_per_sec` and its
+    /// measured compute. None where neither the disk's rate nor the compute is known.
+    pub fn predicted_seconds_per_token(&self, disk_bytes_per_sec: Option<f64>) -> Option<f64> {
+        if let Some(remote) = &self.remote {
+            return Some(remote.predicted_seconds_per_token);
+        }
+        let disk = disk_bytes_per_sec.filter(|rate| *rate > 0.0).map(|rate| self.streamed_bytes_per_token as f64 / rate);
+        let compute = self.limit_tokens_per_sec.map(|limit| 1.0 / limit);
+        match (disk, compute) {
+            (None, None) => None,
+            (disk, compute) => Some(disk.unwrap_or(0.0).max(compute.unwrap_or(0.0))),
+        }
+    }
+
     pub fn streamed_tensors(&self) -> impl Iterator<Item = &TensorPlacement> {
         self.tensors.iter().filter(|tensor| tensor.tier == Tier::Stream)
     }

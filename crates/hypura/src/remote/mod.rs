@@ -51,7 +51,7 @@ pub struct Link {
     pub worker: String,
     /// The median round trip of a small request (with any emulated delay).
     pub round_trip: Duration,
-    /// Upload rate of a tensor's bytes; None where it was not measured.
+    /// The slower of uploading and downloading a tensor's bytes; None where not measured.
     pub bytes_per_sec: Option<f64>,
 }
 
@@ -120,7 +120,7 @@ impl Workers {
             for device in devices {
                 let (free_bytes, total_bytes) = device.memory();
                 if measure_rate && bytes_per_sec.is_none() {
-                    bytes_per_sec = device.upload_bytes_per_sec(LINK_PROBE_BYTES, 2);
+                    bytes_per_sec = device.transfer_bytes_per_sec(LINK_PROBE_BYTES, 2).map(|(upload, download)| upload.min(download));
                 }
                 workers.devices.push(RemoteDevice { device, name: device.name(), worker: worker.to_string(), free_bytes, total_bytes });
             }
@@ -197,4 +197,42 @@ impl Workers {
     pub fn handles(&self, names: &[&str]) -> Vec<hypura_sys::DeviceHandle> {
         names.iter().filter_map(|name| self.devices.iter().find(|device| device.name == *name)).map(|device| device.device).collect()
     }
+}
+
+/// One link as `hypura profile --rpc` measures it.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct LinkProfile {
+    pub worker: String,
+    pub round_trip_median_secs: f64,
+    pub round_trip_p90_secs: f64,
+    /// Bytes per second of a tensor's bytes sent to the worker and fetched back.
+    pub upload_bytes_per_sec: Option<f64>,
+    pub download_bytes_per_sec: Option<f64>,
+    /// The worker's devices: name, free and total memory as it reports them.
+    pub devices: Vec<(String, u64, u64)>,
+}
+
+/// Measure the link to `worker`: `pings` round trips of a small request (directly), then
+/// `bytes` to one of its devices and back (through ggml, as a model's weights and activations
+/// go), the best of three each way.
+pub fn profile_link(worker: &str, pings: usize, bytes: usize) -> Result<LinkProfile, RemoteError> {
+    let (major, count, mut times) = relay::probe(worker, pings).map_err(|error| RemoteError::Down { worker: worker.to_string(), reason: error.to_string() })?;
+    if major != hypura_sys::RPC_PROTOCOL_MAJOR {
+        return Err(RemoteError::Version { worker: worker.to_string(), major, ours: hypura_sys::RPC_PROTOCOL_MAJOR });
+    }
+    if count == 0 {
+        return Err(RemoteError::NoDevices { worker: worker.to_string() });
+    }
+    times.sort();
+    let workers = Workers::connect(&[worker.to_string()], Duration::ZERO, false)?;
+    let rates = workers.devices.first().and_then(|device| device.device.transfer_bytes_per_sec(bytes, 3));
+    workers.check()?;
+    Ok(LinkProfile {
+        worker: worker.to_string(),
+        round_trip_median_secs: times[times.len() / 2].as_secs_f64(),
+        round_trip_p90_secs: times[(times.len() * 9 / 10).min(times.len() - 1)].as_secs_f64(),
+        upload_bytes_per_sec: rates.map(|(upload, _)| upload),
+        download_bytes_per_sec: rates.map(|(_, download)| download),
+        devices: workers.devices.iter().map(|device| (device.name.clone(), device.free_bytes, device.total_bytes)).collect(),
+    })
 }

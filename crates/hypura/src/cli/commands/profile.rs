@@ -53,10 +53,33 @@ pub fn run(args: &ProfileArgs) -> anyhow::Result<()> {
             profile
         }
     };
+    let links = args.rpc.iter().map(|worker| crate::remote::profile_link(worker.trim(), LINK_PINGS, LINK_PROBE_BYTES)).collect::<Result<Vec<_>, _>>()?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&profile)?);
+        let mut value = serde_json::to_value(&profile)?;
+        if !links.is_empty() {
+            value["links"] = serde_json::to_value(&links)?;
+        }
+        println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
         print!("{}", profile.render_human());
+        for link in &links {
+            let rate = |rate: Option<f64>| rate.map_or_else(|| "n/a".to_string(), crate::hw::format_bytes_per_sec);
+            println!(
+                "link {}: round trip {:.3} ms median, {:.3} ms p90; {} up, {} down",
+                link.worker,
+                link.round_trip_median_secs * 1e3,
+                link.round_trip_p90_secs * 1e3,
+                rate(link.upload_bytes_per_sec),
+                rate(link.download_bytes_per_sec)
+            );
+            for (name, free, total) in &link.devices {
+                println!("  {name}: {} free of {}", crate::hw::format_bytes(*free), crate::hw::format_bytes(*total));
+            }
+        }
     }
     Ok(())
 }
+
+/// Round trips timed per link, and bytes moved each way to time its rate.
+const LINK_PINGS: usize = 50;
+const LINK_PROBE_BYTES: usize = 64 << 20;

@@ -51,7 +51,9 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         };
         let output = answer(&mut session, &request(prompt))?;
         print_stats(gpu_free_before.as_deref(), disk_rate, &output);
-        if let Some(seconds) = output.stats.eval_compute_seconds_per_token() {
+        // A run with remote layers measured other machines and links too: not this machine's
+        // compute for the model.
+        if let Some(seconds) = output.stats.eval_compute_seconds_per_token().filter(|_| output.stats.links.is_none()) {
             let engine = session.engine();
             crate::engine::setup::record_compute(&path, settings::threads(engine.options().n_threads), engine.streaming().is_some(), seconds, u64::from(output.stats.eval_decodes));
         }
