@@ -39,8 +39,9 @@ def main():
         rate = tg(report, side)
         mib = lambda value: f"{value / 2**20:.0f} MiB" if value else "-"
         predicted = (report or {}).get("predicted_seconds_per_token") if side == "hypura" else None
-        link = (report or {}).get("link_bytes_per_token")
-        trips = (report or {}).get("link_round_trips_per_token")
+        prefix = "" if side == "hypura" else "llama_cpp_"
+        link = (report or {}).get(f"{prefix}link_bytes_per_token")
+        trips = (report or {}).get(f"{prefix}link_round_trips_per_token")
         print(
             f"| {label} | {delay} | {rate:.2f} | {rate / local:.2f}× | {link / 1e3 if link else 0:.1f} | {trips or 0:.1f} | "
             f"{predicted * 1e3 if predicted else float('nan'):.1f} | {1e3 / rate:.1f} | {mib(status.get('peak_bytes'))} | "
@@ -60,7 +61,9 @@ def main():
         remote = plan.get("remote")
         if remote:
             layers = f"layers {remote['layers']['start']}-{remote['layers']['end'] - 1} on the workers"
-            print(f"| {delay} | {layers} | {remote['predicted_seconds_per_token'] * 1e3:.1f} | {remote['local_seconds_per_token'] * 1e3:.1f} |")
+            local = remote.get("local_seconds_per_token")
+            local = f"{local * 1e3:.1f}" if local is not None else "cannot run"
+            print(f"| {delay} | {layers} | {remote['predicted_seconds_per_token'] * 1e3:.1f} | {local} |")
         else:
             print(f"| {delay} | local streaming: {plan.get('remote_unused', '')[:90]} | - | - |")
 

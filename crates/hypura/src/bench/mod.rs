@@ -161,6 +161,9 @@ pub struct BenchReport {
     /// A remote tier, over tg runs: bytes over the links and round trips per decoded token.
     pub link_bytes_per_token: Option<f64>,
     pub link_round_trips_per_token: Option<f64>,
+    /// The same for llama.cpp's own `--rpc` (the baseline with RPC workers).
+    pub llama_cpp_link_bytes_per_token: Option<f64>,
+    pub llama_cpp_link_round_trips_per_token: Option<f64>,
     /// The plan's predicted time per token (`Plan::predicted_seconds_per_token`), to set beside
     /// the measured tg.
     pub predicted_seconds_per_token: Option<f64>,
@@ -344,6 +347,9 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
     }
 
     let mut samples: [Vec<f64>; 4] = Default::default();
+    // The peer's traffic over the RPC workers' links in its tg runs, and the tokens they made.
+    let mut peer_links = (crate::remote::Traffic::default(), 0u64);
+    let traffic = || options.engine.remote.as_ref().map(|workers| workers.traffic());
     for rep in 0..options.reps {
         progress(&format!("rep {}/{}", rep + 1, options.reps));
         let start = start_for(rep as u64 + 1);
@@ -351,8 +357,13 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         for test in 0..2 {
             let mut run_peer = |samples: &mut [Vec<f64>; 4]| -> Result<(), BenchError> {
                 if let Some(peer) = peer.as_mut() {
+                    let before = traffic();
                     let value = if test == 0 { rate(options.n_prompt, peer.time_prefill(&prompt)?) } else { rate(options.n_gen, peer.time_generate(&start, options.n_gen)?) };
                     samples[2 + test].push(value);
+                    if let (1, Some(before), Some(after)) = (test, before, traffic()) {
+                        peer_links.0 = peer_links.0 + after.since(before);
+                        peer_links.1 += options.n_gen as u64;
+                    }
                 }
                 Ok(())
             };
@@ -412,6 +423,8 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         planned_bytes_per_token: plan.as_ref().map(|plan| plan.streamed_bytes_per_token),
         link_bytes_per_token: (totals.link_decodes > 0).then(|| totals.link_bytes as f64 / totals.link_decodes as f64),
         link_round_trips_per_token: (totals.link_decodes > 0).then(|| totals.link_round_trips as f64 / totals.link_decodes as f64),
+        llama_cpp_link_bytes_per_token: (peer_links.1 > 0).then(|| peer_links.0.bytes() as f64 / peer_links.1 as f64),
+        llama_cpp_link_round_trips_per_token: (peer_links.1 > 0).then(|| peer_links.0.round_trips as f64 / peer_links.1 as f64),
         predicted_seconds_per_token: any_plan.as_ref().and_then(|plan| plan.predicted_seconds_per_token(disk_rate)),
         io_bound_tokens_per_sec: plan.as_ref().and_then(|plan| plan.io_bound_tokens_per_sec),
         threads: options.threads,
@@ -470,17 +483,16 @@ pub fn render(report: &BenchReport) -> String {
             let _ = writeln!(out, "physical limit {limit:.2} tok/s (this run's compute and reads per pass, the disk at the profile's {:.2} GB/s): tg reached {fraction:.2} of it", rate / 1e9);
         }
     }
-    if let (Some(bytes), Some(round_trips)) = (report.link_bytes_per_token, report.link_round_trips_per_token) {
-        let _ = writeln!(out, "links: {:.1} KB and {round_trips:.1} round trips per decoded token over the RPC workers' links", bytes / 1e3);
+    for (side, bytes, round_trips) in
+        [("hypura", report.link_bytes_per_token, report.link_round_trips_per_token), ("llama.cpp", report.llama_cpp_link_bytes_per_token, report.llama_cpp_link_round_trips_per_token)]
+    {
+        if let (Some(bytes), Some(round_trips)) = (bytes, round_trips) {
+            let _ = writeln!(out, "links ({side}): {:.1} KB and {round_trips:.1} round trips per decoded token over the RPC workers' links", bytes / 1e3);
+        }
     }
     if let Some(predicted) = report.predicted_seconds_per_token {
         let measured = report.results.iter().find(|result| result.test.starts_with("tg")).and_then(|result| result.hypura.as_ref()).map(|rate| 1.0 / rate.mean.max(1e-9));
-        let _ = writeln!(
-            out,
-            "time per token: predicted {:.1} ms, measured {}",
-            predicted * 1e3,
-            measured.map_or_else(|| "-".to_string(), |seconds| format!("{:.1} ms (tg)", seconds * 1e3))
-        );
+        let _ = writeln!(out, "time per token: predicted {:.1} ms, measured {}", predicted * 1e3, measured.map_or_else(|| "-".to_string(), |seconds| format!("{:.1} ms (tg)", seconds * 1e3)));
     }
     if let (Some(acceptance), Some(per_pass)) = (report.draft_acceptance, report.tokens_per_pass) {
         let _ = writeln!(

@@ -190,6 +190,10 @@ pub struct Streaming {
     pub load_bytes: u64,
     /// The model's `general.architecture`, for the refusal below.
     arch: String,
+    /// Whether anything streams. A plan that only leaves tables in the file's pages (beside a
+    /// remote tier that holds what would stream) runs without the eval hook, which would cut
+    /// every graph split into views (and each remote device's graph with them).
+    pub hooked: bool,
 }
 
 impl Streaming {
@@ -251,9 +255,12 @@ impl Engine {
             (model, Some(streaming))
         } else {
             let (devices, tensor_split) = remote_devices(&options)?;
+            // Layers on other machines are read once to be sent: mapped, their pages would count
+            // as this process's memory.
+            let load_mode = if devices.is_empty() { options.load_mode } else { LoadMode::Read };
             let params = ModelParams {
                 n_gpu_layers: options.plan.as_ref().map_or(options.n_gpu_layers, Plan::n_gpu_layers),
-                load_mode: options.load_mode,
+                load_mode,
                 use_extra_bufts: options.repack && !options.batch_invariant,
                 vocab_only: false,
                 devices,
@@ -262,6 +269,10 @@ impl Engine {
             let host_patterns = options.plan.as_ref().map(|plan| plan.host_patterns(&[Tier::Ram])).unwrap_or_default();
             (Model::load_placed(backend, path, &params, Placement { host_patterns, ..Placement::default() })?, None)
         };
+        // A worker that died during the load was answered for with zeros: the model is not whole.
+        if let Some(workers) = &options.remote {
+            workers.check()?;
+        }
         let template = ChatTemplate::new(&model, options.chat_template.as_deref()).map_err(|reason| EngineError::Template { path: inventory.path.clone(), reason })?;
         tracing::debug!("chat template: {}", template.describe());
         let draft = match &options.speculation {
@@ -356,7 +367,7 @@ impl Engine {
             n_seq_max: self.options.n_seq_max,
             n_threads: threads,
             n_threads_batch: threads,
-            eval_hook: self.streaming.as_ref().map(|streaming| streaming.driver.hook()),
+            eval_hook: self.streaming.as_ref().filter(|streaming| streaming.hooked).map(|streaming| streaming.driver.hook()),
             // Without a GPU tier nothing goes to a GPU, prompt batches included; a tier without
             // room for op offload's copies keeps prompt batches of host layers on the CPU.
             // Batch-invariant runs keep prompt batches on the CPU too, where the reference
@@ -535,7 +546,8 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
         _ if experts.is_none() => return Err(EngineError::Store("a streaming plan without a dense or expert layout".into())),
         _ => None,
     };
-    Ok((model, Streaming { driver: StreamDriver::new(dense, experts), stats, load_bytes, arch: inventory.arch.clone() }))
+    let hooked = !streamed.is_empty();
+    Ok((model, Streaming { driver: StreamDriver::new(dense, experts), stats, load_bytes, arch: inventory.arch.clone(), hooked }))
 }
 
 /// llama.cpp's device list and tensor split for a plan with a remote tier: its devices in

@@ -63,6 +63,13 @@ pub struct Traffic {
     pub round_trips: u64,
 }
 
+impl std::ops::Add for Traffic {
+    type Output = Traffic;
+    fn add(self, other: Traffic) -> Traffic {
+        Traffic { sent_bytes: self.sent_bytes + other.sent_bytes, received_bytes: self.received_bytes + other.received_bytes, round_trips: self.round_trips + other.round_trips }
+    }
+}
+
 impl Traffic {
     pub fn since(self, earlier: Traffic) -> Traffic {
         Traffic { sent_bytes: self.sent_bytes - earlier.sent_bytes, received_bytes: self.received_bytes - earlier.received_bytes, round_trips: self.round_trips - earlier.round_trips }
@@ -99,18 +106,7 @@ impl Workers {
         let mut workers = Workers { relays: Vec::new(), devices: Vec::new(), links: Vec::new(), endpoints: endpoints.to_vec(), delay, measure_rate };
         for worker in endpoints {
             let worker = worker.trim();
-            match worker.rsplit_once(':') {
-                Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {}
-                _ => return Err(RemoteError::BadEndpoint(worker.to_string())),
-            }
-            let (major, count, mut pings) = relay::probe(worker, PINGS).map_err(|error| RemoteError::Down { worker: worker.to_string(), reason: error.to_string() })?;
-            if major != hypura_sys::RPC_PROTOCOL_MAJOR {
-                return Err(RemoteError::Version { worker: worker.to_string(), major, ours: hypura_sys::RPC_PROTOCOL_MAJOR });
-            }
-            if count == 0 {
-                return Err(RemoteError::NoDevices { worker: worker.to_string() });
-            }
-            pings.sort();
+            let pings = check_worker(worker, PINGS)?;
             let relay = Relay::start(worker, delay).map_err(|error| RemoteError::Sys(format!("a relay for {worker}: {error}")))?;
             let devices = hypura_sys::rpc_connect(backend, &relay.endpoint).map_err(|error| RemoteError::Sys(error.to_string()))?;
             if let Some(reason) = relay.state.failure() {
@@ -169,10 +165,8 @@ impl Workers {
 
     pub fn traffic(&self) -> Traffic {
         use std::sync::atomic::Ordering::Relaxed;
-        self.relays.iter().fold(Traffic::default(), |total, relay| Traffic {
-            sent_bytes: total.sent_bytes + relay.sent_bytes.load(Relaxed),
-            received_bytes: total.received_bytes + relay.received_bytes.load(Relaxed),
-            round_trips: total.round_trips + relay.round_trips.load(Relaxed),
+        self.relays.iter().fold(Traffic::default(), |total, relay| {
+            total + Traffic { sent_bytes: relay.sent_bytes.load(Relaxed), received_bytes: relay.received_bytes.load(Relaxed), round_trips: relay.round_trips.load(Relaxed) }
         })
     }
 
@@ -199,6 +193,24 @@ impl Workers {
     }
 }
 
+/// Ask `worker` (`host:port`) directly for its protocol and devices, timing `pings` round trips:
+/// their times, shortest first, or why it cannot be used.
+fn check_worker(worker: &str, pings: usize) -> Result<Vec<Duration>, RemoteError> {
+    match worker.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {}
+        _ => return Err(RemoteError::BadEndpoint(worker.to_string())),
+    }
+    let (major, count, mut times) = relay::probe(worker, pings).map_err(|error| RemoteError::Down { worker: worker.to_string(), reason: error.to_string() })?;
+    if major != hypura_sys::RPC_PROTOCOL_MAJOR {
+        return Err(RemoteError::Version { worker: worker.to_string(), major, ours: hypura_sys::RPC_PROTOCOL_MAJOR });
+    }
+    if count == 0 {
+        return Err(RemoteError::NoDevices { worker: worker.to_string() });
+    }
+    times.sort();
+    Ok(times)
+}
+
 /// One link as `hypura profile --rpc` measures it.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct LinkProfile {
@@ -216,14 +228,7 @@ pub struct LinkProfile {
 /// `bytes` to one of its devices and back (through ggml, as a model's weights and activations
 /// go), the best of three each way.
 pub fn profile_link(worker: &str, pings: usize, bytes: usize) -> Result<LinkProfile, RemoteError> {
-    let (major, count, mut times) = relay::probe(worker, pings).map_err(|error| RemoteError::Down { worker: worker.to_string(), reason: error.to_string() })?;
-    if major != hypura_sys::RPC_PROTOCOL_MAJOR {
-        return Err(RemoteError::Version { worker: worker.to_string(), major, ours: hypura_sys::RPC_PROTOCOL_MAJOR });
-    }
-    if count == 0 {
-        return Err(RemoteError::NoDevices { worker: worker.to_string() });
-    }
-    times.sort();
+    let times = check_worker(worker, pings)?;
     let workers = Workers::connect(&[worker.to_string()], Duration::ZERO, false)?;
     let rates = workers.devices.first().and_then(|device| device.device.transfer_bytes_per_sec(bytes, 3));
     workers.check()?;

@@ -325,6 +325,14 @@ fn drain(client: &mut TcpStream, size: u64, chunk: &mut [u8]) -> std::io::Result
     Ok(())
 }
 
+/// A HELLO request that offers no transport upgrade (TCP only).
+fn hello_request() -> Vec<u8> {
+    let mut hello = vec![CMD_HELLO];
+    hello.extend_from_slice(&24u64.to_le_bytes());
+    hello.extend_from_slice(&[0u8; 24]);
+    hello
+}
+
 /// Ask a worker directly (not through a relay) for its protocol version and device count:
 /// HELLO, then DEVICE_COUNT `pings` times. Returns the major version, the device count and the
 /// round trips' times. ggml's server takes one client at a time, so this waits while another
@@ -332,10 +340,7 @@ fn drain(client: &mut TcpStream, size: u64, chunk: &mut [u8]) -> std::io::Result
 pub(crate) fn probe(worker: &str, pings: usize) -> std::io::Result<(u8, u32, Vec<Duration>)> {
     let mut stream = connect_worker(worker)?;
     stream.set_read_timeout(Some(Duration::from_secs(30)))?;
-    let mut hello = vec![CMD_HELLO];
-    hello.extend_from_slice(&24u64.to_le_bytes());
-    hello.extend_from_slice(&[0u8; 24]);
-    stream.write_all(&hello)?;
+    stream.write_all(&hello_request())?;
     let mut response = [0u8; 8 + HELLO_RESPONSE_BYTES as usize];
     stream.read_exact(&mut response)?;
     let major = response[8];
@@ -390,10 +395,7 @@ mod tests {
         });
         let relay = Relay::start(&address, Duration::ZERO).unwrap();
         let mut client = TcpStream::connect(&relay.endpoint).unwrap();
-        let mut hello = vec![CMD_HELLO];
-        hello.extend_from_slice(&24u64.to_le_bytes());
-        hello.extend_from_slice(&[0u8; 24]);
-        client.write_all(&hello).unwrap();
+        client.write_all(&hello_request()).unwrap();
         let mut response = [0u8; 36];
         client.read_exact(&mut response).unwrap();
         assert_eq!(response[8], 7);
@@ -468,10 +470,7 @@ mod tests {
         let address = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
         let relay = Relay::start(&address, Duration::ZERO).unwrap();
         let mut client = TcpStream::connect(&relay.endpoint).unwrap();
-        let mut hello = vec![CMD_HELLO];
-        hello.extend_from_slice(&24u64.to_le_bytes());
-        hello.extend_from_slice(&[0u8; 24]);
-        client.write_all(&hello).unwrap();
+        client.write_all(&hello_request()).unwrap();
         let mut response = [0u8; 36];
         client.read_exact(&mut response).unwrap();
         assert_eq!(response[8], hypura_sys::RPC_PROTOCOL_MAJOR, "a handshake ggml accepts");
