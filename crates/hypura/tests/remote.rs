@@ -253,3 +253,39 @@ fn a_worker_with_less_memory_than_planned_is_refused_at_load_and_its_link_is_pro
     assert_eq!(link.devices.len(), 1);
     assert_eq!(link.devices[0].1, lent);
 }
+
+/// The remote tier is weighed against streaming locally alone at each one's own prompt batch:
+/// a budget that holds local streaming only with small batches still compares with it.
+#[test]
+fn remote_and_local_streaming_are_weighed_each_at_its_own_batch() {
+    let model = common::chat_model_path();
+    let inventory = hypura::model::Inventory::open(&model).unwrap();
+    let spec = hypura::engine::setup::RunSpec {
+        n_ctx: Some(512),
+        n_batch: 512,
+        grow_batch: true,
+        memory_budget_bytes: Some(hypura::cli::settings::parse_bytes(HOST_BUDGET).unwrap()),
+        ..hypura::engine::setup::RunSpec::default()
+    };
+    let facts = |round_trip_secs: f64| hypura::plan::MachineFacts {
+        disk_bytes_per_sec: Some(1e9),
+        compute_seconds_per_token: None,
+        remote_devices: vec![hypura::plan::RemoteDeviceFacts { name: "RPC0".into(), worker: "10.0.0.2:50052".into(), free_bytes: 400 << 20, round_trip_secs, link_bytes_per_sec: Some(1e8) }],
+        ..hypura::engine::setup::machine_facts(&spec, &model).unwrap()
+    };
+    // At the default batch the host cannot stream alone (its compute buffers are too large).
+    let at_default = hypura::engine::setup::plan_for(&inventory, &spec, &hypura::plan::MachineFacts { remote_devices: Vec::new(), ..facts(1e-4) });
+    assert!(at_default.is_err(), "the test needs a budget too small for 512-token batches alone");
+
+    let (_, _, near) = hypura::engine::setup::plan_run(&inventory, &spec, &facts(1e-4)).unwrap();
+    let remote = near.remote.as_ref().unwrap_or_else(|| panic!("{}", near.render()));
+    assert!(remote.local_seconds_per_token.is_finite() && remote.local_seconds_per_token > remote.predicted_seconds_per_token, "{remote:?}");
+
+    // A link whose round trip costs more than the streamed bytes it saves: local streaming, at
+    // the batch it fits.
+    let (_, n_batch, far) = hypura::engine::setup::plan_run(&inventory, &spec, &facts(remote.local_seconds_per_token)).unwrap();
+    assert!(far.remote.is_none(), "{}", far.render());
+    assert!(n_batch < 512);
+    let why = far.remote_unused.as_deref().unwrap_or_default();
+    assert!(why.contains("streaming locally alone is predicted faster") && why.contains(&format!("prompt batches of {n_batch}")), "{why}");
+}

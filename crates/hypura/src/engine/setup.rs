@@ -187,7 +187,41 @@ pub fn plan_for(inventory: &Inventory, spec: &RunSpec, facts: &MachineFacts) -> 
 /// The context, the prompt batch and the plan a run gets (what `prepare` loads and `inspect`
 /// prints): the batch shrunk to what the budget holds (`fit_batch`), then grown where streaming
 /// gains from it (`grow_batch`), for a batch the user did not choose.
+///
+/// With remote devices, the planner weighs their tier against streaming locally alone at one
+/// prompt batch, and local streaming may only fit a smaller batch (the compute buffers of 512
+/// tokens of Qwen2.5's vocabulary are 311 MB): each is planned at its own batch here, and the
+/// faster prediction wins.
 pub fn plan_run(inventory: &Inventory, spec: &RunSpec, facts: &MachineFacts) -> Result<(u32, u32, Plan), EngineError> {
+    let chosen = plan_run_at_batch(inventory, spec, facts);
+    if facts.remote_devices.is_empty() {
+        return chosen;
+    }
+    let local = plan_run_at_batch(inventory, spec, &MachineFacts { remote_devices: Vec::new(), ..facts.clone() });
+    match (chosen, local) {
+        (Ok((n_ctx, n_batch, mut plan)), Ok(local)) if plan.remote.is_some() => {
+            let local_seconds = plan::local_seconds_per_token(facts, &local.2);
+            let remote = plan.remote.as_mut().expect("checked above");
+            if local_seconds <= remote.predicted_seconds_per_token {
+                let why = format!(
+                    "streaming locally alone is predicted faster ({:.2} ms per token, prompt batches of {}, against {:.2} ms with {})",
+                    local_seconds * 1e3,
+                    local.1,
+                    remote.predicted_seconds_per_token * 1e3,
+                    remote.describe()
+                );
+                return Ok((local.0, local.1, Plan { remote_unused: Some(why), ..local.2 }));
+            }
+            remote.local_seconds_per_token = remote.local_seconds_per_token.min(local_seconds);
+            Ok((n_ctx, n_batch, plan))
+        }
+        (Err(_), Ok(local)) => Ok(local),
+        (chosen, _) => chosen,
+    }
+}
+
+/// `plan_run` for the facts as they are (the planner weighs a remote tier at each batch).
+fn plan_run_at_batch(inventory: &Inventory, spec: &RunSpec, facts: &MachineFacts) -> Result<(u32, u32, Plan), EngineError> {
     // The default context does not depend on the batch (`auto_context`): choose it once for
     // every plan weighed below.
     let n_ctx = context_for(inventory, spec, facts);

@@ -111,6 +111,12 @@ fn plan_loaded(inventory: &Inventory, machine: &MachineFacts, options: &PlanOpti
     }
 }
 
+/// The predicted time per token of a plan without a remote tier: the longer of its streamed
+/// bytes at the disk's rate and its measured compute (what the remote tier is weighed against).
+pub fn local_seconds_per_token(machine: &MachineFacts, plan: &Plan) -> f64 {
+    remote::host_seconds_per_token(machine, plan.streamed_bytes_per_token, 1.0)
+}
+
 /// A duration in the unit that reads best: ms below a second.
 fn format_seconds(seconds: f64) -> String {
     if seconds.is_infinite() {
