@@ -227,7 +227,10 @@ fn a_worker_with_less_memory_than_planned_is_refused_at_load_and_its_link_is_pro
     let worker = Worker::start(LENT, lent + (160 << 20));
     let workers = hypura::remote::Workers::connect(std::slice::from_ref(&worker.endpoint), Duration::ZERO, false).unwrap();
     assert_eq!(workers.devices.len(), 1);
-    assert_eq!(workers.devices[0].free_bytes, lent, "the worker reports what it lends");
+    // What it lends, less what the server itself took since it started (a client's
+    // connection: a few MiB at most).
+    let free = workers.devices[0].free_bytes;
+    assert!(free <= lent && free + (16 << 20) >= lent, "the worker reports what it lends: {free} of {lent}");
     let spec = hypura::engine::setup::RunSpec {
         n_ctx: Some(512),
         n_batch: 64,
@@ -242,16 +245,28 @@ fn a_worker_with_less_memory_than_planned_is_refused_at_load_and_its_link_is_pro
     let (n_ctx, n_batch, plan) = hypura::engine::setup::plan_run(&inventory, &spec, &facts).unwrap();
     let share = plan.remote.as_ref().expect("a remote tier").shares[0].clone();
     assert!(share.total_bytes() > lent, "{share:?}");
-    let options = hypura::engine::EngineOptions { n_ctx, n_batch, n_ubatch: n_batch, repack: false, plan: Some(plan), remote: Some(workers), ..hypura::engine::EngineOptions::default() };
-    let error = hypura::engine::Engine::load(inventory, options).err().expect("refused at load").to_string();
-    assert!(error.contains(&format!("RPC worker {}", worker.endpoint)) && error.contains("200.0 MiB free, and the plan puts"), "{error}");
-    drop(error);
+    let options = hypura::engine::EngineOptions { n_ctx, n_batch, n_ubatch: n_batch, repack: false, plan: Some(plan), remote: Some(workers.clone()), ..hypura::engine::EngineOptions::default() };
+    let error = hypura::engine::Engine::load(inventory.clone(), options).err().expect("refused at load").to_string();
+    assert!(error.contains(&format!("RPC worker {}", worker.endpoint)) && error.contains("MiB free, and the plan puts"), "{error}");
+
+    // Planned with what it has, the model loads; the worker then reports what its layers took
+    // out of what it lends, and a second model is planned in what is left.
+    let facts = hypura::engine::setup::machine_facts(&spec, &model).unwrap();
+    let (n_ctx, n_batch, plan) = hypura::engine::setup::plan_run(&inventory, &spec, &facts).unwrap();
+    let share = plan.remote.as_ref().expect("a remote tier").shares[0].clone();
+    let options = hypura::engine::EngineOptions { n_ctx, n_batch, n_ubatch: n_batch, repack: false, plan: Some(plan), remote: Some(workers.clone()), ..hypura::engine::EngineOptions::default() };
+    let engine = hypura::engine::Engine::load(inventory.clone(), options).unwrap();
+    let left = workers.facts()[0].free_bytes;
+    assert!(left + share.weight_bytes <= free, "{left} bytes left of {free} with {} of weights there", share.weight_bytes);
+    let (_, _, second) = hypura::engine::setup::plan_run(&inventory, &spec, &hypura::engine::setup::machine_facts(&spec, &model).unwrap()).unwrap();
+    assert!(second.remote.as_ref().is_none_or(|remote| remote.layers.len() < share.layers.len()), "{}", second.render());
+    drop(engine);
 
     let link = hypura::remote::profile_link(&worker.endpoint, 10, 4 << 20).unwrap();
     assert!(link.round_trip_median_secs > 0.0 && link.round_trip_median_secs <= link.round_trip_p90_secs, "{link:?}");
     assert!(link.upload_bytes_per_sec.unwrap() > 1e6 && link.download_bytes_per_sec.unwrap() > 1e6, "{link:?}");
     assert_eq!(link.devices.len(), 1);
-    assert_eq!(link.devices[0].1, lent);
+    assert!(link.devices[0].1 <= lent && link.devices[0].2 >= lent, "{link:?}");
 }
 
 /// The remote tier is weighed against streaming locally alone at each one's own prompt batch:

@@ -290,9 +290,11 @@ mod tests {
                 compute_seconds_per_token: compute,
                 gpu_budget_bytes: gpu_mib << 20,
                 gpu_runtime_bytes: runtime_mib << 20,
-                remote_devices: (remote_mib > 0)
-                    .then(|| vec![RemoteDeviceFacts { name: "RPC0".into(), worker: "10.0.0.2:50052".into(), free_bytes: remote_mib << 20, round_trip_secs: round_trip_ms / 1e3, link_bytes_per_sec: Some(1e9) }])
-                    .unwrap_or_default(),
+                remote_devices: if remote_mib > 0 {
+                    vec![RemoteDeviceFacts { name: "RPC0".into(), worker: "10.0.0.2:50052".into(), free_bytes: remote_mib << 20, round_trip_secs: round_trip_ms / 1e3, link_bytes_per_sec: Some(1e9) }]
+                } else {
+                    Vec::new()
+                },
             };
             let mode = if forced { ModeChoice::Forced(Mode::DenseStream) } else { ModeChoice::Auto };
             let options = PlanOptions { window_layers: window, ..options(mode, 1) };

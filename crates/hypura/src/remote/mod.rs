@@ -170,7 +170,8 @@ impl Workers {
         })
     }
 
-    /// The devices as the planner sees them.
+    /// The devices as the planner sees them, with the free memory each reports now (a worker
+    /// that already holds another model's layers has less).
     pub fn facts(&self) -> Vec<RemoteDeviceFacts> {
         self.devices
             .iter()
@@ -179,7 +180,7 @@ impl Workers {
                 RemoteDeviceFacts {
                     name: device.name.clone(),
                     worker: device.worker.clone(),
-                    free_bytes: device.free_bytes,
+                    free_bytes: device.device.memory().0,
                     round_trip_secs: link.round_trip.as_secs_f64(),
                     link_bytes_per_sec: link.bytes_per_sec,
                 }
