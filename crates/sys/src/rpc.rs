@@ -15,12 +15,30 @@ use crate::backend::Backend;
 use crate::error::SysError;
 
 extern "C" {
-    // ggml-rpc.h: not in the crate's generated bindings (its wrapper header does not include it),
-    // declared here with the same signatures.
-    fn ggml_backend_rpc_start_server(endpoint: *const c_char, cache_dir: *const c_char, n_threads: usize, n_devices: usize, devices: *mut raw::ggml_backend_dev_t);
-    fn ggml_backend_rpc_add_server(endpoint: *const c_char) -> raw::ggml_backend_reg_t;
     // csrc/rpc_device.c
     fn hypura_capped_device(inner: raw::ggml_backend_dev_t, free_bytes: usize, total_bytes: usize) -> raw::ggml_backend_dev_t;
+}
+
+// ggml-rpc.h's entry points, as the RPC backend's registry hands them out: linked in, or from
+// the loadable `ggml-rpc` library where backends are loaded at run time (the GPU recipe).
+type StartServer = unsafe extern "C" fn(endpoint: *const c_char, cache_dir: *const c_char, n_threads: usize, n_devices: usize, devices: *mut raw::ggml_backend_dev_t);
+type AddServer = unsafe extern "C" fn(endpoint: *const c_char) -> raw::ggml_backend_reg_t;
+
+/// The address of `name` in the RPC backend's registry; an error where this build has none.
+fn rpc_function(name: &std::ffi::CStr) -> Result<*mut std::ffi::c_void, SysError> {
+    // SAFETY: the registry is initialised before any caller (they hold a Backend); both names are
+    // valid C strings; the registry and the addresses it returns live for the process.
+    let address = unsafe {
+        let registry = raw::ggml_backend_reg_by_name(c"RPC".as_ptr());
+        if registry.is_null() {
+            return Err(SysError::Rpc("this build has no RPC backend (ggml built without GGML_RPC, or its library not loaded)".into()));
+        }
+        raw::ggml_backend_reg_get_proc_address(registry, name.as_ptr())
+    };
+    if address.is_null() {
+        return Err(SysError::Rpc(format!("ggml's RPC backend has no {}", name.to_string_lossy())));
+    }
+    Ok(address)
 }
 
 /// The protocol version this build speaks (`RPC_PROTO_MAJOR_VERSION` and the minor version of
@@ -98,10 +116,14 @@ pub fn serve(_backend: &Backend, endpoint: &str, cache_dir: Option<&Path>, n_thr
     let c_endpoint = CString::new(endpoint).map_err(|_| SysError::Rpc(format!("endpoint {endpoint:?} contains a NUL byte")))?;
     let c_cache = cache_dir.map(|dir| CString::new(dir.as_os_str().as_encoded_bytes()).map_err(|_| SysError::PathNul(dir.to_path_buf()))).transpose()?;
     let mut handles: Vec<raw::ggml_backend_dev_t> = devices.iter().map(|device| device.0).collect();
-    // SAFETY: the strings are valid C strings and the device array holds `handles.len()` valid
-    // handles, all alive for the call (which runs the server loop on this thread).
+    let address = rpc_function(c"ggml_backend_rpc_start_server")?;
+    // SAFETY: the registry hands out `ggml_backend_rpc_start_server` under its own name, whose
+    // signature `StartServer` repeats from ggml-rpc.h. The strings are valid C strings and the
+    // device array holds `handles.len()` valid handles, all alive for the call (which runs the
+    // server loop on this thread).
     unsafe {
-        ggml_backend_rpc_start_server(c_endpoint.as_ptr(), c_cache.as_ref().map_or(std::ptr::null(), |cache| cache.as_ptr()), n_threads.max(1), handles.len(), handles.as_mut_ptr());
+        let start_server: StartServer = std::mem::transmute::<*mut std::ffi::c_void, StartServer>(address);
+        start_server(c_endpoint.as_ptr(), c_cache.as_ref().map_or(std::ptr::null(), |cache| cache.as_ptr()), n_threads.max(1), handles.len(), handles.as_mut_ptr());
     }
     Err(SysError::Rpc(format!("the RPC server on {endpoint} stopped (see the messages above)")))
 }
@@ -112,10 +134,14 @@ pub fn serve(_backend: &Backend, endpoint: &str, cache_dir: Option<&Path>, n_thr
 /// relay that always answers).
 pub fn connect(_backend: &Backend, endpoint: &str) -> Result<Vec<DeviceHandle>, SysError> {
     let c_endpoint = CString::new(endpoint).map_err(|_| SysError::Rpc(format!("endpoint {endpoint:?} contains a NUL byte")))?;
-    // SAFETY: the endpoint is a valid C string for the call; the registry returned (or null)
-    // is owned by ggml and never freed, and so are its devices.
+    let address = rpc_function(c"ggml_backend_rpc_add_server")?;
+    // SAFETY: the registry hands out `ggml_backend_rpc_add_server` under its own name, whose
+    // signature `AddServer` repeats from ggml-rpc.h. The endpoint is a valid C string for the
+    // call; the registry returned (or null) is owned by ggml and never freed, and so are its
+    // devices.
     unsafe {
-        let registry = ggml_backend_rpc_add_server(c_endpoint.as_ptr());
+        let add_server: AddServer = std::mem::transmute::<*mut std::ffi::c_void, AddServer>(address);
+        let registry = add_server(c_endpoint.as_ptr());
         if registry.is_null() {
             return Err(SysError::Rpc(format!("the RPC worker at {endpoint} offers no device")));
         }
