@@ -304,3 +304,25 @@ fn remote_and_local_streaming_are_weighed_each_at_its_own_batch() {
     let why = far.remote_unused.as_deref().unwrap_or_default();
     assert!(why.contains("streaming locally alone is predicted faster") && why.contains(&format!("prompt batches of {n_batch}")), "{why}");
 }
+
+/// A model without an output matrix computes its logits with a copy of the token embedding,
+/// which llama.cpp places with the output: it stays on the host too, so the logits do not cross
+/// the link, and the text is the resident text.
+#[test]
+fn a_tied_output_stays_on_the_host() {
+    let model = common::smollm_path();
+    let model = model.to_str().unwrap();
+    let worker = Worker::start("200MiB", 360 << 20);
+    let (remote_text, stderr) = greedy_run(model, &["--rpc", &worker.endpoint, "--memory-budget", "90MiB"]);
+    assert!(stderr.contains("remote       layers"), "{stderr}");
+    let (resident_text, _) = greedy_run(model, &["--no-repack"]);
+    assert_eq!(remote_text, resident_text);
+    // SmolLM2's 49,152-token vocabulary: 196 KB of logits a token, were they sent back.
+    let per_token: f64 = stderr
+        .lines()
+        .find_map(|line| line.split("per decoded token: ").nth(1))
+        .and_then(|rest| rest.split(" KB").next())
+        .and_then(|number| number.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no links line in {stderr}"));
+    assert!(per_token < 98.0, "{per_token} KB a token over the link: {stderr}");
+}

@@ -343,7 +343,7 @@ impl Batcher {
             return false;
         }
         self.arm_abort();
-        let observations_before = self.engine.streaming().filter(|streaming| streaming.hooked).map(|streaming| streaming.observations());
+        let observations_before = self.engine.hooked_streaming().map(|streaming| streaming.observations());
         let decoded = self.context.decode(&self.batch);
         // A read failure stops the graph from the eval hook (or, where the rest of the graph
         // ran where no abort flag is checked, leaves it computed on missing weights): either

@@ -26,7 +26,7 @@ impl Embedder {
     pub fn new(engine: Arc<Engine>, n_ctx: u32) -> Result<Embedder, EngineError> {
         let n_ctx = n_ctx.min(engine.n_ctx()).max(8);
         let threads = engine.context_params().n_threads;
-        let hook = engine.streaming().map(|streaming| streaming.driver.hook());
+        let hook = engine.hooked_streaming().map(|streaming| streaming.driver.hook());
         let context = EmbeddingContext::new(engine.model(), n_ctx, threads, hook)?;
         Ok(Embedder { engine, context })
     }
@@ -43,15 +43,17 @@ impl Embedder {
 
     /// The pooled embedding of `tokens`.
     pub fn embed(&mut self, tokens: &[hypura_sys::Token]) -> Result<Embedding, EngineError> {
-        let observations_before = self.engine.streaming().map(|streaming| streaming.observations());
+        let observations_before = self.engine.hooked_streaming().map(|streaming| streaming.observations());
         let result = self.context.embed(tokens);
+        // A remote worker that stopped answering was answered for with zeros by its relay.
+        self.engine.check_remote()?;
         // This context has no abort flags: a failed read is caught here, after the decode, and
         // what the graph computed without those weights is thrown away.
         if let Some(failure) = self.engine.streaming().and_then(|streaming| streaming.driver.take_failure()) {
             return Err(EngineError::Store(failure.to_string()));
         }
         let vector = result?;
-        if let (Some(before), Some(streaming)) = (observations_before, self.engine.streaming()) {
+        if let (Some(before), Some(streaming)) = (observations_before, self.engine.hooked_streaming()) {
             streaming.ensure_hook_fired(before)?;
         }
         if vector.iter().any(|value| !value.is_finite()) {

@@ -308,6 +308,11 @@ impl Engine {
         self.streaming.as_ref()
     }
 
+    /// The streaming machinery where something streams, whose hook a context carries.
+    pub fn hooked_streaming(&self) -> Option<&Streaming> {
+        self.streaming.as_ref().filter(|streaming| streaming.hooked)
+    }
+
     pub fn mode(&self) -> Mode {
         match self.streaming.as_ref().map(|streaming| &streaming.driver) {
             None => Mode::Resident,
@@ -367,7 +372,7 @@ impl Engine {
             n_seq_max: self.options.n_seq_max,
             n_threads: threads,
             n_threads_batch: threads,
-            eval_hook: self.streaming.as_ref().filter(|streaming| streaming.hooked).map(|streaming| streaming.driver.hook()),
+            eval_hook: self.hooked_streaming().map(|streaming| streaming.driver.hook()),
             // Without a GPU tier nothing goes to a GPU, prompt batches included; a tier without
             // room for op offload's copies keeps prompt batches of host layers on the CPU.
             // Batch-invariant runs keep prompt batches on the CPU too, where the reference

@@ -244,13 +244,16 @@ impl Plan {
     /// `n_gpu_layers` would put them on the GPU: empty without a GPU tier.
     pub fn host_patterns(&self, tiers: &[Tier]) -> Vec<String> {
         if self.remote.is_some() {
-            // `n_gpu_layers` gives the last device the output too: it stays on the host, where
-            // the logits are read (a row of the vocabulary per token instead of the logits over
-            // the link).
+            // `n_gpu_layers` gives the last device the output layer too: it stays on the host,
+            // where the logits are read (a hidden state per token over the link instead of the
+            // logits). A model without an output matrix computes its logits with a copy of the
+            // token embedding under the same name, placed with the output.
+            let tied = !self.tensors.iter().any(|tensor| tensor.name == "output.weight");
+            let output_layer = |name: &str| name.starts_with("output.") || name.starts_with("output_norm.");
             return self
                 .tensors
                 .iter()
-                .filter(|tensor| tiers.contains(&tensor.tier) && tensor.layer.is_none() && tensor.name != TOKEN_EMBEDDING)
+                .filter(|tensor| tiers.contains(&tensor.tier) && tensor.layer.is_none() && (output_layer(&tensor.name) || (tied && tensor.name == TOKEN_EMBEDDING)))
                 .map(|tensor| exact_name_pattern(&tensor.name))
                 .collect();
         }

@@ -53,14 +53,18 @@ impl Plan {
         }
         if let Some(remote) = &self.remote {
             let _ = writeln!(out, "remote       layers {}-{} whole on other machines: {}", remote.layers.start, remote.layers.end - 1, remote.describe());
+            let local = if remote.local_seconds_per_token.is_finite() {
+                format!("against {:.2} ms streaming locally alone", remote.local_seconds_per_token * 1e3)
+            } else {
+                "streaming locally alone does not fit the budget".to_string()
+            };
             let _ = writeln!(
                 out,
-                "             links: {} round trips and {} per token, {:.2} ms per token predicted; {:.2} ms per token predicted against {:.2} ms streaming locally alone",
+                "             links: {} round trips and {} per token, {:.2} ms per token predicted; {:.2} ms per token predicted, {local}",
                 remote.shares.len(),
                 format_bytes(remote.activation_bytes_per_token),
                 remote.link_seconds_per_token * 1e3,
                 remote.predicted_seconds_per_token * 1e3,
-                remote.local_seconds_per_token * 1e3
             );
         }
         if let Some(why) = &self.remote_unused {

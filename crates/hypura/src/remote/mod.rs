@@ -89,6 +89,8 @@ pub struct Workers {
     endpoints: Vec<String>,
     delay: Duration,
     measure_rate: bool,
+    /// The workers connected again after one of these failed (`current`).
+    successor: std::sync::Mutex<Option<Arc<Workers>>>,
 }
 
 impl std::fmt::Debug for Workers {
@@ -103,7 +105,7 @@ impl Workers {
     /// upload rate is timed too (it allocates 8 MiB on the worker for a moment).
     pub fn connect(endpoints: &[String], delay: Duration, measure_rate: bool) -> Result<Arc<Workers>, RemoteError> {
         let backend = hypura_sys::Backend::get();
-        let mut workers = Workers { relays: Vec::new(), devices: Vec::new(), links: Vec::new(), endpoints: endpoints.to_vec(), delay, measure_rate };
+        let mut workers = Workers { relays: Vec::new(), devices: Vec::new(), links: Vec::new(), endpoints: endpoints.to_vec(), delay, measure_rate, successor: std::sync::Mutex::new(None) };
         for worker in endpoints {
             let worker = worker.trim();
             let pings = check_worker(worker, PINGS)?;
@@ -125,6 +127,25 @@ impl Workers {
             workers.check()?;
         }
         Ok(Arc::new(workers))
+    }
+
+    /// The workers to plan with now: these while every one answers; once one has failed, the
+    /// ones that answered when that was first noticed (connected afresh once, then kept, so
+    /// later loads and queries neither reconnect again nor reach a worker through a relay of
+    /// the old set). None where none answers; the errors of those that do not.
+    pub fn current(self: &Arc<Self>) -> (Option<Arc<Workers>>, Vec<RemoteError>) {
+        let Err(failed) = self.check() else { return (Some(self.clone()), Vec::new()) };
+        let mut successor = self.successor.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(next) = successor.clone() {
+            drop(successor);
+            return next.current();
+        }
+        let (answering, mut down) = self.reconnect();
+        down.push(failed);
+        if let Some(next) = &answering {
+            *successor = Some(next.clone());
+        }
+        (answering, down)
     }
 
     /// Connect again, afresh (new relays), to every worker that answers now: None where none

@@ -26,6 +26,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 const CMD_HELLO: u8 = 14;
+const CMD_FREE_BUFFER: u8 = 4;
 const CMD_GRAPH_COMPUTE: u8 = 10;
 const CMD_GRAPH_RECOMPUTE: u8 = 16;
 const CMD_COUNT: u8 = 19;
@@ -35,6 +36,11 @@ const HELLO_RESPONSE_BYTES: u64 = 4 + 24;
 const CHUNK_BYTES: usize = 1 << 20;
 /// How long connecting to a worker may take before it counts as down.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// The longest a worker may take to answer one request (a prompt batch of a large layer range
+/// on a slow CPU takes seconds, not minutes), and its link's keepalive probes.
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(600);
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
 
 /// The length of the response `cmd` gets, from its request's payload; None for a command
 /// without one.
@@ -130,6 +136,11 @@ pub(crate) fn connect_worker(worker: &str) -> std::io::Result<TcpStream> {
         match TcpStream::connect_timeout(&address, CONNECT_TIMEOUT) {
             Ok(stream) => {
                 stream.set_nodelay(true)?;
+                // A worker that goes quiet without closing (a partition, a frozen host) is found
+                // by keepalive probes; one that answers nothing at all for a long time fails too.
+                let keepalive = socket2::TcpKeepalive::new().with_time(KEEPALIVE_IDLE).with_interval(KEEPALIVE_INTERVAL);
+                socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive)?;
+                stream.set_read_timeout(Some(RESPONSE_TIMEOUT))?;
                 return Ok(stream);
             }
             Err(error) => last = error,
@@ -173,6 +184,11 @@ fn relay_connection(mut client: TcpStream, state: &RelayState) {
             }
         }
         let (mut header, mut payload) = (header, payload);
+        // The worker drops every graph it holds when a buffer is freed (their nodes may point
+        // into it): so does the relay, so it never asks for a graph the worker no longer has.
+        if cmd == CMD_FREE_BUFFER {
+            last_graphs.clear();
+        }
         if cmd == CMD_GRAPH_COMPUTE && payload.len() >= 4 {
             let device = u32::from_le_bytes(payload[..4].try_into().expect("4 bytes"));
             if last_graphs.get(&device) == Some(&payload) {
@@ -291,13 +307,21 @@ fn forward_response(worker: &mut TcpStream, client: &mut TcpStream, expected: u6
     Ok(sent)
 }
 
-/// The part of a response frame the client has not had (`sent` bytes of it have gone).
+/// The part of a response frame the client has not had (`sent` bytes of it have gone): zeros,
+/// but where ggml's client would trip on a zero (an assert, a division), a harmless value.
 fn fabricate(client: &mut TcpStream, cmd: u8, expected: u64, sent: u64) -> std::io::Result<()> {
     let mut frame = expected.to_le_bytes().to_vec();
-    if cmd == CMD_HELLO {
-        let mut hello = vec![0u8; HELLO_RESPONSE_BYTES as usize];
-        hello[0] = hypura_sys::RPC_PROTOCOL_MAJOR;
-        frame.extend_from_slice(&hello);
+    match cmd {
+        CMD_HELLO => {
+            let mut hello = vec![0u8; HELLO_RESPONSE_BYTES as usize];
+            hello[0] = hypura_sys::RPC_PROTOCOL_MAJOR;
+            frame.extend_from_slice(&hello);
+        }
+        // GET_ALIGNMENT (a divisor), GET_MAX_SIZE, BUFFER_GET_BASE (asserted non-null).
+        1 => frame.extend_from_slice(&32u64.to_le_bytes()),
+        2 => frame.extend_from_slice(&u64::MAX.to_le_bytes()),
+        3 => frame.extend_from_slice(&0x1000u64.to_le_bytes()),
+        _ => {}
     }
     let total = 8 + expected;
     let mut position = sent;
@@ -423,6 +447,16 @@ mod tests {
         let mut answer = [0xffu8; 12];
         client.read_exact(&mut answer).unwrap();
         assert_eq!(u64::from_le_bytes(answer[..8].try_into().unwrap()), 4);
+        // Where a zero would trip ggml's client: an alignment it can divide by, a non-null base.
+        for (cmd, value) in [(1u8, 32u64), (3, 0x1000)] {
+            let mut request = vec![cmd];
+            request.extend_from_slice(&8u64.to_le_bytes());
+            request.extend_from_slice(&[0u8; 8]);
+            client.write_all(&request).unwrap();
+            let mut answer = [0u8; 16];
+            client.read_exact(&mut answer).unwrap();
+            assert_eq!(u64::from_le_bytes(answer[8..].try_into().unwrap()), value, "command {cmd}");
+        }
     }
 
     /// A graph sent again byte for byte reaches the worker as "compute the last graph again";
@@ -434,7 +468,7 @@ mod tests {
         let seen = std::thread::spawn(move || {
             let (mut stream, _) = worker.accept().unwrap();
             let mut commands = Vec::new();
-            for _ in 0..4 {
+            for _ in 0..6 {
                 let mut header = [0u8; 9];
                 stream.read_exact(&mut header).unwrap();
                 let mut payload = vec![0u8; u64::from_le_bytes(header[1..].try_into().unwrap()) as usize];
@@ -453,12 +487,16 @@ mod tests {
             frame.extend_from_slice(&payload);
             frame
         };
-        for frame in [graph(0, 1), graph(0, 1), graph(1, 1), graph(0, 2)] {
+        // A freed buffer drops the worker's graphs: the same graph after it goes whole.
+        let mut free = vec![CMD_FREE_BUFFER];
+        free.extend_from_slice(&8u64.to_le_bytes());
+        free.extend_from_slice(&[0u8; 8]);
+        for frame in [graph(0, 1), graph(0, 1), graph(1, 1), graph(0, 2), free, graph(0, 2)] {
             client.write_all(&frame).unwrap();
         }
         let commands = seen.join().unwrap();
         let kinds: Vec<u8> = commands.iter().map(|(cmd, _)| *cmd).collect();
-        assert_eq!(kinds, vec![CMD_GRAPH_COMPUTE, CMD_GRAPH_RECOMPUTE, CMD_GRAPH_COMPUTE, CMD_GRAPH_COMPUTE]);
+        assert_eq!(kinds, vec![CMD_GRAPH_COMPUTE, CMD_GRAPH_RECOMPUTE, CMD_GRAPH_COMPUTE, CMD_GRAPH_COMPUTE, CMD_FREE_BUFFER, CMD_GRAPH_COMPUTE]);
         assert_eq!(commands[1].1, 0u32.to_le_bytes().to_vec(), "the device to recompute");
         assert_eq!(commands[3].1[4], 2);
         assert_eq!(relay.state.graph_bytes_saved.load(Ordering::Relaxed), 104);

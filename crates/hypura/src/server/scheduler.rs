@@ -332,7 +332,9 @@ impl Scheduler {
 
     /// The context a model not yet loaded would get by default (chosen from the budget).
     pub fn default_context(&self, path: &Path) -> Option<u32> {
-        let run = RunSpec { n_sequences: self.inner.config.n_parallel, ..self.inner.config.run.clone() };
+        let mut run = RunSpec { n_sequences: self.inner.config.n_parallel, ..self.inner.config.run.clone() };
+        // The workers as they are now (never a relay of a set that lost a worker).
+        run.remote = run.remote.and_then(|workers| workers.current().0);
         let inventory = crate::model::Inventory::open(path).ok()?;
         let facts = crate::engine::setup::machine_facts(&run, path).ok()?;
         Some(crate::engine::setup::context_for(&inventory, &run, &facts))
@@ -401,16 +403,11 @@ impl Worker {
         // Workers connected when the server started, unless one has failed since: then the
         // ones that answer now (the model is planned again without the others).
         if let Some(workers) = run.remote.take() {
-            run.remote = match workers.check() {
-                Ok(()) => Some(workers),
-                Err(failed) => {
-                    let (answering, down) = workers.reconnect();
-                    for error in down.iter().chain(std::iter::once(&failed)) {
-                        tracing::warn!("planning {} without a worker: {error}", self.path.display());
-                    }
-                    answering
-                }
-            };
+            let (current, down) = workers.current();
+            for error in &down {
+                tracing::warn!("planning {} without a worker: {error}", self.path.display());
+            }
+            run.remote = current;
         }
         let loaded = crate::engine::setup::prepare(&self.path, &run)
             .map_err(|error| AppError::internal(format!("planning {}: {error}", self.path.display())))
