@@ -144,7 +144,8 @@ fn plan_host(
     // layers, and the CPU's compute buffers (the CPU still computes host-resident and streamed
     // layers).
     let weights: u64 = inventory.tensors.iter().filter(|tensor| !off_host(tensor)).map(|tensor| tensor.bytes).sum();
-    let kv = context_memory_bytes(inventory, options.n_ctx, options.n_sequences) - gpu.as_ref().map_or(0, |gpu| gpu.kv_cache_bytes) - remote.as_ref().map_or(0, RemoteLayout::kv_cache_bytes);
+    let kv =
+        context_memory_bytes(inventory, options.n_ctx, options.n_sequences) - gpu.as_ref().map_or(0, |gpu| gpu.kv_cache_bytes) - remote.as_ref().map_or(0, |remote| remote.host_context_bytes_moved);
     let compute = compute_buffer_bytes(inventory, options.n_ctx, options.n_ubatch);
     let budget = machine.memory_budget_bytes;
     let everything = weights + kv + compute;

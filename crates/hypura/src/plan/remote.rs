@@ -64,6 +64,8 @@ pub struct RemoteLayout {
     pub activation_bytes_per_token: u64,
     /// The links' predicted cost per generated token.
     pub link_seconds_per_token: f64,
+    /// Context memory (KV cache, recurrent state) the host no longer holds.
+    pub host_context_bytes_moved: u64,
     /// Predicted seconds per token with this tier, and streaming locally alone (the planner's
     /// comparison; relative where the disk's rate or the compute time is unknown).
     pub predicted_seconds_per_token: f64,
@@ -73,10 +75,6 @@ pub struct RemoteLayout {
 impl RemoteLayout {
     pub(super) fn holds(&self, tensor: &TensorEntry) -> bool {
         tensor.layer.is_some_and(|layer| self.layers.contains(&layer))
-    }
-
-    pub fn kv_cache_bytes(&self) -> u64 {
-        self.shares.iter().map(|share| share.kv_cache_bytes).sum()
     }
 
     /// llama.cpp's `n_gpu_layers` for this tier: its layers and the output, which an override
@@ -124,8 +122,26 @@ fn layer_bytes(inventory: &Inventory, options: &PlanOptions) -> Vec<(u64, u64)> 
             weights[layer as usize] += tensor.bytes;
         }
     }
-    let kv = super::context_memory_bytes(inventory, options.n_ctx, options.n_sequences) / n_layer.max(1) as u64;
-    weights.into_iter().map(|bytes| (bytes, kv)).collect()
+    // Which layers attend is not in the inventory (hybrid models keep a KV cache in some layers
+    // and a recurrent state in the others): each remote layer is planned as the larger of an
+    // attending layer's KV cache and a recurrent layer's state, so no device is under-planned.
+    let hparams = &inventory.hparams;
+    let sequences = u64::from(options.n_sequences.max(1));
+    let attending = super::kv_cache_bytes(inventory, options.n_ctx) / hparams.n_layer_kv.max(1);
+    let recurrent_layers = hparams.n_layer.saturating_sub(hparams.n_layer_kv);
+    let recurrent = (hparams.recurrent_state_bytes * sequences).checked_div(recurrent_layers).unwrap_or(0);
+    weights.into_iter().map(|bytes| (bytes, attending.max(recurrent))).collect()
+}
+
+/// The host's context memory that a remote tier of `layers` takes away: exact where every layer
+/// attends alike, none where the model mixes layer kinds (which of them attend is not known
+/// here, so the host keeps room for all of it).
+fn context_bytes_moved(inventory: &Inventory, options: &PlanOptions, layers: u64) -> u64 {
+    let hparams = &inventory.hparams;
+    if hparams.n_layer_kv != hparams.n_layer || hparams.recurrent_state_bytes > 0 {
+        return 0;
+    }
+    super::context_memory_bytes(inventory, options.n_ctx, options.n_sequences) / hparams.n_layer.max(1) * layers
 }
 
 /// The compute buffer of a device that runs layers only (no logits): activations of a prompt
@@ -190,7 +206,9 @@ pub(super) fn remote_tier(inventory: &Inventory, options: &PlanOptions, machine:
             device.round_trip_secs + device.link_bytes_per_sec.map_or(0.0, |rate| bytes as f64 / rate)
         })
         .sum::<f64>();
+    let remote_layers = layers.len() as u64 - u64::from(shares[0].layers.start);
     Some(RemoteLayout {
+        host_context_bytes_moved: context_bytes_moved(inventory, options, remote_layers),
         layers: shares[0].layers.start..layers.len() as u32,
         shares,
         activation_bytes_per_token,
@@ -301,6 +319,25 @@ mod tests {
         assert!(far.remote.is_none(), "{}", far.render());
         assert!(far.remote_unused.as_deref().unwrap().contains("predicted faster"), "{:?}", far.remote_unused);
         assert!(far.streamed_bytes_per_token > near.streamed_bytes_per_token);
+    }
+
+    /// A hybrid model (a KV cache in every 4th layer, a recurrent state in the others): each
+    /// remote layer is planned as an attending one, and the host keeps room for all of its
+    /// context, since which remote layers attend is not known here.
+    #[test]
+    fn hybrid_layers_are_planned_for_the_larger_context_on_both_sides() {
+        let mut hybrid = inventory(16, 16 << 20, 32 << 20, 64 << 20);
+        hybrid.hparams.n_layer_kv = 4;
+        hybrid.hparams.recurrent_state_bytes = 12 << 20;
+        let options = auto_window(ModeChoice::Auto);
+        let attending = crate::plan::kv_cache_bytes(&hybrid, 1024) / 4;
+        assert!(attending > (12 << 20) / 12, "the attending layer is the larger here");
+        let plan = plan(&hybrid, &machine(1536 << 20, vec![device("RPC0", room_for(4) + 4 * attending, 2e-4)]), &options).unwrap();
+        let remote = plan.remote.as_ref().unwrap_or_else(|| panic!("{}", plan.render()));
+        let share = &remote.shares[0];
+        assert_eq!(share.kv_cache_bytes, share.layers.len() as u64 * attending, "{share:?}");
+        assert_eq!(remote.host_context_bytes_moved, 0);
+        assert_eq!(plan.budget.kv_cache_bytes, crate::plan::context_memory_bytes(&hybrid, 1024, 1));
     }
 
     #[test]
