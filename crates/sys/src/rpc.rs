@@ -82,7 +82,7 @@ impl DeviceHandle {
     }
 }
 
-/// The devices of the CPU backend, named on the command line: `CPU` by default.
+/// The ggml device named `name` (`CPU`, `CUDA0`, ...), for `hypura rpc-server --device`.
 pub fn local_device(_backend: &Backend, name: &str) -> Result<DeviceHandle, SysError> {
     let c_name = CString::new(name).map_err(|_| SysError::Rpc(format!("device name {name:?} contains a NUL byte")))?;
     // SAFETY: the registry is initialised (we hold a Backend); the name is a valid C string for

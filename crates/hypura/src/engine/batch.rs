@@ -117,10 +117,8 @@ struct Active {
     started: Instant,
     /// Streaming counters when the sequence was admitted.
     counters: Counters,
-    /// When the prompt was done, and the read stall then.
-    eval_started: Option<(Instant, f64)>,
-    /// Traffic over the RPC links when generation started (a plan with a remote tier).
-    eval_links: Option<crate::remote::Traffic>,
+    /// When the prompt was done, and the streaming and link counters then.
+    eval_started: Option<(Instant, Counters)>,
 }
 
 struct Slot {
@@ -267,7 +265,6 @@ impl Batcher {
                     started: Instant::now(),
                     counters: Counters::read(&self.engine),
                     eval_started: None,
-                    eval_links: None,
                 });
                 Ok(())
             }
@@ -599,8 +596,7 @@ impl Batcher {
         if active.eval_started.is_none() {
             let now = Instant::now();
             active.stats.prompt_eval_duration = now - active.started;
-            active.eval_started = Some((now, Counters::read(&self.engine).stall_seconds()));
-            active.eval_links = self.engine.remote_traffic();
+            active.eval_started = Some((now, Counters::read(&self.engine)));
             if active.keep_prompt_logits {
                 match self.context.logits(row) {
                     Ok(logits) => active.prompt_logits = Some(logits.to_vec()),
@@ -682,10 +678,12 @@ impl Batcher {
         let now = Instant::now();
         let mut stats = std::mem::take(&mut active.stats);
         stats.load_duration = self.engine.load_duration();
-        match active.eval_started {
-            Some((eval_started, stall_before)) => {
+        match active.eval_started.take() {
+            Some((eval_started, before)) => {
+                let counters = Counters::read(&self.engine);
                 stats.eval_duration = now - eval_started;
-                stats.eval_stall = Duration::from_secs_f64((Counters::read(&self.engine).stall_seconds() - stall_before).max(0.0));
+                stats.eval_stall = Duration::from_secs_f64((counters.stall_seconds() - before.stall_seconds()).max(0.0));
+                stats.eval_links = counters.links_since(&before);
             }
             None => stats.prompt_eval_duration = now - active.started,
         }
@@ -693,9 +691,6 @@ impl Batcher {
         stats.eval_decodes = active.decodes;
         stats.total_duration = now - active.started;
         active.counters.fill_since(&self.engine, &mut stats);
-        if let (Some(before), Some(after)) = (active.eval_links, self.engine.remote_traffic()) {
-            stats.eval_links = Some(after.since(before));
-        }
         let output = GenerateOutput { text: std::mem::take(&mut active.text), message, tokens: std::mem::take(&mut active.generated), done_reason, stats, prompt_logits: active.prompt_logits.take() };
         let prompt = std::mem::take(&mut active.prompt);
         (active.sink)(SequenceEvent::Done(Box::new(Finished { output, prompt })));

@@ -142,17 +142,20 @@ impl Counters {
         self.io.map_or(0.0, |io| io.stall_seconds)
     }
 
-    /// What happened since `self`: fills `stats.io` and `stats.experts`.
+    /// Traffic over the RPC links between `earlier` and `self` (a plan with a remote tier).
+    pub(super) fn links_since(&self, earlier: &Counters) -> Option<Traffic> {
+        self.links.zip(earlier.links).map(|(now, before)| now.since(before))
+    }
+
+    /// What happened since `self`: fills `stats.io`, `stats.experts` and `stats.links`.
     pub(super) fn fill_since(&self, engine: &Engine, stats: &mut GenerationStats) {
         let now = Counters::read(engine);
+        stats.links = now.links_since(self);
         if let (Some(before), Some(after)) = (self.io, now.io) {
             stats.io = Some(after - before);
         }
         if let (Some(before), Some(after)) = (self.experts.clone(), now.experts) {
             stats.experts = Some(after - before);
-        }
-        if let (Some(before), Some(after)) = (self.links, now.links) {
-            stats.links = Some(after.since(before));
         }
     }
 }

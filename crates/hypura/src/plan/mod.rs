@@ -83,7 +83,7 @@ fn plan_loaded(inventory: &Inventory, machine: &MachineFacts, options: &PlanOpti
     // remote layers' compute (as the host would take for them) and the links.
     let n_layer = inventory.hparams.n_layer.max(1) as f64;
     let remote_share = remote.layers.len() as f64 / n_layer;
-    let local_seconds = local.as_ref().map_or(f64::INFINITY, |plan| remote::host_seconds_per_token(machine, plan.streamed_bytes_per_token, 1.0));
+    let local_seconds = local.as_ref().map_or(f64::INFINITY, |plan| local_seconds_per_token(machine, plan));
     remote.local_seconds_per_token = local_seconds;
     let with_remote = plan_host(inventory, machine, options, &all_layer_ffn, None, gpu_unused, Some(remote.clone()));
     let remote_seconds = with_remote.as_ref().map_or(f64::INFINITY, |plan| {

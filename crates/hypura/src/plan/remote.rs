@@ -6,8 +6,9 @@
 //! A token crosses each device boundary once with its hidden state, so the link costs
 //! `round trips × round trip + activation bytes ÷ link rate` per token: one round trip per
 //! device (the host fetches each device's output; ggml copies between two workers through the
-//! host), and bytes for the hidden state in and out of each device plus its inputs. The planner takes the remote tier only where its predicted
-//! time per token beats streaming locally alone (`choose`), and says both.
+//! host), and bytes for the hidden state in and out of each device plus its inputs. The planner
+//! takes the remote tier only where its predicted time per token beats streaming locally alone
+//! (`plan::plan_loaded`, and `engine::setup::plan_run` across prompt batches), and says both.
 use std::ops::Range;
 
 use serde::Serialize;
@@ -221,13 +222,10 @@ pub(super) fn remote_tier(inventory: &Inventory, options: &PlanOptions, machine:
 /// The predicted seconds per token of a host plan: the longer of its compute (where measured,
 /// in proportion to the layers it computes) and its streamed bytes at the disk's rate.
 pub(super) fn host_seconds_per_token(machine: &MachineFacts, streamed_bytes_per_token: u64, host_layer_share: f64) -> f64 {
-    let disk = match machine.disk_bytes_per_sec {
-        Some(rate) if rate > 0.0 => streamed_bytes_per_token as f64 / rate,
-        // Unknown: relative units, in which any stream costs more than none.
-        _ => streamed_bytes_per_token as f64 / 1e9,
-    };
+    // An unknown disk rate gives relative units, in which any stream costs more than none.
+    let rate = machine.disk_bytes_per_sec.filter(|rate| *rate > 0.0).unwrap_or(1e9);
     let compute = machine.compute_seconds_per_token.unwrap_or(0.0) * host_layer_share;
-    disk.max(compute)
+    super::limit_tokens_per_sec(compute, streamed_bytes_per_token as f64, rate, 1.0).map_or(0.0, |tokens_per_sec| 1.0 / tokens_per_sec)
 }
 
 #[cfg(test)]
