@@ -83,6 +83,56 @@ pub struct Context {
     abort: Box<Vec<Arc<AtomicBool>>>,
     /// The eval hook, boxed so llama.cpp can hold a thin pointer to it.
     _hook: Option<Box<Arc<dyn EvalHook>>>,
+    /// The CPU threads every graph of this context runs on; freed after the context.
+    threadpool: Option<ThreadPool>,
+}
+
+/// A persistent ggml CPU threadpool, as llama.cpp's own tools attach one. Without it ggml's CPU
+/// backend creates and joins its worker threads for every graph it computes, and with an eval
+/// hook the scheduler computes each split as several graphs (a piece up to each observed node),
+/// so a streaming decode started threads twice per layer and its main thread spun at the first
+/// barrier of each piece until the new thread was scheduled (60% of a streaming run's CPU
+/// samples). The workers poll for the next graph at ggml's default level before they sleep:
+/// pausing them while the hook waits for a read was slower, since waking a sleeping thread on
+/// a virtual CPU costs more than its polling does.
+struct ThreadPool {
+    pointer: NonNull<raw::ggml_threadpool>,
+    free: unsafe extern "C" fn(*mut raw::ggml_threadpool),
+}
+
+impl ThreadPool {
+    /// `n_threads` workers (the caller's thread counts as one). None where this build's CPU
+    /// backend offers no threadpool (ggml then creates threads per graph, as before).
+    fn new(n_threads: i32) -> Option<ThreadPool> {
+        type New = unsafe extern "C" fn(*mut raw::ggml_threadpool_params) -> *mut raw::ggml_threadpool;
+        type Free = unsafe extern "C" fn(*mut raw::ggml_threadpool);
+        // SAFETY: the CPU device and its registry live for the process; the names are C strings;
+        // the addresses the registry returns are the functions of those names, with the
+        // signatures of ggml-cpu.h, which `New` and `Free` spell out.
+        unsafe {
+            let device = raw::ggml_backend_dev_by_type(raw::GGML_BACKEND_DEVICE_TYPE_CPU);
+            if device.is_null() {
+                return None;
+            }
+            let registry = raw::ggml_backend_dev_backend_reg(device);
+            let new = raw::ggml_backend_reg_get_proc_address(registry, c"ggml_threadpool_new".as_ptr());
+            let free = raw::ggml_backend_reg_get_proc_address(registry, c"ggml_threadpool_free".as_ptr());
+            if new.is_null() || free.is_null() {
+                return None;
+            }
+            let (new, free): (New, Free) = (std::mem::transmute::<*mut c_void, New>(new), std::mem::transmute::<*mut c_void, Free>(free));
+            let mut params = raw::ggml_threadpool_params_default(n_threads.max(1));
+            NonNull::new(new(&mut params)).map(|pointer| ThreadPool { pointer, free })
+        }
+    }
+}
+
+impl Drop for ThreadPool {
+    fn drop(&mut self) {
+        // SAFETY: the pool came from ggml_threadpool_new and is freed once, after the context
+        // that used it (Context's Drop frees the context first).
+        unsafe { (self.free)(self.pointer.as_ptr()) };
+    }
 }
 
 unsafe extern "C" {
@@ -124,6 +174,7 @@ impl ContextParams {
 impl Context {
     pub fn new(model: &Model, params: &ContextParams) -> Result<Context, SysError> {
         let mut raw_params = params.to_raw();
+        let threadpool = ThreadPool::new(params.n_threads.max(params.n_threads_batch));
         let hook = params.eval_hook.clone().map(Box::new);
         if let Some(hook) = &hook {
             raw_params.cb_eval = Some(eval_callback);
@@ -144,7 +195,12 @@ impl Context {
         unsafe {
             raw::llama_set_abort_callback(pointer.as_ptr(), Some(should_abort), &*abort as *const Vec<Arc<AtomicBool>> as *mut c_void);
         }
-        let context = Context { pointer, model: model.clone(), n_vocab: model.vocab().n_tokens(), batch_tokens: 0, params: params.clone(), abort, _hook: hook };
+        if let Some(pool) = &threadpool {
+            // SAFETY: both pointers are valid; the pool outlives the context (dropped after
+            // llama_free in Drop), and llama.cpp only hands it to its CPU backends.
+            unsafe { raw::llama_attach_threadpool(pointer.as_ptr(), pool.pointer.as_ptr(), pool.pointer.as_ptr()) };
+        }
+        let context = Context { pointer, model: model.clone(), n_vocab: model.vocab().n_tokens(), batch_tokens: 0, params: params.clone(), abort, _hook: hook, threadpool };
         if params.batch_invariant {
             // SAFETY: the context is valid; the shim only reads its scheduler's backend list and
             // sets a flag in each CPU backend's own context, before any decode runs.
@@ -269,5 +325,6 @@ impl Drop for Context {
         // SAFETY: the pointer came from llama_init_from_model and is freed exactly once, before
         // our clone of the Model (and so possibly the model itself) is dropped.
         unsafe { raw::llama_free(self.pointer.as_ptr()) };
+        drop(self.threadpool.take());
     }
 }
