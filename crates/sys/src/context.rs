@@ -83,8 +83,9 @@ pub struct Context {
     abort: Box<Vec<Arc<AtomicBool>>>,
     /// The eval hook, boxed so llama.cpp can hold a thin pointer to it.
     _hook: Option<Box<Arc<dyn EvalHook>>>,
-    /// The CPU threads every graph of this context runs on; freed after the context.
-    threadpool: Option<ThreadPool>,
+    /// The CPU threads every graph of this context runs on (shared with a context made
+    /// `beside` it); freed after the last context that uses it.
+    threadpool: Option<Arc<ThreadPool>>,
 }
 
 /// A persistent ggml CPU threadpool, as llama.cpp's own tools attach one. Without it ggml's CPU
@@ -95,15 +96,19 @@ pub struct Context {
 /// samples). The workers poll for the next graph at ggml's default level before they sleep:
 /// pausing them while the hook waits for a read was slower, since waking a sleeping thread on
 /// a virtual CPU costs more than its polling does.
-struct ThreadPool {
+pub(crate) struct ThreadPool {
     pointer: NonNull<raw::ggml_threadpool>,
+    n_threads: i32,
+    /// Held while a graph runs on the pool: contexts that share it compute one at a time,
+    /// whichever threads they are used from.
+    turn: std::sync::Mutex<()>,
     free: unsafe extern "C" fn(*mut raw::ggml_threadpool),
 }
 
 impl ThreadPool {
     /// `n_threads` workers (the caller's thread counts as one). None where this build's CPU
     /// backend offers no threadpool (ggml then creates threads per graph, as before).
-    fn new(n_threads: i32) -> Option<ThreadPool> {
+    pub(crate) fn new(n_threads: i32) -> Option<ThreadPool> {
         type New = unsafe extern "C" fn(*mut raw::ggml_threadpool_params) -> *mut raw::ggml_threadpool;
         type Free = unsafe extern "C" fn(*mut raw::ggml_threadpool);
         // SAFETY: the CPU device and its registry live for the process; the names are C strings;
@@ -121,16 +126,32 @@ impl ThreadPool {
                 return None;
             }
             let (new, free): (New, Free) = (std::mem::transmute::<*mut c_void, New>(new), std::mem::transmute::<*mut c_void, Free>(free));
-            let mut params = raw::ggml_threadpool_params_default(n_threads.max(1));
-            NonNull::new(new(&mut params)).map(|pointer| ThreadPool { pointer, free })
+            let n_threads = n_threads.max(1);
+            let mut params = raw::ggml_threadpool_params_default(n_threads);
+            NonNull::new(new(&mut params)).map(|pointer| ThreadPool { pointer, n_threads, turn: std::sync::Mutex::new(()), free })
         }
+    }
+}
+
+impl ThreadPool {
+    /// Held while a graph computes on the pool.
+    fn turn(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.turn.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Run every graph of `context` on this pool. The caller keeps the pool alive until after
+    /// `llama_free(context)`.
+    pub(crate) fn attach(&self, context: NonNull<raw::llama_context>) {
+        // SAFETY: both pointers are valid; the caller keeps the pool alive past the context's
+        // llama_free, and llama.cpp only hands the pool to its CPU backends.
+        unsafe { raw::llama_attach_threadpool(context.as_ptr(), self.pointer.as_ptr(), self.pointer.as_ptr()) };
     }
 }
 
 impl Drop for ThreadPool {
     fn drop(&mut self) {
-        // SAFETY: the pool came from ggml_threadpool_new and is freed once, after the context
-        // that used it (Context's Drop frees the context first).
+        // SAFETY: the pool came from ggml_threadpool_new and is freed once, after every context
+        // that used it (each holds an Arc, and Context's Drop frees the context first).
         unsafe { (self.free)(self.pointer.as_ptr()) };
     }
 }
@@ -173,8 +194,20 @@ impl ContextParams {
 
 impl Context {
     pub fn new(model: &Model, params: &ContextParams) -> Result<Context, SysError> {
+        Context::with_threads(model, params, ThreadPool::new(params.n_threads.max(params.n_threads_batch)).map(Arc::new))
+    }
+
+    /// A context whose graphs run on `other`'s CPU threads, for contexts one thread uses in
+    /// turn (a draft model's beside its target's): with a pool each, the idle pool's threads
+    /// would poll on the cores the busy one computes on.
+    pub fn new_beside(model: &Model, params: &ContextParams, other: &Context) -> Result<Context, SysError> {
+        let wanted = params.n_threads.max(params.n_threads_batch);
+        let shared = other.threadpool.as_ref().filter(|pool| pool.n_threads >= wanted).cloned();
+        Context::with_threads(model, params, shared.or_else(|| ThreadPool::new(wanted).map(Arc::new)))
+    }
+
+    fn with_threads(model: &Model, params: &ContextParams, threadpool: Option<Arc<ThreadPool>>) -> Result<Context, SysError> {
         let mut raw_params = params.to_raw();
-        let threadpool = ThreadPool::new(params.n_threads.max(params.n_threads_batch));
         let hook = params.eval_hook.clone().map(Box::new);
         if let Some(hook) = &hook {
             raw_params.cb_eval = Some(eval_callback);
@@ -196,9 +229,7 @@ impl Context {
             raw::llama_set_abort_callback(pointer.as_ptr(), Some(should_abort), &*abort as *const Vec<Arc<AtomicBool>> as *mut c_void);
         }
         if let Some(pool) = &threadpool {
-            // SAFETY: both pointers are valid; the pool outlives the context (dropped after
-            // llama_free in Drop), and llama.cpp only hands it to its CPU backends.
-            unsafe { raw::llama_attach_threadpool(pointer.as_ptr(), pool.pointer.as_ptr(), pool.pointer.as_ptr()) };
+            pool.attach(pointer);
         }
         let context = Context { pointer, model: model.clone(), n_vocab: model.vocab().n_tokens(), batch_tokens: 0, params: params.clone(), abort, _hook: hook, threadpool };
         if params.batch_invariant {
@@ -218,6 +249,12 @@ impl Context {
 
     pub(crate) fn as_ptr(&self) -> *mut raw::llama_context {
         self.pointer.as_ptr()
+    }
+
+    /// Taken around every call that computes a graph on this context (a shared threadpool must
+    /// run one graph at a time).
+    pub(crate) fn compute_turn(&self) -> Option<std::sync::MutexGuard<'_, ()>> {
+        self.threadpool.as_deref().map(ThreadPool::turn)
     }
 
     /// Abort decodes when any of `flags` is set (by another thread, or by an eval hook): the
@@ -257,6 +294,8 @@ impl Context {
             return Ok(());
         }
         crate::log::clear_last_error();
+        let threadpool = self.threadpool.clone();
+        let _turn = threadpool.as_deref().map(ThreadPool::turn);
         // SAFETY: the context is valid and used by this thread only (&mut self); the batch's
         // arrays are valid for its n_tokens entries, which `Batch::push` checked.
         let code = unsafe { raw::llama_decode(self.pointer.as_ptr(), batch.raw()) };

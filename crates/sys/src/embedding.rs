@@ -10,6 +10,7 @@ use std::sync::Arc;
 use llama_cpp_sys_2 as raw;
 
 use crate::batch::Batch;
+use crate::context::ThreadPool;
 use crate::error::SysError;
 use crate::eval_hook::{eval_callback, EvalHook};
 use crate::model::Model;
@@ -25,6 +26,8 @@ pub struct EmbeddingContext {
     batch: Batch,
     /// The eval hook (streaming models), boxed so llama.cpp can hold a thin pointer to it.
     _hook: Option<Box<Arc<dyn EvalHook>>>,
+    /// Its CPU threads (`context::ThreadPool`), freed after the context.
+    threadpool: Option<ThreadPool>,
 }
 
 // SAFETY: the context may move between threads as long as one uses it at a time (&mut self).
@@ -72,7 +75,11 @@ impl EmbeddingContext {
         }
         // SAFETY: the model pointer is valid while `model` lives.
         let n_embd = unsafe { raw::llama_model_n_embd_out(model.as_ptr()) }.max(0) as usize;
-        Ok(EmbeddingContext { pointer, _model: model.clone(), n_ctx, n_embd, n_vocab: model.vocab().n_tokens(), batch: Batch::new(n_ctx as usize, 1), _hook: hook })
+        let threadpool = ThreadPool::new(n_threads);
+        if let Some(pool) = &threadpool {
+            pool.attach(pointer);
+        }
+        Ok(EmbeddingContext { pointer, _model: model.clone(), n_ctx, n_embd, n_vocab: model.vocab().n_tokens(), batch: Batch::new(n_ctx as usize, 1), _hook: hook, threadpool })
     }
 
     /// The longest input, in tokens.
@@ -126,5 +133,6 @@ impl Drop for EmbeddingContext {
         // SAFETY: the pointer came from llama_init_from_model and is freed exactly once, before
         // our clone of the Model.
         unsafe { raw::llama_free(self.pointer.as_ptr()) };
+        drop(self.threadpool.take());
     }
 }

@@ -162,6 +162,7 @@ impl Speculator {
     pub fn begin(&mut self, seq_id: i32, prompt: &[Token]) -> Result<(), SysError> {
         self.check_seq(seq_id)?;
         let mut error = std::ptr::null_mut();
+        let _turn = self.draft.as_ref().and_then(Context::compute_turn);
         // SAFETY: the drafters are valid; `prompt` is a live slice the shim copies.
         let ok = unsafe { hypura_spec_begin(self.pointer.as_ptr(), seq_id, prompt.as_ptr(), prompt.len(), &mut error) };
         if ok {
@@ -176,6 +177,7 @@ impl Speculator {
     pub fn process(&mut self, batch: &Batch) -> Result<(), SysError> {
         let raw_batch = batch.raw();
         let mut error = std::ptr::null_mut();
+        let _turn = self.draft.as_ref().and_then(Context::compute_turn);
         // SAFETY: the drafters are valid; the batch's arrays hold n_tokens entries, which the
         // shim reads (sequence ids checked against n_seq there) and copies.
         let ok = unsafe { hypura_spec_process(self.pointer.as_ptr(), &raw_batch, &mut error) };
@@ -214,6 +216,7 @@ impl Speculator {
         let mut out = vec![0 as Token; stride * requests.len()];
         let mut counts = vec![0i32; requests.len()];
         let mut error = std::ptr::null_mut();
+        let _turn = self.draft.as_ref().and_then(Context::compute_turn);
         // SAFETY: the drafters are valid; each request's history is a live slice; `out` holds
         // `stride` tokens per request and each draft is at most its n_max ≤ stride (checked in
         // the shim); `counts` holds one entry per request.
@@ -228,6 +231,7 @@ impl Speculator {
     pub fn accept(&mut self, seq_id: i32, n_accepted: usize) -> Result<(), SysError> {
         self.check_seq(seq_id)?;
         let mut error = std::ptr::null_mut();
+        let _turn = self.draft.as_ref().and_then(Context::compute_turn);
         // SAFETY: the drafters are valid; the shim checks that a draft is pending for the
         // sequence and that n_accepted does not exceed it.
         let ok = unsafe { hypura_spec_accept(self.pointer.as_ptr(), seq_id, n_accepted.min(u16::MAX as usize) as u16, &mut error) };

@@ -156,6 +156,12 @@ pub struct BenchReport {
     pub disk_bytes_per_sec: Option<f64>,
     pub limit_tokens_per_sec: Option<f64>,
     pub limit_fraction: Option<f64>,
+    /// Share of the tg runs' wall time with a read in flight, the rate the disk delivered
+    /// then, and the limit at that rate with the decode's share of it.
+    pub disk_busy_fraction: Option<f64>,
+    pub busy_read_bytes_per_sec: Option<f64>,
+    pub busy_limit_tokens_per_sec: Option<f64>,
+    pub busy_limit_fraction: Option<f64>,
     /// Streaming: bytes the plan streams per token, and the disk-only bound it implies.
     pub planned_bytes_per_token: Option<u64>,
     /// A remote tier, over tg runs: bytes over the links and round trips per decoded token.
@@ -220,6 +226,8 @@ fn token_hash(tokens: &[Token]) -> String {
 struct TgTotals {
     bytes_read: u64,
     stall_seconds: f64,
+    /// Wall time with a read in flight.
+    disk_busy_seconds: f64,
     /// Evaluated graphs: the start tokens' and each generated token's.
     graphs: u64,
     wall_seconds: f64,
@@ -269,6 +277,7 @@ impl HypuraSide {
         if let Some(io) = stats.io {
             self.totals.bytes_read += io.bytes_read;
             self.totals.stall_seconds += io.stall_seconds;
+            self.totals.disk_busy_seconds += io.busy_seconds;
             self.totals.graphs += u64::from(stats.weight_passes());
             self.totals.wall_seconds += stats.total_duration.as_secs_f64();
         }
@@ -397,10 +406,13 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
     let tg = result(format!("tg{}", options.n_gen), hypura_tg_samples, peer_tg_samples);
     // The physical limit of the tg runs: their compute per decode, their bytes per pass, and
     // the tokens a decode yielded (one without drafts).
-    let limit = options.disk_bytes_per_sec.filter(|_| totals.graphs > 0 && totals.generated > 0).and_then(|rate| {
-        let tokens_per_pass = if totals.drafted > 0 { totals.tokens as f64 / totals.passes as f64 } else { 1.0 };
-        crate::plan::limit_tokens_per_sec(totals.compute_seconds / totals.generated as f64, totals.bytes_read as f64 / totals.graphs as f64, rate, tokens_per_pass)
-    });
+    let tokens_per_pass = if totals.drafted > 0 { totals.tokens as f64 / totals.passes as f64 } else { 1.0 };
+    let limit_at = |rate: f64| crate::plan::limit_tokens_per_sec(totals.compute_seconds / totals.generated as f64, totals.bytes_read as f64 / totals.graphs as f64, rate, tokens_per_pass);
+    let measured = totals.graphs > 0 && totals.generated > 0;
+    let limit = options.disk_bytes_per_sec.filter(|_| measured).and_then(limit_at);
+    // The rate the disk delivered in the tg runs while a read was in flight, and the limit at it.
+    let busy_rate = (measured && totals.disk_busy_seconds > 0.0).then(|| totals.bytes_read as f64 / totals.disk_busy_seconds);
+    let busy_limit = busy_rate.and_then(limit_at);
     Ok(BenchReport {
         model: path.to_path_buf(),
         model_description: vocab.model_description(),
@@ -420,6 +432,12 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         disk_bytes_per_sec: options.disk_bytes_per_sec.filter(|_| limit.is_some()),
         limit_tokens_per_sec: limit,
         limit_fraction: limit.zip(tg.hypura.as_ref()).map(|(limit, rate)| rate.mean / limit),
+        disk_busy_fraction: (busy_rate.is_some() && totals.wall_seconds > 0.0).then(|| (totals.disk_busy_seconds / totals.wall_seconds).min(1.0)),
+        busy_read_bytes_per_sec: busy_rate,
+        busy_limit_tokens_per_sec: busy_limit,
+        // Over the same span as the busy time and the bytes: every pass of the tg requests
+        // (their start token's too) over their wall time.
+        busy_limit_fraction: busy_limit.filter(|_| totals.wall_seconds > 0.0).map(|limit| totals.graphs as f64 * tokens_per_pass / totals.wall_seconds / limit),
         planned_bytes_per_token: plan.as_ref().map(|plan| plan.streamed_bytes_per_token),
         link_bytes_per_token: (totals.link_decodes > 0).then(|| totals.link_bytes as f64 / totals.link_decodes as f64),
         link_round_trips_per_token: (totals.link_decodes > 0).then(|| totals.link_round_trips as f64 / totals.link_decodes as f64),
@@ -481,6 +499,15 @@ pub fn render(report: &BenchReport) -> String {
         );
         if let (Some(limit), Some(fraction), Some(rate)) = (report.limit_tokens_per_sec, report.limit_fraction, report.disk_bytes_per_sec) {
             let _ = writeln!(out, "physical limit {limit:.2} tok/s (this run's compute and reads per pass, the disk at the profile's {:.2} GB/s): tg reached {fraction:.2} of it", rate / 1e9);
+        }
+        if let (Some(busy), Some(rate), Some(limit), Some(fraction)) = (report.disk_busy_fraction, report.busy_read_bytes_per_sec, report.busy_limit_tokens_per_sec, report.busy_limit_fraction) {
+            let _ = writeln!(
+                out,
+                "disk: reads in flight {:.0}% of tg's time at {:.2} GB/s (idle {:.0}%); the limit at that rate {limit:.2} tok/s: tg's passes reached {fraction:.2} of it",
+                100.0 * busy,
+                rate / 1e9,
+                100.0 * (1.0 - busy)
+            );
         }
     }
     for (side, bytes, round_trips) in

@@ -25,7 +25,7 @@ pub use embed::{Embedder, Embedding};
 pub use load::{Engine, EngineOptions, Speculation, StreamDriver, Streaming, DEFAULT_NGRAM};
 pub use prompt::Prompt;
 pub use session::{Control, DoneReason, GenerateOutput, GenerateRequest, Session};
-pub use stats::{DecodeLimit, GenerationStats};
+pub use stats::{DecodeLimit, DiskWhileBusy, GenerationStats};
 pub use text::{StopMatcher, Utf8Stream};
 
 pub use hypura_sys::{LoadMode, SamplerParams, SysError, Token};

@@ -283,14 +283,15 @@ const REFERENCE_ANSWER_TOKENS: f64 = 256.0;
 /// streams more. The batch (at most the context, the same mode) that streams the fewest bytes
 /// for a reference request, `streamed per token × (prompt ÷ batch + answer)`, is taken: on
 /// Qwen2.5-Coder-1.5B in 1.2 GiB, 512-token batches stream 436 MiB per token and 128-token ones
-/// 162 MiB, so 128 wins even for prompts of 16K tokens. A resident plan, or a batch the user
-/// chose, stays as it is.
+/// 162 MiB, so 128 wins even for prompts of 16K tokens. An expert cache serves part of the
+/// picks, so an expert plan's bytes are weighed with its misses (`reference_request_bytes`).
+/// A resident plan, or a batch the user chose, stays as it is.
 fn grow_batch(inventory: &Inventory, spec: &RunSpec, facts: &MachineFacts, plan: Plan) -> (u32, Plan) {
     if !spec.grow_batch || plan.mode == plan::Mode::Resident {
         return (spec.n_batch, plan);
     }
     let n_ctx = context_for(inventory, spec, facts);
-    let cost = |n_batch: u32, plan: &Plan| plan.streamed_bytes_per_token.max(1) as f64 * (REFERENCE_PROMPT_TOKENS / f64::from(n_batch) + REFERENCE_ANSWER_TOKENS);
+    let cost = |n_batch: u32, plan: &Plan| reference_request_bytes(inventory, plan, n_batch);
     let mut best = (spec.n_batch, cost(spec.n_batch, &plan), plan);
     for n_batch in STREAMING_BATCHES.into_iter().filter(|&n_batch| n_batch != spec.n_batch && n_batch <= n_ctx && n_batch >= MIN_STREAMING_BATCH.min(spec.n_batch)) {
         let Ok(candidate) = plan_for(inventory, &RunSpec { n_batch, ..spec.clone() }, facts) else { continue };
@@ -305,6 +306,36 @@ fn grow_batch(inventory: &Inventory, spec: &RunSpec, facts: &MachineFacts, plan:
         tracing::info!("prompt batches of {} tokens: the fewest bytes streamed for a {REFERENCE_PROMPT_TOKENS}-token prompt and a {REFERENCE_ANSWER_TOKENS}-token answer", best.0);
     }
     (best.0, best.2)
+}
+
+/// Bytes `plan` streams for the reference request in prompt batches of `n_batch`. A dense
+/// window reads all it streams for every pass. An expert plan's passes read the picks its
+/// cache misses: routing spread over the experts hits about the share of the streamed experts
+/// the cache holds, so the cache's size counts (weighing the worst case alone, every pick a
+/// miss, let a larger compute buffer win and shrink the cache to a few units). A prompt batch
+/// of `b` tokens picks a share `1 − (1 − k/n)^b` of each layer's experts, a decode `k`; prompt
+/// batches are at most what the cache holds the picks of (`max_ubatch`).
+fn reference_request_bytes(inventory: &Inventory, plan: &Plan, n_batch: u32) -> f64 {
+    let per_pass = plan.streamed_bytes_per_token.max(1) as f64;
+    let Some(experts) = plan.experts.as_ref().filter(|experts| experts.n_expert > 0) else {
+        return per_pass * (REFERENCE_PROMPT_TOKENS / f64::from(n_batch.max(1)) + REFERENCE_ANSWER_TOKENS);
+    };
+    let streamed: std::collections::HashSet<&str> = plan.tensors.iter().filter(|tensor| tensor.tier == plan::Tier::Stream).map(|tensor| tensor.name.as_str()).collect();
+    let mut layers = std::collections::BTreeSet::new();
+    let mut expert_bytes = 0u64;
+    for tensor in inventory.expert_tensors().filter(|tensor| streamed.contains(tensor.name.as_str())) {
+        expert_bytes += tensor.bytes;
+        layers.extend(tensor.layer);
+    }
+    let k = experts.n_expert_used.clamp(1, experts.n_expert) as f64;
+    let decode_experts = layers.len() as f64 * k * experts.unit_bytes as f64;
+    let dense = (per_pass - decode_experts).max(0.0);
+    let misses = 1.0 - (experts.cache_units as f64 * experts.unit_bytes as f64 / (expert_bytes.max(1) as f64)).min(1.0);
+    let ubatch = experts.max_ubatch.map_or(n_batch, |most| most.min(n_batch)).max(1);
+    let picked = 1.0 - (1.0 - k / experts.n_expert as f64).powi(ubatch.min(4096) as i32);
+    let prompt_pass = dense + expert_bytes as f64 * picked * misses;
+    let decode_pass = dense + decode_experts * misses;
+    (REFERENCE_PROMPT_TOKENS / f64::from(ubatch)).ceil() * prompt_pass + REFERENCE_ANSWER_TOKENS * decode_pass
 }
 
 /// The context each sequence gets: the spec's, the training context for 0, or by default the
@@ -468,6 +499,31 @@ pub fn default_gpu_budget(gpu_free: &[u64]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_expert_plan_weighs_its_cache_against_a_larger_prompt_batch() {
+        // Qwen's vocabulary: the logits of a 4096-token batch alone are 2.5 GB of compute buffer.
+        let mut inventory = crate::plan::test_support::moe_inventory(24, 8, 2, 8 << 20);
+        inventory.hparams.n_vocab = 152_064;
+        let facts = MachineFacts { memory_budget_bytes: 4 << 30, disk_bytes_per_sec: Some(2e9), ..MachineFacts::default() };
+        let spec = RunSpec { n_ctx: Some(1024), n_batch: 512, grow_batch: true, ..RunSpec::default() };
+        let (n_batch, chosen) = grow_batch(&inventory, &spec, &facts, plan_for(&inventory, &spec, &facts).unwrap());
+        let largest = plan_for(&inventory, &RunSpec { n_batch: 4096, ..spec.clone() }, &facts).unwrap();
+        let cache = |plan: &Plan| plan.experts.as_ref().expect("an expert plan").cache_units;
+        // Weighed by the worst case alone (every pick a miss, the same at every batch) the
+        // largest batch won and its compute buffer took the cache.
+        assert_eq!(chosen.streamed_bytes_per_token, largest.streamed_bytes_per_token);
+        assert!(n_batch < 4096 && cache(&chosen) > cache(&largest), "batch {n_batch}: {} units against {} at 4096", cache(&chosen), cache(&largest));
+        assert!(reference_request_bytes(&inventory, &chosen, n_batch) < reference_request_bytes(&inventory, &largest, 4096));
+        // A cache of every streamed expert reads nothing more once it is warm.
+        let all = crate::plan::plan(
+            &inventory,
+            &MachineFacts { memory_budget_bytes: 64 << 30, ..facts.clone() },
+            &PlanOptions { n_ctx: 1024, n_ubatch: 512, mode: plan::ModeChoice::Forced(plan::Mode::ExpertStream), ..PlanOptions::default() },
+        )
+        .unwrap();
+        assert_eq!(reference_request_bytes(&inventory, &all, 512), 0.0);
+    }
 
     #[test]
     fn headroom_is_a_tenth_within_limits() {

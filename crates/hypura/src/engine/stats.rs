@@ -77,6 +77,25 @@ impl GenerationStats {
         (self.eval_decodes > 0).then(|| self.eval_duration.saturating_sub(self.eval_stall).as_secs_f64() / f64::from(self.eval_decodes))
     }
 
+    /// The rate the disk delivered while at least one read was in flight, the share of the
+    /// request's wall time that was so (the rest it idled), and the request's passes against
+    /// the limit at that rate (all over the whole request, as the busy time is). None without
+    /// reads.
+    pub fn disk_while_busy(&self) -> Option<DiskWhileBusy> {
+        let io = self.io.as_ref().filter(|io| io.bytes_read > 0 && io.busy_seconds > 0.0)?;
+        let wall = self.total_duration.as_secs_f64();
+        let rate = io.bytes_read as f64 / io.busy_seconds;
+        let limit = self.decode_limit(rate)?;
+        let tokens_per_pass = if self.draft_tokens > 0 { self.tokens_per_pass().unwrap_or(1.0) } else { 1.0 };
+        let achieved = if wall > 0.0 { f64::from(self.weight_passes()) * tokens_per_pass / wall } else { 0.0 };
+        Some(DiskWhileBusy {
+            bytes_per_sec: rate,
+            busy: if wall > 0.0 { (io.busy_seconds / wall).min(1.0) } else { 0.0 },
+            limit_tokens_per_sec: limit.tokens_per_sec,
+            fraction: achieved / limit.tokens_per_sec,
+        })
+    }
+
     /// Where a streaming decode stands against its physical limit at `disk_bytes_per_sec`,
     /// with this run's own figures: its compute per decode while streaming, the bytes it read
     /// per pass over the weights and the tokens each decode yielded. None without reads or
@@ -97,6 +116,19 @@ impl GenerationStats {
             disk_busy: if wall > 0.0 { io.bytes_read as f64 / disk_bytes_per_sec / wall } else { 0.0 },
         })
     }
+}
+
+/// The disk as a request found it (`GenerationStats::disk_while_busy`).
+#[derive(Clone, Copy, Debug)]
+pub struct DiskWhileBusy {
+    /// Bytes read ÷ wall time with a read in flight.
+    pub bytes_per_sec: f64,
+    /// Share of the request's wall time with a read in flight.
+    pub busy: f64,
+    /// The physical limit with the disk at `bytes_per_sec`, and the request's passes (tokens
+    /// per pass included) over its wall time as a share of it.
+    pub limit_tokens_per_sec: f64,
+    pub fraction: f64,
 }
 
 /// A decode against its physical limit (`GenerationStats::decode_limit`).

@@ -18,7 +18,7 @@ mod remote;
 mod render;
 mod sizing;
 #[cfg(test)]
-mod test_support;
+pub(crate) mod test_support;
 mod types;
 
 pub use dense::{limit_tokens_per_sec, DenseLayout, READ_CHUNK_BYTES};

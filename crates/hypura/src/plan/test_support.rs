@@ -50,7 +50,7 @@ pub(super) fn inventory(n_layer: u64, attention_bytes: u64, ffn_bytes: u64, embe
 
 /// An MoE inventory: per layer one attention tensor and gate/up/down expert tensors of
 /// `n_expert` slices of `slice_bytes`, `n_expert_used` picked per token.
-pub(super) fn moe_inventory(n_layer: u64, n_expert: u64, n_expert_used: u64, slice_bytes: u64) -> Inventory {
+pub(crate) fn moe_inventory(n_layer: u64, n_expert: u64, n_expert_used: u64, slice_bytes: u64) -> Inventory {
     let mut inventory = inventory(n_layer, 1 << 20, 0, 8 << 20);
     inventory.tensors.retain(|tensor| !tensor.role.is_dense_ffn());
     let mut offset = inventory.file_bytes;

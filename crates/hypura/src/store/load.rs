@@ -44,7 +44,11 @@ impl StoreLoadReader {
     fn fill_bounce(&mut self, offset: u64) -> std::io::Result<()> {
         let start = offset / PAGE_BYTES * PAGE_BYTES;
         let started = std::time::Instant::now();
-        let read = self.file.read_at(self.bounce.as_mut_slice(), start).map_err(std::io::Error::other)?;
+        self.stats.read_started();
+        let read = self.file.read_at(self.bounce.as_mut_slice(), start).map_err(|error| {
+            self.stats.read_failed();
+            std::io::Error::other(error)
+        })?;
         self.stats.record_read(read as u64, started.elapsed());
         self.bounce_range = start..start + read as u64;
         if read == 0 {

@@ -379,17 +379,19 @@ fn worker(shared: &Shared, region: &Region, reader: &dyn UnitReader, stats: &IoS
             }
         };
         let started = Instant::now();
+        stats.read_started();
         let result = reader.read(region, chunk.range.clone(), chunk.shift);
+        match &result {
+            Ok(bytes) => stats.record_read(*bytes, started.elapsed()),
+            Err(_) => stats.read_failed(),
+        }
         let mut units = shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let state = &mut units[chunk.unit];
         if state.generation != chunk.generation || state.state != SliceState::Loading {
             continue; // a stale chunk of a load that was abandoned
         }
-        match result {
-            Ok(bytes) => stats.record_read(bytes, started.elapsed()),
-            Err(error) => {
-                state.error.get_or_insert_with(|| error.to_string());
-            }
+        if let Err(error) = result {
+            state.error.get_or_insert_with(|| error.to_string());
         }
         state.pending_chunks -= 1;
         if state.pending_chunks == 0 {

@@ -1,6 +1,7 @@
 //! I/O statistics, counted per read and per stall, never per graph node.
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
@@ -16,6 +17,10 @@ pub struct IoStats {
     unit_bytes_loaded: AtomicU64,
     units_released: AtomicU64,
     observations: AtomicU64,
+    /// Reads in flight, and since when at least one has been.
+    in_flight: Mutex<(u32, Option<Instant>)>,
+    /// Wall time with at least one read in flight (the disk busy), finished stretches only.
+    busy_nanos: AtomicU64,
 }
 
 /// A point-in-time copy of the counters; subtract two to get one request's share.
@@ -35,10 +40,38 @@ pub struct IoSnapshot {
     pub units_released: u64,
     /// Eval-hook observations (graph nodes where the scheduler stopped for us).
     pub observations: u64,
+    /// Wall time with at least one read in flight: `bytes_read / busy_seconds` is the rate the
+    /// disk delivered while it was asked for bytes, and the rest of the wall time it idled.
+    pub busy_seconds: f64,
 }
 
 impl IoStats {
+    /// A read starts (`record_read` or `read_failed` ends it).
+    pub fn read_started(&self) {
+        let mut in_flight = self.in_flight.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if in_flight.0 == 0 {
+            in_flight.1 = Some(Instant::now());
+        }
+        in_flight.0 += 1;
+    }
+
+    /// A read ends without bytes.
+    pub fn read_failed(&self) {
+        self.read_ended();
+    }
+
+    fn read_ended(&self) {
+        let mut in_flight = self.in_flight.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        in_flight.0 = in_flight.0.saturating_sub(1);
+        if in_flight.0 == 0 {
+            if let Some(since) = in_flight.1.take() {
+                self.busy_nanos.fetch_add(since.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            }
+        }
+    }
+
     pub fn record_read(&self, bytes: u64, elapsed: Duration) {
+        self.read_ended();
         self.bytes_read.fetch_add(bytes, Ordering::Relaxed);
         self.reads.fetch_add(1, Ordering::Relaxed);
         self.read_nanos.fetch_add(elapsed.as_nanos() as u64, Ordering::Relaxed);
@@ -74,6 +107,7 @@ impl IoStats {
             unit_bytes_loaded: load(&self.unit_bytes_loaded),
             units_released: load(&self.units_released),
             observations: load(&self.observations),
+            busy_seconds: load(&self.busy_nanos) as f64 / 1e9,
         }
     }
 }
@@ -92,6 +126,34 @@ impl std::ops::Sub for IoSnapshot {
             unit_bytes_loaded: self.unit_bytes_loaded - earlier.unit_bytes_loaded,
             units_released: self.units_released - earlier.units_released,
             observations: self.observations - earlier.observations,
+            busy_seconds: self.busy_seconds - earlier.busy_seconds,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_disk_is_busy_while_any_read_is_in_flight_counted_once() {
+        let stats = IoStats::default();
+        stats.read_started();
+        std::thread::sleep(Duration::from_millis(30));
+        stats.read_started();
+        std::thread::sleep(Duration::from_millis(30));
+        stats.record_read(4096, Duration::from_millis(60));
+        std::thread::sleep(Duration::from_millis(30));
+        stats.read_failed();
+        let busy = stats.snapshot().busy_seconds;
+        // One stretch of about 90 ms, not the 150 ms the two reads took together.
+        assert!((0.085..0.14).contains(&busy), "busy {busy} s");
+        // Idle time is not counted.
+        std::thread::sleep(Duration::from_millis(50));
+        stats.read_started();
+        stats.record_read(4096, Duration::ZERO);
+        let after = stats.snapshot();
+        assert!(after.busy_seconds - busy < 0.01, "{after:?}");
+        assert_eq!((after.bytes_read, after.reads), (8192, 2));
     }
 }

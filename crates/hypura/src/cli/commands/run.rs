@@ -222,5 +222,17 @@ fn print_stats(gpu_free_before: Option<&[(String, u64)]>, disk_rate: Option<f64>
                 100.0 * limit.disk_busy
             );
         }
+        // The same limit at the rate the disk delivered in this request: what its reads
+        // reached while asked for bytes, whatever a profile measured on other bytes.
+        if let Some(disk) = stats.disk_while_busy() {
+            eprintln!(
+                "disk reads in flight {:.0}% of the request at {:.2} GB/s (idle {:.0}%) | limit at that rate {:.2} tok/s -> the request's passes reached {:.2} of it",
+                100.0 * disk.busy,
+                disk.bytes_per_sec / 1e9,
+                100.0 * (1.0 - disk.busy),
+                disk.limit_tokens_per_sec,
+                disk.fraction
+            );
+        }
     }
 }
