@@ -233,6 +233,26 @@ mod tests {
     }
 
     #[test]
+    fn the_limit_at_the_disks_own_rate_counts_its_idle_time() {
+        // 21 passes of 100 ms (60 computing, 40 waiting), 100 MB each, with a read in flight
+        // for 1.05 s of the 2.1 s: the disk delivered 2 GB/s while busy, so a pass's reads take
+        // 50 ms at that rate and compute (60 ms) is the limit: 1 / 60 ms, of which one pass per
+        // 100 ms is 0.6, with the disk idle half the time.
+        let mut stats = streaming_run(20, 60, 40, 100_000_000);
+        stats.io.as_mut().unwrap().busy_seconds = 1.05;
+        let disk = stats.disk_while_busy().unwrap();
+        assert!((disk.bytes_per_sec - 2e9).abs() < 1.0 && (disk.busy - 0.5).abs() < 1e-9, "{disk:?}");
+        assert!((disk.limit_tokens_per_sec - 1.0 / 0.06).abs() < 1e-6 && (disk.fraction - 0.6).abs() < 1e-6, "{disk:?}");
+        // Busy the whole request: the disk was the limit, and the passes reached it.
+        stats.io.as_mut().unwrap().busy_seconds = 2.1;
+        let disk = stats.disk_while_busy().unwrap();
+        assert!((disk.busy - 1.0).abs() < 1e-9 && (disk.fraction - 1.0).abs() < 1e-6, "{disk:?}");
+        // No busy time recorded (nothing read): no figure.
+        stats.io.as_mut().unwrap().busy_seconds = 0.0;
+        assert!(stats.disk_while_busy().is_none());
+    }
+
+    #[test]
     fn a_pass_that_verifies_drafts_yields_its_tokens() {
         assert_eq!(crate::plan::limit_tokens_per_sec(0.05, 1e8, 1e9, 3.0), Some(30.0));
         assert_eq!(crate::plan::limit_tokens_per_sec(0.0, 0.0, 1e9, 1.0), None);
