@@ -131,9 +131,7 @@ impl ThreadPool {
             NonNull::new(new(&mut params)).map(|pointer| ThreadPool { pointer, n_threads, turn: std::sync::Mutex::new(()), free })
         }
     }
-}
 
-impl ThreadPool {
     /// Held while a graph computes on the pool.
     fn turn(&self) -> std::sync::MutexGuard<'_, ()> {
         self.turn.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
