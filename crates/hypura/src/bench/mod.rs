@@ -13,7 +13,7 @@ use std::time::Duration;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
-use crate::engine::{Control, Engine, EngineError, EngineOptions, GenerateRequest, Prompt, SamplerParams, Session};
+use crate::engine::{Control, DiskWhileBusy, Engine, EngineError, EngineOptions, GenerateRequest, Prompt, SamplerParams, Session};
 use hypura_sys::Token;
 use peer::PlainLlama;
 
@@ -410,9 +410,10 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
     let limit_at = |rate: f64| crate::plan::limit_tokens_per_sec(totals.compute_seconds / totals.generated as f64, totals.bytes_read as f64 / totals.graphs as f64, rate, tokens_per_pass);
     let measured = totals.graphs > 0 && totals.generated > 0;
     let limit = options.disk_bytes_per_sec.filter(|_| measured).and_then(limit_at);
-    // The rate the disk delivered in the tg runs while a read was in flight, and the limit at it.
-    let busy_rate = (measured && totals.disk_busy_seconds > 0.0).then(|| totals.bytes_read as f64 / totals.disk_busy_seconds);
-    let busy_limit = busy_rate.and_then(limit_at);
+    // The rate the disk delivered in the tg runs while a read was in flight, the limit at it,
+    // and every pass of the tg requests (their start token's too) against it, over the same
+    // span as the busy time and the bytes.
+    let busy = measured.then(|| DiskWhileBusy::from_totals(totals.bytes_read, totals.disk_busy_seconds, totals.wall_seconds, totals.graphs, tokens_per_pass, limit_at)).flatten();
     Ok(BenchReport {
         model: path.to_path_buf(),
         model_description: vocab.model_description(),
@@ -432,12 +433,10 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         disk_bytes_per_sec: options.disk_bytes_per_sec.filter(|_| limit.is_some()),
         limit_tokens_per_sec: limit,
         limit_fraction: limit.zip(tg.hypura.as_ref()).map(|(limit, rate)| rate.mean / limit),
-        disk_busy_fraction: (busy_rate.is_some() && totals.wall_seconds > 0.0).then(|| (totals.disk_busy_seconds / totals.wall_seconds).min(1.0)),
-        busy_read_bytes_per_sec: busy_rate,
-        busy_limit_tokens_per_sec: busy_limit,
-        // Over the same span as the busy time and the bytes: every pass of the tg requests
-        // (their start token's too) over their wall time.
-        busy_limit_fraction: busy_limit.filter(|_| totals.wall_seconds > 0.0).map(|limit| totals.graphs as f64 * tokens_per_pass / totals.wall_seconds / limit),
+        disk_busy_fraction: busy.map(|disk| disk.busy),
+        busy_read_bytes_per_sec: busy.map(|disk| disk.bytes_per_sec),
+        busy_limit_tokens_per_sec: busy.map(|disk| disk.limit_tokens_per_sec),
+        busy_limit_fraction: busy.map(|disk| disk.fraction),
         planned_bytes_per_token: plan.as_ref().map(|plan| plan.streamed_bytes_per_token),
         link_bytes_per_token: (totals.link_decodes > 0).then(|| totals.link_bytes as f64 / totals.link_decodes as f64),
         link_round_trips_per_token: (totals.link_decodes > 0).then(|| totals.link_round_trips as f64 / totals.link_decodes as f64),

@@ -82,18 +82,18 @@ impl GenerationStats {
     /// the limit at that rate (all over the whole request, as the busy time is). None without
     /// reads.
     pub fn disk_while_busy(&self) -> Option<DiskWhileBusy> {
-        let io = self.io.as_ref().filter(|io| io.bytes_read > 0 && io.busy_seconds > 0.0)?;
-        let wall = self.total_duration.as_secs_f64();
-        let rate = io.bytes_read as f64 / io.busy_seconds;
-        let limit = self.decode_limit(rate)?;
-        let tokens_per_pass = if self.draft_tokens > 0 { self.tokens_per_pass().unwrap_or(1.0) } else { 1.0 };
-        let achieved = if wall > 0.0 { f64::from(self.weight_passes()) * tokens_per_pass / wall } else { 0.0 };
-        Some(DiskWhileBusy {
-            bytes_per_sec: rate,
-            busy: if wall > 0.0 { (io.busy_seconds / wall).min(1.0) } else { 0.0 },
-            limit_tokens_per_sec: limit.tokens_per_sec,
-            fraction: achieved / limit.tokens_per_sec,
-        })
+        let io = self.io.as_ref()?;
+        let limit_at = |rate| self.decode_limit(rate).map(|limit| limit.tokens_per_sec);
+        DiskWhileBusy::from_totals(io.bytes_read, io.busy_seconds, self.total_duration.as_secs_f64(), u64::from(self.weight_passes()), self.tokens_per_weight_pass(), limit_at)
+    }
+
+    /// Tokens each pass over the weights yielded: 1 without drafts.
+    fn tokens_per_weight_pass(&self) -> f64 {
+        if self.draft_tokens > 0 {
+            self.tokens_per_pass().unwrap_or(1.0)
+        } else {
+            1.0
+        }
     }
 
     /// Where a streaming decode stands against its physical limit at `disk_bytes_per_sec`,
@@ -104,8 +104,7 @@ impl GenerationStats {
         let io = self.io.as_ref()?;
         let compute_seconds = self.eval_compute_seconds_per_token()?;
         let bytes_per_pass = io.bytes_read as f64 / f64::from(self.weight_passes().max(1));
-        let tokens_per_pass = if self.draft_tokens > 0 { self.tokens_per_pass().unwrap_or(1.0) } else { 1.0 };
-        let tokens_per_sec = crate::plan::limit_tokens_per_sec(compute_seconds, bytes_per_pass, disk_bytes_per_sec, tokens_per_pass)?;
+        let tokens_per_sec = crate::plan::limit_tokens_per_sec(compute_seconds, bytes_per_pass, disk_bytes_per_sec, self.tokens_per_weight_pass())?;
         let achieved = if self.draft_tokens > 0 { self.eval_tokens_per_sec() } else { self.decode_tokens_per_sec() };
         let wall = self.total_duration.as_secs_f64();
         Some(DecodeLimit {
@@ -129,6 +128,20 @@ pub struct DiskWhileBusy {
     /// per pass included) over its wall time as a share of it.
     pub limit_tokens_per_sec: f64,
     pub fraction: f64,
+}
+
+impl DiskWhileBusy {
+    /// From a span's totals (one request's, or a benchmark's tg runs'): bytes read, wall time
+    /// with a read in flight, wall time, passes over the weights and the tokens each yielded;
+    /// `limit_at` is the physical limit at a disk rate. None without reads or time.
+    pub fn from_totals(bytes_read: u64, busy_seconds: f64, wall_seconds: f64, passes: u64, tokens_per_pass: f64, limit_at: impl FnOnce(f64) -> Option<f64>) -> Option<DiskWhileBusy> {
+        if bytes_read == 0 || busy_seconds <= 0.0 || wall_seconds <= 0.0 {
+            return None;
+        }
+        let bytes_per_sec = bytes_read as f64 / busy_seconds;
+        let limit_tokens_per_sec = limit_at(bytes_per_sec)?;
+        Some(DiskWhileBusy { bytes_per_sec, busy: (busy_seconds / wall_seconds).min(1.0), limit_tokens_per_sec, fraction: passes as f64 * tokens_per_pass / wall_seconds / limit_tokens_per_sec })
+    }
 }
 
 /// A decode against its physical limit (`GenerationStats::decode_limit`).

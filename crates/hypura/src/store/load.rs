@@ -46,7 +46,7 @@ impl StoreLoadReader {
         let started = std::time::Instant::now();
         self.stats.read_started();
         let read = self.file.read_at(self.bounce.as_mut_slice(), start).map_err(|error| {
-            self.stats.read_failed();
+            self.stats.read_ended();
             std::io::Error::other(error)
         })?;
         self.stats.record_read(read as u64, started.elapsed());

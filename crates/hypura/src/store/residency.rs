@@ -383,7 +383,7 @@ fn worker(shared: &Shared, region: &Region, reader: &dyn UnitReader, stats: &IoS
         let result = reader.read(region, chunk.range.clone(), chunk.shift);
         match &result {
             Ok(bytes) => stats.record_read(*bytes, started.elapsed()),
-            Err(_) => stats.read_failed(),
+            Err(_) => stats.read_ended(),
         }
         let mut units = shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let state = &mut units[chunk.unit];

@@ -46,7 +46,7 @@ pub struct IoSnapshot {
 }
 
 impl IoStats {
-    /// A read starts (`record_read` or `read_failed` ends it).
+    /// A read starts (`record_read` or `read_ended` ends it).
     pub fn read_started(&self) {
         let mut in_flight = self.in_flight.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if in_flight.0 == 0 {
@@ -55,12 +55,8 @@ impl IoStats {
         in_flight.0 += 1;
     }
 
-    /// A read ends without bytes.
-    pub fn read_failed(&self) {
-        self.read_ended();
-    }
-
-    fn read_ended(&self) {
+    /// A read ends (`record_read` calls it; a failed read calls it alone).
+    pub fn read_ended(&self) {
         let mut in_flight = self.in_flight.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         in_flight.0 = in_flight.0.saturating_sub(1);
         if in_flight.0 == 0 {
@@ -144,7 +140,7 @@ mod tests {
         std::thread::sleep(Duration::from_millis(30));
         stats.record_read(4096, Duration::from_millis(60));
         std::thread::sleep(Duration::from_millis(30));
-        stats.read_failed();
+        stats.read_ended();
         let busy = stats.snapshot().busy_seconds;
         // One stretch of about 90 ms, not the 150 ms the two reads took together.
         assert!((0.085..0.14).contains(&busy), "busy {busy} s");
