@@ -81,9 +81,20 @@ pub struct LoadedModel {
     pending: AtomicUsize,
     usage: Mutex<Usage>,
     status: Mutex<Status>,
+    /// The RPC workers its plan uses (set by its thread before the load).
+    remote: Mutex<Option<Arc<crate::remote::Workers>>>,
 }
 
 impl LoadedModel {
+    /// Its load failed, or a worker of its plan stopped answering. The second is seen here
+    /// as soon as the relay records it, which is before the request that met it is told:
+    /// the model's thread marks itself failed only after that batch, and a request sent at
+    /// once would reach the thread that is about to fail everything it holds.
+    fn failed(&self) -> bool {
+        matches!(*self.status.lock().unwrap_or_else(|poison| poison.into_inner()), Status::Failed)
+            || self.remote.lock().unwrap_or_else(|poison| poison.into_inner()).as_ref().is_some_and(|workers| workers.check().is_err())
+    }
+
     /// Engine facts once loaded.
     pub fn info(&self) -> Option<EngineInfo> {
         match &*self.status.lock().unwrap_or_else(|poison| poison.into_inner()) {
@@ -282,8 +293,9 @@ impl Scheduler {
                 tracing::info!("reloading {} with a context of {n_ctx} tokens (num_ctx)", entry.name);
             }
         }
-        // A model whose load failed is forgotten, so that the next request tries again.
-        if models.get(&entry.path).is_some_and(|model| matches!(*model.status.lock().unwrap_or_else(|poison| poison.into_inner()), Status::Failed)) {
+        // A model whose load failed, or whose remote worker stopped answering, is forgotten, so
+        // that the next request tries again (planned with the workers that answer).
+        if models.get(&entry.path).is_some_and(|model| model.failed()) {
             if let Some(model) = models.remove(&entry.path) {
                 model.sender.lock().unwrap_or_else(|poison| poison.into_inner()).take();
             }
@@ -319,6 +331,7 @@ impl Scheduler {
             pending: AtomicUsize::new(0),
             usage: Mutex::new(Usage { keep_alive: self.inner.config.default_keep_alive, idle_since: Some(Instant::now()) }),
             status: Mutex::new(Status::Loading),
+            remote: Mutex::new(None),
         });
         let mut config = self.inner.config.clone();
         // The plan caps a longer context at the trained one.
@@ -408,6 +421,9 @@ impl Worker {
                 tracing::warn!("planning {} without a worker: {error}", self.path.display());
             }
             run.remote = current;
+            if let Some(model) = self.model.upgrade() {
+                model.remote.lock().unwrap_or_else(|poison| poison.into_inner()).clone_from(&run.remote);
+            }
         }
         let loaded = crate::engine::setup::prepare(&self.path, &run)
             .map_err(|error| AppError::internal(format!("planning {}: {error}", self.path.display())))
