@@ -135,6 +135,9 @@ pub struct BenchReport {
     pub bytes_read_per_token: Option<f64>,
     /// Streaming: share of tg wall time that compute waited for I/O.
     pub stall_fraction: Option<f64>,
+    /// Streaming: share of the bytes read that landed in pages reused from released units
+    /// (no page fault, no zeroing).
+    pub recycled_fraction: Option<f64>,
     /// Peak resident memory of the process (both sides when they run in one process).
     pub peak_memory_bytes: Option<u64>,
     /// Hypura's tg time per token not spent waiting on reads (the compute term of the limit),
@@ -225,6 +228,8 @@ fn token_hash(tokens: &[Token]) -> String {
 #[derive(Clone, Copy, Debug, Default)]
 struct TgTotals {
     bytes_read: u64,
+    /// Of `bytes_read`, the bytes read into pages reused from released units.
+    recycled_bytes: u64,
     stall_seconds: f64,
     /// Wall time with a read in flight.
     disk_busy_seconds: f64,
@@ -276,6 +281,7 @@ impl HypuraSide {
         let stats = &output.stats;
         if let Some(io) = stats.io {
             self.totals.bytes_read += io.bytes_read;
+            self.totals.recycled_bytes += io.recycled_bytes;
             self.totals.stall_seconds += io.stall_seconds;
             self.totals.disk_busy_seconds += io.busy_seconds;
             self.totals.graphs += u64::from(stats.weight_passes());
@@ -422,6 +428,7 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         mode: hypura.as_ref().map_or("llama.cpp only", |side| side.engine.mode().name()),
         bytes_read_per_token: (totals.graphs > 0).then(|| totals.bytes_read as f64 / totals.graphs as f64),
         stall_fraction: (totals.wall_seconds > 0.0).then(|| totals.stall_seconds / totals.wall_seconds),
+        recycled_fraction: (totals.bytes_read > 0).then(|| totals.recycled_bytes as f64 / totals.bytes_read as f64),
         peak_memory_bytes: crate::hw::peak_rss_bytes(),
         compute_seconds_per_token: (totals.generated > 0).then(|| totals.compute_seconds / totals.generated as f64),
         generated_tokens: totals.generated,
@@ -490,9 +497,10 @@ pub fn render(report: &BenchReport) -> String {
     if let Some(bytes) = report.bytes_read_per_token {
         let _ = writeln!(
             out,
-            "\nstreaming: {:.1} MB read per token (plan: {:.1} MB), compute waited for I/O {:.0}% of the time{}",
+            "\nstreaming: {:.1} MB read per token (plan: {:.1} MB, {:.0}% into reused pages), compute waited for I/O {:.0}% of the time{}",
             bytes / 1e6,
             report.planned_bytes_per_token.unwrap_or(0) as f64 / 1e6,
+            100.0 * report.recycled_fraction.unwrap_or(0.0),
             100.0 * report.stall_fraction.unwrap_or(0.0),
             report.io_bound_tokens_per_sec.map_or_else(String::new, |bound| format!("; disk bound {bound:.2} tok/s"))
         );

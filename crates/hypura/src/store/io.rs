@@ -43,6 +43,9 @@ pub enum IoError {
     #[error("cannot release {len_bytes} bytes at region offset {offset}: {source}")]
     Release { offset: u64, len_bytes: u64, source: io::Error },
 
+    #[error("cannot move {len_bytes} bytes of pages from region offset {from} to {to}: {source}")]
+    Move { from: u64, to: u64, len_bytes: u64, source: io::Error },
+
     #[error("cannot map {len_bytes} bytes of {path} at offset {offset} into a stream region: {source}")]
     Map { path: PathBuf, offset: u64, len_bytes: u64, source: io::Error },
 
@@ -469,11 +472,18 @@ impl Region {
         Ok(read as u64)
     }
 
+    /// The pages wholly inside `range` (and inside the region): the ones no neighbouring byte
+    /// shares. Empty when there are none.
+    pub fn interior(&self, range: std::ops::Range<u64>) -> std::ops::Range<u64> {
+        let start = range.start.div_ceil(PAGE_BYTES) * PAGE_BYTES;
+        let end = (range.end / PAGE_BYTES * PAGE_BYTES).min(self.len_bytes as u64);
+        start..end.max(start)
+    }
+
     /// Give the pages wholly inside `range` back to the kernel; they read as zeros afterwards.
     /// Pages shared with bytes outside `range` are kept (a neighbour may still need them).
     pub fn release(&self, range: std::ops::Range<u64>) -> Result<(), IoError> {
-        let start = range.start.div_ceil(PAGE_BYTES) * PAGE_BYTES;
-        let end = (range.end / PAGE_BYTES * PAGE_BYTES).min(self.len_bytes as u64);
+        let std::ops::Range { start, end } = self.interior(range);
         if start >= end {
             return Ok(());
         }
@@ -483,6 +493,38 @@ impl Region {
         let status = unsafe { libc::madvise(self.base.as_ptr().add(start as usize).cast(), (end - start) as usize, libc::MADV_DONTNEED) };
         if status != 0 {
             return Err(IoError::Release { offset: start, len_bytes: end - start, source: io::Error::last_os_error() });
+        }
+        Ok(())
+    }
+
+    /// Move the pages backing `from .. from + len` to `to .. to + len` without copying or
+    /// zeroing them (`mremap` with `MREMAP_DONTUNMAP`): the destination holds the source's
+    /// bytes, whatever it held is dropped, and the source reads as zeros afterwards. Both
+    /// ranges are page-aligned, disjoint and inside the region. A unit read into moved pages
+    /// costs no page faults and no zeroing, which for expert streaming is most of the CPU that
+    /// reading costs beyond the copy (the kernel zeroes every freshly faulted page).
+    ///
+    /// The caller must ensure no compute or read touches either range during the move (the
+    /// store moves pages only from a released unit into one not yet queued for reading).
+    pub fn move_pages(&self, from: u64, to: u64, len: u64) -> Result<(), IoError> {
+        let region = self.len_bytes as u64;
+        assert!(from.is_multiple_of(PAGE_BYTES) && to.is_multiple_of(PAGE_BYTES) && len.is_multiple_of(PAGE_BYTES), "page moves are page-aligned");
+        assert!(from + len <= region && to + len <= region, "page moves stay inside the region");
+        assert!(from + len <= to || to + len <= from, "page moves do not overlap");
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: both ranges are page-aligned, disjoint and inside our live private anonymous
+        // mapping (asserted above). MREMAP_FIXED replaces only pages of this region at `to`,
+        // and MREMAP_DONTUNMAP leaves `from` mapped (empty, zero-filled on the next fault), so
+        // no address of the region ever becomes unmapped. Nobody reads or writes either range
+        // meanwhile (the caller's contract).
+        let moved = unsafe {
+            let base = self.base.as_ptr();
+            libc::mremap(base.add(from as usize).cast(), len as usize, len as usize, libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED | libc::MREMAP_DONTUNMAP, base.add(to as usize).cast::<libc::c_void>())
+        };
+        if moved == libc::MAP_FAILED {
+            return Err(IoError::Move { from, to, len_bytes: len, source: io::Error::last_os_error() });
         }
         Ok(())
     }

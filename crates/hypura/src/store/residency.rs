@@ -63,6 +63,8 @@ struct Shared {
     queue: Mutex<VecDeque<Chunk>>,
     queue_changed: Condvar,
     shutdown: std::sync::atomic::AtomicBool,
+    /// Pages of released units kept for the next chunks read (see `Residency::park`).
+    parked: Mutex<Parked>,
 }
 
 #[derive(Clone, Debug)]
@@ -71,6 +73,8 @@ struct Chunk {
     generation: u64,
     range: Range<u64>,
     shift: u64,
+    /// At its mirror position (not in a slot): read into parked pages where there are some.
+    recycle: bool,
 }
 
 /// The reader of a unit's bytes: file `range` to region offset `range.start + shift`. Tests
@@ -137,6 +141,138 @@ pub struct Residency {
     workers: Vec<std::thread::JoinHandle<()>>,
 }
 
+/// Page-aligned, disjoint region ranges whose pages belong to released units and wait to be
+/// moved under a chunk about to be read.
+#[derive(Debug, Default)]
+struct Parked {
+    ranges: Vec<Range<u64>>,
+    /// Off when the kernel refused a move, or when moves split the process's memory into
+    /// half as many mappings as the kernel allows: released pages are then given back.
+    recycle: bool,
+    /// The kernel's limit on mappings per process, and the moves since they were last counted.
+    map_limit: usize,
+    moves_since_count: usize,
+}
+
+/// At most this many ranges wait to be reused; past it, released pages go back to the kernel.
+const MAX_PARKED_RANGES: usize = 4096;
+
+impl Parked {
+    /// Take the parts of `target` that are still parked out of the set (pages already in place)
+    /// and return the parts that are not.
+    fn claim(&mut self, target: &Range<u64>) -> Vec<Range<u64>> {
+        let mut holes = vec![target.clone()];
+        let mut kept = Vec::with_capacity(self.ranges.len() + 1);
+        for parked in self.ranges.drain(..) {
+            let overlap = parked.start.max(target.start)..parked.end.min(target.end);
+            if overlap.is_empty() {
+                kept.push(parked);
+                continue;
+            }
+            kept.extend([parked.start..overlap.start, overlap.end..parked.end].into_iter().filter(|piece| !piece.is_empty()));
+            holes = holes.into_iter().flat_map(|hole| [hole.start..hole.end.min(overlap.start), hole.start.max(overlap.end)..hole.end]).filter(|piece| !piece.is_empty()).collect();
+        }
+        self.ranges = kept;
+        holes
+    }
+
+    /// Plan the moves that back `holes` with parked pages, taking them out of the set: for
+    /// each hole the parked range that fits best (the smallest that covers it, else the
+    /// largest, and the next for what is left). Returns (from, to, bytes) moves.
+    fn take_for(&mut self, holes: Vec<Range<u64>>) -> Vec<(u64, u64, u64)> {
+        let mut moves = Vec::new();
+        for mut hole in holes {
+            while !hole.is_empty() {
+                let need = hole.end - hole.start;
+                let length = |range: &Range<u64>| range.end - range.start;
+                let fitting = self.ranges.iter().enumerate().filter(|(_, range)| length(range) >= need).min_by_key(|(_, range)| length(range));
+                let Some(index) = fitting.or_else(|| self.ranges.iter().enumerate().max_by_key(|(_, range)| length(range))).map(|(index, _)| index) else {
+                    return moves;
+                };
+                let source = &mut self.ranges[index];
+                let bytes = need.min(length(source));
+                moves.push((source.start, hole.start, bytes));
+                source.start += bytes;
+                if source.is_empty() {
+                    self.ranges.swap_remove(index);
+                }
+                hole.start += bytes;
+            }
+        }
+        moves
+    }
+}
+
+/// Back the pages wholly inside a chunk about to be read with parked pages, so the read lands
+/// in memory already faulted in (no page fault, no zeroing): its own pages where they are
+/// still parked stay put, the rest are moved over from other released units. Whatever no
+/// parked page covers faults in as the read writes it. Runs on the reader thread, before the
+/// read, so the compute thread never waits for the moves; chunk interiors never share a page
+/// with another chunk or unit, so no other read touches these pages. A refused move turns
+/// recycling off for good.
+fn adopt_parked(parked: &Mutex<Parked>, region: &Region, range: Range<u64>, stats: &IoStats) {
+    let target = region.interior(range);
+    let moves = {
+        let mut parked = parked.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if !parked.recycle || target.is_empty() {
+            return;
+        }
+        let holes = parked.claim(&target);
+        let uncovered: u64 = holes.iter().map(|hole| hole.end - hole.start).sum();
+        stats.record_recycled(target.end - target.start - uncovered);
+        let moves = parked.take_for(holes);
+        parked.count_moves(moves.len(), region);
+        moves
+    };
+    // The pages of the moves' sources left the set, so they are this thread's alone.
+    for (index, &(from, to, bytes)) in moves.iter().enumerate() {
+        if let Err(error) = region.move_pages(from, to, bytes) {
+            tracing::warn!("reusing released pages failed, giving them back from now on: {error}");
+            for &(from, _, bytes) in &moves[index..] {
+                let _ = region.release(from..from + bytes);
+            }
+            parked.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).stop(region);
+            return;
+        }
+        stats.record_recycled(bytes);
+    }
+}
+
+/// Moves between counts of the process's mappings (each move can add a few).
+const MOVES_PER_MAP_COUNT: usize = 256;
+
+impl Parked {
+    fn new() -> Parked {
+        let map_limit = std::fs::read_to_string("/proc/sys/vm/max_map_count").ok().and_then(|text| text.trim().parse().ok()).unwrap_or(65_530);
+        Parked { ranges: Vec::new(), recycle: true, map_limit, moves_since_count: 0 }
+    }
+
+    /// Turn recycling off for good and give every parked page back.
+    fn stop(&mut self, region: &Region) {
+        self.recycle = false;
+        for range in self.ranges.drain(..) {
+            let _ = region.release(range);
+        }
+    }
+
+    /// Every move lands in a mapping of its own (pages moved with `mremap` keep their origin,
+    /// so the kernel cannot merge them with their new neighbours), and a process that runs
+    /// out of mappings fails every later `mmap`, its allocator's included. So every so many
+    /// moves the mappings are counted, and at half the limit recycling stops.
+    fn count_moves(&mut self, moves: usize, region: &Region) {
+        self.moves_since_count += moves;
+        if self.moves_since_count < MOVES_PER_MAP_COUNT {
+            return;
+        }
+        self.moves_since_count = 0;
+        let mappings = std::fs::read_to_string("/proc/self/maps").map_or(usize::MAX, |maps| maps.lines().count());
+        if mappings > self.map_limit / 2 {
+            tracing::warn!(mappings, limit = self.map_limit, "reused pages split memory into too many mappings; giving released pages back from now on");
+            self.stop(region);
+        }
+    }
+}
+
 impl Residency {
     pub fn new(region: Arc<Region>, reader: Arc<dyn UnitReader>, units: Vec<StreamUnit>, workers: usize, stats: Arc<IoStats>) -> Residency {
         let shared = Arc::new(Shared {
@@ -146,6 +282,7 @@ impl Residency {
             queue: Mutex::new(VecDeque::new()),
             queue_changed: Condvar::new(),
             shutdown: std::sync::atomic::AtomicBool::new(false),
+            parked: Mutex::new(Parked::new()),
         });
         let workers = (0..workers.max(1))
             .map(|index| {
@@ -164,6 +301,29 @@ impl Residency {
             }
         }
         Residency { region, units, slot_units, shared, stats, workers }
+    }
+
+    /// Keep a released unit's pages for the next chunks read instead of giving them back: the
+    /// pages wholly inside its ranges join the parked set (a unit in a slot keeps its pages
+    /// anyway). Bookkeeping only, so eviction costs the compute thread nothing. The unit is
+    /// empty, so nothing reads them; a cache evicts one unit per unit it admits, so parked
+    /// pages never hold more than the units it gave up and has not refilled yet.
+    fn park(&self, unit: usize) -> Result<(), ResidencyError> {
+        if self.units[unit].slot.is_some() {
+            return Ok(());
+        }
+        let mut parked = self.shared.parked.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if !parked.recycle || parked.ranges.len() + self.units[unit].ranges.len() > MAX_PARKED_RANGES {
+            drop(parked);
+            return self.give_back_pages(unit);
+        }
+        for range in &self.units[unit].ranges {
+            let interior = self.region.interior(range.clone());
+            if !interior.is_empty() {
+                parked.ranges.push(interior);
+            }
+        }
+        Ok(())
     }
 
     pub fn units(&self) -> &[StreamUnit] {
@@ -220,7 +380,7 @@ impl Residency {
                 }
                 pieces
             })
-            .map(|range| Chunk { unit, generation: state.generation, range, shift })
+            .map(|range| Chunk { unit, generation: state.generation, range, shift, recycle: self.units[unit].slot.is_none() })
             .collect();
         if chunks.is_empty() {
             state.state = SliceState::Ready;
@@ -230,9 +390,13 @@ impl Residency {
         state.pending_chunks = chunks.len();
         state.error = None;
         drop(units);
-        let mut queue = self.shared.queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        queue.extend(chunks);
-        self.shared.queue_changed.notify_all();
+        let woken = chunks.len();
+        self.shared.queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).extend(chunks);
+        // One reader per chunk: waking all of them for a chunk or two makes the idle ones
+        // preempt the compute thread only to find the queue empty.
+        for _ in 0..woken {
+            self.shared.queue_changed.notify_one();
+        }
         Ok(())
     }
 
@@ -333,6 +497,8 @@ impl Residency {
         }
         let mut result = Ok(());
         for range in &self.units[unit].ranges {
+            // Its pages still parked are given back here, so they leave the set.
+            self.shared.parked.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).claim(&self.region.interior(range.clone()));
             if let (Err(error), true) = (self.region.release(range.clone()), result.is_ok()) {
                 result = Err(error.into());
             }
@@ -340,9 +506,9 @@ impl Residency {
         result
     }
 
-    /// Drop `unit`'s pages (a unit in a slot keeps them, for the next unit of the slot to be
-    /// read into without faulting them in again). A unit still loading is waited for first (a
-    /// read must never land in released pages); an empty unit is left alone.
+    /// Empty `unit`: its pages are parked for the next unit loaded (or given back), and a unit
+    /// in a slot keeps them for the next unit of the slot. A unit still loading is waited for
+    /// first (a read must never land in pages that move); an empty unit is left alone.
     pub fn release(&self, unit: usize) -> Result<(), ResidencyError> {
         self.check(unit)?;
         let mut units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -354,7 +520,7 @@ impl Residency {
         }
         units[unit].state = SliceState::Evicting;
         drop(units);
-        let result = self.give_back_pages(unit);
+        let result = self.park(unit);
         let mut units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         units[unit].state = SliceState::Empty;
         units[unit].generation += 1;
@@ -378,6 +544,16 @@ fn worker(shared: &Shared, region: &Region, reader: &dyn UnitReader, stats: &IoS
                 queue = shared.queue_changed.wait(queue).unwrap_or_else(|poisoned| poisoned.into_inner());
             }
         };
+        {
+            // A chunk of a load given up after a read error is not read (and takes no pages).
+            let units = shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            if units[chunk.unit].generation != chunk.generation || units[chunk.unit].state != SliceState::Loading {
+                continue;
+            }
+        }
+        if chunk.recycle {
+            adopt_parked(&shared.parked, region, chunk.range.clone(), stats);
+        }
         let started = Instant::now();
         stats.read_started();
         let result = reader.read(region, chunk.range.clone(), chunk.shift);
@@ -494,22 +670,61 @@ mod tests {
     }
 
     #[test]
-    fn a_unit_becomes_ready_with_its_bytes_and_release_empties_it() {
+    fn a_unit_becomes_ready_with_its_bytes_and_its_pages_back_the_next_unit_read_after_release() {
         let residency = residency(vec![]);
+        let pattern = |range: Range<u64>| range.map(|offset| (offset % 251) as u8 + 1).collect::<Vec<u8>>();
         assert_eq!(residency.state(1), Some((SliceState::Empty, 0)));
         residency.wait_ready(1).unwrap();
         assert_eq!(residency.state(1), Some((SliceState::Ready, 0)));
-        let bytes = residency.region().copy_out((16 << 20)..(17 << 20) + 123);
-        assert!(bytes.iter().enumerate().all(|(index, &byte)| byte == (((16 << 20) + index as u64) % 251) as u8 + 1));
+        assert_eq!(residency.region().copy_out((16 << 20)..(17 << 20) + 123), pattern((16 << 20)..(17 << 20) + 123));
         residency.release(1).unwrap();
         assert_eq!(residency.state(1), Some((SliceState::Empty, 1)));
-        // Whole pages inside the unit read as zeros again.
-        assert!(residency.region().copy_out((16 << 20)..(17 << 20)).iter().all(|&byte| byte == 0));
+        // Unit 0 is read into unit 1's parked pages (moved away, they read as zeros where they
+        // were); the rest of its 9 MiB faults in afresh.
+        residency.wait_ready(0).unwrap();
+        assert_eq!(residency.region().copy_out(0..(9 << 20)), pattern(0..(9 << 20)));
+        for range in [(16 << 20)..(17 << 20), (20 << 20)..(21 << 20)] {
+            assert!(residency.region().copy_out(range).iter().all(|&byte| byte == 0));
+        }
+        assert_eq!(residency.stats().snapshot().recycled_bytes, 2 << 20);
+        // Unit 1 loads again, into fresh pages: nothing is parked.
+        residency.wait_ready(1).unwrap();
+        assert_eq!(residency.region().copy_out((20 << 20)..(21 << 20)), pattern((20 << 20)..(21 << 20)));
         let stats = residency.stats().snapshot();
-        assert_eq!(stats.units_loaded, 1);
-        assert_eq!(stats.units_released, 1);
-        // 1 MiB + 123 bytes rounds up to whole pages, plus 1 MiB.
-        assert_eq!(stats.bytes_read, (1 << 20) + 123 + (1 << 20));
+        assert_eq!(stats.recycled_bytes, 2 << 20);
+        assert_eq!((stats.units_loaded, stats.units_released), (3, 1));
+        // 1 MiB + 123 bytes rounds up to whole pages, plus 1 MiB, twice; and 9 MiB.
+        assert_eq!(stats.bytes_read, 2 * ((1 << 20) + 123 + (1 << 20)) + (9 << 20));
+    }
+
+    /// Writes the whole range on its first call, and only the first page of every later one.
+    struct FirstPageReader {
+        calls: AtomicUsize,
+    }
+
+    impl UnitReader for FirstPageReader {
+        fn read(&self, region: &Region, range: Range<u64>, shift: u64) -> Result<u64, IoError> {
+            let end = if self.calls.fetch_add(1, Ordering::SeqCst) == 0 { range.end } else { range.start + 4096 };
+            region.write(range.start + shift, &(range.start..end).map(|offset| (offset % 251) as u8 + 1).collect::<Vec<u8>>());
+            Ok(range.end - range.start)
+        }
+    }
+
+    /// The pages a released unit gave up are the very pages the next unit is read into (moved,
+    /// not faulted in afresh): where the read does not write, they still hold the released
+    /// unit's bytes, and the released unit's range reads as zeros.
+    #[test]
+    fn the_next_unit_is_read_into_the_released_units_pages() {
+        let region = Arc::new(Region::reserve(8 << 20, false).unwrap());
+        let units = vec![StreamUnit::mirrored(std::iter::once(0..(1 << 20)).collect()), StreamUnit::mirrored(std::iter::once((4 << 20)..(5 << 20)).collect())];
+        let residency = Residency::new(region.clone(), Arc::new(FirstPageReader { calls: AtomicUsize::new(0) }), units, 1, Arc::new(IoStats::default()));
+        residency.wait_ready(0).unwrap();
+        residency.release(0).unwrap();
+        residency.wait_ready(1).unwrap();
+        let first = (0..(1 << 20)).map(|offset| (offset % 251) as u8 + 1).collect::<Vec<u8>>();
+        assert_eq!(region.copy_out((4 << 20) + 4096..(5 << 20)), first[4096..], "unit 1's pages are unit 0's");
+        assert!(region.copy_out(0..(1 << 20)).iter().all(|&byte| byte == 0), "unit 0's range gave its pages up");
+        assert_eq!(residency.stats().snapshot().recycled_bytes, 1 << 20);
     }
 
     /// Units sharing a slot: a read-ahead waits while another unit holds the slot, the unit

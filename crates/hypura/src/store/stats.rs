@@ -16,6 +16,7 @@ pub struct IoStats {
     units_loaded: AtomicU64,
     unit_bytes_loaded: AtomicU64,
     units_released: AtomicU64,
+    recycled_bytes: AtomicU64,
     observations: AtomicU64,
     /// Reads in flight, and since when at least one has been.
     in_flight: Mutex<(u32, Option<Instant>)>,
@@ -38,6 +39,9 @@ pub struct IoSnapshot {
     /// little more).
     pub unit_bytes_loaded: u64,
     pub units_released: u64,
+    /// Bytes of pages moved from released units into units about to be read (no page faults,
+    /// no zeroing); the rest of `bytes_read` landed in freshly faulted pages.
+    pub recycled_bytes: u64,
     /// Eval-hook observations (graph nodes where the scheduler stopped for us).
     pub observations: u64,
     /// Wall time with at least one read in flight: `bytes_read / busy_seconds` is the rate the
@@ -87,6 +91,10 @@ impl IoStats {
         self.units_released.fetch_add(1, Ordering::Relaxed);
     }
 
+    pub fn record_recycled(&self, bytes: u64) {
+        self.recycled_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
     pub fn record_observation(&self) {
         self.observations.fetch_add(1, Ordering::Relaxed);
     }
@@ -102,6 +110,7 @@ impl IoStats {
             units_loaded: load(&self.units_loaded),
             unit_bytes_loaded: load(&self.unit_bytes_loaded),
             units_released: load(&self.units_released),
+            recycled_bytes: load(&self.recycled_bytes),
             observations: load(&self.observations),
             busy_seconds: load(&self.busy_nanos) as f64 / 1e9,
         }
@@ -121,6 +130,7 @@ impl std::ops::Sub for IoSnapshot {
             units_loaded: self.units_loaded - earlier.units_loaded,
             unit_bytes_loaded: self.unit_bytes_loaded - earlier.unit_bytes_loaded,
             units_released: self.units_released - earlier.units_released,
+            recycled_bytes: self.recycled_bytes - earlier.recycled_bytes,
             observations: self.observations - earlier.observations,
             busy_seconds: self.busy_seconds - earlier.busy_seconds,
         }
