@@ -2,7 +2,7 @@
 //! by (layer, expert) unit on the router's picks, through an expert cache sized to what the
 //! budget leaves after the resident weights, the KV cache and the compute buffers (what a
 //! prompt batch may pick in one layer, or smaller prompt batches where the budget holds less);
-//! whether the stale-gate prefetch runs follows from the slice size.
+//! the stale-gate prefetch runs unless turned off.
 use serde::Serialize;
 
 use super::dense::choose_window;
@@ -31,10 +31,10 @@ pub struct ExpertLayout {
 }
 
 /// Expert slices at least this large are backed by huge pages inside (the store advises their
-/// 2 MiB-aligned interior), which makes reading them cheap enough in CPU that prefetching
-/// them alongside compute pays: +29% and +21% on forge moe-8x at residual scale 1 and 0.3
-/// (slices of 8–12 MB, 2 cores), while on moe-30b (slices of about 1 MB) prefetch cost half
-/// the speed.
+/// 2 MiB-aligned interior). Prefetch once ran only for them: reading small slices into freshly
+/// faulted 4 KiB pages cost so much CPU that prefetch halved moe-30b's speed (slices of about
+/// 1 MB). Since reads land in the pages of evicted units (ARCHITECTURE.md, departure 25) it
+/// pays there too: 1.41–1.47 tok/s against 1.00–1.27 without, on moe-30b at 40%.
 pub const HUGE_SLICE_MIN_BYTES: u64 = 4 << 20;
 
 /// Expert-stream: every routed expert tensor of a layer the GPU does not hold streams by
@@ -144,7 +144,7 @@ pub(super) fn plan_experts(inventory: &Inventory, machine: &MachineFacts, option
             cache_units,
             policy: options.cache_policy.unwrap_or_else(|| CachePolicy::automatic(cache_units, (moe_layers * k) as usize)),
             min_slice_bytes,
-            prefetch: options.expert_prefetch.unwrap_or(min_slice_bytes >= HUGE_SLICE_MIN_BYTES),
+            prefetch: options.expert_prefetch.unwrap_or(true),
             max_ubatch,
         }),
         streamed_bytes_per_token: worst_case,

@@ -86,9 +86,9 @@ impl Plan {
                 "prefetch     {}: the next layer's router on this layer's hidden state{}",
                 if experts.prefetch { "on" } else { "off" },
                 if experts.min_slice_bytes >= HUGE_SLICE_MIN_BYTES {
-                    format!(" (slices of {} and up are read into huge pages)", format_bytes(experts.min_slice_bytes))
+                    format!(" (slices of {} and up, read into huge pages)", format_bytes(experts.min_slice_bytes))
                 } else {
-                    format!(" (slices of {} cost more CPU to read than overlapping saves on few cores)", format_bytes(experts.min_slice_bytes))
+                    format!(" (slices of {} and up, read into 4 KiB pages)", format_bytes(experts.min_slice_bytes))
                 }
             );
             if let Some(ubatch) = experts.max_ubatch {

@@ -128,8 +128,7 @@ pub struct PlanOptions {
     pub window_layers: Option<usize>,
     /// Expert cache size in (layer, expert) units (expert-stream); None: what the budget holds.
     pub expert_cache_units: Option<usize>,
-    /// Stale-gate expert prefetch (expert-stream); None: on where it measured a win, for
-    /// slices large enough for huge pages.
+    /// Stale-gate expert prefetch (expert-stream); None: on.
     pub expert_prefetch: Option<bool>,
     /// The expert cache's policy; None chooses by the cache's size (`CachePolicy::automatic`).
     pub cache_policy: Option<CachePolicy>,

@@ -756,6 +756,28 @@ mod tests {
         assert!(region.copy_out(0..(8 << 20)).iter().all(|&byte| byte == 0));
     }
 
+    /// A chunk's own parked pages stay where they are and leave the set; the rest of it is
+    /// backed from the best-fitting parked range, then the next, splitting what is left over.
+    #[test]
+    fn parked_pages_are_claimed_in_place_then_taken_best_fit() {
+        const P: u64 = 4096;
+        let mut parked = Parked { ranges: vec![0..8 * P, 20 * P..23 * P, 30 * P..40 * P], ..Parked::new() };
+        // Pages 4..8 of the chunk 4..14 are still parked: they stay put.
+        let holes = parked.claim(&(4 * P..14 * P));
+        assert_eq!(holes, vec![8 * P..14 * P]);
+        assert_eq!(parked.ranges, vec![0..4 * P, 20 * P..23 * P, 30 * P..40 * P]);
+        // Six pages: the 10-page range is the only one that covers them; what is left of it stays.
+        assert_eq!(parked.take_for(holes), vec![(30 * P, 8 * P, 6 * P)]);
+        // Nine pages: nothing covers them, so a largest range (4 pages), the other (4), and one
+        // page of the three-page range, which covers the last page best.
+        let moves = parked.take_for(vec![50 * P..59 * P]);
+        assert_eq!(moves, vec![(36 * P, 50 * P, 4 * P), (0, 54 * P, 4 * P), (20 * P, 58 * P, P)]);
+        assert_eq!(parked.ranges, vec![21 * P..23 * P]);
+        // Nothing parked: the hole faults in as the read writes it.
+        parked.ranges.clear();
+        assert!(parked.take_for(vec![0..P]).is_empty());
+    }
+
     #[test]
     fn a_failed_read_is_reported_once_and_the_unit_can_load_again() {
         // The 9 MiB unit is read in three chunks; the second fails.
