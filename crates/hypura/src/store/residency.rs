@@ -770,12 +770,12 @@ mod tests {
         assert_eq!(parked.take_for(holes), vec![(30 * P, 8 * P, 6 * P)]);
         // Nine pages: nothing covers them, so a largest range (4 pages), the other (4), and one
         // page of the three-page range, which covers the last page best.
-        let moves = parked.take_for(vec![50 * P..59 * P]);
+        let moves = parked.take_for(std::iter::once(50 * P..59 * P).collect());
         assert_eq!(moves, vec![(36 * P, 50 * P, 4 * P), (0, 54 * P, 4 * P), (20 * P, 58 * P, P)]);
         assert_eq!(parked.ranges, vec![21 * P..23 * P]);
         // Nothing parked: the hole faults in as the read writes it.
         parked.ranges.clear();
-        assert!(parked.take_for(vec![0..P]).is_empty());
+        assert!(parked.take_for(std::iter::once(0..P).collect()).is_empty());
     }
 
     #[test]
