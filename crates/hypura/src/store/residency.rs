@@ -207,31 +207,30 @@ impl Parked {
 /// in memory already faulted in (no page fault, no zeroing): its own pages where they are
 /// still parked stay put, the rest are moved over from other released units. Whatever no
 /// parked page covers faults in as the read writes it. Runs on the reader thread, before the
-/// read, so the compute thread never waits for the moves; chunk interiors never share a page
-/// with another chunk or unit, so no other read touches these pages. A refused move turns
-/// recycling off for good.
+/// read, so the compute thread waits for the moves only where it parks a unit meanwhile;
+/// chunk interiors never share a page with another chunk or unit, so no other read touches
+/// these pages. A refused move turns recycling off for good.
 fn adopt_parked(parked: &Mutex<Parked>, region: &Region, range: Range<u64>, stats: &IoStats) {
     let target = region.interior(range);
-    let moves = {
-        let mut parked = parked.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        if !parked.recycle || target.is_empty() {
-            return;
-        }
-        let holes = parked.claim(&target);
-        let uncovered: u64 = holes.iter().map(|hole| hole.end - hole.start).sum();
-        stats.record_recycled(target.end - target.start - uncovered);
-        let moves = parked.take_for(holes);
-        parked.count_moves(moves.len(), region);
-        moves
-    };
-    // The pages of the moves' sources left the set, so they are this thread's alone.
+    let mut parked = parked.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if !parked.recycle || target.is_empty() {
+        return;
+    }
+    let holes = parked.claim(&target);
+    let uncovered: u64 = holes.iter().map(|hole| hole.end - hole.start).sum();
+    stats.record_recycled(target.end - target.start - uncovered);
+    let moves = parked.take_for(holes);
+    parked.count_moves(moves.len(), region);
+    // The moves run under the lock: a source is a released unit's range, and that unit's own
+    // next read may claim the range as soon as the source has left the set. Moving pages
+    // into it while they are still being moved out would carry its freshly read bytes away.
     for (index, &(from, to, bytes)) in moves.iter().enumerate() {
         if let Err(error) = region.move_pages(from, to, bytes) {
             tracing::warn!("reusing released pages failed, giving them back from now on: {error}");
             for &(from, _, bytes) in &moves[index..] {
                 let _ = region.release(from..from + bytes);
             }
-            parked.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).stop(region);
+            parked.stop(region);
             return;
         }
         stats.record_recycled(bytes);
