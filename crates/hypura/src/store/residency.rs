@@ -65,6 +65,8 @@ struct Shared {
     shutdown: std::sync::atomic::AtomicBool,
     /// Pages of released units kept for the next chunks read (see `Residency::park`).
     parked: Mutex<Parked>,
+    /// Signalled when moves finish (`Parked::moving` shrinks).
+    moved: Condvar,
 }
 
 #[derive(Clone, Debug)]
@@ -152,6 +154,8 @@ struct Parked {
     /// The kernel's limit on mappings per process, and the moves since they were last counted.
     map_limit: usize,
     moves_since_count: usize,
+    /// Sources of moves under way: left the set, their pages not yet moved out.
+    moving: Vec<Range<u64>>,
 }
 
 /// At most this many ranges wait to be reused; past it, released pages go back to the kernel.
@@ -210,9 +214,16 @@ impl Parked {
 /// read, so the compute thread waits for the moves only where it parks a unit meanwhile;
 /// chunk interiors never share a page with another chunk or unit, so no other read touches
 /// these pages. A refused move turns recycling off for good.
-fn adopt_parked(parked: &Mutex<Parked>, region: &Region, range: Range<u64>, stats: &IoStats) {
+fn adopt_parked(shared: &Shared, region: &Region, range: Range<u64>, stats: &IoStats) {
     let target = region.interior(range);
-    let mut parked = parked.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let lock = || shared.parked.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let mut parked = lock();
+    // A source is a released unit's range, and that unit's own next read may claim it once
+    // it has left the set: pages moved in while the old ones are still being moved out could
+    // be carried away with its freshly read bytes. So a chunk waits for moves out of its range.
+    while parked.moving.iter().any(|source| source.start < target.end && target.start < source.end) {
+        parked = shared.moved.wait(parked).unwrap_or_else(|poisoned| poisoned.into_inner());
+    }
     if !parked.recycle || target.is_empty() {
         return;
     }
@@ -220,21 +231,30 @@ fn adopt_parked(parked: &Mutex<Parked>, region: &Region, range: Range<u64>, stat
     let uncovered: u64 = holes.iter().map(|hole| hole.end - hole.start).sum();
     stats.record_recycled(target.end - target.start - uncovered);
     let moves = parked.take_for(holes);
+    if moves.is_empty() {
+        return;
+    }
     parked.count_moves(moves.len(), region);
-    // The moves run under the lock: a source is a released unit's range, and that unit's own
-    // next read may claim the range as soon as the source has left the set. Moving pages
-    // into it while they are still being moved out would carry its freshly read bytes away.
+    parked.moving.extend(moves.iter().map(|&(from, _, bytes)| from..from + bytes));
+    drop(parked);
+    let mut failure = None;
     for (index, &(from, to, bytes)) in moves.iter().enumerate() {
         if let Err(error) = region.move_pages(from, to, bytes) {
-            tracing::warn!("reusing released pages failed, giving them back from now on: {error}");
-            for &(from, _, bytes) in &moves[index..] {
-                let _ = region.release(from..from + bytes);
-            }
-            parked.stop(region);
-            return;
+            failure = Some((index, error));
+            break;
         }
         stats.record_recycled(bytes);
     }
+    let mut parked = lock();
+    parked.moving.retain(|source| !moves.iter().any(|&(from, _, _)| from == source.start));
+    if let Some((index, error)) = failure {
+        tracing::warn!("reusing released pages failed, giving them back from now on: {error}");
+        for &(from, _, bytes) in &moves[index..] {
+            let _ = region.release(from..from + bytes);
+        }
+        parked.stop(region);
+    }
+    shared.moved.notify_all();
 }
 
 /// Moves between counts of the process's mappings (each move can add a few).
@@ -243,7 +263,7 @@ const MOVES_PER_MAP_COUNT: usize = 256;
 impl Parked {
     fn new() -> Parked {
         let map_limit = std::fs::read_to_string("/proc/sys/vm/max_map_count").ok().and_then(|text| text.trim().parse().ok()).unwrap_or(65_530);
-        Parked { ranges: Vec::new(), recycle: true, map_limit, moves_since_count: 0 }
+        Parked { ranges: Vec::new(), recycle: true, map_limit, moves_since_count: 0, moving: Vec::new() }
     }
 
     /// Turn recycling off for good and give every parked page back.
@@ -282,6 +302,7 @@ impl Residency {
             queue_changed: Condvar::new(),
             shutdown: std::sync::atomic::AtomicBool::new(false),
             parked: Mutex::new(Parked::new()),
+            moved: Condvar::new(),
         });
         let workers = (0..workers.max(1))
             .map(|index| {
@@ -551,7 +572,7 @@ fn worker(shared: &Shared, region: &Region, reader: &dyn UnitReader, stats: &IoS
             }
         }
         if chunk.recycle {
-            adopt_parked(&shared.parked, region, chunk.range.clone(), stats);
+            adopt_parked(shared, region, chunk.range.clone(), stats);
         }
         let started = Instant::now();
         stats.read_started();
