@@ -505,7 +505,9 @@ impl Region {
     /// reading costs beyond the copy (the kernel zeroes every freshly faulted page).
     ///
     /// The caller must ensure no compute or read touches either range during the move (the
-    /// store moves pages only from a released unit into one not yet queued for reading).
+    /// store moves pages only from a released unit into a chunk its reader is about to read).
+    /// The source must lie in one mapping (`EFAULT` otherwise): pages moved in by earlier moves
+    /// form mappings of their own.
     pub fn move_pages(&self, from: u64, to: u64, len: u64) -> Result<(), IoError> {
         let region = self.len_bytes as u64;
         assert!(from.is_multiple_of(PAGE_BYTES) && to.is_multiple_of(PAGE_BYTES) && len.is_multiple_of(PAGE_BYTES), "page moves are page-aligned");
@@ -823,6 +825,35 @@ mod tests {
         // SAFETY: unmapping exactly the mapping created above, which nothing else references.
         unsafe { libc::munmap(mapping, len) };
         residency.iter().filter(|&&page| page & 1 != 0).count()
+    }
+
+    /// Moved pages keep their bytes at the destination and leave zeros behind; a range that
+    /// two moves filled spans two mappings, and moving it whole is refused with `EFAULT`
+    /// (which the store answers by giving that range back), while each piece still moves.
+    #[test]
+    fn pages_move_with_their_bytes_and_a_range_of_two_mappings_moves_in_pieces() {
+        const P: u64 = PAGE_BYTES;
+        let region = Region::reserve(64 * P, false).unwrap();
+        region.write(0, &[1u8; 4 * P as usize]);
+        region.write(8 * P, &[2u8; 4 * P as usize]);
+        region.move_pages(0, 20 * P, 4 * P).unwrap();
+        region.move_pages(8 * P, 24 * P, 4 * P).unwrap();
+        assert!(region.copy_out(0..12 * P).iter().all(|&byte| byte == 0));
+        assert!(region.copy_out(20 * P..24 * P).iter().all(|&byte| byte == 1));
+        assert!(region.copy_out(24 * P..28 * P).iter().all(|&byte| byte == 2));
+        match region.move_pages(20 * P, 40 * P, 8 * P) {
+            Err(IoError::Move { source, .. }) => assert_eq!(source.raw_os_error(), Some(libc::EFAULT)),
+            // A kernel that moves across mappings moves it whole.
+            Ok(()) => {
+                assert!(region.copy_out(40 * P..44 * P).iter().all(|&byte| byte == 1));
+                return;
+            }
+            Err(other) => panic!("{other}"),
+        }
+        region.move_pages(20 * P, 40 * P, 4 * P).unwrap();
+        region.move_pages(24 * P, 44 * P, 4 * P).unwrap();
+        assert!(region.copy_out(40 * P..44 * P).iter().all(|&byte| byte == 1));
+        assert!(region.copy_out(44 * P..48 * P).iter().all(|&byte| byte == 2));
     }
 
     #[test]

@@ -239,11 +239,18 @@ fn adopt_parked(shared: &Shared, region: &Region, range: Range<u64>, stats: &IoS
     drop(parked);
     let mut failure = None;
     for (index, &(from, to, bytes)) in moves.iter().enumerate() {
-        if let Err(error) = region.move_pages(from, to, bytes) {
-            failure = Some((index, error));
-            break;
+        match region.move_pages(from, to, bytes) {
+            Ok(()) => stats.record_recycled(bytes),
+            // A parked range that earlier moves filled from several places spans several
+            // mappings, which one `mremap` cannot take: give this one back, keep recycling.
+            Err(IoError::Move { source, .. }) if source.raw_os_error() == Some(libc::EFAULT) => {
+                let _ = region.release(from..from + bytes);
+            }
+            Err(error) => {
+                failure = Some((index, error));
+                break;
+            }
         }
-        stats.record_recycled(bytes);
     }
     let mut parked = lock();
     parked.moving.retain(|source| !moves.iter().any(|&(from, _, _)| from == source.start));
