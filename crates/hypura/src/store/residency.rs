@@ -213,7 +213,8 @@ impl Parked {
 /// parked page covers faults in as the read writes it. Runs on the reader thread, before the
 /// read, so the compute thread waits for the moves only where it parks a unit meanwhile;
 /// chunk interiors never share a page with another chunk or unit, so no other read touches
-/// these pages. A refused move turns recycling off for good.
+/// these pages. A refused move turns recycling off for good, except a source that spans two
+/// mappings, which is given back alone.
 fn adopt_parked(shared: &Shared, region: &Region, range: Range<u64>, stats: &IoStats) {
     let target = region.interior(range);
     let lock = || shared.parked.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
