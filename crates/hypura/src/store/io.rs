@@ -506,8 +506,8 @@ impl Region {
     ///
     /// The caller must ensure no compute or read touches either range during the move (the
     /// store moves pages only from a released unit into a chunk its reader is about to read).
-    /// The source must lie in one mapping (`EFAULT` otherwise): pages moved in by earlier moves
-    /// form mappings of their own.
+    /// Older kernels want the source in one mapping (`EFAULT` otherwise; pages moved in by
+    /// earlier moves form mappings of their own); 6.18 moves across mappings.
     pub fn move_pages(&self, from: u64, to: u64, len: u64) -> Result<(), IoError> {
         let region = self.len_bytes as u64;
         assert!(from.is_multiple_of(PAGE_BYTES) && to.is_multiple_of(PAGE_BYTES) && len.is_multiple_of(PAGE_BYTES), "page moves are page-aligned");

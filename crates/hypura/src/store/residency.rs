@@ -243,7 +243,8 @@ fn adopt_parked(shared: &Shared, region: &Region, range: Range<u64>, stats: &IoS
         match region.move_pages(from, to, bytes) {
             Ok(()) => stats.record_recycled(bytes),
             // A parked range that earlier moves filled from several places spans several
-            // mappings, which one `mremap` cannot take: give this one back, keep recycling.
+            // mappings, which one `mremap` cannot take on older kernels: give this one back,
+            // keep recycling.
             Err(IoError::Move { source, .. }) if source.raw_os_error() == Some(libc::EFAULT) => {
                 let _ = region.release(from..from + bytes);
             }
