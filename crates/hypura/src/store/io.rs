@@ -828,8 +828,8 @@ mod tests {
     }
 
     /// Moved pages keep their bytes at the destination and leave zeros behind; a range that
-    /// two moves filled spans two mappings, and moving it whole is refused with `EFAULT`
-    /// (which the store answers by giving that range back), while each piece still moves.
+    /// two moves filled spans two mappings: a kernel moves it whole, or (older ones) refuses
+    /// with `EFAULT`, which the store answers by giving that range back, and each piece moves.
     #[test]
     fn pages_move_with_their_bytes_and_a_range_of_two_mappings_moves_in_pieces() {
         const P: u64 = PAGE_BYTES;
