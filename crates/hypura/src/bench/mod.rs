@@ -497,10 +497,12 @@ pub fn render(report: &BenchReport) -> String {
     if let Some(bytes) = report.bytes_read_per_token {
         let _ = writeln!(
             out,
-            "\nstreaming: {:.1} MB read per token (plan: {:.1} MB, {:.0}% into reused pages), compute waited for I/O {:.0}% of the time{}",
+            "\nstreaming: {:.1} MB read per token (plan: {:.1} MB{}), compute waited for I/O {:.0}% of the time{}",
             bytes / 1e6,
             report.planned_bytes_per_token.unwrap_or(0) as f64 / 1e6,
-            100.0 * report.recycled_fraction.unwrap_or(0.0),
+            // Dense layers in slots reuse their pages without moving any, so only a share of
+            // moved pages is worth a word.
+            report.recycled_fraction.filter(|&share| share > 0.0).map_or_else(String::new, |share| format!(", {:.0}% into pages of evicted units", 100.0 * share)),
             100.0 * report.stall_fraction.unwrap_or(0.0),
             report.io_bound_tokens_per_sec.map_or_else(String::new, |bound| format!("; disk bound {bound:.2} tok/s"))
         );

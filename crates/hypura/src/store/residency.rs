@@ -79,6 +79,13 @@ struct Chunk {
     recycle: bool,
 }
 
+impl Chunk {
+    /// Whether the load this chunk belongs to is still under way (not given up or redone).
+    fn is_current(&self, units: &[UnitState]) -> bool {
+        units[self.unit].generation == self.generation && units[self.unit].state == SliceState::Loading
+    }
+}
+
 /// The reader of a unit's bytes: file `range` to region offset `range.start + shift`. Tests
 /// substitute failing readers.
 pub trait UnitReader: Send + Sync {
@@ -145,7 +152,7 @@ pub struct Residency {
 
 /// Page-aligned, disjoint region ranges whose pages belong to released units and wait to be
 /// moved under a chunk about to be read.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Parked {
     ranges: Vec<Range<u64>>,
     /// Off when the kernel refused a move, or when moves split the process's memory into
@@ -161,7 +168,40 @@ struct Parked {
 /// At most this many ranges wait to be reused; past it, released pages go back to the kernel.
 const MAX_PARKED_RANGES: usize = 4096;
 
+/// Moves between counts of the process's mappings (each move can add a few).
+const MOVES_PER_MAP_COUNT: usize = 256;
+
 impl Parked {
+    fn new() -> Parked {
+        let map_limit = std::fs::read_to_string("/proc/sys/vm/max_map_count").ok().and_then(|text| text.trim().parse().ok()).unwrap_or(65_530);
+        Parked { ranges: Vec::new(), recycle: true, map_limit, moves_since_count: 0, moving: Vec::new() }
+    }
+
+    /// Turn recycling off for good and give every parked page back.
+    fn stop(&mut self, region: &Region) {
+        self.recycle = false;
+        for range in self.ranges.drain(..) {
+            let _ = region.release(range);
+        }
+    }
+
+    /// Every move lands in a mapping of its own (pages moved with `mremap` keep their origin,
+    /// so the kernel cannot merge them with their new neighbours), and a process that runs
+    /// out of mappings fails every later `mmap`, its allocator's included. So every so many
+    /// moves the mappings are counted, and at half the limit recycling stops.
+    fn count_moves(&mut self, moves: usize, region: &Region) {
+        self.moves_since_count += moves;
+        if self.moves_since_count < MOVES_PER_MAP_COUNT {
+            return;
+        }
+        self.moves_since_count = 0;
+        let mappings = std::fs::read_to_string("/proc/self/maps").map_or(usize::MAX, |maps| maps.lines().count());
+        if mappings > self.map_limit / 2 {
+            tracing::warn!(mappings, limit = self.map_limit, "reused pages split memory into too many mappings; giving released pages back from now on");
+            self.stop(region);
+        }
+    }
+
     /// Take the parts of `target` that are still parked out of the set (pages already in place)
     /// and return the parts that are not.
     fn claim(&mut self, target: &Range<u64>) -> Vec<Range<u64>> {
@@ -264,41 +304,6 @@ fn adopt_parked(shared: &Shared, region: &Region, range: Range<u64>, stats: &IoS
         parked.stop(region);
     }
     shared.moved.notify_all();
-}
-
-/// Moves between counts of the process's mappings (each move can add a few).
-const MOVES_PER_MAP_COUNT: usize = 256;
-
-impl Parked {
-    fn new() -> Parked {
-        let map_limit = std::fs::read_to_string("/proc/sys/vm/max_map_count").ok().and_then(|text| text.trim().parse().ok()).unwrap_or(65_530);
-        Parked { ranges: Vec::new(), recycle: true, map_limit, moves_since_count: 0, moving: Vec::new() }
-    }
-
-    /// Turn recycling off for good and give every parked page back.
-    fn stop(&mut self, region: &Region) {
-        self.recycle = false;
-        for range in self.ranges.drain(..) {
-            let _ = region.release(range);
-        }
-    }
-
-    /// Every move lands in a mapping of its own (pages moved with `mremap` keep their origin,
-    /// so the kernel cannot merge them with their new neighbours), and a process that runs
-    /// out of mappings fails every later `mmap`, its allocator's included. So every so many
-    /// moves the mappings are counted, and at half the limit recycling stops.
-    fn count_moves(&mut self, moves: usize, region: &Region) {
-        self.moves_since_count += moves;
-        if self.moves_since_count < MOVES_PER_MAP_COUNT {
-            return;
-        }
-        self.moves_since_count = 0;
-        let mappings = std::fs::read_to_string("/proc/self/maps").map_or(usize::MAX, |maps| maps.lines().count());
-        if mappings > self.map_limit / 2 {
-            tracing::warn!(mappings, limit = self.map_limit, "reused pages split memory into too many mappings; giving released pages back from now on");
-            self.stop(region);
-        }
-    }
 }
 
 impl Residency {
@@ -524,10 +529,11 @@ impl Residency {
         if self.units[unit].slot.is_some() {
             return Ok(());
         }
+        let mut parked = self.shared.parked.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let mut result = Ok(());
         for range in &self.units[unit].ranges {
             // Its pages still parked are given back here, so they leave the set.
-            self.shared.parked.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).claim(&self.region.interior(range.clone()));
+            parked.claim(&self.region.interior(range.clone()));
             if let (Err(error), true) = (self.region.release(range.clone()), result.is_ok()) {
                 result = Err(error.into());
             }
@@ -575,8 +581,7 @@ fn worker(shared: &Shared, region: &Region, reader: &dyn UnitReader, stats: &IoS
         };
         {
             // A chunk of a load given up after a read error is not read (and takes no pages).
-            let units = shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            if units[chunk.unit].generation != chunk.generation || units[chunk.unit].state != SliceState::Loading {
+            if !chunk.is_current(&shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner())) {
                 continue;
             }
         }
@@ -591,10 +596,10 @@ fn worker(shared: &Shared, region: &Region, reader: &dyn UnitReader, stats: &IoS
             Err(_) => stats.read_ended(),
         }
         let mut units = shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let state = &mut units[chunk.unit];
-        if state.generation != chunk.generation || state.state != SliceState::Loading {
+        if !chunk.is_current(&units) {
             continue; // a stale chunk of a load that was abandoned
         }
+        let state = &mut units[chunk.unit];
         if let Err(error) = result {
             state.error.get_or_insert_with(|| error.to_string());
         }
