@@ -379,6 +379,9 @@ unsafe impl Sync for Region {}
 /// The page size the region's bookkeeping assumes (Linux on x86-64 and arm64 default).
 pub const PAGE_BYTES: u64 = 4096;
 
+/// A transparent huge page (x86-64 and arm64 with 4 KiB pages), aligned in the address space.
+pub const HUGE_PAGE_BYTES: u64 = 2 << 20;
+
 impl Region {
     /// Reserve `len_bytes` (rounded up to a page) of address space. No memory is committed.
     ///
@@ -406,7 +409,7 @@ impl Region {
     /// huge page reaches into a neighbouring unit and memory use stays exactly the unit's.
     /// Advisory: returns whether there was an interior and the kernel took the advice.
     pub fn advise_huge_interior(&self, range: std::ops::Range<u64>) -> bool {
-        const HUGE_BYTES: usize = 2 << 20;
+        const HUGE_BYTES: usize = HUGE_PAGE_BYTES as usize;
         let base = self.address();
         let end = (range.end as usize).min(self.len_bytes);
         let first = (base + range.start as usize).next_multiple_of(HUGE_BYTES);
@@ -423,6 +426,12 @@ impl Region {
     /// The start of the range, as a number (handed to the stream buffer type).
     pub fn address(&self) -> usize {
         self.base.as_ptr() as usize
+    }
+
+    /// How far past a huge-page boundary of the address space the region starts: offset `o`
+    /// lies on a boundary when `(o + phase) % HUGE_PAGE_BYTES == 0`.
+    pub fn huge_phase(&self) -> u64 {
+        self.address() as u64 % HUGE_PAGE_BYTES
     }
 
     pub fn len(&self) -> usize {

@@ -9,7 +9,7 @@ use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use super::io::{DirectFile, IoError, Region};
+use super::io::{DirectFile, IoError, Region, HUGE_PAGE_BYTES};
 use super::stats::IoStats;
 
 /// Reads are issued in pieces of this size, spread over the worker threads.
@@ -155,6 +155,8 @@ pub struct Residency {
 #[derive(Debug)]
 struct Parked {
     ranges: Vec<Range<u64>>,
+    /// The region's offset past a huge-page boundary (`Region::huge_phase`).
+    phase: u64,
     /// Off when the kernel refused a move, or when moves split the process's memory into
     /// half as many mappings as the kernel allows: released pages are then given back.
     recycle: bool,
@@ -172,9 +174,36 @@ const MAX_PARKED_RANGES: usize = 4096;
 const MOVES_PER_MAP_COUNT: usize = 256;
 
 impl Parked {
-    fn new() -> Parked {
+    fn new(phase: u64) -> Parked {
         let map_limit = std::fs::read_to_string("/proc/sys/vm/max_map_count").ok().and_then(|text| text.trim().parse().ok()).unwrap_or(65_530);
-        Parked { ranges: Vec::new(), recycle: true, map_limit, moves_since_count: 0, moving: Vec::new() }
+        Parked { ranges: Vec::new(), phase, recycle: true, map_limit, moves_since_count: 0, moving: Vec::new() }
+    }
+
+    /// The whole huge pages inside `range` (empty where there is none).
+    fn huge_part(&self, range: &Range<u64>) -> Range<u64> {
+        let start = (range.start + self.phase).next_multiple_of(HUGE_PAGE_BYTES) - self.phase;
+        let end = ((range.end + self.phase) / HUGE_PAGE_BYTES * HUGE_PAGE_BYTES).saturating_sub(self.phase);
+        start..end.max(start)
+    }
+
+    /// The parts of `range` of one kind: its whole huge pages, or the pages around them.
+    fn parts(&self, range: &Range<u64>, huge: bool) -> Vec<Range<u64>> {
+        let inner = self.huge_part(range);
+        let parts = if huge {
+            vec![inner]
+        } else if inner.is_empty() {
+            vec![range.clone()]
+        } else {
+            vec![range.start..inner.start, inner.end..range.end]
+        };
+        parts.into_iter().filter(|part| !part.is_empty()).collect()
+    }
+
+    /// Take `piece` (inside parked range `index`) out of the set, keeping what lies around it.
+    fn cut(&mut self, index: usize, piece: &Range<u64>) {
+        let range = self.ranges[index].clone();
+        let left = [range.start..piece.start, piece.end..range.end].into_iter().filter(|part| !part.is_empty());
+        self.ranges.splice(index..=index, left);
     }
 
     /// Turn recycling off for good and give every parked page back.
@@ -220,27 +249,35 @@ impl Parked {
         holes
     }
 
-    /// Plan the moves that back `holes` with parked pages, taking them out of the set: for
-    /// each hole the parked range that fits best (the smallest that covers it, else the
-    /// largest, and the next for what is left). Returns (from, to, bytes) moves.
+    /// Plan the moves that back `holes` with parked pages, taking them out of the set. Huge
+    /// pages stay whole: a hole's whole huge pages are backed from parked huge pages (the
+    /// kernel moves each as one page-table entry, and the weights read from it keep their
+    /// 2 MiB TLB entries), and the pages around them from parked pages around huge ones;
+    /// each from the parked part that fits best (the smallest that covers it, else the
+    /// largest, and the next for what is left), from any parked pages only where its own
+    /// kind has run out. Returns (from, to, bytes) moves.
     fn take_for(&mut self, holes: Vec<Range<u64>>) -> Vec<(u64, u64, u64)> {
         let mut moves = Vec::new();
-        for mut hole in holes {
-            while !hole.is_empty() {
-                let need = hole.end - hole.start;
-                let length = |range: &Range<u64>| range.end - range.start;
-                let fitting = self.ranges.iter().enumerate().filter(|(_, range)| length(range) >= need).min_by_key(|(_, range)| length(range));
-                let Some(index) = fitting.or_else(|| self.ranges.iter().enumerate().max_by_key(|(_, range)| length(range))).map(|(index, _)| index) else {
-                    return moves;
-                };
-                let source = &mut self.ranges[index];
-                let bytes = need.min(length(source));
-                moves.push((source.start, hole.start, bytes));
-                source.start += bytes;
-                if source.is_empty() {
-                    self.ranges.swap_remove(index);
+        for hole in holes {
+            let inner = self.huge_part(&hole);
+            let pieces = if inner.is_empty() { vec![(hole, false)] } else { vec![(hole.start..inner.start, false), (inner.clone(), true), (inner.end..hole.end, false)] };
+            for (mut piece, huge) in pieces {
+                while !piece.is_empty() {
+                    let need = piece.end - piece.start;
+                    let length = |range: &Range<u64>| range.end - range.start;
+                    let best = |parts: Vec<(usize, Range<u64>)>| {
+                        let fitting = parts.iter().filter(|(_, part)| length(part) >= need).min_by_key(|(_, part)| length(part)).cloned();
+                        fitting.or_else(|| parts.into_iter().max_by_key(|(_, part)| length(part)))
+                    };
+                    let own_kind = self.ranges.iter().enumerate().flat_map(|(index, range)| self.parts(range, huge).into_iter().map(move |part| (index, part))).collect();
+                    let Some((index, part)) = best(own_kind).or_else(|| best(self.ranges.iter().cloned().enumerate().collect())) else {
+                        return moves;
+                    };
+                    let bytes = need.min(length(&part));
+                    moves.push((part.start, piece.start, bytes));
+                    self.cut(index, &(part.start..part.start + bytes));
+                    piece.start += bytes;
                 }
-                hole.start += bytes;
             }
         }
         moves
@@ -315,7 +352,7 @@ impl Residency {
             queue: Mutex::new(VecDeque::new()),
             queue_changed: Condvar::new(),
             shutdown: std::sync::atomic::AtomicBool::new(false),
-            parked: Mutex::new(Parked::new()),
+            parked: Mutex::new(Parked::new(region.huge_phase())),
             moved: Condvar::new(),
         });
         let workers = (0..workers.max(1))
@@ -400,6 +437,7 @@ impl Residency {
             return Ok(());
         }
         let shift = self.units[unit].shift;
+        let phase = (self.region.huge_phase() + shift) % HUGE_PAGE_BYTES;
         let state = &mut units[unit];
         let chunks: Vec<Chunk> = self.units[unit]
             .ranges
@@ -408,7 +446,10 @@ impl Residency {
                 let mut pieces = Vec::new();
                 let mut start = range.start;
                 while start < range.end {
-                    let end = (start + CHUNK_BYTES).min(range.end);
+                    // Chunks end on huge-page boundaries of the address space, so each huge
+                    // page of the unit is read, and backed with parked pages, by one chunk.
+                    let aligned = (start + CHUNK_BYTES + phase) / HUGE_PAGE_BYTES * HUGE_PAGE_BYTES - phase;
+                    let end = aligned.min(range.end);
                     pieces.push(start..end);
                     start = end;
                 }
@@ -795,7 +836,7 @@ mod tests {
     #[test]
     fn parked_pages_are_claimed_in_place_then_taken_best_fit() {
         const P: u64 = 4096;
-        let mut parked = Parked { ranges: vec![0..8 * P, 20 * P..23 * P, 30 * P..40 * P], ..Parked::new() };
+        let mut parked = Parked { ranges: vec![0..8 * P, 20 * P..23 * P, 30 * P..40 * P], ..Parked::new(0) };
         // Pages 4..8 of the chunk 4..14 are still parked: they stay put.
         let holes = parked.claim(&(4 * P..14 * P));
         assert_eq!(holes, vec![8 * P..14 * P]);
@@ -810,6 +851,57 @@ mod tests {
         // Nothing parked: the hole faults in as the read writes it.
         parked.ranges.clear();
         assert!(parked.take_for(std::iter::once(0..P).collect()).is_empty());
+    }
+
+    /// Huge pages stay whole: a hole's whole huge pages come from parked huge pages in 2 MiB
+    /// moves that keep the alignment, the pages around them from parked pages around huge
+    /// ones; another kind is taken only where a hole's own kind has run out.
+    #[test]
+    fn parked_huge_pages_back_huge_pages_and_edges_back_edges() {
+        const P: u64 = 4096;
+        const H: u64 = HUGE_PAGE_BYTES;
+        let mut parked = Parked { ranges: vec![H - 4 * P..3 * H + 8 * P], ..Parked::new(0) };
+        let moves = parked.take_for(vec![10 * H - 4 * P..12 * H + 8 * P]);
+        assert_eq!(moves, vec![(H - 4 * P, 10 * H - 4 * P, 4 * P), (H, 10 * H, 2 * H), (3 * H, 12 * H, 8 * P)]);
+        assert!(parked.ranges.is_empty());
+        // Only edge pages parked: a huge page's hole takes them rather than fault in afresh.
+        parked.ranges = vec![0..4 * P];
+        assert_eq!(parked.take_for(vec![20 * H..21 * H]), vec![(0, 20 * H, 4 * P)]);
+        // The region's phase moves the boundaries: at phase 4 pages, offset H - 4 pages is one.
+        let parked = Parked { ranges: Vec::new(), ..Parked::new(4 * P) };
+        assert_eq!(parked.huge_part(&(0..3 * H)), H - 4 * P..3 * H - 4 * P);
+        assert!(parked.huge_part(&(0..H)).is_empty());
+    }
+
+    /// Records the ranges it is asked to read.
+    struct RecordingReader {
+        ranges: Mutex<Vec<Range<u64>>>,
+    }
+
+    impl UnitReader for RecordingReader {
+        fn read(&self, _region: &Region, range: Range<u64>, _shift: u64) -> Result<u64, IoError> {
+            self.ranges.lock().unwrap().push(range.clone());
+            Ok(range.end - range.start)
+        }
+    }
+
+    /// A unit is read in chunks of at most `CHUNK_BYTES` that meet on huge-page boundaries of
+    /// the address space, so no huge page is split between two chunks' moves.
+    #[test]
+    fn chunks_meet_on_huge_page_boundaries() {
+        let region = Arc::new(Region::reserve(64 << 20, false).unwrap());
+        let unit = 12_345..(30 << 20) + 77;
+        let reader = Arc::new(RecordingReader { ranges: Mutex::new(Vec::new()) });
+        let residency = Residency::new(region.clone(), reader.clone(), vec![StreamUnit::mirrored(vec![unit.clone()])], 1, Arc::new(IoStats::default()));
+        residency.wait_ready(0).unwrap();
+        let mut chunks = reader.ranges.lock().unwrap().clone();
+        chunks.sort_by_key(|chunk| chunk.start);
+        assert_eq!((chunks[0].start, chunks.last().unwrap().end), (unit.start, unit.end));
+        for pair in chunks.windows(2) {
+            assert_eq!(pair[0].end, pair[1].start);
+            assert_eq!((pair[0].end + region.huge_phase()) % HUGE_PAGE_BYTES, 0, "{chunks:?}");
+        }
+        assert!(chunks.iter().all(|chunk| chunk.end - chunk.start <= CHUNK_BYTES));
     }
 
     #[test]
