@@ -138,7 +138,7 @@ pub struct PlanArgs {
     #[arg(long)]
     pub window: Option<usize>,
     /// Reader threads (queue depth) for streaming (default: the queue depth at which
-    /// `hypura profile` measured the best direct reads, else 4).
+    /// `hypura profile` measured the best direct reads, at most 4; else 4).
     #[arg(long)]
     pub io_workers: Option<usize>,
     /// Expert cache size in (layer, expert) units (expert-stream; default: what the budget holds).

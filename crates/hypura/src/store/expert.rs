@@ -247,12 +247,30 @@ impl RouterWeights {
         if hidden.len() != self.n_embd || self.n_embd == 0 {
             return None;
         }
-        let scores: Vec<f32> = weights.chunks_exact(self.n_embd).map(|row| row.iter().zip(hidden).map(|(weight, value)| weight * value).sum()).collect();
+        let scores: Vec<f32> = weights.chunks_exact(self.n_embd).map(|row| dot(row, hidden)).collect();
         let mut order: Vec<usize> = (0..scores.len()).collect();
         order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]));
         order.truncate(k);
         Some(order)
     }
+}
+
+/// A dot product the compiler turns into vector instructions: sixteen partial sums (a plain
+/// sum of f32 products must add in order, one at a time). The prediction runs on the compute
+/// thread at every streamed layer, so its speed is decode time: on moe-30b (128 experts of
+/// 2048 inputs, 47 predicted layers) the ordered sum took about a tenth of a token's compute.
+fn dot(row: &[f32], hidden: &[f32]) -> f32 {
+    const LANES: usize = 16;
+    let mut sums = [0f32; LANES];
+    let (row_body, row_rest) = row.split_at(row.len() / LANES * LANES);
+    let (hidden_body, hidden_rest) = hidden.split_at(row_body.len().min(hidden.len()));
+    for (weights, values) in row_body.chunks_exact(LANES).zip(hidden_body.chunks_exact(LANES)) {
+        for lane in 0..LANES {
+            sums[lane] += weights[lane] * values[lane];
+        }
+    }
+    let rest: f32 = row_rest.iter().zip(hidden_rest).map(|(weight, value)| weight * value).sum();
+    sums.iter().sum::<f32>() + rest
 }
 
 /// Predict only for batches this small (decode); a prefill batch loads the union anyway.
@@ -475,6 +493,17 @@ impl EvalHook for ExpertStream {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_vector_dot_product_matches_the_ordered_sum_at_every_length() {
+        for len in [0, 1, 15, 16, 17, 37, 2048] {
+            let row: Vec<f32> = (0..len).map(|i| ((i * 7 % 13) as f32 - 6.0) / 8.0).collect();
+            let hidden: Vec<f32> = (0..len).map(|i| ((i * 5 % 11) as f32 - 5.0) / 4.0).collect();
+            let ordered: f32 = row.iter().zip(&hidden).map(|(a, b)| a * b).sum();
+            // Eighths times quarters add exactly in f32 at these sizes, so any order agrees.
+            assert_eq!(dot(&row, &hidden), ordered, "length {len}");
+        }
+    }
 
     #[test]
     fn lru_evicts_the_least_recent_and_never_a_pinned_unit() {
