@@ -860,13 +860,13 @@ mod tests {
     fn parked_huge_pages_back_huge_pages_and_edges_back_edges() {
         const P: u64 = 4096;
         const H: u64 = HUGE_PAGE_BYTES;
-        let mut parked = Parked { ranges: vec![H - 4 * P..3 * H + 8 * P], ..Parked::new(0) };
-        let moves = parked.take_for(vec![10 * H - 4 * P..12 * H + 8 * P]);
+        let mut parked = Parked { ranges: std::iter::once(H - 4 * P..3 * H + 8 * P).collect(), ..Parked::new(0) };
+        let moves = parked.take_for(std::iter::once(10 * H - 4 * P..12 * H + 8 * P).collect());
         assert_eq!(moves, vec![(H - 4 * P, 10 * H - 4 * P, 4 * P), (H, 10 * H, 2 * H), (3 * H, 12 * H, 8 * P)]);
         assert!(parked.ranges.is_empty());
         // Only edge pages parked: a huge page's hole takes them rather than fault in afresh.
-        parked.ranges = vec![0..4 * P];
-        assert_eq!(parked.take_for(vec![20 * H..21 * H]), vec![(0, 20 * H, 4 * P)]);
+        parked.ranges = std::iter::once(0..4 * P).collect();
+        assert_eq!(parked.take_for(std::iter::once(20 * H..21 * H).collect()), vec![(0, 20 * H, 4 * P)]);
         // The region's phase moves the boundaries: at phase 4 pages, offset H - 4 pages is one.
         let parked = Parked { ranges: Vec::new(), ..Parked::new(4 * P) };
         assert_eq!(parked.huge_part(&(0..3 * H)), H - 4 * P..3 * H - 4 * P);
@@ -892,7 +892,7 @@ mod tests {
         let region = Arc::new(Region::reserve(64 << 20, false).unwrap());
         let unit = 12_345..(30 << 20) + 77;
         let reader = Arc::new(RecordingReader { ranges: Mutex::new(Vec::new()) });
-        let residency = Residency::new(region.clone(), reader.clone(), vec![StreamUnit::mirrored(vec![unit.clone()])], 1, Arc::new(IoStats::default()));
+        let residency = Residency::new(region.clone(), reader.clone(), vec![StreamUnit::mirrored(std::iter::once(unit.clone()).collect())], 1, Arc::new(IoStats::default()));
         residency.wait_ready(0).unwrap();
         let mut chunks = reader.ranges.lock().unwrap().clone();
         chunks.sort_by_key(|chunk| chunk.start);
