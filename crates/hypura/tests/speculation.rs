@@ -8,7 +8,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use hypura::engine::{Batcher, Control, Engine, EngineOptions, GenerateOutput, GenerateRequest, Prompt, SamplerParams, SequenceEvent, Session, Speculation};
-use hypura::model::Inventory;
+use hypura::model::{Inventory, Role};
 use hypura::plan::{self, MachineFacts, Mode, ModeChoice, PlanOptions};
 
 const N_CTX: u32 = 1024;
@@ -133,6 +133,37 @@ fn a_draft_that_cannot_draft_for_the_target_is_refused_at_load() {
     // draft-simple without a draft model.
     let error = Engine::open(&chat, options(Some(Speculation::new(None, vec!["draft-simple".into()])))).err().expect("draft-simple needs a model");
     assert!(error.to_string().contains("needs a draft model"), "{error}");
+}
+
+/// The model's own MTP layer drafts (`draft-mtp`, forge GLM-4.5 MoE): loaded and planned in
+/// host memory, it drafts every pass, and greedy output is the tokens of plain decoding,
+/// resident and with the experts streaming. A model without MTP layers is refused.
+#[test]
+fn the_models_own_mtp_layer_drafts_and_changes_no_greedy_token() {
+    let directory = tempfile::tempdir().unwrap();
+    let model = common::forge("tiny-glm4moe", directory.path());
+    let prompt = "The capital of France is";
+    let reference = greedy(&Arc::new(Engine::open(&model, options(None)).unwrap()), prompt, 24);
+    let mut mtp = Speculation::new(None, vec!["draft-mtp".into()]);
+    mtp.params.n_max = 3;
+    let resident = greedy(&Arc::new(Engine::open(&model, options(Some(mtp.clone()))).unwrap()), prompt, 24);
+    assert_eq!(resident.tokens, reference.tokens, "{:?} against {:?}", resident.text, reference.text);
+    assert!(resident.stats.draft_tokens > 0, "the MTP layer drafted nothing: {:?}", resident.stats);
+    // The experts stream; the MTP layer's bytes come out of the budget first.
+    let inventory = Inventory::open(&model).unwrap();
+    let mtp_bytes: u64 = inventory.tensors.iter().filter(|tensor| tensor.role == Role::Mtp).map(|tensor| tensor.bytes).sum();
+    let budget = common::streaming_budget(&model, Mode::ExpertStream, N_CTX) + mtp_bytes;
+    let facts = MachineFacts { memory_budget_bytes: budget, disk_bytes_per_sec: Some(1e9), ..MachineFacts::default() };
+    let plan_options = PlanOptions { mode: ModeChoice::Forced(Mode::ExpertStream), n_ctx: N_CTX, n_ubatch: 512, mtp: true, ..PlanOptions::default() };
+    let plan = plan::plan(&inventory, &facts, &plan_options).unwrap();
+    let mtp_tiers: Vec<plan::Tier> = plan.tensors.iter().filter(|tensor| tensor.name.contains("nextn")).map(|tensor| tensor.tier).collect();
+    assert!(!mtp_tiers.is_empty() && mtp_tiers.iter().all(|&tier| tier == plan::Tier::Ram), "{mtp_tiers:?}");
+    let streamed = greedy(&Arc::new(Engine::open(&model, EngineOptions { plan: Some(plan), ..options(Some(mtp.clone())) }).unwrap()), prompt, 24);
+    assert_eq!(streamed.tokens, reference.tokens, "{:?} against {:?}", streamed.text, reference.text);
+    assert!(streamed.stats.draft_tokens > 0, "{:?}", streamed.stats);
+    // Qwen2.5 has no MTP layer.
+    let error = Engine::open(&common::chat_model_path(), options(Some(mtp))).err().expect("a model without MTP layers is refused");
+    assert!(error.to_string().contains("has none"), "{error}");
 }
 
 /// `bench` with a draft model reports how many drafted tokens were accepted and how many tokens

@@ -36,6 +36,11 @@ struct hypura_spec {
     std::vector<llama_tokens> drafts;
     // per sequence: whether the last draft call produced tokens not yet accepted
     std::vector<bool> pending;
+    // the MTP drafter starts a sequence once the target has decoded its prompt (its layer
+    // follows the target's hidden states, which `process` hands it batch by batch); then every
+    // drafter starts at the sequence's first draft, with the tokens decoded so far
+    bool begin_at_first_draft = false;
+    std::vector<bool> begun;
 
     ~hypura_spec() {
         if (spec != nullptr) {
@@ -49,8 +54,10 @@ static bool spec_guarded(char ** error, F && body) {
     return hypura_guarded<bool>(error, "llama.cpp's speculative decoding", false, body);
 }
 
-// types: comma-separated llama.cpp names ("draft-simple", "ngram-simple", "ngram-map-k",
-// "ngram-map-k4v", "ngram-mod", "ngram-cache"); ctx_dft may be null when no type needs a model.
+// types: comma-separated llama.cpp names ("draft-simple", "draft-mtp", "ngram-simple",
+// "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"); ctx_dft is the draft model's
+// context, or for draft-mtp an MTP context of the target's model, and may be null when no type
+// needs one.
 extern "C" hypura_spec * hypura_spec_init(
         llama_context * ctx_tgt, llama_context * ctx_dft, const char * types, int32_t n_seq,
         int32_t n_max, int32_t n_min, float p_min, int32_t ngram_n, char ** error) {
@@ -76,7 +83,8 @@ extern "C" hypura_spec * hypura_spec_init(
         }
         spec->params.types = common_speculative_types_from_names(names);
         for (const auto type : spec->params.types) {
-            const bool needs_model = type == COMMON_SPECULATIVE_TYPE_DRAFT_SIMPLE;
+            // draft-mtp drafts with the target model's own MTP layers, in a context of its own
+            const bool needs_model = type == COMMON_SPECULATIVE_TYPE_DRAFT_SIMPLE || type == COMMON_SPECULATIVE_TYPE_DRAFT_MTP;
             const bool supported = needs_model || type == COMMON_SPECULATIVE_TYPE_NGRAM_SIMPLE ||
                                    type == COMMON_SPECULATIVE_TYPE_NGRAM_MAP_K || type == COMMON_SPECULATIVE_TYPE_NGRAM_MAP_K4V ||
                                    type == COMMON_SPECULATIVE_TYPE_NGRAM_MOD || type == COMMON_SPECULATIVE_TYPE_NGRAM_CACHE;
@@ -84,7 +92,7 @@ extern "C" hypura_spec * hypura_spec_init(
                 throw std::invalid_argument("speculative type '" + common_speculative_type_to_str(type) + "' is not supported here");
             }
             if (needs_model && ctx_dft == nullptr) {
-                throw std::invalid_argument("speculative type 'draft-simple' needs a draft model");
+                throw std::invalid_argument("speculative type '" + common_speculative_type_to_str(type) + "' needs a draft context");
             }
         }
         spec->params.draft.ctx_tgt = ctx_tgt;
@@ -108,6 +116,8 @@ extern "C" hypura_spec * hypura_spec_init(
         spec->history.resize(n_seq);
         spec->drafts.resize(n_seq);
         spec->pending.assign(n_seq, false);
+        spec->begun.assign(n_seq, false);
+        spec->begin_at_first_draft = std::find(spec->params.types.begin(), spec->params.types.end(), COMMON_SPECULATIVE_TYPE_DRAFT_MTP) != spec->params.types.end();
         spec->spec = common_speculative_init(spec->params, (uint32_t) n_seq);
         if (spec->spec == nullptr) {
             throw std::runtime_error("llama.cpp initialized no speculative implementation");
@@ -130,7 +140,10 @@ extern "C" bool hypura_spec_begin(hypura_spec * spec, int32_t seq, const llama_t
         }
         spec->history[seq].assign(prompt, prompt + n_prompt);
         spec->pending[seq] = false;
-        common_speculative_begin(spec->spec, seq, spec->history[seq]);
+        spec->begun[seq] = !spec->begin_at_first_draft;
+        if (spec->begun[seq]) {
+            common_speculative_begin(spec->spec, seq, spec->history[seq]);
+        }
         return true;
     });
 }
@@ -206,6 +219,10 @@ extern "C" bool hypura_spec_draft(
                 llama_memory_seq_rm(llama_get_memory(spec->ctx_dft), request.seq, request.pos_last, -1);
             }
             spec->history[request.seq].assign(request.history, request.history + request.n_history);
+            if (!spec->begun[request.seq]) {
+                common_speculative_begin(spec->spec, request.seq, spec->history[request.seq]);
+                spec->begun[request.seq] = true;
+            }
             spec->drafts[request.seq].clear();
             auto & params = common_speculative_get_draft_params(spec->spec, request.seq);
             params.drafting = true;

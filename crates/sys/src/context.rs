@@ -192,20 +192,32 @@ impl ContextParams {
 
 impl Context {
     pub fn new(model: &Model, params: &ContextParams) -> Result<Context, SysError> {
-        Context::with_threads(model, params, ThreadPool::new(params.n_threads.max(params.n_threads_batch)).map(Arc::new))
+        Context::with_threads(model, params, ThreadPool::new(params.n_threads.max(params.n_threads_batch)).map(Arc::new), raw::LLAMA_CONTEXT_TYPE_DEFAULT)
     }
 
     /// A context whose graphs run on `other`'s CPU threads, for contexts one thread uses in
     /// turn (a draft model's beside its target's): with a pool each, the idle pool's threads
     /// would poll on the cores the busy one computes on.
     pub fn new_beside(model: &Model, params: &ContextParams, other: &Context) -> Result<Context, SysError> {
-        let wanted = params.n_threads.max(params.n_threads_batch);
-        let shared = other.threadpool.as_ref().filter(|pool| pool.n_threads >= wanted).cloned();
-        Context::with_threads(model, params, shared.or_else(|| ThreadPool::new(wanted).map(Arc::new)))
+        Context::beside(model, params, other, raw::LLAMA_CONTEXT_TYPE_DEFAULT)
     }
 
-    fn with_threads(model: &Model, params: &ContextParams, threadpool: Option<Arc<ThreadPool>>) -> Result<Context, SysError> {
+    /// A multi-token-prediction context on `target`'s model (loaded with
+    /// `ModelParams::load_mtp`): its graphs run the model's own MTP layers, which draft tokens
+    /// for `target` (llama.cpp's `draft-mtp`). It computes on `target`'s threads.
+    pub fn new_mtp(params: &ContextParams, target: &Context) -> Result<Context, SysError> {
+        Context::beside(&target.model, params, target, raw::LLAMA_CONTEXT_TYPE_MTP)
+    }
+
+    fn beside(model: &Model, params: &ContextParams, other: &Context, context_type: raw::llama_context_type) -> Result<Context, SysError> {
+        let wanted = params.n_threads.max(params.n_threads_batch);
+        let shared = other.threadpool.as_ref().filter(|pool| pool.n_threads >= wanted).cloned();
+        Context::with_threads(model, params, shared.or_else(|| ThreadPool::new(wanted).map(Arc::new)), context_type)
+    }
+
+    fn with_threads(model: &Model, params: &ContextParams, threadpool: Option<Arc<ThreadPool>>, context_type: raw::llama_context_type) -> Result<Context, SysError> {
         let mut raw_params = params.to_raw();
+        raw_params.ctx_type = context_type;
         let hook = params.eval_hook.clone().map(Box::new);
         if let Some(hook) = &hook {
             raw_params.cb_eval = Some(eval_callback);

@@ -52,7 +52,7 @@ unsafe extern "C" {
 }
 
 /// The drafters llama.cpp offers here, by its names (`--spec-type`).
-pub const SPECULATIVE_TYPES: [&str; 6] = ["draft-simple", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"];
+pub const SPECULATIVE_TYPES: [&str; 7] = ["draft-simple", "draft-mtp", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"];
 
 /// How drafts are made: llama.cpp's drafter types, tried in its order of preference, and the
 /// limits of a draft.

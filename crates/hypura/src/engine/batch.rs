@@ -169,7 +169,11 @@ impl Batcher {
         let slots = (0..n_sequences as i32).map(|seq_id| Slot { seq_id, cached: Vec::new(), active: None }).collect();
         let speculator = match &engine.options().speculation {
             Some(speculation) => {
-                let draft = engine.draft_model().map(|model| Context::new_beside(model, &engine.draft_context_params(&params), &context)).transpose()?;
+                let draft = if speculation.uses_mtp() {
+                    Some(Context::new_mtp(&engine.draft_context_params(&params), &context)?)
+                } else {
+                    engine.draft_model().map(|model| Context::new_beside(model, &engine.draft_context_params(&params), &context)).transpose()?
+                };
                 Some(Speculator::new(&context, draft, &speculation.params)?)
             }
             None => None,

@@ -63,7 +63,8 @@ pub const DEFAULT_NGRAM: u32 = 4;
 pub struct Speculation {
     /// A draft model with the target's vocabulary (`--model-draft`), loaded resident.
     pub draft_model: Option<PathBuf>,
-    /// llama.cpp's drafter types and draft limits; `draft-simple` needs `draft_model`.
+    /// llama.cpp's drafter types and draft limits; `draft-simple` needs `draft_model`, and
+    /// `draft-mtp` a target with MTP layers.
     pub params: SpeculativeParams,
 }
 
@@ -83,6 +84,11 @@ impl Speculation {
     /// (each drafted token is a decode of the draft model and a row of the verify batch, on the
     /// same cores). Measured on Qwen2.5-Coder-1.5B streaming with the 0.5B as draft: 16 tokens
     /// with no floor gave 2.3 tok/s (27% accepted), 6 tokens above 0.75 gave 4.8 (99%).
+    /// Whether the target's own MTP layers draft (`draft-mtp`): they are then loaded, resident.
+    pub fn uses_mtp(&self) -> bool {
+        self.params.types.iter().any(|name| name == "draft-mtp")
+    }
+
     pub fn defaults_for(mode: Mode) -> (u32, f32) {
         if mode == Mode::Resident {
             (3, 0.0)
@@ -265,6 +271,7 @@ impl Engine {
                 vocab_only: false,
                 devices,
                 tensor_split,
+                load_mtp: loads_mtp(&options),
             };
             let host_patterns = options.plan.as_ref().map(|plan| plan.host_patterns(&[Tier::Ram])).unwrap_or_default();
             (Model::load_placed(backend, path, &params, Placement { host_patterns, ..Placement::default() })?, None)
@@ -384,6 +391,12 @@ impl Engine {
     }
 }
 
+/// Whether the model's MTP layers are loaded: only for MTP speculation (the plan then places
+/// them in host memory).
+fn loads_mtp(options: &EngineOptions) -> bool {
+    options.speculation.as_ref().is_some_and(Speculation::uses_mtp)
+}
+
 /// Check that speculation can run on this target, and load its draft model (resident, the way
 /// plain llama.cpp loads a model).
 fn load_draft(backend: &Backend, inventory: &Inventory, target: &Model, speculation: &Speculation, options: &EngineOptions) -> Result<Option<Model>, EngineError> {
@@ -391,6 +404,14 @@ fn load_draft(backend: &Backend, inventory: &Inventory, target: &Model, speculat
     // Rejected drafts are removed from the KV cache; a recurrent state cannot drop tokens.
     if inventory.hparams.recurrent_state_bytes > 0 {
         return unsupported(format!("{} keeps a recurrent state, which cannot drop rejected drafts; run without a draft", inventory.arch));
+    }
+    if speculation.uses_mtp() {
+        if inventory.hparams.n_layer_mtp == 0 {
+            return unsupported(format!("the draft-mtp type drafts with the model's own MTP layers, and {} has none", inventory.path.display()));
+        }
+        if speculation.draft_model.is_some() {
+            return unsupported("draft-mtp drafts with the target's own layers: give no draft model beside it".into());
+        }
     }
     let needs_model = speculation.params.types.iter().any(|name| name == "draft-simple");
     let Some(path) = &speculation.draft_model else {
@@ -498,7 +519,7 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
     // Streamed tensors cannot be repacked, and resident ones must not be either, or streamed
     // and resident runs would compute with different kernels.
     let (devices, tensor_split) = remote_devices(options)?;
-    let params = ModelParams { n_gpu_layers: plan.n_gpu_layers(), load_mode: LoadMode::Read, use_extra_bufts: false, vocab_only: false, devices, tensor_split };
+    let params = ModelParams { n_gpu_layers: plan.n_gpu_layers(), load_mode: LoadMode::Read, use_extra_bufts: false, vocab_only: false, devices, tensor_split, load_mtp: loads_mtp(options) };
     let model = Model::load_placed(backend, path, &params, placement)?;
     let moved = buffer_type.finalize();
     drop(sink);

@@ -49,6 +49,14 @@ pub struct RunSpec {
     pub remote: Option<std::sync::Arc<crate::remote::Workers>>,
 }
 
+impl RunSpec {
+    /// The planner's options: the spec's, with the MTP layers planned in host memory where they
+    /// draft (`draft-mtp`).
+    fn plan_options(&self) -> PlanOptions {
+        PlanOptions { mtp: self.speculation.as_ref().is_some_and(Speculation::uses_mtp), ..self.plan.clone() }
+    }
+}
+
 impl Default for RunSpec {
     fn default() -> Self {
         let engine = EngineOptions::default();
@@ -167,7 +175,7 @@ fn set_aside_draft(inventory: &Inventory, spec: &RunSpec, facts: &mut MachineFac
 /// The plan for this spec and these facts. The KV cache is planned for every sequence.
 pub fn plan_for(inventory: &Inventory, spec: &RunSpec, facts: &MachineFacts) -> Result<Plan, EngineError> {
     let n_ctx = context_for(inventory, spec, facts);
-    let options = PlanOptions { n_ctx: n_ctx.saturating_mul(spec.n_sequences.max(1)), n_sequences: spec.n_sequences.max(1), n_ubatch: spec.n_batch, ..spec.plan.clone() };
+    let options = PlanOptions { n_ctx: n_ctx.saturating_mul(spec.n_sequences.max(1)), n_sequences: spec.n_sequences.max(1), n_ubatch: spec.n_batch, ..spec.plan_options() };
     plan::plan(inventory, facts, &options).map_err(|error| match error {
         // Say how long a context the budget holds, so that a client can ask for that.
         plan::PlanError::BudgetTooSmall { budget, needed, kv, .. } => {
@@ -373,7 +381,7 @@ pub fn auto_context(inventory: &Inventory, spec: &RunSpec, facts: &MachineFacts)
         let total = n_ctx.saturating_mul(n_sequences);
         // A prompt batch the user did not choose shrinks before the context does (`fit_batch`).
         let n_ubatch = if spec.grow_batch { SMALLER_BATCHES[SMALLER_BATCHES.len() - 1].min(spec.n_batch) } else { spec.n_batch };
-        plan::kv_cache_bytes(inventory, total) <= facts.memory_budget_bytes / 4 && plan::plan(inventory, facts, &PlanOptions { n_ctx: total, n_sequences, n_ubatch, ..spec.plan.clone() }).is_ok()
+        plan::kv_cache_bytes(inventory, total) <= facts.memory_budget_bytes / 4 && plan::plan(inventory, facts, &PlanOptions { n_ctx: total, n_sequences, n_ubatch, ..spec.plan_options() }).is_ok()
     };
     AUTO_CONTEXTS.iter().map(|&n_ctx| n_ctx.min(trained)).find(|&n_ctx| fits(n_ctx)).unwrap_or(AUTO_CONTEXTS[AUTO_CONTEXTS.len() - 1].min(trained))
 }

@@ -37,18 +37,24 @@ use sizing::ffn_bytes_by_layer;
 
 /// The plan for `inventory` on `machine`: the GPU tier first, then the mode (resident where the
 /// host holds the rest), then that mode's layout. MTP layers, which llama.cpp does not load
-/// for decoding, are planned as unused and cost nothing.
+/// for decoding, are planned as unused and cost nothing; where they draft (`options.mtp`) they
+/// are resident in host memory, taken out of the budget before the rest is planned.
 pub fn plan(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions) -> Result<Plan, PlanError> {
     if !inventory.tensors.iter().any(|tensor| tensor.role == Role::Mtp) {
         return plan_loaded(inventory, machine, options);
     }
     let loaded = Inventory { tensors: inventory.tensors.iter().filter(|tensor| tensor.role != Role::Mtp).cloned().collect(), ..inventory.clone() };
-    let mut plan = plan_loaded(&loaded, machine, options)?;
+    let mtp_bytes: u64 = if options.mtp { inventory.tensors.iter().filter(|tensor| tensor.role == Role::Mtp).map(|tensor| tensor.bytes).sum() } else { 0 };
+    let machine = MachineFacts { memory_budget_bytes: machine.memory_budget_bytes.saturating_sub(mtp_bytes), ..machine.clone() };
+    let mut plan = plan_loaded(&loaded, &machine, options)?;
     let mut placed = std::mem::take(&mut plan.tensors).into_iter();
     plan.tensors = inventory
         .tensors
         .iter()
         .map(|tensor| match tensor.role {
+            Role::Mtp if options.mtp => {
+                TensorPlacement { name: tensor.name.clone(), layer: tensor.layer, tier: Tier::Ram, bytes: tensor.bytes, why: "an MTP layer, resident: it drafts tokens for speculative decoding" }
+            }
             Role::Mtp => TensorPlacement {
                 name: tensor.name.clone(),
                 layer: tensor.layer,

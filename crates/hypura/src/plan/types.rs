@@ -47,7 +47,7 @@ pub enum Tier {
     /// Left in the file's pages (page cache, reclaimable), faulted in a row at a time: input
     /// tables that each token reads one row of, in streaming plans. Takes no budget.
     Mapped,
-    /// Never loaded: MTP layers, which llama.cpp skips unless it speculates with them.
+    /// Never loaded: MTP layers, which llama.cpp skips unless they draft (then they are `Ram`).
     Unused,
     /// Another machine's device (a ggml RPC worker), loaded once; computed there.
     Remote,
@@ -132,11 +132,14 @@ pub struct PlanOptions {
     pub expert_prefetch: Option<bool>,
     /// The expert cache's policy; None chooses by the cache's size (`CachePolicy::automatic`).
     pub cache_policy: Option<CachePolicy>,
+    /// The model's MTP layers draft tokens (speculative decoding): they are loaded, in host
+    /// memory, and their bytes come out of the budget first. Otherwise they are unused.
+    pub mtp: bool,
 }
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        PlanOptions { mode: ModeChoice::Auto, n_ctx: 4096, n_sequences: 1, n_ubatch: 512, window_layers: None, expert_cache_units: None, expert_prefetch: None, cache_policy: None }
+        PlanOptions { mode: ModeChoice::Auto, n_ctx: 4096, n_sequences: 1, n_ubatch: 512, window_layers: None, expert_cache_units: None, expert_prefetch: None, cache_policy: None, mtp: false }
     }
 }
 
