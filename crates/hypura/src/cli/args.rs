@@ -213,8 +213,9 @@ pub struct SpeculativeArgs {
     #[arg(long = "model-draft", visible_alias = "spec-draft-model", value_name = "MODEL")]
     pub model_draft: Option<String>,
     /// Drafters, comma-separated, in llama.cpp's names: draft-simple (the draft model),
-    /// ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache (prompt lookup, no
-    /// model). Default: draft-simple with --model-draft.
+    /// draft-mtp (the model's own multi-token-prediction layers, which are then loaded, in host
+    /// memory), ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache (prompt
+    /// lookup, no model). Default: draft-simple with --model-draft.
     #[arg(long = "spec-type", value_delimiter = ',', value_name = "TYPES")]
     pub spec_type: Vec<String>,
     /// Most tokens drafted at once (default: 6 when weights stream, where a pass costs a read
