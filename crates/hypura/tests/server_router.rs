@@ -406,7 +406,8 @@ async fn first_line(body: Body) -> (String, impl futures_util::Stream) {
 async fn a_full_queue_is_503_and_a_dropped_stream_frees_its_place() {
     let directory = tempfile::tempdir().unwrap();
     let app = app_with(vec![tiny(directory.path())], 1, 0, HttpConfig::default());
-    let long = json!({"model": MODEL, "prompt": "the king", "options": {"num_predict": 100_000, "num_ctx": 100_000}}).to_string();
+    // It must still be generating when the next requests come: no end-of-generation token.
+    let long = json!({"model": MODEL, "prompt": "the king", "options": {"num_predict": 100_000, "num_ctx": 100_000, "ignore_eos": true}}).to_string();
     let response = app.clone().oneshot(request(Method::POST, "/api/generate", Some(&long))).await.unwrap();
     assert_eq!(response.status(), StatusCode::OK);
     let (line, stream) = first_line(response.into_body()).await;

@@ -36,7 +36,7 @@ pub use eval_hook::{EvalHook, ObservedNode};
 pub use fit::{fit_placement, FitPlacement};
 pub use grammar::Grammar;
 pub use load_reader::LoadReader;
-pub use model::{exact_name_pattern, LoadMode, Model, ModelParams, Placement};
+pub use model::{exact_name_pattern, repacking_available, LoadMode, Model, ModelParams, Placement};
 pub use quantize::{dequantize_rows, ggml_type_block_size, ggml_type_name, ggml_type_size, quantize_rows};
 pub use rpc::{capped_device, connect as rpc_connect, local_device, serve as rpc_serve, DeviceHandle, RPC_PROTOCOL_MAJOR};
 pub use sampler::{first_maximum, Sampler, SamplerParams};

@@ -80,27 +80,28 @@ impl ModelParams {
             LoadMode::Mmap => raw::LLAMA_LOAD_MODE_MMAP,
             LoadMode::Read => raw::LLAMA_LOAD_MODE_NONE,
         };
-        raw_params.use_extra_bufts = self.use_extra_bufts && !amx_weights_crash();
+        raw_params.use_extra_bufts = self.use_extra_bufts && repacking_available();
         raw_params.vocab_only = self.vocab_only;
         raw_params.load_mtp = self.load_mtp;
         raw_params
     }
 }
 
-/// Whether this build's CPU backend offers the AMX weight buffer type, whose matrix product
-/// crashes (a segfault in `ggml_backend_amx_mul_mat` at the first decode on Sapphire Rapids,
-/// llama.cpp issue 20824, reproduced here on a plain resident run of Qwen2.5-Coder-0.5B). The
-/// extra buffer types are then left out for every model, the comparison baseline's included:
-/// weights stay in plain CPU buffers, as with `--no-repack`. Logged once.
-fn amx_weights_crash() -> bool {
-    static AMX: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AMX.get_or_init(|| {
+/// Whether `ModelParams::use_extra_bufts` takes effect in this build. Not where the CPU backend
+/// offers the AMX weight buffer type, whose matrix product crashes (a segfault in
+/// `ggml_backend_amx_mul_mat` at the first decode on Sapphire Rapids, llama.cpp issue 20824,
+/// reproduced here on a plain resident run of Qwen2.5-Coder-0.5B): the extra buffer types come
+/// as one list, so they are all left out, for every model, the comparison baseline's included,
+/// and weights stay in plain CPU buffers as with `--no-repack`. Logged once.
+pub fn repacking_available() -> bool {
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
         // SAFETY: a pure query of how the CPU backend was compiled.
         let amx = unsafe { raw::ggml_cpu_has_amx_int8() } != 0;
         if amx {
             tracing::warn!("this CPU backend has AMX, whose weight buffers crash llama.cpp's matrix products: weights are not repacked");
         }
-        amx
+        !amx
     })
 }
 

@@ -459,7 +459,7 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         hypura_load_seconds: hypura.as_ref().map(|side| side.engine.load_duration().as_secs_f64()),
         llama_cpp_load_seconds: peer.as_ref().map(|peer| peer.load_duration().as_secs_f64()),
         llama_cpp_load_mode: options.peer.as_ref().map(|config| if config.load_mode == hypura_sys::LoadMode::Mmap { "mmap" } else { "no-mmap" }),
-        llama_cpp_repack: options.peer.as_ref().map(|config| config.repack),
+        llama_cpp_repack: options.peer.as_ref().map(|config| config.repack && hypura_sys::repacking_available()),
         llama_cpp_placement: peer.as_ref().map(|peer| peer.placement().to_string()),
         results: vec![result(format!("pp{}", options.n_prompt), hypura_pp_samples, peer_pp_samples), tg],
         hypura_output_sha256: hypura_tokens.as_deref().map(token_hash),

@@ -346,7 +346,7 @@ impl Engine {
 
     /// Whether llama.cpp repacked the CPU weights (never when streaming or batch-invariant).
     pub fn repacked(&self) -> bool {
-        self.streaming.is_none() && self.options.repack && !self.options.batch_invariant
+        self.streaming.is_none() && self.options.repack && !self.options.batch_invariant && hypura_sys::repacking_available()
     }
 
     pub fn load_duration(&self) -> Duration {

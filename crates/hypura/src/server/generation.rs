@@ -66,6 +66,7 @@ pub async fn start(scheduler: &Scheduler, entry: &ModelEntry, keep_alive: Option
         stop: spec.options.stop,
         grammar: spec.grammar,
         n_ctx: spec.options.n_ctx,
+        ignore_eos: spec.options.ignore_eos,
         cancel: flag,
         events: sender,
     })?;

@@ -20,12 +20,15 @@ pub struct RequestOptions {
     pub max_tokens: Option<u32>,
     pub stop: Vec<String>,
     pub n_ctx: Option<u32>,
+    /// Generate past the end-of-generation token, up to `num_predict` (llama.cpp's server
+    /// option `ignore_eos`; Ollama has none).
+    pub ignore_eos: bool,
 }
 
 impl Default for RequestOptions {
     /// Ollama's defaults (the engine's, which follow llama.cpp's), with a random seed.
     fn default() -> Self {
-        RequestOptions { sampling: SamplerParams { seed: random_seed(), ..SamplerParams::default() }, max_tokens: None, stop: Vec::new(), n_ctx: None }
+        RequestOptions { sampling: SamplerParams { seed: random_seed(), ..SamplerParams::default() }, max_tokens: None, stop: Vec::new(), n_ctx: None, ignore_eos: false }
     }
 }
 
@@ -78,6 +81,7 @@ pub fn parse_options(options: Option<&Value>) -> Result<RequestOptions, AppError
                 resolved.n_ctx = (n_ctx > 0).then(|| n_ctx.min(u32::MAX as i64) as u32);
             }
             "stop" => resolved.stop = strings(key, value)?,
+            "ignore_eos" => resolved.ignore_eos = value.as_bool().ok_or_else(|| type_error(key, "bool"))?,
             other if IGNORED.contains(&other) => {}
             other => tracing::warn!("ignoring unknown option {other:?}"),
         }
@@ -152,7 +156,7 @@ mod tests {
     #[test]
     fn options_map_onto_the_engine() {
         let options = json!({"temperature": 0, "top_k": 5.0, "top_p": 0.5, "min_p": 0.1, "repeat_penalty": 1.1, "seed": 42,
-            "num_predict": 7, "num_ctx": 256, "stop": ["\n"], "repeat_last_n": -1, "num_gpu": 99, "mirostat": 2, "brand_new": true});
+            "num_predict": 7, "num_ctx": 256, "stop": ["\n"], "repeat_last_n": -1, "num_gpu": 99, "mirostat": 2, "brand_new": true, "ignore_eos": true});
         let resolved = parse_options(Some(&options)).unwrap();
         assert_eq!(resolved.sampling.temperature, 0.0);
         assert_eq!(resolved.sampling.top_k, 5);
@@ -161,6 +165,7 @@ mod tests {
         assert_eq!(resolved.max_tokens, Some(7));
         assert_eq!(resolved.n_ctx, Some(256));
         assert_eq!(resolved.stop, ["\n"]);
+        assert!(resolved.ignore_eos && !parse_options(None).unwrap().ignore_eos);
         assert_eq!(parse_options(Some(&json!({"num_predict": -1}))).unwrap().max_tokens, None);
         assert_eq!(parse_options(None).unwrap().sampling.temperature, 0.8);
     }

@@ -143,6 +143,7 @@ pub struct GenerateJob {
     pub stop: Vec<String>,
     pub grammar: Option<String>,
     pub n_ctx: Option<u32>,
+    pub ignore_eos: bool,
     pub cancel: Arc<AtomicBool>,
     pub events: mpsc::UnboundedSender<Event>,
 }
@@ -610,6 +611,7 @@ fn admit(batcher: &mut Batcher, job: Job, ready_at: Instant) {
         stop: generate.stop,
         grammar: generate.grammar,
         n_ctx: generate.n_ctx,
+        ignore_eos: generate.ignore_eos,
         cancel: Some(generate.cancel),
         ..GenerateRequest::new(prompt)
     };
