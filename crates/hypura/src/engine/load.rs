@@ -78,17 +78,17 @@ impl Speculation {
         Speculation { draft_model, params: SpeculativeParams { types, n_max: 3, n_min: 0, p_min: 0.0, ngram_n: DEFAULT_NGRAM } }
     }
 
+    /// Whether the target's own MTP layers draft (`draft-mtp`): they are then loaded, resident.
+    pub fn uses_mtp(&self) -> bool {
+        self.params.types.iter().any(|name| name == "draft-mtp")
+    }
+
     /// The draft length and the draft model's confidence floor when the user sets neither: a
     /// pass over streamed weights costs a read of every one of them, so a streaming plan drafts
     /// longer than llama.cpp's default of 3, but only tokens the draft model is fairly sure of
     /// (each drafted token is a decode of the draft model and a row of the verify batch, on the
     /// same cores). Measured on Qwen2.5-Coder-1.5B streaming with the 0.5B as draft: 16 tokens
     /// with no floor gave 2.3 tok/s (27% accepted), 6 tokens above 0.75 gave 4.8 (99%).
-    /// Whether the target's own MTP layers draft (`draft-mtp`): they are then loaded, resident.
-    pub fn uses_mtp(&self) -> bool {
-        self.params.types.iter().any(|name| name == "draft-mtp")
-    }
-
     pub fn defaults_for(mode: Mode) -> (u32, f32) {
         if mode == Mode::Resident {
             (3, 0.0)
