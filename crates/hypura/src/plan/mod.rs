@@ -52,16 +52,14 @@ pub fn plan(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions
         .tensors
         .iter()
         .map(|tensor| match tensor.role {
-            Role::Mtp if options.mtp => {
-                TensorPlacement { name: tensor.name.clone(), layer: tensor.layer, tier: Tier::Ram, bytes: tensor.bytes, why: "an MTP layer, resident: it drafts tokens for speculative decoding" }
+            Role::Mtp => {
+                let (tier, why) = if options.mtp {
+                    (Tier::Ram, "an MTP layer, resident: it drafts tokens for speculative decoding")
+                } else {
+                    (Tier::Unused, "an MTP layer: decoding does not run it, and llama.cpp does not load it")
+                };
+                TensorPlacement { name: tensor.name.clone(), layer: tensor.layer, tier, bytes: tensor.bytes, why }
             }
-            Role::Mtp => TensorPlacement {
-                name: tensor.name.clone(),
-                layer: tensor.layer,
-                tier: Tier::Unused,
-                bytes: tensor.bytes,
-                why: "an MTP layer: decoding does not run it, and llama.cpp does not load it",
-            },
             _ => placed.next().expect("one placement per loaded tensor"),
         })
         .collect();

@@ -382,6 +382,14 @@ pub const PAGE_BYTES: u64 = 4096;
 /// A transparent huge page (x86-64 and arm64 with 4 KiB pages), aligned in the address space.
 pub const HUGE_PAGE_BYTES: u64 = 2 << 20;
 
+/// The whole huge pages inside `range` of a region that starts `phase` bytes past a huge-page
+/// boundary (`Region::huge_phase`), as region offsets; empty where there is none.
+pub fn huge_interior(range: &std::ops::Range<u64>, phase: u64) -> std::ops::Range<u64> {
+    let start = (range.start + phase).next_multiple_of(HUGE_PAGE_BYTES) - phase;
+    let end = ((range.end + phase) / HUGE_PAGE_BYTES * HUGE_PAGE_BYTES).saturating_sub(phase);
+    start..end.max(start)
+}
+
 impl Region {
     /// Reserve `len_bytes` (rounded up to a page) of address space. No memory is committed.
     ///
@@ -409,18 +417,14 @@ impl Region {
     /// huge page reaches into a neighbouring unit and memory use stays exactly the unit's.
     /// Advisory: returns whether there was an interior and the kernel took the advice.
     pub fn advise_huge_interior(&self, range: std::ops::Range<u64>) -> bool {
-        const HUGE_BYTES: usize = HUGE_PAGE_BYTES as usize;
-        let base = self.address();
-        let end = (range.end as usize).min(self.len_bytes);
-        let first = (base + range.start as usize).next_multiple_of(HUGE_BYTES);
-        let last = (base + end) / HUGE_BYTES * HUGE_BYTES;
-        if last <= first {
+        let inner = huge_interior(&(range.start..range.end.min(self.len_bytes as u64)), self.huge_phase());
+        if inner.is_empty() {
             return false;
         }
-        // SAFETY: `first >= base` and `last <= base + len_bytes` (end is clamped), and the
-        // guard above makes `first < last`, so the range lies inside our own live mapping;
-        // madvise only changes how future faults are served.
-        unsafe { libc::madvise(first as *mut libc::c_void, last - first, libc::MADV_HUGEPAGE) == 0 }
+        // SAFETY: `inner` lies within `range` clamped to the region's length, and is not
+        // empty, so it is inside our own live mapping; madvise only changes how future faults
+        // are served.
+        unsafe { libc::madvise(self.base.as_ptr().add(inner.start as usize).cast(), (inner.end - inner.start) as usize, libc::MADV_HUGEPAGE) == 0 }
     }
 
     /// The start of the range, as a number (handed to the stream buffer type).

@@ -9,7 +9,7 @@ use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use super::io::{DirectFile, IoError, Region, HUGE_PAGE_BYTES};
+use super::io::{huge_interior, DirectFile, IoError, Region, HUGE_PAGE_BYTES};
 use super::stats::IoStats;
 
 /// Reads are issued in pieces of this size, spread over the worker threads.
@@ -181,9 +181,7 @@ impl Parked {
 
     /// The whole huge pages inside `range` (empty where there is none).
     fn huge_part(&self, range: &Range<u64>) -> Range<u64> {
-        let start = (range.start + self.phase).next_multiple_of(HUGE_PAGE_BYTES) - self.phase;
-        let end = ((range.end + self.phase) / HUGE_PAGE_BYTES * HUGE_PAGE_BYTES).saturating_sub(self.phase);
-        start..end.max(start)
+        huge_interior(range, self.phase)
     }
 
     /// The parts of `range` of one kind: its whole huge pages, or the pages around them.
@@ -257,14 +255,14 @@ impl Parked {
     /// largest, and the next for what is left), from any parked pages only where its own
     /// kind has run out. Returns (from, to, bytes) moves.
     fn take_for(&mut self, holes: Vec<Range<u64>>) -> Vec<(u64, u64, u64)> {
+        let length = |range: &Range<u64>| range.end - range.start;
         let mut moves = Vec::new();
         for hole in holes {
             let inner = self.huge_part(&hole);
             let pieces = if inner.is_empty() { vec![(hole, false)] } else { vec![(hole.start..inner.start, false), (inner.clone(), true), (inner.end..hole.end, false)] };
             for (mut piece, huge) in pieces {
                 while !piece.is_empty() {
-                    let need = piece.end - piece.start;
-                    let length = |range: &Range<u64>| range.end - range.start;
+                    let need = length(&piece);
                     let best = |parts: Vec<(usize, Range<u64>)>| {
                         let fitting = parts.iter().filter(|(_, part)| length(part) >= need).min_by_key(|(_, part)| length(part)).cloned();
                         fitting.or_else(|| parts.into_iter().max_by_key(|(_, part)| length(part)))
