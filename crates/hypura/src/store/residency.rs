@@ -247,38 +247,73 @@ impl Parked {
         holes
     }
 
-    /// Plan the moves that back `holes` with parked pages, taking them out of the set. Huge
-    /// pages stay whole: a hole's whole huge pages are backed from parked huge pages (the
-    /// kernel moves each as one page-table entry, and the weights read from it keep their
-    /// 2 MiB TLB entries), and the pages around them from parked pages around huge ones;
-    /// each from the parked part that fits best (the smallest that covers it, else the
-    /// largest, and the next for what is left), from any parked pages only where its own
-    /// kind has run out. Returns (from, to, bytes) moves.
-    fn take_for(&mut self, holes: Vec<Range<u64>>) -> Vec<(u64, u64, u64)> {
+    /// Plan the moves that back `holes` with parked pages, taking them out of the set, and
+    /// the parked pages to give back for what faults in afresh. Returns (moves as (from, to,
+    /// bytes), ranges to give back).
+    ///
+    /// Huge pages stay whole: a hole's whole huge pages are backed from parked whole huge
+    /// pages, each from the parked part that fits best (the smallest that covers it, else the
+    /// largest, and the next for what is left); the kernel moves each as one page-table entry,
+    /// and the weights read into it keep their 2 MiB TLB entries. The pages around them come
+    /// from one parked part around huge pages, the smallest that covers them, or fault in
+    /// afresh: every `mremap` shoots down the compute threads' TLBs once per page table it
+    /// touches, and edges gathered from fragments cost a shootdown every few pages. So memory
+    /// stays bounded, as many parked bytes as fault in afresh are given back, the smallest
+    /// parts first (the fragments no hole would take).
+    fn take_for(&mut self, holes: Vec<Range<u64>>) -> (Vec<(u64, u64, u64)>, Vec<Range<u64>>) {
         let length = |range: &Range<u64>| range.end - range.start;
         let mut moves = Vec::new();
+        let mut fresh = 0;
         for hole in holes {
             let inner = self.huge_part(&hole);
             let pieces = if inner.is_empty() { vec![(hole, false)] } else { vec![(hole.start..inner.start, false), (inner.clone(), true), (inner.end..hole.end, false)] };
-            for (mut piece, huge) in pieces {
-                while !piece.is_empty() {
-                    let need = length(&piece);
-                    let best = |parts: Vec<(usize, Range<u64>)>| {
-                        let fitting = parts.iter().filter(|(_, part)| length(part) >= need).min_by_key(|(_, part)| length(part)).cloned();
-                        fitting.or_else(|| parts.into_iter().max_by_key(|(_, part)| length(part)))
-                    };
-                    let own_kind = self.ranges.iter().enumerate().flat_map(|(index, range)| self.parts(range, huge).into_iter().map(move |part| (index, part))).collect();
-                    let Some((index, part)) = best(own_kind).or_else(|| best(self.ranges.iter().cloned().enumerate().collect())) else {
-                        return moves;
-                    };
-                    let bytes = need.min(length(&part));
+            for (mut piece, huge) in pieces.into_iter().filter(|(piece, _)| !piece.is_empty()) {
+                let need = length(&piece);
+                let parts = self.parts_of_kind(huge);
+                let covering = parts.iter().filter(|(_, part)| length(part) >= need).min_by_key(|(_, part)| length(part)).cloned();
+                if !huge {
+                    match covering {
+                        Some((index, part)) => {
+                            moves.push((part.start, piece.start, need));
+                            self.cut(index, &(part.start..part.start + need));
+                        }
+                        None => fresh += need,
+                    }
+                    continue;
+                }
+                let mut best = covering.or_else(|| parts.into_iter().max_by_key(|(_, part)| length(part)));
+                while let Some((index, part)) = best {
+                    let bytes = length(&piece).min(length(&part));
                     moves.push((part.start, piece.start, bytes));
                     self.cut(index, &(part.start..part.start + bytes));
                     piece.start += bytes;
+                    best = if piece.is_empty() { None } else { self.parts_of_kind(true).into_iter().max_by_key(|(_, part)| length(part)) };
                 }
+                fresh += length(&piece);
             }
         }
-        moves
+        (moves, self.take_smallest(fresh))
+    }
+
+    /// (parked range index, part) for every part of one kind: whole huge pages, or the pages
+    /// around them.
+    fn parts_of_kind(&self, huge: bool) -> Vec<(usize, Range<u64>)> {
+        self.ranges.iter().enumerate().flat_map(|(index, range)| self.parts(range, huge).into_iter().map(move |part| (index, part))).collect()
+    }
+
+    /// Take parked parts of at least `bytes` in all out of the set, the smallest first.
+    fn take_smallest(&mut self, bytes: u64) -> Vec<Range<u64>> {
+        let mut taken = Vec::new();
+        let mut left = bytes;
+        while left > 0 {
+            let Some((index, part)) = self.parts_of_kind(false).into_iter().chain(self.parts_of_kind(true)).min_by_key(|(_, part)| part.end - part.start) else {
+                break;
+            };
+            left = left.saturating_sub(part.end - part.start);
+            self.cut(index, &part);
+            taken.push(part);
+        }
+        taken
     }
 }
 
@@ -306,13 +341,16 @@ fn adopt_parked(shared: &Shared, region: &Region, range: Range<u64>, stats: &IoS
     let holes = parked.claim(&target);
     let uncovered: u64 = holes.iter().map(|hole| hole.end - hole.start).sum();
     stats.record_recycled(target.end - target.start - uncovered);
-    let moves = parked.take_for(holes);
-    if moves.is_empty() {
+    let (moves, given_back) = parked.take_for(holes);
+    if moves.is_empty() && given_back.is_empty() {
         return;
     }
     parked.count_moves(moves.len(), region);
-    parked.moving.extend(moves.iter().map(|&(from, _, bytes)| from..from + bytes));
+    parked.moving.extend(moves.iter().map(|&(from, _, bytes)| from..from + bytes).chain(given_back.iter().cloned()));
     drop(parked);
+    for range in &given_back {
+        let _ = region.release(range.clone());
+    }
     let mut failure = None;
     for (index, &(from, to, bytes)) in moves.iter().enumerate() {
         match region.move_pages(from, to, bytes) {
@@ -330,7 +368,7 @@ fn adopt_parked(shared: &Shared, region: &Region, range: Range<u64>, stats: &IoS
         }
     }
     let mut parked = lock();
-    parked.moving.retain(|source| !moves.iter().any(|&(from, _, _)| from == source.start));
+    parked.moving.retain(|source| !moves.iter().any(|&(from, _, _)| from == source.start) && !given_back.contains(source));
     if let Some((index, error)) = failure {
         tracing::warn!("reusing released pages failed, giving them back from now on: {error}");
         for &(from, _, bytes) in &moves[index..] {
@@ -744,7 +782,9 @@ mod tests {
 
     #[test]
     fn a_unit_becomes_ready_with_its_bytes_and_its_pages_back_the_next_unit_read_after_release() {
-        let residency = residency(vec![]);
+        let region = Arc::new(Region::reserve(64 << 20, false).unwrap());
+        let units = vec![StreamUnit::mirrored(std::iter::once((4 << 20)..(5 << 20)).collect()), StreamUnit::mirrored(vec![(16 << 20)..(17 << 20) + 123, (20 << 20)..(21 << 20)])];
+        let residency = Residency::new(region, Arc::new(FakeReader { calls: AtomicUsize::new(0), fail_on: Vec::new() }), units, 3, Arc::new(IoStats::default()));
         let pattern = |range: Range<u64>| range.map(|offset| (offset % 251) as u8 + 1).collect::<Vec<u8>>();
         assert_eq!(residency.state(1), Some((SliceState::Empty, 0)));
         residency.wait_ready(1).unwrap();
@@ -752,22 +792,23 @@ mod tests {
         assert_eq!(residency.region().copy_out((16 << 20)..(17 << 20) + 123), pattern((16 << 20)..(17 << 20) + 123));
         residency.release(1).unwrap();
         assert_eq!(residency.state(1), Some((SliceState::Empty, 1)));
-        // Unit 0 is read into unit 1's parked pages (moved away, they read as zeros where they
-        // were); the rest of its 9 MiB faults in afresh.
+        // Unit 0's 1 MiB is read into the first of unit 1's parked 1 MiB ranges that covers it
+        // (moved away, those pages read as zeros where they were); the other stays parked.
         residency.wait_ready(0).unwrap();
-        assert_eq!(residency.region().copy_out(0..(9 << 20)), pattern(0..(9 << 20)));
-        for range in [(16 << 20)..(17 << 20), (20 << 20)..(21 << 20)] {
-            assert!(residency.region().copy_out(range).iter().all(|&byte| byte == 0));
-        }
-        assert_eq!(residency.stats().snapshot().recycled_bytes, 2 << 20);
-        // Unit 1 loads again, into fresh pages: nothing is parked.
+        assert_eq!(residency.region().copy_out((4 << 20)..(5 << 20)), pattern((4 << 20)..(5 << 20)));
+        assert!(residency.region().copy_out((16 << 20)..(17 << 20)).iter().all(|&byte| byte == 0));
+        assert_eq!(residency.stats().snapshot().recycled_bytes, 1 << 20);
+        // Unit 1 loads again: its second range's pages are still in place, its first faults in
+        // afresh.
         residency.wait_ready(1).unwrap();
-        assert_eq!(residency.region().copy_out((20 << 20)..(21 << 20)), pattern((20 << 20)..(21 << 20)));
+        for range in [(16 << 20)..(17 << 20) + 123, (20 << 20)..(21 << 20)] {
+            assert_eq!(residency.region().copy_out(range.clone()), pattern(range));
+        }
         let stats = residency.stats().snapshot();
         assert_eq!(stats.recycled_bytes, 2 << 20);
         assert_eq!((stats.units_loaded, stats.units_released), (3, 1));
-        // 1 MiB + 123 bytes rounds up to whole pages, plus 1 MiB, twice; and 9 MiB.
-        assert_eq!(stats.bytes_read, 2 * ((1 << 20) + 123 + (1 << 20)) + (9 << 20));
+        // 1 MiB + 123 bytes rounds up to whole pages, plus 1 MiB, twice; and 1 MiB.
+        assert_eq!(stats.bytes_read, 2 * ((1 << 20) + 123 + (1 << 20)) + (1 << 20));
     }
 
     /// Writes the whole range on its first call, and only the first page of every later one.
@@ -829,8 +870,9 @@ mod tests {
         assert!(region.copy_out(0..(8 << 20)).iter().all(|&byte| byte == 0));
     }
 
-    /// A chunk's own parked pages stay where they are and leave the set; the rest of it is
-    /// backed from the best-fitting parked range, then the next, splitting what is left over.
+    /// A chunk's own parked pages stay where they are and leave the set; pages around huge
+    /// ones come from the one parked part that covers them best, or fault in afresh while as
+    /// many parked bytes go back, the smallest parts first.
     #[test]
     fn parked_pages_are_claimed_in_place_then_taken_best_fit() {
         const P: u64 = 4096;
@@ -840,31 +882,44 @@ mod tests {
         assert_eq!(holes, vec![8 * P..14 * P]);
         assert_eq!(parked.ranges, vec![0..4 * P, 20 * P..23 * P, 30 * P..40 * P]);
         // Six pages: the 10-page range is the only one that covers them; what is left of it stays.
-        assert_eq!(parked.take_for(holes), vec![(30 * P, 8 * P, 6 * P)]);
-        // Nine pages: nothing covers them, so a largest range (4 pages), the other (4), and one
-        // page of the three-page range, which covers the last page best.
-        let moves = parked.take_for(std::iter::once(50 * P..59 * P).collect());
-        assert_eq!(moves, vec![(36 * P, 50 * P, 4 * P), (0, 54 * P, 4 * P), (20 * P, 58 * P, P)]);
-        assert_eq!(parked.ranges, vec![21 * P..23 * P]);
-        // Nothing parked: the hole faults in as the read writes it.
-        parked.ranges.clear();
-        assert!(parked.take_for(std::iter::once(0..P).collect()).is_empty());
+        assert_eq!(parked.take_for(holes), (vec![(30 * P, 8 * P, 6 * P)], Vec::new()));
+        assert_eq!(parked.ranges, vec![0..4 * P, 20 * P..23 * P, 36 * P..40 * P]);
+        // Three pages: the three-page range fits exactly.
+        assert_eq!(parked.take_for(std::iter::once(50 * P..53 * P).collect()), (vec![(20 * P, 50 * P, 3 * P)], Vec::new()));
+        // Nine pages: nothing covers them, and gathering them from pieces would cost a TLB
+        // shootdown for each: they fault in afresh, and the parked eight pages go back.
+        let (moves, given_back) = parked.take_for(std::iter::once(60 * P..69 * P).collect());
+        assert!(moves.is_empty());
+        assert_eq!(given_back, vec![0..4 * P, 36 * P..40 * P]);
+        assert!(parked.ranges.is_empty());
+        // Nothing parked: the hole faults in, and there is nothing to give back.
+        assert_eq!(parked.take_for(std::iter::once(0..P).collect()), (Vec::new(), Vec::new()));
     }
 
     /// Huge pages stay whole: a hole's whole huge pages come from parked huge pages in 2 MiB
-    /// moves that keep the alignment, the pages around them from parked pages around huge
-    /// ones; another kind is taken only where a hole's own kind has run out.
+    /// moves that keep the alignment, gathered from several where one does not cover them; the
+    /// pages around them from parked pages around huge ones, never from a huge page.
     #[test]
     fn parked_huge_pages_back_huge_pages_and_edges_back_edges() {
         const P: u64 = 4096;
         const H: u64 = HUGE_PAGE_BYTES;
         let mut parked = Parked { ranges: std::iter::once(H - 4 * P..3 * H + 8 * P).collect(), ..Parked::new(0) };
-        let moves = parked.take_for(std::iter::once(10 * H - 4 * P..12 * H + 8 * P).collect());
+        let (moves, given_back) = parked.take_for(std::iter::once(10 * H - 4 * P..12 * H + 8 * P).collect());
         assert_eq!(moves, vec![(H - 4 * P, 10 * H - 4 * P, 4 * P), (H, 10 * H, 2 * H), (3 * H, 12 * H, 8 * P)]);
+        assert!(given_back.is_empty());
         assert!(parked.ranges.is_empty());
-        // Only edge pages parked: a huge page's hole takes them rather than fault in afresh.
-        parked.ranges = std::iter::once(0..4 * P).collect();
-        assert_eq!(parked.take_for(std::iter::once(20 * H..21 * H).collect()), vec![(0, 20 * H, 4 * P)]);
+        // Two huge pages parked apart back a two-page hole in two whole-page moves.
+        parked.ranges = vec![H..2 * H, 5 * H..6 * H];
+        let (moves, given_back) = parked.take_for(std::iter::once(20 * H..22 * H).collect());
+        assert!(given_back.is_empty());
+        assert_eq!(moves.iter().map(|&(_, to, bytes)| (to, bytes)).collect::<Vec<_>>(), vec![(20 * H, H), (21 * H, H)]);
+        let mut sources: Vec<u64> = moves.iter().map(|&(from, _, _)| from).collect();
+        sources.sort_unstable();
+        assert_eq!(sources, vec![H, 5 * H]);
+        // Only a huge page parked: an edge hole does not split it; it faults in afresh and the
+        // huge page goes back whole.
+        parked.ranges = vec![H..2 * H];
+        assert_eq!(parked.take_for(std::iter::once(30 * H..30 * H + 4 * P).collect()), (Vec::new(), vec![H..2 * H]));
         // The region's phase moves the boundaries: at phase 4 pages, offset H - 4 pages is one.
         let parked = Parked { ranges: Vec::new(), ..Parked::new(4 * P) };
         assert_eq!(parked.huge_part(&(0..3 * H)), H - 4 * P..3 * H - 4 * P);
