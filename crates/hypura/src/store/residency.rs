@@ -167,6 +167,15 @@ struct Parked {
     moving: Vec<Range<u64>>,
 }
 
+/// How a chunk's holes are backed (`Parked::take_for`).
+#[derive(Debug, Default, PartialEq)]
+struct Backing {
+    /// (from, to, bytes): parked pages moved under the chunk.
+    moves: Vec<(u64, u64, u64)>,
+    /// Parked ranges given back, as many bytes as fault in afresh.
+    given_back: Vec<Range<u64>>,
+}
+
 /// At most this many ranges wait to be reused; past it, released pages go back to the kernel.
 const MAX_PARKED_RANGES: usize = 4096;
 
@@ -248,8 +257,7 @@ impl Parked {
     }
 
     /// Plan the moves that back `holes` with parked pages, taking them out of the set, and
-    /// the parked pages to give back for what faults in afresh. Returns (moves as (from, to,
-    /// bytes), ranges to give back).
+    /// the parked pages to give back for what faults in afresh.
     ///
     /// Huge pages stay whole: a hole's whole huge pages are backed from parked whole huge
     /// pages, each from the parked part that fits best (the smallest that covers it, else the
@@ -260,7 +268,7 @@ impl Parked {
     /// touches, and edges gathered from fragments cost a shootdown every few pages. So memory
     /// stays bounded, as many parked bytes as fault in afresh are given back, the smallest
     /// parts first (the fragments no hole would take).
-    fn take_for(&mut self, holes: Vec<Range<u64>>) -> (Vec<(u64, u64, u64)>, Vec<Range<u64>>) {
+    fn take_for(&mut self, holes: Vec<Range<u64>>) -> Backing {
         let length = |range: &Range<u64>| range.end - range.start;
         let mut moves = Vec::new();
         let mut fresh = 0;
@@ -292,7 +300,7 @@ impl Parked {
                 fresh += length(&piece);
             }
         }
-        (moves, self.take_smallest(fresh))
+        Backing { moves, given_back: self.take_smallest(fresh) }
     }
 
     /// (parked range index, part) for every part of one kind: whole huge pages, or the pages
@@ -341,7 +349,7 @@ fn adopt_parked(shared: &Shared, region: &Region, range: Range<u64>, stats: &IoS
     let holes = parked.claim(&target);
     let uncovered: u64 = holes.iter().map(|hole| hole.end - hole.start).sum();
     stats.record_recycled(target.end - target.start - uncovered);
-    let (moves, given_back) = parked.take_for(holes);
+    let Backing { moves, given_back } = parked.take_for(holes);
     if moves.is_empty() && given_back.is_empty() {
         return;
     }
@@ -882,18 +890,16 @@ mod tests {
         assert_eq!(holes, vec![8 * P..14 * P]);
         assert_eq!(parked.ranges, vec![0..4 * P, 20 * P..23 * P, 30 * P..40 * P]);
         // Six pages: the 10-page range is the only one that covers them; what is left of it stays.
-        assert_eq!(parked.take_for(holes), (vec![(30 * P, 8 * P, 6 * P)], Vec::new()));
+        assert_eq!(parked.take_for(holes), Backing { moves: vec![(30 * P, 8 * P, 6 * P)], given_back: Vec::new() });
         assert_eq!(parked.ranges, vec![0..4 * P, 20 * P..23 * P, 36 * P..40 * P]);
         // Three pages: the three-page range fits exactly.
-        assert_eq!(parked.take_for(std::iter::once(50 * P..53 * P).collect()), (vec![(20 * P, 50 * P, 3 * P)], Vec::new()));
+        assert_eq!(parked.take_for(std::iter::once(50 * P..53 * P).collect()), Backing { moves: vec![(20 * P, 50 * P, 3 * P)], given_back: Vec::new() });
         // Nine pages: nothing covers them, and gathering them from pieces would cost a TLB
         // shootdown for each: they fault in afresh, and the parked eight pages go back.
-        let (moves, given_back) = parked.take_for(std::iter::once(60 * P..69 * P).collect());
-        assert!(moves.is_empty());
-        assert_eq!(given_back, vec![0..4 * P, 36 * P..40 * P]);
+        assert_eq!(parked.take_for(std::iter::once(60 * P..69 * P).collect()), Backing { moves: Vec::new(), given_back: vec![0..4 * P, 36 * P..40 * P] });
         assert!(parked.ranges.is_empty());
         // Nothing parked: the hole faults in, and there is nothing to give back.
-        assert_eq!(parked.take_for(std::iter::once(0..P).collect()), (Vec::new(), Vec::new()));
+        assert_eq!(parked.take_for(std::iter::once(0..P).collect()), Backing::default());
     }
 
     /// Huge pages stay whole: a hole's whole huge pages come from parked huge pages in 2 MiB
@@ -904,13 +910,12 @@ mod tests {
         const P: u64 = 4096;
         const H: u64 = HUGE_PAGE_BYTES;
         let mut parked = Parked { ranges: std::iter::once(H - 4 * P..3 * H + 8 * P).collect(), ..Parked::new(0) };
-        let (moves, given_back) = parked.take_for(std::iter::once(10 * H - 4 * P..12 * H + 8 * P).collect());
-        assert_eq!(moves, vec![(H - 4 * P, 10 * H - 4 * P, 4 * P), (H, 10 * H, 2 * H), (3 * H, 12 * H, 8 * P)]);
-        assert!(given_back.is_empty());
+        let backing = parked.take_for(std::iter::once(10 * H - 4 * P..12 * H + 8 * P).collect());
+        assert_eq!(backing, Backing { moves: vec![(H - 4 * P, 10 * H - 4 * P, 4 * P), (H, 10 * H, 2 * H), (3 * H, 12 * H, 8 * P)], given_back: Vec::new() });
         assert!(parked.ranges.is_empty());
         // Two huge pages parked apart back a two-page hole in two whole-page moves.
         parked.ranges = vec![H..2 * H, 5 * H..6 * H];
-        let (moves, given_back) = parked.take_for(std::iter::once(20 * H..22 * H).collect());
+        let Backing { moves, given_back } = parked.take_for(std::iter::once(20 * H..22 * H).collect());
         assert!(given_back.is_empty());
         assert_eq!(moves.iter().map(|&(_, to, bytes)| (to, bytes)).collect::<Vec<_>>(), vec![(20 * H, H), (21 * H, H)]);
         let mut sources: Vec<u64> = moves.iter().map(|&(from, _, _)| from).collect();
@@ -918,8 +923,8 @@ mod tests {
         assert_eq!(sources, vec![H, 5 * H]);
         // Only a huge page parked: an edge hole does not split it; it faults in afresh and the
         // huge page goes back whole.
-        parked.ranges = vec![H..2 * H];
-        assert_eq!(parked.take_for(std::iter::once(30 * H..30 * H + 4 * P).collect()), (Vec::new(), vec![H..2 * H]));
+        parked.ranges = std::iter::once(H..2 * H).collect();
+        assert_eq!(parked.take_for(std::iter::once(30 * H..30 * H + 4 * P).collect()), Backing { moves: Vec::new(), given_back: std::iter::once(H..2 * H).collect() });
         // The region's phase moves the boundaries: at phase 4 pages, offset H - 4 pages is one.
         let parked = Parked { ranges: Vec::new(), ..Parked::new(4 * P) };
         assert_eq!(parked.huge_part(&(0..3 * H)), H - 4 * P..3 * H - 4 * P);
