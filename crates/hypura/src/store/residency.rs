@@ -275,27 +275,18 @@ impl Parked {
         for hole in holes {
             let inner = self.huge_part(&hole);
             let pieces = if inner.is_empty() { vec![(hole, false)] } else { vec![(hole.start..inner.start, false), (inner.clone(), true), (inner.end..hole.end, false)] };
-            for (mut piece, huge) in pieces.into_iter().filter(|(piece, _)| !piece.is_empty()) {
-                let need = length(&piece);
-                let parts = self.parts_of_kind(huge);
-                let covering = parts.iter().filter(|(_, part)| length(part) >= need).min_by_key(|(_, part)| length(part)).cloned();
-                if !huge {
-                    match covering {
-                        Some((index, part)) => {
-                            moves.push((part.start, piece.start, need));
-                            self.cut(index, &(part.start..part.start + need));
-                        }
-                        None => fresh += need,
-                    }
-                    continue;
-                }
-                let mut best = covering.or_else(|| parts.into_iter().max_by_key(|(_, part)| length(part)));
-                while let Some((index, part)) = best {
-                    let bytes = length(&piece).min(length(&part));
+            for (mut piece, huge) in pieces {
+                // An edge takes one covering part or none; whole huge pages gather from several.
+                while !piece.is_empty() {
+                    let need = length(&piece);
+                    let parts = self.parts_of_kind(huge);
+                    let covering = parts.iter().filter(|(_, part)| length(part) >= need).min_by_key(|(_, part)| length(part)).cloned();
+                    let largest = || parts.into_iter().max_by_key(|(_, part)| length(part));
+                    let Some((index, part)) = covering.or_else(|| if huge { largest() } else { None }) else { break };
+                    let bytes = need.min(length(&part));
                     moves.push((part.start, piece.start, bytes));
                     self.cut(index, &(part.start..part.start + bytes));
                     piece.start += bytes;
-                    best = if piece.is_empty() { None } else { self.parts_of_kind(true).into_iter().max_by_key(|(_, part)| length(part)) };
                 }
                 fresh += length(&piece);
             }
@@ -311,15 +302,19 @@ impl Parked {
 
     /// Take parked parts of at least `bytes` in all out of the set, the smallest first.
     fn take_smallest(&mut self, bytes: u64) -> Vec<Range<u64>> {
-        let mut taken = Vec::new();
+        let mut parts: Vec<Range<u64>> = self.parts_of_kind(false).into_iter().chain(self.parts_of_kind(true)).map(|(_, part)| part).collect();
+        parts.sort_by_key(|part| part.end - part.start);
         let mut left = bytes;
-        while left > 0 {
-            let Some((index, part)) = self.parts_of_kind(false).into_iter().chain(self.parts_of_kind(true)).min_by_key(|(_, part)| part.end - part.start) else {
-                break;
-            };
-            left = left.saturating_sub(part.end - part.start);
-            self.cut(index, &part);
-            taken.push(part);
+        let taken: Vec<Range<u64>> = parts
+            .into_iter()
+            .take_while(|part| {
+                let take = left > 0;
+                left = left.saturating_sub(part.end - part.start);
+                take
+            })
+            .collect();
+        for part in &taken {
+            self.claim(part);
         }
         taken
     }
