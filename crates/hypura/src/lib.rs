@@ -3,7 +3,8 @@
 //! llama.cpp computes; Hypura decides where every weight lives (GPU memory, RAM or NVMe) and
 //! streams the rest from disk just in time. Data flow: `model` (the inventory read from the
 //! GGUF index), `hw` (the measured machine) and `remote` (other machines' devices, through
-//! ggml's RPC backend) feed the pure planner; `store` moves bytes; `engine` runs llama.cpp through `hypura-sys`; `cli`, `bench` and `server` sit on top.
+//! ggml's RPC backend) feed the pure planner; `store` moves bytes; `engine` runs llama.cpp through `hypura-sys`; `setup` reads the machine and assembles a run;
+//! `cli`, `bench` and `server` sit on top.
 pub mod bench;
 pub mod cli;
 pub mod engine;
@@ -13,4 +14,5 @@ pub mod model;
 pub mod plan;
 pub mod remote;
 pub mod server;
+pub mod setup;
 pub mod store;

@@ -231,18 +231,18 @@ fn a_worker_with_less_memory_than_planned_is_refused_at_load_and_its_link_is_pro
     // connection: a few MiB at most).
     let free = workers.devices[0].free_bytes;
     assert!(free <= lent && free + (16 << 20) >= lent, "the worker reports what it lends: {free} of {lent}");
-    let spec = hypura::engine::setup::RunSpec {
-        n_ctx: Some(512),
+    let spec = hypura::setup::RunSpec {
+        n_ctx_seq: Some(512),
         n_batch: 64,
         memory_budget_bytes: Some(hypura::cli::settings::parse_bytes(HOST_BUDGET).unwrap()),
         remote: Some(workers.clone()),
-        ..hypura::engine::setup::RunSpec::default()
+        ..hypura::setup::RunSpec::default()
     };
     let inventory = hypura::model::Inventory::open(&model).unwrap();
-    let mut facts = hypura::engine::setup::machine_facts(&spec, &model).unwrap();
+    let mut facts = hypura::setup::machine_facts(&spec, &model).unwrap();
     // The plan believes in twice the memory.
     facts.remote_devices[0].free_bytes = 2 * lent;
-    let (n_ctx, n_batch, plan) = hypura::engine::setup::plan_run(&inventory, &spec, &facts).unwrap();
+    let hypura::plan::Choice { n_ctx_seq: n_ctx, n_batch, plan } = hypura::setup::choose(&inventory, &spec, &facts).unwrap();
     let share = plan.remote.as_ref().expect("a remote tier").shares[0].clone();
     assert!(share.total_bytes() > lent, "{share:?}");
     let options = hypura::engine::EngineOptions { n_ctx, n_batch, n_ubatch: n_batch, repack: false, plan: Some(plan), remote: Some(workers.clone()), ..hypura::engine::EngineOptions::default() };
@@ -251,14 +251,14 @@ fn a_worker_with_less_memory_than_planned_is_refused_at_load_and_its_link_is_pro
 
     // Planned with what it has, the model loads; the worker then reports what its layers took
     // out of what it lends, and a second model is planned in what is left.
-    let facts = hypura::engine::setup::machine_facts(&spec, &model).unwrap();
-    let (n_ctx, n_batch, plan) = hypura::engine::setup::plan_run(&inventory, &spec, &facts).unwrap();
+    let facts = hypura::setup::machine_facts(&spec, &model).unwrap();
+    let hypura::plan::Choice { n_ctx_seq: n_ctx, n_batch, plan } = hypura::setup::choose(&inventory, &spec, &facts).unwrap();
     let share = plan.remote.as_ref().expect("a remote tier").shares[0].clone();
     let options = hypura::engine::EngineOptions { n_ctx, n_batch, n_ubatch: n_batch, repack: false, plan: Some(plan), remote: Some(workers.clone()), ..hypura::engine::EngineOptions::default() };
     let engine = hypura::engine::Engine::load(inventory.clone(), options).unwrap();
     let left = workers.facts()[0].free_bytes;
     assert!(left + share.weight_bytes <= free, "{left} bytes left of {free} with {} of weights there", share.weight_bytes);
-    let (_, _, second) = hypura::engine::setup::plan_run(&inventory, &spec, &hypura::engine::setup::machine_facts(&spec, &model).unwrap()).unwrap();
+    let second = hypura::setup::choose(&inventory, &spec, &hypura::setup::machine_facts(&spec, &model).unwrap()).unwrap().plan;
     assert!(second.remote.as_ref().is_none_or(|remote| remote.layers.len() < share.layers.len()), "{}", second.render());
     drop(engine);
 
@@ -275,30 +275,30 @@ fn a_worker_with_less_memory_than_planned_is_refused_at_load_and_its_link_is_pro
 fn remote_and_local_streaming_are_weighed_each_at_its_own_batch() {
     let model = common::chat_model_path();
     let inventory = hypura::model::Inventory::open(&model).unwrap();
-    let spec = hypura::engine::setup::RunSpec {
-        n_ctx: Some(512),
+    let spec = hypura::setup::RunSpec {
+        n_ctx_seq: Some(512),
         n_batch: 512,
         grow_batch: true,
         memory_budget_bytes: Some(hypura::cli::settings::parse_bytes(HOST_BUDGET).unwrap()),
-        ..hypura::engine::setup::RunSpec::default()
+        ..hypura::setup::RunSpec::default()
     };
     let facts = |round_trip_secs: f64| hypura::plan::MachineFacts {
         disk_bytes_per_sec: Some(1e9),
         compute_seconds_per_token: None,
         remote_devices: vec![hypura::plan::RemoteDeviceFacts { name: "RPC0".into(), worker: "10.0.0.2:50052".into(), free_bytes: 400 << 20, round_trip_secs, link_bytes_per_sec: Some(1e8) }],
-        ..hypura::engine::setup::machine_facts(&spec, &model).unwrap()
+        ..hypura::setup::machine_facts(&spec, &model).unwrap()
     };
     // At the default batch the host cannot stream alone (its compute buffers are too large).
-    let at_default = hypura::engine::setup::plan_for(&inventory, &spec, &hypura::plan::MachineFacts { remote_devices: Vec::new(), ..facts(1e-4) });
+    let at_default = hypura::plan::plan_for(&inventory, &hypura::plan::MachineFacts { remote_devices: Vec::new(), ..facts(1e-4) }, &spec.ask().unwrap());
     assert!(at_default.is_err(), "the test needs a budget too small for 512-token batches alone");
 
-    let (_, _, near) = hypura::engine::setup::plan_run(&inventory, &spec, &facts(1e-4)).unwrap();
+    let near = hypura::setup::choose(&inventory, &spec, &facts(1e-4)).unwrap().plan;
     let remote = near.remote.as_ref().unwrap_or_else(|| panic!("{}", near.render()));
     assert!(remote.local_seconds_per_token.is_finite() && remote.local_seconds_per_token > remote.predicted_seconds_per_token, "{remote:?}");
 
     // A link whose round trip costs more than the streamed bytes it saves: local streaming, at
     // the batch it fits.
-    let (_, n_batch, far) = hypura::engine::setup::plan_run(&inventory, &spec, &facts(remote.local_seconds_per_token)).unwrap();
+    let hypura::plan::Choice { n_batch, plan: far, .. } = hypura::setup::choose(&inventory, &spec, &facts(remote.local_seconds_per_token)).unwrap();
     assert!(far.remote.is_none(), "{}", far.render());
     assert!(n_batch < 512);
     let why = far.remote_unused.as_deref().unwrap_or_default();

@@ -11,7 +11,7 @@ use axum::http::{Method, Request, StatusCode};
 use axum::Router;
 use futures_util::StreamExt;
 use http_body_util::BodyExt;
-use hypura::engine::setup::RunSpec;
+use hypura::setup::RunSpec;
 use hypura::server::wire::KeepAlive;
 use hypura::server::{router, AppState, Catalog, HttpConfig, SchedulerConfig};
 use serde_json::{json, Value};
@@ -20,7 +20,7 @@ use tower::ServiceExt;
 /// How the test models load: batch-invariant kernels (`hypura serve --batch-invariant`), so
 /// parallel sequences give exactly the answers they give alone.
 fn run() -> RunSpec {
-    RunSpec { n_ctx: Some(512), n_batch: 256, n_threads: Some(2), repack: false, batch_invariant: true, ..RunSpec::default() }
+    RunSpec { n_ctx_seq: Some(512), n_batch: 256, n_threads: Some(2), repack: false, batch_invariant: true, ..RunSpec::default() }
 }
 
 fn app_with(files: Vec<PathBuf>, n_parallel: u32, max_queue: usize, http: HttpConfig) -> Router {

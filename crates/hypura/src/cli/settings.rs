@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 
 use crate::cli::args::{ModelArgs, PlanArgs, SamplingArgs, SpeculativeArgs};
-use crate::engine::setup::{RunSpec, Setup};
+use crate::setup::{RunSpec, Setup};
 use crate::engine::SamplerParams;
 use crate::plan::{Mode, ModeChoice, PlanOptions};
 
@@ -84,7 +84,7 @@ pub fn speculation(args: &SpeculativeArgs) -> anyhow::Result<Option<crate::engin
 /// The part of a run the planner reads (`inspect` has only these flags).
 pub fn plan_spec(args: &PlanArgs, context: Option<u32>, threads: Option<i32>) -> anyhow::Result<RunSpec> {
     Ok(RunSpec {
-        n_ctx: context,
+        n_ctx_seq: context,
         n_threads: threads,
         memory_budget_bytes: args.memory_budget.as_deref().map(parse_bytes).transpose().context("--memory-budget")?,
         gpu_budget_bytes: args.gpu_budget.as_deref().map(parse_gpu_budget).transpose().context("--gpu-budget")?,
@@ -111,7 +111,7 @@ pub fn remote_workers(args: &PlanArgs) -> anyhow::Result<Option<std::sync::Arc<c
 
 /// The flags' plan, for this machine: facts read once, plan, engine options.
 pub fn setup(args: &ModelArgs, model: &std::path::Path) -> anyhow::Result<Setup> {
-    Ok(crate::engine::setup::prepare(model, &run_spec(args)?)?)
+    Ok(crate::setup::prepare(model, &run_spec(args)?)?)
 }
 
 /// CPU threads a context gets: the flag, or llama.cpp's default.

@@ -307,7 +307,7 @@ impl Engine {
     /// The context for the draft model: the target's length, sequences and batches, without
     /// the target's streaming hook.
     pub(super) fn draft_context_params(&self, target: &ContextParams) -> ContextParams {
-        ContextParams { n_ubatch: target.n_ubatch.min(super::setup::DRAFT_UBATCH), eval_hook: None, batch_invariant: false, op_offload: true, ..target.clone() }
+        ContextParams { n_ubatch: target.n_ubatch.min(crate::plan::DRAFT_UBATCH), eval_hook: None, batch_invariant: false, op_offload: true, ..target.clone() }
     }
 
     /// The streaming machinery, in dense-stream mode.

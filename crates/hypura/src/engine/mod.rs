@@ -13,7 +13,6 @@ mod embed;
 mod load;
 pub mod prompt;
 mod session;
-pub mod setup;
 mod stats;
 mod text;
 

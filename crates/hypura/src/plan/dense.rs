@@ -95,6 +95,7 @@ pub(super) fn plan_dense(inventory: &Inventory, machine: &MachineFacts, options:
             kv_cache_bytes: kv,
             compute_buffer_bytes: compute,
             total_bytes: resident_weight_bytes + window_bytes + kv + compute,
+            ..BudgetUse::default()
         },
         tensors,
         dense: Some(layout),

@@ -134,6 +134,7 @@ pub(super) fn plan_experts(inventory: &Inventory, machine: &MachineFacts, option
             kv_cache_bytes: kv,
             compute_buffer_bytes: compute,
             total_bytes: fixed + cache_bytes + kv + compute,
+            ..BudgetUse::default()
         },
         tensors,
         dense: dense.map(|dense| dense.layout),

@@ -6,8 +6,9 @@
 //! cyclic sweep over layers, LRU caching gets nothing; a fixed pinned set gets exactly its share,
 //! so the planner pins a fixed set and streams the rest.
 //!
-//! The entry point is `plan`; the parts live in submodules: `types` (the options, facts, plan
-//! and errors), `sizing` (what tensors cost, which may stream), `gpu` (the GPU tier and how
+//! The entry points are `plan` (one context and prompt batch) and `choose` (`search`: the
+//! context, the prompt batch and the plan a run gets); the parts live in submodules: `types`
+//! (the options, facts, plan and errors), `sizing` (what tensors cost, which may stream), `gpu` (the GPU tier and how
 //! llama.cpp is told about it), `dense` (the dense-stream window and its cost model), `experts`
 //! (the expert cache) and `render` (the explanation `inspect` prints). The planner depends on
 //! `crate::model` and the pure formatting helpers in `crate::format` alone.
@@ -16,6 +17,7 @@ mod experts;
 mod gpu;
 mod remote;
 mod render;
+mod search;
 mod sizing;
 #[cfg(test)]
 pub(crate) mod test_support;
@@ -24,6 +26,7 @@ mod types;
 pub use dense::{limit_tokens_per_sec, DenseLayout, READ_CHUNK_BYTES};
 pub use experts::{ExpertLayout, HUGE_SLICE_MIN_BYTES};
 pub use gpu::GpuLayout;
+pub use search::{choose, context_for, plan_for, Ask, Choice, DRAFT_UBATCH};
 pub use remote::{RemoteDeviceFacts, RemoteLayout, RemoteShare, REMOTE_RESERVE_BYTES};
 pub use sizing::{compute_buffer_bytes, context_memory_bytes, kv_cache_bytes};
 pub use types::{BudgetUse, CachePolicy, MachineFacts, Mode, ModeChoice, Plan, PlanError, PlanOptions, TensorPlacement, Tier};
@@ -35,18 +38,43 @@ use gpu::{gpu_tier, place};
 use remote::remote_tier;
 use sizing::ffn_bytes_by_layer;
 
-/// The plan for `inventory` on `machine`: the GPU tier first, then the mode (resident where the
-/// host holds the rest), then that mode's layout. MTP layers, which llama.cpp does not load
-/// for decoding, are planned as unused and cost nothing; where they draft (`options.mtp`) they
-/// are resident in host memory, taken out of the budget before the rest is planned.
+/// The plan for `inventory` on `machine` at the options' one context and prompt batch: the GPU
+/// tier first, then the mode (resident where the host holds the rest), then that mode's
+/// layout. With remote devices, their tier is weighed against the host alone (`weigh`).
+/// `choose` searches the context and the prompt batch around it.
 pub fn plan(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions) -> Result<Plan, PlanError> {
+    if machine.remote_devices.is_empty() {
+        return plan_reaching(inventory, machine, options, Reach::Host);
+    }
+    let candidate = |reach| plan_reaching(inventory, machine, options, reach).map(|plan| Choice { n_ctx_seq: options.n_ctx, n_batch: options.n_ubatch, plan });
+    weigh(machine, candidate(Reach::Host), candidate(Reach::Remote)).map(|choice| choice.plan)
+}
+
+/// Which devices beside the host a plan may put layers on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Reach {
+    /// The host and its GPU.
+    Host,
+    /// The host and the remote devices: their tier, or an error where none holds a layer.
+    Remote,
+}
+
+/// `plan` with only `reach`'s devices. MTP layers, which llama.cpp does not load for decoding,
+/// are planned as unused and cost nothing; where they draft (`options.mtp`) they are resident in
+/// host memory, taken out of the budget before the rest is planned (`BudgetUse::mtp_bytes`).
+pub(crate) fn plan_reaching(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions, reach: Reach) -> Result<Plan, PlanError> {
+    let plan_loaded = |inventory: &Inventory, machine: &MachineFacts| match reach {
+        Reach::Host => plan_local(inventory, machine, options),
+        Reach::Remote => plan_remote(inventory, machine, options),
+    };
     if !inventory.tensors.iter().any(|tensor| tensor.role == Role::Mtp) {
-        return plan_loaded(inventory, machine, options);
+        return plan_loaded(inventory, machine);
     }
     let loaded = Inventory { tensors: inventory.tensors.iter().filter(|tensor| tensor.role != Role::Mtp).cloned().collect(), ..inventory.clone() };
     let mtp_bytes: u64 = if options.mtp { inventory.tensors.iter().filter(|tensor| tensor.role == Role::Mtp).map(|tensor| tensor.bytes).sum() } else { 0 };
     let machine = MachineFacts { memory_budget_bytes: machine.memory_budget_bytes.saturating_sub(mtp_bytes), ..machine.clone() };
-    let mut plan = plan_loaded(&loaded, &machine, options)?;
+    let mut plan = plan_loaded(&loaded, &machine)?;
+    plan.budget.set_aside(mtp_bytes, |budget| &mut budget.mtp_bytes);
     let mut placed = std::mem::take(&mut plan.tensors).into_iter();
     plan.tensors = inventory
         .tensors
@@ -66,53 +94,60 @@ pub fn plan(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions
     Ok(plan)
 }
 
-fn plan_loaded(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions) -> Result<Plan, PlanError> {
+/// The host's plan with its GPU tier, if any. Forced streaming (tests, benchmarks) streams
+/// every FFN layer the host cannot hold: none of them goes to the GPU.
+fn plan_local(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions) -> Result<Plan, PlanError> {
     let all_layer_ffn = ffn_bytes_by_layer(inventory);
-    // Forced streaming (tests, benchmarks) streams every FFN layer the host cannot hold: none
-    // of them goes to the GPU.
     let forced_stream = matches!(options.mode, ModeChoice::Forced(Mode::DenseStream | Mode::ExpertStream));
-    // Remote devices and a local GPU are not combined yet: with remote devices, the host's
-    // layers compute on the CPU.
     let (gpu, gpu_unused) = match gpu_tier(inventory, options, machine, &all_layer_ffn, !forced_stream) {
-        Ok(Some(_)) if !machine.remote_devices.is_empty() => (None, Some("remote devices were given: a local GPU tier beside them is not built".to_string())),
         Ok(gpu) => (gpu, None),
         Err(why) => (None, Some(why)),
     };
-    let local = plan_host(inventory, machine, options, &all_layer_ffn, gpu.clone(), gpu_unused.clone(), None);
-    let Some(mut remote) = remote_tier(inventory, options, machine) else {
-        let unused = (!machine.remote_devices.is_empty()).then(|| "no remote device holds one layer with its KV cache and compute buffer".to_string());
-        return local.map(|plan| Plan { remote_unused: unused, ..plan });
+    plan_host(inventory, machine, options, &all_layer_ffn, gpu, gpu_unused, None)
+}
+
+/// The host's plan beside the largest remote tier the devices hold, with its predicted time per
+/// token: the host's time for its layers, the remote layers' compute (as the host would take
+/// for them) and the links. Remote devices and a local GPU are not combined yet: the host's
+/// layers compute on the CPU.
+fn plan_remote(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions) -> Result<Plan, PlanError> {
+    let mut remote = remote_tier(inventory, options, machine).ok_or(PlanError::NoRemoteRoom)?;
+    let all_layer_ffn = ffn_bytes_by_layer(inventory);
+    let gpu_unused = (machine.gpu_budget_bytes > 0).then(|| "remote devices were given: a local GPU tier beside them is not built".to_string());
+    let mut plan = plan_host(inventory, machine, options, &all_layer_ffn, None, gpu_unused, Some(remote.clone()))
+        .map_err(|error| PlanError::HostBeforeRemote { remote: remote.describe(), reason: Box::new(error) })?;
+    let remote_share = remote.layers.len() as f64 / inventory.hparams.n_layer.max(1) as f64;
+    remote.predicted_seconds_per_token = remote::host_seconds_per_token(machine, plan.streamed_bytes_per_token, 1.0 - remote_share)
+        + machine.compute_seconds_per_token.unwrap_or(0.0) * remote_share
+        + remote.link_seconds_per_token;
+    plan.remote = Some(remote);
+    Ok(plan)
+}
+
+/// The one place the remote tier is weighed against the host alone, each at its own context
+/// and prompt batch: the remote plan where it is predicted faster or the host alone cannot be
+/// planned, else the host's plan with the reason the devices went unused.
+pub(crate) fn weigh(machine: &MachineFacts, local: Result<Choice, PlanError>, remote: Result<Choice, PlanError>) -> Result<Choice, PlanError> {
+    let local_seconds = local.as_ref().map_or(f64::INFINITY, |local| local_seconds_per_token(machine, &local.plan));
+    let why = match remote {
+        Ok(mut chosen) => {
+            let tier = chosen.plan.remote.as_mut().expect("a remote plan has a remote tier");
+            tier.local_seconds_per_token = local_seconds;
+            if tier.predicted_seconds_per_token < local_seconds || local.is_err() {
+                return Ok(chosen);
+            }
+            let n_batch = local.as_ref().map_or(0, |local| local.n_batch);
+            format!(
+                "streaming locally alone is predicted faster ({} per token, prompt batches of {n_batch}, against {} with {} and {} of links)",
+                format_seconds(local_seconds),
+                format_seconds(tier.predicted_seconds_per_token),
+                tier.describe(),
+                format_seconds(tier.link_seconds_per_token)
+            )
+        }
+        Err(error) => error.to_string(),
     };
-    // The remote tier against streaming locally alone: the host's time for its layers, the
-    // remote layers' compute (as the host would take for them) and the links.
-    let n_layer = inventory.hparams.n_layer.max(1) as f64;
-    let remote_share = remote.layers.len() as f64 / n_layer;
-    let local_seconds = local.as_ref().map_or(f64::INFINITY, |plan| local_seconds_per_token(machine, plan));
-    remote.local_seconds_per_token = local_seconds;
-    let with_remote = plan_host(inventory, machine, options, &all_layer_ffn, None, gpu_unused, Some(remote.clone()));
-    let remote_seconds = with_remote.as_ref().map_or(f64::INFINITY, |plan| {
-        remote::host_seconds_per_token(machine, plan.streamed_bytes_per_token, 1.0 - remote_share) + machine.compute_seconds_per_token.unwrap_or(0.0) * remote_share + remote.link_seconds_per_token
-    });
-    remote.predicted_seconds_per_token = remote_seconds;
-    match with_remote {
-        Ok(mut plan) if remote_seconds < local_seconds || local.is_err() => {
-            plan.remote = Some(remote);
-            Ok(plan)
-        }
-        with_remote => {
-            let why = match with_remote {
-                Err(error) => format!("the host cannot hold the layers before {}: {error}", remote.describe()),
-                Ok(_) => format!(
-                    "streaming locally alone is predicted faster ({} per token against {} with {} and {} of links)",
-                    format_seconds(local_seconds),
-                    format_seconds(remote_seconds),
-                    remote.describe(),
-                    format_seconds(remote.link_seconds_per_token)
-                ),
-            };
-            local.map(|plan| Plan { remote_unused: Some(why), ..plan })
-        }
-    }
+    local.map(|local| Choice { plan: Plan { remote_unused: Some(why), ..local.plan }, ..local })
 }
 
 /// The predicted time per token of a plan without a remote tier: the longer of its streamed
@@ -162,7 +197,7 @@ fn plan_host(
     };
     let base = Plan {
         mode,
-        budget: BudgetUse { budget_bytes: budget, resident_weight_bytes: weights, window_bytes: 0, kv_cache_bytes: kv, compute_buffer_bytes: compute, total_bytes: everything },
+        budget: BudgetUse { budget_bytes: budget, resident_weight_bytes: weights, window_bytes: 0, kv_cache_bytes: kv, compute_buffer_bytes: compute, total_bytes: everything, ..BudgetUse::default() },
         tensors: Vec::new(),
         dense: None,
         experts: None,

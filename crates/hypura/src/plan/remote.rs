@@ -8,7 +8,8 @@
 //! device (the host fetches each device's output; ggml copies between two workers through the
 //! host), and bytes for the hidden state in and out of each device plus its inputs. The planner
 //! takes the remote tier only where its predicted time per token beats streaming locally alone
-//! (`plan::plan_loaded`, and `engine::setup::plan_run` across prompt batches), and says both.
+//! (`plan::weigh`: at one prompt batch in `plan`, each at its own in `plan::choose`), and says
+//! both.
 use std::ops::Range;
 
 use serde::Serialize;

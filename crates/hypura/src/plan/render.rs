@@ -15,13 +15,18 @@ impl Plan {
         let _ = writeln!(out, "plan         mode {}", self.mode.name());
         let _ = writeln!(
             out,
-            "memory       {} of a {} budget: {} resident weights + {} stream window + {} KV cache + {} compute buffers",
+            "memory       {} of a {} budget: {} resident weights + {} stream window + {} KV cache + {} compute buffers{}",
             format_bytes(budget.total_bytes),
             format_bytes(budget.budget_bytes),
             format_bytes(budget.resident_weight_bytes),
             format_bytes(budget.window_bytes),
             format_bytes(budget.kv_cache_bytes),
-            format_bytes(budget.compute_buffer_bytes)
+            format_bytes(budget.compute_buffer_bytes),
+            [(budget.draft_bytes, "draft model"), (budget.mtp_bytes, "MTP layers")]
+                .iter()
+                .filter(|(bytes, _)| *bytes > 0)
+                .map(|(bytes, what)| format!(" + {} {what}", format_bytes(*bytes)))
+                .collect::<String>()
         );
         if let Some(gpu) = &self.gpu {
             let layers = match &gpu.whole_layers {

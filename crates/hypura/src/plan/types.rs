@@ -153,7 +153,7 @@ pub struct TensorPlacement {
 }
 
 /// Where the host memory budget goes.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct BudgetUse {
     pub budget_bytes: u64,
     /// Weights loaded once into RAM (everything neither streamed nor on the GPU).
@@ -162,7 +162,22 @@ pub struct BudgetUse {
     pub window_bytes: u64,
     pub kv_cache_bytes: u64,
     pub compute_buffer_bytes: u64,
+    /// A draft model of speculative decoding: its weights, KV cache and compute buffer
+    /// (`plan::choose`), resident beside the target.
+    pub draft_bytes: u64,
+    /// The model's own MTP layers where they draft, resident in host memory (`plan::plan`).
+    pub mtp_bytes: u64,
     pub total_bytes: u64,
+}
+
+impl BudgetUse {
+    /// Count `bytes` set aside before the rest was planned in what was left: they are part of
+    /// the budget and of its use, in the entry `entry` picks.
+    pub(super) fn set_aside(&mut self, bytes: u64, entry: impl FnOnce(&mut BudgetUse) -> &mut u64) {
+        self.budget_bytes += bytes;
+        self.total_bytes += bytes;
+        *entry(self) += bytes;
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -202,6 +217,21 @@ pub enum PlanError {
     ModeUnavailable { mode: &'static str, what: &'static str },
     #[error("the model fits in the budget ({} of {}), but {mode} was forced: nothing would stream", format_bytes(*needed), format_bytes(*budget))]
     NothingToStream { mode: &'static str, needed: u64, budget: u64 },
+    /// A context the budget does not hold, with the longest one it would (so that a client can
+    /// ask for that).
+    #[error("{reason}; a context of {n_ctx_seq} tokens for {n_sequences} sequence(s) does not fit: at most {fits} tokens would")]
+    ContextTooLong { reason: Box<PlanError>, n_ctx_seq: u32, n_sequences: u32, fits: u64 },
+    #[error("{reason}; even without a KV cache it needs {}", format_bytes(*needed))]
+    TooSmallWithoutContext { reason: Box<PlanError>, needed: u64 },
+    /// The refusal at the smallest prompt batch a budget was tried with.
+    #[error("{reason} (with prompt batches shrunk to {n_batch} tokens)")]
+    BatchShrunk { reason: Box<PlanError>, n_batch: u32 },
+    #[error("the draft model {} needs {} (weights, KV cache and compute buffer), more than the budget of {}", model.display(), format_bytes(*needed), format_bytes(*budget))]
+    DraftTooLarge { model: std::path::PathBuf, needed: u64, budget: u64 },
+    #[error("no remote device holds one layer with its KV cache and compute buffer")]
+    NoRemoteRoom,
+    #[error("the host cannot hold the layers before {remote}: {reason}")]
+    HostBeforeRemote { remote: String, reason: Box<PlanError> },
 }
 
 impl Plan {

@@ -110,7 +110,7 @@ fn served_context(state: &AppState, path: &std::path::Path, object: &mut Map<Str
     let key = format!("{arch}.context_length");
     let trained = info.get(&key).and_then(Value::as_u64).filter(|&trained| trained > 0);
     let loaded = state.scheduler.loaded().into_iter().find(|model| model.entry.path == path).and_then(|model| model.info()).map(|info| info.context_length as u64);
-    let configured = match state.scheduler.config().run.n_ctx.map(u64::from) {
+    let configured = match state.scheduler.config().run.n_ctx_seq.map(u64::from) {
         Some(0) => trained,
         Some(asked) => Some(trained.map_or(asked, |trained| asked.min(trained))),
         None => state.scheduler.default_context(path).map(u64::from),

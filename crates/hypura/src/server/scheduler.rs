@@ -29,7 +29,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::catalog::ModelEntry;
 use super::error::AppError;
 use super::wire::KeepAlive;
-use crate::engine::setup::RunSpec;
+use crate::setup::RunSpec;
 use crate::engine::{prompt, Batcher, Control, Embedder, Engine, EngineError, Finished, GenerateRequest, Prompt, SamplerParams, SequenceEvent, Token};
 
 #[derive(Clone)]
@@ -337,7 +337,7 @@ impl Scheduler {
         let mut config = self.inner.config.clone();
         // The plan caps a longer context at the trained one.
         if n_ctx.is_some() {
-            config.run.n_ctx = n_ctx;
+            config.run.n_ctx_seq = n_ctx;
         }
         let worker = Worker { model: Arc::downgrade(&model), path: entry.path.clone(), config, gate };
         std::thread::Builder::new().name(format!("model {}", entry.name)).spawn(move || worker.run(receiver)).map_err(|error| AppError::internal(format!("starting the model thread: {error}")))?;
@@ -350,8 +350,8 @@ impl Scheduler {
         // The workers as they are now (never a relay of a set that lost a worker).
         run.remote = run.remote.and_then(|workers| workers.current().0);
         let inventory = crate::model::Inventory::open(path).ok()?;
-        let facts = crate::engine::setup::machine_facts(&run, path).ok()?;
-        Some(crate::engine::setup::context_for(&inventory, &run, &facts))
+        let facts = crate::setup::machine_facts(&run, path).ok()?;
+        Some(crate::plan::context_for(&inventory, &run.ask().ok()?, &facts))
     }
 
     /// Models that are loaded (or loading), most recently expiring first.
@@ -426,7 +426,7 @@ impl Worker {
                 model.remote.lock().unwrap_or_else(|poison| poison.into_inner()).clone_from(&run.remote);
             }
         }
-        let loaded = crate::engine::setup::prepare(&self.path, &run)
+        let loaded = crate::setup::prepare(&self.path, &run)
             .map_err(|error| AppError::internal(format!("planning {}: {error}", self.path.display())))
             .and_then(|setup| Engine::load(setup.inventory, setup.options).map_err(|error| AppError::internal(format!("loading {}: {error}", self.path.display()))))
             .and_then(|engine| {

@@ -44,7 +44,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     // A run with remote layers measured other machines and links too: not this machine's
     // compute for the model.
     if let Some(seconds) = report.compute_seconds_per_token.filter(|_| report.link_bytes_per_token.is_none()) {
-        crate::engine::setup::record_compute(&path, threads, report.bytes_read_per_token.is_some(), seconds, report.generated_tokens);
+        crate::setup::record_compute(&path, threads, report.bytes_read_per_token.is_some(), seconds, report.generated_tokens);
     }
     print!("{}", bench::render(&report));
     if let Some(json) = &args.json {

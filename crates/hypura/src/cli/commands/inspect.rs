@@ -38,7 +38,7 @@ struct QuantRow {
 pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
     let inventory = Inventory::open(&crate::cli::settings::model_path(args.model.as_deref().or(args.model_flag.as_deref()))?)?;
     let spec = crate::cli::settings::run_spec(&args.model_args)?;
-    let (_, n_batch, plan) = crate::engine::setup::plan_run(&inventory, &spec, &crate::engine::setup::machine_facts(&spec, &inventory.path)?)?;
+    let crate::plan::Choice { n_batch, plan, .. } = crate::setup::choose(&inventory, &spec, &crate::setup::machine_facts(&spec, &inventory.path)?)?;
     let output = if args.json {
         let report = InspectReport {
             path: &inventory.path,

@@ -26,7 +26,7 @@ pub fn run(args: &RpcServerArgs) -> anyhow::Result<()> {
         }
         // A run's default budget: available memory less the headroom the process and the page
         // cache need.
-        None => crate::engine::setup::default_memory_budget(available, false),
+        None => crate::setup::default_memory_budget(available, false),
     };
     let names: Vec<String> = if args.device.is_empty() { vec!["CPU".to_string()] } else { args.device.clone() };
     // Host memory is what this process may use; a device with memory of its own (a GPU)

@@ -14,7 +14,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     let sampling = settings::sampler_params(&args.sampling)?;
     let setup = settings::setup(&args.model_args, &path)?;
     // Free memory of each GPU before the load, so --stats can say what the model took there.
-    let gpu_free_before = args.stats.then(crate::engine::setup::gpu_free_by_name);
+    let gpu_free_before = args.stats.then(crate::setup::gpu_free_by_name);
     let disk_rate = setup.facts.disk_bytes_per_sec;
     let engine = Arc::new(Engine::load(setup.inventory, setup.options).with_context(|| format!("loading {}", path.display()))?);
     if args.stats {
@@ -55,7 +55,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         // compute for the model.
         if let Some(seconds) = output.stats.eval_compute_seconds_per_token().filter(|_| output.stats.links.is_none()) {
             let engine = session.engine();
-            crate::engine::setup::record_compute(&path, settings::threads(engine.options().n_threads), engine.streaming().is_some(), seconds, u64::from(output.stats.eval_decodes));
+            crate::setup::record_compute(&path, settings::threads(engine.options().n_threads), engine.streaming().is_some(), seconds, u64::from(output.stats.eval_decodes));
         }
         write_trace(&session, args.model_args.plan.trace.as_deref())?;
         return Ok(());
@@ -182,7 +182,7 @@ fn print_stats(gpu_free_before: Option<&[(String, u64)]>, disk_rate: Option<f64>
     }
     // What the model, its context and the answer took on each GPU (free memory before the
     // load less free memory now; other processes on the device count too).
-    for ((name, before), (_, now)) in gpu_free_before.iter().zip(crate::engine::setup::gpu_free_by_name()) {
+    for ((name, before), (_, now)) in gpu_free_before.iter().zip(crate::setup::gpu_free_by_name()) {
         eprintln!("gpu memory  {} used on {name}", crate::hw::format::format_bytes(before.saturating_sub(now)));
     }
     if let Some(links) = &stats.links {

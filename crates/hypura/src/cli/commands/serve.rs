@@ -22,7 +22,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     // The plan reserves KV cache for every parallel sequence; each sequence gets --context. The
     // server's kernels are batch-invariant unless asked otherwise: it is where prefixes are
     // cached and requests share batches, and a greedy answer should not depend on either.
-    let run = crate::engine::setup::RunSpec { n_sequences: parallel, batch_invariant: args.model_args.batch_invariant.unwrap_or(false), ..settings::run_spec(&args.model_args)? };
+    let run = crate::setup::RunSpec { n_sequences: parallel, batch_invariant: args.model_args.batch_invariant.unwrap_or(false), ..settings::run_spec(&args.model_args)? };
     let scheduler = SchedulerConfig { n_parallel: parallel, max_queue: args.max_queue, default_keep_alive: keep_alive, run, embedding_context: args.embedding_context };
     let http = HttpConfig { cors_origins: args.cors_origins.clone(), body_limit_bytes: usize::try_from(body_limit).unwrap_or(usize::MAX) };
     let state = AppState::new(catalog, scheduler, http);
