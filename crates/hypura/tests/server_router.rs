@@ -11,9 +11,9 @@ use axum::http::{Method, Request, StatusCode};
 use axum::Router;
 use futures_util::StreamExt;
 use http_body_util::BodyExt;
-use hypura::setup::RunSpec;
 use hypura::server::wire::KeepAlive;
 use hypura::server::{router, AppState, Catalog, HttpConfig, SchedulerConfig};
+use hypura::setup::RunSpec;
 use serde_json::{json, Value};
 use tower::ServiceExt;
 

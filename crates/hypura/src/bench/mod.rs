@@ -484,7 +484,7 @@ pub fn render(report: &BenchReport) -> String {
             out,
             "| {} | {} | {:.1} M | {} | {} | {} | {} | {} | {} |",
             report.model_description,
-            crate::hw::format::format_bytes(report.file_bytes),
+            crate::format::format_bytes(report.file_bytes),
             report.n_params as f64 / 1e6,
             report.mode,
             report.threads,

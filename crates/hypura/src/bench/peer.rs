@@ -51,8 +51,8 @@ impl PlainLlama {
                 if free < *gpu_budget_bytes {
                     tracing::warn!(
                         "llama.cpp's fit gets the {} free on the GPU, less than the {} budget: run each side in its own process (--no-baseline, --baseline-only) to compare at the same budget",
-                        crate::hw::format_bytes(free),
-                        crate::hw::format_bytes(*gpu_budget_bytes)
+                        crate::format::format_bytes(free),
+                        crate::format::format_bytes(*gpu_budget_bytes)
                     );
                 }
                 let fit = hypura_sys::fit_placement(backend, path, &model_params, &params, free.saturating_sub(*gpu_budget_bytes))?;

@@ -5,9 +5,9 @@ use std::path::PathBuf;
 use anyhow::Context;
 
 use crate::cli::args::{ModelArgs, PlanArgs, SamplingArgs, SpeculativeArgs};
-use crate::setup::{RunSpec, Setup};
 use crate::engine::SamplerParams;
 use crate::plan::{Mode, ModeChoice, PlanOptions};
+use crate::setup::{RunSpec, Setup};
 
 /// The default model's file name, as `scripts/fetch-model` stores it in the cache: an instruct
 /// model whose template renders tools.

@@ -334,7 +334,7 @@ fn validate(probe: &Path, options: &DiskOptions) -> Result<(), HwError> {
 fn too_small(probe: &Path, file_bytes: u64, block_bytes: u64, queue_depth: u32) -> HwError {
     HwError::Probe {
         path: probe.to_path_buf(),
-        reason: format!("{} is too small for {} blocks at queue depth {queue_depth}", super::format::format_bytes(file_bytes), super::format::format_bytes(block_bytes),),
+        reason: format!("{} is too small for {} blocks at queue depth {queue_depth}", crate::format::format_bytes(file_bytes), crate::format::format_bytes(block_bytes),),
     }
 }
 

@@ -11,8 +11,6 @@
 mod cache;
 mod cpu;
 mod disk;
-/// Formatting moved to the crate root (the planner uses it too); the old path stays.
-pub use crate::format;
 mod measured;
 mod memory;
 mod mountinfo;
@@ -27,7 +25,6 @@ use serde::{Deserialize, Serialize};
 pub use cache::{default_cache_dir, machine_key, ProfileCache};
 pub use cpu::{cpu_info, CpuInfo};
 pub use disk::{measure_disk, volume_of, DiskOptions, DiskProfile, ReadPoint, Volume};
-pub use format::{format_bytes, format_bytes_per_sec};
 pub use measured::{ComputeMeasurement, ModelRecord, ModelRecords};
 pub use memory::{memory_info, peak_rss_bytes, CgroupLimit, MemoryInfo};
 

@@ -3,8 +3,8 @@
 use std::collections::BTreeSet;
 use std::fmt::Write;
 
-use super::format::{format_bytes, format_bytes_per_sec, format_unix_time_utc};
 use super::{DiskProfile, Profile};
+use crate::format::{format_bytes, format_bytes_per_sec, format_unix_time_utc};
 
 const LABEL_WIDTH: usize = 9;
 

@@ -26,8 +26,8 @@ mod types;
 pub use dense::{limit_tokens_per_sec, DenseLayout, READ_CHUNK_BYTES};
 pub use experts::{ExpertLayout, HUGE_SLICE_MIN_BYTES};
 pub use gpu::GpuLayout;
-pub use search::{choose, context_for, plan_for, Ask, Choice, DRAFT_UBATCH};
 pub use remote::{RemoteDeviceFacts, RemoteLayout, RemoteShare, REMOTE_RESERVE_BYTES};
+pub use search::{choose, context_for, plan_for, Ask, Choice, DRAFT_UBATCH};
 pub use sizing::{compute_buffer_bytes, context_memory_bytes, kv_cache_bytes};
 pub use types::{BudgetUse, CachePolicy, MachineFacts, Mode, ModeChoice, Plan, PlanError, PlanOptions, TensorPlacement, Tier};
 
@@ -117,9 +117,8 @@ fn plan_remote(inventory: &Inventory, machine: &MachineFacts, options: &PlanOpti
     let mut plan = plan_host(inventory, machine, options, &all_layer_ffn, None, gpu_unused, Some(remote.clone()))
         .map_err(|error| PlanError::HostBeforeRemote { remote: remote.describe(), reason: Box::new(error) })?;
     let remote_share = remote.layers.len() as f64 / inventory.hparams.n_layer.max(1) as f64;
-    remote.predicted_seconds_per_token = remote::host_seconds_per_token(machine, plan.streamed_bytes_per_token, 1.0 - remote_share)
-        + machine.compute_seconds_per_token.unwrap_or(0.0) * remote_share
-        + remote.link_seconds_per_token;
+    remote.predicted_seconds_per_token =
+        remote::host_seconds_per_token(machine, plan.streamed_bytes_per_token, 1.0 - remote_share) + machine.compute_seconds_per_token.unwrap_or(0.0) * remote_share + remote.link_seconds_per_token;
     plan.remote = Some(remote);
     Ok(plan)
 }

@@ -29,8 +29,8 @@ use tokio::sync::{mpsc, oneshot};
 use super::catalog::ModelEntry;
 use super::error::AppError;
 use super::wire::KeepAlive;
-use crate::setup::RunSpec;
 use crate::engine::{prompt, Batcher, Control, Embedder, Engine, EngineError, Finished, GenerateRequest, Prompt, SamplerParams, SequenceEvent, Token};
+use crate::setup::RunSpec;
 
 #[derive(Clone)]
 pub struct SchedulerConfig {

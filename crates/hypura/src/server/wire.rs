@@ -26,7 +26,7 @@ pub fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> R
 pub fn rfc3339(time: SystemTime) -> String {
     let since = time.duration_since(UNIX_EPOCH).unwrap_or_default();
     let seconds = since.as_secs();
-    let (year, month, day) = crate::hw::format::civil_from_days((seconds / 86_400) as i64);
+    let (year, month, day) = crate::format::civil_from_days((seconds / 86_400) as i64);
     let of_day = seconds % 86_400;
     let mut text = format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}", of_day / 3600, of_day / 60 % 60, of_day % 60);
     let nanos = since.subsec_nanos();

@@ -4,7 +4,7 @@ use anyhow::Context;
 use crate::bench::{self, BenchOptions, PeerConfig, PeerPlacement};
 use crate::cli::args::BenchArgs;
 use crate::cli::settings;
-use crate::hw::format::format_bytes;
+use crate::format::format_bytes;
 
 /// The baseline loads the whole model the way llama.cpp does; refuse it when that cannot fit.
 const BASELINE_HEADROOM_BYTES: u64 = 4 << 30;

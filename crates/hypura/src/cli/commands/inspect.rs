@@ -5,7 +5,7 @@ use anyhow::Context;
 use serde::Serialize;
 
 use crate::cli::args::InspectArgs;
-use crate::hw::format::format_bytes;
+use crate::format::format_bytes;
 use crate::model::{Inventory, Role};
 
 #[derive(Serialize)]

@@ -63,7 +63,7 @@ pub fn run(args: &ProfileArgs) -> anyhow::Result<()> {
     } else {
         print!("{}", profile.render_human());
         for link in &links {
-            let rate = |rate: Option<f64>| rate.map_or_else(|| "n/a".to_string(), crate::hw::format_bytes_per_sec);
+            let rate = |rate: Option<f64>| rate.map_or_else(|| "n/a".to_string(), crate::format::format_bytes_per_sec);
             println!(
                 "link {}: round trip {:.3} ms median, {:.3} ms p90; {} up, {} down",
                 link.worker,
@@ -73,7 +73,7 @@ pub fn run(args: &ProfileArgs) -> anyhow::Result<()> {
                 rate(link.download_bytes_per_sec)
             );
             for (name, free, total) in &link.devices {
-                println!("  {name}: {} free of {}", crate::hw::format_bytes(*free), crate::hw::format_bytes(*total));
+                println!("  {name}: {} free of {}", crate::format::format_bytes(*free), crate::format::format_bytes(*total));
             }
         }
     }

@@ -178,20 +178,20 @@ fn print_stats(gpu_free_before: Option<&[(String, u64)]>, disk_rate: Option<f64>
         );
     }
     if let Some(peak) = crate::hw::peak_rss_bytes() {
-        eprintln!("peak memory {} ({peak} bytes resident)", crate::hw::format::format_bytes(peak));
+        eprintln!("peak memory {} ({peak} bytes resident)", crate::format::format_bytes(peak));
     }
     // What the model, its context and the answer took on each GPU (free memory before the
     // load less free memory now; other processes on the device count too).
     for ((name, before), (_, now)) in gpu_free_before.iter().zip(crate::setup::gpu_free_by_name()) {
-        eprintln!("gpu memory  {} used on {name}", crate::hw::format::format_bytes(before.saturating_sub(now)));
+        eprintln!("gpu memory  {} used on {name}", crate::format::format_bytes(before.saturating_sub(now)));
     }
     if let Some(links) = &stats.links {
         let decodes = f64::from(stats.eval_decodes.max(1));
         let eval = stats.eval_links.unwrap_or_default();
         eprintln!(
             "links {} sent, {} received over the RPC workers' links | per decoded token: {:.1} KB, {:.1} round trips",
-            crate::hw::format::format_bytes(links.sent_bytes),
-            crate::hw::format::format_bytes(links.received_bytes),
+            crate::format::format_bytes(links.sent_bytes),
+            crate::format::format_bytes(links.received_bytes),
             eval.bytes() as f64 / decodes / 1e3,
             eval.round_trips as f64 / decodes
         );
@@ -201,7 +201,7 @@ fn print_stats(gpu_free_before: Option<&[(String, u64)]>, disk_rate: Option<f64>
         let wall = stats.total_duration.as_secs_f64().max(1e-9);
         eprintln!(
             "io   {} read ({:.1} MB/token, {:.2} GB/s over the request) | read time {:.3} s over {} reads | stall {:.3} s ({:.1}% of the request) | per token: compute {:.1} ms, stall {:.1} ms",
-            crate::hw::format::format_bytes(io.bytes_read),
+            crate::format::format_bytes(io.bytes_read),
             io.bytes_read as f64 / graphs / 1e6,
             io.bytes_read as f64 / wall / 1e9,
             io.read_seconds,
