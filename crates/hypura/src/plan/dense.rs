@@ -195,7 +195,7 @@ fn rate_in_flight(machine: &MachineFacts, in_flight: u64) -> f64 {
     (rate * in_flight as f64 / needed.max(1) as f64).max(f64::MIN_POSITIVE)
 }
 
-/// ARCHITECTURE.md §6: `1 / max(t_compute, bytes streamed per token / disk bandwidth)`, when
+/// ARCHITECTURE.md, "The physical limit": `1 / max(t_compute, bytes streamed per token / disk bandwidth)`, when
 /// both terms are known.
 fn physical_limit(machine: &MachineFacts, streamed_bytes_per_token: u64) -> Option<f64> {
     let compute = machine.compute_seconds_per_token?;
@@ -206,7 +206,7 @@ fn physical_limit(machine: &MachineFacts, streamed_bytes_per_token: u64) -> Opti
     }
 }
 
-/// The physical limit (ARCHITECTURE.md §6): a pass over the weights takes the longer of its
+/// The physical limit (ARCHITECTURE.md, "The physical limit"): a pass over the weights takes the longer of its
 /// compute and the reading of its streamed bytes at the disk's rate, and yields
 /// `tokens_per_pass` tokens (more than one with speculative decoding). None if a pass would
 /// take no time.

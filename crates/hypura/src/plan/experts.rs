@@ -31,10 +31,8 @@ pub struct ExpertLayout {
 }
 
 /// Expert slices at least this large are backed by huge pages inside (the store advises their
-/// 2 MiB-aligned interior). Prefetch once ran only for them: reading small slices into freshly
-/// faulted 4 KiB pages cost so much CPU that prefetch halved moe-30b's speed (slices of about
-/// 1 MB). Since reads land in the pages of evicted units (ARCHITECTURE.md, departure 25) it
-/// pays there too: 3.59 and 3.71 tok/s against 3.11 and 3.37 without, on moe-30b at 40%.
+/// 2 MiB-aligned interior; decision 04). Prefetch once ran only for them; since reads land in
+/// the pages of evicted units it pays on small slices too (decisions 07 and 25).
 pub const HUGE_SLICE_MIN_BYTES: u64 = 4 << 20;
 
 /// Expert-stream: every routed expert tensor of a layer the GPU does not hold streams by

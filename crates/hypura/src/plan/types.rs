@@ -200,7 +200,7 @@ pub struct Plan {
     pub streamed_bytes_per_token: u64,
     /// Upper bound from the disk alone: bandwidth ÷ streamed bytes per token.
     pub io_bound_tokens_per_sec: Option<f64>,
-    /// The physical limit (ARCHITECTURE.md §6), when the compute time has been measured.
+    /// The physical limit (ARCHITECTURE.md, "The physical limit"), when the compute time has been measured.
     pub limit_tokens_per_sec: Option<f64>,
 }
 
