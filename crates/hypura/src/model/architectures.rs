@@ -160,7 +160,7 @@ pub const KNOWN_ARCHITECTURES: &[&str] = &[
 /// The graph node each architecture names just before the first use of a layer's FFN weights
 /// (dense or expert), without its `-<layer>` suffix: where dense streaming must have a layer's
 /// FFN ready. Most graphs call it `ffn_norm`; the others were read from `src/models/<arch>.cpp`
-/// and checked with the eval hook on forged models (`tests/architectures.rs`).
+/// and checked with the eval hook on forged models (`tests/it/architectures.rs`).
 pub fn ffn_entry_node(arch: &str) -> &'static str {
     match arch {
         // The FFN input norm is the post-attention norm.

@@ -1,6 +1,6 @@
 """The real `ollama` and `openai` Python clients against a running `hypura serve`.
 
-Run by `tests/server_clients.rs`: python3 clients.py BASE_URL MODEL [EXTRA_MODEL...]. MODEL is
+Run by `tests/it/server_clients.rs`: python3 clients.py BASE_URL MODEL [EXTRA_MODEL...]. MODEL is
 the Gemma 3 270M base model (or --extra-only); each EXTRA_MODEL gets a shorter pass (generate
 and chat, streamed and not). Exits non-zero on the first failed check.
 """

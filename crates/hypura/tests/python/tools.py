@@ -1,7 +1,7 @@
 """Tool calls and capabilities through the real clients: `ollama`, `openai` and `langchain-ollama`
 against a running `hypura serve`.
 
-Run by `tests/server_tools.rs`: python3 tools.py BASE_URL QWEN SMOLLM [REASONING]. QWEN is
+Run by `tests/it/server_tools.rs`: python3 tools.py BASE_URL QWEN SMOLLM [REASONING]. QWEN is
 Qwen2.5-Coder-0.5B-Instruct (its template renders tools), SMOLLM is SmolLM2-135M-Instruct (a
 ChatML template without tools), REASONING a forged model whose template has a reasoning section.
 Each tool test calls a tool, checks the call's name and arguments, streamed and not, and sends

@@ -5,17 +5,11 @@
 //! turn must exit 0, the server's log must show the `read` call and the tool result coming
 //! back, and the reply must hold the word. Once at the server's defaults (resident), once
 //! under a memory budget that makes the model stream its FFN layers.
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Mutex;
 use std::time::Instant;
 
-use common::Server;
-
-/// Each test runs an agent turn that keeps both cores busy for minutes.
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+use crate::common::{self, Server};
 
 /// The Node directory and the openclaw binary `scripts/install-openclaw` installed.
 fn openclaw() -> (PathBuf, PathBuf) {
@@ -91,13 +85,13 @@ fn agent_turn(extra: &[&str]) -> (String, String) {
 
 #[test]
 fn openclaw_reads_a_file_with_its_tool_at_the_server_defaults() {
-    let _guard = ONE_AT_A_TIME.lock().unwrap_or_else(|poison| poison.into_inner());
+    let _machine = common::whole_machine();
     agent_turn(&[]);
 }
 
 #[test]
 fn openclaw_reads_a_file_while_the_model_streams() {
-    let _guard = ONE_AT_A_TIME.lock().unwrap_or_else(|poison| poison.into_inner());
+    let _machine = common::whole_machine();
     // One sequence, and a budget below what the resident model needs with a 16K context (the
     // default context under this budget, and OpenClaw's context window): the plan streams FFN
     // layers.

@@ -1,7 +1,5 @@
 //! Invariant 1 for expert-stream: tokens and logits are bit-identical to resident mode with a
 //! cache small enough to force misses and evictions; bytes read are exactly the misses' units.
-mod common;
-
 use std::path::Path;
 use std::sync::Arc;
 
@@ -9,6 +7,8 @@ use hypura::engine::{Control, Engine, EngineOptions, GenerateRequest, Prompt, Sa
 use hypura::model::Inventory;
 use hypura::plan::{self, MachineFacts, Mode, ModeChoice, PlanOptions};
 use hypura::store::CachePolicy;
+
+use crate::common;
 
 fn engine(path: &Path, mode: Mode, cache_units: usize, policy: CachePolicy) -> Arc<Engine> {
     engine_with(path, mode, cache_units, policy, false)
@@ -46,6 +46,7 @@ fn generate(engine: &Arc<Engine>, prompt: &str) -> hypura::engine::GenerateOutpu
 
 #[test]
 fn expert_stream_is_bit_identical_to_resident_and_reads_only_misses() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     for preset in ["tiny-moe-8x", "tiny-moe-30b"] {
         let path = common::forge(preset, directory.path());
@@ -84,6 +85,7 @@ fn expert_stream_is_bit_identical_to_resident_and_reads_only_misses() {
 
 #[test]
 fn expert_ids_from_the_router_are_recorded_in_the_trace() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let path = common::forge("tiny-moe-8x", directory.path());
     let trace = directory.path().join("trace.jsonl");
@@ -111,6 +113,7 @@ fn expert_ids_from_the_router_are_recorded_in_the_trace() {
 
 #[test]
 fn prefetch_changes_no_token() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     // Small per-layer updates to the residual stream, as in real models: the stale gate can
     // only predict where the hidden state drifts slowly from layer to layer.

@@ -1,13 +1,13 @@
 //! Invariant 1 for dense-stream: greedy tokens and logits are bit-identical to resident mode
 //! (same kernels: repacking off on both sides), with most FFN layers streamed from disk.
-mod common;
-
 use std::path::Path;
 use std::sync::Arc;
 
 use hypura::engine::{Control, Engine, EngineOptions, GenerateRequest, Prompt, SamplerParams, Session};
 use hypura::model::Inventory;
 use hypura::plan::{self, MachineFacts, Mode, ModeChoice, PlanOptions};
+
+use crate::common;
 
 const N_CTX: u32 = 512;
 
@@ -72,6 +72,7 @@ fn assert_identical(path: &Path, pinned: u64, prompt: &str) {
 
 #[test]
 fn tiny_dense_stream_is_bit_identical_to_resident() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let path = common::forge("tiny-dense-8b", directory.path());
     assert_identical(&path, 1, "the king of paris and the queen of the sea");
@@ -79,6 +80,7 @@ fn tiny_dense_stream_is_bit_identical_to_resident() {
 
 #[test]
 fn gemma_dense_stream_is_bit_identical_to_resident() {
+    let _machine = common::shared_machine();
     assert_identical(&common::gemma_path(), 3, "The capital of France is");
 }
 
@@ -87,6 +89,7 @@ fn gemma_dense_stream_is_bit_identical_to_resident() {
 /// cannot hold the non-streamed part.
 #[test]
 fn a_read_failure_fails_the_request_clearly() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let path = common::forge("tiny-dense-8b", directory.path());
     let (_, streaming) = engines(&path, 0);
@@ -108,6 +111,7 @@ fn a_read_failure_fails_the_request_clearly() {
 
 #[test]
 fn too_small_a_budget_is_refused_at_plan_time() {
+    let _machine = common::shared_machine();
     let inventory = Inventory::open(&common::gemma_path()).unwrap();
     let facts = MachineFacts { memory_budget_bytes: 64 << 20, disk_bytes_per_sec: None, ..MachineFacts::default() };
     let error = plan::plan(&inventory, &facts, &PlanOptions::default()).unwrap_err();
@@ -121,6 +125,7 @@ fn too_small_a_budget_is_refused_at_plan_time() {
 /// Invariant 3: a dense-stream run's peak resident memory stays under its budget + 5%.
 #[test]
 fn peak_memory_stays_under_the_budget() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let tiny = common::forge("tiny-dense-8b", directory.path());
     let gemma = common::gemma_path();

@@ -3,16 +3,11 @@
 //! Qwen2.5-Coder-0.5B-Instruct, streamed and not, and send its result back in a second turn; `/api/show` lists what each model's template can do (SmolLM2's ChatML renders no
 //! tools, a forged Qwen3 has a reasoning section); a `num_ctx` longer than the loaded context
 //! reloads the model. Each test fails when its script or check fails.
-mod common;
-
 use std::process::Command;
-use std::sync::Mutex;
 
-use common::Server;
 use serde_json::json;
 
-/// Each test starts a server; one at a time keeps two cores from being shared.
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+use crate::common::{self, Server};
 
 fn stem(path: &std::path::Path) -> String {
     path.file_stem().unwrap().to_string_lossy().into_owned()
@@ -20,7 +15,7 @@ fn stem(path: &std::path::Path) -> String {
 
 #[test]
 fn tool_calls_through_the_python_clients() {
-    let _guard = ONE_AT_A_TIME.lock().unwrap_or_else(|poison| poison.into_inner());
+    let _machine = common::whole_machine();
     let status = Command::new("python3").args(["-c", "import ollama, openai, langchain_ollama"]).status().expect("python3");
     assert!(status.success(), "the Python clients are missing: pip install ollama openai langchain-ollama (scripts/test does)");
     let directory = tempfile::tempdir().unwrap();
@@ -40,7 +35,7 @@ fn tool_calls_through_the_python_clients() {
 
 #[test]
 fn a_longer_num_ctx_reloads_the_model_and_an_overflow_says_so() {
-    let _guard = ONE_AT_A_TIME.lock().unwrap_or_else(|poison| poison.into_inner());
+    let _machine = common::whole_machine();
     let directory = tempfile::tempdir().unwrap();
     let qwen = common::chat_model_path();
     let arguments: Vec<String> = [qwen.display().to_string(), "--context".into(), "1024".into(), "--parallel".into(), "1".into(), "--threads".into(), "2".into()].into();
@@ -66,7 +61,7 @@ fn a_longer_num_ctx_reloads_the_model_and_an_overflow_says_so() {
 
 #[test]
 fn a_num_ctx_beyond_the_budget_says_how_much_fits_and_the_server_recovers() {
-    let _guard = ONE_AT_A_TIME.lock().unwrap_or_else(|poison| poison.into_inner());
+    let _machine = common::whole_machine();
     let directory = tempfile::tempdir().unwrap();
     let qwen = common::chat_model_path();
     let arguments: Vec<String> = [qwen.display().to_string(), "--parallel".into(), "1".into(), "--memory-budget".into(), "560MiB".into(), "--threads".into(), "2".into()].into();

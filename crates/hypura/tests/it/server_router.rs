@@ -1,8 +1,6 @@
 //! The HTTP server through its router, without a socket (`tower::ServiceExt::oneshot`): every
 //! endpoint, every error code, streaming framing, the queue bound, cancellation by dropping the
 //! response, and parallel sequences giving the same answers as one at a time.
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -16,6 +14,8 @@ use hypura::server::{router, AppState, Catalog, HttpConfig, SchedulerConfig};
 use hypura::setup::RunSpec;
 use serde_json::{json, Value};
 use tower::ServiceExt;
+
+use crate::common;
 
 /// How the test models load: batch-invariant kernels (`hypura serve --batch-invariant`), so
 /// parallel sequences give exactly the answers they give alone.
@@ -80,6 +80,7 @@ const MODEL: &str = "tiny-dense-1b";
 
 #[tokio::test]
 async fn meta_endpoints_answer_like_ollama() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let app = app(vec![tiny(directory.path())]);
 
@@ -133,6 +134,7 @@ async fn meta_endpoints_answer_like_ollama() {
 
 #[tokio::test]
 async fn bad_requests_get_400_and_unknown_models_404() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let app = app_with(vec![tiny(directory.path())], 1, 1, HttpConfig { body_limit_bytes: 4096, ..HttpConfig::default() });
 
@@ -203,6 +205,7 @@ async fn bad_requests_get_400_and_unknown_models_404() {
 
 #[tokio::test]
 async fn generate_streams_ndjson_and_answers_whole_objects() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let app = app(vec![tiny(directory.path())]);
     let options = json!({"temperature": 0, "num_predict": 8});
@@ -251,6 +254,7 @@ async fn generate_streams_ndjson_and_answers_whole_objects() {
 
 #[tokio::test]
 async fn chat_load_unload_and_ps() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let app = app(vec![tiny(directory.path())]);
 
@@ -288,6 +292,7 @@ async fn chat_load_unload_and_ps() {
 
 #[tokio::test]
 async fn structured_output_follows_the_schema() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let app = app(vec![tiny(directory.path())]);
     let schema = json!({"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}, "count": {"type": "integer"}}, "required": ["ok", "color", "count"]});
@@ -320,6 +325,7 @@ async fn structured_output_follows_the_schema() {
 
 #[tokio::test]
 async fn embeddings_in_both_apis() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let app = app(vec![tiny(directory.path())]);
     let embed = post(&app, "/api/embed", json!({"model": MODEL, "input": ["the king", "the queen of the sea"]})).await.json();
@@ -355,6 +361,7 @@ async fn embeddings_in_both_apis() {
 
 #[tokio::test]
 async fn openai_chat_and_completions_stream_server_sent_events() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let app = app(vec![tiny(directory.path())]);
     let body = json!({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}], "max_tokens": 5, "temperature": 0});
@@ -404,6 +411,7 @@ async fn first_line(body: Body) -> (String, impl futures_util::Stream) {
 
 #[tokio::test]
 async fn a_full_queue_is_503_and_a_dropped_stream_frees_its_place() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let app = app_with(vec![tiny(directory.path())], 1, 0, HttpConfig::default());
     // It must still be generating when the next requests come: no end-of-generation token.
@@ -436,6 +444,7 @@ async fn a_full_queue_is_503_and_a_dropped_stream_frees_its_place() {
 
 #[tokio::test]
 async fn parallel_requests_decode_together_and_match_sequential_answers() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let app = app(vec![tiny(directory.path())]);
     let prompts = ["the king of paris", "a queen", "the sea and the sky and the land", "paris"];
@@ -455,6 +464,7 @@ async fn parallel_requests_decode_together_and_match_sequential_answers() {
 
 #[tokio::test]
 async fn ollama_store_names_resolve_and_never_escape_it() {
+    let _machine = common::shared_machine();
     let store = tempfile::tempdir().unwrap();
     let model = tiny(store.path());
     common::ollama_store(store.path(), &model, "tiny", "q4");
@@ -474,6 +484,7 @@ async fn ollama_store_names_resolve_and_never_escape_it() {
 
 #[tokio::test]
 async fn cors_allows_localhost_and_configured_origins_only() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let app = app_with(vec![tiny(directory.path())], 1, 1, HttpConfig { cors_origins: vec!["https://webui.example".into()], ..HttpConfig::default() });
     for (origin, allowed) in [("http://localhost:3000", true), ("https://webui.example", true), ("http://evil.example", false)] {
@@ -495,6 +506,7 @@ async fn cors_allows_localhost_and_configured_origins_only() {
 /// parallel answers read about what one answer reads, not four times as much.
 #[tokio::test]
 async fn parallel_sequences_share_each_streamed_read() {
+    let _machine = common::shared_machine();
     use hypura::plan::{self, MachineFacts, Mode, ModeChoice, PlanError, PlanOptions};
     let directory = tempfile::tempdir().unwrap();
     let path = common::forge("tiny-dense-8b", directory.path());

@@ -2,14 +2,14 @@
 //! verified several to a pass, and greedy output is the same tokens as without them, resident
 //! and streaming, with one sequence or several in one batch. Bad drafts setups are refused at
 //! load with the reason.
-mod common;
-
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use hypura::engine::{Batcher, Control, Engine, EngineOptions, GenerateOutput, GenerateRequest, Prompt, SamplerParams, SequenceEvent, Session, Speculation};
 use hypura::model::{Inventory, Role};
 use hypura::plan::{self, MachineFacts, Mode, ModeChoice, PlanOptions};
+
+use crate::common;
 
 const N_CTX: u32 = 1024;
 
@@ -36,6 +36,7 @@ fn greedy(engine: &Arc<Engine>, prompt: &str, count: u32) -> GenerateOutput {
 
 #[test]
 fn a_draft_model_changes_no_greedy_token_and_verifies_several_per_pass() {
+    let _machine = common::shared_machine();
     let model = common::chat_model_path();
     let plain = Arc::new(Engine::open(&model, options(None)).unwrap());
     let reference = greedy(&plain, REWRITE, 48);
@@ -53,6 +54,7 @@ fn a_draft_model_changes_no_greedy_token_and_verifies_several_per_pass() {
 
 #[test]
 fn prompt_lookup_drafts_change_no_greedy_token() {
+    let _machine = common::shared_machine();
     let model = common::chat_model_path();
     let plain = Arc::new(Engine::open(&model, options(None)).unwrap());
     let reference = greedy(&plain, REWRITE, 40);
@@ -70,6 +72,7 @@ fn prompt_lookup_drafts_change_no_greedy_token() {
 /// without a draft, in fewer passes, so fewer bytes read per generated token.
 #[test]
 fn speculation_while_streaming_reads_less_per_token_and_changes_no_token() {
+    let _machine = common::shared_machine();
     let model = common::chat_model_path();
     let inventory = Inventory::open(&model).unwrap();
     let facts = MachineFacts { memory_budget_bytes: common::streaming_budget(&model, Mode::DenseStream, N_CTX), disk_bytes_per_sec: Some(1e9), ..MachineFacts::default() };
@@ -89,6 +92,7 @@ fn speculation_while_streaming_reads_less_per_token_and_changes_no_token() {
 /// Several sequences in one batch each verify their own draft.
 #[test]
 fn sequences_decoded_together_each_keep_their_greedy_tokens() {
+    let _machine = common::shared_machine();
     let model = common::chat_model_path();
     let prompts = [REWRITE, "The capital of France is", "fn main() {\n    println!(\"hello\");\n}\n// The same in Python:\n"];
     let plain = Arc::new(Engine::open(&model, EngineOptions { n_seq_max: 3, ..options(None) }).unwrap());
@@ -120,6 +124,7 @@ fn sequences_decoded_together_each_keep_their_greedy_tokens() {
 
 #[test]
 fn a_draft_that_cannot_draft_for_the_target_is_refused_at_load() {
+    let _machine = common::shared_machine();
     let chat = common::chat_model_path();
     // Gemma's vocabulary is not Qwen's.
     let error = Engine::open(&chat, options(Some(with_draft(&common::gemma_path(), 4)))).err().expect("an incompatible draft is refused");
@@ -140,6 +145,7 @@ fn a_draft_that_cannot_draft_for_the_target_is_refused_at_load() {
 /// resident and with the experts streaming. A model without MTP layers is refused.
 #[test]
 fn the_models_own_mtp_layer_drafts_and_changes_no_greedy_token() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let model = common::forge("tiny-glm4moe", directory.path());
     let prompt = "The capital of France is";
@@ -170,6 +176,7 @@ fn the_models_own_mtp_layer_drafts_and_changes_no_greedy_token() {
 /// a pass gave, next to its tg figure (the model drafts for itself: nearly all are accepted).
 #[test]
 fn bench_reports_acceptance_and_tokens_per_pass() {
+    let _machine = common::shared_machine();
     let model = common::chat_model_path();
     let model = model.to_str().unwrap();
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_hypura"))

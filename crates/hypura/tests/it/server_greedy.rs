@@ -1,17 +1,12 @@
 //! `hypura serve` itself, as a process: greedy answers repeat to the bit whether the prompt's
 //! prefix was cached and whatever other request shares the batch, and greedy answers in
 //! dense-stream and expert-stream equal resident ones.
-mod common;
-
-use std::sync::Mutex;
 use std::time::Duration;
 
-use common::{streaming_budget, Server};
 use hypura::plan::Mode;
 use serde_json::{json, Value};
 
-/// Each test starts servers; one at a time keeps two cores from being shared four ways.
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+use crate::common::{self, streaming_budget, Server};
 
 fn strings(items: &[&str]) -> Vec<String> {
     items.iter().map(|item| item.to_string()).collect()
@@ -32,7 +27,7 @@ fn model_name(path: &std::path::Path) -> String {
 /// answer changed on its second round and the fifth's with reference kernels alone.
 #[test]
 fn a_greedy_answer_repeats_with_its_prefix_cached_and_another_request_in_the_batch() {
-    let _guard = ONE_AT_A_TIME.lock().unwrap_or_else(|poison| poison.into_inner());
+    let _machine = common::whole_machine();
     let directory = tempfile::tempdir().unwrap();
     let gemma = common::gemma_path();
     let mut arguments = vec![gemma.display().to_string()];
@@ -86,13 +81,13 @@ fn streaming_equals_resident(model: &std::path::Path, mode: Mode, prompts: &[&st
 
 #[test]
 fn greedy_text_from_the_server_in_dense_stream_equals_resident() {
-    let _guard = ONE_AT_A_TIME.lock().unwrap_or_else(|poison| poison.into_inner());
+    let _machine = common::whole_machine();
     streaming_equals_resident(&common::gemma_path(), Mode::DenseStream, &["The capital of France is", "Write a haiku about the sea."]);
 }
 
 #[test]
 fn greedy_text_from_the_server_in_expert_stream_equals_resident() {
-    let _guard = ONE_AT_A_TIME.lock().unwrap_or_else(|poison| poison.into_inner());
+    let _machine = common::whole_machine();
     let directory = tempfile::tempdir().unwrap();
     let model = common::forge("tiny-moe-8x", directory.path());
     streaming_equals_resident(&model, Mode::ExpertStream, &["the king of paris", "once upon a time"]);

@@ -3,8 +3,6 @@
 //! same bits again in expert-stream with a cache smaller than one layer's experts, and in
 //! dense-stream (whole FFN layers, experts included). Expert-stream on a model with dense FFN
 //! layers among its MoE layers streams both in one plan.
-mod common;
-
 use std::path::Path;
 use std::sync::Arc;
 
@@ -13,6 +11,8 @@ use hypura::engine::{Control, Engine, EngineOptions, GenerateRequest, Prompt, Sa
 use hypura::model::{Inventory, Role};
 use hypura::plan::{self, MachineFacts, Mode, ModeChoice, PlanOptions, Tier};
 use hypura::store::CachePolicy;
+
+use crate::common;
 
 const PROMPT: &str = "the king of paris and the queen of the sea walked to the river";
 const TOKENS: u32 = 24;
@@ -110,6 +110,7 @@ macro_rules! matrix {
         $(
             #[test]
             fn $test() {
+                let _machine = common::shared_machine();
                 matrix($preset);
             }
         )*
@@ -117,6 +118,7 @@ macro_rules! matrix {
         /// Every tiny MoE preset is in the matrix.
         #[test]
         fn every_tiny_moe_preset_is_in_the_matrix() {
+            let _machine = common::shared_machine();
             let tested = [$($preset),*];
             let moe: Vec<&str> = hypura_forge::presets().into_iter().filter(|name| name.starts_with("tiny-") && hypura_forge::preset(name).unwrap().is_moe()).collect();
             assert_eq!(moe, tested);

@@ -3,13 +3,13 @@
 //! the greedy text is the resident run's. A worker that is down at start is named; a worker
 //! killed mid-answer fails that request with its name, the server stays up, and the next
 //! request is planned again without it.
-mod common;
-
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
+
+use crate::common;
 
 const PROMPT: &str = "Write a Python function that adds two numbers.";
 /// What each worker lends, and the host's budget: the model (463 MiB of weights) fits in
@@ -108,6 +108,7 @@ fn peak_rss(stderr: &str) -> u64 {
 /// Two workers hold the last layers, each its own range, and the text is the resident text.
 #[test]
 fn two_workers_hold_the_last_layers_and_the_greedy_text_is_the_resident_text() {
+    let _machine = common::shared_machine();
     let model = common::chat_model_path();
     let model = model.to_str().unwrap();
     let lent = hypura::cli::settings::parse_bytes(LENT).unwrap();
@@ -149,6 +150,7 @@ fn two_workers_hold_the_last_layers_and_the_greedy_text_is_the_resident_text() {
 
 #[test]
 fn a_worker_that_is_down_at_start_is_named() {
+    let _machine = common::shared_machine();
     let model = common::chat_model_path();
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let endpoint = format!("127.0.0.1:{port}");
@@ -167,6 +169,7 @@ fn a_worker_that_is_down_at_start_is_named() {
 /// again with the worker that is left, with the resident text.
 #[test]
 fn a_worker_killed_mid_answer_fails_that_request_and_the_next_one_is_planned_without_it() {
+    let _machine = common::shared_machine();
     let model = common::chat_model_path();
     let lent = hypura::cli::settings::parse_bytes(LENT).unwrap();
     let mut workers = [Worker::start(LENT, lent + (160 << 20)), Worker::start(LENT, lent + (160 << 20))];
@@ -222,6 +225,7 @@ fn a_worker_killed_mid_answer_fails_that_request_and_the_next_one_is_planned_wit
 /// numbers, before any weight is sent; the link profile times round trips and transfers.
 #[test]
 fn a_worker_with_less_memory_than_planned_is_refused_at_load_and_its_link_is_profiled() {
+    let _machine = common::shared_machine();
     let model = common::chat_model_path();
     let lent = hypura::cli::settings::parse_bytes(LENT).unwrap();
     let worker = Worker::start(LENT, lent + (160 << 20));
@@ -273,6 +277,7 @@ fn a_worker_with_less_memory_than_planned_is_refused_at_load_and_its_link_is_pro
 /// a budget that holds local streaming only with small batches still compares with it.
 #[test]
 fn remote_and_local_streaming_are_weighed_each_at_its_own_batch() {
+    let _machine = common::shared_machine();
     let model = common::chat_model_path();
     let inventory = hypura::model::Inventory::open(&model).unwrap();
     let spec = hypura::setup::RunSpec {
@@ -310,6 +315,7 @@ fn remote_and_local_streaming_are_weighed_each_at_its_own_batch() {
 /// the link, and the text is the resident text.
 #[test]
 fn a_tied_output_stays_on_the_host() {
+    let _machine = common::shared_machine();
     let model = common::smollm_path();
     let model = model.to_str().unwrap();
     let worker = Worker::start("200MiB", 360 << 20);

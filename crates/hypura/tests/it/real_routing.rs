@@ -3,22 +3,17 @@
 //! keeps the model's function, that using fewer experts keeps less of it, and that a trace of real
 //! routing through `hypura run --trace` and `hypura simulate` is what real text gives: valid
 //! picks that change from token to token, neither stuck nor random.
-mod common;
-
 use std::collections::HashSet;
 use std::path::Path;
 use std::process::Command;
-use std::sync::Mutex;
 
 use hypura::bench::peer::PlainLlama;
 use hypura::store::RouteRecord;
 use hypura_forge::{moe_from_dense, FromDense};
 
-const TEXT: &str = "A binary search looks at the middle element of a sorted list. If the element is larger than the value it wants, it continues in the left half; otherwise in the right half. Each step halves the list, so it needs about log2(n) steps for n elements.";
+use crate::common;
 
-/// One test at a time: each converts with every core and runs llama.cpp with two threads, whose
-/// barriers spin; side by side on a small machine they would take turns spinning.
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+const TEXT: &str = "A binary search looks at the middle element of a sorted list. If the element is larger than the value it wants, it continues in the left half; otherwise in the right half. Each step halves the list, so it needs about log2(n) steps for n elements.";
 
 fn convert(source: &Path, output: &Path, n_expert: u64, n_expert_used: u64, n_shared: Option<u64>) {
     let options = FromDense { n_expert, n_expert_used, n_shared, seed: 42, calibration: None };
@@ -44,7 +39,7 @@ fn agreement(a: &[i32], b: &[i32]) -> f64 {
 
 #[test]
 fn every_expert_used_predicts_as_the_dense_model_and_fewer_keep_less() {
-    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let _machine = common::whole_machine();
     let directory = tempfile::tempdir().unwrap();
     let dense = common::smollm_path();
     let dense_next = next_tokens(&dense, TEXT);
@@ -66,7 +61,7 @@ fn every_expert_used_predicts_as_the_dense_model_and_fewer_keep_less() {
 
 #[test]
 fn a_trace_of_real_routing_changes_from_token_to_token_and_simulates() {
-    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let _machine = common::whole_machine();
     let directory = tempfile::tempdir().unwrap();
     let model = directory.path().join("qwen-16x.gguf");
     // Qwen2.5-Coder-0.5B: 4864 neurons in 19 clusters of 256, 3 of them the shared expert.
@@ -116,7 +111,7 @@ fn a_trace_of_real_routing_changes_from_token_to_token_and_simulates() {
 
 #[test]
 fn models_it_cannot_convert_are_refused_with_the_reason() {
-    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let _machine = common::whole_machine();
     let directory = tempfile::tempdir().unwrap();
     let output = directory.path().join("out.gguf");
     let refuse = |source: &Path, n_expert: u64, n_shared: Option<u64>| {

@@ -1,8 +1,8 @@
 //! `hypura run` and `hypura bench` end to end, including bad input: each gives one clear line
 //! and exit status 1, never a panic.
-mod common;
-
 use std::process::{Command, Output};
+
+use crate::common;
 
 fn hypura(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_hypura")).args(args).env("HYPURA_LOG", "off").output().expect("run hypura")
@@ -21,6 +21,7 @@ fn assert_fails_with(output: &Output, needle: &str) {
 
 #[test]
 fn run_generates_and_reports_stats() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let model = common::forge("tiny-dense-1b", directory.path());
     let output = hypura(&["run", model.to_str().unwrap(), "-p", "hello world", "-n", "6", "--temperature", "0", "--stats", "-t", "1"]);
@@ -41,6 +42,7 @@ fn run_model(model: &std::path::Path, extra: &[&str]) -> String {
 
 #[test]
 fn a_base_model_without_a_template_runs_chat_as_plain_completion() {
+    let _machine = common::shared_machine();
     // Gemma 3 270M is a base model and its file has no chat template: a prompt is completed
     // as written, with or without --raw (a made-up template once made it answer "tersebut").
     let gemma = common::gemma_path();
@@ -52,6 +54,7 @@ fn a_base_model_without_a_template_runs_chat_as_plain_completion() {
 
 #[test]
 fn an_instruct_model_answers_through_its_template() {
+    let _machine = common::shared_machine();
     let qwen = common::chat_model_path();
     let chat = run_model(&qwen, &["-p", "What is the capital of France? One word."]);
     assert!(chat.contains("Paris"), "{chat}");
@@ -64,6 +67,7 @@ fn an_instruct_model_answers_through_its_template() {
 
 #[test]
 fn run_rejects_bad_input_clearly() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let model = common::forge("tiny-dense-1b", directory.path());
     let model = model.to_str().unwrap();
@@ -79,6 +83,7 @@ fn run_rejects_bad_input_clearly() {
 
 #[test]
 fn bench_prints_a_table_and_json_against_llama_cpp() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let model = common::forge("tiny-moe-8x", directory.path());
     let json = directory.path().join("bench.json");
@@ -99,6 +104,7 @@ fn bench_prints_a_table_and_json_against_llama_cpp() {
 
 #[test]
 fn run_and_inspect_take_a_model_pulled_by_ollama_by_name_and_llama_cpp_flags() {
+    let _machine = common::shared_machine();
     // An Ollama store holding a forged model as `tiny:q4`.
     let store = tempfile::tempdir().unwrap();
     let model = common::forge("tiny-dense-1b", store.path());

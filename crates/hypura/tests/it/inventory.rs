@@ -1,11 +1,12 @@
 //! The inventory on the real Gemma file and on every forge architecture.
-mod common;
-
 use hypura::model::{Inventory, ModelError, Role};
 use hypura_gguf::{GgmlType, GgufWriter, Value};
 
+use crate::common;
+
 #[test]
 fn gemma_inventory_matches_the_file() {
+    let _machine = common::shared_machine();
     let inventory = Inventory::open(&common::gemma_path()).unwrap();
     assert_eq!(inventory.arch, "gemma3");
     assert_eq!(inventory.hparams.n_layer, 18);
@@ -30,6 +31,7 @@ fn gemma_inventory_matches_the_file() {
 
 #[test]
 fn forged_moe_has_expert_slices_that_tile_each_tensor() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     for (preset, arch, n_expert, n_used) in [("tiny-moe-8x", "llama", 8, 2), ("tiny-moe-30b", "qwen3moe", 16, 4)] {
         let path = common::forge(preset, directory.path());
@@ -60,6 +62,7 @@ fn forged_moe_has_expert_slices_that_tile_each_tensor() {
 /// layers' tensors are marked.
 #[test]
 fn every_moe_architecture_slices_its_experts_under_every_mix() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let presets: Vec<&str> = hypura_forge::presets().into_iter().filter(|name| name.starts_with("tiny-") && hypura_forge::preset(name).unwrap().is_moe()).collect();
     assert!(presets.len() >= 13, "{presets:?}");
@@ -98,6 +101,7 @@ fn every_moe_architecture_slices_its_experts_under_every_mix() {
 
 #[test]
 fn forged_dense_models_classify_every_tensor() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     for preset in ["tiny-dense-1b", "tiny-dense-8b", "tiny-qwen3"] {
         let path = common::forge(preset, directory.path());
@@ -118,6 +122,7 @@ fn forged_dense_models_classify_every_tensor() {
 
 #[test]
 fn unknown_architecture_is_refused_with_its_name() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let path = directory.path().join("alien.gguf");
     let mut writer = GgufWriter::new();
@@ -134,6 +139,7 @@ fn unknown_architecture_is_refused_with_its_name() {
 
 #[test]
 fn layer_beyond_block_count_is_refused() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let path = directory.path().join("bad-layer.gguf");
     let mut writer = GgufWriter::new();
@@ -153,6 +159,7 @@ fn layer_beyond_block_count_is_refused() {
 /// 1.12 MiB KV + 0.57 MiB state llama.cpp allocates).
 #[test]
 fn context_memory_matches_what_llama_cpp_allocates() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let memory = |preset: &str| {
         let inventory = Inventory::open(&common::forge(preset, directory.path())).unwrap();

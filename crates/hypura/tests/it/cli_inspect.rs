@@ -1,11 +1,11 @@
 //! `hypura inspect` end to end: good files print the inventory, bad files give one clear line
 //! on stderr and exit 1, never a panic or an abort.
-mod common;
-
 use std::path::Path;
 use std::process::{Command, Output};
 
 use hypura_gguf::{GgmlType, GgufWriter, Value};
+
+use crate::common;
 
 fn hypura(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_hypura")).args(args).env("HYPURA_LOG", "off").output().expect("run hypura")
@@ -24,6 +24,7 @@ fn assert_clean_failure(output: &Output, must_mention: &str) -> String {
 
 #[test]
 fn inspect_gemma_reports_architecture_layers_and_tensors() {
+    let _machine = common::shared_machine();
     let path = common::gemma_path();
     let output = hypura(&["inspect", path.to_str().unwrap()]);
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
@@ -44,6 +45,7 @@ fn inspect_gemma_reports_architecture_layers_and_tensors() {
 
 #[test]
 fn inspect_moe_shows_expert_slices() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let path = common::forge("tiny-moe-30b", directory.path());
     let output = hypura(&["inspect", path.to_str().unwrap()]);
@@ -57,6 +59,7 @@ fn inspect_moe_shows_expert_slices() {
 /// one line; the expert slice shown is the first MoE layer's; the MTP block is planned unused.
 #[test]
 fn inspect_summarizes_layers_by_kind() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let path = common::forge("tiny-deepseek2", directory.path());
     let output = hypura(&["inspect", path.to_str().unwrap()]);
@@ -75,6 +78,7 @@ fn inspect_summarizes_layers_by_kind() {
 
 #[test]
 fn bad_inputs_fail_with_one_clear_line() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let dir = directory.path();
 
@@ -126,6 +130,7 @@ fn write_alien(path: &Path) {
 /// that does not exist.
 #[test]
 fn a_gpu_budget_places_on_a_gpu_only_where_there_is_one() {
+    let _machine = common::shared_machine();
     let path = common::gemma_path();
     let has_gpu = hypura_sys::Backend::get().devices().iter().any(|device| device.kind == hypura_sys::DeviceKind::Gpu);
     let output = Command::new(env!("CARGO_BIN_EXE_hypura")).args(["inspect", path.to_str().unwrap(), "--gpu-budget", "4GiB"]).output().expect("run hypura");
@@ -146,6 +151,7 @@ fn a_gpu_budget_places_on_a_gpu_only_where_there_is_one() {
 /// the run generates with it; a batch the user chose is kept, and refused.
 #[test]
 fn a_budget_too_small_for_the_default_batch_takes_a_smaller_one() {
+    let _machine = common::shared_machine();
     let model = common::chat_model_path();
     let model = model.to_str().unwrap();
     let output = hypura(&["inspect", model, "--memory-budget", "520MB"]);

@@ -3,8 +3,6 @@
 //! GPU (CI) llama.cpp puts every layer on the CPU, but the overrides still go through its loader
 //! and the hooks must still skip the layers planned for the GPU; on a CUDA machine
 //! `hypura bench --baseline-placement same` makes the same comparison on the device.
-mod common;
-
 use std::path::Path;
 use std::sync::Arc;
 
@@ -13,6 +11,8 @@ use hypura::bench::{PeerConfig, PeerPlacement};
 use hypura::engine::{Control, Engine, EngineOptions, GenerateRequest, Prompt, SamplerParams, Session};
 use hypura::model::{Inventory, Role};
 use hypura::plan::{self, MachineFacts, Mode, ModeChoice, Plan, PlanOptions, Tier};
+
+use crate::common;
 
 const N_CTX: u32 = 512;
 const PROMPT: &str = "the king of paris and the queen of the sea walked to the river";
@@ -124,6 +124,7 @@ fn assert_same_as_llama_cpp(path: &Path, plan: Plan, mode: Mode, hooked_layers: 
 
 #[test]
 fn expert_layers_on_the_gpu_are_not_streamed_and_tokens_equal_llama_cpp_with_that_placement() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let path = common::forge("tiny-moe-8x", directory.path());
     let inventory = Inventory::open(&path).unwrap();
@@ -155,12 +156,14 @@ fn gemma_dense_stream_beside_the_gpu(plan_for: fn(&Inventory, usize, u64) -> Pla
 
 #[test]
 fn gemma_ffn_layers_on_the_gpu_leave_the_dense_window_and_tokens_equal_llama_cpp_with_that_placement() {
+    let _machine = common::shared_machine();
     // 4 FFN layers on the GPU (every layer's attention there too): 11 of the 14 host layers stream.
     gemma_dense_stream_beside_the_gpu(plan_with_gpu, 4, 11);
 }
 
 #[test]
 fn gemma_last_layers_whole_on_the_gpu_leave_the_dense_window_and_tokens_equal_llama_cpp_with_that_placement() {
+    let _machine = common::shared_machine();
     // The last 3 layers whole on the GPU with the output: 12 of the 15 host layers stream.
     gemma_dense_stream_beside_the_gpu(plan_with_whole_layers, 3, 12);
 }

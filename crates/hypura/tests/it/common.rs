@@ -1,12 +1,55 @@
-//! Shared helpers for integration tests: forged models in a temp dir and the real Gemma file.
-#![allow(dead_code)]
+//! Shared helpers for the integration tests: forged models in a temp dir, the real test models,
+//! a `hypura serve` process to drive, and the turns by which tests share the machine.
 use std::io::{Read, Write};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::{PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use hypura_forge::{preset, write_model};
+
+// Sharing the machine. The tests were once 16 binaries, which cargo ran one after another, each
+// with its tests two at a time (libtest's default on CI's two cores), so a test only ever ran
+// beside a test of its own file. Five files then kept their tests one at a time with a mutex of
+// their own, and so had the machine to themselves: `agent_openclaw` (an agent turn that keeps
+// both cores busy for minutes), `real_routing` (converts with every core, then runs llama.cpp
+// with two threads whose barriers spin), and `server_clients`, `server_greedy` and
+// `server_tools` (each starts `hypura serve` with two threads, driven by Python clients with
+// timeouts). In one binary any two tests may meet, so every test takes a turn first, and those
+// five files' tests take the whole machine: a reader-writer lock, where they are the writers
+// (one at a time, and nothing beside them, as before) and every other test is a reader (two
+// at a time, beside any other reader: each uses one or two threads and measures only its own
+// processes' memory, as it did beside its own file's tests). A panicking test's turn ends with
+// it; the lock's poison only says a test failed, which libtest reports already.
+// A new test takes its turn in its first line.
+//
+// What one process holds is now shared by every test too. No test sets an environment variable
+// (child processes get theirs through `Command::env`), changes the working directory or installs
+// a tracing subscriber; llama.cpp's backend is initialised once per process behind
+// `hypura_sys::Backend::get`'s OnceLock, by whichever test comes first; and the RPC workers a
+// test connects to in process stay out of ggml's device registry, so no other test's plan or
+// `Backend::devices` sees them.
+
+/// The lock the turns are taken on.
+static MACHINE: RwLock<()> = RwLock::new(());
+
+/// A test's turn on the machine, held until the test ends (a value, not a lock guard: no task of
+/// an async test takes the lock, so holding the turn across its awaits cannot deadlock).
+pub enum Turn {
+    Whole { _guard: RwLockWriteGuard<'static, ()> },
+    Shared { _guard: RwLockReadGuard<'static, ()> },
+}
+
+/// The whole machine: for the tests that used to run one at a time with nothing beside them.
+pub fn whole_machine() -> Turn {
+    Turn::Whole { _guard: MACHINE.write().unwrap_or_else(PoisonError::into_inner) }
+}
+
+/// A share of the machine, beside other shared tests but never beside a whole-machine test.
+pub fn shared_machine() -> Turn {
+    Turn::Shared { _guard: MACHINE.read().unwrap_or_else(PoisonError::into_inner) }
+}
 
 /// Forge `name` into `directory` and return its path.
 pub fn forge(name: &str, directory: &Path) -> PathBuf {

@@ -3,17 +3,11 @@
 //! resident, a forged dense model streaming its FFN layers from disk (dense-stream), the tiny
 //! MoE streaming its experts (expert-stream), and a bounded load test. Each test fails when its
 //! Python script fails.
-mod common;
-
-use common::{streaming_budget, Server};
-
 use std::process::Command;
-use std::sync::Mutex;
 
 use hypura::plan::Mode;
 
-/// Tests here each start a server; one at a time keeps two cores from being shared four ways.
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+use crate::common::{self, streaming_budget, Server};
 
 fn require_clients() {
     let status = Command::new("python3").args(["-c", "import ollama, openai, httpx"]).status().expect("python3 is needed for the client tests");
@@ -26,7 +20,7 @@ fn strings(items: &[&str]) -> Vec<String> {
 
 #[test]
 fn python_clients_against_gemma_and_tiny_moe() {
-    let _guard = ONE_AT_A_TIME.lock().unwrap_or_else(|poison| poison.into_inner());
+    let _machine = common::whole_machine();
     require_clients();
     let directory = tempfile::tempdir().unwrap();
     let moe = common::forge("tiny-moe-8x", directory.path());
@@ -43,7 +37,7 @@ fn python_clients_against_gemma_and_tiny_moe() {
 
 /// Serve one forged model in a streaming mode, through the plan, and drive it with the clients.
 fn streaming_model(preset: &str, mode: Mode) {
-    let _guard = ONE_AT_A_TIME.lock().unwrap_or_else(|poison| poison.into_inner());
+    let _machine = common::whole_machine();
     require_clients();
     let directory = tempfile::tempdir().unwrap();
     let model = common::forge(preset, directory.path());
@@ -73,7 +67,7 @@ fn python_clients_against_tiny_moe_in_expert_stream() {
 /// 4 clients for `HYPURA_LOAD_SECONDS` (default 10): no request lost, no error, memory flat.
 #[test]
 fn load_four_clients_on_loopback() {
-    let _guard = ONE_AT_A_TIME.lock().unwrap_or_else(|poison| poison.into_inner());
+    let _machine = common::whole_machine();
     require_clients();
     let seconds: u64 = std::env::var("HYPURA_LOAD_SECONDS").ok().and_then(|text| text.parse().ok()).unwrap_or(10);
     let directory = tempfile::tempdir().unwrap();

@@ -1,10 +1,10 @@
 //! Invariant 2: with the same placement, Hypura's engine gives llama.cpp's tokens and logits.
-mod common;
-
 use std::sync::Arc;
 
 use hypura::bench::peer::PlainLlama;
 use hypura::engine::{Control, DoneReason, Engine, EngineOptions, GenerateRequest, Prompt, SamplerParams, Session};
+
+use crate::common;
 
 // One thread each: tests run in parallel on small machines, and ggml threads spin at barriers.
 const THREADS: i32 = 1;
@@ -21,6 +21,7 @@ fn greedy(session: &mut Session, prompt: &str, count: u32) -> hypura::engine::Ge
 
 #[test]
 fn gemma_first_32_greedy_tokens_equal_plain_llama_cpp() {
+    let _machine = common::shared_machine();
     let path = common::gemma_path();
     let engine = engine(&path, true);
     let mut session = Session::new(engine).unwrap();
@@ -42,6 +43,7 @@ fn gemma_first_32_greedy_tokens_equal_plain_llama_cpp() {
 /// model answers it.
 #[test]
 fn gemma_knows_the_capital_of_france() {
+    let _machine = common::shared_machine();
     let engine = engine(&common::gemma_path(), true);
     let mut session = Session::new(engine).unwrap();
     let output = greedy(&mut session, "Question: What is the capital of France?\nAnswer: The capital of France is", 8);
@@ -50,6 +52,7 @@ fn gemma_knows_the_capital_of_france() {
 
 #[test]
 fn every_tiny_preset_has_llama_cpp_logits() {
+    let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     for preset in ["tiny-dense-1b", "tiny-dense-8b", "tiny-qwen3", "tiny-moe-8x", "tiny-moe-30b"] {
         let path = common::forge(preset, directory.path());
@@ -81,6 +84,7 @@ fn every_tiny_preset_has_llama_cpp_logits() {
 /// would be decoded, one token sampled and the prompt kept for reuse.)
 #[test]
 fn cancelling_a_long_prompt_stops_its_decode_between_graph_nodes() {
+    let _machine = common::shared_machine();
     let path = common::gemma_path();
     let options = EngineOptions { n_ctx: 4096, n_batch: 2048, n_ubatch: 2048, n_threads: Some(2), ..EngineOptions::default() };
     let mut session = Session::new(Arc::new(Engine::open(&path, options).unwrap())).unwrap();

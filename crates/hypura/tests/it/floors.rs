@@ -1,0 +1,132 @@
+//! The floors of the main crate (ARCHITECTURE.md, "Floors"): each module names only modules on
+//! floors below its own, `format` is a leaf any floor may use, and `hypura-sys` is named only
+//! where the map says. Read from the source text, so a new import upwards fails here before it
+//! is a habit.
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use crate::common;
+
+/// The floor of each top-level module of `crates/hypura/src`.
+const FLOORS: [(&str, u32); 12] = [
+    ("io", 0),
+    ("format", 0),
+    ("model", 1),
+    ("hw", 1),
+    ("plan", 2),
+    ("store", 3),
+    ("remote", 3),
+    ("engine", 4),
+    ("setup", 5),
+    ("server", 6),
+    ("bench", 6),
+    ("cli", 7),
+];
+
+fn source_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("src")
+}
+
+/// The Rust files of a top-level module: `src/NAME.rs` or every file under `src/NAME/`.
+fn files_of(module: &str) -> Vec<PathBuf> {
+    let single = source_dir().join(format!("{module}.rs"));
+    if single.exists() {
+        return vec![single];
+    }
+    let mut files = Vec::new();
+    let mut folders = vec![source_dir().join(module)];
+    while let Some(folder) = folders.pop() {
+        for entry in std::fs::read_dir(&folder).unwrap_or_else(|error| panic!("{}: {error}", folder.display())) {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                folders.push(path);
+            } else if path.extension().is_some_and(|extension| extension == "rs") {
+                files.push(path);
+            }
+        }
+    }
+    assert!(!files.is_empty(), "no source files for module {module}");
+    files
+}
+
+/// The code of a file without its comments (line comments, doc comments).
+fn code_of(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap().lines().map(|line| line.split("//").next().unwrap_or_default()).collect::<Vec<_>>().join("\n")
+}
+
+/// The top-level modules a file names through `crate::` (paths and `use crate::{a, b::c}`).
+fn modules_named(code: &str) -> BTreeSet<String> {
+    let mut named = BTreeSet::new();
+    for (at, _) in code.match_indices("crate::") {
+        // `hypura_crate::` or `$crate::` are not this crate's root.
+        if code[..at].chars().next_back().is_some_and(|before| before.is_alphanumeric() || before == '_' || before == '$') {
+            continue;
+        }
+        let rest = &code[at + "crate::".len()..];
+        if let Some(group) = rest.strip_prefix('{') {
+            let group = &group[..group.find('}').unwrap_or(group.len())];
+            named.extend(group.split(',').map(|item| item.trim().split("::").next().unwrap_or_default().to_string()).filter(|name| !name.is_empty()));
+        } else {
+            named.insert(rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect());
+        }
+    }
+    named
+}
+
+fn floor_of(module: &str) -> Option<u32> {
+    FLOORS.iter().find(|(name, _)| *name == module).map(|(_, floor)| *floor)
+}
+
+#[test]
+fn every_module_imports_only_from_the_floors_below_it() {
+    let _turn = common::shared_machine();
+    let mut wrong = Vec::new();
+    for (module, floor) in FLOORS {
+        for file in files_of(module) {
+            for named in modules_named(&code_of(&file)) {
+                if named == module || named == "format" {
+                    continue;
+                }
+                match floor_of(&named) {
+                    Some(other) if other < floor => {}
+                    Some(other) => wrong.push(format!("{} (floor {floor}) names crate::{named} (floor {other})", file.display())),
+                    None => wrong.push(format!("{} names crate::{named}, which has no floor", file.display())),
+                }
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "imports that run sideways or up:\n{}", wrong.join("\n"));
+}
+
+/// The three the map names: the planner reads only the inventory and the format helpers, the
+/// engine never reads the machine, the server never reaches into the CLI.
+#[test]
+fn plan_reads_only_model_engine_not_hw_server_not_cli() {
+    let _turn = common::shared_machine();
+    let named_by = |module: &str| files_of(module).iter().flat_map(|file| modules_named(&code_of(file))).collect::<BTreeSet<_>>();
+    let plan: BTreeSet<String> = named_by("plan").into_iter().filter(|name| name != "plan").collect();
+    assert!(plan.iter().all(|name| name == "model" || name == "format"), "plan names {plan:?}");
+    assert!(!named_by("engine").contains("hw"), "the engine names crate::hw");
+    assert!(!named_by("server").contains("cli"), "the server names crate::cli");
+}
+
+/// `hypura-sys` is named only by the modules the map lists: never by the planner, the
+/// inventory, the machine profile, raw I/O or the server.
+#[test]
+fn the_fence_is_named_only_where_the_map_says() {
+    let _turn = common::shared_machine();
+    for module in ["io", "format", "model", "hw", "plan", "server"] {
+        for file in files_of(module) {
+            assert!(!code_of(&file).contains("hypura_sys"), "{} names hypura_sys", file.display());
+        }
+    }
+}
+
+/// The parser above sees what it must: a grouped import, a path, and not a comment.
+#[test]
+fn the_import_reader_sees_groups_and_paths_but_not_comments() {
+    let _turn = common::shared_machine();
+    let code = "use crate::{engine::Batcher, hw};\nlet x = crate::plan::plan(a);\n// crate::cli\nmacro $crate::server";
+    let named = modules_named(&code.lines().map(|line| line.split("//").next().unwrap_or_default()).collect::<Vec<_>>().join("\n"));
+    assert_eq!(named, ["engine", "hw", "plan"].into_iter().map(String::from).collect());
+}
