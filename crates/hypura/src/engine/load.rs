@@ -9,10 +9,10 @@ use hypura_sys::{Backend, ContextParams, LoadMode, Model, ModelParams, Placement
 
 use super::chat::ChatTemplate;
 use super::EngineError;
+use crate::io::{DirectFile, Region};
 use crate::model::Inventory;
 use crate::plan::{Mode, Plan, Tier};
 use crate::remote::Workers;
-use crate::store::io::{DirectFile, Region};
 use crate::store::layout::{advise_huge_slices, dense_units, place_in_slots};
 use crate::store::load::StoreLoadReader;
 use crate::store::{DenseWindow, ExpertStream, ExpertUnits, IoStats, Residency, ResidencyError, RouterWeights, StreamedTensor};
@@ -471,7 +471,7 @@ fn read_router_weights(path: &Path, inventory: &Inventory) -> Result<RouterWeigh
 /// mirrors the file, llama.cpp's reads are served by the store (resident bytes with direct
 /// I/O, streamed bytes skipped), and the dense window drives residency from the eval hook.
 fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &Plan, options: &EngineOptions) -> Result<(Model, Streaming), EngineError> {
-    let store_error = |error: crate::store::io::IoError| EngineError::Store(error.to_string());
+    let store_error = |error: crate::io::IoError| EngineError::Store(error.to_string());
     if inventory.split_paths.len() > 1 {
         return Err(EngineError::Store(format!("streaming split models ({} files) is not supported yet", inventory.split_paths.len())));
     }

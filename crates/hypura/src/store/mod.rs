@@ -1,7 +1,7 @@
 //! The weight store: how tensor bytes get from the GGUF file on NVMe into memory.
 //!
-//! `io` is the raw layer (aligned buffers, `O_DIRECT` reads, page-cache eviction, and the
-//! `Region` that mirrors the model file in address space). `residency` runs one state machine
+//! It stands on the raw layer `crate::io` (aligned buffers, `O_DIRECT` reads, page-cache
+//! eviction, and the `Region` that mirrors the model file in address space). `residency` runs one state machine
 //! per stream unit with a pool of reader threads; `dense` drives the dense-FFN window from the
 //! eval hook; `expert` makes the router's chosen experts resident through an expert cache;
 //! `layout` says which file ranges make up each stream unit;
@@ -9,7 +9,6 @@
 //! `stats` counts bytes, reads and stalls.
 pub mod dense;
 pub mod expert;
-pub mod io;
 pub mod layout;
 pub mod load;
 pub mod residency;

@@ -9,8 +9,8 @@ use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use super::io::{huge_interior, DirectFile, IoError, Region, HUGE_PAGE_BYTES};
 use super::stats::IoStats;
+use crate::io::{huge_interior, DirectFile, IoError, Region, HUGE_PAGE_BYTES};
 
 /// Reads are issued in pieces of this size, spread over the worker threads.
 pub const CHUNK_BYTES: u64 = crate::plan::READ_CHUNK_BYTES;
