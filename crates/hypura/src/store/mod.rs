@@ -1,16 +1,17 @@
 //! The weight store: how tensor bytes get from the GGUF file on NVMe into memory.
 //!
 //! It stands on the raw layer `crate::io` (aligned buffers, `O_DIRECT` reads, page-cache
-//! eviction, and the `Region` that mirrors the model file in address space). `residency` runs one state machine
-//! per stream unit with a pool of reader threads; `dense` drives the dense-FFN window from the
+//! eviction, and the `Region` that mirrors the model file in address space). `residency` runs
+//! one state machine per stream unit with a pool of reader threads, and `parked` recycles the
+//! pages of released units under the next reads; `dense` drives the dense-FFN window from the
 //! eval hook; `expert` makes the router's chosen experts resident through an expert cache;
-//! `layout` says which file ranges make up each stream unit;
-//! `load` serves llama.cpp's own load-time reads so that streamed bytes are skipped;
-//! `stats` counts bytes, reads and stalls.
+//! `layout` says which file ranges make up each stream unit; `load` serves llama.cpp's own
+//! load-time reads so that streamed bytes are skipped; `stats` counts bytes, reads and stalls.
 pub mod dense;
 pub mod expert;
 pub mod layout;
 pub mod load;
+mod parked;
 pub mod residency;
 pub mod stats;
 
