@@ -7,6 +7,8 @@
 //! eval hook; `expert` makes the router's chosen experts resident through an expert cache;
 //! `layout` says which file ranges make up each stream unit; `load` serves llama.cpp's own
 //! load-time reads so that streamed bytes are skipped; `stats` counts bytes, reads and stalls.
+//! `streams` is the door the engine loads through: it prepares the region, the tensors' offsets
+//! and the load reader before llama.cpp's load, and builds the drivers after it.
 pub mod dense;
 pub mod expert;
 pub mod layout;
@@ -14,9 +16,11 @@ pub mod load;
 mod parked;
 pub mod residency;
 pub mod stats;
+pub mod streams;
 
 pub use dense::DenseWindow;
 pub use expert::{CacheModel, CachePolicy, ExpertSnapshot, ExpertStream, RouteRecord, RouterWeights};
 pub use layout::{ExpertUnits, StreamedTensor};
 pub use residency::{FailureLatch, Residency, ResidencyError, SliceState, StreamUnit, UnitReader, CHUNK_BYTES};
 pub use stats::{IoSnapshot, IoStats};
+pub use streams::{StoreError, StreamLoad, Streams};
