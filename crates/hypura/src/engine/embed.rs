@@ -50,7 +50,7 @@ impl Embedder {
         // This context has no abort flags: a failed read is caught here, after the decode, and
         // what the graph computed without those weights is thrown away.
         if let Some(failure) = self.engine.streaming().and_then(|streaming| streaming.driver.take_failure()) {
-            return Err(EngineError::Store(failure.to_string()));
+            return Err(crate::store::StoreError::from(failure).into());
         }
         let vector = result?;
         if let (Some(before), Some(streaming)) = (observations_before, self.engine.hooked_streaming()) {

@@ -1,6 +1,4 @@
 //! `Engine`: a loaded model with its inventory and chat template.
-use std::collections::HashMap;
-use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -12,10 +10,7 @@ use super::EngineError;
 use crate::model::Inventory;
 use crate::plan::{Mode, Plan, Tier};
 use crate::remote::Workers;
-use crate::store::io::{DirectFile, Region};
-use crate::store::layout::{advise_huge_slices, dense_units, place_in_slots};
-use crate::store::load::StoreLoadReader;
-use crate::store::{DenseWindow, ExpertStream, ExpertUnits, IoStats, Residency, ResidencyError, RouterWeights, StreamedTensor};
+use crate::store::{DenseWindow, ExpertStream, IoStats, Residency, ResidencyError, StoreError, StreamLoad};
 
 /// How to load and run a model. Defaults match llama.cpp's own.
 #[derive(Clone, Debug)]
@@ -220,7 +215,7 @@ impl Streaming {
             (None, Some(dense)) => format!("{}-<layer>", dense.entry_node()),
             (None, None) => unreachable!("a streaming engine has a driver"),
         };
-        Err(EngineError::Store(format!("llama.cpp's graph for {} has no {node} node, so streamed weights were never loaded; use --mode resident or another mode", self.arch)))
+        Err(StoreError::HookNeverFired { arch: self.arch.clone(), node }.into())
     }
 }
 
@@ -449,131 +444,27 @@ fn check_plan_matches(plan: &Plan, inventory: &Inventory) -> Result<(), EngineEr
     }
 }
 
-/// Every layer's F32 router weights, read from the file (read-only) for the stale gate.
-fn read_router_weights(path: &Path, inventory: &Inventory) -> Result<RouterWeights, EngineError> {
-    use std::os::unix::fs::FileExt;
-    let file = std::fs::File::open(path).map_err(|error| EngineError::Store(format!("opening {}: {error}", path.display())))?;
-    let mut routers = RouterWeights { n_embd: inventory.hparams.n_embd as usize, layers: vec![None; inventory.hparams.n_layer as usize] };
-    for tensor in &inventory.tensors {
-        let (Some(layer), true) = (tensor.layer, tensor.name.ends_with("ffn_gate_inp.weight")) else { continue };
-        if tensor.ggml_type != hypura_gguf::GgmlType::F32 || tensor.split != 0 || tensor.dims.first() != Some(&inventory.hparams.n_embd) {
-            tracing::info!("{} is {:?}, not F32 [n_embd, n_expert]: no stale-gate prediction for layer {layer}", tensor.name, tensor.ggml_type);
-            continue;
-        }
-        let mut bytes = vec![0u8; tensor.bytes as usize];
-        file.read_exact_at(&mut bytes, tensor.file_offset).map_err(|error| EngineError::Store(format!("reading {}: {error}", tensor.name)))?;
-        routers.layers[layer as usize] = Some(bytes.chunks_exact(4).map(|chunk| f32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]])).collect());
-    }
-    Ok(routers)
-}
-
-/// Load for dense-stream: streamed tensors go to a stream buffer type over a region that
-/// mirrors the file, llama.cpp's reads are served by the store (resident bytes with direct
-/// I/O, streamed bytes skipped), and the dense window drives residency from the eval hook.
+/// Load a streaming plan: streamed tensors go to a stream buffer type over the region the store
+/// reserved to mirror the file, llama.cpp's reads are served by the store (resident bytes with
+/// direct I/O, streamed bytes skipped), and the store's drivers (the dense window, the expert
+/// cache) decide residency from the eval hook.
 fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &Plan, options: &EngineOptions) -> Result<(Model, Streaming), EngineError> {
-    let store_error = |error: crate::store::io::IoError| EngineError::Store(error.to_string());
-    if inventory.split_paths.len() > 1 {
-        return Err(EngineError::Store(format!("streaming split models ({} files) is not supported yet", inventory.split_paths.len())));
-    }
-    // The plan's placements are the inventory's tensors, in order (checked at load).
-    let with_tier = |tier: Tier| -> Vec<&crate::model::TensorEntry> { plan.tensors.iter().zip(&inventory.tensors).filter(|(placement, _)| placement.tier == tier).map(|(_, tensor)| tensor).collect() };
-    let streamed = with_tier(Tier::Stream);
-    // Tables left in the file's pages live in the region too, mapped from the file after the load.
-    let mapped = with_tier(Tier::Mapped);
-    let in_region: Vec<&crate::model::TensorEntry> = streamed.iter().chain(&mapped).copied().collect();
-    let layout: Vec<StreamedTensor> =
-        streamed.iter().filter_map(|tensor| Some(StreamedTensor { layer: tensor.layer?, file_offset: tensor.file_offset, bytes: tensor.bytes, experts: tensor.experts })).collect();
-    let n_layer = inventory.hparams.n_layer as usize;
-    // Dense layers stream through reused slots after the file's mirror (as many as the window
-    // holds), expert slices through their mirror positions.
-    let dense_tensor = |experts: Option<crate::model::ExpertSlices>| experts.is_none() || plan.experts.is_none();
-    let mirror_bytes = inventory.file_bytes.next_multiple_of(2 << 20);
-    let dense_layout = plan.dense.as_ref().map(|dense| {
-        let dense_tensors: Vec<StreamedTensor> = layout.iter().filter(|tensor| dense_tensor(tensor.experts)).copied().collect();
-        let (mut units, unit_of_layer) = dense_units(&dense.streamed_layers, &dense_tensors, n_layer);
-        // As many slots as the window holds layers (`DenseWindow` reads at least one ahead).
-        let slot_bytes = place_in_slots(&mut units, dense.window_layers.max(1) + 1, mirror_bytes);
-        (units, unit_of_layer, slot_bytes)
-    });
-    // Where a streamed tensor lives: its dense unit's slot, else its mirror position.
-    let region_offset = |tensor: &crate::model::TensorEntry| -> u64 {
-        let shift =
-            dense_layout.as_ref().filter(|_| dense_tensor(tensor.experts)).and_then(|(units, unit_of_layer, _)| Some(units[unit_of_layer.get(tensor.layer? as usize).copied().flatten()?].shift));
-        tensor.file_offset + shift.unwrap_or(0)
+    // Declared before the model, so that it drops after it: streamed tensors point into its region.
+    let mut load = StreamLoad::prepare(path, inventory, plan)?;
+    let (region_address, region_bytes) = load.region_span();
+    let buffer_type = Arc::new(StreamBufferType::new(region_address, region_bytes, load.sink_span(), load.offsets())?);
+    let placement = Placement {
+        streamed: load.tensor_names().map(|name| (name.to_string(), buffer_type.clone())).collect(),
+        host_patterns: plan.host_patterns(&[Tier::Ram]),
+        reader: Some(Box::new(load.load_reader()?)),
     };
-    // Huge pages pay off for dense layers (tens of MB each), not for expert slices.
-    let slot_bytes = dense_layout.as_ref().map_or(0, |(_, _, bytes)| *bytes);
-    let region = Arc::new(Region::reserve(mirror_bytes + slot_bytes, plan.experts.is_none()).map_err(store_error)?);
-    let offsets: HashMap<String, u64> =
-        streamed.iter().map(|tensor| (tensor.name.clone(), region_offset(tensor))).chain(mapped.iter().map(|tensor| (tensor.name.clone(), tensor.file_offset))).collect();
-    // llama.cpp copies placeholder bytes into every host tensor at load; a sink the size of the
-    // largest streamed tensor absorbs them, so the region is never faulted in by the load.
-    let largest = in_region.iter().map(|tensor| tensor.bytes).max().unwrap_or(0);
-    let sink = Region::reserve(largest, false).map_err(store_error)?;
-    let buffer_type = Arc::new(StreamBufferType::new(region.address(), region.len(), Some((sink.address(), sink.len())), offsets)?);
-    let stats = Arc::new(IoStats::default());
-    let streamed_ranges: Vec<Range<u64>> = in_region.iter().map(|tensor| tensor.file_offset..tensor.file_offset + tensor.bytes).collect();
-    let reader = StoreLoadReader::new(DirectFile::open(path).map_err(store_error)?, streamed_ranges, stats.clone());
-    let placement =
-        Placement { streamed: in_region.iter().map(|tensor| (tensor.name.clone(), buffer_type.clone())).collect(), host_patterns: plan.host_patterns(&[Tier::Ram]), reader: Some(Box::new(reader)) };
     // Streamed tensors cannot be repacked, and resident ones must not be either, or streamed
     // and resident runs would compute with different kernels.
     let (devices, tensor_split) = remote_devices(options)?;
     let params = ModelParams { n_gpu_layers: plan.n_gpu_layers(), load_mode: LoadMode::Read, use_extra_bufts: false, vocab_only: false, devices, tensor_split, load_mtp: loads_mtp(options) };
     let model = Model::load_placed(backend, path, &params, placement)?;
-    let moved = buffer_type.finalize();
-    drop(sink);
-    if moved != in_region.len() {
-        return Err(EngineError::Store(format!("{moved} streamed and mapped tensors were placed, {} planned", in_region.len())));
-    }
-    let load_bytes = stats.snapshot().bytes_read;
-
-    let file = Arc::new(DirectFile::open(path).map_err(store_error)?);
-    if !mapped.is_empty() {
-        let plain = std::fs::File::open(path).map_err(|error| EngineError::Store(format!("opening {}: {error}", path.display())))?;
-        for tensor in &mapped {
-            region.map_file(&plain, &file, tensor.file_offset..tensor.file_offset + tensor.bytes).map_err(store_error)?;
-        }
-    }
-    // Expert units are (layer, expert) slices of the expert tensors; dense units whole layers of
-    // the other streamed tensors. Each driver has its own residency over the one region.
-    let experts = match &plan.experts {
-        Some(experts) => {
-            let numbering = ExpertUnits { n_layer, n_expert: experts.n_expert as usize };
-            let units = numbering.build(&layout);
-            advise_huge_slices(&region, &units, crate::plan::HUGE_SLICE_MIN_BYTES);
-            let streamed_layers = numbering.streamed_layers(&units);
-            let residency = Arc::new(Residency::new(region.clone(), file.clone(), units, options.io_workers, stats.clone()));
-            let mut driver = ExpertStream::new(residency, numbering, experts.cache_units, experts.policy, options.trace_routing).with_streamed_layers(streamed_layers);
-            if experts.prefetch {
-                driver = driver.with_prefetch(read_router_weights(path, inventory)?);
-            }
-            Some(Arc::new(driver))
-        }
-        None => None,
-    };
-    let dense = match (&plan.dense, dense_layout) {
-        (Some(dense), Some((units, mut unit_of_layer, _))) => {
-            // The window observes the layers the host computes only: a node observed in a remote
-            // device's layers would cut its graph into pieces, each sent whole over the link.
-            if let Some(remote) = &plan.remote {
-                unit_of_layer.truncate(remote.layers.start as usize);
-            }
-            if plan.experts.is_some() {
-                // The region was reserved without huge pages, for the expert slices: advise the
-                // dense layers' interiors as the expert slices' are.
-                advise_huge_slices(&region, &units, crate::plan::HUGE_SLICE_MIN_BYTES);
-            }
-            let residency = Arc::new(Residency::new(region, file, units, options.io_workers, stats.clone()));
-            let window = Arc::new(DenseWindow::new(residency, unit_of_layer, dense.window_layers, crate::model::ffn_entry_node(&inventory.arch)));
-            window.prefetch_start().map_err(|error| EngineError::Store(error.to_string()))?;
-            Some(window)
-        }
-        _ if experts.is_none() => return Err(EngineError::Store("a streaming plan without a dense or expert layout".into())),
-        _ => None,
-    };
-    let hooked = !streamed.is_empty();
-    Ok((model, Streaming { driver: StreamDriver::new(dense, experts), stats, load_bytes, arch: inventory.arch.clone(), hooked }))
+    let streams = load.finish(buffer_type.finalize(), options.io_workers, options.trace_routing)?;
+    Ok((model, Streaming { driver: StreamDriver::new(streams.dense, streams.experts), stats: streams.stats, load_bytes: streams.load_bytes, arch: inventory.arch.clone(), hooked: streams.hooked }))
 }
 
 /// llama.cpp's device list and tensor split for a plan with a remote tier: its devices in

@@ -44,6 +44,9 @@ pub enum EngineError {
     EmptyPrompt,
     #[error("weight streaming: {0}")]
     Store(String),
+    /// The weight store failed to set up its streams, or the eval hook never drove them.
+    #[error("weight streaming: {0}")]
+    Stream(#[from] crate::store::StoreError),
     #[error("decoding: {0}")]
     Decode(String),
     /// The model cannot do what the request asks (tools without a template that renders them).

@@ -16,12 +16,12 @@ use serde::{Deserialize, Serialize};
 
 use super::mountinfo::{parse_mountinfo, split_device_number};
 use super::HwError;
-use crate::store::io::{evict_file, evict_from_page_cache, AlignedBuf, DirectFile, IoError, ReadPath};
+use crate::io::{evict_file, evict_from_page_cache, AlignedBuf, DirectFile, IoError, ReadPath};
 
 const MIB: u64 = 1 << 20;
 
-/// Direct reads must be multiples of this; see `store::io::DEFAULT_ALIGNMENT_BYTES`.
-const ALIGNMENT_BYTES: u64 = crate::store::io::DEFAULT_ALIGNMENT_BYTES as u64;
+/// Direct reads must be multiples of this; see `io::DEFAULT_ALIGNMENT_BYTES`.
+const ALIGNMENT_BYTES: u64 = crate::io::DEFAULT_ALIGNMENT_BYTES as u64;
 
 /// Disk results, all in bytes and seconds.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -210,7 +210,7 @@ pub fn measure_disk(probe: &Path, options: &DiskOptions, progress: &dyn Fn(u64, 
     let random_progress_bytes = options.random_bytes;
     let sequential_total: u64 = sequential_plans.iter().map(|&(block, depth, per_thread)| block * u64::from(depth) * per_thread).sum();
     // The sustained point: the store's chunks, whole passes over the file.
-    let chunk_bytes = crate::store::CHUNK_BYTES.min(direct_bytes / ALIGNMENT_BYTES * ALIGNMENT_BYTES).max(ALIGNMENT_BYTES);
+    let chunk_bytes = crate::plan::READ_CHUNK_BYTES.min(direct_bytes / ALIGNMENT_BYTES * ALIGNMENT_BYTES).max(ALIGNMENT_BYTES);
     let chunks_per_pass = direct_bytes / chunk_bytes;
     let sustained_passes = options.sustained_bytes.div_ceil((chunks_per_pass * chunk_bytes).max(1)).max(1);
     let sustained_total = sustained_passes * chunks_per_pass * chunk_bytes;
@@ -483,7 +483,7 @@ mod tests {
         // The sustained point: the store's chunk (capped by the file), whole passes, at least
         // the bytes asked for, at the best queue depth; planning uses it.
         let sustained = profile.sustained.as_ref().expect("a sustained point");
-        assert_eq!(sustained.block_bytes, crate::store::CHUNK_BYTES.min(profile.file_bytes / 4096 * 4096));
+        assert_eq!(sustained.block_bytes, crate::plan::READ_CHUNK_BYTES.min(profile.file_bytes / 4096 * 4096));
         assert_eq!(sustained.queue_depth, profile.best_direct.queue_depth);
         assert!(sustained.bytes_read >= options.sustained_bytes && sustained.bytes_read.is_multiple_of(sustained.block_bytes), "{sustained:?}");
         assert!(sustained.bytes_per_sec > 0.0 && sustained.bytes_per_sec.is_finite());

@@ -5,7 +5,7 @@
 //! planner, which decides from these numbers alone which tensors stay resident and which are
 //! streamed. Measuring the disk takes tens of seconds, so the profile is cached as JSON keyed to
 //! the machine ([`ProfileCache`]); `hypura profile [--refresh] [--json]` prints or re-measures it.
-//! The disk is read through `store::io`, the same path the streaming store uses, so the figures
+//! The disk is read through `crate::io`, the same path the streaming store uses, so the figures
 //! are the ones streaming will see.
 
 mod cache;
@@ -28,7 +28,7 @@ pub use disk::{measure_disk, volume_of, DiskOptions, DiskProfile, ReadPoint, Vol
 pub use measured::{ComputeMeasurement, ModelRecord, ModelRecords};
 pub use memory::{memory_info, peak_rss_bytes, CgroupLimit, MemoryInfo};
 
-use crate::store::io::IoError;
+use crate::io::IoError;
 
 /// Bumped whenever a field changes meaning, so an old cached profile is measured again rather
 /// than misread.

@@ -7,8 +7,8 @@
 //! cache, the stale-gate prefetch and the cache simulator number them the same way.
 use std::ops::Range;
 
-use super::io::Region;
 use super::residency::StreamUnit;
+use crate::io::Region;
 use crate::model::ExpertSlices;
 
 /// Gaps smaller than this between a layer's streamed tensors are read along with them.
@@ -102,7 +102,7 @@ pub fn dense_units(layers: &[u32], tensors: &[StreamedTensor], n_layer: usize) -
 /// slots are all the memory the window needs, faulted in once and read into again for every
 /// layer after (no fault, no zeroing, no release per token). Returns the slots' bytes.
 pub fn place_in_slots(units: &mut [StreamUnit], slots: usize, area_start: u64) -> u64 {
-    let page = super::io::PAGE_BYTES;
+    let page = crate::io::PAGE_BYTES;
     let span = |unit: &StreamUnit| match (unit.ranges.first(), unit.ranges.last()) {
         (Some(first), Some(last)) => first.start / page * page..last.end.div_ceil(page) * page,
         _ => 0..0,

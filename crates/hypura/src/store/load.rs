@@ -7,8 +7,8 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::io::{AlignedBuf, DirectFile, PAGE_BYTES};
 use super::stats::IoStats;
+use crate::io::{AlignedBuf, DirectFile, PAGE_BYTES};
 
 const BOUNCE_BYTES: usize = 8 << 20;
 

@@ -1,22 +1,26 @@
 //! The weight store: how tensor bytes get from the GGUF file on NVMe into memory.
 //!
-//! `io` is the raw layer (aligned buffers, `O_DIRECT` reads, page-cache eviction, and the
-//! `Region` that mirrors the model file in address space). `residency` runs one state machine
-//! per stream unit with a pool of reader threads; `dense` drives the dense-FFN window from the
+//! It stands on the raw layer `crate::io` (aligned buffers, `O_DIRECT` reads, page-cache
+//! eviction, and the `Region` that mirrors the model file in address space). `residency` runs
+//! one state machine per stream unit with a pool of reader threads, and `parked` recycles the
+//! pages of released units under the next reads; `dense` drives the dense-FFN window from the
 //! eval hook; `expert` makes the router's chosen experts resident through an expert cache;
-//! `layout` says which file ranges make up each stream unit;
-//! `load` serves llama.cpp's own load-time reads so that streamed bytes are skipped;
-//! `stats` counts bytes, reads and stalls.
+//! `layout` says which file ranges make up each stream unit; `load` serves llama.cpp's own
+//! load-time reads so that streamed bytes are skipped; `stats` counts bytes, reads and stalls.
+//! `streams` is the door the engine loads through: it prepares the region, the tensors' offsets
+//! and the load reader before llama.cpp's load, and builds the drivers after it.
 pub mod dense;
 pub mod expert;
-pub mod io;
 pub mod layout;
 pub mod load;
+mod parked;
 pub mod residency;
 pub mod stats;
+pub mod streams;
 
 pub use dense::DenseWindow;
 pub use expert::{CacheModel, CachePolicy, ExpertSnapshot, ExpertStream, RouteRecord, RouterWeights};
 pub use layout::{ExpertUnits, StreamedTensor};
 pub use residency::{FailureLatch, Residency, ResidencyError, SliceState, StreamUnit, UnitReader, CHUNK_BYTES};
 pub use stats::{IoSnapshot, IoStats};
+pub use streams::{StoreError, StreamLoad, Streams};
