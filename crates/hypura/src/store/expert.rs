@@ -19,7 +19,7 @@ use hypura_sys::{EvalHook, ObservedNode};
 use serde::Serialize;
 
 use super::layout::ExpertUnits;
-use super::residency::{FailureLatch, Residency, ResidencyError, SliceState};
+use super::residency::{FailureLatch, Residency, ResidencyError, UnitState};
 
 const TOP_K_NODE: &str = "ffn_moe_topk-";
 /// The router's matmul (`gate_inp × hidden`); its input 1 is the hidden state.
@@ -437,7 +437,7 @@ impl ExpertStream {
         }
         for &unit in &chosen {
             // A hit on a unit a failed read left empty reloads it here.
-            if self.residency.state(unit).map(|(state, _)| state) != Some(SliceState::Ready) {
+            if self.residency.state(unit).map(|(state, _)| state) != Some(UnitState::Ready) {
                 self.residency.wait_ready(unit)?;
             }
         }

@@ -17,8 +17,9 @@ use crate::io::{DirectFile, IoError, Region, HUGE_PAGE_BYTES};
 /// Reads are issued in pieces of this size, spread over the worker threads.
 pub const CHUNK_BYTES: u64 = crate::plan::READ_CHUNK_BYTES;
 
+/// Where a stream unit is in its life: compute may touch it only when `Ready`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SliceState {
+pub enum UnitState {
     Empty,
     Loading,
     Ready,
@@ -48,9 +49,10 @@ impl StreamUnit {
     }
 }
 
+/// A unit's state, the generation of its current load, and that load's progress.
 #[derive(Debug)]
-struct UnitState {
-    state: SliceState,
+struct UnitRecord {
+    state: UnitState,
     generation: u64,
     pending_chunks: usize,
     /// The first read error of the current load.
@@ -59,7 +61,7 @@ struct UnitState {
 
 #[derive(Debug)]
 struct Shared {
-    units: Mutex<Vec<UnitState>>,
+    units: Mutex<Vec<UnitRecord>>,
     unit_bytes: Vec<u64>,
     changed: Condvar,
     queue: Mutex<VecDeque<Chunk>>,
@@ -81,8 +83,8 @@ struct Chunk {
 
 impl Chunk {
     /// Whether the load this chunk belongs to is still under way (not given up or redone).
-    fn is_current(&self, units: &[UnitState]) -> bool {
-        units[self.unit].generation == self.generation && units[self.unit].state == SliceState::Loading
+    fn is_current(&self, units: &[UnitRecord]) -> bool {
+        units[self.unit].generation == self.generation && units[self.unit].state == UnitState::Loading
     }
 }
 
@@ -153,7 +155,7 @@ pub struct Residency {
 impl Residency {
     pub fn new(region: Arc<Region>, reader: Arc<dyn UnitReader>, units: Vec<StreamUnit>, workers: usize, stats: Arc<IoStats>) -> Residency {
         let shared = Arc::new(Shared {
-            units: Mutex::new(units.iter().map(|_| UnitState { state: SliceState::Empty, generation: 0, pending_chunks: 0, error: None }).collect()),
+            units: Mutex::new(units.iter().map(|_| UnitRecord { state: UnitState::Empty, generation: 0, pending_chunks: 0, error: None }).collect()),
             unit_bytes: units.iter().map(StreamUnit::bytes).collect(),
             changed: Condvar::new(),
             queue: Mutex::new(VecDeque::new()),
@@ -219,15 +221,15 @@ impl Residency {
         Ok(())
     }
 
-    pub fn state(&self, unit: usize) -> Option<(SliceState, u64)> {
+    pub fn state(&self, unit: usize) -> Option<(UnitState, u64)> {
         let units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         units.get(unit).map(|state| (state.state, state.generation))
     }
 
     /// The unit other than `unit` that holds `unit`'s slot (loading or loaded), if any.
-    fn slot_holder(&self, units: &[UnitState], unit: usize) -> Option<usize> {
+    fn slot_holder(&self, units: &[UnitRecord], unit: usize) -> Option<usize> {
         let slot = self.units[unit].slot?;
-        self.slot_units[slot].iter().copied().find(|&other| other != unit && units[other].state != SliceState::Empty)
+        self.slot_units[slot].iter().copied().find(|&other| other != unit && units[other].state != UnitState::Empty)
     }
 
     /// Start loading `unit` if it is empty. Never blocks on I/O. A unit whose slot another
@@ -236,7 +238,7 @@ impl Residency {
     pub fn request(&self, unit: usize) -> Result<(), ResidencyError> {
         self.check(unit)?;
         let mut units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        if units[unit].state != SliceState::Empty || self.slot_holder(&units, unit).is_some() {
+        if units[unit].state != UnitState::Empty || self.slot_holder(&units, unit).is_some() {
             return Ok(());
         }
         let shift = self.units[unit].shift;
@@ -261,10 +263,10 @@ impl Residency {
             .map(|range| Chunk { unit, generation: state.generation, range, shift, recycle: self.units[unit].slot.is_none() })
             .collect();
         if chunks.is_empty() {
-            state.state = SliceState::Ready;
+            state.state = UnitState::Ready;
             return Ok(());
         }
-        state.state = SliceState::Loading;
+        state.state = UnitState::Loading;
         state.pending_chunks = chunks.len();
         state.error = None;
         drop(units);
@@ -284,11 +286,11 @@ impl Residency {
     fn claim_slot(&self, unit: usize) {
         let mut units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         while let Some(holder) = self.slot_holder(&units, unit) {
-            if units[holder].state == SliceState::Loading {
+            if units[holder].state == UnitState::Loading {
                 units = self.shared.changed.wait(units).unwrap_or_else(|poisoned| poisoned.into_inner());
                 continue;
             }
-            units[holder].state = SliceState::Empty;
+            units[holder].state = UnitState::Empty;
             units[holder].generation += 1;
             units[holder].error = None;
             self.stats.record_unit_released();
@@ -307,28 +309,28 @@ impl Residency {
         let mut waited = false;
         loop {
             let state = &mut units[unit];
-            if state.state == SliceState::Evicting {
+            if state.state == UnitState::Evicting {
                 if let Some(reason) = state.error.take() {
                     // Drop what the failed load wrote and forget it, so a later request tries
                     // again from scratch.
                     drop(units);
                     let _ = self.give_back_pages(unit);
                     let mut units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-                    units[unit].state = SliceState::Empty;
+                    units[unit].state = UnitState::Empty;
                     units[unit].generation += 1;
                     self.shared.changed.notify_all();
                     return Err(ResidencyError::Read { unit, reason });
                 }
             }
             match state.state {
-                SliceState::Ready => break,
-                SliceState::Empty => {
+                UnitState::Ready => break,
+                UnitState::Empty => {
                     drop(units);
                     self.claim_slot(unit);
                     self.request(unit)?;
                     units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
                 }
-                SliceState::Loading | SliceState::Evicting => {
+                UnitState::Loading | UnitState::Evicting => {
                     waited = true;
                     units = self.shared.changed.wait(units).unwrap_or_else(|poisoned| poisoned.into_inner());
                 }
@@ -347,7 +349,7 @@ impl Residency {
     pub fn cancel(&self, unit: usize) -> Result<bool, ResidencyError> {
         self.check(unit)?;
         let mut units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        if units[unit].state != SliceState::Loading || units[unit].error.is_some() {
+        if units[unit].state != UnitState::Loading || units[unit].error.is_some() {
             return Ok(false);
         }
         let generation = units[unit].generation;
@@ -360,7 +362,7 @@ impl Residency {
         queue.retain(|chunk| !ours(chunk));
         drop(queue);
         let state = &mut units[unit];
-        state.state = SliceState::Empty;
+        state.state = UnitState::Empty;
         state.generation += 1;
         state.pending_chunks = 0;
         self.shared.changed.notify_all();
@@ -391,17 +393,17 @@ impl Residency {
     pub fn release(&self, unit: usize) -> Result<(), ResidencyError> {
         self.check(unit)?;
         let mut units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        while units[unit].state == SliceState::Loading {
+        while units[unit].state == UnitState::Loading {
             units = self.shared.changed.wait(units).unwrap_or_else(|poisoned| poisoned.into_inner());
         }
-        if units[unit].state != SliceState::Ready {
+        if units[unit].state != UnitState::Ready {
             return Ok(());
         }
-        units[unit].state = SliceState::Evicting;
+        units[unit].state = UnitState::Evicting;
         drop(units);
         let result = self.park(unit);
         let mut units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        units[unit].state = SliceState::Empty;
+        units[unit].state = UnitState::Empty;
         units[unit].generation += 1;
         self.stats.record_unit_released();
         self.shared.changed.notify_all();
@@ -450,12 +452,12 @@ fn worker(shared: &Shared, region: &Region, reader: &dyn UnitReader, stats: &IoS
         state.pending_chunks -= 1;
         if state.pending_chunks == 0 {
             if state.error.is_none() {
-                state.state = SliceState::Ready;
+                state.state = UnitState::Ready;
                 stats.record_unit_loaded(shared.unit_bytes[chunk.unit]);
             } else {
                 // The waiter reports the error and resets the unit; keep it Loading until then
                 // so nobody computes on it.
-                state.state = SliceState::Evicting;
+                state.state = UnitState::Evicting;
             }
             shared.changed.notify_all();
         }
@@ -528,7 +530,7 @@ mod tests {
         // Unit 0's first chunk is being read: it must finish. Unit 1 has not started.
         assert!(!residency.cancel(0).unwrap());
         assert!(residency.cancel(1).unwrap());
-        assert_eq!(residency.state(1), Some((SliceState::Empty, 1)));
+        assert_eq!(residency.state(1), Some((UnitState::Empty, 1)));
         assert!(!residency.cancel(1).unwrap(), "nothing left to cancel");
         *reader.open.lock().unwrap() = true;
         reader.opened.notify_all();
@@ -537,7 +539,7 @@ mod tests {
         assert_eq!(region.copy_out((16 << 20)..(16 << 20) + 1)[0], 0, "a cancelled unit's pages were never written");
         // It loads again on demand.
         residency.wait_ready(1).unwrap();
-        assert_eq!(residency.state(1).unwrap().0, SliceState::Ready);
+        assert_eq!(residency.state(1).unwrap().0, UnitState::Ready);
         assert_eq!(region.copy_out((20 << 20)..(20 << 20) + 1)[0], 7);
     }
 
@@ -553,12 +555,12 @@ mod tests {
         let units = vec![StreamUnit::mirrored(std::iter::once((4 << 20)..(5 << 20)).collect()), StreamUnit::mirrored(vec![(16 << 20)..(17 << 20) + 123, (20 << 20)..(21 << 20)])];
         let residency = Residency::new(region, Arc::new(FakeReader { calls: AtomicUsize::new(0), fail_on: Vec::new() }), units, 3, Arc::new(IoStats::default()));
         let pattern = |range: Range<u64>| range.map(|offset| (offset % 251) as u8 + 1).collect::<Vec<u8>>();
-        assert_eq!(residency.state(1), Some((SliceState::Empty, 0)));
+        assert_eq!(residency.state(1), Some((UnitState::Empty, 0)));
         residency.wait_ready(1).unwrap();
-        assert_eq!(residency.state(1), Some((SliceState::Ready, 0)));
+        assert_eq!(residency.state(1), Some((UnitState::Ready, 0)));
         assert_eq!(residency.region().copy_out((16 << 20)..(17 << 20) + 123), pattern((16 << 20)..(17 << 20) + 123));
         residency.release(1).unwrap();
-        assert_eq!(residency.state(1), Some((SliceState::Empty, 1)));
+        assert_eq!(residency.state(1), Some((UnitState::Empty, 1)));
         // Unit 0's 1 MiB is read into the first of unit 1's parked 1 MiB ranges that covers it
         // (moved away, those pages read as zeros where they were); the other stays parked.
         residency.wait_ready(0).unwrap();
@@ -622,7 +624,7 @@ mod tests {
         assert_eq!(region.copy_out((32 << 20)..(33 << 20)), pattern(0));
         // Unit 0 holds the slot: a read-ahead of unit 1 does nothing yet.
         residency.request(1).unwrap();
-        assert_eq!(residency.state(1).unwrap().0, SliceState::Empty);
+        assert_eq!(residency.state(1).unwrap().0, UnitState::Empty);
         // Released, unit 0's bytes stay (no page is given back), and unit 1 loads over them.
         residency.release(0).unwrap();
         assert_eq!(region.copy_out((32 << 20)..(33 << 20)), pattern(0));
@@ -631,7 +633,7 @@ mod tests {
         assert_eq!(region.copy_out((32 << 20)..(33 << 20)), pattern(4 << 20));
         // The unit that computes takes the slot from a loaded one.
         residency.wait_ready(0).unwrap();
-        assert_eq!(residency.state(1).unwrap().0, SliceState::Empty);
+        assert_eq!(residency.state(1).unwrap().0, UnitState::Empty);
         assert_eq!(region.copy_out((32 << 20)..(33 << 20)), pattern(0));
         // Nothing was read at the mirror positions.
         assert!(region.copy_out(0..(8 << 20)).iter().all(|&byte| byte == 0));
@@ -674,11 +676,11 @@ mod tests {
         let residency = residency(vec![1]);
         let error = residency.wait_ready(0).unwrap_err();
         assert!(error.to_string().contains("short read"), "{error}");
-        assert_eq!(residency.state(0).unwrap().0, SliceState::Empty);
+        assert_eq!(residency.state(0).unwrap().0, UnitState::Empty);
         // Nothing the failed load wrote survives.
         assert!(residency.region().copy_out(0..(9 << 20)).iter().all(|&byte| byte == 0));
         residency.wait_ready(0).unwrap();
-        assert_eq!(residency.state(0).unwrap().0, SliceState::Ready);
+        assert_eq!(residency.state(0).unwrap().0, UnitState::Ready);
     }
 
     #[test]
