@@ -19,3 +19,4 @@ pub mod remote;
 pub mod server;
 pub mod setup;
 pub mod store;
+pub mod sync;

@@ -6,6 +6,7 @@
 //! a worker that stopped answering fails the request with its name.
 mod relay;
 
+use crate::sync::Lock;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -135,7 +136,7 @@ impl Workers {
     /// the old set). None where none answers; the errors of those that do not.
     pub fn current(self: &Arc<Self>) -> (Option<Arc<Workers>>, Vec<RemoteError>) {
         let Err(failed) = self.check() else { return (Some(self.clone()), Vec::new()) };
-        let mut successor = self.successor.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut successor = self.successor.locked();
         if let Some(next) = successor.clone() {
             drop(successor);
             return next.current();

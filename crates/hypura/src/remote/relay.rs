@@ -19,6 +19,7 @@
 //! The framing is ggml's (protocol 7): a request is `cmd: u8 | size: u64 | payload`, a response
 //! `size: u64 | payload`; which commands have a response, and how long it is, is read from
 //! `ggml-rpc.cpp`'s server loop.
+use crate::sync::Lock;
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -90,11 +91,11 @@ impl RelayState {
         if !self.failed.load(Ordering::SeqCst) {
             return None;
         }
-        self.failure.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
+        self.failure.locked().clone()
     }
 
     fn fail(&self, why: String) {
-        let mut failure = self.failure.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut failure = self.failure.locked();
         if failure.is_none() {
             tracing::warn!(worker = %self.worker, "RPC worker stopped answering: {why}");
             *failure = Some(why);

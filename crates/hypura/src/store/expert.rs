@@ -11,6 +11,7 @@
 //! one layer to the next). Predicted units are queued behind this layer's misses, only into
 //! cache room that evicts nothing protected, are kept from eviction until their layer runs,
 //! and a mispredicted read that has not started by then is cancelled.
+use crate::sync::Lock;
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -347,7 +348,7 @@ impl ExpertStream {
 
     /// The recorded routing so far (with `--trace`), taken.
     pub fn take_trace(&self) -> Vec<RouteRecord> {
-        self.trace.as_ref().map(|trace| std::mem::take(&mut *trace.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))).unwrap_or_default()
+        self.trace.as_ref().map(|trace| std::mem::take(&mut *trace.locked())).unwrap_or_default()
     }
 
     fn streams(&self, layer: usize) -> bool {
@@ -374,7 +375,7 @@ impl ExpertStream {
         self.counters.layer_visits.fetch_add(1, Ordering::Relaxed);
         let mut to_load = Vec::new();
         {
-            let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            let mut state = self.state.locked();
             // Every pick must be resident at once; the plan sizes prompt batches so they fit.
             if chosen.len() > state.cache.capacity() {
                 return Err(ResidencyError::CacheTooSmall { layer, picked: chosen.len(), capacity: state.cache.capacity() });
@@ -417,7 +418,7 @@ impl ExpertStream {
         // predicted one. Mispredictions still queued when the next layer routes are cancelled
         // there, so they never hold up its real misses.
         if !predicted.is_empty() {
-            let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            let mut state = self.state.locked();
             let mut protect = state.pinned.clone();
             protect.extend_from_slice(&predicted);
             for unit in predicted {
@@ -473,7 +474,7 @@ impl EvalHook for ExpertStream {
         let result = match node.i32_rows() {
             Some(rows) => {
                 if let Some(trace) = &self.trace {
-                    trace.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push(RouteRecord { layer: layer as u32, experts: rows.clone() });
+                    trace.locked().push(RouteRecord { layer: layer as u32, experts: rows.clone() });
                 }
                 // The hidden state is read (from the device, on a GPU) only when a prediction
                 // will use it: prefetch on, a decode-sized batch, and a next layer that streams.

@@ -21,6 +21,6 @@ pub mod streams;
 pub use dense::DenseWindow;
 pub use expert::{CacheModel, CachePolicy, ExpertSnapshot, ExpertStream, RouteRecord, RouterWeights};
 pub use layout::{ExpertUnits, StreamedTensor};
-pub use residency::{FailureLatch, Residency, ResidencyError, UnitState, StreamUnit, UnitReader, CHUNK_BYTES};
+pub use residency::{FailureLatch, Residency, ResidencyError, StreamUnit, UnitReader, UnitState, CHUNK_BYTES};
 pub use stats::{IoSnapshot, IoStats};
 pub use streams::{StoreError, StreamLoad, Streams};

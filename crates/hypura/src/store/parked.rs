@@ -6,6 +6,7 @@
 //! fault, no zeroing. `Parked` is the allocator (which parked range backs which hole, huge
 //! pages kept whole); `ParkedPages` is its lock, shared by the compute thread that parks and
 //! the reader threads that adopt.
+use crate::sync::Lock;
 use std::ops::Range;
 use std::sync::{Condvar, Mutex, MutexGuard};
 
@@ -29,7 +30,7 @@ impl ParkedPages {
 
     /// The parked set, locked (a lock poisoned by a panicking thread is taken over).
     pub(super) fn lock(&self) -> MutexGuard<'_, Parked> {
-        self.parked.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.parked.locked()
     }
 
     /// Back the pages wholly inside a chunk about to be read with parked pages, so the read lands
@@ -47,7 +48,7 @@ impl ParkedPages {
         // it has left the set: pages moved in while the old ones are still being moved out could
         // be carried away with its freshly read bytes. So a chunk waits for moves out of its range.
         while parked.moving.iter().any(|source| source.start < target.end && target.start < source.end) {
-            parked = self.moved.wait(parked).unwrap_or_else(|poisoned| poisoned.into_inner());
+            parked = crate::sync::wait(&self.moved, parked);
         }
         if !parked.recycle || target.is_empty() {
             return;

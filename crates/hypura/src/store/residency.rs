@@ -5,6 +5,7 @@
 //! expert's slices of a layer. Its bytes are one or more file ranges read into their mirror
 //! position in the region. Compute may touch a unit only while it is `Ready`. A released unit's
 //! pages are parked (`parked`) and moved under the next chunks read.
+use crate::sync::Lock;
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex};
@@ -124,13 +125,13 @@ pub struct FailureLatch {
 impl FailureLatch {
     /// Record the first error and raise the abort flag.
     pub fn fail(&self, error: ResidencyError) {
-        self.failure.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).get_or_insert(error);
+        self.failure.locked().get_or_insert(error);
         self.failed.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The recorded error, if any (taken once; lowers the flag).
     pub fn take(&self) -> Option<ResidencyError> {
-        let failure = self.failure.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
+        let failure = self.failure.locked().take();
         self.failed.store(false, std::sync::atomic::Ordering::Relaxed);
         failure
     }
@@ -222,7 +223,7 @@ impl Residency {
     }
 
     pub fn state(&self, unit: usize) -> Option<(UnitState, u64)> {
-        let units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let units = self.shared.units.locked();
         units.get(unit).map(|state| (state.state, state.generation))
     }
 
@@ -237,7 +238,7 @@ impl Residency {
     /// takes the slot.
     pub fn request(&self, unit: usize) -> Result<(), ResidencyError> {
         self.check(unit)?;
-        let mut units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut units = self.shared.units.locked();
         if units[unit].state != UnitState::Empty || self.slot_holder(&units, unit).is_some() {
             return Ok(());
         }
@@ -271,7 +272,7 @@ impl Residency {
         state.error = None;
         drop(units);
         let woken = chunks.len();
-        self.shared.queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).extend(chunks);
+        self.shared.queue.locked().extend(chunks);
         // One reader per chunk: waking all of them for a chunk or two makes the idle ones
         // preempt the compute thread only to find the queue empty.
         for _ in 0..woken {
@@ -284,10 +285,10 @@ impl Residency {
     /// empty (its bytes are overwritten by the next read). Only the caller that computes knows
     /// the holder is not in use (the dense window, at the entry of `unit`'s layer).
     fn claim_slot(&self, unit: usize) {
-        let mut units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut units = self.shared.units.locked();
         while let Some(holder) = self.slot_holder(&units, unit) {
             if units[holder].state == UnitState::Loading {
-                units = self.shared.changed.wait(units).unwrap_or_else(|poisoned| poisoned.into_inner());
+                units = crate::sync::wait(&self.shared.changed, units);
                 continue;
             }
             units[holder].state = UnitState::Empty;
@@ -305,7 +306,7 @@ impl Residency {
         self.claim_slot(unit);
         self.request(unit)?;
         let started = Instant::now();
-        let mut units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut units = self.shared.units.locked();
         let mut waited = false;
         loop {
             let state = &mut units[unit];
@@ -315,7 +316,7 @@ impl Residency {
                     // again from scratch.
                     drop(units);
                     let _ = self.give_back_pages(unit);
-                    let mut units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                    let mut units = self.shared.units.locked();
                     units[unit].state = UnitState::Empty;
                     units[unit].generation += 1;
                     self.shared.changed.notify_all();
@@ -328,11 +329,11 @@ impl Residency {
                     drop(units);
                     self.claim_slot(unit);
                     self.request(unit)?;
-                    units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                    units = self.shared.units.locked();
                 }
                 UnitState::Loading | UnitState::Evicting => {
                     waited = true;
-                    units = self.shared.changed.wait(units).unwrap_or_else(|poisoned| poisoned.into_inner());
+                    units = crate::sync::wait(&self.shared.changed, units);
                 }
             }
         }
@@ -348,14 +349,14 @@ impl Residency {
     /// Returns whether it was cancelled; a load already under way finishes normally.
     pub fn cancel(&self, unit: usize) -> Result<bool, ResidencyError> {
         self.check(unit)?;
-        let mut units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut units = self.shared.units.locked();
         if units[unit].state != UnitState::Loading || units[unit].error.is_some() {
             return Ok(false);
         }
         let generation = units[unit].generation;
         let ours = |chunk: &Chunk| chunk.unit == unit && chunk.generation == generation;
         // Lock order: units, then queue (workers never hold the queue while taking units).
-        let mut queue = self.shared.queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut queue = self.shared.queue.locked();
         if queue.iter().filter(|chunk| ours(chunk)).count() != units[unit].pending_chunks {
             return Ok(false);
         }
@@ -392,9 +393,9 @@ impl Residency {
     /// first (a read must never land in pages that move); an empty unit is left alone.
     pub fn release(&self, unit: usize) -> Result<(), ResidencyError> {
         self.check(unit)?;
-        let mut units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut units = self.shared.units.locked();
         while units[unit].state == UnitState::Loading {
-            units = self.shared.changed.wait(units).unwrap_or_else(|poisoned| poisoned.into_inner());
+            units = crate::sync::wait(&self.shared.changed, units);
         }
         if units[unit].state != UnitState::Ready {
             return Ok(());
@@ -402,7 +403,7 @@ impl Residency {
         units[unit].state = UnitState::Evicting;
         drop(units);
         let result = self.park(unit);
-        let mut units = self.shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut units = self.shared.units.locked();
         units[unit].state = UnitState::Empty;
         units[unit].generation += 1;
         self.stats.record_unit_released();
@@ -414,7 +415,7 @@ impl Residency {
 fn worker(shared: &Shared, region: &Region, reader: &dyn UnitReader, stats: &IoStats) {
     loop {
         let chunk = {
-            let mut queue = shared.queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            let mut queue = shared.queue.locked();
             loop {
                 if shared.shutdown.load(std::sync::atomic::Ordering::Relaxed) {
                     return;
@@ -422,12 +423,12 @@ fn worker(shared: &Shared, region: &Region, reader: &dyn UnitReader, stats: &IoS
                 if let Some(chunk) = queue.pop_front() {
                     break chunk;
                 }
-                queue = shared.queue_changed.wait(queue).unwrap_or_else(|poisoned| poisoned.into_inner());
+                queue = crate::sync::wait(&shared.queue_changed, queue);
             }
         };
         {
             // A chunk of a load given up after a read error is not read (and takes no pages).
-            if !chunk.is_current(&shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner())) {
+            if !chunk.is_current(&shared.units.locked()) {
                 continue;
             }
         }
@@ -441,7 +442,7 @@ fn worker(shared: &Shared, region: &Region, reader: &dyn UnitReader, stats: &IoS
             Ok(bytes) => stats.record_read(*bytes, started.elapsed()),
             Err(_) => stats.read_ended(),
         }
-        let mut units = shared.units.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut units = shared.units.locked();
         if !chunk.is_current(&units) {
             continue; // a stale chunk of a load that was abandoned
         }

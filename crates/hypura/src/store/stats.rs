@@ -1,4 +1,5 @@
 //! I/O statistics, counted per read and per stall, never per graph node.
+use crate::sync::Lock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -52,7 +53,7 @@ pub struct IoSnapshot {
 impl IoStats {
     /// A read starts (`record_read` or `read_ended` ends it).
     pub fn read_started(&self) {
-        let mut in_flight = self.in_flight.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut in_flight = self.in_flight.locked();
         if in_flight.0 == 0 {
             in_flight.1 = Some(Instant::now());
         }
@@ -61,7 +62,7 @@ impl IoStats {
 
     /// A read ends (`record_read` calls it; a failed read calls it alone).
     pub fn read_ended(&self) {
-        let mut in_flight = self.in_flight.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut in_flight = self.in_flight.locked();
         in_flight.0 = in_flight.0.saturating_sub(1);
         if in_flight.0 == 0 {
             if let Some(since) = in_flight.1.take() {
