@@ -505,3 +505,71 @@ pub fn details_object(details: &model_details::Details) -> Value {
         "quantization_level": details.quantization_level,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use axum::body::Body;
+    use axum::http::{Request, StatusCode};
+    use axum::Router;
+    use http_body_util::BodyExt;
+    use serde_json::{json, Value};
+    use tower::ServiceExt;
+
+    use crate::engine::setup::RunSpec;
+    use crate::server::wire::KeepAlive;
+    use crate::server::{router, AppState, Catalog, HttpConfig, SchedulerConfig};
+
+    /// The forge's Qwen3 template, but opening the reasoning block when thinking is on (as
+    /// Qwen3.5's and DeepSeek-R1's templates do): whatever a forged model writes is then
+    /// reasoning, so a test can tell reasoning read apart from plain content.
+    const OPEN_THINK_TEMPLATE: &str = concat!(
+        "{%- for message in messages %}",
+        "{%- if message.role == 'assistant' %}",
+        "{{- '<|im_start|>assistant\\n' }}",
+        "{%- if message.reasoning_content %}{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}",
+        "{{- message.content + '<|im_end|>\\n' }}",
+        "{%- else %}",
+        "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}",
+        "{%- endif %}",
+        "{%- endfor %}",
+        "{%- if add_generation_prompt %}",
+        "{{- '<|im_start|>assistant\\n' }}",
+        "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- else %}{{- '<think>\\n' }}{%- endif %}",
+        "{%- endif %}",
+    );
+
+    async fn generate(app: &Router, body: Value) -> Value {
+        let request = Request::builder().method("POST").uri("/api/generate").header("content-type", "application/json").body(Body::from(body.to_string())).unwrap();
+        let response = app.clone().oneshot(request).await.unwrap();
+        let status = response.status();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&bytes));
+        serde_json::from_slice(&bytes).unwrap()
+    }
+
+    /// A generate prompt after Ollama's `context` is rendered like any other: its answer's
+    /// reasoning comes back as `thinking`, not as the response.
+    #[tokio::test]
+    async fn a_generate_after_a_context_splits_the_reasoning_out() {
+        let directory = tempfile::tempdir().unwrap();
+        let mut spec = hypura_forge::preset("tiny-qwen3").unwrap();
+        spec.chat_template = Some(OPEN_THINK_TEMPLATE.to_string());
+        let path = directory.path().join("tiny-qwen3.gguf");
+        hypura_forge::write_model(&spec, &path, &|_, _| {}).unwrap();
+        let catalog = Catalog { files: vec![path], ..Catalog::default() };
+        let run = RunSpec { n_ctx: Some(512), n_batch: 256, n_threads: Some(2), repack: false, ..RunSpec::default() };
+        let scheduler = SchedulerConfig { n_parallel: 1, max_queue: 1, default_keep_alive: KeepAlive::For(Duration::from_secs(60)), run, embedding_context: 64 };
+        let app = router(AppState::new(catalog, scheduler, HttpConfig::default()));
+        let options = json!({"temperature": 0, "num_predict": 6, "ignore_eos": true});
+        let first = generate(&app, json!({"model": "tiny-qwen3", "prompt": "why is the sky blue", "think": true, "stream": false, "options": options})).await;
+        assert!(first["thinking"].as_str().is_some_and(|thinking| !thinking.is_empty()), "{first}");
+        assert_eq!(first["response"], "", "{first}");
+        let context = first["context"].clone();
+        let next = generate(&app, json!({"model": "tiny-qwen3", "prompt": "and the sea", "context": context, "think": true, "stream": false, "options": options})).await;
+        assert!(next["thinking"].as_str().is_some_and(|thinking| !thinking.is_empty()), "{next}");
+        assert_eq!(next["response"], "", "{next}");
+        assert!(next["prompt_eval_count"].as_u64().unwrap() > context.as_array().unwrap().len() as u64, "{next}");
+    }
+}
