@@ -32,7 +32,8 @@
 //! request without a cached prefix takes the lowest free slot); a step that mixes a prompt chunk with generated tokens
 //! takes two.
 //!
-//! A conversation (`Prompt::Chat`) is rendered here by the model's template (`chat.rs`): its
+//! A prompt is rendered and tokenized here, after Ollama's `context` when the request has one.
+//! A conversation (`Prompt::Chat`) is rendered by the model's template (`chat.rs`): its
 //! tools bring a lazy grammar and the template's stop strings and marker tokens, and its answer
 //! is read back as it streams, content (`SequenceEvent::Text`) apart from reasoning
 //! (`SequenceEvent::Thinking`), with the tool calls in the finished output's `message`.
@@ -49,7 +50,7 @@ use hypura_sys::{Batch, Context, DraftRequest, Grammar, Sampler, Speculator, Tok
 
 use super::chat::ChatStream;
 use super::prompt;
-use super::session::{Control, DoneReason, GenerateOutput, GenerateRequest};
+use super::request::{Control, DoneReason, GenerateOutput, GenerateRequest};
 use super::stats::{Counters, GenerationStats};
 use super::text::{StopMatcher, StopScan, Utf8Stream};
 use super::{Engine, EngineError};
@@ -214,7 +215,7 @@ impl Batcher {
     /// llama.cpp cannot parse, a prompt longer than the context, no free slot) are returned
     /// with the sink, before anything is decoded.
     pub fn admit(&mut self, request: GenerateRequest, sink: SequenceSink) -> Result<(), (EngineError, SequenceSink)> {
-        let prepared = prompt::prepare(&self.engine, &request.prompt).and_then(|(tokens, turn)| {
+        let prepared = prompt::prepare(&self.engine, &request.context, &request.prompt).and_then(|(tokens, turn)| {
             let chat_grammar = match turn.as_ref().and_then(|turn| turn.chat.as_ref()) {
                 Some(chat) => chat.grammar(self.engine.model())?,
                 None => None,

@@ -18,14 +18,14 @@ use serde_json::{json, Map, Value};
 
 use super::catalog::ModelEntry;
 use super::error::AppError;
-use super::generation::{self, done_reason, GenerationSpec};
+use super::generation::{self, done_reason};
 use super::options::{format_grammar, parse_options};
-use super::scheduler::{EmbedJob, Event};
 use super::tools;
 use super::wire::{nanos, ndjson_line, parse_body, rfc3339, stream_response, KeepAlive};
+use super::worker::{EmbedJob, Event};
 use super::{model_details, AppState};
 use crate::engine::Prompt;
-use crate::engine::{ChatMessage, ChatRequest, Finished};
+use crate::engine::{ChatMessage, ChatRequest, Finished, GenerateRequest};
 
 /// The Ollama version Hypura's API matches. Clients gate features on it, so it is Ollama's
 /// numbering, not Hypura's.
@@ -315,8 +315,8 @@ pub async fn generate(State(state): State<AppState>, body: Result<Bytes, BytesRe
         messages.push(ChatMessage::new("user", prompt));
         Prompt::Chat(ChatRequest { think, ..ChatRequest::new(messages) })
     };
-    let spec = GenerationSpec { context: body.context.unwrap_or_default(), prompt, options, grammar };
-    respond(&state, &entry, name, keep_alive, spec, body.common.stream.unwrap_or(true), shape).await
+    let request = GenerateRequest { context: body.context.unwrap_or_default(), grammar, ..options.request(prompt) };
+    respond(&state, &entry, name, keep_alive, request, body.common.stream.unwrap_or(true), shape).await
 }
 
 pub async fn chat(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Response, AppError> {
@@ -346,8 +346,8 @@ pub async fn chat(State(state): State<AppState>, body: Result<Bytes, BytesReject
     }
     tools::resolve_tool_names(&mut messages);
     let request = ChatRequest { tools, think, ..ChatRequest::new(messages) };
-    let spec = GenerationSpec { context: Vec::new(), prompt: Prompt::Chat(request), options, grammar };
-    respond(&state, &entry, name, keep_alive, spec, body.common.stream.unwrap_or(true), Shape::Chat).await
+    let request = GenerateRequest { grammar, ..options.request(Prompt::Chat(request)) };
+    respond(&state, &entry, name, keep_alive, request, body.common.stream.unwrap_or(true), Shape::Chat).await
 }
 
 /// An empty prompt loads the model (`done_reason: "load"`), or with `keep_alive: 0` unloads it.
@@ -361,8 +361,8 @@ async fn load_only(state: &AppState, entry: &ModelEntry, name: &str, keep_alive:
     Ok(Json(shape.loaded(name, "load")).into_response())
 }
 
-async fn respond(state: &AppState, entry: &ModelEntry, name: String, keep_alive: Option<KeepAlive>, spec: GenerationSpec, stream: bool, shape: Shape) -> Result<Response, AppError> {
-    let generation = generation::start(&state.scheduler, entry, keep_alive, spec).await?;
+async fn respond(state: &AppState, entry: &ModelEntry, name: String, keep_alive: Option<KeepAlive>, request: GenerateRequest, stream: bool, shape: Shape) -> Result<Response, AppError> {
+    let generation = generation::start(&state.scheduler, entry, keep_alive, request).await?;
     if !stream {
         let collected = generation.collect().await?;
         let message = collected.finished.output.message.as_ref();
@@ -488,7 +488,7 @@ pub async fn embeddings(State(state): State<AppState>, body: Result<Bytes, Bytes
 }
 
 /// Embed through the model's worker.
-pub async fn run_embed(lease: super::scheduler::Lease, inputs: Vec<String>, truncate: bool) -> Result<super::scheduler::EmbedOutput, AppError> {
+pub async fn run_embed(lease: super::scheduler::Lease, inputs: Vec<String>, truncate: bool) -> Result<super::worker::EmbedOutput, AppError> {
     let (reply, answer) = tokio::sync::oneshot::channel();
     lease.embed(EmbedJob { inputs, truncate, reply })?;
     answer.await.map_err(|_| AppError::internal("the model's worker stopped before answering"))?
