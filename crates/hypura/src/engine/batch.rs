@@ -309,7 +309,7 @@ impl Batcher {
             .filter(|(_, slot)| slot.active.is_none())
             .max_by_key(|(index, slot)| (shared_prefix(&slot.cached, &tokens), std::cmp::Reverse(*index)))
             .map(|(index, _)| index)
-            .ok_or_else(|| EngineError::Store(format!("all {} sequences of the context are busy; admit only when free_slots() > 0", self.slots.len())))?;
+            .ok_or(EngineError::Busy { n_sequences: self.slots.len() })?;
         let reused = self.reuse_prefix(index, &tokens);
         Ok((index, tokens, sampler, grammar, reused))
     }

@@ -61,4 +61,8 @@ pub enum EngineError {
     Setup(String),
     #[error(transparent)]
     Remote(#[from] crate::remote::RemoteError),
+    /// Every sequence of the batcher's context is running (`Batcher::admit` was called
+    /// without a free slot).
+    #[error("all {n_sequences} sequences of the context are busy; admit only when free_slots() > 0")]
+    Busy { n_sequences: usize },
 }
