@@ -41,7 +41,7 @@ pub fn model_path(model: Option<&str>) -> anyhow::Result<PathBuf> {
 /// The prompt batch when `--batch-size` is not given (llama.cpp's default).
 const DEFAULT_BATCH: u32 = 512;
 
-/// The run the flags ask for, in library types (`engine::setup` turns it into a plan and
+/// The run the flags ask for, in library types (`setup` turns it into a plan and
 /// engine options).
 pub fn run_spec(args: &ModelArgs) -> anyhow::Result<RunSpec> {
     Ok(RunSpec {

@@ -3,55 +3,44 @@
 //! sequence (`Session`).
 //!
 //! Each step builds one llama.cpp batch holding the next token of every sequence that is
-//! generating, then fills the rest of the batch with prompt chunks of sequences that are still
-//! prefilling, decodes it once, and samples every sequence from its own row of logits with its
-//! own sampler chain (and grammar). One decode is one pass over the weights, so in streaming
-//! modes every weight read from disk serves every active request at once.
+//! generating (with its speculative draft, decision 18), then fills the rest of the batch with
+//! prompt chunks of sequences that are still prefilling, decodes it once, and samples every
+//! sequence from its own row of logits with its own sampler chain (and grammar). One decode is
+//! one pass over the weights, so in streaming modes every weight read from disk serves every
+//! active request at once.
 //!
 //! Each sequence is kept within its share of the context (`n_ctx` of the engine, the context
 //! being `n_sequences` times that), so one long conversation can never starve the others. A
 //! freed slot keeps its KV entries, and a new request goes to the free slot sharing the longest
-//! prefix with it, so a chat that comes back for its next turn reuses its cache.
+//! prefix with it, so a chat that comes back for its next turn reuses its cache. With
+//! batch-invariant kernels each sequence has a KV buffer of its own, so that greedy answers
+//! repeat whatever shares the batch (decision 10); otherwise one buffer serves them all, since
+//! with buffers of their own llama.cpp runs one graph (one more pass over the weights) for
+//! each run of consecutive sequences with equal token counts.
 //!
-//! Greedy answers repeat exactly when the engine runs batch-invariant kernels
-//! (`EngineOptions::batch_invariant`): a token's logits are then the same bits whether its
-//! prefix came from the cache or was evaluated with it, and whatever other sequences share the
-//! batch. Two things make that hold. The reference kernels compute each row of a product by
-//! itself (llama.cpp's fastest kernels, repacked weights and tiled products, give a row a
-//! result that depends on the batch's shape). And each sequence has a KV buffer of its own:
-//! attention sums over a sequence's cells in cell order, and in one buffer shared by every
-//! sequence, a reused prefix can sit after cells that another request freed, so that new
-//! tokens land before their own prefix and the sum runs in another order. In its own buffer a
-//! sequence's cells always follow its positions.
-//!
-//! With llama.cpp's fastest kernels the KV cache is unified instead (one buffer for every
-//! sequence): with one buffer per sequence, llama.cpp splits a batch into one graph per run of
-//! consecutive sequence ids with equal token counts, and each graph is another pass over the
-//! weights (another read from disk when streaming). With their own buffers, steps where every
-//! sequence generates are one graph as long as the generating slots are consecutive (a new
-//! request without a cached prefix takes the lowest free slot); a step that mixes a prompt chunk with generated tokens
-//! takes two.
-//!
-//! A conversation (`Prompt::Chat`) is rendered here by the model's template (`chat.rs`): its
-//! tools bring a lazy grammar and the template's stop strings and marker tokens, and its answer
-//! is read back as it streams, content (`SequenceEvent::Text`) apart from reasoning
-//! (`SequenceEvent::Thinking`), with the tool calls in the finished output's `message`.
+//! A request's prompt is rendered and tokenized here, after Ollama's `context` when it has one;
+//! a conversation goes through the model's template in llama.cpp's chat layer (decision 12),
+//! and its answer is read back as it streams: content (`SequenceEvent::Text`) apart from
+//! reasoning (`SequenceEvent::Thinking`), the tool calls in the finished output's `message`.
+//! A sequence's own state is in `sequence`.
 //!
 //! The batcher is synchronous and owned by one thread (the server's model worker, or the
 //! caller of `Session::generate`); text and the final statistics leave through a per-sequence
 //! callback.
+mod sequence;
+
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use hypura_sys::{Batch, Context, DraftRequest, Grammar, Sampler, Speculator, Token};
 
-use super::chat::ChatStream;
+use self::sequence::{Active, Feed, Output, Sampling, Statistics};
 use super::prompt;
-use super::session::{Control, DoneReason, GenerateOutput, GenerateRequest};
+use super::request::{Control, DoneReason, GenerateOutput, GenerateRequest};
 use super::stats::{Counters, GenerationStats};
-use super::text::{StopMatcher, StopScan, Utf8Stream};
+use super::text::{StopMatcher, Utf8Stream};
 use super::{Engine, EngineError};
 
 /// The end of a sequence: the engine's output plus the prompt it was generated from (Ollama's
@@ -76,50 +65,6 @@ pub enum SequenceEvent<'a> {
 
 /// Receives a sequence's events on the batcher's thread.
 pub type SequenceSink = Box<dyn FnMut(SequenceEvent<'_>) -> Control + Send>;
-
-struct Active {
-    prompt: Vec<Token>,
-    /// Index of the next prompt token to decode.
-    next_prompt: usize,
-    /// A sampled token not yet decoded.
-    pending: Option<Token>,
-    /// Drafted tokens queued after `pending` in the batch being decoded, each with logits.
-    draft: Vec<Token>,
-    /// Tokens of this sequence in the batch being decoded.
-    queued: Vec<Token>,
-    /// Whether `queued` holds a generated token (not a prompt chunk).
-    queued_generated: bool,
-    /// Generated tokens decoded so far.
-    decodes: u32,
-    /// The text is final (a stop string matched): nothing held back is flushed.
-    flushed: bool,
-    /// Row of this sequence's logits in the last decoded batch.
-    logits_row: Option<i32>,
-    sampler: Sampler,
-    grammar: Option<Grammar>,
-    max_tokens: Option<u32>,
-    ignore_eos: bool,
-    /// Keep the logits after the prompt's last token (comparisons with llama.cpp).
-    keep_prompt_logits: bool,
-    prompt_logits: Option<Vec<f32>>,
-    limit: usize,
-    utf8: Utf8Stream,
-    stops: StopMatcher,
-    /// Reads a conversation's answer into content, reasoning and tool calls.
-    chat: Option<ChatStream>,
-    /// Control tokens whose text stays in the output (a template's tool-call markers).
-    keep_special: HashSet<Token>,
-    text: String,
-    generated: Vec<Token>,
-    cancel: Arc<AtomicBool>,
-    sink: SequenceSink,
-    stats: GenerationStats,
-    started: Instant,
-    /// Streaming counters when the sequence was admitted.
-    counters: Counters,
-    /// When the prompt was done, and the streaming and link counters then.
-    eval_started: Option<(Instant, Counters)>,
-}
 
 struct Slot {
     seq_id: i32,
@@ -214,7 +159,7 @@ impl Batcher {
     /// llama.cpp cannot parse, a prompt longer than the context, no free slot) are returned
     /// with the sink, before anything is decoded.
     pub fn admit(&mut self, request: GenerateRequest, sink: SequenceSink) -> Result<(), (EngineError, SequenceSink)> {
-        let prepared = prompt::prepare(&self.engine, &request.prompt).and_then(|(tokens, turn)| {
+        let prepared = prompt::prepare(&self.engine, &request.context, &request.prompt).and_then(|(tokens, turn)| {
             let chat_grammar = match turn.as_ref().and_then(|turn| turn.chat.as_ref()) {
                 Some(chat) => chat.grammar(self.engine.model())?,
                 None => None,
@@ -241,34 +186,22 @@ impl Batcher {
                 }
                 let stats = GenerationStats { reused_prompt_tokens: reused as u32, prompt_eval_count: (tokens.len() - reused) as u32, ..GenerationStats::default() };
                 self.slots[index].active = Some(Active {
-                    next_prompt: reused,
-                    prompt: tokens,
-                    pending: None,
-                    draft: Vec::new(),
-                    queued: Vec::new(),
-                    queued_generated: false,
-                    decodes: 0,
-                    flushed: false,
-                    logits_row: None,
-                    sampler,
-                    grammar,
-                    max_tokens: request.max_tokens,
-                    ignore_eos: request.ignore_eos,
-                    keep_prompt_logits: request.prompt_logits,
-                    prompt_logits: None,
-                    limit,
-                    utf8: Utf8Stream::default(),
-                    stops: StopMatcher::new(&stop),
-                    chat,
-                    keep_special,
-                    text: String::new(),
-                    generated: Vec::new(),
                     cancel: request.cancel.unwrap_or_default(),
-                    sink,
-                    stats,
-                    started: Instant::now(),
-                    counters: Counters::read(&self.engine),
-                    eval_started: None,
+                    sampling: Sampling { sampler, grammar, max_tokens: request.max_tokens, ignore_eos: request.ignore_eos, limit },
+                    feed: Feed { next_prompt: reused, prompt: tokens, pending: None, draft: Vec::new(), queued: Vec::new(), queued_generated: false, logits_row: None },
+                    output: Output {
+                        generated: Vec::new(),
+                        text: String::new(),
+                        utf8: Utf8Stream::default(),
+                        stops: StopMatcher::new(&stop),
+                        flushed: false,
+                        chat,
+                        keep_special,
+                        keep_prompt_logits: request.prompt_logits,
+                        prompt_logits: None,
+                        sink,
+                    },
+                    statistics: Statistics { stats, started: Instant::now(), counters: Counters::read(&self.engine), eval_started: None, decodes: 0 },
                 });
                 Ok(())
             }
@@ -301,6 +234,8 @@ impl Batcher {
         for &token in &tokens {
             sampler.accept(token);
         }
+        // Without a shared prefix the lowest free slot: with a KV buffer per sequence, a step
+        // where every sequence generates is one graph as long as their slots are consecutive.
         let index = self
             .slots
             .iter()
@@ -308,7 +243,7 @@ impl Batcher {
             .filter(|(_, slot)| slot.active.is_none())
             .max_by_key(|(index, slot)| (shared_prefix(&slot.cached, &tokens), std::cmp::Reverse(*index)))
             .map(|(index, _)| index)
-            .ok_or_else(|| EngineError::Store(format!("all {} sequences of the context are busy; admit only when free_slots() > 0", self.slots.len())))?;
+            .ok_or(EngineError::Busy { n_sequences: self.slots.len() })?;
         let reused = self.reuse_prefix(index, &tokens);
         Ok((index, tokens, sampler, grammar, reused))
     }
@@ -393,9 +328,9 @@ impl Batcher {
         let mut ready = Vec::new();
         for (index, slot) in self.slots.iter_mut().enumerate() {
             let Some(active) = slot.active.as_mut() else { continue };
-            slot.cached.append(&mut active.queued);
-            active.decodes += u32::from(active.queued_generated);
-            if active.logits_row.is_some() {
+            slot.cached.append(&mut active.feed.queued);
+            active.statistics.decodes += u32::from(active.feed.queued_generated);
+            if active.feed.logits_row.is_some() {
                 ready.push(index);
             }
         }
@@ -412,56 +347,56 @@ impl Batcher {
         let capacity = self.batch.capacity();
         let mut drafts = self.make_drafts();
         for (index, slot) in self.slots.iter_mut().enumerate() {
-            let Some(active) = slot.active.as_mut() else { continue };
-            active.queued.clear();
-            active.queued_generated = false;
-            active.logits_row = None;
-            active.draft.clear();
-            if let Some(token) = active.pending.take() {
+            let Some(feed) = slot.active.as_mut().map(|active| &mut active.feed) else { continue };
+            feed.queued.clear();
+            feed.queued_generated = false;
+            feed.logits_row = None;
+            feed.draft.clear();
+            if let Some(token) = feed.pending.take() {
                 let row = self.batch.len() as i32;
                 if self.batch.push(token, slot.cached.len() as i32, &[slot.seq_id], true).is_ok() {
-                    active.queued.push(token);
-                    active.queued_generated = true;
-                    active.logits_row = Some(row);
+                    feed.queued.push(token);
+                    feed.queued_generated = true;
+                    feed.logits_row = Some(row);
                     // Each drafted token is verified from its own row of logits.
                     for token in drafts.get_mut(index).map(std::mem::take).unwrap_or_default() {
-                        let position = (slot.cached.len() + active.queued.len()) as i32;
+                        let position = (slot.cached.len() + feed.queued.len()) as i32;
                         if self.batch.push(token, position, &[slot.seq_id], true).is_err() {
                             break;
                         }
-                        active.queued.push(token);
-                        active.draft.push(token);
+                        feed.queued.push(token);
+                        feed.draft.push(token);
                     }
                 } else {
-                    active.pending = Some(token);
+                    feed.pending = Some(token);
                 }
             }
         }
         let count = self.slots.len();
         for turn in 0..count {
             let slot = &mut self.slots[(self.prefill_turn + turn) % count];
-            let Some(active) = slot.active.as_mut() else { continue };
-            if active.next_prompt >= active.prompt.len() {
+            let Some(feed) = slot.active.as_mut().map(|active| &mut active.feed) else { continue };
+            if feed.next_prompt >= feed.prompt.len() {
                 continue;
             }
             let room = capacity - self.batch.len();
             if room == 0 {
                 break;
             }
-            let take = room.min(active.prompt.len() - active.next_prompt);
+            let take = room.min(feed.prompt.len() - feed.next_prompt);
             for offset in 0..take {
-                let position = active.next_prompt + offset;
-                let is_last = position + 1 == active.prompt.len();
+                let position = feed.next_prompt + offset;
+                let is_last = position + 1 == feed.prompt.len();
                 let row = self.batch.len() as i32;
-                if self.batch.push(active.prompt[position], position as i32, &[slot.seq_id], is_last).is_err() {
+                if self.batch.push(feed.prompt[position], position as i32, &[slot.seq_id], is_last).is_err() {
                     break;
                 }
-                active.queued.push(active.prompt[position]);
+                feed.queued.push(feed.prompt[position]);
                 if is_last {
-                    active.logits_row = Some(row);
+                    feed.logits_row = Some(row);
                 }
             }
-            active.next_prompt += active.queued.len();
+            feed.next_prompt += feed.queued.len();
         }
         self.prefill_turn = (self.prefill_turn + 1) % count.max(1);
         !self.batch.is_empty()
@@ -476,11 +411,11 @@ impl Batcher {
         let mut requests = Vec::new();
         for (index, slot) in self.slots.iter().enumerate() {
             let Some(active) = slot.active.as_ref() else { continue };
-            let Some(last) = active.pending else { continue };
+            let Some(last) = active.feed.pending else { continue };
             // The pending token and the draft take cells; one more is needed to sample after them.
-            let by_context = active.limit.saturating_sub(slot.cached.len() + 2);
+            let by_context = active.sampling.limit.saturating_sub(slot.cached.len() + 2);
             // A pass yields up to draft + 1 tokens, the pending one already counted.
-            let by_tokens = active.max_tokens.map_or(usize::MAX, |limit| (limit as usize).saturating_sub(active.generated.len() + 1));
+            let by_tokens = active.sampling.max_tokens.map_or(usize::MAX, |limit| (limit as usize).saturating_sub(active.output.generated.len() + 1));
             let n_max = speculator.n_max().min(by_context).min(by_tokens).min(room);
             if n_max > 0 {
                 indices.push(index);
@@ -509,7 +444,7 @@ impl Batcher {
     /// Abort flags for the next decode: the one sequence in the batch may stop it mid-graph
     /// (with several, one request's cancel must not fail the others' shared decode).
     fn arm_abort(&mut self) {
-        let mut involved = self.slots.iter().filter(|slot| slot.active.as_ref().is_some_and(|active| !active.queued.is_empty()));
+        let mut involved = self.slots.iter().filter(|slot| slot.active.as_ref().is_some_and(|active| !active.feed.queued.is_empty()));
         let alone = match (involved.next(), involved.next()) {
             (Some(slot), None) => Some(slot),
             _ => None,
@@ -534,14 +469,14 @@ impl Batcher {
     fn fail_batch(&mut self, error: impl Fn() -> EngineError) {
         for index in 0..self.slots.len() {
             let slot = &mut self.slots[index];
-            let involved = slot.active.as_ref().is_some_and(|active| !active.queued.is_empty());
+            let involved = slot.active.as_ref().is_some_and(|active| !active.feed.queued.is_empty());
             if !involved {
                 continue;
             }
             self.context.truncate_sequence(slot.seq_id, 0);
             slot.cached.clear();
-            if let Some(mut active) = slot.active.take() {
-                (active.sink)(SequenceEvent::Failed(error()));
+            if let Some(active) = slot.active.take() {
+                active.fail(error());
             }
         }
     }
@@ -553,9 +488,9 @@ impl Batcher {
     /// of the rejected drafted tokens are dropped.
     fn sample_next(&mut self, index: usize) {
         let Some(active) = self.slots[index].active.as_mut() else { return };
-        let Some(first_row) = active.logits_row.take() else { return };
-        let draft = std::mem::take(&mut active.draft);
-        active.stats.draft_tokens += draft.len() as u32;
+        let Some(first_row) = active.feed.logits_row.take() else { return };
+        let draft = std::mem::take(&mut active.feed.draft);
+        active.statistics.stats.draft_tokens += draft.len() as u32;
         // Cells that hold history when no drafted token is accepted.
         let valid = self.slots[index].cached.len() - draft.len();
         let mut accepted = 0;
@@ -564,7 +499,7 @@ impl Batcher {
                 Some(token) if accepted < draft.len() && token == draft[accepted] => {
                     accepted += 1;
                     if let Some(active) = self.slots[index].active.as_mut() {
-                        active.stats.draft_accepted += 1;
+                        active.statistics.stats.draft_accepted += 1;
                     }
                 }
                 other => break other,
@@ -572,7 +507,7 @@ impl Batcher {
         };
         let slot = &mut self.slots[index];
         if let (Some(token), Some(active)) = (next, slot.active.as_mut()) {
-            active.pending = Some(token);
+            active.feed.pending = Some(token);
         }
         if draft.is_empty() {
             return;
@@ -597,27 +532,23 @@ impl Batcher {
     fn sample_row(&mut self, index: usize, row: i32, cached: usize) -> Option<Token> {
         let vocab = self.engine.model().vocab();
         let active = self.slots[index].active.as_mut()?;
-        if active.eval_started.is_none() {
-            let now = Instant::now();
-            active.stats.prompt_eval_duration = now - active.started;
-            active.eval_started = Some((now, Counters::read(&self.engine)));
-            if active.keep_prompt_logits {
-                match self.context.logits(row) {
-                    Ok(logits) => active.prompt_logits = Some(logits.to_vec()),
-                    Err(error) => {
-                        self.fail(index, error.into());
-                        return None;
-                    }
+        if active.statistics.prompt_done(&self.engine) && active.output.keep_prompt_logits {
+            match self.context.logits(row) {
+                Ok(logits) => active.output.prompt_logits = Some(logits.to_vec()),
+                Err(error) => {
+                    self.fail(index, error.into());
+                    return None;
                 }
             }
         }
-        if active.max_tokens.is_some_and(|limit| active.generated.len() >= limit as usize) {
+        if active.at_max_tokens() {
             self.finish(index, DoneReason::Length);
             return None;
         }
-        let sampled = match active.grammar.as_mut() {
-            Some(grammar) => active.sampler.sample_constrained(&mut self.context, row, grammar),
-            None => active.sampler.sample(&mut self.context, row),
+        let sampling = &mut active.sampling;
+        let sampled = match sampling.grammar.as_mut() {
+            Some(grammar) => sampling.sampler.sample_constrained(&mut self.context, row, grammar),
+            None => sampling.sampler.sample(&mut self.context, row),
         };
         let token = match sampled {
             Ok(token) => token,
@@ -626,28 +557,15 @@ impl Batcher {
                 return None;
             }
         };
-        if !active.ignore_eos && vocab.is_end_of_generation(token) {
+        if !sampling.ignore_eos && vocab.is_end_of_generation(token) {
             self.finish(index, DoneReason::Stop);
             return None;
         }
-        active.generated.push(token);
-        let bytes = vocab.token_bytes(token, active.keep_special.contains(&token)).unwrap_or_default();
-        let piece = active.utf8.push(&bytes);
-        match active.stops.push(&piece) {
-            StopScan::Stopped(before) => {
-                emit(active, &before);
-                active.flushed = true;
-                self.finish(index, DoneReason::Stop);
-                return None;
-            }
-            StopScan::Continue(ready) => {
-                if emit(active, &ready) == Control::Stop {
-                    self.finish(index, DoneReason::Cancelled);
-                    return None;
-                }
-            }
+        if let Some(done_reason) = active.output.push_token(&vocab, token) {
+            self.finish(index, done_reason);
+            return None;
         }
-        if active.max_tokens.is_some_and(|limit| active.generated.len() >= limit as usize) || cached + 1 >= active.limit {
+        if active.at_max_tokens() || cached + 1 >= active.sampling.limit {
             self.finish(index, DoneReason::Length);
             return None;
         }
@@ -655,49 +573,17 @@ impl Batcher {
     }
 
     fn fail(&mut self, index: usize, error: EngineError) {
-        if let Some(mut active) = self.slots[index].active.take() {
-            (active.sink)(SequenceEvent::Failed(error));
+        if let Some(active) = self.slots[index].active.take() {
+            active.fail(error);
         }
     }
 
     /// End a sequence: flush held-back text (unless cancelled) and send the statistics. The
     /// slot keeps its KV entries for the next request that shares the prefix.
     fn finish(&mut self, index: usize, done_reason: DoneReason) {
-        let Some(mut active) = self.slots[index].active.take() else { return };
-        if done_reason != DoneReason::Cancelled && !active.flushed {
-            let rest = active.utf8.finish();
-            let tail = match active.stops.push(&rest) {
-                StopScan::Stopped(before) => before,
-                StopScan::Continue(ready) => ready + &active.stops.finish(),
-            };
-            emit(&mut active, &tail);
+        if let Some(active) = self.slots[index].active.take() {
+            active.finish(&self.engine, done_reason);
         }
-        let message = active.chat.as_mut().map(|chat| {
-            let (delta, message) = chat.finish();
-            if done_reason != DoneReason::Cancelled {
-                send_delta(&mut active.sink, &delta.thinking, &delta.content);
-            }
-            message
-        });
-        let now = Instant::now();
-        let mut stats = std::mem::take(&mut active.stats);
-        stats.load_duration = self.engine.load_duration();
-        match active.eval_started.take() {
-            Some((eval_started, before)) => {
-                let counters = Counters::read(&self.engine);
-                stats.eval_duration = now - eval_started;
-                stats.eval_stall = Duration::from_secs_f64((counters.stall_seconds() - before.stall_seconds()).max(0.0));
-                stats.eval_links = counters.links_since(&before);
-            }
-            None => stats.prompt_eval_duration = now - active.started,
-        }
-        stats.eval_count = active.generated.len() as u32;
-        stats.eval_decodes = active.decodes;
-        stats.total_duration = now - active.started;
-        active.counters.fill_since(&self.engine, &mut stats);
-        let output = GenerateOutput { text: std::mem::take(&mut active.text), message, tokens: std::mem::take(&mut active.generated), done_reason, stats, prompt_logits: active.prompt_logits.take() };
-        let prompt = std::mem::take(&mut active.prompt);
-        (active.sink)(SequenceEvent::Done(Box::new(Finished { output, prompt })));
     }
 
     /// Cancel every sequence (shutdown).
@@ -706,31 +592,6 @@ impl Batcher {
             self.finish(index, DoneReason::Cancelled);
         }
     }
-}
-
-fn emit(active: &mut Active, piece: &str) -> Control {
-    if piece.is_empty() {
-        return Control::Continue;
-    }
-    active.text.push_str(piece);
-    match active.chat.as_mut() {
-        Some(chat) => {
-            let delta = chat.push(piece);
-            send_delta(&mut active.sink, &delta.thinking, &delta.content)
-        }
-        None => (active.sink)(SequenceEvent::Text(piece)),
-    }
-}
-
-/// A conversation's new reasoning, then its new content.
-fn send_delta(sink: &mut SequenceSink, thinking: &str, content: &str) -> Control {
-    if !thinking.is_empty() && sink(SequenceEvent::Thinking(thinking)) == Control::Stop {
-        return Control::Stop;
-    }
-    if !content.is_empty() {
-        return sink(SequenceEvent::Text(content));
-    }
-    Control::Continue
 }
 
 fn shared_prefix(cached: &[Token], tokens: &[Token]) -> usize {

@@ -2,16 +2,18 @@
 //! the CLI, the benchmark and the server use, and the only door above `hypura-sys`.
 //!
 //! Data flow: `Engine::load` takes the inventory the plan was made from (so a bad file is a
-//! typed error, never a ggml abort) and loads the file with llama.cpp. `prompt` renders chat
-//! templates and tokenizes. `Batcher` is the one generation loop: it reuses the KV cache for a
-//! shared prefix, prefills in batches and decodes every active sequence together with its own
-//! sampler chain, streaming text out through a callback; `Session` is that loop with one
-//! sequence. `stats` holds what a generation measured.
+//! typed error, never a ggml abort) and loads the file with llama.cpp. A `GenerateRequest`
+//! (`request`) carries one generation from its caller to a batcher's slot. `prompt` renders
+//! chat templates and tokenizes. `Batcher` is the one generation loop: it reuses the KV cache
+//! for a shared prefix, prefills in batches and decodes every active sequence together with
+//! its own sampler chain, streaming text out through a callback; `Session` is that loop with
+//! one sequence. `stats` holds what a generation measured.
 pub mod batch;
 pub mod chat;
 mod embed;
 mod load;
 pub mod prompt;
+pub mod request;
 mod session;
 mod stats;
 mod text;
@@ -23,7 +25,8 @@ pub use chat::{AssistantMessage, ChatDelta, ChatMessage, ChatRequest, ChatTempla
 pub use embed::{Embedder, Embedding};
 pub use load::{Engine, EngineOptions, Speculation, StreamDriver, Streaming, DEFAULT_NGRAM};
 pub use prompt::Prompt;
-pub use session::{Control, DoneReason, GenerateOutput, GenerateRequest, Session};
+pub use request::{Control, DoneReason, GenerateOutput, GenerateRequest};
+pub use session::Session;
 pub use stats::{DecodeLimit, DiskWhileBusy, GenerationStats};
 pub use text::{StopMatcher, Utf8Stream};
 
@@ -60,4 +63,8 @@ pub enum EngineError {
     Setup(String),
     #[error(transparent)]
     Remote(#[from] crate::remote::RemoteError),
+    /// Every sequence of the batcher's context is running (`Batcher::admit` was called
+    /// without a free slot).
+    #[error("all {n_sequences} sequences of the context are busy; admit only when free_slots() > 0")]
+    Busy { n_sequences: usize },
 }

@@ -1,7 +1,8 @@
 //! Prompts: what a generation starts from, and how it becomes tokens. The chat template
 //! renders conversations (`chat.rs`); tokenizing turns special-token text into control
 //! tokens, adds BOS when the model wants it, and never doubles a BOS the template wrote itself.
-//! The CLI, the benchmark and the server all tokenize here.
+//! A prompt may follow Ollama's `context` (an earlier exchange's tokens), which it continues
+//! without a BOS. The CLI, the benchmark and the server (through the batcher) all tokenize here.
 use hypura_sys::{SysError, Token};
 
 use super::chat::{ChatError, ChatRequest, RenderedTurn};
@@ -15,30 +16,34 @@ pub enum Prompt {
     /// A conversation rendered with the model's chat template, the assistant's turn opened
     /// (with its tools and thinking switch); the answer is parsed back (`chat::ChatStream`).
     Chat(ChatRequest),
-    /// Token ids, used as they are (benchmarks, and Ollama's `context`).
+    /// Token ids, used as they are (benchmarks and comparisons with llama.cpp).
     Tokens(Vec<Token>),
 }
 
 /// The prompt's tokens. Token ids are checked against the vocabulary (an id out of range would
 /// be an out-of-bounds read inside llama.cpp).
 pub fn tokenize(engine: &Engine, prompt: &Prompt) -> Result<Vec<Token>, EngineError> {
-    prepare(engine, prompt).map(|(tokens, _)| tokens)
+    prepare(engine, &[], prompt).map(|(tokens, _)| tokens)
 }
 
-/// The prompt's tokens and, for a conversation, its rendering (the answer's parser, the
-/// template's stop strings and marker tokens).
-pub fn prepare(engine: &Engine, prompt: &Prompt) -> Result<(Vec<Token>, Option<RenderedTurn>), EngineError> {
-    match prompt {
-        Prompt::Tokens(tokens) => {
-            check_tokens(engine, tokens)?;
-            Ok((tokens.clone(), None))
-        }
-        Prompt::Raw(text) => Ok((tokenize_text(engine, text, true)?, None)),
+/// The tokens of `context` (Ollama's: an earlier exchange's tokens, usually none) followed by
+/// the prompt's and, for a conversation, its rendering (the answer's parser, the template's
+/// stop strings and marker tokens). A prompt after a context gets no BOS of its own.
+pub fn prepare(engine: &Engine, context: &[Token], prompt: &Prompt) -> Result<(Vec<Token>, Option<RenderedTurn>), EngineError> {
+    let add_special = context.is_empty();
+    let (tokens, turn) = match prompt {
+        Prompt::Tokens(tokens) => (tokens.clone(), None),
+        Prompt::Raw(text) => (tokenize_text(engine, text, add_special)?, None),
         Prompt::Chat(request) => {
             let turn = render_chat(engine, request)?;
-            Ok((tokenize_text(engine, &turn.prompt, true)?, Some(turn)))
+            (tokenize_text(engine, &turn.prompt, add_special)?, Some(turn))
         }
+    };
+    let tokens = if context.is_empty() { tokens } else { [context, tokens.as_slice()].concat() };
+    if !context.is_empty() || matches!(prompt, Prompt::Tokens(_)) {
+        check_tokens(engine, &tokens)?;
     }
+    Ok((tokens, turn))
 }
 
 /// Every token id within the vocabulary.

@@ -2,77 +2,15 @@
 //! `generate` drives the loop until the answer is done, streaming text through a callback, and
 //! returns Ollama's statistics. The KV cache keeps the conversation, so the next turn reuses
 //! its shared prefix.
-use std::sync::atomic::AtomicBool;
 use std::sync::mpsc;
 use std::sync::Arc;
 
 use hypura_sys::{SamplerParams, Token};
-use serde::Serialize;
 
 use super::batch::{Batcher, SequenceEvent};
-use super::chat::AssistantMessage;
 use super::prompt::{self, Prompt};
-use super::stats::GenerationStats;
+use super::request::{Control, DoneReason, GenerateOutput, GenerateRequest};
 use super::{Engine, EngineError};
-
-/// One generation: the prompt and how to answer it.
-#[derive(Clone, Debug)]
-pub struct GenerateRequest {
-    pub prompt: Prompt,
-    /// None: until end of generation or a full context.
-    pub max_tokens: Option<u32>,
-    pub sampling: SamplerParams,
-    pub stop: Vec<String>,
-    /// A GBNF grammar (root rule `root`) that the answer must follow.
-    pub grammar: Option<String>,
-    /// Tokens this request may hold in total (prompt and answer); capped at the sequence's
-    /// share of the context.
-    pub n_ctx: Option<u32>,
-    /// Keep going past end-of-generation tokens (benchmarks).
-    pub ignore_eos: bool,
-    /// Return the logits after the prompt's last token (comparisons with llama.cpp).
-    pub prompt_logits: bool,
-    /// Set from another thread to stop within one step of the loop.
-    pub cancel: Option<Arc<AtomicBool>>,
-}
-
-impl GenerateRequest {
-    pub fn new(prompt: Prompt) -> GenerateRequest {
-        GenerateRequest { prompt, max_tokens: None, sampling: SamplerParams::default(), stop: Vec::new(), grammar: None, n_ctx: None, ignore_eos: false, prompt_logits: false, cancel: None }
-    }
-}
-
-/// What the text callback wants next.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Control {
-    Continue,
-    Stop,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DoneReason {
-    /// End of generation token or a stop string.
-    Stop,
-    /// max_tokens reached or the context is full.
-    Length,
-    /// Cancelled by the caller or the callback.
-    Cancelled,
-}
-
-#[derive(Clone, Debug)]
-pub struct GenerateOutput {
-    /// The generated text as the model wrote it (tool-call markup included).
-    pub text: String,
-    /// A conversation's answer read back: content, reasoning and tool calls (None for plain
-    /// prompts, and for templates with neither tools nor reasoning, whose answer is `text`).
-    pub message: Option<AssistantMessage>,
-    pub tokens: Vec<Token>,
-    pub done_reason: DoneReason,
-    pub stats: GenerationStats,
-    /// The logits after the prompt's last token, when the request asked for them.
-    pub prompt_logits: Option<Vec<f32>>,
-}
 
 /// One conversation on a one-sequence batcher.
 pub struct Session {
@@ -129,7 +67,7 @@ impl Session {
                 SequenceEvent::Done(finished) => Event::Done(Box::new(finished.output)),
                 SequenceEvent::Failed(error) => Event::Failed(error),
             });
-            super::Control::Continue
+            Control::Continue
         });
         // The caller's flag aborts a decode in progress (a long prompt) between graph nodes.
         self.batcher.admit(request.clone(), sink).map_err(|(error, _)| error)?;

@@ -82,3 +82,17 @@ impl IntoResponse for OpenAiError {
         (self.0.status, Json(OpenAiError::body(&self.0))).into_response()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engine_errors_map_to_the_status_of_their_cause() {
+        assert_eq!(AppError::from_engine(&EngineError::EmptyPrompt).status, StatusCode::BAD_REQUEST);
+        assert_eq!(AppError::from_engine(&EngineError::Unsupported("does not support tools".into())).status, StatusCode::BAD_REQUEST);
+        // Busy sequences mean the worker admitted past its free slots: the server's own fault.
+        let busy = AppError::from_engine(&EngineError::Busy { n_sequences: 4 });
+        assert_eq!((busy.status, busy.message.as_str()), (StatusCode::INTERNAL_SERVER_ERROR, "all 4 sequences of the context are busy; admit only when free_slots() > 0"));
+    }
+}

@@ -13,12 +13,10 @@ use tokio::sync::mpsc;
 
 use super::catalog::ModelEntry;
 use super::error::AppError;
-use super::options::RequestOptions;
-use super::scheduler::{Event, GenerateJob, Scheduler};
+use super::scheduler::Scheduler;
 use super::wire::KeepAlive;
-use crate::engine::Prompt;
-use crate::engine::Token;
-use crate::engine::{DoneReason, Finished};
+use super::worker::{Event, GenerateJob};
+use crate::engine::{DoneReason, Finished, GenerateRequest};
 
 /// Sets the flag when dropped.
 pub struct CancelOnDrop(Arc<AtomicBool>);
@@ -27,14 +25,6 @@ impl Drop for CancelOnDrop {
     fn drop(&mut self) {
         self.0.store(true, Ordering::Relaxed);
     }
-}
-
-/// What to generate.
-pub struct GenerationSpec {
-    pub context: Vec<Token>,
-    pub prompt: Prompt,
-    pub options: RequestOptions,
-    pub grammar: Option<String>,
 }
 
 /// A generation that has produced its first event.
@@ -52,24 +42,16 @@ pub struct Collected {
     pub finished: Finished,
 }
 
-pub async fn start(scheduler: &Scheduler, entry: &ModelEntry, keep_alive: Option<KeepAlive>, spec: GenerationSpec) -> Result<Generation, AppError> {
+/// Hand the request to its model's worker and wait for its first event. The request's cancel
+/// flag becomes the generation's: dropping the generation sets it.
+pub async fn start(scheduler: &Scheduler, entry: &ModelEntry, keep_alive: Option<KeepAlive>, mut request: GenerateRequest) -> Result<Generation, AppError> {
     // A `num_ctx` longer than the loaded context reloads the model with it.
-    let lease = scheduler.acquire_with_context(entry, keep_alive, spec.options.n_ctx)?;
+    let lease = scheduler.acquire_with_context(entry, keep_alive, request.n_ctx)?;
     let flag = Arc::new(AtomicBool::new(false));
     let cancel = CancelOnDrop(flag.clone());
+    request.cancel = Some(flag);
     let (sender, mut events) = mpsc::unbounded_channel();
-    lease.generate(GenerateJob {
-        context: spec.context,
-        prompt: spec.prompt,
-        max_tokens: spec.options.max_tokens,
-        sampling: spec.options.sampling,
-        stop: spec.options.stop,
-        grammar: spec.grammar,
-        n_ctx: spec.options.n_ctx,
-        ignore_eos: spec.options.ignore_eos,
-        cancel: flag,
-        events: sender,
-    })?;
+    lease.generate(GenerateJob { request, events: sender })?;
     match events.recv().await {
         Some(Event::Failed(error)) => Err(error),
         Some(first) => Ok(Generation { first: Some(first), events, _cancel: cancel }),

@@ -1,9 +1,9 @@
 //! `hypura serve`: an HTTP server that speaks Ollama's API and OpenAI's, on top of `engine`.
 //!
-//! Data flow: a request is parsed into typed fields (`wire`; a bad body is a 400), its model
-//! name is found in the `catalog` (404 if unknown), and `scheduler` hands the generation to the
-//! model's worker thread, which batches it with the model's other requests in one llama.cpp
-//! context. Text comes back through a channel and leaves as NDJSON (`ollama`) or server-sent
+//! Data flow: a request is parsed into typed fields (`wire`; a bad body is a 400) and, for a
+//! generation, into one `engine::GenerateRequest`; its model name is found in the `catalog`
+//! (404 if unknown), and `scheduler` hands the request to the model's `worker` thread, which
+//! batches it with the model's other requests in one llama.cpp context. Text comes back through a channel and leaves as NDJSON (`ollama`) or server-sent
 //! events (`openai`). `router` builds the whole service without a socket, so tests drive it
 //! with `tower::ServiceExt::oneshot`; `serve` binds it.
 pub mod catalog;
@@ -17,6 +17,7 @@ pub mod options;
 pub mod scheduler;
 pub mod tools;
 pub mod wire;
+pub mod worker;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -36,7 +37,8 @@ pub use model_details::show_model;
 pub use scheduler::{Scheduler, SchedulerConfig};
 
 use model_details::Details;
-use scheduler::{EmbedOutput, Lease};
+use scheduler::Lease;
+use worker::EmbedOutput;
 
 /// HTTP-level settings.
 #[derive(Clone, Debug)]

@@ -18,14 +18,14 @@ use serde_json::{json, Map, Value};
 
 use super::catalog::ModelEntry;
 use super::error::AppError;
-use super::generation::{self, done_reason, GenerationSpec};
+use super::generation::{self, done_reason};
 use super::options::{format_grammar, parse_options};
-use super::scheduler::{EmbedJob, Event};
 use super::tools;
 use super::wire::{nanos, ndjson_line, parse_body, rfc3339, stream_response, KeepAlive};
+use super::worker::{EmbedJob, Event};
 use super::{model_details, AppState};
 use crate::engine::Prompt;
-use crate::engine::{ChatMessage, ChatRequest, Finished};
+use crate::engine::{ChatMessage, ChatRequest, Finished, GenerateRequest};
 
 /// The Ollama version Hypura's API matches. Clients gate features on it, so it is Ollama's
 /// numbering, not Hypura's.
@@ -315,8 +315,8 @@ pub async fn generate(State(state): State<AppState>, body: Result<Bytes, BytesRe
         messages.push(ChatMessage::new("user", prompt));
         Prompt::Chat(ChatRequest { think, ..ChatRequest::new(messages) })
     };
-    let spec = GenerationSpec { context: body.context.unwrap_or_default(), prompt, options, grammar };
-    respond(&state, &entry, name, keep_alive, spec, body.common.stream.unwrap_or(true), shape).await
+    let request = GenerateRequest { context: body.context.unwrap_or_default(), grammar, ..options.request(prompt) };
+    respond(&state, &entry, name, keep_alive, request, body.common.stream.unwrap_or(true), shape).await
 }
 
 pub async fn chat(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Response, AppError> {
@@ -346,8 +346,8 @@ pub async fn chat(State(state): State<AppState>, body: Result<Bytes, BytesReject
     }
     tools::resolve_tool_names(&mut messages);
     let request = ChatRequest { tools, think, ..ChatRequest::new(messages) };
-    let spec = GenerationSpec { context: Vec::new(), prompt: Prompt::Chat(request), options, grammar };
-    respond(&state, &entry, name, keep_alive, spec, body.common.stream.unwrap_or(true), Shape::Chat).await
+    let request = GenerateRequest { grammar, ..options.request(Prompt::Chat(request)) };
+    respond(&state, &entry, name, keep_alive, request, body.common.stream.unwrap_or(true), Shape::Chat).await
 }
 
 /// An empty prompt loads the model (`done_reason: "load"`), or with `keep_alive: 0` unloads it.
@@ -361,8 +361,8 @@ async fn load_only(state: &AppState, entry: &ModelEntry, name: &str, keep_alive:
     Ok(Json(shape.loaded(name, "load")).into_response())
 }
 
-async fn respond(state: &AppState, entry: &ModelEntry, name: String, keep_alive: Option<KeepAlive>, spec: GenerationSpec, stream: bool, shape: Shape) -> Result<Response, AppError> {
-    let generation = generation::start(&state.scheduler, entry, keep_alive, spec).await?;
+async fn respond(state: &AppState, entry: &ModelEntry, name: String, keep_alive: Option<KeepAlive>, request: GenerateRequest, stream: bool, shape: Shape) -> Result<Response, AppError> {
+    let generation = generation::start(&state.scheduler, entry, keep_alive, request).await?;
     if !stream {
         let collected = generation.collect().await?;
         let message = collected.finished.output.message.as_ref();
@@ -488,7 +488,7 @@ pub async fn embeddings(State(state): State<AppState>, body: Result<Bytes, Bytes
 }
 
 /// Embed through the model's worker.
-pub async fn run_embed(lease: super::scheduler::Lease, inputs: Vec<String>, truncate: bool) -> Result<super::scheduler::EmbedOutput, AppError> {
+pub async fn run_embed(lease: super::scheduler::Lease, inputs: Vec<String>, truncate: bool) -> Result<super::worker::EmbedOutput, AppError> {
     let (reply, answer) = tokio::sync::oneshot::channel();
     lease.embed(EmbedJob { inputs, truncate, reply })?;
     answer.await.map_err(|_| AppError::internal("the model's worker stopped before answering"))?
@@ -504,4 +504,72 @@ pub fn details_object(details: &model_details::Details) -> Value {
         "parameter_size": details.parameter_size,
         "quantization_level": details.quantization_level,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use axum::body::Body;
+    use axum::http::{Request, StatusCode};
+    use axum::Router;
+    use http_body_util::BodyExt;
+    use serde_json::{json, Value};
+    use tower::ServiceExt;
+
+    use crate::setup::RunSpec;
+    use crate::server::wire::KeepAlive;
+    use crate::server::{router, AppState, Catalog, HttpConfig, SchedulerConfig};
+
+    /// The forge's Qwen3 template, but opening the reasoning block when thinking is on (as
+    /// Qwen3.5's and DeepSeek-R1's templates do): whatever a forged model writes is then
+    /// reasoning, so a test can tell reasoning read apart from plain content.
+    const OPEN_THINK_TEMPLATE: &str = concat!(
+        "{%- for message in messages %}",
+        "{%- if message.role == 'assistant' %}",
+        "{{- '<|im_start|>assistant\\n' }}",
+        "{%- if message.reasoning_content %}{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}",
+        "{{- message.content + '<|im_end|>\\n' }}",
+        "{%- else %}",
+        "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}",
+        "{%- endif %}",
+        "{%- endfor %}",
+        "{%- if add_generation_prompt %}",
+        "{{- '<|im_start|>assistant\\n' }}",
+        "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- else %}{{- '<think>\\n' }}{%- endif %}",
+        "{%- endif %}",
+    );
+
+    async fn generate(app: &Router, body: Value) -> Value {
+        let request = Request::builder().method("POST").uri("/api/generate").header("content-type", "application/json").body(Body::from(body.to_string())).unwrap();
+        let response = app.clone().oneshot(request).await.unwrap();
+        let status = response.status();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(status, StatusCode::OK, "{}", String::from_utf8_lossy(&bytes));
+        serde_json::from_slice(&bytes).unwrap()
+    }
+
+    /// A generate prompt after Ollama's `context` is rendered like any other: its answer's
+    /// reasoning comes back as `thinking`, not as the response.
+    #[tokio::test]
+    async fn a_generate_after_a_context_splits_the_reasoning_out() {
+        let directory = tempfile::tempdir().unwrap();
+        let mut spec = hypura_forge::preset("tiny-qwen3").unwrap();
+        spec.chat_template = Some(OPEN_THINK_TEMPLATE.to_string());
+        let path = directory.path().join("tiny-qwen3.gguf");
+        hypura_forge::write_model(&spec, &path, &|_, _| {}).unwrap();
+        let catalog = Catalog { files: vec![path], ..Catalog::default() };
+        let run = RunSpec { n_ctx_seq: Some(512), n_batch: 256, n_threads: Some(2), repack: false, ..RunSpec::default() };
+        let scheduler = SchedulerConfig { n_parallel: 1, max_queue: 1, default_keep_alive: KeepAlive::For(Duration::from_secs(60)), run, embedding_context: 64 };
+        let app = router(AppState::new(catalog, scheduler, HttpConfig::default()));
+        let options = json!({"temperature": 0, "num_predict": 6, "ignore_eos": true});
+        let first = generate(&app, json!({"model": "tiny-qwen3", "prompt": "why is the sky blue", "think": true, "stream": false, "options": options})).await;
+        assert!(first["thinking"].as_str().is_some_and(|thinking| !thinking.is_empty()), "{first}");
+        assert_eq!(first["response"], "", "{first}");
+        let context = first["context"].clone();
+        let next = generate(&app, json!({"model": "tiny-qwen3", "prompt": "and the sea", "context": context, "think": true, "stream": false, "options": options})).await;
+        assert!(next["thinking"].as_str().is_some_and(|thinking| !thinking.is_empty()), "{next}");
+        assert_eq!(next["response"], "", "{next}");
+        assert!(next["prompt_eval_count"].as_u64().unwrap() > context.as_array().unwrap().len() as u64, "{next}");
+    }
 }

@@ -23,15 +23,15 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::error::{AppError, OpenAiError};
-use super::generation::{self, done_reason, GenerationSpec};
+use super::generation::{self, done_reason};
 use super::ollama::{dimensions, embed_inputs, normalise};
 use super::options::{float, integer, max_tokens, seed, RequestOptions};
-use super::scheduler::Event;
 use super::tools;
 use super::wire::{parse_body, sse_event, stream_response, unix_seconds};
+use super::worker::Event;
 use super::AppState;
 use crate::engine::Prompt;
-use crate::engine::{ChatMessage, ChatRequest, Finished, SamplerParams};
+use crate::engine::{ChatMessage, ChatRequest, Finished, GenerateRequest, SamplerParams};
 
 type OpenAiResult<T> = Result<T, OpenAiError>;
 
@@ -305,9 +305,9 @@ pub async fn chat_completions(State(state): State<AppState>, body: Result<Bytes,
     let options = body.sampling.options()?;
     let grammar = response_grammar(body.response_format.as_ref())?;
     let request = ChatRequest { tools, tool_choice, think, ..ChatRequest::new(messages) };
-    let spec = GenerationSpec { context: Vec::new(), prompt: Prompt::Chat(request), options, grammar };
+    let request = GenerateRequest { grammar, ..options.request(Prompt::Chat(request)) };
     let envelope = Envelope { kind: Kind::Chat, id: next_id("chatcmpl"), created: unix_seconds(SystemTime::now()), model: name };
-    respond(&state, &entry, spec, envelope, body.sampling.stream, body.sampling.include_usage()).await
+    respond(&state, &entry, request, envelope, body.sampling.stream, body.sampling.include_usage()).await
 }
 
 pub async fn completions(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> OpenAiResult<Response> {
@@ -326,13 +326,13 @@ pub async fn completions(State(state): State<AppState>, body: Result<Bytes, Byte
         return Err(AppError::bad_request("prompt is empty").into());
     }
     let options = body.sampling.options()?;
-    let spec = GenerationSpec { context: Vec::new(), prompt: Prompt::Raw(prompt), options, grammar: None };
+    let request = options.request(Prompt::Raw(prompt));
     let envelope = Envelope { kind: Kind::Text, id: next_id("cmpl"), created: unix_seconds(SystemTime::now()), model: name };
-    respond(&state, &entry, spec, envelope, body.sampling.stream, body.sampling.include_usage()).await
+    respond(&state, &entry, request, envelope, body.sampling.stream, body.sampling.include_usage()).await
 }
 
-async fn respond(state: &AppState, entry: &super::catalog::ModelEntry, spec: GenerationSpec, envelope: Envelope, stream: bool, include_usage: bool) -> OpenAiResult<Response> {
-    let generation = generation::start(&state.scheduler, entry, None, spec).await?;
+async fn respond(state: &AppState, entry: &super::catalog::ModelEntry, request: GenerateRequest, envelope: Envelope, stream: bool, include_usage: bool) -> OpenAiResult<Response> {
+    let generation = generation::start(&state.scheduler, entry, None, request).await?;
     if !stream {
         let collected = generation.collect().await?;
         let (text, thinking) = match &collected.finished.output.message {

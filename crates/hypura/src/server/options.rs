@@ -11,7 +11,7 @@ use serde_json::Value;
 
 use super::error::AppError;
 use super::grammar::{json_object_grammar, schema_grammar};
-use crate::engine::SamplerParams;
+use crate::engine::{GenerateRequest, Prompt, SamplerParams};
 
 /// What a request's options decide.
 #[derive(Clone, Debug, PartialEq)]
@@ -23,6 +23,13 @@ pub struct RequestOptions {
     /// Generate past the end-of-generation token, up to `num_predict` (llama.cpp's server
     /// option `ignore_eos`; Ollama has none).
     pub ignore_eos: bool,
+}
+
+impl RequestOptions {
+    /// A generation of `prompt` with these options.
+    pub fn request(self, prompt: Prompt) -> GenerateRequest {
+        GenerateRequest { max_tokens: self.max_tokens, sampling: self.sampling, stop: self.stop, n_ctx: self.n_ctx, ignore_eos: self.ignore_eos, ..GenerateRequest::new(prompt) }
+    }
 }
 
 impl Default for RequestOptions {

@@ -1,10 +1,8 @@
-//! The scheduler: one worker thread per loaded model, a bounded queue in front of it, and
-//! `keep_alive`.
+//! The scheduler: the registry of loaded models, each with its worker thread (`worker.rs`), a
+//! bounded queue in front of it, and `keep_alive`.
 //!
 //! A model loads on its first request, on its own thread, which then owns the engine and one
-//! `Batcher` (one llama.cpp context with `n_parallel` sequences). Requests reach it through a
-//! channel; the thread admits them into free sequences and steps the batch, so concurrent
-//! requests decode together. llama.cpp calls block, so they never run on the async runtime.
+//! `Batcher`; requests reach it through a channel as `Job`s.
 //!
 //! Every accepted request holds a `Lease` until its last event is sent: the lease counts the
 //! request against the queue bound (503 beyond it) and, when the model's last lease ends,
@@ -17,19 +15,19 @@
 //! plans and loads with the longer context once the old one has dropped its engine (one load
 //! gate per file, so two copies never share the budget). A shorter `num_ctx` is served by the
 //! loaded context, capped per request.
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc::{Receiver, Sender, TryRecvError};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant, SystemTime};
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 use super::catalog::ModelEntry;
 use super::error::AppError;
 use super::wire::KeepAlive;
-use crate::engine::{prompt, Batcher, Control, Embedder, Engine, EngineError, Finished, GenerateRequest, Prompt, SamplerParams, SequenceEvent, Token};
+use super::worker::{EmbedJob, GenerateJob, Job, Work, Worker};
 use crate::setup::RunSpec;
 
 #[derive(Clone)]
@@ -60,7 +58,7 @@ pub struct EngineInfo {
 }
 
 #[derive(Clone, Debug)]
-enum Status {
+pub(super) enum Status {
     Loading,
     Ready(EngineInfo),
     Failed,
@@ -93,6 +91,16 @@ impl LoadedModel {
     fn failed(&self) -> bool {
         matches!(*self.status.lock().unwrap_or_else(|poison| poison.into_inner()), Status::Failed)
             || self.remote.lock().unwrap_or_else(|poison| poison.into_inner()).as_ref().is_some_and(|workers| workers.check().is_err())
+    }
+
+    /// Set by the model's worker as its load goes.
+    pub(super) fn set_status(&self, status: Status) {
+        *self.status.lock().unwrap_or_else(|poison| poison.into_inner()) = status;
+    }
+
+    /// Set by the model's worker before it plans the load.
+    pub(super) fn set_remote(&self, workers: Option<Arc<crate::remote::Workers>>) {
+        *self.remote.lock().unwrap_or_else(|poison| poison.into_inner()) = workers;
     }
 
     /// Engine facts once loaded.
@@ -130,61 +138,6 @@ impl LoadedModel {
             }
         }
     }
-}
-
-/// A generation for a worker.
-pub struct GenerateJob {
-    /// Token ids to put before the prompt (Ollama's `context`).
-    pub context: Vec<Token>,
-    /// Text or a conversation; tokenizing needs the vocabulary, so it happens on the worker.
-    pub prompt: Prompt,
-    pub max_tokens: Option<u32>,
-    pub sampling: SamplerParams,
-    pub stop: Vec<String>,
-    pub grammar: Option<String>,
-    pub n_ctx: Option<u32>,
-    pub ignore_eos: bool,
-    pub cancel: Arc<AtomicBool>,
-    pub events: mpsc::UnboundedSender<Event>,
-}
-
-/// What a generation sends back.
-#[derive(Debug)]
-pub enum Event {
-    /// Answer text (a conversation's content).
-    Text(String),
-    /// Reasoning, kept apart from the content.
-    Thinking(String),
-    Done(Box<Finished>),
-    Failed(AppError),
-}
-
-pub struct EmbedJob {
-    pub inputs: Vec<String>,
-    /// Cut inputs to the embedding context instead of failing.
-    pub truncate: bool,
-    pub reply: oneshot::Sender<Result<EmbedOutput, AppError>>,
-}
-
-#[derive(Clone, Debug)]
-pub struct EmbedOutput {
-    /// One pooled vector per input, not normalised.
-    pub vectors: Vec<Vec<f32>>,
-    pub prompt_tokens: usize,
-    pub load_duration: Duration,
-}
-
-enum Work {
-    Generate(GenerateJob),
-    Embed(EmbedJob),
-    /// Reply once the model is loaded (an empty prompt only loads).
-    Load(oneshot::Sender<Result<Duration, AppError>>),
-}
-
-struct Job {
-    work: Work,
-    received: Instant,
-    lease: Lease,
 }
 
 /// A request's hold on a model. Dropping it ends the request (see the module documentation).
@@ -340,7 +293,7 @@ impl Scheduler {
             config.run.n_ctx_seq = n_ctx;
         }
         let worker = Worker { model: Arc::downgrade(&model), path: entry.path.clone(), config, gate };
-        std::thread::Builder::new().name(format!("model {}", entry.name)).spawn(move || worker.run(receiver)).map_err(|error| AppError::internal(format!("starting the model thread: {error}")))?;
+        worker.spawn(&entry.name, receiver).map_err(|error| AppError::internal(format!("starting the model thread: {error}")))?;
         Ok(model)
     }
 
@@ -391,260 +344,4 @@ impl Scheduler {
             self.inner.unload_if_idle(&path, Duration::ZERO);
         }
     }
-}
-
-/// The model's thread: load, then serve jobs until the channel closes.
-struct Worker {
-    model: Weak<LoadedModel>,
-    path: PathBuf,
-    config: SchedulerConfig,
-    gate: Arc<Mutex<()>>,
-}
-
-impl Worker {
-    fn set_status(&self, status: Status) {
-        if let Some(model) = self.model.upgrade() {
-            *model.status.lock().unwrap_or_else(|poison| poison.into_inner()) = status;
-        }
-    }
-
-    fn run(self, receiver: Receiver<Job>) {
-        // Held until this function returns, after the engine below is dropped.
-        let gate = self.gate.clone();
-        let _loading = gate.lock().unwrap_or_else(|poison| poison.into_inner());
-        let started = Instant::now();
-        let mut run = RunSpec { n_sequences: self.config.n_parallel, ..self.config.run.clone() };
-        // Workers connected when the server started, unless one has failed since: then the
-        // ones that answer now (the model is planned again without the others).
-        if let Some(workers) = run.remote.take() {
-            let (current, down) = workers.current();
-            for error in &down {
-                tracing::warn!("planning {} without a worker: {error}", self.path.display());
-            }
-            run.remote = current;
-            if let Some(model) = self.model.upgrade() {
-                model.remote.lock().unwrap_or_else(|poison| poison.into_inner()).clone_from(&run.remote);
-            }
-        }
-        let loaded = crate::setup::prepare(&self.path, &run)
-            .map_err(|error| AppError::internal(format!("planning {}: {error}", self.path.display())))
-            .and_then(|setup| Engine::load(setup.inventory, setup.options).map_err(|error| AppError::internal(format!("loading {}: {error}", self.path.display()))))
-            .and_then(|engine| {
-                let engine = Arc::new(engine);
-                Batcher::new(engine, self.config.n_parallel).map_err(|error| AppError::internal(format!("creating the context: {error}")))
-            });
-        let mut batcher = match loaded {
-            Ok(batcher) => batcher,
-            Err(error) => {
-                tracing::error!("{error}");
-                self.set_status(Status::Failed);
-                // Every request that came for this load gets the error; the scheduler forgets
-                // the model so that a later request tries again.
-                for job in receiver {
-                    fail_job(job, &error);
-                }
-                return;
-            }
-        };
-        let ready_at = Instant::now();
-        let engine = batcher.engine().clone();
-        self.set_status(Status::Ready(engine_info(&engine, &batcher)));
-        tracing::info!("loaded {} in {:.2} s ({} mode)", self.path.display(), (ready_at - started).as_secs_f64(), engine.mode().name());
-        let mut embedder: Option<Embedder> = None;
-        let mut waiting: VecDeque<Job> = VecDeque::new();
-        let mut open = true;
-        loop {
-            if batcher.is_idle() && waiting.is_empty() {
-                if !open {
-                    break;
-                }
-                match receiver.recv() {
-                    Ok(job) => self.accept(job, ready_at, &mut waiting, &mut embedder, &engine),
-                    Err(_) => break,
-                }
-            }
-            loop {
-                match receiver.try_recv() {
-                    Ok(job) => self.accept(job, ready_at, &mut waiting, &mut embedder, &engine),
-                    Err(TryRecvError::Empty) => break,
-                    Err(TryRecvError::Disconnected) => {
-                        open = false;
-                        break;
-                    }
-                }
-            }
-            // Requests whose client left before they started are dropped unanswered.
-            waiting.retain(|job| !matches!(&job.work, Work::Generate(generate) if generate.cancel.load(Ordering::Relaxed)));
-            while batcher.free_slots() > 0 {
-                let Some(job) = waiting.pop_front() else { break };
-                admit(&mut batcher, job, ready_at);
-            }
-            if !batcher.step() && !batcher.is_idle() {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            // A remote worker that stopped answering failed the batch it was in; the model is
-            // retired, so the next request loads it again with the workers that still answer.
-            if let Err(error) = engine.check_remote() {
-                tracing::error!("{}: {error}", self.path.display());
-                self.set_status(Status::Failed);
-                let error = AppError::internal(format!("{}: {error}", self.path.display()));
-                batcher.cancel_all();
-                for job in waiting.drain(..).chain(receiver.try_iter()) {
-                    fail_job(job, &error);
-                }
-                return;
-            }
-        }
-        batcher.cancel_all();
-    }
-
-    fn accept(&self, job: Job, ready_at: Instant, waiting: &mut VecDeque<Job>, embedder: &mut Option<Embedder>, engine: &Arc<Engine>) {
-        let load_duration = ready_at.saturating_duration_since(job.received);
-        match job.work {
-            Work::Generate(_) => waiting.push_back(job),
-            Work::Load(reply) => {
-                let _ = reply.send(Ok(load_duration));
-            }
-            Work::Embed(embed) => {
-                let result = self.embed(engine, embedder, &embed.inputs, embed.truncate).map(|(vectors, prompt_tokens)| EmbedOutput { vectors, prompt_tokens, load_duration });
-                let _ = embed.reply.send(result);
-            }
-        }
-    }
-
-    fn embed(&self, engine: &Arc<Engine>, embedder: &mut Option<Embedder>, inputs: &[String], truncate: bool) -> Result<(Vec<Vec<f32>>, usize), AppError> {
-        if embedder.is_none() {
-            *embedder = Some(Embedder::new(engine.clone(), self.config.embedding_context).map_err(|error| AppError::internal(error.to_string()))?);
-        }
-        let embedder = embedder.as_mut().expect("created above");
-        let mut vectors = Vec::with_capacity(inputs.len());
-        let mut prompt_tokens = 0;
-        for input in inputs {
-            let mut tokens = embedder.tokenize(input).map_err(|error| AppError::bad_request(error.to_string()))?;
-            if tokens.len() > embedder.n_ctx() as usize {
-                if !truncate {
-                    return Err(AppError::bad_request("the input length exceeds the context length"));
-                }
-                tokens.truncate(embedder.n_ctx() as usize);
-            }
-            if tokens.is_empty() {
-                return Err(AppError::bad_request("an input has no tokens to embed"));
-            }
-            let embedding = embedder.embed(&tokens).map_err(|error| AppError::from_engine(&error))?;
-            prompt_tokens += embedding.tokens;
-            vectors.push(embedding.vector);
-        }
-        Ok((vectors, prompt_tokens))
-    }
-}
-
-fn fail_job(job: Job, error: &AppError) {
-    match job.work {
-        Work::Generate(generate) => {
-            let _ = generate.events.send(Event::Failed(error.clone()));
-        }
-        Work::Embed(embed) => {
-            let _ = embed.reply.send(Err(error.clone()));
-        }
-        Work::Load(reply) => {
-            let _ = reply.send(Err(error.clone()));
-        }
-    }
-}
-
-/// Tokenize a generation and hand it to the batcher; its events go to the request's channel,
-/// and the lease ends when the sequence does.
-fn admit(batcher: &mut Batcher, job: Job, ready_at: Instant) {
-    let Job { work, received, lease } = job;
-    let Work::Generate(generate) = work else { return };
-    let engine = batcher.engine().clone();
-    // A conversation is rendered by the batcher (its answer is parsed there too); text, token
-    // prompts and a generate prompt after Ollama's `context` are tokenized here.
-    let name = engine.inventory().path.file_stem().map(|stem| stem.to_string_lossy().into_owned()).unwrap_or_default();
-    let prompt = match generate.prompt {
-        Prompt::Chat(chat) if generate.context.is_empty() => {
-            super::tools::log_results(&name, &chat);
-            Prompt::Chat(chat)
-        }
-        other => match prompt_tokens(&engine, &generate.context, &other) {
-            Ok(tokens) => Prompt::Tokens(tokens),
-            Err(error) => {
-                let _ = generate.events.send(Event::Failed(AppError::from_engine(&error)));
-                return;
-            }
-        },
-    };
-    let load_duration = ready_at.saturating_duration_since(received);
-    let events = generate.events.clone();
-    let model_name = name.clone();
-    let mut lease = Some(lease);
-    let sink = Box::new(move |event: SequenceEvent<'_>| -> Control {
-        let sent = match event {
-            SequenceEvent::Text(text) => events.send(Event::Text(text.to_string())),
-            SequenceEvent::Thinking(text) => events.send(Event::Thinking(text.to_string())),
-            // The lease ends before the last event leaves, so that a client that has its
-            // answer sees the model already released (or unloaded, with keep_alive 0).
-            SequenceEvent::Done(mut finished) => {
-                if let Some(message) = &finished.output.message {
-                    super::tools::log_calls(&model_name, &message.tool_calls);
-                }
-                finished.output.stats.load_duration = load_duration;
-                finished.output.stats.total_duration = received.elapsed();
-                lease.take();
-                events.send(Event::Done(finished))
-            }
-            SequenceEvent::Failed(error) => {
-                lease.take();
-                events.send(Event::Failed(AppError::from_engine(&error)))
-            }
-        };
-        // A closed channel means the client is gone: stop generating for it.
-        if sent.is_err() {
-            Control::Stop
-        } else {
-            Control::Continue
-        }
-    });
-    let request = GenerateRequest {
-        max_tokens: generate.max_tokens,
-        sampling: generate.sampling,
-        stop: generate.stop,
-        grammar: generate.grammar,
-        n_ctx: generate.n_ctx,
-        ignore_eos: generate.ignore_eos,
-        cancel: Some(generate.cancel),
-        ..GenerateRequest::new(prompt)
-    };
-    if let Err((error, _sink)) = batcher.admit(request, sink) {
-        // A capability the model lacks is named with the model, as Ollama words it.
-        let error = match &error {
-            EngineError::Unsupported(reason) => AppError::bad_request(format!("\"{name}\" {reason}")),
-            _ => AppError::from_engine(&error),
-        };
-        let _ = generate.events.send(Event::Failed(error));
-    }
-}
-
-/// Ollama's `context` (tokens of an earlier answer) followed by the prompt; BOS only when
-/// there is no context.
-fn prompt_tokens(engine: &Engine, context: &[Token], text: &Prompt) -> Result<Vec<Token>, EngineError> {
-    let text = match text {
-        Prompt::Tokens(tokens) => return Ok(context.iter().chain(tokens).copied().collect()),
-        Prompt::Raw(text) => text.clone(),
-        Prompt::Chat(request) => prompt::render_chat(engine, request)?.prompt,
-    };
-    let mut tokens = context.to_vec();
-    tokens.extend(prompt::tokenize_text(engine, &text, context.is_empty())?);
-    Ok(tokens)
-}
-
-fn engine_info(engine: &Engine, batcher: &Batcher) -> EngineInfo {
-    let n_ctx_total = (batcher.n_ctx_per_sequence() * batcher.n_sequences()) as u32;
-    let kv = crate::plan::kv_cache_bytes(engine.inventory(), n_ctx_total);
-    let (size_bytes, vram_bytes) = match &engine.options().plan {
-        Some(plan) => plan.memory_use(kv),
-        None => (engine.model().size_bytes() + kv, 0),
-    };
-    let io = engine.streaming().map(|streaming| streaming.stats.clone());
-    EngineInfo { size_bytes, vram_bytes, context_length: batcher.n_ctx_per_sequence(), trained_context: engine.inventory().hparams.n_ctx_train, mode: engine.mode().name(), io }
 }

@@ -1,0 +1,294 @@
+//! A model's worker: the thread that loads the model, then owns its engine and one `Batcher`
+//! (one llama.cpp context with `n_parallel` sequences) until the scheduler closes its channel.
+//!
+//! The scheduler (`scheduler.rs`) sends it `Job`s: a generation, an embedding, or a load only.
+//! The thread admits generations into free sequences and steps the batch, so concurrent
+//! requests decode together; llama.cpp calls block, so they never run on the async runtime.
+//! The engine adapter here hands each `GenerateRequest` to the batcher as the handler made it,
+//! and turns the sequence's events into the request's channel (`Event`); the request's lease
+//! ends with its sequence.
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, oneshot};
+
+use super::error::AppError;
+use super::scheduler::{EngineInfo, Lease, LoadedModel, SchedulerConfig, Status};
+use crate::setup::RunSpec;
+use crate::engine::{Batcher, Control, Embedder, Engine, EngineError, Finished, GenerateRequest, Prompt, SequenceEvent};
+
+/// A generation for a worker: the request as the handler made it, and where its events go.
+pub struct GenerateJob {
+    pub request: GenerateRequest,
+    pub events: mpsc::UnboundedSender<Event>,
+}
+
+/// What a generation sends back.
+#[derive(Debug)]
+pub enum Event {
+    /// Answer text (a conversation's content).
+    Text(String),
+    /// Reasoning, kept apart from the content.
+    Thinking(String),
+    Done(Box<Finished>),
+    Failed(AppError),
+}
+
+pub struct EmbedJob {
+    pub inputs: Vec<String>,
+    /// Cut inputs to the embedding context instead of failing.
+    pub truncate: bool,
+    pub reply: oneshot::Sender<Result<EmbedOutput, AppError>>,
+}
+
+#[derive(Clone, Debug)]
+pub struct EmbedOutput {
+    /// One pooled vector per input, not normalised.
+    pub vectors: Vec<Vec<f32>>,
+    pub prompt_tokens: usize,
+    pub load_duration: Duration,
+}
+
+pub(super) enum Work {
+    Generate(GenerateJob),
+    Embed(EmbedJob),
+    /// Reply once the model is loaded (an empty prompt only loads).
+    Load(oneshot::Sender<Result<Duration, AppError>>),
+}
+
+/// One request on its way to the worker, with the lease that holds the model for it.
+pub(super) struct Job {
+    pub work: Work,
+    pub received: Instant,
+    pub lease: Lease,
+}
+
+/// The model's thread: load, then serve jobs until the channel closes.
+pub(super) struct Worker {
+    pub model: Weak<LoadedModel>,
+    pub path: PathBuf,
+    pub config: SchedulerConfig,
+    /// The file's load gate, held from before the load until the engine is dropped.
+    pub gate: Arc<Mutex<()>>,
+}
+
+impl Worker {
+    /// Run the worker on a thread of its own, named after the model.
+    pub fn spawn(self, name: &str, receiver: Receiver<Job>) -> std::io::Result<()> {
+        std::thread::Builder::new().name(format!("model {name}")).spawn(move || self.run(receiver)).map(|_| ())
+    }
+
+    fn set_status(&self, status: Status) {
+        if let Some(model) = self.model.upgrade() {
+            model.set_status(status);
+        }
+    }
+
+    fn run(self, receiver: Receiver<Job>) {
+        // Held until this function returns, after the engine below is dropped.
+        let gate = self.gate.clone();
+        let _loading = gate.lock().unwrap_or_else(|poison| poison.into_inner());
+        let started = Instant::now();
+        let mut run = RunSpec { n_sequences: self.config.n_parallel, ..self.config.run.clone() };
+        // Workers connected when the server started, unless one has failed since: then the
+        // ones that answer now (the model is planned again without the others).
+        if let Some(workers) = run.remote.take() {
+            let (current, down) = workers.current();
+            for error in &down {
+                tracing::warn!("planning {} without a worker: {error}", self.path.display());
+            }
+            run.remote = current;
+            if let Some(model) = self.model.upgrade() {
+                model.set_remote(run.remote.clone());
+            }
+        }
+        let loaded = crate::setup::prepare(&self.path, &run)
+            .map_err(|error| AppError::internal(format!("planning {}: {error}", self.path.display())))
+            .and_then(|setup| Engine::load(setup.inventory, setup.options).map_err(|error| AppError::internal(format!("loading {}: {error}", self.path.display()))))
+            .and_then(|engine| {
+                let engine = Arc::new(engine);
+                Batcher::new(engine, self.config.n_parallel).map_err(|error| AppError::internal(format!("creating the context: {error}")))
+            });
+        let mut batcher = match loaded {
+            Ok(batcher) => batcher,
+            Err(error) => {
+                tracing::error!("{error}");
+                self.set_status(Status::Failed);
+                // Every request that came for this load gets the error; the scheduler forgets
+                // the model so that a later request tries again.
+                for job in receiver {
+                    fail_job(job, &error);
+                }
+                return;
+            }
+        };
+        let ready_at = Instant::now();
+        let engine = batcher.engine().clone();
+        self.set_status(Status::Ready(engine_info(&engine, &batcher)));
+        tracing::info!("loaded {} in {:.2} s ({} mode)", self.path.display(), (ready_at - started).as_secs_f64(), engine.mode().name());
+        let mut embedder: Option<Embedder> = None;
+        let mut waiting: VecDeque<Job> = VecDeque::new();
+        let mut open = true;
+        loop {
+            if batcher.is_idle() && waiting.is_empty() {
+                if !open {
+                    break;
+                }
+                match receiver.recv() {
+                    Ok(job) => self.accept(job, ready_at, &mut waiting, &mut embedder, &engine),
+                    Err(_) => break,
+                }
+            }
+            loop {
+                match receiver.try_recv() {
+                    Ok(job) => self.accept(job, ready_at, &mut waiting, &mut embedder, &engine),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        open = false;
+                        break;
+                    }
+                }
+            }
+            // Requests whose client left before they started are dropped unanswered.
+            waiting.retain(|job| !matches!(&job.work, Work::Generate(generate) if generate.request.cancel.as_ref().is_some_and(|cancel| cancel.load(Ordering::Relaxed))));
+            while batcher.free_slots() > 0 {
+                let Some(job) = waiting.pop_front() else { break };
+                admit(&mut batcher, job, ready_at);
+            }
+            if !batcher.step() && !batcher.is_idle() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            // A remote worker that stopped answering failed the batch it was in; the model is
+            // retired, so the next request loads it again with the workers that still answer.
+            if let Err(error) = engine.check_remote() {
+                tracing::error!("{}: {error}", self.path.display());
+                self.set_status(Status::Failed);
+                let error = AppError::internal(format!("{}: {error}", self.path.display()));
+                batcher.cancel_all();
+                for job in waiting.drain(..).chain(receiver.try_iter()) {
+                    fail_job(job, &error);
+                }
+                return;
+            }
+        }
+        batcher.cancel_all();
+    }
+
+    fn accept(&self, job: Job, ready_at: Instant, waiting: &mut VecDeque<Job>, embedder: &mut Option<Embedder>, engine: &Arc<Engine>) {
+        let load_duration = ready_at.saturating_duration_since(job.received);
+        match job.work {
+            Work::Generate(_) => waiting.push_back(job),
+            Work::Load(reply) => {
+                let _ = reply.send(Ok(load_duration));
+            }
+            Work::Embed(embed) => {
+                let result = self.embed(engine, embedder, &embed.inputs, embed.truncate).map(|(vectors, prompt_tokens)| EmbedOutput { vectors, prompt_tokens, load_duration });
+                let _ = embed.reply.send(result);
+            }
+        }
+    }
+
+    fn embed(&self, engine: &Arc<Engine>, embedder: &mut Option<Embedder>, inputs: &[String], truncate: bool) -> Result<(Vec<Vec<f32>>, usize), AppError> {
+        if embedder.is_none() {
+            *embedder = Some(Embedder::new(engine.clone(), self.config.embedding_context).map_err(|error| AppError::internal(error.to_string()))?);
+        }
+        let embedder = embedder.as_mut().expect("created above");
+        let mut vectors = Vec::with_capacity(inputs.len());
+        let mut prompt_tokens = 0;
+        for input in inputs {
+            let mut tokens = embedder.tokenize(input).map_err(|error| AppError::bad_request(error.to_string()))?;
+            if tokens.len() > embedder.n_ctx() as usize {
+                if !truncate {
+                    return Err(AppError::bad_request("the input length exceeds the context length"));
+                }
+                tokens.truncate(embedder.n_ctx() as usize);
+            }
+            if tokens.is_empty() {
+                return Err(AppError::bad_request("an input has no tokens to embed"));
+            }
+            let embedding = embedder.embed(&tokens).map_err(|error| AppError::from_engine(&error))?;
+            prompt_tokens += embedding.tokens;
+            vectors.push(embedding.vector);
+        }
+        Ok((vectors, prompt_tokens))
+    }
+}
+
+fn fail_job(job: Job, error: &AppError) {
+    match job.work {
+        Work::Generate(generate) => {
+            let _ = generate.events.send(Event::Failed(error.clone()));
+        }
+        Work::Embed(embed) => {
+            let _ = embed.reply.send(Err(error.clone()));
+        }
+        Work::Load(reply) => {
+            let _ = reply.send(Err(error.clone()));
+        }
+    }
+}
+
+/// Hand a generation to the batcher as it came (the batcher renders and tokenizes its prompt);
+/// its events go to the request's channel, and the lease ends when the sequence does.
+fn admit(batcher: &mut Batcher, job: Job, ready_at: Instant) {
+    let Job { work, received, lease } = job;
+    let Work::Generate(GenerateJob { request, events }) = work else { return };
+    let name = batcher.engine().inventory().path.file_stem().map(|stem| stem.to_string_lossy().into_owned()).unwrap_or_default();
+    if let Prompt::Chat(chat) = &request.prompt {
+        super::tools::log_results(&name, chat);
+    }
+    let load_duration = ready_at.saturating_duration_since(received);
+    let sink_events = events.clone();
+    let model_name = name.clone();
+    let mut lease = Some(lease);
+    let sink = Box::new(move |event: SequenceEvent<'_>| -> Control {
+        let sent = match event {
+            SequenceEvent::Text(text) => sink_events.send(Event::Text(text.to_string())),
+            SequenceEvent::Thinking(text) => sink_events.send(Event::Thinking(text.to_string())),
+            // The lease ends before the last event leaves, so that a client that has its
+            // answer sees the model already released (or unloaded, with keep_alive 0).
+            SequenceEvent::Done(mut finished) => {
+                if let Some(message) = &finished.output.message {
+                    super::tools::log_calls(&model_name, &message.tool_calls);
+                }
+                finished.output.stats.load_duration = load_duration;
+                finished.output.stats.total_duration = received.elapsed();
+                lease.take();
+                sink_events.send(Event::Done(finished))
+            }
+            SequenceEvent::Failed(error) => {
+                lease.take();
+                sink_events.send(Event::Failed(AppError::from_engine(&error)))
+            }
+        };
+        // A closed channel means the client is gone: stop generating for it.
+        if sent.is_err() {
+            Control::Stop
+        } else {
+            Control::Continue
+        }
+    });
+    if let Err((error, _sink)) = batcher.admit(request, sink) {
+        // A capability the model lacks is named with the model, as Ollama words it.
+        let error = match &error {
+            EngineError::Unsupported(reason) => AppError::bad_request(format!("\"{name}\" {reason}")),
+            _ => AppError::from_engine(&error),
+        };
+        let _ = events.send(Event::Failed(error));
+    }
+}
+
+fn engine_info(engine: &Engine, batcher: &Batcher) -> EngineInfo {
+    let n_ctx_total = (batcher.n_ctx_per_sequence() * batcher.n_sequences()) as u32;
+    let kv = crate::plan::kv_cache_bytes(engine.inventory(), n_ctx_total);
+    let (size_bytes, vram_bytes) = match &engine.options().plan {
+        Some(plan) => plan.memory_use(kv),
+        None => (engine.model().size_bytes() + kv, 0),
+    };
+    let io = engine.streaming().map(|streaming| streaming.stats.clone());
+    EngineInfo { size_bytes, vram_bytes, context_length: batcher.n_ctx_per_sequence(), trained_context: engine.inventory().hparams.n_ctx_train, mode: engine.mode().name(), io }
+}
