@@ -42,6 +42,7 @@ use super::request::{Control, DoneReason, GenerateOutput, GenerateRequest};
 use super::stats::{Counters, GenerationStats};
 use super::text::{StopMatcher, Utf8Stream};
 use super::{Engine, EngineError};
+use crate::store::StoreError;
 
 /// The end of a sequence: the engine's output plus the prompt it was generated from (Ollama's
 /// `context` is both).
@@ -286,7 +287,7 @@ impl Batcher {
         // way the batch fails with the read's error.
         if let Some(failure) = self.engine.streaming().and_then(|streaming| streaming.driver.take_failure()) {
             let message = failure.to_string();
-            self.fail_batch(|| EngineError::Store(message.clone()));
+            self.fail_batch(|| StoreError::Batch { message: message.clone() }.into());
             return true;
         }
         // A remote worker that stopped answering was answered for with zeros by its relay: the
@@ -315,7 +316,7 @@ impl Batcher {
         if let (Some(before), Some(streaming)) = (observations_before, self.engine.streaming()) {
             if let Err(error) = streaming.ensure_hook_fired(before) {
                 let message = error.to_string();
-                self.fail_batch(|| EngineError::Store(message.clone()));
+                self.fail_batch(|| StoreError::Batch { message: message.clone() }.into());
                 return true;
             }
         }

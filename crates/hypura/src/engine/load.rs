@@ -206,7 +206,7 @@ impl Streaming {
     /// A decode during which the hook never stopped the graph computed streamed layers on
     /// bytes nobody loaded: the architecture does not name its nodes as the driver expects.
     /// Refuse it rather than return wrong tokens.
-    pub fn ensure_hook_fired(&self, observations_before: u64) -> Result<(), EngineError> {
+    pub fn ensure_hook_fired(&self, observations_before: u64) -> Result<(), StoreError> {
         if self.observations() > observations_before {
             return Ok(());
         }
@@ -215,7 +215,7 @@ impl Streaming {
             (None, Some(dense)) => format!("{}-<layer>", dense.entry_node()),
             (None, None) => unreachable!("a streaming engine has a driver"),
         };
-        Err(StoreError::HookNeverFired { arch: self.arch.clone(), node }.into())
+        Err(StoreError::HookNeverFired { arch: self.arch.clone(), node })
     }
 }
 

@@ -45,11 +45,10 @@ pub enum EngineError {
     PromptTooLong { tokens: usize, n_ctx: u32 },
     #[error("the prompt is empty")]
     EmptyPrompt,
+    /// The weight store failed: setting up its streams, a read a decode waited for, or an eval
+    /// hook that never drove them.
     #[error("weight streaming: {0}")]
-    Store(String),
-    /// The weight store failed to set up its streams, or the eval hook never drove them.
-    #[error("weight streaming: {0}")]
-    Stream(#[from] crate::store::StoreError),
+    Store(#[from] crate::store::StoreError),
     #[error("decoding: {0}")]
     Decode(String),
     /// The model cannot do what the request asks (tools without a template that renders them).

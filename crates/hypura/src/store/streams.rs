@@ -46,6 +46,10 @@ pub enum StoreError {
     /// nodes as the drivers expect, so streamed layers computed on bytes nobody loaded.
     #[error("llama.cpp's graph for {arch} has no {node} node, so streamed weights were never loaded; use --mode resident or another mode")]
     HookNeverFired { arch: String, node: String },
+    /// A failure that fails every sequence of a batch: each gets its words (the failure itself,
+    /// an I/O error, is reported once, to the first).
+    #[error("{message}")]
+    Batch { message: String },
 }
 
 /// The dense layers' units, placed in reused slots after the file's mirror.
