@@ -119,7 +119,7 @@ pub fn prepare(path: &Path, spec: &RunSpec) -> Result<Setup, EngineError> {
     let Choice { n_ctx_seq, n_batch, plan } = choose(&inventory, spec, &facts)?;
     let mode = plan.mode;
     let options = EngineOptions {
-        n_ctx: n_ctx_seq,
+        n_ctx_seq,
         n_batch,
         n_ubatch: n_batch,
         n_seq_max: spec.n_sequences.max(1),

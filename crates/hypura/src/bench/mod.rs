@@ -325,7 +325,7 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         }
         false => None,
     };
-    let n_ctx = hypura.as_ref().map_or(options.engine.n_ctx, |side| side.session.n_ctx());
+    let n_ctx = hypura.as_ref().map_or(options.engine.n_ctx_seq, |side| side.session.n_ctx_seq());
     // The warm-up generates after the whole prompt (so outputs are compared after a prompt
     // batch too, the path where ggml may move work to a GPU).
     let needed = options.n_prompt.max(2) + options.n_gen + 1;

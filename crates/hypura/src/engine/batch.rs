@@ -9,7 +9,7 @@
 //! one pass over the weights, so in streaming modes every weight read from disk serves every
 //! active request at once.
 //!
-//! Each sequence is kept within its share of the context (`n_ctx` of the engine, the context
+//! Each sequence is kept within its share of the context (`n_ctx_seq` of the engine, the context
 //! being `n_sequences` times that), so one long conversation can never starve the others. A
 //! freed slot keeps its KV entries, and a new request goes to the free slot sharing the longest
 //! prefix with it, so a chat that comes back for its next turn reuses its cache. With
@@ -80,7 +80,7 @@ pub struct Batcher {
     context: Context,
     batch: Batch,
     slots: Vec<Slot>,
-    n_ctx_per_sequence: usize,
+    n_ctx_seq: usize,
     /// Which prefilling sequence goes first in the next batch, so that long prompts share.
     prefill_turn: usize,
     /// Flags that abort a decode between graph nodes: the streaming failure latch's, plus the
@@ -110,7 +110,7 @@ impl Batcher {
             streaming.driver.take_failure();
         }
         context.set_abort_flags(abort_base.clone());
-        let n_ctx_per_sequence = (context.n_ctx() / n_sequences) as usize;
+        let n_ctx_seq = (context.n_ctx() / n_sequences) as usize;
         let batch = Batch::new(params.n_batch as usize, 1);
         let slots = (0..n_sequences as i32).map(|seq_id| Slot { seq_id, cached: Vec::new(), active: None }).collect();
         let speculator = match &engine.options().speculation {
@@ -124,7 +124,7 @@ impl Batcher {
             }
             None => None,
         };
-        Ok(Batcher { engine, context, batch, slots, n_ctx_per_sequence, prefill_turn: 0, abort_base, armed: None, speculator })
+        Ok(Batcher { engine, context, batch, slots, n_ctx_seq, prefill_turn: 0, abort_base, armed: None, speculator })
     }
 
     pub fn engine(&self) -> &Arc<Engine> {
@@ -132,8 +132,8 @@ impl Batcher {
     }
 
     /// Tokens one sequence may hold.
-    pub fn n_ctx_per_sequence(&self) -> usize {
-        self.n_ctx_per_sequence
+    pub fn n_ctx_seq(&self) -> usize {
+        self.n_ctx_seq
     }
 
     pub fn n_sequences(&self) -> usize {
@@ -210,9 +210,9 @@ impl Batcher {
         }
     }
 
-    /// Tokens a request may hold: its own `n_ctx`, capped at the sequence's share.
+    /// Tokens a request may hold: its own `n_ctx_seq`, capped at the sequence's share.
     fn limit(&self, request: &GenerateRequest) -> usize {
-        request.n_ctx.map_or(self.n_ctx_per_sequence, |limit| (limit as usize).clamp(1, self.n_ctx_per_sequence))
+        request.n_ctx_seq.map_or(self.n_ctx_seq, |limit| (limit as usize).clamp(1, self.n_ctx_seq))
     }
 
     /// Validate a request and pick its slot: the free one sharing the longest prefix.
@@ -224,7 +224,7 @@ impl Batcher {
         }
         let limit = self.limit(request);
         if tokens.len() >= limit {
-            return Err(EngineError::PromptTooLong { tokens: tokens.len(), n_ctx: limit as u32 });
+            return Err(EngineError::PromptTooLong { tokens: tokens.len(), n_ctx_seq: limit as u32 });
         }
         let grammar = match (&request.grammar, chat_grammar) {
             (Some(_), Some(_)) => return Err(EngineError::Unsupported("a request cannot have both a format (grammar) and tools".into())),

@@ -24,7 +24,7 @@ pub struct Embedder {
 impl Embedder {
     /// An embedding context for inputs of up to `n_ctx` tokens (at most the engine's context).
     pub fn new(engine: Arc<Engine>, n_ctx: u32) -> Result<Embedder, EngineError> {
-        let n_ctx = n_ctx.min(engine.n_ctx()).max(8);
+        let n_ctx = n_ctx.min(engine.n_ctx_seq()).max(8);
         let threads = engine.context_params().n_threads;
         let hook = engine.hooked_streaming().map(|streaming| streaming.driver.hook());
         let context = EmbeddingContext::new(engine.model(), n_ctx, threads, hook)?;

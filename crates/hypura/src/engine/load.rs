@@ -15,8 +15,9 @@ use crate::store::{DenseWindow, ExpertStream, IoStats, Residency, ResidencyError
 /// How to load and run a model. Defaults match llama.cpp's own.
 #[derive(Clone, Debug)]
 pub struct EngineOptions {
-    /// Context length in tokens; 0 means the model's training context. Capped at that.
-    pub n_ctx: u32,
+    /// Context length of each sequence in tokens; 0 means the model's training context.
+    /// Capped at that.
+    pub n_ctx_seq: u32,
     pub n_batch: u32,
     pub n_ubatch: u32,
     /// Parallel sequences one context serves (the server's concurrent requests).
@@ -96,7 +97,7 @@ impl Speculation {
 impl Default for EngineOptions {
     fn default() -> Self {
         EngineOptions {
-            n_ctx: 4096,
+            n_ctx_seq: 4096,
             n_batch: 512,
             n_ubatch: 512,
             n_seq_max: 1,
@@ -349,9 +350,9 @@ impl Engine {
     }
 
     /// The context length sessions get: the requested one, capped at the training context.
-    pub fn n_ctx(&self) -> u32 {
+    pub fn n_ctx_seq(&self) -> u32 {
         let trained = u32::try_from(self.model.n_ctx_train()).unwrap_or(u32::MAX).max(1);
-        match self.options.n_ctx {
+        match self.options.n_ctx_seq {
             0 => trained,
             requested => requested.min(trained),
         }
@@ -368,7 +369,8 @@ impl Engine {
         let defaults = ContextParams::default();
         let threads = self.options.n_threads.unwrap_or(defaults.n_threads);
         ContextParams {
-            n_ctx: self.n_ctx(),
+            // One sequence's: a batcher multiplies it by its sequences.
+            n_ctx: self.n_ctx_seq(),
             n_batch: self.options.n_batch,
             n_ubatch: self.n_ubatch(),
             n_seq_max: self.options.n_seq_max,

@@ -41,8 +41,8 @@ pub enum EngineError {
     Sys(#[from] hypura_sys::SysError),
     /// Worded as agents' overflow detectors expect ("prompt is too long", "exceeds the context
     /// length"), so a client compacts its history and retries instead of giving up.
-    #[error("the prompt is too long: {tokens} tokens exceed the context length of {n_ctx}; use a larger --context (num_ctx) or a shorter prompt")]
-    PromptTooLong { tokens: usize, n_ctx: u32 },
+    #[error("the prompt is too long: {tokens} tokens exceed the context length of {n_ctx_seq}; use a larger --context (num_ctx) or a shorter prompt")]
+    PromptTooLong { tokens: usize, n_ctx_seq: u32 },
     #[error("the prompt is empty")]
     EmptyPrompt,
     /// The weight store failed: setting up its streams, a read a decode waited for, or an eval

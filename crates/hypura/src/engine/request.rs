@@ -28,7 +28,7 @@ pub struct GenerateRequest {
     pub grammar: Option<String>,
     /// Tokens this request may hold in total (prompt and answer); capped at the sequence's
     /// share of the context.
-    pub n_ctx: Option<u32>,
+    pub n_ctx_seq: Option<u32>,
     /// Keep going past end-of-generation tokens (benchmarks).
     pub ignore_eos: bool,
     /// Return the logits after the prompt's last token (comparisons with llama.cpp).
@@ -46,7 +46,7 @@ impl GenerateRequest {
             sampling: SamplerParams::default(),
             stop: Vec::new(),
             grammar: None,
-            n_ctx: None,
+            n_ctx_seq: None,
             ignore_eos: false,
             prompt_logits: false,
             cancel: None,

@@ -33,8 +33,8 @@ impl Session {
         self.batcher.engine()
     }
 
-    pub fn n_ctx(&self) -> u32 {
-        self.batcher.n_ctx_per_sequence() as u32
+    pub fn n_ctx_seq(&self) -> u32 {
+        self.batcher.n_ctx_seq() as u32
     }
 
     /// Tokenize a prompt the way `generate` does.

@@ -46,7 +46,7 @@ pub fn plan(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions
     if machine.remote_devices.is_empty() {
         return plan_reaching(inventory, machine, options, Reach::Host);
     }
-    let candidate = |reach| plan_reaching(inventory, machine, options, reach).map(|plan| Choice { n_ctx_seq: options.n_ctx, n_batch: options.n_ubatch, plan });
+    let candidate = |reach| plan_reaching(inventory, machine, options, reach).map(|plan| Choice { n_ctx_seq: options.n_ctx / options.n_sequences.max(1), n_batch: options.n_ubatch, plan });
     weigh(machine, candidate(Reach::Host), candidate(Reach::Remote)).map(|choice| choice.plan)
 }
 

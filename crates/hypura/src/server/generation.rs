@@ -46,7 +46,7 @@ pub struct Collected {
 /// flag becomes the generation's: dropping the generation sets it.
 pub async fn start(scheduler: &Scheduler, entry: &ModelEntry, keep_alive: Option<KeepAlive>, mut request: GenerateRequest) -> Result<Generation, AppError> {
     // A `num_ctx` longer than the loaded context reloads the model with it.
-    let lease = scheduler.acquire_with_context(entry, keep_alive, request.n_ctx)?;
+    let lease = scheduler.acquire_with_context(entry, keep_alive, request.n_ctx_seq)?;
     let flag = Arc::new(AtomicBool::new(false));
     let cancel = CancelOnDrop(flag.clone());
     request.cancel = Some(flag);

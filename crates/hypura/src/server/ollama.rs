@@ -517,9 +517,9 @@ mod tests {
     use serde_json::{json, Value};
     use tower::ServiceExt;
 
-    use crate::setup::RunSpec;
     use crate::server::wire::KeepAlive;
     use crate::server::{router, AppState, Catalog, HttpConfig, SchedulerConfig};
+    use crate::setup::RunSpec;
 
     /// The forge's Qwen3 template, but opening the reasoning block when thinking is on (as
     /// Qwen3.5's and DeepSeek-R1's templates do): whatever a forged model writes is then

@@ -96,7 +96,7 @@ impl Sampling {
                 return Err(AppError::bad_request("only n = 1 is supported"));
             }
         }
-        Ok(RequestOptions { sampling, max_tokens: max, stop, n_ctx: None, ignore_eos: false })
+        Ok(RequestOptions { sampling, max_tokens: max, stop, n_ctx_seq: None, ignore_eos: false })
     }
 
     fn include_usage(&self) -> bool {

@@ -19,7 +19,7 @@ pub struct RequestOptions {
     pub sampling: SamplerParams,
     pub max_tokens: Option<u32>,
     pub stop: Vec<String>,
-    pub n_ctx: Option<u32>,
+    pub n_ctx_seq: Option<u32>,
     /// Generate past the end-of-generation token, up to `num_predict` (llama.cpp's server
     /// option `ignore_eos`; Ollama has none).
     pub ignore_eos: bool,
@@ -28,14 +28,14 @@ pub struct RequestOptions {
 impl RequestOptions {
     /// A generation of `prompt` with these options.
     pub fn request(self, prompt: Prompt) -> GenerateRequest {
-        GenerateRequest { max_tokens: self.max_tokens, sampling: self.sampling, stop: self.stop, n_ctx: self.n_ctx, ignore_eos: self.ignore_eos, ..GenerateRequest::new(prompt) }
+        GenerateRequest { max_tokens: self.max_tokens, sampling: self.sampling, stop: self.stop, n_ctx_seq: self.n_ctx_seq, ignore_eos: self.ignore_eos, ..GenerateRequest::new(prompt) }
     }
 }
 
 impl Default for RequestOptions {
     /// Ollama's defaults (the engine's, which follow llama.cpp's), with a random seed.
     fn default() -> Self {
-        RequestOptions { sampling: SamplerParams { seed: random_seed(), ..SamplerParams::default() }, max_tokens: None, stop: Vec::new(), n_ctx: None, ignore_eos: false }
+        RequestOptions { sampling: SamplerParams { seed: random_seed(), ..SamplerParams::default() }, max_tokens: None, stop: Vec::new(), n_ctx_seq: None, ignore_eos: false }
     }
 }
 
@@ -85,7 +85,7 @@ pub fn parse_options(options: Option<&Value>) -> Result<RequestOptions, AppError
             "num_predict" => resolved.max_tokens = max_tokens(integer(key, value)?),
             "num_ctx" => {
                 let n_ctx = integer(key, value)?;
-                resolved.n_ctx = (n_ctx > 0).then(|| n_ctx.min(u32::MAX as i64) as u32);
+                resolved.n_ctx_seq = (n_ctx > 0).then(|| n_ctx.min(u32::MAX as i64) as u32);
             }
             "stop" => resolved.stop = strings(key, value)?,
             "ignore_eos" => resolved.ignore_eos = value.as_bool().ok_or_else(|| type_error(key, "bool"))?,
@@ -170,7 +170,7 @@ mod tests {
         assert_eq!(resolved.sampling.seed, 42);
         assert_eq!(resolved.sampling.penalty_last_n, -1);
         assert_eq!(resolved.max_tokens, Some(7));
-        assert_eq!(resolved.n_ctx, Some(256));
+        assert_eq!(resolved.n_ctx_seq, Some(256));
         assert_eq!(resolved.stop, ["\n"]);
         assert!(resolved.ignore_eos && !parse_options(None).unwrap().ignore_eos);
         assert_eq!(parse_options(Some(&json!({"num_predict": -1}))).unwrap().max_tokens, None);

@@ -18,8 +18,8 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::error::AppError;
 use super::scheduler::{EngineInfo, Lease, LoadedModel, SchedulerConfig, Status};
-use crate::setup::RunSpec;
 use crate::engine::{Batcher, Control, Embedder, Engine, EngineError, Finished, GenerateRequest, Prompt, SequenceEvent};
+use crate::setup::RunSpec;
 
 /// A generation for a worker: the request as the handler made it, and where its events go.
 pub struct GenerateJob {
@@ -283,12 +283,12 @@ fn admit(batcher: &mut Batcher, job: Job, ready_at: Instant) {
 }
 
 fn engine_info(engine: &Engine, batcher: &Batcher) -> EngineInfo {
-    let n_ctx_total = (batcher.n_ctx_per_sequence() * batcher.n_sequences()) as u32;
+    let n_ctx_total = (batcher.n_ctx_seq() * batcher.n_sequences()) as u32;
     let kv = crate::plan::kv_cache_bytes(engine.inventory(), n_ctx_total);
     let (size_bytes, vram_bytes) = match &engine.options().plan {
         Some(plan) => plan.memory_use(kv),
         None => (engine.model().size_bytes() + kv, 0),
     };
     let io = engine.streaming().map(|streaming| streaming.stats.clone());
-    EngineInfo { size_bytes, vram_bytes, context_length: batcher.n_ctx_per_sequence(), trained_context: engine.inventory().hparams.n_ctx_train, mode: engine.mode().name(), io }
+    EngineInfo { size_bytes, vram_bytes, context_length: batcher.n_ctx_seq(), trained_context: engine.inventory().hparams.n_ctx_train, mode: engine.mode().name(), io }
 }

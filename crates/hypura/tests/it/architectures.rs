@@ -30,7 +30,7 @@ fn engine(path: &Path, mode: Mode, n_ubatch: u32, cache_units: Option<usize>) ->
         ..PlanOptions::default()
     };
     let plan = plan::plan(&inventory, &MachineFacts { memory_budget_bytes: 8 << 30, ..MachineFacts::default() }, &options).unwrap_or_else(|error| panic!("{}: {error}", path.display()));
-    let options = EngineOptions { n_ctx: 512, n_ubatch, n_threads: Some(1), repack: false, plan: Some(plan), ..EngineOptions::default() };
+    let options = EngineOptions { n_ctx_seq: 512, n_ubatch, n_threads: Some(1), repack: false, plan: Some(plan), ..EngineOptions::default() };
     let engine = Arc::new(Engine::open(path, options).unwrap_or_else(|error| panic!("{}: {error}", path.display())));
     assert_eq!(engine.mode(), mode);
     engine

@@ -29,7 +29,7 @@ fn engines(path: &Path, pinned: u64) -> (Arc<Engine>, Arc<Engine>) {
     let plan = plan::plan(&inventory, &facts, &options).unwrap();
     let dense = plan.dense.as_ref().unwrap();
     assert_eq!(dense.pinned_layers.len() as u64, pinned, "{}", plan.render());
-    let base = EngineOptions { n_ctx: N_CTX, n_threads: Some(1), repack: false, ..EngineOptions::default() };
+    let base = EngineOptions { n_ctx_seq: N_CTX, n_threads: Some(1), repack: false, ..EngineOptions::default() };
     let resident = Arc::new(Engine::open(path, base.clone()).unwrap());
     let streaming = Arc::new(Engine::open(path, EngineOptions { plan: Some(plan), ..base }).unwrap());
     assert_eq!(streaming.mode(), Mode::DenseStream);

@@ -10,7 +10,7 @@ use crate::common;
 const THREADS: i32 = 1;
 
 fn engine(path: &std::path::Path, repack: bool) -> Arc<Engine> {
-    let options = EngineOptions { n_ctx: 512, n_threads: Some(THREADS), repack, ..EngineOptions::default() };
+    let options = EngineOptions { n_ctx_seq: 512, n_threads: Some(THREADS), repack, ..EngineOptions::default() };
     Arc::new(Engine::open(path, options).unwrap())
 }
 
@@ -86,7 +86,7 @@ fn every_tiny_preset_has_llama_cpp_logits() {
 fn cancelling_a_long_prompt_stops_its_decode_between_graph_nodes() {
     let _machine = common::shared_machine();
     let path = common::gemma_path();
-    let options = EngineOptions { n_ctx: 4096, n_batch: 2048, n_ubatch: 2048, n_threads: Some(2), ..EngineOptions::default() };
+    let options = EngineOptions { n_ctx_seq: 4096, n_batch: 2048, n_ubatch: 2048, n_threads: Some(2), ..EngineOptions::default() };
     let mut session = Session::new(Arc::new(Engine::open(&path, options).unwrap())).unwrap();
     let text = "The sea was calm and the sky was grey over the harbour that morning. ".repeat(120);
     let tokens = session.tokenize_prompt(&Prompt::Raw(text)).unwrap();

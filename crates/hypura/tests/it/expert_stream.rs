@@ -27,7 +27,7 @@ fn engine_with(path: &Path, mode: Mode, cache_units: usize, policy: CachePolicy,
         ..PlanOptions::default()
     };
     let plan = plan::plan(&inventory, &MachineFacts { memory_budget_bytes: 8 << 30, disk_bytes_per_sec: None, ..MachineFacts::default() }, &options).unwrap();
-    let engine_options = EngineOptions { n_ctx: 512, n_threads: Some(1), repack: false, plan: Some(plan), ..EngineOptions::default() };
+    let engine_options = EngineOptions { n_ctx_seq: 512, n_threads: Some(1), repack: false, plan: Some(plan), ..EngineOptions::default() };
     let engine = Arc::new(Engine::open(path, engine_options).unwrap());
     assert_eq!(engine.mode(), mode);
     engine

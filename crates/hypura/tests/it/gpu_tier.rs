@@ -106,7 +106,7 @@ fn assert_same_as_llama_cpp(path: &Path, plan: Plan, mode: Mode, hooked_layers: 
         other => panic!("{other:?}"),
     }
     let n_gpu_layers = plan.n_gpu_layers();
-    let options = EngineOptions { n_ctx: N_CTX, n_threads: Some(1), repack: false, plan: Some(plan), ..EngineOptions::default() };
+    let options = EngineOptions { n_ctx_seq: N_CTX, n_threads: Some(1), repack: false, plan: Some(plan), ..EngineOptions::default() };
     let engine = Arc::new(Engine::open(path, options).unwrap());
     assert_eq!(engine.mode(), mode);
     let ours = greedy(&engine, 32);

@@ -246,19 +246,19 @@ fn a_worker_with_less_memory_than_planned_is_refused_at_load_and_its_link_is_pro
     let mut facts = hypura::setup::machine_facts(&spec, &model).unwrap();
     // The plan believes in twice the memory.
     facts.remote_devices[0].free_bytes = 2 * lent;
-    let hypura::plan::Choice { n_ctx_seq: n_ctx, n_batch, plan } = hypura::setup::choose(&inventory, &spec, &facts).unwrap();
+    let hypura::plan::Choice { n_ctx_seq, n_batch, plan } = hypura::setup::choose(&inventory, &spec, &facts).unwrap();
     let share = plan.remote.as_ref().expect("a remote tier").shares[0].clone();
     assert!(share.total_bytes() > lent, "{share:?}");
-    let options = hypura::engine::EngineOptions { n_ctx, n_batch, n_ubatch: n_batch, repack: false, plan: Some(plan), remote: Some(workers.clone()), ..hypura::engine::EngineOptions::default() };
+    let options = hypura::engine::EngineOptions { n_ctx_seq, n_batch, n_ubatch: n_batch, repack: false, plan: Some(plan), remote: Some(workers.clone()), ..hypura::engine::EngineOptions::default() };
     let error = hypura::engine::Engine::load(inventory.clone(), options).err().expect("refused at load").to_string();
     assert!(error.contains(&format!("RPC worker {}", worker.endpoint)) && error.contains("MiB free, and the plan puts"), "{error}");
 
     // Planned with what it has, the model loads; the worker then reports what its layers took
     // out of what it lends, and a second model is planned in what is left.
     let facts = hypura::setup::machine_facts(&spec, &model).unwrap();
-    let hypura::plan::Choice { n_ctx_seq: n_ctx, n_batch, plan } = hypura::setup::choose(&inventory, &spec, &facts).unwrap();
+    let hypura::plan::Choice { n_ctx_seq, n_batch, plan } = hypura::setup::choose(&inventory, &spec, &facts).unwrap();
     let share = plan.remote.as_ref().expect("a remote tier").shares[0].clone();
-    let options = hypura::engine::EngineOptions { n_ctx, n_batch, n_ubatch: n_batch, repack: false, plan: Some(plan), remote: Some(workers.clone()), ..hypura::engine::EngineOptions::default() };
+    let options = hypura::engine::EngineOptions { n_ctx_seq, n_batch, n_ubatch: n_batch, repack: false, plan: Some(plan), remote: Some(workers.clone()), ..hypura::engine::EngineOptions::default() };
     let engine = hypura::engine::Engine::load(inventory.clone(), options).unwrap();
     let left = workers.facts()[0].free_bytes;
     assert!(left + share.weight_bytes <= free, "{left} bytes left of {free} with {} of weights there", share.weight_bytes);

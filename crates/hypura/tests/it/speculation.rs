@@ -19,7 +19,7 @@ const REWRITE: &str = "def total_price(items):\n    total = 0\n    for item in i
 fn options(speculation: Option<Speculation>) -> EngineOptions {
     // Batch-invariant kernels: a token's logits are the same bits in a verify batch of several
     // tokens as alone, so greedy speculation must give exactly the tokens of plain decoding.
-    EngineOptions { n_ctx: N_CTX, n_threads: Some(2), batch_invariant: true, speculation, ..EngineOptions::default() }
+    EngineOptions { n_ctx_seq: N_CTX, n_threads: Some(2), batch_invariant: true, speculation, ..EngineOptions::default() }
 }
 
 fn with_draft(draft: &Path, n_max: u32) -> Speculation {
