@@ -83,8 +83,8 @@ impl Speculation {
     /// pass over streamed weights costs a read of every one of them, so a streaming plan drafts
     /// longer than llama.cpp's default of 3, but only tokens the draft model is fairly sure of
     /// (each drafted token is a decode of the draft model and a row of the verify batch, on the
-    /// same cores). Measured on Qwen2.5-Coder-1.5B streaming with the 0.5B as draft: 16 tokens
-    /// with no floor gave 2.3 tok/s (27% accepted), 6 tokens above 0.75 gave 4.8 (99%).
+    /// same cores): decision 18, and `docs/benchmarks/2026-12-02-limit/` for what speculation
+    /// then gains against the same streamed plan.
     pub fn defaults_for(mode: Mode) -> (u32, f32) {
         if mode == Mode::Resident {
             (3, 0.0)

@@ -19,6 +19,7 @@ pub mod tools;
 pub mod wire;
 pub mod worker;
 
+use crate::sync::Lock;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -84,13 +85,13 @@ impl AppState {
 
     /// Ollama's `details` object for a model.
     pub async fn details(&self, entry: &ModelEntry) -> Result<serde_json::Value, AppError> {
-        let cached = self.details_cache.lock().unwrap_or_else(|poison| poison.into_inner()).get(&entry.path).filter(|(modified, _)| *modified == entry.modified).map(|(_, details)| details.clone());
+        let cached = self.details_cache.locked().get(&entry.path).filter(|(modified, _)| *modified == entry.modified).map(|(_, details)| details.clone());
         let details = match cached {
             Some(details) => details,
             None => {
                 let path = entry.path.clone();
                 let details = tokio::task::spawn_blocking(move || model_details::read_details(&path)).await.map_err(|error| AppError::internal(error.to_string()))??;
-                self.details_cache.lock().unwrap_or_else(|poison| poison.into_inner()).insert(entry.path.clone(), (entry.modified, details.clone()));
+                self.details_cache.locked().insert(entry.path.clone(), (entry.modified, details.clone()));
                 details
             }
         };

@@ -15,6 +15,7 @@
 //! plans and loads with the longer context once the old one has dropped its engine (one load
 //! gate per file, so two copies never share the budget). A shorter `num_ctx` is served by the
 //! loaded context, capped per request.
+use crate::sync::Lock;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -89,23 +90,22 @@ impl LoadedModel {
     /// the model's thread marks itself failed only after that batch, and a request sent at
     /// once would reach the thread that is about to fail everything it holds.
     fn failed(&self) -> bool {
-        matches!(*self.status.lock().unwrap_or_else(|poison| poison.into_inner()), Status::Failed)
-            || self.remote.lock().unwrap_or_else(|poison| poison.into_inner()).as_ref().is_some_and(|workers| workers.check().is_err())
+        matches!(*self.status.locked(), Status::Failed) || self.remote.locked().as_ref().is_some_and(|workers| workers.check().is_err())
     }
 
     /// Set by the model's worker as its load goes.
     pub(super) fn set_status(&self, status: Status) {
-        *self.status.lock().unwrap_or_else(|poison| poison.into_inner()) = status;
+        *self.status.locked() = status;
     }
 
     /// Set by the model's worker before it plans the load.
     pub(super) fn set_remote(&self, workers: Option<Arc<crate::remote::Workers>>) {
-        *self.remote.lock().unwrap_or_else(|poison| poison.into_inner()) = workers;
+        *self.remote.locked() = workers;
     }
 
     /// Engine facts once loaded.
     pub fn info(&self) -> Option<EngineInfo> {
-        match &*self.status.lock().unwrap_or_else(|poison| poison.into_inner()) {
+        match &*self.status.locked() {
             Status::Ready(info) => Some(info.clone()),
             _ => None,
         }
@@ -116,7 +116,7 @@ impl LoadedModel {
     /// shorter one asked for. While it loads with the default, the request waits for it and the
     /// per-request limit applies.
     fn too_short_for(&self, n_ctx: u32) -> bool {
-        match &*self.status.lock().unwrap_or_else(|poison| poison.into_inner()) {
+        match &*self.status.locked() {
             Status::Ready(info) => n_ctx as usize > info.context_length && (info.trained_context == 0 || (info.context_length as u64) < info.trained_context),
             _ => self.context.is_some_and(|asked| n_ctx > asked),
         }
@@ -129,7 +129,7 @@ impl LoadedModel {
 
     /// When `keep_alive` lapses: None for never; a busy model counts from now.
     pub fn expires_at(&self) -> Option<SystemTime> {
-        let usage = self.usage.lock().unwrap_or_else(|poison| poison.into_inner());
+        let usage = self.usage.locked();
         match usage.keep_alive {
             KeepAlive::Forever => None,
             KeepAlive::For(duration) => {
@@ -152,7 +152,7 @@ impl Lease {
     }
 
     fn submit(self, work: Work) -> Result<(), AppError> {
-        let sender = self.model.sender.lock().unwrap_or_else(|poison| poison.into_inner()).clone();
+        let sender = self.model.sender.locked().clone();
         let sender = sender.ok_or_else(|| AppError::new(axum::http::StatusCode::SERVICE_UNAVAILABLE, "the model is unloading; try again"))?;
         sender.send(Job { work, received: Instant::now(), lease: self }).map_err(|_| AppError::internal("the model's worker has stopped"))
     }
@@ -179,7 +179,7 @@ impl Drop for Lease {
             return;
         }
         let unload_now = {
-            let mut usage = self.model.usage.lock().unwrap_or_else(|poison| poison.into_inner());
+            let mut usage = self.model.usage.locked();
             usage.idle_since = Some(Instant::now());
             usage.keep_alive == KeepAlive::For(Duration::ZERO)
         };
@@ -200,15 +200,15 @@ struct Inner {
 impl Inner {
     /// Unload the model at `path` if no request holds it and it has been idle for `idle`.
     fn unload_if_idle(&self, path: &Path, idle: Duration) -> bool {
-        let mut models = self.models.lock().unwrap_or_else(|poison| poison.into_inner());
+        let mut models = self.models.locked();
         let Some(model) = models.get(path) else { return false };
-        let idle_enough = model.pending.load(Ordering::Acquire) == 0 && model.usage.lock().unwrap_or_else(|poison| poison.into_inner()).idle_since.is_some_and(|since| since.elapsed() >= idle);
+        let idle_enough = model.pending.load(Ordering::Acquire) == 0 && model.usage.locked().idle_since.is_some_and(|since| since.elapsed() >= idle);
         if !idle_enough {
             return false;
         }
         let model = models.remove(path).expect("looked up above");
         // Closing the channel ends the worker, which drops the engine.
-        model.sender.lock().unwrap_or_else(|poison| poison.into_inner()).take();
+        model.sender.locked().take();
         tracing::info!("unloaded {}", model.entry.name);
         true
     }
@@ -238,12 +238,12 @@ impl Scheduler {
 
     pub fn acquire_with_context(&self, entry: &ModelEntry, keep_alive: Option<KeepAlive>, n_ctx: Option<u32>) -> Result<Lease, AppError> {
         let config = &self.inner.config;
-        let mut models = self.inner.models.lock().unwrap_or_else(|poison| poison.into_inner());
+        let mut models = self.inner.models.locked();
         if let Some(n_ctx) = n_ctx {
             if models.get(&entry.path).is_some_and(|model| model.too_short_for(n_ctx)) {
                 let retired = models.remove(&entry.path).expect("looked up above");
                 // Its worker finishes what it holds, then drops its engine and the gate.
-                retired.sender.lock().unwrap_or_else(|poison| poison.into_inner()).take();
+                retired.sender.locked().take();
                 tracing::info!("reloading {} with a context of {n_ctx} tokens (num_ctx)", entry.name);
             }
         }
@@ -251,7 +251,7 @@ impl Scheduler {
         // that the next request tries again (planned with the workers that answer).
         if models.get(&entry.path).is_some_and(|model| model.failed()) {
             if let Some(model) = models.remove(&entry.path) {
-                model.sender.lock().unwrap_or_else(|poison| poison.into_inner()).take();
+                model.sender.locked().take();
             }
         }
         let model = match models.get(&entry.path) {
@@ -268,7 +268,7 @@ impl Scheduler {
         }
         model.pending.fetch_add(1, Ordering::AcqRel);
         {
-            let mut usage = model.usage.lock().unwrap_or_else(|poison| poison.into_inner());
+            let mut usage = model.usage.locked();
             usage.idle_since = None;
             usage.keep_alive = keep_alive.unwrap_or(config.default_keep_alive);
         }
@@ -277,7 +277,7 @@ impl Scheduler {
 
     fn start_worker(&self, entry: &ModelEntry, n_ctx: Option<u32>) -> Result<Arc<LoadedModel>, AppError> {
         let (sender, receiver) = std::sync::mpsc::channel();
-        let gate = self.inner.gates.lock().unwrap_or_else(|poison| poison.into_inner()).entry(entry.path.clone()).or_default().clone();
+        let gate = self.inner.gates.locked().entry(entry.path.clone()).or_default().clone();
         let model = Arc::new(LoadedModel {
             entry: entry.clone(),
             context: n_ctx,
@@ -309,7 +309,7 @@ impl Scheduler {
 
     /// Models that are loaded (or loading), most recently expiring first.
     pub fn loaded(&self) -> Vec<Arc<LoadedModel>> {
-        let models = self.inner.models.lock().unwrap_or_else(|poison| poison.into_inner());
+        let models = self.inner.models.locked();
         let mut loaded: Vec<Arc<LoadedModel>> = models.values().filter(|model| model.info().is_some()).cloned().collect();
         loaded.sort_by_key(|model| std::cmp::Reverse(model.expires_at().unwrap_or(SystemTime::UNIX_EPOCH + Duration::from_secs(u32::MAX as u64 * 4))));
         loaded
@@ -323,10 +323,10 @@ impl Scheduler {
     /// Unload every model whose `keep_alive` has lapsed. Called periodically.
     pub fn reap(&self) {
         let expired: Vec<(PathBuf, Duration)> = {
-            let models = self.inner.models.lock().unwrap_or_else(|poison| poison.into_inner());
+            let models = self.inner.models.locked();
             models
                 .values()
-                .filter_map(|model| match model.usage.lock().unwrap_or_else(|poison| poison.into_inner()).keep_alive {
+                .filter_map(|model| match model.usage.locked().keep_alive {
                     KeepAlive::For(duration) => Some((model.entry.path.clone(), duration)),
                     KeepAlive::Forever => None,
                 })
@@ -339,7 +339,7 @@ impl Scheduler {
 
     /// Unload everything idle (shutdown).
     pub fn unload_all(&self) {
-        let paths: Vec<PathBuf> = self.inner.models.lock().unwrap_or_else(|poison| poison.into_inner()).keys().cloned().collect();
+        let paths: Vec<PathBuf> = self.inner.models.locked().keys().cloned().collect();
         for path in paths {
             self.inner.unload_if_idle(&path, Duration::ZERO);
         }

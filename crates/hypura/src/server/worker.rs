@@ -7,6 +7,7 @@
 //! The engine adapter here hands each `GenerateRequest` to the batcher as the handler made it,
 //! and turns the sequence's events into the request's channel (`Event`); the request's lease
 //! ends with its sequence.
+use crate::sync::Lock;
 use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -91,7 +92,7 @@ impl Worker {
     fn run(self, receiver: Receiver<Job>) {
         // Held until this function returns, after the engine below is dropped.
         let gate = self.gate.clone();
-        let _loading = gate.lock().unwrap_or_else(|poison| poison.into_inner());
+        let _loading = gate.locked();
         let started = Instant::now();
         let mut run = RunSpec { n_sequences: self.config.n_parallel, ..self.config.run.clone() };
         // Workers connected when the server started, unless one has failed since: then the
