@@ -1,5 +1,6 @@
 //! The engine: loads a model through `hypura-sys` and runs generation. It is the one API that
-//! the CLI, the benchmark and the server use, and the only door above `hypura-sys`.
+//! the CLI, the benchmark and the server generate through; the other modules that name
+//! `hypura-sys` are listed in ARCHITECTURE.md ("The FFI fence").
 //!
 //! Data flow: `Engine::load` takes the inventory the plan was made from (so a bad file is a
 //! typed error, never a ggml abort) and loads the file with llama.cpp. A `GenerateRequest`
