@@ -20,9 +20,10 @@ fn main() {
         .include(ggml.join("include"))
         .warnings(true)
         .compile("hypura_context_kernels");
-    // The chat shim reaches llama.cpp's chat layer (common/chat.h) and the speculative shim its
-    // drafters (common/speculative.h), both compiled into the llama-common library that the
-    // crate's `common` feature links.
+    // The chat shim reaches llama.cpp's chat layer (common/chat.h) and its JSON-schema
+    // converter (common/json-schema-to-grammar.h), and the speculative shim its drafters
+    // (common/speculative.h), all compiled into the llama-common library that the crate's
+    // `common` feature links.
     println!("cargo:rerun-if-changed=csrc/shim_error.h");
     for (file, library) in [("csrc/chat.cpp", "hypura_chat"), ("csrc/speculative.cpp", "hypura_speculative")] {
         println!("cargo:rerun-if-changed={file}");

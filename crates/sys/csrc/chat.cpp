@@ -2,13 +2,16 @@
 // template rendered with messages, tools and the thinking switch; the grammar (lazy, with its
 // triggers) that keeps a tool call well formed; and the parser that turns the model's output
 // back into content, reasoning and tool calls, for every format llama.cpp knows (Hermes/Qwen,
-// Llama 3.x, Mistral, gpt-oss, DeepSeek, GLM, Qwen3.5 and the templates its autoparser reads).
+// Llama 3.x, Mistral, gpt-oss, DeepSeek, GLM, Qwen3.5 and the templates its autoparser reads);
+// and the same layer's JSON-schema-to-grammar converter (common/json-schema-to-grammar.h), for
+// structured output.
 //
 // Every entry point catches every exception (`shim_error.h`): on failure the function returns
 // null and, when `error` is not null, stores a message there that the caller frees with
 // hypura_chat_string_free.
 #include "chat.h"
 #include "common.h"
+#include "json-schema-to-grammar.h"
 #include "json.h"
 #include "shim_error.h"
 
@@ -217,5 +220,16 @@ extern "C" char * hypura_chat_parse(const hypura_chat_result * result, const cha
     return guarded<char>(error, [&]() {
         common_chat_msg message = common_chat_parse(text, partial, result->parser);
         return copy_string(message.to_json_oaicompat().dump());
+    });
+}
+
+// The GBNF grammar (root rule `root`) for a JSON schema given as UTF-8 JSON text, by llama.cpp's
+// converter; always GBNF, even in a build with llguidance. Text that is not JSON and schemas the
+// converter refuses (an unknown type, a $ref it cannot resolve, an invalid pattern) are errors.
+// The converter recurses over the schema: the caller bounds its size and runs this on a stack
+// sized for those bounds.
+extern "C" char * hypura_json_schema_to_grammar(const char * schema_json, char ** error) {
+    return hypura_guarded<char *>(error, "llama.cpp's JSON schema converter", nullptr, [&]() {
+        return copy_string(json_schema_to_grammar(common_json::parse(schema_json), /* force_gbnf= */ true));
     });
 }

@@ -32,6 +32,8 @@ pub enum SysError {
     Quantize(String),
     #[error("grammar: {0}")]
     Grammar(String),
+    #[error("JSON schema: {0}")]
+    Schema(String),
     #[error("chat template: {0}")]
     Chat(String),
     #[error("speculative decoding: {0}")]

@@ -23,18 +23,21 @@ impl Grammar {
     /// undefined rule, left recursion) is an error, never an abort: the parser catches its own
     /// exceptions and returns null.
     pub fn new(vocab: &Vocab, gbnf: &str, root: &str) -> Result<Grammar, SysError> {
-        let text = CString::new(gbnf).map_err(|_| SysError::Grammar("the grammar contains a NUL byte".into()))?;
-        let root_name = CString::new(root).map_err(|_| SysError::Grammar("the root rule name contains a NUL byte".into()))?;
-        if gbnf.trim().is_empty() {
-            return Err(SysError::Grammar("the grammar is empty".into()));
-        }
-        crate::log::clear_last_error();
-        // SAFETY: the vocab pointer is valid while `vocab` (which holds the model) lives, and we
-        // keep a clone of it for as long as the grammar; both strings are NUL-terminated and
-        // outlive the call (llama.cpp copies them).
-        let pointer = unsafe { raw::llama_sampler_init_grammar(vocab.as_ptr(), text.as_ptr(), root_name.as_ptr()) };
-        let pointer = NonNull::new(pointer).ok_or_else(|| SysError::Grammar(crate::log::take_last_error().unwrap_or_else(|| "llama.cpp could not parse the grammar".into())))?;
+        // SAFETY: the vocab pointer is valid while `vocab` (which holds the model) lives, and the
+        // grammar keeps a clone of it for as long as it lives.
+        let pointer = unsafe { compile(vocab.as_ptr(), gbnf, root) }?;
         Ok(Grammar { pointer, vocab: vocab.clone() })
+    }
+
+    /// Check that llama.cpp's parser accepts `gbnf` from rule `root`, as `new` would, without
+    /// a vocabulary: the parser reads one only for token literals (`<[id]>`), which are then
+    /// an error.
+    pub(crate) fn check(gbnf: &str, root: &str) -> Result<(), SysError> {
+        // SAFETY: a null vocabulary, for a sampler that is only built.
+        let pointer = unsafe { compile(std::ptr::null(), gbnf, root) }?;
+        // SAFETY: just created, in no chain, freed once here.
+        unsafe { raw::llama_sampler_free(pointer.as_ptr()) };
+        Ok(())
     }
 
     /// Take a grammar sampler llama.cpp built (the chat layer's tool-call grammar).
@@ -84,4 +87,23 @@ impl Drop for Grammar {
         // freed exactly once.
         unsafe { raw::llama_sampler_free(self.pointer.as_ptr()) };
     }
+}
+
+/// llama.cpp's grammar sampler for `gbnf` from rule `root`.
+///
+/// # Safety
+/// `vocab` is valid for as long as the sampler is used, or null for a sampler that is only built
+/// and freed (building parses the grammar and checks its rules; the vocabulary is read when
+/// sampling, and for token literals).
+unsafe fn compile(vocab: *const raw::llama_vocab, gbnf: &str, root: &str) -> Result<NonNull<raw::llama_sampler>, SysError> {
+    let text = CString::new(gbnf).map_err(|_| SysError::Grammar("the grammar contains a NUL byte".into()))?;
+    let root_name = CString::new(root).map_err(|_| SysError::Grammar("the root rule name contains a NUL byte".into()))?;
+    if gbnf.trim().is_empty() {
+        return Err(SysError::Grammar("the grammar is empty".into()));
+    }
+    crate::log::clear_last_error();
+    // SAFETY: `vocab` is valid or null (this function's contract); both strings are
+    // NUL-terminated and outlive the call (llama.cpp copies them).
+    let pointer = unsafe { raw::llama_sampler_init_grammar(vocab, text.as_ptr(), root_name.as_ptr()) };
+    NonNull::new(pointer).ok_or_else(|| SysError::Grammar(crate::log::take_last_error().unwrap_or_else(|| "llama.cpp could not parse the grammar".into())))
 }

@@ -31,7 +31,7 @@ pub use session::Session;
 pub use stats::{DecodeLimit, DiskWhileBusy, GenerationStats};
 pub use text::{StopMatcher, Utf8Stream};
 
-pub use hypura_sys::{LoadMode, SamplerParams, SysError, Token};
+pub use hypura_sys::{json_schema_to_grammar, LoadMode, SamplerParams, SysError, Token};
 
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

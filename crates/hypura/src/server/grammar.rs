@@ -1,30 +1,27 @@
-//! Structured output: `format: "json"` and JSON-Schema formats as GBNF grammars for llama.cpp's
-//! grammar sampler.
+//! Structured output: `format: "json"` and JSON-Schema formats (Ollama's `format`, OpenAI's
+//! `response_format`) as GBNF grammars for the engine's grammar sampler.
 //!
-//! llama.cpp's own schema converter is C++ in `common/`, which Hypura does not build, so this is
-//! a compact converter for the subset clients use: `object` with `properties` (every listed
-//! property is emitted: one the schema lists is always valid to include, which keeps the grammar
-//! free of optional-comma bookkeeping; they come in the order of `required`, then the rest in
-//! key order, since `serde_json` objects forget the client's order), `array` with `items`, `string`,
-//! `number`, `integer`, `boolean`, `null`, `enum`, `const`, `anyOf`/`oneOf`, type lists such as
-//! `["string", "null"]`, and local `$ref`s (`#/$defs/...`, `#/definitions/...`). Keywords it
-//! does not know (lengths, patterns, formats, bounds) are not enforced. Whitespace between
-//! tokens is bounded, because an unconstrained small model will otherwise emit newlines forever.
-use std::collections::BTreeMap;
-use std::fmt::Write as _;
+//! A schema becomes a grammar by llama.cpp's own converter, through the engine
+//! (`engine::json_schema_to_grammar`, which checks a hostile schema's size first and makes what
+//! it cannot convert an error). Two things are settled here before: serde_json forgets the order
+//! of a client's properties and the converter keeps the order it is given (the order the model
+//! writes them in), so the schema is written out again with its `required` properties first, in
+//! the client's order, then the rest in key order; and a `true` subschema (anything) is written
+//! as `{}`, which the converter reads, while `false` (nothing) is an error. `format: "json"` has
+//! its own grammar, any JSON object as Ollama does. Whitespace between tokens is bounded in both,
+//! because an unconstrained small model will otherwise emit newlines forever.
+use std::collections::HashSet;
 
-use serde_json::Value;
+use serde_json::{Map, Value};
 
-/// Shared rules: any JSON value, with bounded whitespace (llama.cpp's `json.gbnf`). An
-/// integer is never `-0`, which parsers read back as a float.
+use crate::engine::{json_schema_to_grammar, SysError};
+
+/// Any JSON value, with bounded whitespace (llama.cpp's `json.gbnf`).
 const JSON_RULES: &str = r#"value ::= object | array | string | number | ("true" | "false" | "null") ws
 object ::= "{" ws ( string ":" ws value ( "," ws string ":" ws value )* )? "}" ws
 array ::= "[" ws ( value ( "," ws value )* )? "]" ws
 string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} ) )* "\"" ws
 number ::= "-"? ( [0-9] | [1-9] [0-9]{1,15} ) ( "." [0-9]+ )? ( [eE] [-+]? [0-9]+ )? ws
-integer ::= ( "0" | "-"? [1-9] [0-9]{0,15} ) ws
-boolean ::= ( "true" | "false" ) ws
-null ::= "null" ws
 ws ::= | " " | "\n" [ \t]{0,20}
 "#;
 
@@ -37,177 +34,91 @@ pub fn json_object_grammar() -> String {
 #[error("JSON schema: {0}")]
 pub struct SchemaError(pub String);
 
+impl From<SysError> for SchemaError {
+    fn from(error: SysError) -> Self {
+        match error {
+            SysError::Schema(message) => SchemaError(message),
+            other => SchemaError(other.to_string()),
+        }
+    }
+}
+
 /// Convert a JSON schema into a GBNF grammar whose root rule is `root`.
 pub fn schema_grammar(schema: &Value) -> Result<String, SchemaError> {
-    let mut converter = Converter { root: schema, rules: BTreeMap::new(), refs_in_progress: Vec::new() };
-    let root = converter.visit(schema, "root-value", 0)?;
-    let mut grammar = format!("root ::= {root}\n");
-    for (name, body) in &converter.rules {
-        let _ = writeln!(grammar, "{name} ::= {body}");
-    }
-    grammar.push_str(JSON_RULES);
-    Ok(grammar)
+    let mut text = String::new();
+    write_schema(schema, &mut text)?;
+    Ok(json_schema_to_grammar(&text)?)
 }
 
-struct Converter<'a> {
-    root: &'a Value,
-    rules: BTreeMap<String, String>,
-    /// `$ref` rules being built, for recursive schemas.
-    refs_in_progress: Vec<String>,
-}
-
-/// Nesting deeper than this is refused (a schema is client input).
-const MAX_DEPTH: usize = 32;
-
-impl<'a> Converter<'a> {
-    /// Return a GBNF expression (usually a rule name) for `schema`; `name` seeds new rule names.
-    fn visit(&mut self, schema: &'a Value, name: &str, depth: usize) -> Result<String, SchemaError> {
-        if depth > MAX_DEPTH {
-            return Err(SchemaError(format!("nested deeper than {MAX_DEPTH} levels")));
+/// Write `schema` as JSON text for the converter, with its properties (and those of every
+/// subschema) ordered and `true` subschemas as `{}`.
+fn write_schema(schema: &Value, out: &mut String) -> Result<(), SchemaError> {
+    let object = match schema {
+        Value::Bool(true) => {
+            out.push_str("{}");
+            return Ok(());
         }
-        let object = match schema {
-            Value::Bool(true) => return Ok("value".into()),
-            Value::Bool(false) => return Err(SchemaError("a `false` schema allows nothing".into())),
-            Value::Object(object) => object,
-            _ => return Err(SchemaError(format!("a schema must be an object, not {schema}"))),
-        };
-        if let Some(reference) = object.get("$ref") {
-            return self.reference(reference, depth);
+        Value::Bool(false) => return Err(SchemaError("a `false` schema allows nothing".into())),
+        Value::Object(object) => object,
+        // Not a schema: the converter refuses it, with its own message.
+        other => {
+            out.push_str(&other.to_string());
+            return Ok(());
         }
-        if let Some(constant) = object.get("const") {
-            return Ok(format!("{} ws", literal(&constant.to_string())));
+    };
+    out.push('{');
+    for (index, (key, value)) in object.iter().enumerate() {
+        if index > 0 {
+            out.push(',');
         }
-        if let Some(choices) = object.get("enum") {
-            let choices = choices.as_array().filter(|choices| !choices.is_empty()).ok_or_else(|| SchemaError("`enum` must be a non-empty array".into()))?;
-            let alternatives: Vec<String> = choices.iter().map(|choice| literal(&choice.to_string())).collect();
-            return Ok(format!("( {} ) ws", alternatives.join(" | ")));
-        }
-        for keyword in ["anyOf", "oneOf"] {
-            if let Some(choices) = object.get(keyword) {
-                let choices = choices.as_array().filter(|choices| !choices.is_empty()).ok_or_else(|| SchemaError(format!("`{keyword}` must be a non-empty array")))?;
-                let mut alternatives = Vec::new();
-                for (index, choice) in choices.iter().enumerate() {
-                    alternatives.push(self.visit(choice, &format!("{name}-{index}"), depth + 1)?);
+        out.push_str(&Value::from(key.as_str()).to_string());
+        out.push(':');
+        match (key.as_str(), value) {
+            ("properties", Value::Object(properties)) => write_properties(properties, object.get("required"), out)?,
+            ("$defs" | "definitions", Value::Object(schemas)) => write_map(schemas.iter(), out)?,
+            ("items" | "prefixItems" | "anyOf" | "oneOf" | "allOf", Value::Array(schemas)) => {
+                out.push('[');
+                for (index, schema) in schemas.iter().enumerate() {
+                    if index > 0 {
+                        out.push(',');
+                    }
+                    write_schema(schema, out)?;
                 }
-                return Ok(self.rule(name, format!("( {} )", alternatives.join(" | "))));
+                out.push(']');
             }
-        }
-        match object.get("type") {
-            None if object.contains_key("properties") => self.object(object, name, depth),
-            None if object.contains_key("items") => self.array(object, name, depth),
-            None => Ok("value".into()),
-            Some(Value::String(kind)) => self.typed(kind, object, name, depth),
-            Some(Value::Array(kinds)) if !kinds.is_empty() => {
-                let mut alternatives = Vec::new();
-                for (index, kind) in kinds.iter().enumerate() {
-                    let kind = kind.as_str().ok_or_else(|| SchemaError(format!("`type` entries must be strings, not {kind}")))?;
-                    alternatives.push(self.typed(kind, object, &format!("{name}-{index}"), depth)?);
-                }
-                Ok(self.rule(name, format!("( {} )", alternatives.join(" | "))))
-            }
-            Some(other) => Err(SchemaError(format!("`type` must be a string or a list of strings, not {other}"))),
+            // `additionalProperties` keeps its booleans, which the converter reads.
+            ("items", _) | ("additionalProperties", Value::Object(_)) => write_schema(value, out)?,
+            _ => out.push_str(&value.to_string()),
         }
     }
-
-    fn typed(&mut self, kind: &str, object: &'a serde_json::Map<String, Value>, name: &str, depth: usize) -> Result<String, SchemaError> {
-        match kind {
-            "object" => self.object(object, name, depth),
-            "array" => self.array(object, name, depth),
-            "string" => Ok("string".into()),
-            "number" => Ok("number".into()),
-            "integer" => Ok("integer".into()),
-            "boolean" => Ok("boolean".into()),
-            "null" => Ok("null".into()),
-            other => Err(SchemaError(format!("unknown type {other:?}"))),
-        }
-    }
-
-    fn object(&mut self, object: &'a serde_json::Map<String, Value>, name: &str, depth: usize) -> Result<String, SchemaError> {
-        let Some(properties) = object.get("properties") else { return Ok("object".into()) };
-        let properties = properties.as_object().ok_or_else(|| SchemaError("`properties` must be an object".into()))?;
-        if properties.is_empty() {
-            return Ok("object".into());
-        }
-        // `required` is an array, so it keeps the client's order; the other properties follow
-        // in key order.
-        let required: Vec<&str> = object.get("required").and_then(Value::as_array).map(|names| names.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
-        let mut ordered: Vec<(&String, &'a Value)> = required.iter().filter_map(|name| properties.get_key_value(*name)).collect();
-        ordered.extend(properties.iter().filter(|(name, _)| !required.contains(&name.as_str())));
-        let mut members = Vec::new();
-        for (property, schema) in ordered {
-            let value = self.visit(schema, &format!("{name}-{}", rule_word(property)), depth + 1)?;
-            members.push(format!("{} ws \":\" ws {value}", literal(&Value::String(property.clone()).to_string())));
-        }
-        Ok(self.rule(name, format!("\"{{\" ws {} \"}}\" ws", members.join(" \",\" ws "))))
-    }
-
-    fn array(&mut self, object: &'a serde_json::Map<String, Value>, name: &str, depth: usize) -> Result<String, SchemaError> {
-        let item = match object.get("items") {
-            Some(items) => self.visit(items, &format!("{name}-item"), depth + 1)?,
-            None => "value".into(),
-        };
-        Ok(self.rule(name, format!("\"[\" ws ( {item} ( \",\" ws {item} )* )? \"]\" ws")))
-    }
-
-    fn reference(&mut self, reference: &Value, depth: usize) -> Result<String, SchemaError> {
-        let path = reference.as_str().ok_or_else(|| SchemaError("`$ref` must be a string".into()))?;
-        let pointer = path.strip_prefix('#').ok_or_else(|| SchemaError(format!("only local references (#/...) are supported, not {path:?}")))?;
-        let rule_name = format!("ref-{}", rule_word(pointer));
-        if self.rules.contains_key(&rule_name) || self.refs_in_progress.contains(&rule_name) {
-            return Ok(rule_name);
-        }
-        let target = self.root.pointer(pointer).ok_or_else(|| SchemaError(format!("reference {path:?} points nowhere")))?;
-        self.refs_in_progress.push(rule_name.clone());
-        let body = self.visit(target, &format!("{rule_name}-value"), depth + 1);
-        self.refs_in_progress.pop();
-        self.rules.insert(rule_name.clone(), body?);
-        Ok(rule_name)
-    }
-
-    /// Add a rule with a fresh name built from `name` and return the name.
-    fn rule(&mut self, name: &str, body: String) -> String {
-        let base = rule_word(name);
-        let mut candidate = base.clone();
-        let mut counter = 1;
-        while self.rules.contains_key(&candidate) || ["root", "value", "object", "array", "string", "number", "integer", "boolean", "null", "ws"].contains(&candidate.as_str()) {
-            candidate = format!("{base}{counter}");
-            counter += 1;
-        }
-        self.rules.insert(candidate.clone(), body);
-        candidate
-    }
+    out.push('}');
+    Ok(())
 }
 
-/// A rule-name word: letters, digits and dashes only.
-fn rule_word(text: &str) -> String {
-    let word: String = text.chars().map(|character| if character.is_ascii_alphanumeric() { character.to_ascii_lowercase() } else { '-' }).collect();
-    let word = word.trim_matches('-').to_string();
-    if word.is_empty() {
-        "x".into()
-    } else {
-        word
-    }
+/// `properties`: the `required` ones first, in the client's order (`required` is an array, so
+/// it keeps it), then the others in key order.
+fn write_properties(properties: &Map<String, Value>, required: Option<&Value>, out: &mut String) -> Result<(), SchemaError> {
+    let required: Vec<&str> = required.and_then(Value::as_array).map(|names| names.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
+    let mut listed = HashSet::new();
+    let first = required.iter().filter_map(|name| properties.get_key_value(*name)).filter(|(name, _)| listed.insert(name.as_str()));
+    let first: Vec<_> = first.collect();
+    let rest = properties.iter().filter(|(name, _)| !listed.contains(name.as_str()));
+    write_map(first.into_iter().chain(rest), out)
 }
 
-/// A GBNF string literal matching `text` exactly.
-fn literal(text: &str) -> String {
-    let mut out = String::with_capacity(text.len() + 2);
-    out.push('"');
-    for character in text.chars() {
-        match character {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            character if (character as u32) < 0x20 => {
-                let _ = write!(out, "\\x{:02X}", character as u32);
-            }
-            character => out.push(character),
+/// A JSON object of subschemas, in the iterator's order.
+fn write_map<'a>(schemas: impl Iterator<Item = (&'a String, &'a Value)>, out: &mut String) -> Result<(), SchemaError> {
+    out.push('{');
+    for (index, (name, schema)) in schemas.enumerate() {
+        if index > 0 {
+            out.push(',');
         }
+        out.push_str(&Value::from(name.as_str()).to_string());
+        out.push(':');
+        write_schema(schema, out)?;
     }
-    out.push('"');
-    out
+    out.push('}');
+    Ok(())
 }
 
 #[cfg(test)]
@@ -222,6 +133,11 @@ mod tests {
         assert!(grammar.contains("ws ::= "));
     }
 
+    /// The rule `name` of `grammar`, in one line.
+    fn rule<'a>(grammar: &'a str, name: &str) -> &'a str {
+        grammar.lines().find(|line| line.starts_with(&format!("{name} ::= "))).unwrap_or_else(|| panic!("no rule {name}: {grammar}"))
+    }
+
     #[test]
     fn object_schema_lists_properties_in_order() {
         let schema = json!({
@@ -229,15 +145,16 @@ mod tests {
             "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}}},
             "required": ["name", "age"]
         });
-        // Required first, in the client's order (serde_json sorts the properties themselves).
+        // Required first, in the client's order (serde_json sorts the properties themselves);
+        // llama.cpp's converter checked the schema and its parser the grammar.
         let grammar = schema_grammar(&schema).unwrap();
-        let root = grammar.lines().next().unwrap();
-        assert_eq!(root, "root ::= root-value");
-        let object = grammar.lines().find(|line| line.starts_with("root-value ::=")).unwrap();
-        assert!(object.contains(r#""\"name\"" ws ":" ws string"#), "{object}");
-        assert!(object.contains(r#""\"age\"" ws ":" ws integer"#), "{object}");
-        assert!(object.find("name").unwrap() < object.find("age").unwrap(), "{object}");
-        assert!(grammar.contains("root-value-tags ::= \"[\" ws ( string ( \",\" ws string )* )? \"]\" ws"), "{grammar}");
+        let root = rule(&grammar, "root");
+        assert!(root.find("name").unwrap() < root.find("age").unwrap() && root.find("age").unwrap() < root.find("tags").unwrap(), "{root}");
+        assert!(rule(&grammar, "name-kv").contains(r#""\"name\"" space ":" space string"#), "{grammar}");
+        assert!(rule(&grammar, "age-kv").contains(r#""\"age\"" space ":" space integer"#), "{grammar}");
+        // The optional one may be left out, the required ones may not.
+        assert!(root.contains(r#""{" space name-kv "," space age-kv ( "," space ( tags-kv ) )? space "}""#), "{root}");
+        assert_eq!(rule(&grammar, "tags"), r#"tags ::= "[" space (string ("," space string)*)? space "]""#);
     }
 
     #[test]
@@ -252,9 +169,10 @@ mod tests {
             }
         });
         let grammar = schema_grammar(&schema).unwrap();
-        assert!(grammar.contains(r#"ref-defs-color ::= ( "\"red\"" | "\"green\"" ) ws"#), "{grammar}");
-        assert!(grammar.contains("( number | null )"), "{grammar}");
-        assert!(grammar.contains(r#"( boolean | "3" ws )"#), "{grammar}");
+        assert_eq!(rule(&grammar, "ref-defs-color"), r#"ref-defs-color ::= ("\"red\"" | "\"green\"")"#);
+        assert_eq!(rule(&grammar, "maybe"), "maybe ::= number | null");
+        assert_eq!(rule(&grammar, "either"), "either ::= boolean | either-1");
+        assert_eq!(rule(&grammar, "either-1"), r#"either-1 ::= "3""#);
     }
 
     #[test]
@@ -264,7 +182,14 @@ mod tests {
             "$ref": "#/$defs/node"
         });
         let grammar = schema_grammar(&schema).unwrap();
-        assert!(grammar.contains("ref-defs-node ::= "), "{grammar}");
+        assert!(rule(&grammar, "ref-defs-node-children-item").ends_with("::= ref-defs-node"), "{grammar}");
+    }
+
+    #[test]
+    fn true_subschemas_allow_anything() {
+        let grammar = schema_grammar(&json!({"type": "object", "properties": {"a": true, "b": {"type": "array", "items": true}}, "required": ["a", "b"]})).unwrap();
+        assert_eq!(rule(&grammar, "a"), "a ::= value");
+        assert!(rule(&grammar, "b-kv").ends_with("space array"), "{grammar}");
     }
 
     #[test]
@@ -272,6 +197,8 @@ mod tests {
         for bad in [json!("string"), json!({"type": "thing"}), json!({"enum": []}), json!({"$ref": "http://x"}), json!({"$ref": "#/nowhere"}), json!(false)] {
             assert!(schema_grammar(&bad).is_err(), "{bad}");
         }
+        assert_eq!(schema_grammar(&json!({"type": "thing"})).unwrap_err().to_string(), "JSON schema: unknown type \"thing\"");
+        assert_eq!(schema_grammar(&json!({"properties": {"a": false}})).unwrap_err().to_string(), "JSON schema: a `false` schema allows nothing");
         let mut deep = json!({"type": "string"});
         for _ in 0..40 {
             deep = json!({"type": "array", "items": deep});
@@ -281,6 +208,8 @@ mod tests {
 
     #[test]
     fn literals_escape_quotes_and_control_characters() {
-        assert_eq!(literal("a\"b\\c\nd\u{1}"), r#""a\"b\\c\nd\x01""#);
+        let grammar = schema_grammar(&json!({"properties": {"a\"b\\c\nd\u{1}": {"const": "x\"y"}}, "required": ["a\"b\\c\nd\u{1}"]})).unwrap();
+        assert!(grammar.contains(r#""\"a\\\"b\\\\c\\nd\\u0001\"" space ":" space"#), "{grammar}");
+        assert!(grammar.contains(r#""\"x\\\"y\"""#), "{grammar}");
     }
 }
