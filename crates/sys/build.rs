@@ -5,9 +5,19 @@ use std::path::PathBuf;
 fn main() {
     let ggml = find_vendored_ggml();
     println!("cargo:rerun-if-changed=csrc/stream_buft.c");
-    cc::Build::new().file("csrc/stream_buft.c").include(ggml.join("include")).include(ggml.join("src")).warnings(true).compile("hypura_stream_buft");
+    cc::Build::new()
+        .file("csrc/stream_buft.c")
+        .include(ggml.join("include"))
+        .include(ggml.join("src"))
+        .warnings(true)
+        .compile("hypura_stream_buft");
     println!("cargo:rerun-if-changed=csrc/rpc_device.c");
-    cc::Build::new().file("csrc/rpc_device.c").include(ggml.join("include")).include(ggml.join("src")).warnings(true).compile("hypura_rpc_device");
+    cc::Build::new()
+        .file("csrc/rpc_device.c")
+        .include(ggml.join("include"))
+        .include(ggml.join("src"))
+        .warnings(true)
+        .compile("hypura_rpc_device");
     // The context shim includes llama.cpp's own context header (its scheduler accessor).
     let llama = ggml.parent().expect("ggml sits in the llama.cpp tree").to_path_buf();
     println!("cargo:rerun-if-changed=csrc/context_kernels.cpp");
@@ -61,7 +71,13 @@ fn find_vendored_ggml() -> PathBuf {
 }
 
 fn home_registry() -> Option<PathBuf> {
-    let cargo_home = std::env::var_os("CARGO_HOME").map(PathBuf::from).or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cargo")))?;
+    let cargo_home = std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cargo")))?;
     let sources = cargo_home.join("registry/src");
-    std::fs::read_dir(sources).ok()?.flatten().map(|entry| entry.path()).find(|path| path.join("llama-cpp-sys-2-0.1.161").exists())
+    std::fs::read_dir(sources)
+        .ok()?
+        .flatten()
+        .map(|entry| entry.path())
+        .find(|path| path.join("llama-cpp-sys-2-0.1.161").exists())
 }

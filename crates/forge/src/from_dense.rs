@@ -26,7 +26,10 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use hypura_gguf::{GgmlType, Gguf, GgufWriter, TensorInfo, Value};
-use hypura_sys::{dequantize_rows, quantize_rows, Backend, Batch, Context, ContextParams, EvalHook, Model, ModelParams, ObservedNode, Placement};
+use hypura_sys::{
+    dequantize_rows, quantize_rows, Backend, Batch, Context, ContextParams, EvalHook, Model, ModelParams, ObservedNode,
+    Placement,
+};
 use rand::seq::index::sample;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -93,8 +96,20 @@ struct Target {
 
 fn target(source_arch: &str) -> Option<Target> {
     match source_arch {
-        "qwen2" => Some(Target { arch: "qwen2moe", shared: true, normalized: false, needs_output: true, width_is_feed_forward_length: false }),
-        "llama" => Some(Target { arch: "llama", shared: false, normalized: true, needs_output: false, width_is_feed_forward_length: true }),
+        "qwen2" => Some(Target {
+            arch: "qwen2moe",
+            shared: true,
+            normalized: false,
+            needs_output: true,
+            width_is_feed_forward_length: false,
+        }),
+        "llama" => Some(Target {
+            arch: "llama",
+            shared: false,
+            normalized: true,
+            needs_output: false,
+            width_is_feed_forward_length: true,
+        }),
         _ => None,
     }
 }
@@ -126,8 +141,15 @@ fn bad(path: &Path, reason: impl Into<String>) -> ForgeError {
 pub fn moe_from_dense(source: &Path, output: &Path, options: &FromDense) -> Result<FromDenseSummary, ForgeError> {
     let model = Gguf::open(source)?;
     let source_arch = model.architecture().ok_or_else(|| bad(source, "no general.architecture"))?.to_string();
-    let target = target(&source_arch).ok_or_else(|| bad(source, format!("architecture {source_arch:?} has no mixture-of-experts form here; supported: qwen2, llama")))?;
-    let key = |name: &str| model.get_u64(&format!("{source_arch}.{name}")).ok_or_else(|| bad(source, format!("no {source_arch}.{name}")));
+    let target = target(&source_arch).ok_or_else(|| {
+        bad(
+            source,
+            format!("architecture {source_arch:?} has no mixture-of-experts form here; supported: qwen2, llama"),
+        )
+    })?;
+    let key = |name: &str| {
+        model.get_u64(&format!("{source_arch}.{name}")).ok_or_else(|| bad(source, format!("no {source_arch}.{name}")))
+    };
     let n_layer = key("block_count")? as usize;
     let n_embd = key("embedding_length")? as usize;
     let n_ff = key("feed_forward_length")? as usize;
@@ -143,7 +165,10 @@ pub fn moe_from_dense(source: &Path, output: &Path, options: &FromDense) -> Resu
     }
     let (n_expert, n_used) = (options.n_expert as usize, options.n_expert_used as usize);
     if n_expert < 2 || n_used == 0 || n_used > n_expert {
-        return Err(bad(source, format!("{n_used} of {n_expert} experts: need at least 2 experts and 1 to {n_expert} used")));
+        return Err(bad(
+            source,
+            format!("{n_used} of {n_expert} experts: need at least 2 experts and 1 to {n_expert} used"),
+        ));
     }
     let n_clusters = n_expert + n_shared;
     if !n_ff.is_multiple_of(n_clusters) {
@@ -151,7 +176,14 @@ pub fn moe_from_dense(source: &Path, output: &Path, options: &FromDense) -> Resu
     }
     let dims = Dims { n_embd, n_ff, width: n_ff / n_clusters, n_clusters, n_shared };
     if !(dims.width as u64).is_multiple_of(DOWN_TYPE.block_size()) {
-        return Err(bad(source, format!("experts of {} neurons are not a whole number of {}-value blocks", dims.width, DOWN_TYPE.block_size())));
+        return Err(bad(
+            source,
+            format!(
+                "experts of {} neurons are not a whole number of {}-value blocks",
+                dims.width,
+                DOWN_TYPE.block_size()
+            ),
+        ));
     }
     for layer in 0..n_layer {
         for (part, expected) in [("gate", [n_embd, n_ff]), ("up", [n_embd, n_ff]), ("down", [n_ff, n_embd])] {
@@ -166,7 +198,8 @@ pub fn moe_from_dense(source: &Path, output: &Path, options: &FromDense) -> Resu
     let file = File::open(source).map_err(|error| ForgeError::Io { path: source.to_path_buf(), source: error })?;
     let read = |tensor: &TensorInfo| -> Result<Vec<u8>, ForgeError> {
         let mut bytes = vec![0u8; tensor.bytes as usize];
-        file.read_exact_at(&mut bytes, model.data_offset + tensor.offset).map_err(|error| ForgeError::Io { path: source.to_path_buf(), source: error })?;
+        file.read_exact_at(&mut bytes, model.data_offset + tensor.offset)
+            .map_err(|error| ForgeError::Io { path: source.to_path_buf(), source: error })?;
         Ok(bytes)
     };
     let inputs = ffn_inputs(source, options.calibration.as_deref().unwrap_or(CALIBRATION_TEXT), n_layer, n_embd)?;
@@ -177,7 +210,15 @@ pub fn moe_from_dense(source: &Path, output: &Path, options: &FromDense) -> Resu
             let tensor = |part: &str| model.tensor(&format!("blk.{layer}.ffn_{part}.weight")).expect("checked above");
             let (gate, up, down) = (tensor("gate"), tensor("up"), tensor("down"));
             let layer_seed = options.seed ^ (layer as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            expert_layer(dims, &inputs[layer], (gate.ggml_type, &read(gate)?), (up.ggml_type, &read(up)?), (down.ggml_type, &read(down)?), weight_scale, layer_seed)
+            expert_layer(
+                dims,
+                &inputs[layer],
+                (gate.ggml_type, &read(gate)?),
+                (up.ggml_type, &read(up)?),
+                (down.ggml_type, &read(down)?),
+                weight_scale,
+                layer_seed,
+            )
         })
         .collect::<Result<_, ForgeError>>()?;
 
@@ -192,7 +233,9 @@ pub fn moe_from_dense(source: &Path, output: &Path, options: &FromDense) -> Resu
         let value = match name.as_str() {
             "general.architecture" => Value::String(target.arch.to_string()),
             "general.name" => Value::String(format!("{} (experts from dense)", value.as_str().unwrap_or("model"))),
-            _ if target.width_is_feed_forward_length && renamed == format!("{}.feed_forward_length", target.arch) => Value::U32(dims.width as u32),
+            _ if target.width_is_feed_forward_length && renamed == format!("{}.feed_forward_length", target.arch) => {
+                Value::U32(dims.width as u32)
+            }
             _ => value.clone(),
         };
         writer.add_metadata(renamed, value);
@@ -220,7 +263,9 @@ pub fn moe_from_dense(source: &Path, output: &Path, options: &FromDense) -> Resu
         match ffn_layer {
             Some(layer) if !emitted[layer] => {
                 emitted[layer] = true;
-                for (part, (name, shape, ggml_type)) in expert_tensors(dims, &model, layer, target.shared).into_iter().enumerate() {
+                for (part, (name, shape, ggml_type)) in
+                    expert_tensors(dims, &model, layer, target.shared).into_iter().enumerate()
+                {
                     writer.add_tensor(name, &shape, ggml_type);
                     sources.push(Source::Expert { layer, part });
                 }
@@ -272,7 +317,8 @@ pub fn moe_from_dense(source: &Path, output: &Path, options: &FromDense) -> Resu
 /// their bytes.
 fn expert_tensors(dims: Dims, model: &Gguf, layer: usize, shared: bool) -> Vec<(String, Vec<u64>, GgmlType)> {
     let (n_embd, width, n_expert) = (dims.n_embd as u64, dims.width as u64, (dims.n_clusters - dims.n_shared) as u64);
-    let source_type = |part: &str| model.tensor(&format!("blk.{layer}.ffn_{part}.weight")).expect("checked by the caller").ggml_type;
+    let source_type =
+        |part: &str| model.tensor(&format!("blk.{layer}.ffn_{part}.weight")).expect("checked by the caller").ggml_type;
     let name = |part: &str| format!("blk.{layer}.{part}.weight");
     let mut tensors = vec![
         (name("ffn_gate_inp"), vec![n_embd, n_expert], GgmlType::F32),
@@ -295,7 +341,15 @@ fn expert_tensors(dims: Dims, model: &Gguf, layer: usize, shared: bool) -> Vec<(
 /// One layer's expert tensors' bytes, in `expert_tensors` order. `inputs` are the layer's FFN
 /// inputs on the calibration text, one row of `n_embd` per token.
 #[allow(clippy::too_many_arguments)]
-fn expert_layer(dims: Dims, inputs: &[f32], gate: (GgmlType, &[u8]), up: (GgmlType, &[u8]), down: (GgmlType, &[u8]), weight_scale: f32, seed: u64) -> Result<Vec<Vec<u8>>, ForgeError> {
+fn expert_layer(
+    dims: Dims,
+    inputs: &[f32],
+    gate: (GgmlType, &[u8]),
+    up: (GgmlType, &[u8]),
+    down: (GgmlType, &[u8]),
+    weight_scale: f32,
+    seed: u64,
+) -> Result<Vec<Vec<u8>>, ForgeError> {
     let Dims { n_embd, n_ff, n_clusters, n_shared, .. } = dims;
     let gate_values = dequantize_rows(gate.0.id(), gate.1, n_embd)?;
     let up_values = dequantize_rows(up.0.id(), up.1, n_embd)?;
@@ -338,23 +392,35 @@ fn expert_layer(dims: Dims, inputs: &[f32], gate: (GgmlType, &[u8]), up: (GgmlTy
     // silu(x) / x, which is NaN at exactly 0, so it cannot be a zero vector.
     let mut targets: Vec<Vec<f32>> = routed.iter().map(|(_, scores)| scores.clone()).collect();
     if n_shared > 0 {
-        targets.push((0..n_tokens).map(|t| shared_members.iter().map(|&j| importance[j * n_tokens + t]).sum()).collect());
+        targets
+            .push((0..n_tokens).map(|t| shared_members.iter().map(|&j| importance[j * n_tokens + t]).sum()).collect());
     }
     let rows_fitted = fit_linear(inputs, n_embd, &targets);
-    let largest = rows_fitted[..routed.len()].iter().flat_map(|row| (0..n_tokens).map(move |t| dot(row, token(t)).abs())).fold(0f32, f32::max);
+    let largest = rows_fitted[..routed.len()]
+        .iter()
+        .flat_map(|row| (0..n_tokens).map(move |t| dot(row, token(t)).abs()))
+        .fold(0f32, f32::max);
     let scale = if largest > 0.0 { ROUTER_SPREAD / largest } else { 0.0 };
-    let scaled = |rows: &[Vec<f32>]| -> Vec<u8> { rows.iter().flatten().flat_map(|value| (value * scale).to_le_bytes()).collect() };
+    let scaled = |rows: &[Vec<f32>]| -> Vec<u8> {
+        rows.iter().flatten().flat_map(|value| (value * scale).to_le_bytes()).collect()
+    };
     let router = scaled(&rows_fitted[..routed.len()]);
 
     let rows = |(ggml_type, bytes): (GgmlType, &[u8]), members: &[&[usize]]| -> Vec<u8> {
         let row_bytes = ggml_type.row_bytes(n_embd as u64).expect("checked shape") as usize;
-        members.iter().flat_map(|cluster| cluster.iter()).flat_map(|&neuron| bytes[neuron * row_bytes..(neuron + 1) * row_bytes].iter().copied()).collect()
+        members
+            .iter()
+            .flat_map(|cluster| cluster.iter())
+            .flat_map(|&neuron| bytes[neuron * row_bytes..(neuron + 1) * row_bytes].iter().copied())
+            .collect()
     };
     let columns = |members: &[&[usize]], factor: f32| -> Result<Vec<u8>, ForgeError> {
         let mut packed = Vec::new();
         for neurons in members {
             let down_values = &down_values;
-            let values: Vec<f32> = (0..n_embd).flat_map(|row| neurons.iter().map(move |&neuron| down_values[row * n_ff + neuron] * factor)).collect();
+            let values: Vec<f32> = (0..n_embd)
+                .flat_map(|row| neurons.iter().map(move |&neuron| down_values[row * n_ff + neuron] * factor))
+                .collect();
             packed.extend(quantize_rows(DOWN_TYPE.id(), &values, neurons.len())?);
         }
         Ok(packed)
@@ -364,7 +430,12 @@ fn expert_layer(dims: Dims, inputs: &[f32], gate: (GgmlType, &[u8]), up: (GgmlTy
     if n_shared > 0 {
         let shared = [shared_members.as_slice()];
         // Its logit is within 0.001 of 0, so its sigmoid is within 0.03% of 0.5: scaled back by 2.
-        parts.extend([scaled(&rows_fitted[routed.len()..]), rows(gate, &shared), rows(up, &shared), columns(&shared, 2.0)?]);
+        parts.extend([
+            scaled(&rows_fitted[routed.len()..]),
+            rows(gate, &shared),
+            rows(up, &shared),
+            columns(&shared, 2.0)?,
+        ]);
     }
     Ok(parts)
 }
@@ -398,7 +469,12 @@ impl EvalHook for FfnInputs {
 /// Every layer's FFN inputs while the dense model at `source` reads `text`: one row of `n_embd`
 /// per token, per layer.
 fn ffn_inputs(source: &Path, text: &str, n_layer: usize, n_embd: usize) -> Result<Vec<Vec<f32>>, ForgeError> {
-    let model = Model::load_placed(Backend::get(), source, &ModelParams { use_extra_bufts: false, ..ModelParams::default() }, Placement::default())?;
+    let model = Model::load_placed(
+        Backend::get(),
+        source,
+        &ModelParams { use_extra_bufts: false, ..ModelParams::default() },
+        Placement::default(),
+    )?;
     let mut tokens = model.vocab().tokenize(text, true, true)?;
     tokens.truncate(MAX_CALIBRATION_TOKENS);
     if tokens.len() < 16 {
@@ -406,7 +482,13 @@ fn ffn_inputs(source: &Path, text: &str, n_layer: usize, n_embd: usize) -> Resul
     }
     let hook = Arc::new(FfnInputs { layers: (0..n_layer).map(|_| Mutex::new(Vec::new())).collect() });
     let batch_size = CALIBRATION_BATCH as u32;
-    let params = ContextParams { n_ctx: tokens.len() as u32, n_batch: batch_size, n_ubatch: batch_size, eval_hook: Some(hook.clone()), ..ContextParams::default() };
+    let params = ContextParams {
+        n_ctx: tokens.len() as u32,
+        n_batch: batch_size,
+        n_ubatch: batch_size,
+        eval_hook: Some(hook.clone()),
+        ..ContextParams::default()
+    };
     let mut context = Context::new(&model, &params)?;
     let mut batch = Batch::new(CALIBRATION_BATCH, 1);
     for (index, chunk) in tokens.chunks(CALIBRATION_BATCH).enumerate() {
@@ -418,9 +500,17 @@ fn ffn_inputs(source: &Path, text: &str, n_layer: usize, n_embd: usize) -> Resul
         context.decode(&batch)?;
     }
     drop(context);
-    let inputs: Vec<Vec<f32>> = hook.layers.iter().map(|layer| std::mem::take(&mut *layer.lock().expect("no panics while held"))).collect();
+    let inputs: Vec<Vec<f32>> =
+        hook.layers.iter().map(|layer| std::mem::take(&mut *layer.lock().expect("no panics while held"))).collect();
     if let Some(layer) = inputs.iter().position(|rows| rows.len() != tokens.len() * n_embd) {
-        return Err(bad(source, format!("layer {layer}: saw {} FFN input values, expected {} tokens × {n_embd}", inputs[layer].len(), tokens.len())));
+        return Err(bad(
+            source,
+            format!(
+                "layer {layer}: saw {} FFN input values, expected {} tokens × {n_embd}",
+                inputs[layer].len(),
+                tokens.len()
+            ),
+        ));
     }
     Ok(inputs)
 }
@@ -524,12 +614,15 @@ pub fn cluster_rows(values: &[f32], n: usize, n_clusters: usize, seed: u64) -> V
         })
         .collect();
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mut centroids: Vec<Vec<f32>> = sample(&mut rng, n_rows, n_clusters).iter().map(|row| units[row].clone()).collect();
+    let mut centroids: Vec<Vec<f32>> =
+        sample(&mut rng, n_rows, n_clusters).iter().map(|row| units[row].clone()).collect();
     let mut clusters = Vec::new();
     for _ in 0..KMEANS_ROUNDS {
         let mut pairs: Vec<(f32, usize, usize)> = (0..n_rows)
             .flat_map(|row| centroids.iter().enumerate().map(move |(cluster, centroid)| (row, cluster, centroid)))
-            .map(|(row, cluster, centroid)| (units[row].iter().zip(centroid).map(|(a, b)| a * b).sum::<f32>(), row, cluster))
+            .map(|(row, cluster, centroid)| {
+                (units[row].iter().zip(centroid).map(|(a, b)| a * b).sum::<f32>(), row, cluster)
+            })
             .collect();
         // Most similar first; ties in row then cluster order, so the result is deterministic.
         pairs.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));

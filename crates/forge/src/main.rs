@@ -9,7 +9,11 @@ use hypura_forge::{moe_from_dense, plan_model, preset, presets, write_model, Arc
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 #[derive(Parser, Debug)]
-#[command(name = "hypura-forge", version, about = "Write synthetic GGUF models that llama.cpp loads as real architectures")]
+#[command(
+    name = "hypura-forge",
+    version,
+    about = "Write synthetic GGUF models that llama.cpp loads as real architectures"
+)]
 struct Args {
     /// Preset: dense-1b, dense-8b, moe-8x, moe-30b, qwen3.6-35b-a3b, gpt-oss-20b, glm-4.5-air,
     /// glm-4.5, deepseek4-flash, and tiny-<arch> for tests (an unknown name lists them all).
@@ -108,7 +112,14 @@ fn main() -> anyhow::Result<()> {
     }
     if args.dry_run {
         let summary = plan_model(&spec).with_context(|| format!("planning {}", spec.name))?;
-        println!("{} ({} {}): {} tensors, {} bytes", spec.name, spec.arch.name(), spec.quant, summary.tensor_count, summary.file_bytes);
+        println!(
+            "{} ({} {}): {} tensors, {} bytes",
+            spec.name,
+            spec.arch.name(),
+            spec.quant,
+            summary.tensor_count,
+            summary.file_bytes
+        );
         return Ok(());
     }
     let output = args.output.expect("clap requires it without --dry-run");
@@ -116,7 +127,9 @@ fn main() -> anyhow::Result<()> {
     if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         bar.set_draw_target(ProgressDrawTarget::hidden());
     }
-    bar.set_style(ProgressStyle::with_template("{spinner} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta} {wide_bar}")?);
+    bar.set_style(ProgressStyle::with_template(
+        "{spinner} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta} {wide_bar}",
+    )?);
     let started = Instant::now();
     let summary = write_model(&spec, &output, &|done, total| {
         bar.set_length(total);
@@ -145,9 +158,16 @@ fn from_dense(source: &std::path::Path, args: &Args) -> anyhow::Result<()> {
         Some(path) => Some(std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?),
         None => None,
     };
-    let options = FromDense { n_expert: args.n_expert.unwrap_or(8), n_expert_used: args.n_expert_used.unwrap_or(2), n_shared: args.n_shared, seed: args.seed, calibration };
+    let options = FromDense {
+        n_expert: args.n_expert.unwrap_or(8),
+        n_expert_used: args.n_expert_used.unwrap_or(2),
+        n_shared: args.n_shared,
+        seed: args.seed,
+        calibration,
+    };
     let started = Instant::now();
-    let summary = moe_from_dense(source, output, &options).with_context(|| format!("turning {} into experts", source.display()))?;
+    let summary = moe_from_dense(source, output, &options)
+        .with_context(|| format!("turning {} into experts", source.display()))?;
     println!(
         "wrote {} ({}, {} layers of {} experts of {} neurons, {} used{}, down {}; {} tensors, {} bytes) in {:.1} s",
         output.display(),

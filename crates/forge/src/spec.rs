@@ -202,7 +202,17 @@ impl ForgeSpec {
 
 /// The benchmark presets and the tiny variants of the classic layouts; every other
 /// architecture's presets come from its module (`tiny-<arch>`, and full shapes).
-const CLASSIC_PRESETS: &[&str] = &["dense-1b", "dense-8b", "moe-8x", "moe-30b", "tiny-dense-1b", "tiny-dense-8b", "tiny-qwen3", "tiny-moe-8x", "tiny-moe-30b"];
+const CLASSIC_PRESETS: &[&str] = &[
+    "dense-1b",
+    "dense-8b",
+    "moe-8x",
+    "moe-30b",
+    "tiny-dense-1b",
+    "tiny-dense-8b",
+    "tiny-qwen3",
+    "tiny-moe-8x",
+    "tiny-moe-30b",
+];
 
 /// Names of all presets, for help text and tests.
 pub fn presets() -> Vec<&'static str> {
@@ -223,12 +233,25 @@ pub fn preset(name: &str) -> Option<ForgeSpec> {
     };
     let (name, arch, shape) = match classic(canonical) {
         Some((arch, shape)) => (canonical, arch, shape),
-        None => crate::arch::DEFINITIONS
-            .iter()
-            .find_map(|definition| (definition.presets)().into_iter().find(|(preset, _)| *preset == canonical).map(|(preset, shape)| (preset, definition.arch, shape)))?,
+        None => crate::arch::DEFINITIONS.iter().find_map(|definition| {
+            (definition.presets)()
+                .into_iter()
+                .find(|(preset, _)| *preset == canonical)
+                .map(|(preset, shape)| (preset, definition.arch, shape))
+        })?,
     };
     let chat_template = matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe).then(|| QWEN3_TEMPLATE.to_string());
-    Some(ForgeSpec { name: name.to_string(), arch, shape, quant: QuantMix::Q4KM, seed: 42, router_skew: 0.0, router_locality: 0.0, residual_scale: 1.0, chat_template })
+    Some(ForgeSpec {
+        name: name.to_string(),
+        arch,
+        shape,
+        quant: QuantMix::Q4KM,
+        seed: 42,
+        router_skew: 0.0,
+        router_locality: 0.0,
+        residual_scale: 1.0,
+        chat_template,
+    })
 }
 
 fn classic(name: &str) -> Option<(Arch, Shape)> {
@@ -251,13 +274,44 @@ fn classic(name: &str) -> Option<(Arch, Shape)> {
 }
 
 pub(crate) fn dense(n_layer: u64, n_embd: u64, n_head: u64, n_head_kv: u64, n_ff: u64, rope_freq_base: f32) -> Shape {
-    Shape { n_layer, n_embd, n_head, n_head_kv, head_dim: n_embd / n_head, n_ff, n_ctx_train: 4096, rope_freq_base, ..Shape::default() }
+    Shape {
+        n_layer,
+        n_embd,
+        n_head,
+        n_head_kv,
+        head_dim: n_embd / n_head,
+        n_ff,
+        n_ctx_train: 4096,
+        rope_freq_base,
+        ..Shape::default()
+    }
 }
 
 /// An MoE shape: `n_ff` is each routed expert's width.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn moe(n_layer: u64, n_embd: u64, n_head: u64, n_head_kv: u64, head_dim: u64, n_ff: u64, n_expert: u64, n_expert_used: u64) -> Shape {
-    Shape { n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_expert, n_expert_used, n_ctx_train: 4096, rope_freq_base: 1_000_000.0, ..Shape::default() }
+pub(crate) fn moe(
+    n_layer: u64,
+    n_embd: u64,
+    n_head: u64,
+    n_head_kv: u64,
+    head_dim: u64,
+    n_ff: u64,
+    n_expert: u64,
+    n_expert_used: u64,
+) -> Shape {
+    Shape {
+        n_layer,
+        n_embd,
+        n_head,
+        n_head_kv,
+        head_dim,
+        n_ff,
+        n_expert,
+        n_expert_used,
+        n_ctx_train: 4096,
+        rope_freq_base: 1_000_000.0,
+        ..Shape::default()
+    }
 }
 
 /// What each tensor is, which decides how its values are drawn.

@@ -70,9 +70,18 @@ impl Vocabulary {
         vec![
             ("tokenizer.ggml.model".into(), Value::String("llama".into())),
             ("tokenizer.ggml.pre".into(), Value::String("default".into())),
-            ("tokenizer.ggml.tokens".into(), Value::Array(ValueType::String, self.tokens.iter().cloned().map(Value::String).collect())),
-            ("tokenizer.ggml.scores".into(), Value::Array(ValueType::F32, self.scores.iter().copied().map(Value::F32).collect())),
-            ("tokenizer.ggml.token_type".into(), Value::Array(ValueType::I32, self.types.iter().copied().map(Value::I32).collect())),
+            (
+                "tokenizer.ggml.tokens".into(),
+                Value::Array(ValueType::String, self.tokens.iter().cloned().map(Value::String).collect()),
+            ),
+            (
+                "tokenizer.ggml.scores".into(),
+                Value::Array(ValueType::F32, self.scores.iter().copied().map(Value::F32).collect()),
+            ),
+            (
+                "tokenizer.ggml.token_type".into(),
+                Value::Array(ValueType::I32, self.types.iter().copied().map(Value::I32).collect()),
+            ),
             ("tokenizer.ggml.bos_token_id".into(), Value::U32(BOS)),
             ("tokenizer.ggml.eos_token_id".into(), Value::U32(EOS)),
             ("tokenizer.ggml.unknown_token_id".into(), Value::U32(UNKNOWN)),

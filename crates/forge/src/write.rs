@@ -83,7 +83,11 @@ struct Piece {
 }
 
 /// Write `spec` to `path`. `progress(done_bytes, total_bytes)` is called as pieces land.
-pub fn write_model(spec: &ForgeSpec, path: &Path, progress: &(dyn Fn(u64, u64) + Sync)) -> Result<ForgeSummary, ForgeError> {
+pub fn write_model(
+    spec: &ForgeSpec,
+    path: &Path,
+    progress: &(dyn Fn(u64, u64) + Sync),
+) -> Result<ForgeSummary, ForgeError> {
     let (plans, layout, n_vocab) = layout(spec)?;
     let io_error = |source| ForgeError::Io { path: path.to_path_buf(), source };
     let file = File::create(path).map_err(io_error)?;
@@ -135,7 +139,13 @@ fn layout(spec: &ForgeSpec) -> Result<(Vec<TensorPlan>, hypura_gguf::Layout, u64
 fn validate(spec: &ForgeSpec) -> Result<(), ForgeError> {
     let shape = &spec.shape;
     let bad = |reason: String| Err(ForgeError::BadShape { name: spec.name.clone(), reason });
-    if shape.n_layer == 0 || shape.n_embd == 0 || shape.n_head == 0 || shape.n_head_kv == 0 || shape.head_dim == 0 || shape.n_ff == 0 {
+    if shape.n_layer == 0
+        || shape.n_embd == 0
+        || shape.n_head == 0
+        || shape.n_head_kv == 0
+        || shape.head_dim == 0
+        || shape.n_ff == 0
+    {
         return bad("every dimension must be positive".into());
     }
     if !shape.n_head.is_multiple_of(shape.n_head_kv) {
@@ -245,13 +255,20 @@ fn generate_rows(spec: &ForgeSpec, plan: &TensorPlan, piece: &Piece, locality_di
 }
 
 /// The encoded bytes of one piece, pooled where quantizing every block would be too slow.
-fn piece_bytes(spec: &ForgeSpec, plan: &TensorPlan, piece: &Piece, locality_direction: &[f32]) -> Result<Vec<u8>, ForgeError> {
+fn piece_bytes(
+    spec: &ForgeSpec,
+    plan: &TensorPlan,
+    piece: &Piece,
+    locality_direction: &[f32],
+) -> Result<Vec<u8>, ForgeError> {
     let ggml_type = plan.ggml_type;
     let row_elements = plan.dims[0];
     let block_elements = ggml_type.block_size();
     let blocks = row_elements / block_elements * piece.row_count;
     // The K-quants and MXFP4 (whose quantizer is also slow enough to matter at 20 GB).
-    let pooled = (block_elements == 256 || ggml_type == GgmlType::MXFP4) && matches!(plan.init, Init::Projection { .. } | Init::Residual { .. }) && blocks > 4 * BLOCK_POOL;
+    let pooled = (block_elements == 256 || ggml_type == GgmlType::MXFP4)
+        && matches!(plan.init, Init::Projection { .. } | Init::Residual { .. })
+        && blocks > 4 * BLOCK_POOL;
     if !pooled {
         let values = generate_rows(spec, plan, piece, locality_direction);
         return encode(ggml_type, &values, row_elements);

@@ -16,13 +16,18 @@ fn loads_with_finite_logits(name: &str) {
     let backend = Backend::get();
     let spec = preset(name).unwrap_or_else(|| panic!("preset {name}"));
     let path = forge(name, directory.path());
-    let model = Model::load(backend, &path, &ModelParams { use_extra_bufts: false, ..ModelParams::default() }).unwrap_or_else(|error| panic!("{name}: {error}"));
+    let model = Model::load(backend, &path, &ModelParams { use_extra_bufts: false, ..ModelParams::default() })
+        .unwrap_or_else(|error| panic!("{name}: {error}"));
     assert_eq!(model.n_layer() as u64, spec.shape.n_layer, "{name}");
     assert_eq!(model.n_embd() as u64, spec.shape.n_embd, "{name}");
     let vocab = model.vocab();
     let tokens = vocab.tokenize("The capital of France is Paris", true, false).unwrap();
     assert!(tokens.len() >= 3, "{name}: tokenized to {tokens:?}");
-    let mut context = Context::new(&model, &ContextParams { n_ctx: 256, n_threads: 2, n_threads_batch: 2, ..ContextParams::default() }).unwrap();
+    let mut context = Context::new(
+        &model,
+        &ContextParams { n_ctx: 256, n_threads: 2, n_threads_batch: 2, ..ContextParams::default() },
+    )
+    .unwrap();
     let mut batch = Batch::new(tokens.len(), 1);
     for (position, &token) in tokens.iter().enumerate() {
         batch.push(token, position as i32, &[0], position + 1 == tokens.len()).unwrap();

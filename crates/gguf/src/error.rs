@@ -23,7 +23,9 @@ pub enum GgufError {
     #[error("unsupported GGUF version {0} (only versions 2 and 3 are supported)")]
     UnsupportedVersion(u32),
 
-    #[error("GGUF version field reads as {version:#010x}: the file looks big-endian, only little-endian GGUF is supported")]
+    #[error(
+        "GGUF version field reads as {version:#010x}: the file looks big-endian, only little-endian GGUF is supported"
+    )]
     BigEndian { version: u32 },
 
     #[error("file truncated at byte {at}: {context} needs {needed} more bytes")]

@@ -29,10 +29,12 @@ mod writer;
 
 pub use error::GgufError;
 pub use reader::{
-    Gguf, TensorInfo, ALIGNMENT_KEY, DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_ARRAY_DEPTH, MAX_ARRAY_ELEMENTS, MAX_DIMS, MAX_KEYS, MAX_STRING_BYTES, MAX_TENSORS, MAX_TENSOR_NAME_BYTES,
-    MAX_TOTAL_ARRAY_ELEMENTS,
+    Gguf, TensorInfo, ALIGNMENT_KEY, DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_ARRAY_DEPTH, MAX_ARRAY_ELEMENTS, MAX_DIMS,
+    MAX_KEYS, MAX_STRING_BYTES, MAX_TENSORS, MAX_TENSOR_NAME_BYTES, MAX_TOTAL_ARRAY_ELEMENTS,
 };
-pub use split::{split_file_name, ModelFiles, SplitFile, TensorRef, SPLIT_COUNT_KEY, SPLIT_NO_KEY, SPLIT_TENSORS_COUNT_KEY};
+pub use split::{
+    split_file_name, ModelFiles, SplitFile, TensorRef, SPLIT_COUNT_KEY, SPLIT_NO_KEY, SPLIT_TENSORS_COUNT_KEY,
+};
 pub use types::{GgmlType, Value, ValueType};
 pub use writer::{GgufWriter, Layout, TensorSpec, WRITE_VERSION};
 

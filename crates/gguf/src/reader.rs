@@ -88,8 +88,24 @@ impl Gguf {
         Parser::new(reader, file_bytes, PathBuf::from("<stream>")).parse()
     }
 
-    fn from_parts(version: u32, metadata: Vec<(String, Value)>, tensors: Vec<TensorInfo>, alignment: u64, data_offset: u64, file_bytes: u64) -> Gguf {
-        let mut gguf = Gguf { version, metadata, tensors, alignment, data_offset, file_bytes, key_index: HashMap::new(), tensor_index: HashMap::new() };
+    fn from_parts(
+        version: u32,
+        metadata: Vec<(String, Value)>,
+        tensors: Vec<TensorInfo>,
+        alignment: u64,
+        data_offset: u64,
+        file_bytes: u64,
+    ) -> Gguf {
+        let mut gguf = Gguf {
+            version,
+            metadata,
+            tensors,
+            alignment,
+            data_offset,
+            file_bytes,
+            key_index: HashMap::new(),
+            tensor_index: HashMap::new(),
+        };
         gguf.reindex();
         gguf
     }
@@ -157,7 +173,13 @@ struct Parser<R> {
 
 impl<R: Read> Parser<R> {
     fn new(reader: R, file_bytes: u64, path: PathBuf) -> Self {
-        Parser { reader: BufReader::with_capacity(64 * 1024, reader), position: 0, file_bytes, path, array_elements_read: 0 }
+        Parser {
+            reader: BufReader::with_capacity(64 * 1024, reader),
+            position: 0,
+            file_bytes,
+            path,
+            array_elements_read: 0,
+        }
     }
 
     fn remaining(&self) -> u64 {
@@ -242,7 +264,9 @@ impl<R: Read> Parser<R> {
         check_count("tensors", tensor_count, MAX_TENSORS)?;
         let both = key_count * 14 + tensor_count * 32;
         if both > self.remaining() {
-            return Err(self.truncated(both, &|| format!("{key_count} metadata keys and {tensor_count} tensor entries (at least 14 and 32 bytes each)")));
+            return Err(self.truncated(both, &|| {
+                format!("{key_count} metadata keys and {tensor_count} tensor entries (at least 14 and 32 bytes each)")
+            }));
         }
 
         let metadata = self.metadata(key_count)?;
@@ -255,7 +279,13 @@ impl<R: Read> Parser<R> {
                 }
                 alignment
             }
-            Some((key, value)) => return Err(GgufError::WrongKeyType { key: key.clone(), expected: ValueType::U32, found: value.value_type() }),
+            Some((key, value)) => {
+                return Err(GgufError::WrongKeyType {
+                    key: key.clone(),
+                    expected: ValueType::U32,
+                    found: value.value_type(),
+                })
+            }
         };
 
         let tensors = self.tensor_index(tensor_count)?;
@@ -266,7 +296,11 @@ impl<R: Read> Parser<R> {
             // Without tensors llama.cpp does not require the padding to be present.
             padded_end.unwrap_or(header_end)
         } else {
-            let data_offset = padded_end.ok_or_else(|| GgufError::Truncated { at: header_end, needed: alignment - header_end % alignment, context: "padding before the data section".to_string() })?;
+            let data_offset = padded_end.ok_or_else(|| GgufError::Truncated {
+                at: header_end,
+                needed: alignment - header_end % alignment,
+                context: "padding before the data section".to_string(),
+            })?;
             check_layout(&tensors, alignment, data_offset, self.file_bytes)?;
             data_offset
         };
@@ -288,7 +322,8 @@ impl<R: Read> Parser<R> {
                 return Err(GgufError::DuplicateKey { key });
             }
             let type_id = self.u32(&|| format!("type of key '{key}'"))?;
-            let value_type = ValueType::from_id(type_id).ok_or(GgufError::UnknownValueType { key: key.clone(), id: type_id })?;
+            let value_type =
+                ValueType::from_id(type_id).ok_or(GgufError::UnknownValueType { key: key.clone(), id: type_id })?;
             let value = self.value(&key, value_type, 0)?;
             metadata.push((key, value));
         }
@@ -320,14 +355,19 @@ impl<R: Read> Parser<R> {
             return Err(GgufError::ArrayTooDeep { key: key.to_string(), depth, max: MAX_ARRAY_DEPTH });
         }
         let type_id = self.u32(&|| format!("array element type of key '{key}'"))?;
-        let element_type = ValueType::from_id(type_id).ok_or(GgufError::UnknownValueType { key: key.to_string(), id: type_id })?;
+        let element_type =
+            ValueType::from_id(type_id).ok_or(GgufError::UnknownValueType { key: key.to_string(), id: type_id })?;
         let count = self.u64(&|| format!("array length of key '{key}'"))?;
         if count > MAX_ARRAY_ELEMENTS {
             return Err(GgufError::TooMany { what: "array elements", count, max: MAX_ARRAY_ELEMENTS });
         }
         let total = self.array_elements_read.saturating_add(count);
         if total > MAX_TOTAL_ARRAY_ELEMENTS {
-            return Err(GgufError::TooMany { what: "array elements in the file", count: total, max: MAX_TOTAL_ARRAY_ELEMENTS });
+            return Err(GgufError::TooMany {
+                what: "array elements in the file",
+                count: total,
+                max: MAX_TOTAL_ARRAY_ELEMENTS,
+            });
         }
         self.array_elements_read = total;
         let minimum_bytes = count * element_type.min_encoded_size();
@@ -356,21 +396,30 @@ impl<R: Read> Parser<R> {
         for index in 0..tensor_count {
             let name = self.string(&|| format!("name of tensor {index}"))?;
             if name.len() as u64 > MAX_TENSOR_NAME_BYTES {
-                return Err(GgufError::TensorNameTooLong { length: name.len() as u64, name, max: MAX_TENSOR_NAME_BYTES });
+                return Err(GgufError::TensorNameTooLong {
+                    length: name.len() as u64,
+                    name,
+                    max: MAX_TENSOR_NAME_BYTES,
+                });
             }
             if !seen.insert(name.clone()) {
                 return Err(GgufError::DuplicateTensor { name });
             }
             let dim_count = self.u32(&|| format!("dimension count of tensor '{name}'"))?;
             if dim_count == 0 || dim_count > MAX_DIMS {
-                return Err(GgufError::BadDims { tensor: name, dims: Vec::new(), reason: format!("{dim_count} dimensions, expected 1 to {MAX_DIMS}") });
+                return Err(GgufError::BadDims {
+                    tensor: name,
+                    dims: Vec::new(),
+                    reason: format!("{dim_count} dimensions, expected 1 to {MAX_DIMS}"),
+                });
             }
             let mut dims = Vec::with_capacity(dim_count as usize);
             for axis in 0..dim_count {
                 dims.push(self.u64(&|| format!("dimension {axis} of tensor '{name}'"))?);
             }
             let type_id = self.u32(&|| format!("type of tensor '{name}'"))?;
-            let ggml_type = GgmlType::from_id(type_id).ok_or(GgufError::UnknownGgmlType { tensor: name.clone(), id: type_id })?;
+            let ggml_type =
+                GgmlType::from_id(type_id).ok_or(GgufError::UnknownGgmlType { tensor: name.clone(), id: type_id })?;
             let bytes = checked_tensor_bytes(&name, &dims, ggml_type)?;
             let offset = self.u64(&|| format!("offset of tensor '{name}'"))?;
             tensors.push(TensorInfo { name, dims, ggml_type, offset, bytes });
@@ -419,10 +468,18 @@ pub(crate) fn checked_tensor_bytes(name: &str, dims: &[u64], ggml_type: GgmlType
         if dim == 0 {
             return Err(bad(format!("dimension {axis} is zero")));
         }
-        elements = elements.checked_mul(dim).filter(|&elements| elements <= i64::MAX as u64).ok_or_else(|| bad("element count overflows i64".to_string()))?;
+        elements = elements
+            .checked_mul(dim)
+            .filter(|&elements| elements <= i64::MAX as u64)
+            .ok_or_else(|| bad("element count overflows i64".to_string()))?;
     }
     if dims[0] % ggml_type.block_size() != 0 {
-        return Err(bad(format!("row of {} elements is not a multiple of the {} block size {}", dims[0], ggml_type.name(), ggml_type.block_size())));
+        return Err(bad(format!(
+            "row of {} elements is not a multiple of the {} block size {}",
+            dims[0],
+            ggml_type.name(),
+            ggml_type.block_size()
+        )));
     }
     ggml_type.tensor_bytes(dims).ok_or_else(|| bad("size in bytes overflows u64".to_string()))
 }
@@ -436,7 +493,11 @@ pub(crate) fn check_layout(tensors: &[TensorInfo], alignment: u64, data_offset: 
         }
         let end = tensor.offset.checked_add(tensor.bytes);
         if end.is_none_or(|end| end > data_bytes) {
-            return Err(GgufError::OutOfBounds { tensor: tensor.name.clone(), end: data_offset.saturating_add(tensor.offset).saturating_add(tensor.bytes), file_bytes });
+            return Err(GgufError::OutOfBounds {
+                tensor: tensor.name.clone(),
+                end: data_offset.saturating_add(tensor.offset).saturating_add(tensor.bytes),
+                file_bytes,
+            });
         }
     }
     let mut by_offset: Vec<&TensorInfo> = tensors.iter().collect();

@@ -54,7 +54,9 @@ impl ModelFiles {
         let first = Gguf::open(path)?;
         let count = match first.get(SPLIT_COUNT_KEY) {
             None => 1,
-            Some(value) => value.as_u64().ok_or(GgufError::SplitKey { path: path.to_path_buf(), key: SPLIT_COUNT_KEY })?,
+            Some(value) => {
+                value.as_u64().ok_or(GgufError::SplitKey { path: path.to_path_buf(), key: SPLIT_COUNT_KEY })?
+            }
         };
         if count <= 1 {
             let files = ModelFiles { splits: vec![SplitFile { path: path.to_path_buf(), gguf: first }] };
@@ -68,12 +70,19 @@ impl ModelFiles {
         // split.count is a u16 in gguf-split files; anything larger is corrupt, and this also
         // bounds the number of file names generated below.
         if count > u64::from(u16::MAX) {
-            return Err(GgufError::SplitCount { path: path.to_path_buf(), expected: u64::from(u16::MAX), found: count });
+            return Err(GgufError::SplitCount {
+                path: path.to_path_buf(),
+                expected: u64::from(u16::MAX),
+                found: count,
+            });
         }
 
         let file_name = path.file_name().and_then(|name| name.to_str()).unwrap_or("");
         let suffix = format!("-{:05}-of-{count:05}.gguf", 1);
-        let prefix = file_name.strip_suffix(&suffix).filter(|prefix| !prefix.is_empty()).ok_or(GgufError::SplitName { path: path.to_path_buf(), index: 0, count })?;
+        let prefix = file_name
+            .strip_suffix(&suffix)
+            .filter(|prefix| !prefix.is_empty())
+            .ok_or(GgufError::SplitName { path: path.to_path_buf(), index: 0, count })?;
         let directory = path.parent().unwrap_or(Path::new(""));
 
         let mut splits = vec![SplitFile { path: path.to_path_buf(), gguf: first }];
@@ -87,7 +96,9 @@ impl ModelFiles {
             if found_index != index {
                 return Err(GgufError::SplitIndex { path: split_path, expected: index, found: found_index });
             }
-            let found_count = gguf.get_u64(SPLIT_COUNT_KEY).ok_or(GgufError::SplitKey { path: split_path.clone(), key: SPLIT_COUNT_KEY })?;
+            let found_count = gguf
+                .get_u64(SPLIT_COUNT_KEY)
+                .ok_or(GgufError::SplitKey { path: split_path.clone(), key: SPLIT_COUNT_KEY })?;
             if found_count != count {
                 return Err(GgufError::SplitCount { path: split_path, expected: count, found: found_count });
             }
@@ -97,7 +108,9 @@ impl ModelFiles {
         let files = ModelFiles { splits };
         let found: u64 = files.splits.iter().map(|split| split.gguf.tensors.len() as u64).sum();
         if let Some(expected) = files.first().get(SPLIT_TENSORS_COUNT_KEY) {
-            let expected = expected.as_u64().ok_or(GgufError::SplitKey { path: path.to_path_buf(), key: SPLIT_TENSORS_COUNT_KEY })?;
+            let expected = expected
+                .as_u64()
+                .ok_or(GgufError::SplitKey { path: path.to_path_buf(), key: SPLIT_TENSORS_COUNT_KEY })?;
             if expected != found {
                 return Err(GgufError::SplitTensorCount { expected, found });
             }
@@ -110,7 +123,11 @@ impl ModelFiles {
         let mut seen: HashMap<&str, usize> = HashMap::new();
         for tensor in self.tensors() {
             if let Some(&first) = seen.get(tensor.info.name.as_str()) {
-                return Err(GgufError::DuplicateTensorAcrossSplits { name: tensor.info.name.clone(), first, second: tensor.split });
+                return Err(GgufError::DuplicateTensorAcrossSplits {
+                    name: tensor.info.name.clone(),
+                    first,
+                    second: tensor.split,
+                });
             }
             seen.insert(&tensor.info.name, tensor.split);
         }
@@ -124,7 +141,14 @@ impl ModelFiles {
 
     /// Every tensor of every split, in split then file order.
     pub fn tensors(&self) -> impl Iterator<Item = TensorRef<'_>> {
-        self.splits.iter().enumerate().flat_map(|(split, file)| file.gguf.tensors.iter().map(move |info| TensorRef { split, path: &file.path, info, file_offset: file.gguf.data_offset + info.offset }))
+        self.splits.iter().enumerate().flat_map(|(split, file)| {
+            file.gguf.tensors.iter().map(move |info| TensorRef {
+                split,
+                path: &file.path,
+                info,
+                file_offset: file.gguf.data_offset + info.offset,
+            })
+        })
     }
 
     /// Sum of the sizes of all split files.

@@ -10,7 +10,10 @@ use std::io::{BufWriter, Write};
 use std::path::Path;
 
 use crate::error::GgufError;
-use crate::reader::{align_up, checked_tensor_bytes, ALIGNMENT_KEY, DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_ARRAY_DEPTH, MAX_ARRAY_ELEMENTS, MAX_STRING_BYTES, MAX_TENSOR_NAME_BYTES};
+use crate::reader::{
+    align_up, checked_tensor_bytes, ALIGNMENT_KEY, DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_ARRAY_DEPTH, MAX_ARRAY_ELEMENTS,
+    MAX_STRING_BYTES, MAX_TENSOR_NAME_BYTES,
+};
 use crate::types::{GgmlType, Value, ValueType};
 use crate::Result;
 
@@ -91,8 +94,19 @@ impl GgufWriter {
             if key == ALIGNMENT_KEY {
                 match value {
                     Value::U32(written) if u64::from(*written) == alignment => has_alignment_key = true,
-                    Value::U32(written) => return Err(GgufError::BadValue { key: key.clone(), reason: format!("{written} differs from the writer's alignment {alignment}") }),
-                    other => return Err(GgufError::WrongKeyType { key: key.clone(), expected: ValueType::U32, found: other.value_type() }),
+                    Value::U32(written) => {
+                        return Err(GgufError::BadValue {
+                            key: key.clone(),
+                            reason: format!("{written} differs from the writer's alignment {alignment}"),
+                        })
+                    }
+                    other => {
+                        return Err(GgufError::WrongKeyType {
+                            key: key.clone(),
+                            expected: ValueType::U32,
+                            found: other.value_type(),
+                        })
+                    }
                 }
             }
             check_value(key, value, 0)?;
@@ -103,7 +117,11 @@ impl GgufWriter {
         let mut tensor_bytes = Vec::with_capacity(self.tensors.len());
         for tensor in &self.tensors {
             if tensor.name.len() as u64 > MAX_TENSOR_NAME_BYTES {
-                return Err(GgufError::TensorNameTooLong { name: tensor.name.clone(), length: tensor.name.len() as u64, max: MAX_TENSOR_NAME_BYTES });
+                return Err(GgufError::TensorNameTooLong {
+                    name: tensor.name.clone(),
+                    length: tensor.name.len() as u64,
+                    max: MAX_TENSOR_NAME_BYTES,
+                });
             }
             if !names.insert(tensor.name.as_str()) {
                 return Err(GgufError::DuplicateTensor { name: tensor.name.clone() });
@@ -115,10 +133,12 @@ impl GgufWriter {
         let mut data_bytes: u64 = 0;
         for (tensor, &bytes) in self.tensors.iter().zip(&tensor_bytes) {
             relative_offsets.push(data_bytes);
-            data_bytes = data_bytes.checked_add(bytes).and_then(|end| align_up(end, alignment)).ok_or_else(|| GgufError::BadDims {
-                tensor: tensor.name.clone(),
-                dims: tensor.dims.clone(),
-                reason: "data section size overflows u64".to_string(),
+            data_bytes = data_bytes.checked_add(bytes).and_then(|end| align_up(end, alignment)).ok_or_else(|| {
+                GgufError::BadDims {
+                    tensor: tensor.name.clone(),
+                    dims: tensor.dims.clone(),
+                    reason: "data section size overflows u64".to_string(),
+                }
             })?;
         }
 
@@ -149,9 +169,16 @@ impl GgufWriter {
         let data_offset = align_up(header.len() as u64, alignment).expect("header length is far below u64::MAX");
         header.resize(data_offset as usize, 0);
 
-        let overflow = || GgufError::BadDims { tensor: String::new(), dims: Vec::new(), reason: "file size overflows u64".to_string() };
+        let overflow = || GgufError::BadDims {
+            tensor: String::new(),
+            dims: Vec::new(),
+            reason: "file size overflows u64".to_string(),
+        };
         let file_bytes = data_offset.checked_add(data_bytes).ok_or_else(overflow)?;
-        let tensor_offsets = relative_offsets.iter().map(|&offset| data_offset.checked_add(offset).ok_or_else(overflow)).collect::<Result<Vec<u64>>>()?;
+        let tensor_offsets = relative_offsets
+            .iter()
+            .map(|&offset| data_offset.checked_add(offset).ok_or_else(overflow))
+            .collect::<Result<Vec<u64>>>()?;
         Ok(Layout { header, data_offset, tensor_offsets, tensor_bytes, file_bytes })
     }
 
@@ -167,7 +194,11 @@ impl GgufWriter {
         for (index, tensor) in self.tensors.iter().enumerate() {
             let bytes = data(index);
             if bytes.len() as u64 != layout.tensor_bytes[index] {
-                return Err(GgufError::DataLength { tensor: tensor.name.clone(), expected: layout.tensor_bytes[index], actual: bytes.len() as u64 });
+                return Err(GgufError::DataLength {
+                    tensor: tensor.name.clone(),
+                    expected: layout.tensor_bytes[index],
+                    actual: bytes.len() as u64,
+                });
             }
             let mut padding = layout.tensor_offsets[index] - position;
             while padding > 0 {
@@ -193,12 +224,20 @@ impl GgufWriter {
 fn check_value(key: &str, value: &Value, depth: u32) -> Result<()> {
     if let Value::String(text) = value {
         if text.len() as u64 > MAX_STRING_BYTES {
-            return Err(GgufError::StringTooLong { context: format!("value of key '{key}'"), length: text.len() as u64, max: MAX_STRING_BYTES });
+            return Err(GgufError::StringTooLong {
+                context: format!("value of key '{key}'"),
+                length: text.len() as u64,
+                max: MAX_STRING_BYTES,
+            });
         }
     }
     if let Value::Array(element_type, elements) = value {
         if elements.len() as u64 > MAX_ARRAY_ELEMENTS {
-            return Err(GgufError::TooMany { what: "array elements", count: elements.len() as u64, max: MAX_ARRAY_ELEMENTS });
+            return Err(GgufError::TooMany {
+                what: "array elements",
+                count: elements.len() as u64,
+                max: MAX_ARRAY_ELEMENTS,
+            });
         }
         let depth = depth + 1;
         if depth > MAX_ARRAY_DEPTH {
@@ -206,7 +245,13 @@ fn check_value(key: &str, value: &Value, depth: u32) -> Result<()> {
         }
         for element in elements {
             if element.value_type() != *element_type {
-                return Err(GgufError::BadValue { key: key.to_string(), reason: format!("array declared with element type {element_type:?} holds a {:?}", element.value_type()) });
+                return Err(GgufError::BadValue {
+                    key: key.to_string(),
+                    reason: format!(
+                        "array declared with element type {element_type:?} holds a {:?}",
+                        element.value_type()
+                    ),
+                });
             }
             check_value(key, element, depth)?;
         }

@@ -65,8 +65,14 @@ fn valid_file() -> (Vec<u8>, hypura_gguf::Layout) {
     writer
         .add_metadata("general.architecture", Value::String("llama".into()))
         .add_metadata("llama.block_count", Value::U32(1))
-        .add_metadata("list", Value::Array(ValueType::String, vec![Value::String("a".into()), Value::String("bc".into())]))
-        .add_metadata("nested", Value::Array(ValueType::Array, vec![Value::Array(ValueType::I16, vec![Value::I16(-1)])]))
+        .add_metadata(
+            "list",
+            Value::Array(ValueType::String, vec![Value::String("a".into()), Value::String("bc".into())]),
+        )
+        .add_metadata(
+            "nested",
+            Value::Array(ValueType::Array, vec![Value::Array(ValueType::I16, vec![Value::I16(-1)])]),
+        )
         .add_tensor("a", &[8], GgmlType::F32)
         .add_tensor("b", &[32, 2], GgmlType::Q8_0);
     let layout = writer.layout().unwrap();
@@ -91,14 +97,18 @@ fn every_truncation_is_an_error() {
         let prefix = &bytes[..length];
         // Honest length: the cut is visible up front.
         let error = parse(prefix).expect_err(&format!("cut at {length}"));
-        assert!(matches!(error, GgufError::Truncated { .. } | GgufError::OutOfBounds { .. }), "cut at {length}: {error}");
+        assert!(
+            matches!(error, GgufError::Truncated { .. } | GgufError::OutOfBounds { .. }),
+            "cut at {length}: {error}"
+        );
         if length < layout.data_offset as usize {
             assert!(!matches!(error, GgufError::OutOfBounds { .. }), "cut at {length}: {error}");
         }
     }
     // Lying length: the stream ends before the claimed size. The parser stops reading at the
     // end of the tensor index, so every cut before that point must be reported as truncation.
-    let index_end = (0..=bytes.len()).find(|&length| Gguf::parse(&bytes[..length], bytes.len() as u64).is_ok()).unwrap();
+    let index_end =
+        (0..=bytes.len()).find(|&length| Gguf::parse(&bytes[..length], bytes.len() as u64).is_ok()).unwrap();
     assert!(index_end as u64 > layout.data_offset - 32 && index_end as u64 <= layout.data_offset);
     for length in 0..index_end {
         let error = Gguf::parse(&bytes[..length], bytes.len() as u64).unwrap_err();
@@ -129,7 +139,12 @@ fn unsupported_versions() {
 
 #[test]
 fn big_endian_file() {
-    let bytes = Raw::default().bytes(b"GGUF").bytes(&3u32.to_be_bytes()).bytes(&0u64.to_be_bytes()).bytes(&0u64.to_be_bytes()).0;
+    let bytes = Raw::default()
+        .bytes(b"GGUF")
+        .bytes(&3u32.to_be_bytes())
+        .bytes(&0u64.to_be_bytes())
+        .bytes(&0u64.to_be_bytes())
+        .0;
     let error = parse(&bytes).unwrap_err();
     assert!(matches!(error, GgufError::BigEndian { version: 0x0300_0000 }), "{error}");
     assert!(error.to_string().contains("big-endian"));
@@ -137,7 +152,13 @@ fn big_endian_file() {
 
 #[test]
 fn absurd_counts() {
-    for (tensors, keys, what) in [(u64::MAX, 0, "tensors"), (0, u64::MAX, "metadata keys"), ((1 << 24) + 1, 0, "tensors"), (1 << 40, 1 << 40, "metadata keys"), (i64::MAX as u64 + 1, 0, "tensors")] {
+    for (tensors, keys, what) in [
+        (u64::MAX, 0, "tensors"),
+        (0, u64::MAX, "metadata keys"),
+        ((1 << 24) + 1, 0, "tensors"),
+        (1 << 40, 1 << 40, "metadata keys"),
+        (i64::MAX as u64 + 1, 0, "tensors"),
+    ] {
         let bytes = Raw::header(3, tensors, keys).0;
         match parse(&bytes) {
             Err(GgufError::TooMany { what: found, count, .. }) => {
@@ -173,7 +194,9 @@ fn absurd_string_lengths() {
 fn unknown_value_types() {
     for id in [13, 100, u32::MAX] {
         let bytes = Raw::header(3, 0, 1).string(b"key").u32(id).u64(0).0;
-        assert!(matches!(parse(&bytes), Err(GgufError::UnknownValueType { key, id: found }) if key == "key" && found == id));
+        assert!(
+            matches!(parse(&bytes), Err(GgufError::UnknownValueType { key, id: found }) if key == "key" && found == id)
+        );
         let bytes = Raw::header(3, 0, 1).string(b"key").u32(ValueType::Array.id()).u32(id).u64(0).0;
         assert!(matches!(parse(&bytes), Err(GgufError::UnknownValueType { id: found, .. }) if found == id));
     }
@@ -181,7 +204,15 @@ fn unknown_value_types() {
 
 #[test]
 fn absurd_array_lengths() {
-    let array = |element_type: ValueType, count: u64| Raw::header(3, 0, 1).string(b"arr").u32(ValueType::Array.id()).u32(element_type.id()).u64(count).bytes(&[0; 64]).0;
+    let array = |element_type: ValueType, count: u64| {
+        Raw::header(3, 0, 1)
+            .string(b"arr")
+            .u32(ValueType::Array.id())
+            .u32(element_type.id())
+            .u64(count)
+            .bytes(&[0; 64])
+            .0
+    };
     assert!(matches!(parse(&array(ValueType::U8, u64::MAX)), Err(GgufError::TooMany { what: "array elements", .. })));
     assert!(matches!(parse(&array(ValueType::String, 1 << 25)), Err(GgufError::TooMany { .. })));
     assert!(matches!(parse(&array(ValueType::U8, 65)), Err(GgufError::Truncated { .. })));
@@ -246,10 +277,16 @@ fn empty_and_duplicate_keys() {
 fn bad_alignment() {
     for alignment in [0, 3, 48, 0x8000_0001] {
         let bytes = Raw::header(3, 0, 1).key_u32(b"general.alignment", alignment).0;
-        assert!(matches!(parse(&bytes), Err(GgufError::BadAlignment { alignment: found }) if found == u64::from(alignment)), "{alignment}");
+        assert!(
+            matches!(parse(&bytes), Err(GgufError::BadAlignment { alignment: found }) if found == u64::from(alignment)),
+            "{alignment}"
+        );
     }
     let bytes = Raw::header(3, 0, 1).string(b"general.alignment").u32(ValueType::U64.id()).u64(32).0;
-    assert!(matches!(parse(&bytes), Err(GgufError::WrongKeyType { expected: ValueType::U32, found: ValueType::U64, .. })));
+    assert!(matches!(
+        parse(&bytes),
+        Err(GgufError::WrongKeyType { expected: ValueType::U32, found: ValueType::U64, .. })
+    ));
     let bytes = Raw::header(3, 1, 1).key_u32(b"general.alignment", 64).tensor(b"t", &[8], 0, 0).data(64, 32).0;
     assert_eq!(parse(&bytes).unwrap().data_offset % 64, 0);
 }
@@ -257,7 +294,10 @@ fn bad_alignment() {
 #[test]
 fn unknown_ggml_types() {
     for id in [4, 5, 31, 36, 43, u32::MAX] {
-        assert!(matches!(parse(&one_tensor(&[32], id, 0)), Err(GgufError::UnknownGgmlType { tensor, id: found }) if tensor == "t" && found == id), "{id}");
+        assert!(
+            matches!(parse(&one_tensor(&[32], id, 0)), Err(GgufError::UnknownGgmlType { tensor, id: found }) if tensor == "t" && found == id),
+            "{id}"
+        );
     }
 }
 
@@ -283,7 +323,10 @@ fn bad_dimensions() {
     ];
     for (dims, type_id) in cases {
         let result = parse(&one_tensor(dims, type_id, 0));
-        assert!(matches!(&result, Err(GgufError::BadDims { tensor, dims: found, .. }) if tensor == "t" && found == dims), "{dims:?}: {result:?}");
+        assert!(
+            matches!(&result, Err(GgufError::BadDims { tensor, dims: found, .. }) if tensor == "t" && found == dims),
+            "{dims:?}: {result:?}"
+        );
     }
 }
 
@@ -304,7 +347,10 @@ fn duplicate_tensor_names() {
 #[test]
 fn misaligned_offsets() {
     for offset in [1, 16, 31, 33] {
-        assert!(matches!(parse(&one_tensor(&[8], 0, offset)), Err(GgufError::Misaligned { offset: found, alignment: 32, .. }) if found == offset), "{offset}");
+        assert!(
+            matches!(parse(&one_tensor(&[8], 0, offset)), Err(GgufError::Misaligned { offset: found, alignment: 32, .. }) if found == offset),
+            "{offset}"
+        );
     }
 }
 
@@ -325,9 +371,17 @@ fn tensors_past_the_end() {
 #[test]
 fn overlapping_tensors() {
     // Listed out of offset order so the check has to sort.
-    let bytes = Raw::header(3, 3, 0).tensor(b"late", &[8], 0, 64).tensor(b"big", &[16], 0, 0).tensor(b"inside", &[8], 0, 32).data(32, 128).0;
+    let bytes = Raw::header(3, 3, 0)
+        .tensor(b"late", &[8], 0, 64)
+        .tensor(b"big", &[16], 0, 0)
+        .tensor(b"inside", &[8], 0, 32)
+        .data(32, 128)
+        .0;
     let error = parse(&bytes).unwrap_err();
-    assert!(matches!(&error, GgufError::Overlap { a, a_end: 64, b, b_offset: 32 } if a == "big" && b == "inside"), "{error:?}");
+    assert!(
+        matches!(&error, GgufError::Overlap { a, a_end: 64, b, b_offset: 32 } if a == "big" && b == "inside"),
+        "{error:?}"
+    );
     let bytes = Raw::header(3, 2, 0).tensor(b"x", &[8], 0, 0).tensor(b"y", &[8], 0, 0).data(32, 64).0;
     assert!(matches!(parse(&bytes), Err(GgufError::Overlap { .. })));
     // Gaps between tensors are allowed.

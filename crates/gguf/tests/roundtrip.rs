@@ -26,7 +26,10 @@ fn basic_round_trip() {
         .add_metadata("general.architecture", Value::String("llama".into()))
         .add_metadata("llama.block_count", Value::U32(2))
         .add_metadata("llama.rope.freq_base", Value::F32(10000.0))
-        .add_metadata("tokenizer.ggml.tokens", Value::Array(ValueType::String, vec![Value::String("<s>".into()), Value::String("é".into())]))
+        .add_metadata(
+            "tokenizer.ggml.tokens",
+            Value::Array(ValueType::String, vec![Value::String("<s>".into()), Value::String("é".into())]),
+        )
         .add_tensor("token_embd.weight", &[256, 4], GgmlType::Q4_K)
         .add_tensor("output_norm.weight", &[7], GgmlType::F32)
         .add_tensor("blk.0.attn_q.weight", &[32, 3], GgmlType::Q8_0);
@@ -156,17 +159,34 @@ fn scalar_strategy(value_type: ValueType) -> BoxedStrategy<Value> {
     }
 }
 
-const SCALAR_TYPES: [ValueType; 12] =
-    [ValueType::U8, ValueType::I8, ValueType::U16, ValueType::I16, ValueType::U32, ValueType::I32, ValueType::F32, ValueType::Bool, ValueType::String, ValueType::U64, ValueType::I64, ValueType::F64];
+const SCALAR_TYPES: [ValueType; 12] = [
+    ValueType::U8,
+    ValueType::I8,
+    ValueType::U16,
+    ValueType::I16,
+    ValueType::U32,
+    ValueType::I32,
+    ValueType::F32,
+    ValueType::Bool,
+    ValueType::String,
+    ValueType::U64,
+    ValueType::I64,
+    ValueType::F64,
+];
 
 fn array_strategy(depth: u32) -> BoxedStrategy<Value> {
     let flat = prop::sample::select(&SCALAR_TYPES[..])
-        .prop_flat_map(|element_type| prop::collection::vec(scalar_strategy(element_type), 0..6).prop_map(move |elements| Value::Array(element_type, elements)))
+        .prop_flat_map(|element_type| {
+            prop::collection::vec(scalar_strategy(element_type), 0..6)
+                .prop_map(move |elements| Value::Array(element_type, elements))
+        })
         .boxed();
     if depth == 0 {
         return flat;
     }
-    let nested = prop::collection::vec(array_strategy(depth - 1), 0..4).prop_map(|elements| Value::Array(ValueType::Array, elements)).boxed();
+    let nested = prop::collection::vec(array_strategy(depth - 1), 0..4)
+        .prop_map(|elements| Value::Array(ValueType::Array, elements))
+        .boxed();
     prop_oneof![2 => flat, 1 => nested].boxed()
 }
 
@@ -183,16 +203,20 @@ fn same_value(a: &Value, b: &Value) -> bool {
     match (a, b) {
         (Value::F32(a), Value::F32(b)) => a.to_bits() == b.to_bits(),
         (Value::F64(a), Value::F64(b)) => a.to_bits() == b.to_bits(),
-        (Value::Array(type_a, a), Value::Array(type_b, b)) => type_a == type_b && a.len() == b.len() && a.iter().zip(b).all(|(a, b)| same_value(a, b)),
+        (Value::Array(type_a, a), Value::Array(type_b, b)) => {
+            type_a == type_b && a.len() == b.len() && a.iter().zip(b).all(|(a, b)| same_value(a, b))
+        }
         _ => a == b,
     }
 }
 
 fn tensor_strategy() -> impl Strategy<Value = (Vec<u64>, GgmlType)> {
-    (prop::sample::select(&GgmlType::ALL[..]), prop::collection::vec(1u64..4, 1..=4), 1u64..3).prop_map(|(ggml_type, mut dims, blocks)| {
-        dims[0] = ggml_type.block_size() * blocks;
-        (dims, ggml_type)
-    })
+    (prop::sample::select(&GgmlType::ALL[..]), prop::collection::vec(1u64..4, 1..=4), 1u64..3).prop_map(
+        |(ggml_type, mut dims, blocks)| {
+            dims[0] = ggml_type.block_size() * blocks;
+            (dims, ggml_type)
+        },
+    )
 }
 
 proptest! {
@@ -253,11 +277,16 @@ fn write_fuzz_seeds() {
     // Without HYPURA_FUZZ_SEED_DIR the seeds go to a temporary directory: the test still
     // checks that every seed parses.
     let scratch = tempfile::tempdir().unwrap();
-    let directory = std::env::var_os("HYPURA_FUZZ_SEED_DIR").map(std::path::PathBuf::from).unwrap_or_else(|| scratch.path().to_path_buf());
+    let directory = std::env::var_os("HYPURA_FUZZ_SEED_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| scratch.path().to_path_buf());
     let mut seeds = Vec::new();
 
     let mut writer = GgufWriter::new();
-    writer.add_metadata("general.architecture", Value::String("llama".into())).add_metadata("llama.block_count", Value::U32(1)).add_tensor("token_embd.weight", &[32, 2], GgmlType::Q8_0);
+    writer
+        .add_metadata("general.architecture", Value::String("llama".into()))
+        .add_metadata("llama.block_count", Value::U32(1))
+        .add_tensor("token_embd.weight", &[32, 2], GgmlType::Q8_0);
     seeds.push(("llama_q8.gguf.bin", writer));
 
     let mut writer = GgufWriter { alignment: 64, ..GgufWriter::default() };
@@ -273,7 +302,9 @@ fn write_fuzz_seeds() {
 
     let mut writer = GgufWriter::new();
     writer.add_metadata("split.no", Value::U16(0)).add_metadata("split.count", Value::U16(2));
-    for (index, ggml_type) in [GgmlType::IQ4_XS, GgmlType::Q6_K, GgmlType::MXFP4, GgmlType::BF16].into_iter().enumerate() {
+    for (index, ggml_type) in
+        [GgmlType::IQ4_XS, GgmlType::Q6_K, GgmlType::MXFP4, GgmlType::BF16].into_iter().enumerate()
+    {
         writer.add_tensor(format!("t{index}"), &[ggml_type.block_size() * 2], ggml_type);
     }
     seeds.push(("split_many_types.gguf.bin", writer));

@@ -15,7 +15,10 @@ fn write_split_model(directory: &Path, prefix: &str, tensors_per_split: &[usize]
         if split == 0 {
             writer.add_metadata("general.architecture", Value::String("llama".into()));
         }
-        writer.add_metadata("split.no", Value::U16(split as u16)).add_metadata("split.count", Value::U16(count as u16)).add_metadata("split.tensors.count", Value::I32(total as i32));
+        writer
+            .add_metadata("split.no", Value::U16(split as u16))
+            .add_metadata("split.count", Value::U16(count as u16))
+            .add_metadata("split.tensors.count", Value::I32(total as i32));
         let mut data = Vec::new();
         for index in 0..tensor_count {
             let name = format!("blk.{split}.weight{index}");
@@ -125,7 +128,8 @@ fn split_from_another_model_is_rejected() {
     let other = tempfile::tempdir().unwrap();
     write_split_model(other.path(), "model", &[1, 1]);
     // A 2-way split's second file has split.no 1 but split.count 2.
-    std::fs::copy(other.path().join("model-00002-of-00002.gguf"), directory.path().join("model-00002-of-00003.gguf")).unwrap();
+    std::fs::copy(other.path().join("model-00002-of-00002.gguf"), directory.path().join("model-00002-of-00003.gguf"))
+        .unwrap();
     let error = ModelFiles::open(&directory.path().join("model-00001-of-00003.gguf")).unwrap_err();
     assert!(matches!(error, GgufError::SplitCount { expected: 3, found: 2, .. }), "{error}");
 }
@@ -137,7 +141,11 @@ fn wrong_total_tensor_count_is_rejected() {
     assert_eq!(written.len(), 2);
     // Rewrite the first split claiming 5 tensors in total.
     let mut first = GgufWriter::new();
-    first.add_metadata("split.no", Value::U16(0)).add_metadata("split.count", Value::U16(2)).add_metadata("split.tensors.count", Value::I32(5)).add_tensor("blk.0.weight0", &[8], GgmlType::F32);
+    first
+        .add_metadata("split.no", Value::U16(0))
+        .add_metadata("split.count", Value::U16(2))
+        .add_metadata("split.tensors.count", Value::I32(5))
+        .add_tensor("blk.0.weight0", &[8], GgmlType::F32);
     first.write_file(&directory.path().join("m-00001-of-00002.gguf"), |_| vec![0; 32]).unwrap();
     let error = ModelFiles::open(&directory.path().join("m-00001-of-00002.gguf")).unwrap_err();
     assert!(matches!(error, GgufError::SplitTensorCount { expected: 5, found: 2 }), "{error}");
@@ -148,8 +156,15 @@ fn duplicate_tensor_across_splits_is_rejected() {
     let directory = tempfile::tempdir().unwrap();
     write_split_model(directory.path(), "m", &[1, 1]);
     let mut second = GgufWriter::new();
-    second.add_metadata("split.no", Value::U16(1)).add_metadata("split.count", Value::U16(2)).add_tensor("blk.0.weight0", &[8], GgmlType::F32);
+    second.add_metadata("split.no", Value::U16(1)).add_metadata("split.count", Value::U16(2)).add_tensor(
+        "blk.0.weight0",
+        &[8],
+        GgmlType::F32,
+    );
     second.write_file(&directory.path().join("m-00002-of-00002.gguf"), |_| vec![0; 32]).unwrap();
     let error = ModelFiles::open(&directory.path().join("m-00001-of-00002.gguf")).unwrap_err();
-    assert!(matches!(&error, GgufError::DuplicateTensorAcrossSplits { name, first: 0, second: 1 } if name == "blk.0.weight0"), "{error}");
+    assert!(
+        matches!(&error, GgufError::DuplicateTensorAcrossSplits { name, first: 0, second: 1 } if name == "blk.0.weight0"),
+        "{error}"
+    );
 }

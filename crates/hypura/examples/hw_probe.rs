@@ -30,7 +30,9 @@ fn main() -> anyhow::Result<()> {
     let devices = hypura::cli::commands::profile::ggml_devices();
 
     let bar = indicatif::ProgressBar::new(0);
-    bar.set_style(indicatif::ProgressStyle::with_template("measuring disk {bar:40} {bytes}/{total_bytes} ({elapsed})")?);
+    bar.set_style(indicatif::ProgressStyle::with_template(
+        "measuring disk {bar:40} {bytes}/{total_bytes} ({elapsed})",
+    )?);
     let started = std::time::Instant::now();
     let profile = Profile::measure(devices, Some(&probe), &options, &|done, total| {
         bar.set_length(total);

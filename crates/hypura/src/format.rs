@@ -36,7 +36,12 @@ pub fn format_unix_time_utc(unix_secs: u64) -> String {
     let days = (unix_secs / 86_400) as i64;
     let seconds_of_day = unix_secs % 86_400;
     let (year, month, day) = civil_from_days(days);
-    format!("{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02} UTC", seconds_of_day / 3600, seconds_of_day / 60 % 60, seconds_of_day % 60)
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02} UTC",
+        seconds_of_day / 3600,
+        seconds_of_day / 60 % 60,
+        seconds_of_day % 60
+    )
 }
 
 /// Howard Hinnant's days-since-1970 to proleptic Gregorian (year, month, day).

@@ -51,13 +51,21 @@ impl RunSpec {
     /// The planning half of the spec: the planner's options with the MTP layers planned in host
     /// memory where they draft (`draft-mtp`), and the draft model's index where one drafts.
     pub fn ask(&self) -> Result<Ask, EngineError> {
-        let draft = self.speculation.as_ref().and_then(|speculation| speculation.draft_model.as_deref()).map(Inventory::open).transpose()?;
+        let draft = self
+            .speculation
+            .as_ref()
+            .and_then(|speculation| speculation.draft_model.as_deref())
+            .map(Inventory::open)
+            .transpose()?;
         Ok(Ask {
             n_ctx_seq: self.n_ctx_seq,
             n_sequences: self.n_sequences.max(1),
             n_batch: self.n_batch,
             grow_batch: self.grow_batch,
-            options: PlanOptions { mtp: self.speculation.as_ref().is_some_and(Speculation::uses_mtp), ..self.plan.clone() },
+            options: PlanOptions {
+                mtp: self.speculation.as_ref().is_some_and(Speculation::uses_mtp),
+                ..self.plan.clone()
+            },
             draft,
         })
     }
@@ -152,7 +160,8 @@ pub fn record_compute(model: &Path, threads: i32, streamed: bool, seconds: f64, 
     if !streamed || tokens < 2 {
         return;
     }
-    let result = ModelRecords::new(default_cache_dir()).update(model, |record| record.add_compute(threads.max(1) as u32, seconds * tokens as f64, tokens));
+    let result = ModelRecords::new(default_cache_dir())
+        .update(model, |record| record.add_compute(threads.max(1) as u32, seconds * tokens as f64, tokens));
     if let Err(error) = result {
         tracing::warn!("could not record the measured compute time: {error}");
     }
@@ -190,12 +199,23 @@ pub fn machine_facts(spec: &RunSpec, model: &Path) -> Result<MachineFacts, Engin
     let gpu_budget_bytes = gpu_budget(spec.gpu_budget_bytes, &gpu_free);
     // Asking a GPU for its free memory already starts its runtime in this process, so its host
     // memory is kept whether or not the plan uses the GPU.
-    let memory_budget_bytes = spec.memory_budget_bytes.unwrap_or_else(|| default_memory_budget(memory_info().effective_available_bytes(), !gpu_free.is_empty()));
+    let memory_budget_bytes = spec
+        .memory_budget_bytes
+        .unwrap_or_else(|| default_memory_budget(memory_info().effective_available_bytes(), !gpu_free.is_empty()));
     let disk = ProfileCache::new(default_cache_dir()).load(&machine_key()).and_then(|profile| profile.disk);
     let disk_bytes_per_sec = disk.as_ref().map(crate::hw::DiskProfile::streaming_bytes_per_sec);
-    let disk_read_points = disk.iter().flat_map(|disk| disk.direct.iter()).map(|point| (point.block_bytes * u64::from(point.queue_depth), point.bytes_per_sec)).collect();
-    let io_workers = spec.io_workers.or_else(|| disk.as_ref().map(|disk| (disk.best_direct.queue_depth as usize).min(DEFAULT_IO_WORKERS))).unwrap_or(DEFAULT_IO_WORKERS).clamp(1, 64);
-    let compute_seconds_per_token = ModelRecords::new(default_cache_dir()).load(model).compute_seconds_per_token(spec.threads().max(1) as u32);
+    let disk_read_points = disk
+        .iter()
+        .flat_map(|disk| disk.direct.iter())
+        .map(|point| (point.block_bytes * u64::from(point.queue_depth), point.bytes_per_sec))
+        .collect();
+    let io_workers = spec
+        .io_workers
+        .or_else(|| disk.as_ref().map(|disk| (disk.best_direct.queue_depth as usize).min(DEFAULT_IO_WORKERS)))
+        .unwrap_or(DEFAULT_IO_WORKERS)
+        .clamp(1, 64);
+    let compute_seconds_per_token =
+        ModelRecords::new(default_cache_dir()).load(model).compute_seconds_per_token(spec.threads().max(1) as u32);
     Ok(MachineFacts {
         memory_budget_bytes,
         disk_bytes_per_sec,
@@ -223,7 +243,12 @@ pub fn dedicated_gpu_free(devices: &[hypura_sys::DeviceInfo]) -> Vec<u64> {
 
 /// Free memory of each dedicated GPU, by name (what `run --stats` compares before and after).
 pub fn gpu_free_by_name() -> Vec<(String, u64)> {
-    hypura_sys::Backend::get().devices().into_iter().filter(|device| device.kind == hypura_sys::DeviceKind::Gpu).map(|device| (device.name, device.free_bytes)).collect()
+    hypura_sys::Backend::get()
+        .devices()
+        .into_iter()
+        .filter(|device| device.kind == hypura_sys::DeviceKind::Gpu)
+        .map(|device| (device.name, device.free_bytes))
+        .collect()
 }
 
 /// The GPU budget asked for (None: the default), checked against GPUs with `gpu_free` bytes free.
@@ -243,11 +268,18 @@ fn gpu_budget(asked: Option<u64>, gpu_free: &[u64]) -> u64 {
         // A plan with a GPU tier would count the KV cache and the GPU's tensors in device
         // memory that does not exist.
         None if bytes > 0 => {
-            tracing::warn!("a GPU budget of {} was given, but ggml sees no dedicated GPU here, so everything runs on the CPU", format_bytes(bytes));
+            tracing::warn!(
+                "a GPU budget of {} was given, but ggml sees no dedicated GPU here, so everything runs on the CPU",
+                format_bytes(bytes)
+            );
             0
         }
         Some(free) if bytes > free => {
-            tracing::warn!("the GPU budget of {} is more than the {} free on a GPU here: loading may run out of device memory", format_bytes(bytes), format_bytes(free));
+            tracing::warn!(
+                "the GPU budget of {} is more than the {} free on a GPU here: loading may run out of device memory",
+                format_bytes(bytes),
+                format_bytes(free)
+            );
             bytes
         }
         _ => bytes,
@@ -287,7 +319,13 @@ mod tests {
 
     #[test]
     fn the_default_gpu_budget_is_one_dedicated_gpu_less_a_reserve() {
-        let device = |kind, free: u64| hypura_sys::DeviceInfo { name: String::new(), description: String::new(), kind, free_bytes: free, total_bytes: free };
+        let device = |kind, free: u64| hypura_sys::DeviceInfo {
+            name: String::new(),
+            description: String::new(),
+            kind,
+            free_bytes: free,
+            total_bytes: free,
+        };
         let devices = [
             device(hypura_sys::DeviceKind::Cpu, 64 << 30),
             device(hypura_sys::DeviceKind::Gpu, 24 << 30),

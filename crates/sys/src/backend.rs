@@ -70,14 +70,21 @@ impl Backend {
     /// takes: the best of `reps` copies, in bytes per second. None for a device that computes
     /// on host memory, or when the device cannot allocate `bytes`.
     pub fn host_to_device_bytes_per_sec(&self, device_index: usize, bytes: usize, reps: usize) -> Option<f64> {
-        device_handles().get(device_index).and_then(|device| device.transfer_bytes_per_sec(bytes, reps)).map(|(upload, _)| upload)
+        device_handles()
+            .get(device_index)
+            .and_then(|device| device.transfer_bytes_per_sec(bytes, reps))
+            .map(|(upload, _)| upload)
     }
 }
 
 /// Every device in ggml's registry, in its order.
 pub(crate) fn device_handles() -> Vec<crate::rpc::DeviceHandle> {
     // SAFETY: the registry lives for the process; every index below the count names a device.
-    unsafe { (0..raw::ggml_backend_dev_count()).map(|index| crate::rpc::DeviceHandle(raw::ggml_backend_dev_get(index))).collect() }
+    unsafe {
+        (0..raw::ggml_backend_dev_count())
+            .map(|index| crate::rpc::DeviceHandle(raw::ggml_backend_dev_get(index)))
+            .collect()
+    }
 }
 
 /// The rates of copying `bytes` from ordinary host memory into `device`'s own memory with
@@ -100,12 +107,20 @@ pub(crate) fn transfer_bytes_per_sec(device: raw::ggml_backend_dev_t, bytes: usi
         if buffer_type.is_null() || raw::ggml_backend_buft_is_host(buffer_type) {
             return None;
         }
-        let context = raw::ggml_init(raw::ggml_init_params { mem_size: 2 * raw::ggml_tensor_overhead(), mem_buffer: std::ptr::null_mut(), no_alloc: true });
+        let context = raw::ggml_init(raw::ggml_init_params {
+            mem_size: 2 * raw::ggml_tensor_overhead(),
+            mem_buffer: std::ptr::null_mut(),
+            no_alloc: true,
+        });
         if context.is_null() {
             return None;
         }
         let tensor = raw::ggml_new_tensor_1d(context, raw::GGML_TYPE_I8, bytes as i64);
-        let buffer = if tensor.is_null() { std::ptr::null_mut() } else { raw::ggml_backend_alloc_ctx_tensors_from_buft(context, buffer_type) };
+        let buffer = if tensor.is_null() {
+            std::ptr::null_mut()
+        } else {
+            raw::ggml_backend_alloc_ctx_tensors_from_buft(context, buffer_type)
+        };
         let (mut upload, mut download) = (None, None);
         if !buffer.is_null() {
             for _ in 0..reps.max(1) {

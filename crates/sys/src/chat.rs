@@ -23,14 +23,32 @@ struct RawChatResult {
 }
 
 unsafe extern "C" {
-    fn hypura_chat_init(model: *const llama_cpp_sys_2::llama_model, template_override: *const c_char, error: *mut *mut c_char) -> *mut RawChat;
+    fn hypura_chat_init(
+        model: *const llama_cpp_sys_2::llama_model,
+        template_override: *const c_char,
+        error: *mut *mut c_char,
+    ) -> *mut RawChat;
     fn hypura_chat_free(chat: *mut RawChat);
     fn hypura_chat_describe(chat: *const RawChat, error: *mut *mut c_char) -> *mut c_char;
-    fn hypura_chat_apply(chat: *const RawChat, request_json: *const c_char, error: *mut *mut c_char) -> *mut RawChatResult;
+    fn hypura_chat_apply(
+        chat: *const RawChat,
+        request_json: *const c_char,
+        error: *mut *mut c_char,
+    ) -> *mut RawChatResult;
     fn hypura_chat_result_free(result: *mut RawChatResult);
     fn hypura_chat_result_json(result: *const RawChatResult, error: *mut *mut c_char) -> *mut c_char;
-    fn hypura_chat_result_grammar(result: *const RawChatResult, vocab: *const llama_cpp_sys_2::llama_vocab, none: *mut bool, error: *mut *mut c_char) -> *mut llama_cpp_sys_2::llama_sampler;
-    fn hypura_chat_parse(result: *const RawChatResult, text: *const c_char, partial: bool, error: *mut *mut c_char) -> *mut c_char;
+    fn hypura_chat_result_grammar(
+        result: *const RawChatResult,
+        vocab: *const llama_cpp_sys_2::llama_vocab,
+        none: *mut bool,
+        error: *mut *mut c_char,
+    ) -> *mut llama_cpp_sys_2::llama_sampler;
+    fn hypura_chat_parse(
+        result: *const RawChatResult,
+        text: *const c_char,
+        partial: bool,
+        error: *mut *mut c_char,
+    ) -> *mut c_char;
     fn hypura_chat_string_free(text: *mut c_char);
 }
 
@@ -78,7 +96,13 @@ impl ChatTemplates {
         let mut error = std::ptr::null_mut();
         // SAFETY: the model pointer is valid while `model` lives (we keep a clone); the override
         // is NUL-terminated or null; `error` is a valid out pointer.
-        let pointer = unsafe { hypura_chat_init(model.as_ptr(), template.as_ref().map_or(std::ptr::null(), |text| text.as_ptr()), &mut error) };
+        let pointer = unsafe {
+            hypura_chat_init(
+                model.as_ptr(),
+                template.as_ref().map_or(std::ptr::null(), |text| text.as_ptr()),
+                &mut error,
+            )
+        };
         let pointer = NonNull::new(pointer).ok_or_else(|| shim_error(error))?;
         Ok(ChatTemplates { pointer, _model: Some(model.clone()) })
     }
@@ -156,7 +180,8 @@ impl RenderedChat {
         let mut error = std::ptr::null_mut();
         // SAFETY: the result is valid while `self` lives and the vocabulary while `vocab` does
         // (the grammar keeps a clone); both out pointers are valid.
-        let pointer = unsafe { hypura_chat_result_grammar(self.pointer.as_ptr(), vocab.as_ptr(), &mut none, &mut error) };
+        let pointer =
+            unsafe { hypura_chat_result_grammar(self.pointer.as_ptr(), vocab.as_ptr(), &mut none, &mut error) };
         if none {
             return Ok(None);
         }

@@ -125,10 +125,16 @@ impl ThreadPool {
             if new.is_null() || free.is_null() {
                 return None;
             }
-            let (new, free): (New, Free) = (std::mem::transmute::<*mut c_void, New>(new), std::mem::transmute::<*mut c_void, Free>(free));
+            let (new, free): (New, Free) =
+                (std::mem::transmute::<*mut c_void, New>(new), std::mem::transmute::<*mut c_void, Free>(free));
             let n_threads = n_threads.max(1);
             let mut params = raw::ggml_threadpool_params_default(n_threads);
-            NonNull::new(new(&mut params)).map(|pointer| ThreadPool { pointer, n_threads, turn: std::sync::Mutex::new(()), free })
+            NonNull::new(new(&mut params)).map(|pointer| ThreadPool {
+                pointer,
+                n_threads,
+                turn: std::sync::Mutex::new(()),
+                free,
+            })
         }
     }
 
@@ -192,7 +198,12 @@ impl ContextParams {
 
 impl Context {
     pub fn new(model: &Model, params: &ContextParams) -> Result<Context, SysError> {
-        Context::with_threads(model, params, ThreadPool::new(params.n_threads.max(params.n_threads_batch)).map(Arc::new), raw::LLAMA_CONTEXT_TYPE_DEFAULT)
+        Context::with_threads(
+            model,
+            params,
+            ThreadPool::new(params.n_threads.max(params.n_threads_batch)).map(Arc::new),
+            raw::LLAMA_CONTEXT_TYPE_DEFAULT,
+        )
     }
 
     /// A context whose graphs run on `other`'s CPU threads, for contexts one thread uses in
@@ -209,13 +220,23 @@ impl Context {
         Context::beside(&target.model, params, target, raw::LLAMA_CONTEXT_TYPE_MTP)
     }
 
-    fn beside(model: &Model, params: &ContextParams, other: &Context, context_type: raw::llama_context_type) -> Result<Context, SysError> {
+    fn beside(
+        model: &Model,
+        params: &ContextParams,
+        other: &Context,
+        context_type: raw::llama_context_type,
+    ) -> Result<Context, SysError> {
         let wanted = params.n_threads.max(params.n_threads_batch);
         let shared = other.threadpool.as_ref().filter(|pool| pool.n_threads >= wanted).cloned();
         Context::with_threads(model, params, shared.or_else(|| ThreadPool::new(wanted).map(Arc::new)), context_type)
     }
 
-    fn with_threads(model: &Model, params: &ContextParams, threadpool: Option<Arc<ThreadPool>>, context_type: raw::llama_context_type) -> Result<Context, SysError> {
+    fn with_threads(
+        model: &Model,
+        params: &ContextParams,
+        threadpool: Option<Arc<ThreadPool>>,
+        context_type: raw::llama_context_type,
+    ) -> Result<Context, SysError> {
         let mut raw_params = params.to_raw();
         raw_params.ctx_type = context_type;
         let hook = params.eval_hook.clone().map(Box::new);
@@ -236,12 +257,25 @@ impl Context {
         // SAFETY: the context is valid; the callback data points at the boxed list, which the
         // Context owns and which is dropped only after llama_free (see Drop).
         unsafe {
-            raw::llama_set_abort_callback(pointer.as_ptr(), Some(should_abort), &*abort as *const Vec<Arc<AtomicBool>> as *mut c_void);
+            raw::llama_set_abort_callback(
+                pointer.as_ptr(),
+                Some(should_abort),
+                &*abort as *const Vec<Arc<AtomicBool>> as *mut c_void,
+            );
         }
         if let Some(pool) = &threadpool {
             pool.attach(pointer);
         }
-        let context = Context { pointer, model: model.clone(), n_vocab: model.vocab().n_tokens(), batch_tokens: 0, params: params.clone(), abort, _hook: hook, threadpool };
+        let context = Context {
+            pointer,
+            model: model.clone(),
+            n_vocab: model.vocab().n_tokens(),
+            batch_tokens: 0,
+            params: params.clone(),
+            abort,
+            _hook: hook,
+            threadpool,
+        };
         if params.batch_invariant {
             // SAFETY: the context is valid; the shim only reads its scheduler's backend list and
             // sets a flag in each CPU backend's own context, before any decode runs.
@@ -250,7 +284,8 @@ impl Context {
                 return Err(SysError::ContextCreate {
                     n_ctx: params.n_ctx,
                     n_batch: params.n_batch,
-                    reason: "batch-invariant kernels asked for, but the context has no CPU backend that offers them".to_string(),
+                    reason: "batch-invariant kernels asked for, but the context has no CPU backend that offers them"
+                        .to_string(),
                 });
             }
         }
@@ -276,7 +311,11 @@ impl Context {
         // store in self; the old box is dropped only after llama.cpp switched to the new one,
         // and no decode runs meanwhile (&mut self).
         unsafe {
-            raw::llama_set_abort_callback(self.pointer.as_ptr(), Some(should_abort), &*abort as *const Vec<Arc<AtomicBool>> as *mut c_void);
+            raw::llama_set_abort_callback(
+                self.pointer.as_ptr(),
+                Some(should_abort),
+                &*abort as *const Vec<Arc<AtomicBool>> as *mut c_void,
+            );
         }
         self.abort = abort;
     }

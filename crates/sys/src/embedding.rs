@@ -36,7 +36,12 @@ unsafe impl Send for EmbeddingContext {}
 impl EmbeddingContext {
     /// A context for inputs of up to `n_ctx` tokens. A streaming model passes its eval hook,
     /// which makes streamed weights resident as the graph reaches them.
-    pub fn new(model: &Model, n_ctx: u32, n_threads: i32, eval_hook: Option<Arc<dyn EvalHook>>) -> Result<EmbeddingContext, SysError> {
+    pub fn new(
+        model: &Model,
+        n_ctx: u32,
+        n_threads: i32,
+        eval_hook: Option<Arc<dyn EvalHook>>,
+    ) -> Result<EmbeddingContext, SysError> {
         let n_ctx = n_ctx.max(8);
         let hook = eval_hook.map(Box::new);
         let create = |pooling: raw::llama_pooling_type| -> Result<NonNull<raw::llama_context>, SysError> {
@@ -59,7 +64,11 @@ impl EmbeddingContext {
             // SAFETY: the model pointer is valid and outlives the context (we keep a clone of
             // the Model); the hook's data points into a box the context keeps until llama_free.
             let pointer = unsafe { raw::llama_init_from_model(model.as_ptr(), params) };
-            NonNull::new(pointer).ok_or_else(|| SysError::ContextCreate { n_ctx, n_batch: n_ctx, reason: crate::log::take_last_error().unwrap_or_else(|| "unknown reason".to_string()) })
+            NonNull::new(pointer).ok_or_else(|| SysError::ContextCreate {
+                n_ctx,
+                n_batch: n_ctx,
+                reason: crate::log::take_last_error().unwrap_or_else(|| "unknown reason".to_string()),
+            })
         };
         let mut pointer = create(raw::LLAMA_POOLING_TYPE_UNSPECIFIED)?;
         // SAFETY: the context is valid.
@@ -71,7 +80,9 @@ impl EmbeddingContext {
         } else if pooling == raw::LLAMA_POOLING_TYPE_RANK {
             // SAFETY: freed once; we return before using it.
             unsafe { raw::llama_free(pointer.as_ptr()) };
-            return Err(SysError::Embedding("this is a reranking model (rank pooling); it returns scores, not embeddings".into()));
+            return Err(SysError::Embedding(
+                "this is a reranking model (rank pooling); it returns scores, not embeddings".into(),
+            ));
         }
         // SAFETY: the model pointer is valid while `model` lives.
         let n_embd = unsafe { raw::llama_model_n_embd_out(model.as_ptr()) }.max(0) as usize;
@@ -79,7 +90,16 @@ impl EmbeddingContext {
         if let Some(pool) = &threadpool {
             pool.attach(pointer);
         }
-        Ok(EmbeddingContext { pointer, _model: model.clone(), n_ctx, n_embd, n_vocab: model.vocab().n_tokens(), batch: Batch::new(n_ctx as usize, 1), _hook: hook, threadpool })
+        Ok(EmbeddingContext {
+            pointer,
+            _model: model.clone(),
+            n_ctx,
+            n_embd,
+            n_vocab: model.vocab().n_tokens(),
+            batch: Batch::new(n_ctx as usize, 1),
+            _hook: hook,
+            threadpool,
+        })
     }
 
     /// The longest input, in tokens.
@@ -97,7 +117,11 @@ impl EmbeddingContext {
             return Err(SysError::Embedding("nothing to embed: the input has no tokens".into()));
         }
         if tokens.len() > self.n_ctx as usize {
-            return Err(SysError::Embedding(format!("the input is {} tokens but the embedding context holds {}", tokens.len(), self.n_ctx)));
+            return Err(SysError::Embedding(format!(
+                "the input is {} tokens but the embedding context holds {}",
+                tokens.len(),
+                self.n_ctx
+            )));
         }
         if let Some(&bad) = tokens.iter().find(|&&token| token < 0 || token >= self.n_vocab) {
             return Err(SysError::BadToken { token: bad, n_vocab: self.n_vocab });
@@ -115,7 +139,11 @@ impl EmbeddingContext {
         // tokens.len() <= n_batch checked entries.
         let code = unsafe { raw::llama_decode(self.pointer.as_ptr(), self.batch.raw()) };
         if code != 0 {
-            return Err(SysError::Decode { code, reason: crate::log::take_last_error().unwrap_or_else(|| "see the llama.cpp log (HYPURA_LOG=llama=debug)".to_string()) });
+            return Err(SysError::Decode {
+                code,
+                reason: crate::log::take_last_error()
+                    .unwrap_or_else(|| "see the llama.cpp log (HYPURA_LOG=llama=debug)".to_string()),
+            });
         }
         // SAFETY: the context is valid; the result is null or n_embd_out floats owned by the
         // context, valid until the next decode (we copy them out at once).

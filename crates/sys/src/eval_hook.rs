@@ -119,14 +119,23 @@ fn rows<T>(tensor: &raw::ggml_tensor, ggml_type: raw::ggml_type, decode: fn([u8;
         // inside the tensor for row < ne[1] (ggml's layout of a 2-D tensor with nb[0] = 4), and
         // `bytes` holds exactly that many. ggml waits for this callback before reusing memory.
         unsafe {
-            raw::ggml_backend_tensor_get(tensor as *const raw::ggml_tensor as *mut raw::ggml_tensor, bytes.as_mut_ptr() as *mut c_void, row * row_stride, bytes.len());
+            raw::ggml_backend_tensor_get(
+                tensor as *const raw::ggml_tensor as *mut raw::ggml_tensor,
+                bytes.as_mut_ptr() as *mut c_void,
+                row * row_stride,
+                bytes.len(),
+            );
         }
         out.push(bytes.chunks_exact(4).map(|chunk| decode([chunk[0], chunk[1], chunk[2], chunk[3]])).collect());
     }
     Some(out)
 }
 
-pub(crate) unsafe extern "C" fn eval_callback(tensor: *mut raw::ggml_tensor, ask: bool, user_data: *mut c_void) -> bool {
+pub(crate) unsafe extern "C" fn eval_callback(
+    tensor: *mut raw::ggml_tensor,
+    ask: bool,
+    user_data: *mut c_void,
+) -> bool {
     if tensor.is_null() || user_data.is_null() {
         return !ask;
     }

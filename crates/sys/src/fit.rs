@@ -21,8 +21,15 @@ pub struct FitPlacement {
 /// Ask llama.cpp's fit for a placement of `path` under `model` and `context` that leaves
 /// `margin_bytes` free on every device (so free memory minus a budget emulates a smaller
 /// card). It loads the model without allocating, several times: seconds, no device memory.
-pub fn fit_placement(_backend: &Backend, path: &Path, model: &ModelParams, context: &ContextParams, margin_bytes: u64) -> Result<FitPlacement, SysError> {
-    let c_path = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| SysError::PathNul(path.to_path_buf()))?;
+pub fn fit_placement(
+    _backend: &Backend,
+    path: &Path,
+    model: &ModelParams,
+    context: &ContextParams,
+    margin_bytes: u64,
+) -> Result<FitPlacement, SysError> {
+    let c_path =
+        CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| SysError::PathNul(path.to_path_buf()))?;
     let mut model_params = model.to_raw();
     // The fit only changes what is still at llama.cpp's default: start from all layers.
     // SAFETY: returns a plain struct by value.
@@ -31,7 +38,11 @@ pub fn fit_placement(_backend: &Backend, path: &Path, model: &ModelParams, conte
     // SAFETY: plain getters of compile-time limits.
     let (max_devices, max_overrides) = unsafe { (raw::llama_max_devices(), raw::llama_max_tensor_buft_overrides()) };
     let mut tensor_split = vec![0f32; max_devices];
-    let mut overrides = vec![raw::llama_model_tensor_buft_override { pattern: std::ptr::null(), buft: std::ptr::null_mut() }; max_overrides];
+    let mut overrides =
+        vec![
+            raw::llama_model_tensor_buft_override { pattern: std::ptr::null(), buft: std::ptr::null_mut() };
+            max_overrides
+        ];
     let mut margins = vec![margin_bytes as usize; max_devices];
     crate::log::clear_last_error();
     // SAFETY: every buffer is as long as llama.cpp requires (llama_max_devices floats and
@@ -54,14 +65,21 @@ pub fn fit_placement(_backend: &Backend, path: &Path, model: &ModelParams, conte
     if status != 0 {
         return Err(SysError::ModelLoad {
             path: path.to_path_buf(),
-            reason: format!("llama.cpp's fit found no placement (status {status}): {}", crate::log::take_last_error().unwrap_or_else(|| "no reason given".to_string())),
+            reason: format!(
+                "llama.cpp's fit found no placement (status {status}): {}",
+                crate::log::take_last_error().unwrap_or_else(|| "no reason given".to_string())
+            ),
         });
     }
     let mut host_patterns = Vec::new();
     for entry in overrides.iter().take_while(|entry| !entry.pattern.is_null()) {
         // SAFETY: a non-null buffer type written by the fit, owned by ggml's registry.
         if entry.buft.is_null() || !unsafe { raw::ggml_backend_buft_is_host(entry.buft) } {
-            return Err(SysError::ModelLoad { path: path.to_path_buf(), reason: "llama.cpp's fit moved tensors to another device, which Hypura's peer does not reproduce".into() });
+            return Err(SysError::ModelLoad {
+                path: path.to_path_buf(),
+                reason: "llama.cpp's fit moved tensors to another device, which Hypura's peer does not reproduce"
+                    .into(),
+            });
         }
         // SAFETY: non-null, NUL-terminated, static (see above).
         host_patterns.push(unsafe { CStr::from_ptr(entry.pattern) }.to_string_lossy().into_owned());

@@ -95,9 +95,14 @@ impl Drop for Grammar {
 /// `vocab` is valid for as long as the sampler is used, or null for a sampler that is only built
 /// and freed (building parses the grammar and checks its rules; the vocabulary is read when
 /// sampling, and for token literals).
-unsafe fn compile(vocab: *const raw::llama_vocab, gbnf: &str, root: &str) -> Result<NonNull<raw::llama_sampler>, SysError> {
+unsafe fn compile(
+    vocab: *const raw::llama_vocab,
+    gbnf: &str,
+    root: &str,
+) -> Result<NonNull<raw::llama_sampler>, SysError> {
     let text = CString::new(gbnf).map_err(|_| SysError::Grammar("the grammar contains a NUL byte".into()))?;
-    let root_name = CString::new(root).map_err(|_| SysError::Grammar("the root rule name contains a NUL byte".into()))?;
+    let root_name =
+        CString::new(root).map_err(|_| SysError::Grammar("the root rule name contains a NUL byte".into()))?;
     if gbnf.trim().is_empty() {
         return Err(SysError::Grammar("the grammar is empty".into()));
     }
@@ -105,5 +110,9 @@ unsafe fn compile(vocab: *const raw::llama_vocab, gbnf: &str, root: &str) -> Res
     // SAFETY: `vocab` is valid or null (this function's contract); both strings are
     // NUL-terminated and outlive the call (llama.cpp copies them).
     let pointer = unsafe { raw::llama_sampler_init_grammar(vocab, text.as_ptr(), root_name.as_ptr()) };
-    NonNull::new(pointer).ok_or_else(|| SysError::Grammar(crate::log::take_last_error().unwrap_or_else(|| "llama.cpp could not parse the grammar".into())))
+    NonNull::new(pointer).ok_or_else(|| {
+        SysError::Grammar(
+            crate::log::take_last_error().unwrap_or_else(|| "llama.cpp could not parse the grammar".into()),
+        )
+    })
 }

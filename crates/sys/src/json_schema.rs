@@ -106,7 +106,8 @@ fn convert(schema: &CString) -> Result<String, SysError> {
     take_string(grammar).ok_or_else(|| {
         let message = take_string(error).unwrap_or_else(|| "llama.cpp's converter failed without a message".into());
         // One line: "JSON schema conversion failed:\nJSON schema error at #/...: ...".
-        let message = message.strip_prefix("JSON schema conversion failed:").unwrap_or(&message).trim().replace('\n', "; ");
+        let message =
+            message.strip_prefix("JSON schema conversion failed:").unwrap_or(&message).trim().replace('\n', "; ");
         SysError::Schema(message)
     })
 }
@@ -149,7 +150,8 @@ impl<'a> Limits<'a> {
         };
         for kind in types {
             // The converter would expand a nested list again, multiplying the copies.
-            let kind = kind.as_str().ok_or_else(|| SysError::Schema(format!("`type` entries must be strings, not {kind}")))?;
+            let kind =
+                kind.as_str().ok_or_else(|| SysError::Schema(format!("`type` entries must be strings, not {kind}")))?;
             if !TYPES.contains(&kind) {
                 return Err(SysError::Schema(format!("unknown type {kind:?}")));
             }
@@ -187,12 +189,18 @@ impl<'a> Limits<'a> {
         }
         if let Some(Value::Object(properties)) = object.get("properties") {
             if properties.len() > MAX_PROPERTIES {
-                return Err(SysError::Schema(format!("an object has {} properties, more than {MAX_PROPERTIES}", properties.len())));
+                return Err(SysError::Schema(format!(
+                    "an object has {} properties, more than {MAX_PROPERTIES}",
+                    properties.len()
+                )));
             }
             self.property_work(properties.len())?;
             for (name, child) in properties {
                 if name.len() > MAX_NAME_BYTES {
-                    return Err(SysError::Schema(format!("a property name has {} bytes, more than {MAX_NAME_BYTES}", name.len())));
+                    return Err(SysError::Schema(format!(
+                        "a property name has {} bytes, more than {MAX_NAME_BYTES}",
+                        name.len()
+                    )));
                 }
                 below += self.node(child, depth + 1)?.nodes;
             }
@@ -200,7 +208,9 @@ impl<'a> Limits<'a> {
         if let Some(Value::Array(parts)) = object.get("allOf") {
             let merged: usize = parts.iter().map(|part| self.merged_properties(part)).sum();
             if merged > MAX_PROPERTIES {
-                return Err(SysError::Schema(format!("an `allOf` merges {merged} properties, more than {MAX_PROPERTIES}")));
+                return Err(SysError::Schema(format!(
+                    "an `allOf` merges {merged} properties, more than {MAX_PROPERTIES}"
+                )));
             }
             self.property_work(merged)?;
         }
@@ -220,9 +230,12 @@ impl<'a> Limits<'a> {
             1
         };
         // The builder's order: a `$ref` wins, then `oneOf`/`anyOf`, then the rest.
-        let alternatives = reference.unwrap_or(if branches > 0 { branches } else { own.saturating_mul(copies(object)) });
+        let alternatives =
+            reference.unwrap_or(if branches > 0 { branches } else { own.saturating_mul(copies(object)) });
         if alternatives > MAX_ALTERNATIVES {
-            return Err(SysError::Schema(format!("a value has more than {MAX_ALTERNATIVES} alternatives (enum values, anyOf branches, through `$ref`s)")));
+            return Err(SysError::Schema(format!(
+                "a value has more than {MAX_ALTERNATIVES} alternatives (enum values, anyOf branches, through `$ref`s)"
+            )));
         }
         let nodes = below.saturating_add(1).saturating_mul(copies(object));
         if nodes > MAX_NODES {
@@ -235,7 +248,9 @@ impl<'a> Limits<'a> {
     fn property_work(&mut self, count: usize) -> Result<(), SysError> {
         self.property_work = self.property_work.saturating_add((count as u64).pow(3));
         if self.property_work > MAX_PROPERTY_WORK {
-            return Err(SysError::Schema(format!("the schema's objects have too many properties together (more than four objects of {MAX_PROPERTIES})")));
+            return Err(SysError::Schema(format!(
+                "the schema's objects have too many properties together (more than four objects of {MAX_PROPERTIES})"
+            )));
         }
         Ok(())
     }
@@ -269,7 +284,9 @@ impl<'a> Limits<'a> {
                 return Err(SysError::Schema(format!("`$ref` {path:?} leads back to itself through `$ref`s only")));
             }
             if seen.len() >= MAX_REF_CHAIN {
-                return Err(SysError::Schema(format!("`$ref` {path:?} starts a chain of more than {MAX_REF_CHAIN} `$ref`s")));
+                return Err(SysError::Schema(format!(
+                    "`$ref` {path:?} starts a chain of more than {MAX_REF_CHAIN} `$ref`s"
+                )));
             }
             seen.push(next);
             current = next;
@@ -299,7 +316,12 @@ impl<'a> Limits<'a> {
             let properties = object.get("properties").and_then(Value::as_object).map_or(0, Map::len);
             properties.saturating_mul(copies(object))
         };
-        let alternatives: usize = ["anyOf", "oneOf"].iter().filter_map(|keyword| part.get(keyword).and_then(Value::as_array)).flatten().map(count).sum();
+        let alternatives: usize = ["anyOf", "oneOf"]
+            .iter()
+            .filter_map(|keyword| part.get(keyword).and_then(Value::as_array))
+            .flatten()
+            .map(count)
+            .sum();
         count(part).saturating_add(alternatives)
     }
 }
@@ -417,7 +439,8 @@ mod tests {
             doubling = json!({"type": ["object", "object"], "properties": {"x": doubling}});
         }
         assert!(refused(&doubling.to_string()).contains("nodes"));
-        let many: Map<String, Value> = (0..300).map(|index| (format!("p{index}"), json!({"type": "integer"}))).collect();
+        let many: Map<String, Value> =
+            (0..300).map(|index| (format!("p{index}"), json!({"type": "integer"}))).collect();
         assert!(refused(&json!({"properties": many}).to_string()).contains("300 properties"));
         let merged: Vec<Value> = (0..2).map(|_| json!({"properties": (0..200).map(|index| (format!("p{index}"), json!({}))).collect::<Map<_, _>>()})).collect();
         assert!(refused(&json!({"allOf": [{"anyOf": merged}]}).to_string()).contains("merges 400 properties"));
@@ -431,8 +454,11 @@ mod tests {
         let tripling = json!({"$defs": definitions, "$ref": "#/$defs/a0"});
         assert!(refused(&tripling.to_string()).contains("alternatives"));
         assert!(refused(&json!({"enum": (0..60_000).collect::<Vec<_>>()}).to_string()).contains("alternatives"));
-        let patterns: Vec<Value> = (0..200).map(|index| json!({"type": "string", "pattern": format!("^a{index}$")})).collect();
-        assert!(refused(&json!({"type": "array", "prefixItems": patterns}).to_string()).contains("more than 128 patterns"));
+        let patterns: Vec<Value> =
+            (0..200).map(|index| json!({"type": "string", "pattern": format!("^a{index}$")})).collect();
+        assert!(
+            refused(&json!({"type": "array", "prefixItems": patterns}).to_string()).contains("more than 128 patterns")
+        );
         let long_name = json!({"properties": {" ".repeat(5000): {}}, "additionalProperties": true});
         assert!(refused(&long_name.to_string()).contains("property name has 5000 bytes"));
         assert!(refused(r#"{"type": "integer", "maximum": -9223372036854775808}"#).contains("outside ±10^15"));
@@ -448,12 +474,23 @@ mod tests {
         let count = 2000;
         let definitions: Vec<String> = (0..count)
             .map(|index| {
-                let next = if index + 1 < count { format!(r##"{{"type": "object", "properties": {{"x": {{"$ref": "#/$defs/d{}"}}}}}}"##, index + 1) } else { r#"{"type": "string"}"#.to_string() };
+                let next = if index + 1 < count {
+                    format!(r##"{{"type": "object", "properties": {{"x": {{"$ref": "#/$defs/d{}"}}}}}}"##, index + 1)
+                } else {
+                    r#"{"type": "string"}"#.to_string()
+                };
                 format!(r#""d{index}": {next}"#)
             })
             .collect();
-        let entries: Vec<String> = (0..count).step_by(12).map(|index| format!(r##""e{:04}": {{"$ref": "#/$defs/d{index}"}}"##, count - index)).collect();
-        let schema = format!(r#"{{"$defs": {{{}}}, "type": "object", "properties": {{{}}}}}"#, definitions.join(", "), entries.join(", "));
+        let entries: Vec<String> = (0..count)
+            .step_by(12)
+            .map(|index| format!(r##""e{:04}": {{"$ref": "#/$defs/d{index}"}}"##, count - index))
+            .collect();
+        let schema = format!(
+            r#"{{"$defs": {{{}}}, "type": "object", "properties": {{{}}}}}"#,
+            definitions.join(", "),
+            entries.join(", ")
+        );
         let grammar = json_schema_to_grammar(&schema).unwrap();
         assert!(grammar.contains("ref-defs-d1998 ::= "), "{}", &grammar[..200]);
     }

@@ -46,7 +46,8 @@ pub(crate) struct Cookie {
 unsafe extern "C" fn cookie_read(cookie: *mut c_void, buffer: *mut c_char, size: usize) -> isize {
     // SAFETY: `cookie` is the Box<Cookie> that `open_stream` registered and that outlives the
     // stream; stdio calls us from the loading thread only. `buffer` is writable for `size`.
-    let (cookie, buffer) = unsafe { (&mut *(cookie as *mut Cookie), std::slice::from_raw_parts_mut(buffer as *mut u8, size)) };
+    let (cookie, buffer) =
+        unsafe { (&mut *(cookie as *mut Cookie), std::slice::from_raw_parts_mut(buffer as *mut u8, size)) };
     let available = cookie.reader.len().saturating_sub(cookie.position);
     let count = (size as u64).min(available) as usize;
     if count == 0 {
@@ -88,7 +89,8 @@ unsafe extern "C" fn cookie_close(_cookie: *mut c_void) -> c_int {
 /// A fully buffered stdio stream over `cookie`: glibc reads through its buffer in
 /// `STDIO_BUFFER_BYTES` pieces, so the header's many tiny reads cost no system calls.
 pub(crate) fn open_stream(cookie: &mut Box<Cookie>) -> Option<*mut libc::FILE> {
-    let functions = CookieIoFunctions { read: Some(cookie_read), write: None, seek: Some(cookie_seek), close: Some(cookie_close) };
+    let functions =
+        CookieIoFunctions { read: Some(cookie_read), write: None, seek: Some(cookie_seek), close: Some(cookie_close) };
     let pointer = &mut **cookie as *mut Cookie as *mut c_void;
     // SAFETY: the mode string is NUL-terminated; the cookie outlives the stream (the caller
     // closes the stream before dropping it).

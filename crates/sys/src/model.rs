@@ -65,7 +65,15 @@ pub struct ModelParams {
 
 impl Default for ModelParams {
     fn default() -> Self {
-        ModelParams { n_gpu_layers: -1, load_mode: LoadMode::Mmap, use_extra_bufts: true, vocab_only: false, devices: Vec::new(), tensor_split: Vec::new(), load_mtp: false }
+        ModelParams {
+            n_gpu_layers: -1,
+            load_mode: LoadMode::Mmap,
+            use_extra_bufts: true,
+            vocab_only: false,
+            devices: Vec::new(),
+            tensor_split: Vec::new(),
+            load_mtp: false,
+        }
     }
 }
 
@@ -148,8 +156,14 @@ impl Model {
 
     /// Load with Hypura's placement: streamed tensors in their buffer types, and (optionally)
     /// every byte read through `placement.reader`.
-    pub fn load_placed(_backend: &Backend, path: &Path, params: &ModelParams, placement: Placement) -> Result<Model, SysError> {
-        let c_path = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| SysError::PathNul(path.to_path_buf()))?;
+    pub fn load_placed(
+        _backend: &Backend,
+        path: &Path,
+        params: &ModelParams,
+        placement: Placement,
+    ) -> Result<Model, SysError> {
+        let c_path =
+            CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| SysError::PathNul(path.to_path_buf()))?;
         // Regexes in llama.cpp's override format (the first match wins), terminated by a null
         // entry: streamed tensors by exact name, then the host patterns.
         let host = if placement.host_patterns.is_empty() { std::ptr::null_mut() } else { cpu_buffer_type()? };
@@ -158,12 +172,17 @@ impl Model {
             .iter()
             .map(|(name, buft)| (exact_name_pattern(name), buft.as_raw()))
             .chain(placement.host_patterns.iter().map(|pattern| (pattern.clone(), host)))
-            .map(|(pattern, buft)| CString::new(pattern).map(|pattern| (pattern, buft)).map_err(|_| SysError::PathNul(path.to_path_buf())))
+            .map(|(pattern, buft)| {
+                CString::new(pattern).map(|pattern| (pattern, buft)).map_err(|_| SysError::PathNul(path.to_path_buf()))
+            })
             .collect::<Result<_, _>>()?;
-        let mut overrides: Vec<raw::llama_model_tensor_buft_override> =
-            patterns.iter().map(|(pattern, buft)| raw::llama_model_tensor_buft_override { pattern: pattern.as_ptr(), buft: *buft }).collect();
+        let mut overrides: Vec<raw::llama_model_tensor_buft_override> = patterns
+            .iter()
+            .map(|(pattern, buft)| raw::llama_model_tensor_buft_override { pattern: pattern.as_ptr(), buft: *buft })
+            .collect();
         overrides.push(raw::llama_model_tensor_buft_override { pattern: std::ptr::null(), buft: std::ptr::null_mut() });
-        let stream_types: Vec<Arc<StreamBufferType>> = placement.streamed.iter().map(|(_, buft)| buft.clone()).collect();
+        let stream_types: Vec<Arc<StreamBufferType>> =
+            placement.streamed.iter().map(|(_, buft)| buft.clone()).collect();
         let mut raw_params = params.to_raw();
         if !patterns.is_empty() {
             raw_params.tensor_buft_overrides = overrides.as_ptr();
@@ -174,7 +193,10 @@ impl Model {
         // SAFETY: a plain query of a compile-time constant.
         let max_devices = unsafe { raw::llama_max_devices() };
         if params.devices.len() > max_devices || params.tensor_split.len() > max_devices {
-            return Err(SysError::ModelLoad { path: path.to_path_buf(), reason: format!("{} devices, and llama.cpp takes at most {max_devices}", params.devices.len()) });
+            return Err(SysError::ModelLoad {
+                path: path.to_path_buf(),
+                reason: format!("{} devices, and llama.cpp takes at most {max_devices}", params.devices.len()),
+            });
         }
         let mut split = params.tensor_split.clone();
         split.resize(max_devices, 0.0);
@@ -195,10 +217,14 @@ impl Model {
             }
             Some(reader) => {
                 if params.load_mode != LoadMode::Read {
-                    return Err(SysError::ModelLoad { path: path.to_path_buf(), reason: "a custom reader needs LoadMode::Read".into() });
+                    return Err(SysError::ModelLoad {
+                        path: path.to_path_buf(),
+                        reason: "a custom reader needs LoadMode::Read".into(),
+                    });
                 }
                 let mut cookie = new_cookie(reader);
-                let stream = open_stream(&mut cookie).ok_or(SysError::Allocation("a stdio stream for the model file"))?;
+                let stream =
+                    open_stream(&mut cookie).ok_or(SysError::Allocation("a stdio stream for the model file"))?;
                 // SAFETY: the stream is valid until fclose below and its cookie outlives it; the
                 // override array and its strings, the device list and the split outlive the call.
                 let pointer = unsafe { raw::llama_model_load_from_file_ptr(stream.cast(), raw_params) };
@@ -210,7 +236,10 @@ impl Model {
             }
         };
         match NonNull::new(pointer) {
-            Some(pointer) => Ok(Model { handle: Arc::new(ModelHandle { pointer, _stream_types: stream_types }), path: path.to_path_buf() }),
+            Some(pointer) => Ok(Model {
+                handle: Arc::new(ModelHandle { pointer, _stream_types: stream_types }),
+                path: path.to_path_buf(),
+            }),
             None => Err(SysError::ModelLoad {
                 path: path.to_path_buf(),
                 reason: match read_error {

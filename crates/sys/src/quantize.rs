@@ -47,7 +47,10 @@ pub fn quantize_rows(type_id: u32, source: &[f32], n_per_row: usize) -> Result<V
         return Err(SysError::Quantize(format!("{} values do not split into rows of {n_per_row}", source.len())));
     }
     if !n_per_row.is_multiple_of(block) {
-        return Err(SysError::Quantize(format!("row length {n_per_row} is not a multiple of the block size {block} of {}", ggml_type_name(type_id)?)));
+        return Err(SysError::Quantize(format!(
+            "row length {n_per_row} is not a multiple of the block size {block} of {}",
+            ggml_type_name(type_id)?
+        )));
     }
     // SAFETY: the type id was checked above.
     if unsafe { raw::ggml_quantize_requires_imatrix(ggml_type) } {
@@ -63,7 +66,15 @@ pub fn quantize_rows(type_id: u32, source: &[f32], n_per_row: usize) -> Result<V
     // the type allows (checked above).
     let written = unsafe {
         raw::ggml_quantize_init(ggml_type);
-        raw::ggml_quantize_chunk(ggml_type, source.as_ptr(), destination.as_mut_ptr().cast(), 0, rows as i64, n_per_row as i64, std::ptr::null())
+        raw::ggml_quantize_chunk(
+            ggml_type,
+            source.as_ptr(),
+            destination.as_mut_ptr().cast(),
+            0,
+            rows as i64,
+            n_per_row as i64,
+            std::ptr::null(),
+        )
     };
     if written != destination.len() {
         return Err(SysError::Quantize(format!("ggml wrote {written} bytes, expected {}", destination.len())));
@@ -77,7 +88,10 @@ pub fn dequantize_rows(type_id: u32, source: &[u8], n_per_row: usize) -> Result<
     let ggml_type = checked_type(type_id)?;
     let block = ggml_type_block_size(type_id)? as usize;
     if n_per_row == 0 || !n_per_row.is_multiple_of(block) {
-        return Err(SysError::Quantize(format!("row length {n_per_row} is not a multiple of the block size {block} of {}", ggml_type_name(type_id)?)));
+        return Err(SysError::Quantize(format!(
+            "row length {n_per_row} is not a multiple of the block size {block} of {}",
+            ggml_type_name(type_id)?
+        )));
     }
     // SAFETY: the type id was checked above.
     let row_bytes = unsafe { raw::ggml_row_size(ggml_type, n_per_row as i64) };
@@ -85,7 +99,10 @@ pub fn dequantize_rows(type_id: u32, source: &[u8], n_per_row: usize) -> Result<
         return Err(SysError::Quantize(format!("{} bytes do not split into rows of {row_bytes} bytes", source.len())));
     }
     if ggml_type == raw::GGML_TYPE_F32 {
-        return Ok(source.chunks_exact(4).map(|bytes| f32::from_le_bytes(bytes.try_into().expect("chunks of 4"))).collect());
+        return Ok(source
+            .chunks_exact(4)
+            .map(|bytes| f32::from_le_bytes(bytes.try_into().expect("chunks of 4")))
+            .collect());
     }
     // SAFETY: the type id was checked above; the traits table is static.
     let to_float = unsafe { (*raw::ggml_get_type_traits(ggml_type)).to_float };

@@ -16,12 +16,22 @@ use crate::error::SysError;
 
 extern "C" {
     // csrc/rpc_device.c
-    fn hypura_capped_device(inner: raw::ggml_backend_dev_t, free_bytes: usize, total_bytes: usize) -> raw::ggml_backend_dev_t;
+    fn hypura_capped_device(
+        inner: raw::ggml_backend_dev_t,
+        free_bytes: usize,
+        total_bytes: usize,
+    ) -> raw::ggml_backend_dev_t;
 }
 
 // ggml-rpc.h's entry points, as the RPC backend's registry hands them out: linked in, or from
 // the loadable `ggml-rpc` library where backends are loaded at run time (the GPU recipe).
-type StartServer = unsafe extern "C" fn(endpoint: *const c_char, cache_dir: *const c_char, n_threads: usize, n_devices: usize, devices: *mut raw::ggml_backend_dev_t);
+type StartServer = unsafe extern "C" fn(
+    endpoint: *const c_char,
+    cache_dir: *const c_char,
+    n_threads: usize,
+    n_devices: usize,
+    devices: *mut raw::ggml_backend_dev_t,
+);
 type AddServer = unsafe extern "C" fn(endpoint: *const c_char) -> raw::ggml_backend_reg_t;
 
 /// The address of `name` in the RPC backend's registry; an error where this build has none.
@@ -31,7 +41,9 @@ fn rpc_function(name: &std::ffi::CStr) -> Result<*mut std::ffi::c_void, SysError
     let address = unsafe {
         let registry = raw::ggml_backend_reg_by_name(c"RPC".as_ptr());
         if registry.is_null() {
-            return Err(SysError::Rpc("this build has no RPC backend (ggml built without GGML_RPC, or its library not loaded)".into()));
+            return Err(SysError::Rpc(
+                "this build has no RPC backend (ggml built without GGML_RPC, or its library not loaded)".into(),
+            ));
         }
         raw::ggml_backend_reg_get_proc_address(registry, name.as_ptr())
     };
@@ -109,12 +121,21 @@ pub fn capped_device(device: DeviceHandle, free_bytes: u64, total_bytes: u64) ->
 /// Serve `devices` to RPC clients on `endpoint` (`host:port`), one client at a time, with
 /// `n_threads` CPU threads and ggml's tensor cache in `cache_dir`. Returns only when the server
 /// cannot start (the port is taken, say): ggml prints why on stderr.
-pub fn serve(_backend: &Backend, endpoint: &str, cache_dir: Option<&Path>, n_threads: usize, devices: &[DeviceHandle]) -> Result<(), SysError> {
+pub fn serve(
+    _backend: &Backend,
+    endpoint: &str,
+    cache_dir: Option<&Path>,
+    n_threads: usize,
+    devices: &[DeviceHandle],
+) -> Result<(), SysError> {
     if devices.is_empty() {
         return Err(SysError::Rpc("an RPC server needs at least one device".into()));
     }
-    let c_endpoint = CString::new(endpoint).map_err(|_| SysError::Rpc(format!("endpoint {endpoint:?} contains a NUL byte")))?;
-    let c_cache = cache_dir.map(|dir| CString::new(dir.as_os_str().as_encoded_bytes()).map_err(|_| SysError::PathNul(dir.to_path_buf()))).transpose()?;
+    let c_endpoint =
+        CString::new(endpoint).map_err(|_| SysError::Rpc(format!("endpoint {endpoint:?} contains a NUL byte")))?;
+    let c_cache = cache_dir
+        .map(|dir| CString::new(dir.as_os_str().as_encoded_bytes()).map_err(|_| SysError::PathNul(dir.to_path_buf())))
+        .transpose()?;
     let mut handles: Vec<raw::ggml_backend_dev_t> = devices.iter().map(|device| device.0).collect();
     let address = rpc_function(c"ggml_backend_rpc_start_server")?;
     // SAFETY: the registry hands out `ggml_backend_rpc_start_server` under its own name, whose
@@ -123,7 +144,13 @@ pub fn serve(_backend: &Backend, endpoint: &str, cache_dir: Option<&Path>, n_thr
     // server loop on this thread).
     unsafe {
         let start_server: StartServer = std::mem::transmute::<*mut std::ffi::c_void, StartServer>(address);
-        start_server(c_endpoint.as_ptr(), c_cache.as_ref().map_or(std::ptr::null(), |cache| cache.as_ptr()), n_threads.max(1), handles.len(), handles.as_mut_ptr());
+        start_server(
+            c_endpoint.as_ptr(),
+            c_cache.as_ref().map_or(std::ptr::null(), |cache| cache.as_ptr()),
+            n_threads.max(1),
+            handles.len(),
+            handles.as_mut_ptr(),
+        );
     }
     Err(SysError::Rpc(format!("the RPC server on {endpoint} stopped (see the messages above)")))
 }
@@ -133,7 +160,8 @@ pub fn serve(_backend: &Backend, endpoint: &str, cache_dir: Option<&Path>, n_thr
 /// process when it cannot connect, so callers check the worker first (or connect through a
 /// relay that always answers).
 pub fn connect(_backend: &Backend, endpoint: &str) -> Result<Vec<DeviceHandle>, SysError> {
-    let c_endpoint = CString::new(endpoint).map_err(|_| SysError::Rpc(format!("endpoint {endpoint:?} contains a NUL byte")))?;
+    let c_endpoint =
+        CString::new(endpoint).map_err(|_| SysError::Rpc(format!("endpoint {endpoint:?} contains a NUL byte")))?;
     let address = rpc_function(c"ggml_backend_rpc_add_server")?;
     // SAFETY: the registry hands out `ggml_backend_rpc_add_server` under its own name, whose
     // signature `AddServer` repeats from ggml-rpc.h. The endpoint is a valid C string for the

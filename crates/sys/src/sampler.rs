@@ -30,7 +30,17 @@ pub struct SamplerParams {
 
 impl Default for SamplerParams {
     fn default() -> Self {
-        SamplerParams { temperature: 0.8, top_k: 40, top_p: 0.9, min_p: 0.0, repeat_penalty: 1.0, presence_penalty: 0.0, frequency_penalty: 0.0, penalty_last_n: 64, seed: 0xFFFF_FFFF }
+        SamplerParams {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.9,
+            min_p: 0.0,
+            repeat_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            penalty_last_n: 64,
+            seed: 0xFFFF_FFFF,
+        }
     }
 }
 
@@ -41,7 +51,8 @@ impl SamplerParams {
 
     /// Reject values llama.cpp would assert on or silently misuse.
     pub fn validate(&self) -> Result<(), SysError> {
-        let bad = |name: &'static str, value: f64, allowed: &'static str| Err(SysError::BadSampling { name, value, allowed });
+        let bad =
+            |name: &'static str, value: f64, allowed: &'static str| Err(SysError::BadSampling { name, value, allowed });
         if !self.temperature.is_finite() || self.temperature < 0.0 {
             return bad("temperature", self.temperature.into(), ">= 0");
         }
@@ -95,16 +106,24 @@ impl Sampler {
         let mut chain_params = unsafe { raw::llama_sampler_chain_default_params() };
         chain_params.no_perf = true;
         // SAFETY: chain_init returns a new owned chain (or null on allocation failure).
-        let chain = NonNull::new(unsafe { raw::llama_sampler_chain_init(chain_params) }).ok_or(SysError::Allocation("a sampler chain"))?;
+        let chain = NonNull::new(unsafe { raw::llama_sampler_chain_init(chain_params) })
+            .ok_or(SysError::Allocation("a sampler chain"))?;
         let penalty_last_n = if params.penalty_last_n < 0 { context.n_ctx() as i32 } else { params.penalty_last_n };
-        let penalties_active = penalty_last_n > 0 && (params.repeat_penalty != 1.0 || params.presence_penalty != 0.0 || params.frequency_penalty != 0.0);
+        let penalties_active = penalty_last_n > 0
+            && (params.repeat_penalty != 1.0 || params.presence_penalty != 0.0 || params.frequency_penalty != 0.0);
         let sampler = Sampler { chain, plain_greedy: params.temperature <= 0.0 && !penalties_active };
         // SAFETY: every llama_sampler_init_* returns a new sampler that chain_add takes
         // ownership of; the chain is valid (created above); values were validated.
         unsafe {
             let add = |stage: *mut raw::llama_sampler| raw::llama_sampler_chain_add(sampler.chain.as_ptr(), stage);
             if penalties_active {
-                add(raw::llama_sampler_init_penalties(context.n_vocab(), penalty_last_n, params.repeat_penalty, params.frequency_penalty, params.presence_penalty));
+                add(raw::llama_sampler_init_penalties(
+                    context.n_vocab(),
+                    penalty_last_n,
+                    params.repeat_penalty,
+                    params.frequency_penalty,
+                    params.presence_penalty,
+                ));
             }
             if params.temperature <= 0.0 {
                 add(raw::llama_sampler_init_greedy());
@@ -145,9 +164,20 @@ impl Sampler {
     /// far cheaper than checking the whole vocabulary); otherwise every forbidden token is
     /// masked and the chain samples again. The choice is recorded in both the chain and the
     /// grammar (end-of-generation tokens only in the chain).
-    pub fn sample_constrained(&mut self, context: &mut Context, index: i32, grammar: &mut Grammar) -> Result<Token, SysError> {
+    pub fn sample_constrained(
+        &mut self,
+        context: &mut Context,
+        index: i32,
+        grammar: &mut Grammar,
+    ) -> Result<Token, SysError> {
         let logits = context.logits(index)?;
-        let candidates = |logits: &[f32]| -> Vec<raw::llama_token_data> { logits.iter().enumerate().map(|(id, &logit)| raw::llama_token_data { id: id as Token, logit, p: 0.0 }).collect() };
+        let candidates = |logits: &[f32]| -> Vec<raw::llama_token_data> {
+            logits
+                .iter()
+                .enumerate()
+                .map(|(id, &logit)| raw::llama_token_data { id: id as Token, logit, p: 0.0 })
+                .collect()
+        };
         let mut free = candidates(logits);
         let first = self.apply_chain(&mut free, None)?;
         let token = if grammar.allows(first) {
@@ -163,9 +193,15 @@ impl Sampler {
                 best.truncate(keep);
             }
             let mut probe = best.clone();
-            let mut array = raw::llama_token_data_array { data: probe.as_mut_ptr(), size: probe.len(), selected: -1, sorted: false };
+            let mut array = raw::llama_token_data_array {
+                data: probe.as_mut_ptr(),
+                size: probe.len(),
+                selected: -1,
+                sorted: false,
+            };
             grammar.apply(&mut array);
-            let mut masked = if probe.iter().any(|candidate| candidate.logit.is_finite()) { best } else { candidates(logits) };
+            let mut masked =
+                if probe.iter().any(|candidate| candidate.logit.is_finite()) { best } else { candidates(logits) };
             let token = self.apply_chain(&mut masked, Some(grammar))?;
             if !grammar.allows(token) {
                 return Err(SysError::Grammar("no token the grammar allows has a finite probability".into()));
@@ -179,8 +215,17 @@ impl Sampler {
 
     /// Run the chain (after the grammar's mask, if given) over `candidates` and return the
     /// selected token.
-    fn apply_chain(&mut self, candidates: &mut [raw::llama_token_data], grammar: Option<&mut Grammar>) -> Result<Token, SysError> {
-        let mut array = raw::llama_token_data_array { data: candidates.as_mut_ptr(), size: candidates.len(), selected: -1, sorted: false };
+    fn apply_chain(
+        &mut self,
+        candidates: &mut [raw::llama_token_data],
+        grammar: Option<&mut Grammar>,
+    ) -> Result<Token, SysError> {
+        let mut array = raw::llama_token_data_array {
+            data: candidates.as_mut_ptr(),
+            size: candidates.len(),
+            selected: -1,
+            sorted: false,
+        };
         if let Some(grammar) = grammar {
             grammar.apply(&mut array);
         }
@@ -188,7 +233,10 @@ impl Sampler {
         // Samplers may shrink `size` or re-point `data` into the same buffer, never past it.
         unsafe { raw::llama_sampler_apply(self.chain.as_ptr(), &mut array) };
         if array.selected < 0 || array.selected as usize >= array.size {
-            return Err(SysError::Grammar(format!("the sampler chain selected no candidate (selected {})", array.selected)));
+            return Err(SysError::Grammar(format!(
+                "the sampler chain selected no candidate (selected {})",
+                array.selected
+            )));
         }
         // SAFETY: `selected` is inside the array, checked above.
         Ok(unsafe { (*array.data.add(array.selected as usize)).id })

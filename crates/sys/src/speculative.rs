@@ -44,15 +44,30 @@ unsafe extern "C" {
         error: *mut *mut c_char,
     ) -> *mut RawSpeculator;
     fn hypura_spec_free(spec: *mut RawSpeculator);
-    fn hypura_spec_begin(spec: *mut RawSpeculator, seq: i32, prompt: *const Token, n_prompt: usize, error: *mut *mut c_char) -> bool;
+    fn hypura_spec_begin(
+        spec: *mut RawSpeculator,
+        seq: i32,
+        prompt: *const Token,
+        n_prompt: usize,
+        error: *mut *mut c_char,
+    ) -> bool;
     fn hypura_spec_process(spec: *mut RawSpeculator, batch: *const raw::llama_batch, error: *mut *mut c_char) -> bool;
-    fn hypura_spec_draft(spec: *mut RawSpeculator, requests: *const RawRequest, n_requests: usize, out: *mut Token, stride: usize, counts: *mut i32, error: *mut *mut c_char) -> bool;
+    fn hypura_spec_draft(
+        spec: *mut RawSpeculator,
+        requests: *const RawRequest,
+        n_requests: usize,
+        out: *mut Token,
+        stride: usize,
+        counts: *mut i32,
+        error: *mut *mut c_char,
+    ) -> bool;
     fn hypura_spec_accept(spec: *mut RawSpeculator, seq: i32, n_accepted: u16, error: *mut *mut c_char) -> bool;
     fn hypura_spec_compatible(target: *const raw::llama_model, draft: *const raw::llama_model) -> bool;
 }
 
 /// The drafters llama.cpp offers here, by its names (`--spec-type`).
-pub const SPECULATIVE_TYPES: [&str; 7] = ["draft-simple", "draft-mtp", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"];
+pub const SPECULATIVE_TYPES: [&str; 7] =
+    ["draft-simple", "draft-mtp", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"];
 
 /// How drafts are made: llama.cpp's drafter types, tried in its order of preference, and the
 /// limits of a draft.
@@ -92,7 +107,9 @@ pub struct Speculator {
 unsafe impl Send for Speculator {}
 
 fn speculative_error(error: *mut c_char) -> SysError {
-    SysError::Speculative(take_string(error).unwrap_or_else(|| "llama.cpp's speculative decoding failed without a message".into()))
+    SysError::Speculative(
+        take_string(error).unwrap_or_else(|| "llama.cpp's speculative decoding failed without a message".into()),
+    )
 }
 
 impl Speculator {
@@ -104,7 +121,12 @@ impl Speculator {
         if let Some(unknown) = params.types.iter().find(|name| !SPECULATIVE_TYPES.contains(&name.as_str())) {
             return bad(format!("unknown speculative type {unknown:?}; known: {}", SPECULATIVE_TYPES.join(", ")));
         }
-        if params.types.is_empty() || params.n_max == 0 || params.n_min > params.n_max || params.n_max > u32::from(u16::MAX) || !(1..=1024).contains(&params.ngram_n) {
+        if params.types.is_empty()
+            || params.n_max == 0
+            || params.n_min > params.n_max
+            || params.n_max > u32::from(u16::MAX)
+            || !(1..=1024).contains(&params.ngram_n)
+        {
             return bad(format!(
                 "a draft needs a type, 0 < n_max (got {}) ≤ 65535 with n_min (got {}) ≤ n_max, and an n-gram of 1 to 1024 tokens (got {})",
                 params.n_max, params.n_min, params.ngram_n
@@ -124,14 +146,26 @@ impl Speculator {
                 ));
             }
         }
-        let types = CString::new(params.types.join(",")).map_err(|_| SysError::Speculative("a speculative type contains a NUL byte".into()))?;
+        let types = CString::new(params.types.join(","))
+            .map_err(|_| SysError::Speculative("a speculative type contains a NUL byte".into()))?;
         let draft_pointer = draft.as_ref().map_or(std::ptr::null_mut(), Context::as_ptr);
         let mut error = std::ptr::null_mut();
         // SAFETY: the target context is valid for this call (the shim reads it only here); the
         // draft context, when given, is owned by the Speculator and outlives the drafters; the
         // type list is NUL-terminated; `error` is a valid out pointer.
-        let pointer =
-            unsafe { hypura_spec_init(target.as_ptr(), draft_pointer, types.as_ptr(), n_seq as i32, params.n_max as i32, params.n_min as i32, params.p_min, params.ngram_n as i32, &mut error) };
+        let pointer = unsafe {
+            hypura_spec_init(
+                target.as_ptr(),
+                draft_pointer,
+                types.as_ptr(),
+                n_seq as i32,
+                params.n_max as i32,
+                params.n_min as i32,
+                params.p_min,
+                params.ngram_n as i32,
+                &mut error,
+            )
+        };
         let pointer = NonNull::new(pointer).ok_or_else(|| speculative_error(error))?;
         Ok(Speculator { pointer, draft, n_seq: n_seq as usize, n_max: params.n_max as usize })
     }
@@ -220,11 +254,25 @@ impl Speculator {
         // SAFETY: the drafters are valid; each request's history is a live slice; `out` holds
         // `stride` tokens per request and each draft is at most its n_max ≤ stride (checked in
         // the shim); `counts` holds one entry per request.
-        let ok = unsafe { hypura_spec_draft(self.pointer.as_ptr(), raw_requests.as_ptr(), raw_requests.len(), out.as_mut_ptr(), stride, counts.as_mut_ptr(), &mut error) };
+        let ok = unsafe {
+            hypura_spec_draft(
+                self.pointer.as_ptr(),
+                raw_requests.as_ptr(),
+                raw_requests.len(),
+                out.as_mut_ptr(),
+                stride,
+                counts.as_mut_ptr(),
+                &mut error,
+            )
+        };
         if !ok {
             return Err(speculative_error(error));
         }
-        Ok(counts.iter().enumerate().map(|(index, &count)| out[index * stride..index * stride + count.max(0) as usize].to_vec()).collect())
+        Ok(counts
+            .iter()
+            .enumerate()
+            .map(|(index, &count)| out[index * stride..index * stride + count.max(0) as usize].to_vec())
+            .collect())
     }
 
     /// How many tokens of `seq_id`'s last (non-empty) draft the target accepted.
@@ -234,7 +282,9 @@ impl Speculator {
         let _turn = self.draft.as_ref().and_then(Context::compute_turn);
         // SAFETY: the drafters are valid; the shim checks that a draft is pending for the
         // sequence and that n_accepted does not exceed it.
-        let ok = unsafe { hypura_spec_accept(self.pointer.as_ptr(), seq_id, n_accepted.min(u16::MAX as usize) as u16, &mut error) };
+        let ok = unsafe {
+            hypura_spec_accept(self.pointer.as_ptr(), seq_id, n_accepted.min(u16::MAX as usize) as u16, &mut error)
+        };
         if ok {
             Ok(())
         } else {

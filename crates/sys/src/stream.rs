@@ -52,13 +52,26 @@ impl StreamBufferType {
     /// drops). `offsets` maps tensor names to their absolute file offsets. `sink` (address and
     /// size, at least the largest tensor) absorbs llama.cpp's load-time copies until
     /// `finalize`; the caller keeps it mapped until then.
-    pub fn new(region_address: usize, region_bytes: usize, sink: Option<(usize, usize)>, offsets: HashMap<String, u64>) -> Result<StreamBufferType, SysError> {
+    pub fn new(
+        region_address: usize,
+        region_bytes: usize,
+        sink: Option<(usize, usize)>,
+        offsets: HashMap<String, u64>,
+    ) -> Result<StreamBufferType, SysError> {
         let offsets = Box::new(offsets);
         let (sink_address, sink_bytes) = sink.unwrap_or((0, 0));
         // SAFETY: the region and sink are the caller's live reservations (documented contract
         // above); the callback data is the boxed map, which lives as long as the returned value.
-        let buft =
-            unsafe { hypura_stream_buft_new(region_address as *mut c_void, region_bytes, sink_address as *mut c_void, sink_bytes, offset_of, &*offsets as *const HashMap<String, u64> as *mut c_void) };
+        let buft = unsafe {
+            hypura_stream_buft_new(
+                region_address as *mut c_void,
+                region_bytes,
+                sink_address as *mut c_void,
+                sink_bytes,
+                offset_of,
+                &*offsets as *const HashMap<String, u64> as *mut c_void,
+            )
+        };
         let buft = NonNull::new(buft).ok_or(SysError::Allocation("a stream buffer type"))?;
         Ok(StreamBufferType { buft, _offsets: offsets })
     }

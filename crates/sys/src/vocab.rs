@@ -60,7 +60,17 @@ impl Vocab {
             // SAFETY: text points to text_len readable bytes; tokens is writable for capacity
             // entries; llama.cpp writes at most capacity tokens and returns minus the needed
             // count when that is too few.
-            let count = unsafe { raw::llama_tokenize(self.as_ptr(), text.as_ptr().cast(), text_len, tokens.as_mut_ptr(), capacity, add_special, parse_special) };
+            let count = unsafe {
+                raw::llama_tokenize(
+                    self.as_ptr(),
+                    text.as_ptr().cast(),
+                    text_len,
+                    tokens.as_mut_ptr(),
+                    capacity,
+                    add_special,
+                    parse_special,
+                )
+            };
             if count >= 0 {
                 tokens.truncate(count as usize);
                 return Ok(tokens);
@@ -83,7 +93,16 @@ impl Vocab {
         loop {
             // SAFETY: buffer is writable for its full length; llama.cpp returns minus the needed
             // length when it is too short and writes nothing past the length we pass.
-            let written = unsafe { raw::llama_token_to_piece(self.as_ptr(), token, buffer.as_mut_ptr().cast(), buffer.len() as i32, 0, special) };
+            let written = unsafe {
+                raw::llama_token_to_piece(
+                    self.as_ptr(),
+                    token,
+                    buffer.as_mut_ptr().cast(),
+                    buffer.len() as i32,
+                    0,
+                    special,
+                )
+            };
             if written >= 0 {
                 buffer.truncate(written as usize);
                 return Ok(buffer);

@@ -128,7 +128,12 @@ fn tensors(tensors: &mut Tensors) {
             // The MTP head: its own embedding and LM head copies, as the checkpoint has them.
             tensors.weight(block(layer, "nextn.eh_proj.weight"), &[2 * n_embd, n_embd]);
             let ggml_type = tensors.quant(GgmlType::Q4_K, false, n_embd);
-            tensors.add(block(layer, "nextn.embed_tokens.weight"), &[n_embd, tensors.n_vocab], ggml_type, Init::Embedding);
+            tensors.add(
+                block(layer, "nextn.embed_tokens.weight"),
+                &[n_embd, tensors.n_vocab],
+                ggml_type,
+                Init::Embedding,
+            );
             tensors.norm(block(layer, "nextn.enorm.weight"), &[n_embd]);
             tensors.norm(block(layer, "nextn.hnorm.weight"), &[n_embd]);
             tensors.weight(block(layer, "nextn.shared_head_head.weight"), &[n_embd, tensors.n_vocab]);

@@ -34,9 +34,25 @@ fn presets() -> Vec<(&'static str, Shape)> {
         // experts, top-4, one shared expert. head_dim stays apart from the indexer's 128: where
         // they are equal, libllama's KV cache forces a Hadamard rotation onto its (empty)
         // non-window part and divides by zero.
-        ("tiny-deepseek4", Shape { n_ff_shared: 256, n_ctx_train: 4096, rope_freq_base: 10_000.0, ..moe(5, 256, 8, 1, 256, 256, 16, 4) }),
+        (
+            "tiny-deepseek4",
+            Shape {
+                n_ff_shared: 256,
+                n_ctx_train: 4096,
+                rope_freq_base: 10_000.0,
+                ..moe(5, 256, 8, 1, 256, 256, 16, 4)
+            },
+        ),
         // DeepSeek-V4-Flash: 43 layers, 256 experts, top-6, head_dim 512, 1M context.
-        ("deepseek4-flash", Shape { n_ff_shared: 2048, n_ctx_train: 1 << 20, rope_freq_base: 10_000.0, ..moe(43, 4096, 64, 1, 512, 2048, 256, 6) }),
+        (
+            "deepseek4-flash",
+            Shape {
+                n_ff_shared: 2048,
+                n_ctx_train: 1 << 20,
+                rope_freq_base: 10_000.0,
+                ..moe(43, 4096, 64, 1, 512, 2048, 256, 6)
+            },
+        ),
     ]
 }
 
@@ -117,7 +133,13 @@ fn metadata(spec: &ForgeSpec, meta: &mut Meta) {
     meta.u32("attention.indexer.top_k", dims.indexer_top_k);
     meta.u32("attention.output_group_count", dims.o_groups);
     meta.u32("attention.output_lora_rank", dims.o_lora_rank);
-    meta.set("attention.compress_ratios", Value::Array(ValueType::I32, (0..n_layer_all).map(|layer| Value::I32(compress_ratio(shape, layer) as i32)).collect()));
+    meta.set(
+        "attention.compress_ratios",
+        Value::Array(
+            ValueType::I32,
+            (0..n_layer_all).map(|layer| Value::I32(compress_ratio(shape, layer) as i32)).collect(),
+        ),
+    );
     meta.f32("attention.compress_rope_freq_base", 160_000.0);
     meta.u32("hyper_connection.count", HC_MULT);
     meta.u32("hyper_connection.sinkhorn_iterations", 20);
@@ -176,7 +198,12 @@ fn tensors(tensors: &mut Tensors) {
         // Hyper-connection mixing around the attention and the FFN.
         for sublayer in ["attn", "ffn"] {
             let fn_type = other(tensors, hc_dim);
-            tensors.add(name(&format!("hc_{sublayer}_fn.weight")), &[hc_dim, hc_mix], fn_type, Init::Projection { fan_in: hc_dim });
+            tensors.add(
+                name(&format!("hc_{sublayer}_fn.weight")),
+                &[hc_dim, hc_mix],
+                fn_type,
+                Init::Projection { fan_in: hc_dim },
+            );
             tensors.uniform(name(&format!("hc_{sublayer}_base.weight")), &[hc_mix], -0.5, 0.5);
             tensors.uniform(name(&format!("hc_{sublayer}_scale.weight")), &[3], 0.5, 1.0);
         }
@@ -190,16 +217,29 @@ fn tensors(tensors: &mut Tensors) {
             tensors.weight(name("attn_compressor_kv.weight"), &[n_embd, width]);
             tensors.weight(name("attn_compressor_gate.weight"), &[n_embd, width]);
             let ape_type = other(tensors, width);
-            tensors.add(name("attn_compressor_ape.weight"), &[width, ratio], ape_type, Init::Uniform { low: -0.1, high: 0.1 });
+            tensors.add(
+                name("attn_compressor_ape.weight"),
+                &[width, ratio],
+                ape_type,
+                Init::Uniform { low: -0.1, high: 0.1 },
+            );
             tensors.norm(name("attn_compressor_norm.weight"), &[head_dim]);
             if ratio == 4 {
                 let indexer_width = 2 * dims.indexer_head_dim;
                 tensors.weight(name("indexer.proj.weight"), &[n_embd, dims.indexer_heads]);
-                tensors.weight(name("indexer.attn_q_b.weight"), &[dims.q_lora_rank, dims.indexer_heads * dims.indexer_head_dim]);
+                tensors.weight(
+                    name("indexer.attn_q_b.weight"),
+                    &[dims.q_lora_rank, dims.indexer_heads * dims.indexer_head_dim],
+                );
                 tensors.weight(name("indexer_compressor_kv.weight"), &[n_embd, indexer_width]);
                 tensors.weight(name("indexer_compressor_gate.weight"), &[n_embd, indexer_width]);
                 let ape_type = other(tensors, indexer_width);
-                tensors.add(name("indexer_compressor_ape.weight"), &[indexer_width, ratio], ape_type, Init::Uniform { low: -0.1, high: 0.1 });
+                tensors.add(
+                    name("indexer_compressor_ape.weight"),
+                    &[indexer_width, ratio],
+                    ape_type,
+                    Init::Uniform { low: -0.1, high: 0.1 },
+                );
                 tensors.norm(name("indexer_compressor_norm.weight"), &[dims.indexer_head_dim]);
             }
         }
@@ -207,16 +247,36 @@ fn tensors(tensors: &mut Tensors) {
         // MoE: router, selection bias, routed experts (3-D, experts last), one shared expert.
         tensors.router(name("ffn_gate_inp.weight"), &[n_embd, n_expert]);
         if layer < hash_layers(&shape) {
-            tensors.add(name("ffn_gate_tid2eid.weight"), &[shape.n_expert_used, tensors.n_vocab], GgmlType::I32, Init::ExpertIds { n_expert });
+            tensors.add(
+                name("ffn_gate_tid2eid.weight"),
+                &[shape.n_expert_used, tensors.n_vocab],
+                GgmlType::I32,
+                Init::ExpertIds { n_expert },
+            );
         } else {
             tensors.uniform(name("exp_probs_b.bias"), &[n_expert], -0.05, 0.05);
         }
         tensors.norm(name("ffn_norm.weight"), &[n_embd]);
         let up_type = expert_type(tensors, n_embd);
         let down_type = expert_type(tensors, n_ff_exp);
-        tensors.add(name("ffn_gate_exps.weight"), &[n_embd, n_ff_exp, n_expert], up_type, Init::Projection { fan_in: n_embd });
-        tensors.add(name("ffn_down_exps.weight"), &[n_ff_exp, n_embd, n_expert], down_type, Init::Residual { fan_in: n_ff_exp });
-        tensors.add(name("ffn_up_exps.weight"), &[n_embd, n_ff_exp, n_expert], up_type, Init::Projection { fan_in: n_embd });
+        tensors.add(
+            name("ffn_gate_exps.weight"),
+            &[n_embd, n_ff_exp, n_expert],
+            up_type,
+            Init::Projection { fan_in: n_embd },
+        );
+        tensors.add(
+            name("ffn_down_exps.weight"),
+            &[n_ff_exp, n_embd, n_expert],
+            down_type,
+            Init::Residual { fan_in: n_ff_exp },
+        );
+        tensors.add(
+            name("ffn_up_exps.weight"),
+            &[n_embd, n_ff_exp, n_expert],
+            up_type,
+            Init::Projection { fan_in: n_embd },
+        );
         let n_ff_shexp = n_ff_exp * n_expert_shared(&shape);
         tensors.weight(name("ffn_gate_shexp.weight"), &[n_embd, n_ff_shexp]);
         tensors.down(layer, name("ffn_down_shexp.weight"), &[n_ff_shexp, n_embd]);

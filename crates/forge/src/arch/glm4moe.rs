@@ -28,13 +28,34 @@ fn presets() -> Vec<(&'static str, Shape)> {
         // One leading dense layer (width 512) and three MoE layers of 16 experts of width 256,
         // top-4, one shared expert of 256; 4 query heads over 2 KV heads of 128 (half rotated),
         // plus the MTP block as layer 4.
-        ("tiny-glm4moe", Shape { n_ff_shared: 256, n_dense_lead: 1, n_ff_dense: 512, ..moe(4, 256, 4, 2, 128, 256, 16, 4) }),
+        (
+            "tiny-glm4moe",
+            Shape { n_ff_shared: 256, n_dense_lead: 1, n_ff_dense: 512, ..moe(4, 256, 4, 2, 128, 256, 16, 4) },
+        ),
         // GLM-4.5-Air: 46 layers (+1 MTP), hidden 4096, 96 query heads and 8 KV heads of 128,
         // one dense layer of 10944, 128 experts of 1408, top-8, one shared expert of 1408.
-        ("glm-4.5-air", Shape { n_ff_shared: 1408, n_dense_lead: 1, n_ff_dense: 10944, n_ctx_train: 131_072, ..moe(46, 4096, 96, 8, 128, 1408, 128, 8) }),
+        (
+            "glm-4.5-air",
+            Shape {
+                n_ff_shared: 1408,
+                n_dense_lead: 1,
+                n_ff_dense: 10944,
+                n_ctx_train: 131_072,
+                ..moe(46, 4096, 96, 8, 128, 1408, 128, 8)
+            },
+        ),
         // GLM-4.5 / 4.6: 92 layers (+1 MTP), hidden 5120, 96 query heads and 8 KV heads of 128,
         // three dense layers of 12288, 160 experts of 1536, top-8, one shared expert of 1536.
-        ("glm-4.5", Shape { n_ff_shared: 1536, n_dense_lead: 3, n_ff_dense: 12288, n_ctx_train: 131_072, ..moe(92, 5120, 96, 8, 128, 1536, 160, 8) }),
+        (
+            "glm-4.5",
+            Shape {
+                n_ff_shared: 1536,
+                n_dense_lead: 3,
+                n_ff_dense: 12288,
+                n_ctx_train: 131_072,
+                ..moe(92, 5120, 96, 8, 128, 1536, 160, 8)
+            },
+        ),
     ]
 }
 

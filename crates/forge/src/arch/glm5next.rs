@@ -49,7 +49,16 @@ fn presets() -> Vec<(&'static str, Shape)> {
         // Six trunk layers, KDA, KDA, MLA (full indexer), KDA, KDA, MLA (shared indexer); layer 0
         // has a dense FFN of 512, the others 16 experts of 256, top-4, and a shared expert of
         // 256; 4 heads (KDA heads of 64); the MTP block is layer 6.
-        ("tiny-glm5-next", Shape { n_ff_shared: 256, n_dense_lead: 1, n_ff_dense: 512, rope_freq_base: 10_000.0, ..moe(6, 256, 4, 1, 64, 256, 16, 4) }),
+        (
+            "tiny-glm5-next",
+            Shape {
+                n_ff_shared: 256,
+                n_dense_lead: 1,
+                n_ff_dense: 512,
+                rope_freq_base: 10_000.0,
+                ..moe(6, 256, 4, 1, 64, 256, 16, 4)
+            },
+        ),
     ]
 }
 
@@ -116,7 +125,10 @@ fn metadata(spec: &ForgeSpec, meta: &mut Meta) {
     meta.u32("attention.indexer.top_k", INDEXER_TOP_K);
     meta.u32("attention.indexer.kpool", KPOOL);
     meta.bool("attention.indexer.kpool_select_tail", true);
-    meta.u32_array("attention.indexer.types", (0..shape.n_layer).map(|layer| u64::from(is_attention(layer, shape.n_layer) && is_indexer_full(layer))));
+    meta.u32_array(
+        "attention.indexer.types",
+        (0..shape.n_layer).map(|layer| u64::from(is_attention(layer, shape.n_layer) && is_indexer_full(layer))),
+    );
     meta.u32("hyper_connection.count", HC);
     meta.u32("hyper_connection.sinkhorn_iterations", HC_SINKHORN_ITERATIONS);
     meta.f32("hyper_connection.epsilon", 1e-6);
@@ -190,7 +202,12 @@ impl Layers<'_, '_> {
         let Dims { d_inner, .. } = dims(&shape);
         let (n_embd, head_dim) = (shape.n_embd, shape.head_dim);
         for conv in ["ssm_conv1d_q", "ssm_conv1d_k", "ssm_conv1d_v"] {
-            self.tensors.add(block(layer, &format!("{conv}.weight")), &[CONV_KERNEL, 1, d_inner], GgmlType::F32, Init::Projection { fan_in: CONV_KERNEL });
+            self.tensors.add(
+                block(layer, &format!("{conv}.weight")),
+                &[CONV_KERNEL, 1, d_inner],
+                GgmlType::F32,
+                Init::Projection { fan_in: CONV_KERNEL },
+            );
         }
         self.tensors.weight(block(layer, "attn_q.weight"), &[n_embd, d_inner]);
         self.tensors.weight(block(layer, "attn_k.weight"), &[n_embd, d_inner]);
@@ -227,10 +244,18 @@ impl Layers<'_, '_> {
             self.tensors.bias(block(layer, "indexer.k_norm.bias"), &[dims.indexer_width]);
             self.weight_kept(block(layer, "indexer.proj.weight"), &[n_embd, dims.indexer_heads]);
             self.weight_kept(block(layer, "indexer.attn_k.weight"), &[n_embd, dims.indexer_width]);
-            self.weight_kept(block(layer, "indexer.attn_q_b.weight"), &[dims.q_lora_rank, dims.indexer_heads * dims.indexer_width]);
+            self.weight_kept(
+                block(layer, "indexer.attn_q_b.weight"),
+                &[dims.q_lora_rank, dims.indexer_heads * dims.indexer_width],
+            );
             self.weight_kept(block(layer, "indexer_compressor_gate.weight"), &[n_embd, dims.indexer_width]);
             // The pool's position embedding, added to the gate logits.
-            self.tensors.uniform(block(layer, "indexer_compressor_ape.weight"), &[dims.indexer_width, KPOOL], -0.5, 0.5);
+            self.tensors.uniform(
+                block(layer, "indexer_compressor_ape.weight"),
+                &[dims.indexer_width, KPOOL],
+                -0.5,
+                0.5,
+            );
         }
     }
 }

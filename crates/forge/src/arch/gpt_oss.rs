@@ -30,7 +30,10 @@ fn presets() -> Vec<(&'static str, Shape)> {
         ("tiny-gpt-oss", Shape { rope_freq_base: 150_000.0, ..moe(4, 288, 8, 2, 64, 288, 16, 4) }),
         // gpt-oss-20b: 24 layers, hidden 2880, 64 query heads and 8 KV heads of 64, 32 experts
         // of width 2880, top-4, 131072 context (YaRN 32 x 4096), rope base 150000.
-        ("gpt-oss-20b", Shape { n_ctx_train: 131_072, rope_freq_base: 150_000.0, ..moe(24, 2880, 64, 8, 64, 2880, 32, 4) }),
+        (
+            "gpt-oss-20b",
+            Shape { n_ctx_train: 131_072, rope_freq_base: 150_000.0, ..moe(24, 2880, 64, 8, 64, 2880, 32, 4) },
+        ),
     ]
 }
 
@@ -72,11 +75,21 @@ fn tensors(tensors: &mut Tensors) {
         tensors.bias(block(layer, "ffn_gate_inp.bias"), &[n_expert]);
         // The routed experts, MXFP4 whatever the mix (real files never requantize them), each
         // with its own bias row.
-        tensors.add(block(layer, "ffn_gate_exps.weight"), &[n_embd, n_ff, n_expert], GgmlType::MXFP4, projection(n_embd));
+        tensors.add(
+            block(layer, "ffn_gate_exps.weight"),
+            &[n_embd, n_ff, n_expert],
+            GgmlType::MXFP4,
+            projection(n_embd),
+        );
         tensors.bias(block(layer, "ffn_gate_exps.bias"), &[n_ff, n_expert]);
         tensors.add(block(layer, "ffn_up_exps.weight"), &[n_embd, n_ff, n_expert], GgmlType::MXFP4, projection(n_embd));
         tensors.bias(block(layer, "ffn_up_exps.bias"), &[n_ff, n_expert]);
-        tensors.add(block(layer, "ffn_down_exps.weight"), &[n_ff, n_embd, n_expert], GgmlType::MXFP4, Init::Residual { fan_in: n_ff });
+        tensors.add(
+            block(layer, "ffn_down_exps.weight"),
+            &[n_ff, n_embd, n_expert],
+            GgmlType::MXFP4,
+            Init::Residual { fan_in: n_ff },
+        );
         tensors.bias(block(layer, "ffn_down_exps.bias"), &[n_embd, n_expert]);
     }
     tensors.output();
@@ -89,7 +102,10 @@ mod tests {
 
     fn tensor_bytes(name: &str) -> u64 {
         let spec = preset(name).unwrap();
-        spec.tensors(Vocabulary::build().len()).iter().map(|plan| plan.ggml_type.row_bytes(plan.dims[0]).unwrap() * plan.dims[1..].iter().product::<u64>()).sum()
+        spec.tensors(Vocabulary::build().len())
+            .iter()
+            .map(|plan| plan.ggml_type.row_bytes(plan.dims[0]).unwrap() * plan.dims[1..].iter().product::<u64>())
+            .sum()
     }
 
     #[test]

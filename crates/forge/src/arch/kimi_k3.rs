@@ -106,7 +106,12 @@ fn tensors(tensors: &mut Tensors) {
             tensors.residual(block(layer, "attn_output.weight"), &[n_head * widths.mla.v_head, n_embd]);
         } else {
             for conv in ["ssm_conv1d_q.weight", "ssm_conv1d_k.weight", "ssm_conv1d_v.weight"] {
-                tensors.add(block(layer, conv), &[SSM_CONV_KERNEL, 1, d_inner], GgmlType::F32, Init::Projection { fan_in: SSM_CONV_KERNEL });
+                tensors.add(
+                    block(layer, conv),
+                    &[SSM_CONV_KERNEL, 1, d_inner],
+                    GgmlType::F32,
+                    Init::Projection { fan_in: SSM_CONV_KERNEL },
+                );
             }
             tensors.weight(block(layer, "attn_q.weight"), &[n_embd, d_inner]);
             tensors.weight(block(layer, "attn_k.weight"), &[n_embd, d_inner]);

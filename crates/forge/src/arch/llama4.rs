@@ -16,7 +16,10 @@ fn presets() -> Vec<(&'static str, Shape)> {
     vec![
         // Maverick's interleaving (dense, MoE, dense, MoE) reduced: 4 layers, 16 experts of 256
         // top-1 with a shared expert of 256, dense FFN of 512; layer 3 is the global NoPE layer.
-        ("tiny-llama4", Shape { n_ff_shared: 256, n_ff_dense: 512, rope_freq_base: 500_000.0, ..moe(4, 256, 4, 2, 64, 256, 16, 1) }),
+        (
+            "tiny-llama4",
+            Shape { n_ff_shared: 256, n_ff_dense: 512, rope_freq_base: 500_000.0, ..moe(4, 256, 4, 2, 64, 256, 16, 1) },
+        ),
     ]
 }
 

@@ -102,7 +102,10 @@ impl Meta {
 
     /// A per-layer array of u32 (`head_count_kv`, `expert_feed_forward_length`, ...).
     pub fn u32_array(&mut self, suffix: &str, values: impl IntoIterator<Item = u64>) {
-        let values = values.into_iter().map(|value| Value::U32(u32::try_from(value).expect("metadata value fits in u32"))).collect();
+        let values = values
+            .into_iter()
+            .map(|value| Value::U32(u32::try_from(value).expect("metadata value fits in u32")))
+            .collect();
         self.set(suffix, Value::Array(ValueType::U32, values));
     }
 

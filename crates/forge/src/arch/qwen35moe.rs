@@ -24,11 +24,22 @@ pub(super) const CONV_KERNEL: u64 = 4;
 fn presets() -> Vec<(&'static str, Shape)> {
     vec![
         // 4 trunk layers (3 delta-net, 1 full attention) and the MTP block; 16 experts, top-4.
-        ("tiny-qwen35moe", Shape { n_ff_shared: 128, rope_freq_base: 10_000_000.0, ..moe(4, 256, 4, 2, 64, 128, 16, 4) }),
+        (
+            "tiny-qwen35moe",
+            Shape { n_ff_shared: 128, rope_freq_base: 10_000_000.0, ..moe(4, 256, 4, 2, 64, 128, 16, 4) },
+        ),
         // Qwen3.6-35B-A3B (= Qwen3.5-35B-A3B): 40 layers, hidden 2048, 16 q heads and 2 kv heads
         // of 256, 256 experts top-8 of width 512, a shared expert of 512; the delta-net layers
         // have 16 key heads and 32 value heads of 128 and a conv kernel of 4.
-        ("qwen3.6-35b-a3b", Shape { n_ff_shared: 512, n_ctx_train: 262_144, rope_freq_base: 10_000_000.0, ..moe(40, 2048, 16, 2, 256, 512, 256, 8) }),
+        (
+            "qwen3.6-35b-a3b",
+            Shape {
+                n_ff_shared: 512,
+                n_ctx_train: 262_144,
+                rope_freq_base: 10_000_000.0,
+                ..moe(40, 2048, 16, 2, 256, 512, 256, 8)
+            },
+        ),
     ]
 }
 
@@ -98,7 +109,10 @@ fn metadata(spec: &ForgeSpec, meta: &mut Meta) {
     let pairs = rope_dims(&spec.shape) / 2;
     let temporal = (pairs * 11 + 16) / 32;
     let sections = [temporal, temporal, pairs - 2 * temporal, 0];
-    meta.set("rope.dimension_sections", Value::Array(ValueType::I32, sections.iter().map(|&section| Value::I32(section as i32)).collect()));
+    meta.set(
+        "rope.dimension_sections",
+        Value::Array(ValueType::I32, sections.iter().map(|&section| Value::I32(section as i32)).collect()),
+    );
 }
 
 /// The gated full attention: `attn_q` carries the query and its sigmoid gate (twice the
@@ -124,7 +138,12 @@ pub(super) fn delta_net(tensors: &mut Tensors, layer: u64, beta_alpha: impl FnOn
     // Q4_K_M treats attn_qkv as it treats attn_v.
     tensors.value(layer, block(layer, "attn_qkv.weight"), &[shape.n_embd, delta.conv_dim()]);
     tensors.weight(block(layer, "attn_gate.weight"), &[shape.n_embd, delta.value_dim()]);
-    tensors.add(block(layer, "ssm_conv1d.weight"), &[CONV_KERNEL, delta.conv_dim()], GgmlType::F32, Init::Projection { fan_in: CONV_KERNEL });
+    tensors.add(
+        block(layer, "ssm_conv1d.weight"),
+        &[CONV_KERNEL, delta.conv_dim()],
+        GgmlType::F32,
+        Init::Projection { fan_in: CONV_KERNEL },
+    );
     tensors.uniform(block(layer, "ssm_dt.bias"), &[delta.n_v_heads], -4.0, -1.0);
     tensors.uniform(block(layer, "ssm_a"), &[delta.n_v_heads], -4.0, -0.5);
     beta_alpha(tensors);
@@ -137,7 +156,12 @@ pub(super) fn delta_net(tensors: &mut Tensors, layer: u64, beta_alpha: impl FnOn
 pub(super) fn moe_ffn(tensors: &mut Tensors, layer: u64) {
     let shape = tensors.shape().clone();
     tensors.routed_experts(layer);
-    tensors.add(block(layer, "ffn_gate_inp_shexp.weight"), &[shape.n_embd], GgmlType::F32, Init::Projection { fan_in: shape.n_embd });
+    tensors.add(
+        block(layer, "ffn_gate_inp_shexp.weight"),
+        &[shape.n_embd],
+        GgmlType::F32,
+        Init::Projection { fan_in: shape.n_embd },
+    );
     tensors.ffn(layer, "_shexp", shape.n_ff_shared);
 }
 
@@ -197,7 +221,13 @@ mod tests {
     #[test]
     fn full_preset_is_about_twenty_gigabytes() {
         let spec = preset("qwen3.6-35b-a3b").expect("the preset exists");
-        let bytes: u64 = spec.tensors(Vocabulary::build().len()).iter().map(|plan| plan.ggml_type.row_bytes(plan.dims[0]).expect("whole blocks") * plan.dims[1..].iter().product::<u64>()).sum();
+        let bytes: u64 = spec
+            .tensors(Vocabulary::build().len())
+            .iter()
+            .map(|plan| {
+                plan.ggml_type.row_bytes(plan.dims[0]).expect("whole blocks") * plan.dims[1..].iter().product::<u64>()
+            })
+            .sum();
         let gigabytes = bytes as f64 / 1e9;
         assert!((17.0..=23.0).contains(&gigabytes), "{gigabytes:.2} GB");
     }

@@ -13,7 +13,10 @@ pub(super) const DEFINITION: Definition = Definition { arch: Arch::Qwen3Next, pr
 fn presets() -> Vec<(&'static str, Shape)> {
     // 4 trunk layers (3 delta-net, 1 full attention) and the MTP block; 16 experts, top-4 (the
     // 80B-A3B: 48 layers, hidden 2048, 512 experts top-10 of 512, a shared expert of 512).
-    vec![("tiny-qwen3next", Shape { n_ff_shared: 128, rope_freq_base: 10_000_000.0, ..moe(4, 256, 4, 2, 64, 128, 16, 4) })]
+    vec![(
+        "tiny-qwen3next",
+        Shape { n_ff_shared: 128, rope_freq_base: 10_000_000.0, ..moe(4, 256, 4, 2, 64, 128, 16, 4) },
+    )]
 }
 
 fn metadata(spec: &ForgeSpec, meta: &mut Meta) {

@@ -13,7 +13,9 @@ use std::time::Duration;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
-use crate::engine::{Control, DiskWhileBusy, Engine, EngineError, EngineOptions, GenerateRequest, Prompt, SamplerParams, Session};
+use crate::engine::{
+    Control, DiskWhileBusy, Engine, EngineError, EngineOptions, GenerateRequest, Prompt, SamplerParams, Session,
+};
 use hypura_sys::Token;
 use peer::PlainLlama;
 
@@ -30,7 +32,12 @@ pub struct PeerConfig {
 impl Default for PeerConfig {
     /// llama.cpp's own defaults.
     fn default() -> Self {
-        PeerConfig { load_mode: hypura_sys::LoadMode::Mmap, repack: true, placement: PeerPlacement::Default, devices: Vec::new() }
+        PeerConfig {
+            load_mode: hypura_sys::LoadMode::Mmap,
+            repack: true,
+            placement: PeerPlacement::Default,
+            devices: Vec::new(),
+        }
     }
 }
 
@@ -108,7 +115,11 @@ impl Rate {
     fn from_samples(samples: Vec<f64>) -> Rate {
         let count = samples.len().max(1) as f64;
         let mean = samples.iter().sum::<f64>() / count;
-        let variance = if samples.len() > 1 { samples.iter().map(|sample| (sample - mean).powi(2)).sum::<f64>() / (samples.len() - 1) as f64 } else { 0.0 };
+        let variance = if samples.len() > 1 {
+            samples.iter().map(|sample| (sample - mean).powi(2)).sum::<f64>() / (samples.len() - 1) as f64
+        } else {
+            0.0
+        };
         Rate { mean, sd: variance.sqrt(), samples }
     }
 }
@@ -265,7 +276,11 @@ struct HypuraSide {
 impl HypuraSide {
     fn prefill_rate(&mut self, prompt: &[Token]) -> Result<f64, BenchError> {
         self.session.reset();
-        let request = GenerateRequest { max_tokens: Some(0), sampling: SamplerParams::greedy(), ..GenerateRequest::new(Prompt::Tokens(prompt.to_vec())) };
+        let request = GenerateRequest {
+            max_tokens: Some(0),
+            sampling: SamplerParams::greedy(),
+            ..GenerateRequest::new(Prompt::Tokens(prompt.to_vec()))
+        };
         let output = self.session.generate(&request, &mut |_| Control::Continue)?;
         Ok(output.stats.prompt_tokens_per_sec())
     }
@@ -276,7 +291,12 @@ impl HypuraSide {
     /// the same `count` tokens take fewer decodes.
     fn generate_rate(&mut self, start: &[Token], count: usize) -> Result<(f64, Vec<Token>), BenchError> {
         self.session.reset();
-        let request = GenerateRequest { max_tokens: Some(count as u32 + 1), sampling: SamplerParams::greedy(), ignore_eos: true, ..GenerateRequest::new(Prompt::Tokens(start.to_vec())) };
+        let request = GenerateRequest {
+            max_tokens: Some(count as u32 + 1),
+            sampling: SamplerParams::greedy(),
+            ignore_eos: true,
+            ..GenerateRequest::new(Prompt::Tokens(start.to_vec()))
+        };
         let mut output = self.session.generate(&request, &mut |_| Control::Continue)?;
         let stats = &output.stats;
         if let Some(io) = stats.io {
@@ -373,7 +393,11 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
             let mut run_peer = |samples: &mut [Vec<f64>; 4]| -> Result<(), BenchError> {
                 if let Some(peer) = peer.as_mut() {
                     let before = traffic();
-                    let value = if test == 0 { rate(options.n_prompt, peer.time_prefill(&prompt)?) } else { rate(options.n_gen, peer.time_generate(&start, options.n_gen)?) };
+                    let value = if test == 0 {
+                        rate(options.n_prompt, peer.time_prefill(&prompt)?)
+                    } else {
+                        rate(options.n_gen, peer.time_generate(&start, options.n_gen)?)
+                    };
                     samples[2 + test].push(value);
                     if let (1, Some(before), Some(after)) = (test, before, traffic()) {
                         peer_links.0 = peer_links.0 + after.since(before);
@@ -386,7 +410,8 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
                 run_peer(&mut samples)?;
             }
             if let Some(side) = hypura.as_mut() {
-                let value = if test == 0 { side.prefill_rate(&prompt)? } else { side.generate_rate(&start, options.n_gen)?.0 };
+                let value =
+                    if test == 0 { side.prefill_rate(&prompt)? } else { side.generate_rate(&start, options.n_gen)?.0 };
                 samples[test].push(value);
             }
             if !peer_first {
@@ -406,20 +431,40 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
     };
     let inventory = crate::model::Inventory::open(path).map_err(EngineError::from)?;
     let totals = hypura.as_ref().map_or_else(TgTotals::default, |side| side.totals);
-    let plan = hypura.as_ref().and_then(|side| side.engine.options().plan.clone().filter(|_| side.engine.streaming().is_some()));
+    let plan = hypura
+        .as_ref()
+        .and_then(|side| side.engine.options().plan.clone().filter(|_| side.engine.streaming().is_some()));
     let any_plan = hypura.as_ref().and_then(|side| side.engine.options().plan.clone());
     let disk_rate = options.disk_bytes_per_sec;
     let tg = result(format!("tg{}", options.n_gen), hypura_tg_samples, peer_tg_samples);
     // The physical limit of the tg runs: their compute per decode, their bytes per pass, and
     // the tokens a decode yielded (one without drafts).
     let tokens_per_pass = if totals.drafted > 0 { totals.tokens as f64 / totals.passes as f64 } else { 1.0 };
-    let limit_at = |rate: f64| crate::plan::limit_tokens_per_sec(totals.compute_seconds / totals.generated as f64, totals.bytes_read as f64 / totals.graphs as f64, rate, tokens_per_pass);
+    let limit_at = |rate: f64| {
+        crate::plan::limit_tokens_per_sec(
+            totals.compute_seconds / totals.generated as f64,
+            totals.bytes_read as f64 / totals.graphs as f64,
+            rate,
+            tokens_per_pass,
+        )
+    };
     let measured = totals.graphs > 0 && totals.generated > 0;
     let limit = options.disk_bytes_per_sec.filter(|_| measured).and_then(limit_at);
     // The rate the disk delivered in the tg runs while a read was in flight, the limit at it,
     // and every pass of the tg requests (their start token's too) against it, over the same
     // span as the busy time and the bytes.
-    let busy = measured.then(|| DiskWhileBusy::from_totals(totals.bytes_read, totals.disk_busy_seconds, totals.wall_seconds, totals.graphs, tokens_per_pass, limit_at)).flatten();
+    let busy = measured
+        .then(|| {
+            DiskWhileBusy::from_totals(
+                totals.bytes_read,
+                totals.disk_busy_seconds,
+                totals.wall_seconds,
+                totals.graphs,
+                tokens_per_pass,
+                limit_at,
+            )
+        })
+        .flatten();
     Ok(BenchReport {
         model: path.to_path_buf(),
         model_description: vocab.model_description(),
@@ -432,11 +477,13 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         peak_memory_bytes: crate::hw::peak_rss_bytes(),
         compute_seconds_per_token: (totals.generated > 0).then(|| totals.compute_seconds / totals.generated as f64),
         generated_tokens: totals.generated,
-        expert_hit_rate: (totals.expert_hits + totals.expert_misses > 0).then(|| totals.expert_hits as f64 / (totals.expert_hits + totals.expert_misses) as f64),
+        expert_hit_rate: (totals.expert_hits + totals.expert_misses > 0)
+            .then(|| totals.expert_hits as f64 / (totals.expert_hits + totals.expert_misses) as f64),
         prefetch_issued_used_cancelled: (totals.prefetch[0] > 0).then_some(totals.prefetch),
         draft_acceptance: (totals.drafted > 0).then(|| totals.accepted as f64 / totals.drafted as f64),
         tokens_per_pass: (totals.drafted > 0 && totals.passes > 0).then(|| totals.tokens as f64 / totals.passes as f64),
-        bytes_read_per_generated_token: (totals.drafted > 0 && totals.tokens > 0 && totals.graphs > 0).then(|| totals.bytes_read as f64 / totals.tokens as f64),
+        bytes_read_per_generated_token: (totals.drafted > 0 && totals.tokens > 0 && totals.graphs > 0)
+            .then(|| totals.bytes_read as f64 / totals.tokens as f64),
         disk_bytes_per_sec: options.disk_bytes_per_sec.filter(|_| limit.is_some()),
         limit_tokens_per_sec: limit,
         limit_fraction: limit.zip(tg.hypura.as_ref()).map(|(limit, rate)| rate.mean / limit),
@@ -446,9 +493,11 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         busy_limit_fraction: busy.map(|disk| disk.fraction),
         planned_bytes_per_token: plan.as_ref().map(|plan| plan.streamed_bytes_per_token),
         link_bytes_per_token: (totals.link_decodes > 0).then(|| totals.link_bytes as f64 / totals.link_decodes as f64),
-        link_round_trips_per_token: (totals.link_decodes > 0).then(|| totals.link_round_trips as f64 / totals.link_decodes as f64),
+        link_round_trips_per_token: (totals.link_decodes > 0)
+            .then(|| totals.link_round_trips as f64 / totals.link_decodes as f64),
         llama_cpp_link_bytes_per_token: (peer_links.1 > 0).then(|| peer_links.0.bytes() as f64 / peer_links.1 as f64),
-        llama_cpp_link_round_trips_per_token: (peer_links.1 > 0).then(|| peer_links.0.round_trips as f64 / peer_links.1 as f64),
+        llama_cpp_link_round_trips_per_token: (peer_links.1 > 0)
+            .then(|| peer_links.0.round_trips as f64 / peer_links.1 as f64),
         predicted_seconds_per_token: any_plan.as_ref().and_then(|plan| plan.predicted_seconds_per_token(disk_rate)),
         io_bound_tokens_per_sec: plan.as_ref().and_then(|plan| plan.io_bound_tokens_per_sec),
         threads: options.threads,
@@ -458,7 +507,13 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         llama_build: hypura_sys::llama_build_info(),
         hypura_load_seconds: hypura.as_ref().map(|side| side.engine.load_duration().as_secs_f64()),
         llama_cpp_load_seconds: peer.as_ref().map(|peer| peer.load_duration().as_secs_f64()),
-        llama_cpp_load_mode: options.peer.as_ref().map(|config| if config.load_mode == hypura_sys::LoadMode::Mmap { "mmap" } else { "no-mmap" }),
+        llama_cpp_load_mode: options.peer.as_ref().map(|config| {
+            if config.load_mode == hypura_sys::LoadMode::Mmap {
+                "mmap"
+            } else {
+                "no-mmap"
+            }
+        }),
         llama_cpp_repack: options.peer.as_ref().map(|config| config.repack && hypura_sys::repacking_available()),
         llama_cpp_placement: peer.as_ref().map(|peer| peer.placement().to_string()),
         results: vec![result(format!("pp{}", options.n_prompt), hypura_pp_samples, peer_pp_samples), tg],
@@ -477,9 +532,13 @@ pub fn render(report: &BenchReport) -> String {
     let _ = writeln!(out, "| model | size | params | mode | threads | test | hypura t/s | llama.cpp t/s | ratio |");
     let _ = writeln!(out, "| --- | ---: | ---: | --- | ---: | --- | ---: | ---: | ---: |");
     for result in &report.results {
-        let peer = result.llama_cpp.as_ref().map_or_else(|| "-".to_string(), |rate| format!("{:.2} ± {:.2}", rate.mean, rate.sd));
+        let peer = result
+            .llama_cpp
+            .as_ref()
+            .map_or_else(|| "-".to_string(), |rate| format!("{:.2} ± {:.2}", rate.mean, rate.sd));
         let ratio = result.ratio.map_or_else(|| "-".to_string(), |ratio| format!("{ratio:.3}"));
-        let ours = result.hypura.as_ref().map_or_else(|| "-".to_string(), |rate| format!("{:.2} ± {:.2}", rate.mean, rate.sd));
+        let ours =
+            result.hypura.as_ref().map_or_else(|| "-".to_string(), |rate| format!("{:.2} ± {:.2}", rate.mean, rate.sd));
         let _ = writeln!(
             out,
             "| {} | {} | {:.1} M | {} | {} | {} | {} | {} | {} |",
@@ -502,14 +561,24 @@ pub fn render(report: &BenchReport) -> String {
             report.planned_bytes_per_token.unwrap_or(0) as f64 / 1e6,
             // Dense layers in slots reuse their pages without moving any, so only a share of
             // moved pages is worth a word.
-            report.recycled_fraction.filter(|&share| share > 0.0).map_or_else(String::new, |share| format!(", {:.0}% into pages of evicted units", 100.0 * share)),
+            report
+                .recycled_fraction
+                .filter(|&share| share > 0.0)
+                .map_or_else(String::new, |share| format!(", {:.0}% into pages of evicted units", 100.0 * share)),
             100.0 * report.stall_fraction.unwrap_or(0.0),
             report.io_bound_tokens_per_sec.map_or_else(String::new, |bound| format!("; disk bound {bound:.2} tok/s"))
         );
-        if let (Some(limit), Some(fraction), Some(rate)) = (report.limit_tokens_per_sec, report.limit_fraction, report.disk_bytes_per_sec) {
+        if let (Some(limit), Some(fraction), Some(rate)) =
+            (report.limit_tokens_per_sec, report.limit_fraction, report.disk_bytes_per_sec)
+        {
             let _ = writeln!(out, "physical limit {limit:.2} tok/s (this run's compute and reads per pass, the disk at the profile's {:.2} GB/s): tg reached {fraction:.2} of it", rate / 1e9);
         }
-        if let (Some(busy), Some(rate), Some(limit), Some(fraction)) = (report.disk_busy_fraction, report.busy_read_bytes_per_sec, report.busy_limit_tokens_per_sec, report.busy_limit_fraction) {
+        if let (Some(busy), Some(rate), Some(limit), Some(fraction)) = (
+            report.disk_busy_fraction,
+            report.busy_read_bytes_per_sec,
+            report.busy_limit_tokens_per_sec,
+            report.busy_limit_fraction,
+        ) {
             let _ = writeln!(
                 out,
                 "disk: reads in flight {:.0}% of tg's time at {:.2} GB/s (idle {:.0}%); the limit at that rate {limit:.2} tok/s: tg's passes reached {fraction:.2} of it",
@@ -519,23 +588,36 @@ pub fn render(report: &BenchReport) -> String {
             );
         }
     }
-    for (side, bytes, round_trips) in
-        [("hypura", report.link_bytes_per_token, report.link_round_trips_per_token), ("llama.cpp", report.llama_cpp_link_bytes_per_token, report.llama_cpp_link_round_trips_per_token)]
-    {
+    for (side, bytes, round_trips) in [
+        ("hypura", report.link_bytes_per_token, report.link_round_trips_per_token),
+        ("llama.cpp", report.llama_cpp_link_bytes_per_token, report.llama_cpp_link_round_trips_per_token),
+    ] {
         if let (Some(bytes), Some(round_trips)) = (bytes, round_trips) {
             let _ = writeln!(out, "links ({side}): {:.1} KB and {round_trips:.1} round trips per decoded token over the RPC workers' links", bytes / 1e3);
         }
     }
     if let Some(predicted) = report.predicted_seconds_per_token {
-        let measured = report.results.iter().find(|result| result.test.starts_with("tg")).and_then(|result| result.hypura.as_ref()).map(|rate| 1.0 / rate.mean.max(1e-9));
-        let _ = writeln!(out, "time per token: predicted {:.1} ms, measured {}", predicted * 1e3, measured.map_or_else(|| "-".to_string(), |seconds| format!("{:.1} ms (tg)", seconds * 1e3)));
+        let measured = report
+            .results
+            .iter()
+            .find(|result| result.test.starts_with("tg"))
+            .and_then(|result| result.hypura.as_ref())
+            .map(|rate| 1.0 / rate.mean.max(1e-9));
+        let _ = writeln!(
+            out,
+            "time per token: predicted {:.1} ms, measured {}",
+            predicted * 1e3,
+            measured.map_or_else(|| "-".to_string(), |seconds| format!("{:.1} ms (tg)", seconds * 1e3))
+        );
     }
     if let (Some(acceptance), Some(per_pass)) = (report.draft_acceptance, report.tokens_per_pass) {
         let _ = writeln!(
             out,
             "speculation: {:.1}% of drafted tokens accepted, {per_pass:.2} tokens per pass{}",
             100.0 * acceptance,
-            report.bytes_read_per_generated_token.map_or_else(String::new, |bytes| format!(", {:.1} MB read per generated token", bytes / 1e6))
+            report
+                .bytes_read_per_generated_token
+                .map_or_else(String::new, |bytes| format!(", {:.1} MB read per generated token", bytes / 1e6))
         );
     }
     let load = |seconds: Option<f64>| seconds.map_or_else(|| "-".to_string(), |seconds| format!("{seconds:.2} s"));
@@ -556,7 +638,8 @@ pub fn render(report: &BenchReport) -> String {
         let _ = writeln!(out, "peak memory: {}", crate::format::format_bytes(peak));
     }
     if let (Some(same), Some(hash)) = (report.same_output, &report.hypura_output_sha256) {
-        let _ = writeln!(out, "greedy output after the pp prompt identical to llama.cpp: {same} (sha256 {})", &hash[..16]);
+        let _ =
+            writeln!(out, "greedy output after the pp prompt identical to llama.cpp: {same} (sha256 {})", &hash[..16]);
     }
     out
 }

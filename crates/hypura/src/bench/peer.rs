@@ -4,7 +4,9 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use hypura_sys::{first_maximum, Backend, Batch, Context, ContextParams, LoadMode, Model, ModelParams, Placement, SysError, Token};
+use hypura_sys::{
+    first_maximum, Backend, Batch, Context, ContextParams, LoadMode, Model, ModelParams, Placement, SysError, Token,
+};
 
 use super::{PeerConfig, PeerPlacement};
 
@@ -24,17 +26,33 @@ impl PlainLlama {
     }
 
     /// As `load`, choosing mmap or `--no-mmap`.
-    pub fn load_with(path: &Path, n_ctx: u32, n_threads: i32, repack: bool, load_mode: LoadMode) -> Result<PlainLlama, SysError> {
+    pub fn load_with(
+        path: &Path,
+        n_ctx: u32,
+        n_threads: i32,
+        repack: bool,
+        load_mode: LoadMode,
+    ) -> Result<PlainLlama, SysError> {
         PlainLlama::load_configured(path, n_ctx, n_threads, &PeerConfig { load_mode, repack, ..PeerConfig::default() })
     }
 
     /// Load as `config` says, the GPU placement included (`--fit` asks llama.cpp's fit first,
     /// inside the load time).
-    pub fn load_configured(path: &Path, n_ctx: u32, n_threads: i32, config: &PeerConfig) -> Result<PlainLlama, SysError> {
+    pub fn load_configured(
+        path: &Path,
+        n_ctx: u32,
+        n_threads: i32,
+        config: &PeerConfig,
+    ) -> Result<PlainLlama, SysError> {
         let started = Instant::now();
         let backend = Backend::get();
         // With RPC devices, llama.cpp's `--rpc`: every layer offloaded, split by free memory.
-        let mut model_params = ModelParams { use_extra_bufts: config.repack, load_mode: config.load_mode, devices: config.devices.clone(), ..ModelParams::default() };
+        let mut model_params = ModelParams {
+            use_extra_bufts: config.repack,
+            load_mode: config.load_mode,
+            devices: config.devices.clone(),
+            ..ModelParams::default()
+        };
         let params = ContextParams { n_ctx, n_threads, n_threads_batch: n_threads, ..ContextParams::default() };
         let host_patterns = match &config.placement {
             PeerPlacement::Default => Vec::new(),
@@ -47,7 +65,11 @@ impl PlainLlama {
                 // The margin leaves all free memory but the budget on the first dedicated GPU.
                 // Free memory is read now, beside Hypura's model when both sides run in one
                 // process: where the card cannot hold both, the peer gets only what is left.
-                let free = backend.devices().iter().find(|device| device.kind == hypura_sys::DeviceKind::Gpu).map_or(0, |device| device.free_bytes);
+                let free = backend
+                    .devices()
+                    .iter()
+                    .find(|device| device.kind == hypura_sys::DeviceKind::Gpu)
+                    .map_or(0, |device| device.free_bytes);
                 if free < *gpu_budget_bytes {
                     tracing::warn!(
                         "llama.cpp's fit gets the {} free on the GPU, less than the {} budget: run each side in its own process (--no-baseline, --baseline-only) to compare at the same budget",
@@ -55,7 +77,13 @@ impl PlainLlama {
                         crate::format::format_bytes(*gpu_budget_bytes)
                     );
                 }
-                let fit = hypura_sys::fit_placement(backend, path, &model_params, &params, free.saturating_sub(*gpu_budget_bytes))?;
+                let fit = hypura_sys::fit_placement(
+                    backend,
+                    path,
+                    &model_params,
+                    &params,
+                    free.saturating_sub(*gpu_budget_bytes),
+                )?;
                 model_params.n_gpu_layers = fit.n_gpu_layers;
                 fit.host_patterns
             }
@@ -64,8 +92,13 @@ impl PlainLlama {
         let model = Model::load_placed(backend, path, &model_params, placed)?;
         let context = Context::new(&model, &params)?;
         let batch = Batch::new(params.n_batch as usize, 1);
-        let devices = if config.devices.is_empty() { String::new() } else { format!(", devices {:?}", config.devices.iter().map(hypura_sys::DeviceHandle::name).collect::<Vec<_>>()) };
-        let placement = format!("n_gpu_layers {}, host patterns {:?}{devices}", model_params.n_gpu_layers, host_patterns);
+        let devices = if config.devices.is_empty() {
+            String::new()
+        } else {
+            format!(", devices {:?}", config.devices.iter().map(hypura_sys::DeviceHandle::name).collect::<Vec<_>>())
+        };
+        let placement =
+            format!("n_gpu_layers {}, host patterns {:?}{devices}", model_params.n_gpu_layers, host_patterns);
         Ok(PlainLlama { context, batch, position: 0, load_duration: started.elapsed(), placement })
     }
 

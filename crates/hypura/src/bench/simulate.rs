@@ -17,7 +17,13 @@ pub struct SimulationResult {
 
 /// Replay `records` (units numbered as the expert store numbers them) through one policy and
 /// size, exactly as the expert store admits and evicts: a layer's picks are pinned while it runs.
-pub fn simulate(records: &[RouteRecord], n_layer: usize, n_expert: usize, policy: CachePolicy, capacity_units: usize) -> SimulationResult {
+pub fn simulate(
+    records: &[RouteRecord],
+    n_layer: usize,
+    n_expert: usize,
+    policy: CachePolicy,
+    capacity_units: usize,
+) -> SimulationResult {
     let numbering = ExpertUnits { n_layer, n_expert };
     let mut cache = CacheModel::new(policy, numbering.count(), capacity_units.max(n_expert));
     let (mut hits, mut misses) = (0u64, 0u64);
@@ -56,12 +62,18 @@ pub fn token_by_token(records: &[RouteRecord]) -> Vec<RouteRecord> {
     let mut start = 0;
     while start < records.len() {
         let mut end = start + 1;
-        while end < records.len() && records[end].layer > records[end - 1].layer && records[end].experts.len() == records[start].experts.len() {
+        while end < records.len()
+            && records[end].layer > records[end - 1].layer
+            && records[end].experts.len() == records[start].experts.len()
+        {
             end += 1;
         }
         let pass = &records[start..end];
         for token in 0..pass[0].experts.len() {
-            out.extend(pass.iter().map(|record| RouteRecord { layer: record.layer, experts: vec![record.experts[token].clone()] }));
+            out.extend(
+                pass.iter()
+                    .map(|record| RouteRecord { layer: record.layer, experts: vec![record.experts[token].clone()] }),
+            );
         }
         start = end;
     }
@@ -125,14 +137,22 @@ mod tests {
         let decode = [record(0, &[3, 1]), record(1, &[0, 2])];
         let records = [vec![batched, next_layer], decode.to_vec()].concat();
         let replayed = token_by_token(&records);
-        let expected = [record(0, &[0, 1]), record(1, &[1, 2]), record(0, &[2, 3]), record(1, &[3, 0]), record(0, &[3, 1]), record(1, &[0, 2])];
+        let expected = [
+            record(0, &[0, 1]),
+            record(1, &[1, 2]),
+            record(0, &[2, 3]),
+            record(1, &[3, 0]),
+            record(0, &[3, 1]),
+            record(1, &[0, 2]),
+        ];
         assert_eq!(replayed, expected);
     }
 
     #[test]
     fn a_cyclic_sweep_larger_than_the_cache_defeats_lru() {
         // 3 layers × 2 picks = 6 units cycling through a cache of 4 (minimum is n_expert = 4).
-        let records: Vec<RouteRecord> = (0..10).flat_map(|_| [record(0, &[0, 1]), record(1, &[0, 1]), record(2, &[0, 1])]).collect();
+        let records: Vec<RouteRecord> =
+            (0..10).flat_map(|_| [record(0, &[0, 1]), record(1, &[0, 1]), record(2, &[0, 1])]).collect();
         assert_eq!(simulate(&records, 3, 4, CachePolicy::Lru, 4).hits, 0);
         assert!(simulate(&records, 3, 4, CachePolicy::Lru, 6).hits > 0);
     }

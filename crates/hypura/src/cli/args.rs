@@ -4,7 +4,11 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 
 #[derive(Parser, Debug)]
-#[command(name = "hypura", version, about = "Run GGUF models larger than memory: placement across GPU, RAM and NVMe, with streaming")]
+#[command(
+    name = "hypura",
+    version,
+    about = "Run GGUF models larger than memory: placement across GPU, RAM and NVMe, with streaming"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,

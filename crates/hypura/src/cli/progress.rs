@@ -9,7 +9,9 @@ pub fn bytes_bar(message: &'static str) -> ProgressBar {
     if !std::io::stderr().is_terminal() {
         bar.set_draw_target(ProgressDrawTarget::hidden());
     }
-    if let Ok(style) = ProgressStyle::with_template("{msg} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta} {wide_bar}") {
+    if let Ok(style) =
+        ProgressStyle::with_template("{msg} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta} {wide_bar}")
+    {
         bar.set_style(style);
     }
     bar.set_message(message);

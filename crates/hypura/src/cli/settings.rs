@@ -20,7 +20,10 @@ pub fn model_path(model: Option<&str>) -> anyhow::Result<PathBuf> {
     let Some(model) = model else {
         let path = crate::hw::default_cache_dir().join("models").join(DEFAULT_MODEL);
         if !path.exists() {
-            anyhow::bail!("no model given and the default model {} is missing; run scripts/fetch-model", path.display());
+            anyhow::bail!(
+                "no model given and the default model {} is missing; run scripts/fetch-model",
+                path.display()
+            );
         }
         return Ok(path);
     };
@@ -28,12 +31,16 @@ pub fn model_path(model: Option<&str>) -> anyhow::Result<PathBuf> {
     if path.exists() {
         return Ok(path);
     }
-    let catalog = crate::server::Catalog { ollama_stores: crate::server::Catalog::default_ollama_store().into_iter().collect(), ..crate::server::Catalog::default() };
+    let catalog = crate::server::Catalog {
+        ollama_stores: crate::server::Catalog::default_ollama_store().into_iter().collect(),
+        ..crate::server::Catalog::default()
+    };
     match catalog.resolve(model) {
         Ok(entry) => Ok(entry.path),
         Err(_) => anyhow::bail!(
             "{model} is neither a file nor a model pulled by Ollama (looked in {})",
-            crate::server::Catalog::default_ollama_store().map_or("no Ollama store".into(), |store| store.display().to_string())
+            crate::server::Catalog::default_ollama_store()
+                .map_or("no Ollama store".into(), |store| store.display().to_string())
         ),
     }
 }
@@ -64,7 +71,8 @@ pub fn speculation(args: &SpeculativeArgs) -> anyhow::Result<Option<crate::engin
     if let Some(unknown) = args.spec_type.iter().find(|name| !hypura_sys::SPECULATIVE_TYPES.contains(&name.as_str())) {
         anyhow::bail!("unknown --spec-type {unknown:?}: use {}", hypura_sys::SPECULATIVE_TYPES.join(", "));
     }
-    let draft_model = args.model_draft.as_deref().map(|model| model_path(Some(model))).transpose().context("--model-draft")?;
+    let draft_model =
+        args.model_draft.as_deref().map(|model| model_path(Some(model))).transpose().context("--model-draft")?;
     let mut speculation = crate::engine::Speculation::new(draft_model, args.spec_type.clone());
     // 0: chosen with the plan.
     speculation.params.n_max = args.draft_max.unwrap_or(0);
@@ -102,7 +110,9 @@ pub fn remote_workers(args: &PlanArgs) -> anyhow::Result<Option<std::sync::Arc<c
         return Ok(None);
     }
     let delay = match args.rpc_link_delay {
-        Some(ms) if !(0.0..=10_000.0).contains(&ms) => anyhow::bail!("--rpc-link-delay {ms} must be between 0 and 10000 ms"),
+        Some(ms) if !(0.0..=10_000.0).contains(&ms) => {
+            anyhow::bail!("--rpc-link-delay {ms} must be between 0 and 10000 ms")
+        }
         Some(ms) => std::time::Duration::from_secs_f64(ms / 1e3),
         None => std::time::Duration::ZERO,
     };
@@ -123,7 +133,8 @@ pub fn threads(flag: Option<i32>) -> i32 {
 /// spellings of K/M/G/T (as memory sizes usually are), decimal for KB/MB/GB/TB.
 pub fn parse_bytes(text: &str) -> anyhow::Result<u64> {
     let trimmed = text.trim();
-    let split = trimmed.find(|character: char| !(character.is_ascii_digit() || character == '.')).unwrap_or(trimmed.len());
+    let split =
+        trimmed.find(|character: char| !(character.is_ascii_digit() || character == '.')).unwrap_or(trimmed.len());
     let (number, unit) = trimmed.split_at(split);
     let value: f64 = number.parse().with_context(|| format!("{text:?} is not a size like 8GiB or 512MB"))?;
     let multiplier: f64 = match unit.trim().to_ascii_lowercase().as_str() {
@@ -169,7 +180,10 @@ pub fn parse_gpu_budget(text: &str) -> anyhow::Result<u64> {
 fn plan_options(args: &PlanArgs) -> anyhow::Result<PlanOptions> {
     let cache_policy = match args.cache_policy.as_str() {
         "auto" => None,
-        name => Some(crate::store::CachePolicy::parse(name).with_context(|| format!("unknown cache policy {name:?}: use auto, slru or lru"))?),
+        name => Some(
+            crate::store::CachePolicy::parse(name)
+                .with_context(|| format!("unknown cache policy {name:?}: use auto, slru or lru"))?,
+        ),
     };
     Ok(PlanOptions {
         mode: parse_mode(&args.mode)?,
@@ -203,7 +217,10 @@ pub fn sampler_params(args: &SamplingArgs) -> anyhow::Result<SamplerParams> {
 }
 
 fn rand_seed() -> u32 {
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|elapsed| elapsed.subsec_nanos()).unwrap_or(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|elapsed| elapsed.subsec_nanos())
+        .unwrap_or(0);
     nanos ^ std::process::id()
 }
 

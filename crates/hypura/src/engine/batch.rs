@@ -105,7 +105,8 @@ impl Batcher {
         let mut context = Context::new(engine.model(), &params)?;
         // A streaming read failure aborts the decode before any node computes on missing
         // weights; the failure is then reported to the sequences in that batch.
-        let abort_base: Vec<Arc<AtomicBool>> = engine.streaming().map(|streaming| streaming.driver.abort_flags()).unwrap_or_default();
+        let abort_base: Vec<Arc<AtomicBool>> =
+            engine.streaming().map(|streaming| streaming.driver.abort_flags()).unwrap_or_default();
         if let Some(streaming) = engine.streaming() {
             streaming.driver.take_failure();
         }
@@ -118,7 +119,10 @@ impl Batcher {
                 let draft = if speculation.uses_mtp() {
                     Some(Context::new_mtp(&engine.draft_context_params(&params), &context)?)
                 } else {
-                    engine.draft_model().map(|model| Context::new_beside(model, &engine.draft_context_params(&params), &context)).transpose()?
+                    engine
+                        .draft_model()
+                        .map(|model| Context::new_beside(model, &engine.draft_context_params(&params), &context))
+                        .transpose()?
                 };
                 Some(Speculator::new(&context, draft, &speculation.params)?)
             }
@@ -182,14 +186,34 @@ impl Batcher {
                 };
                 tracing::debug!("sequence {index}: a prompt of {} tokens, {reused} of them cached", tokens.len());
                 let seq_id = self.slots[index].seq_id;
-                if let Some(error) = self.speculator.as_mut().and_then(|speculator| speculator.begin(seq_id, &tokens).err()) {
+                if let Some(error) =
+                    self.speculator.as_mut().and_then(|speculator| speculator.begin(seq_id, &tokens).err())
+                {
                     self.stop_speculating(&error);
                 }
-                let stats = GenerationStats { reused_prompt_tokens: reused as u32, prompt_eval_count: (tokens.len() - reused) as u32, ..GenerationStats::default() };
+                let stats = GenerationStats {
+                    reused_prompt_tokens: reused as u32,
+                    prompt_eval_count: (tokens.len() - reused) as u32,
+                    ..GenerationStats::default()
+                };
                 self.slots[index].active = Some(Active {
                     cancel: request.cancel.unwrap_or_default(),
-                    sampling: Sampling { sampler, grammar, max_tokens: request.max_tokens, ignore_eos: request.ignore_eos, limit },
-                    feed: Feed { next_prompt: reused, prompt: tokens, pending: None, draft: Vec::new(), queued: Vec::new(), queued_generated: false, logits_row: None },
+                    sampling: Sampling {
+                        sampler,
+                        grammar,
+                        max_tokens: request.max_tokens,
+                        ignore_eos: request.ignore_eos,
+                        limit,
+                    },
+                    feed: Feed {
+                        next_prompt: reused,
+                        prompt: tokens,
+                        pending: None,
+                        draft: Vec::new(),
+                        queued: Vec::new(),
+                        queued_generated: false,
+                        logits_row: None,
+                    },
                     output: Output {
                         generated: Vec::new(),
                         text: String::new(),
@@ -202,7 +226,13 @@ impl Batcher {
                         prompt_logits: None,
                         sink,
                     },
-                    statistics: Statistics { stats, started: Instant::now(), counters: Counters::read(&self.engine), eval_started: None, decodes: 0 },
+                    statistics: Statistics {
+                        stats,
+                        started: Instant::now(),
+                        counters: Counters::read(&self.engine),
+                        eval_started: None,
+                        decodes: 0,
+                    },
                 });
                 Ok(())
             }
@@ -217,7 +247,12 @@ impl Batcher {
 
     /// Validate a request and pick its slot: the free one sharing the longest prefix.
     #[allow(clippy::type_complexity)]
-    fn prepare(&mut self, request: &GenerateRequest, tokens: Vec<Token>, chat_grammar: Option<Grammar>) -> Result<(usize, Vec<Token>, Sampler, Option<Grammar>, usize), EngineError> {
+    fn prepare(
+        &mut self,
+        request: &GenerateRequest,
+        tokens: Vec<Token>,
+        chat_grammar: Option<Grammar>,
+    ) -> Result<(usize, Vec<Token>, Sampler, Option<Grammar>, usize), EngineError> {
         request.sampling.validate()?;
         if tokens.is_empty() {
             return Err(EngineError::EmptyPrompt);
@@ -227,7 +262,9 @@ impl Batcher {
             return Err(EngineError::PromptTooLong { tokens: tokens.len(), n_ctx_seq: limit as u32 });
         }
         let grammar = match (&request.grammar, chat_grammar) {
-            (Some(_), Some(_)) => return Err(EngineError::Unsupported("a request cannot have both a format (grammar) and tools".into())),
+            (Some(_), Some(_)) => {
+                return Err(EngineError::Unsupported("a request cannot have both a format (grammar) and tools".into()))
+            }
             (Some(text), None) => Some(Grammar::new(&self.engine.model().vocab(), text, "root")?),
             (None, chat_grammar) => chat_grammar,
         };
@@ -299,7 +336,11 @@ impl Batcher {
         }
         if let Err(error) = decoded {
             // The one sequence in the batch was cancelled mid-decode: it ends, cancelled.
-            let cancelled = self.armed.as_ref().filter(|(_, cancel)| cancel.load(Ordering::Relaxed)).and_then(|(seq_id, _)| self.slots.iter().position(|slot| slot.seq_id == *seq_id));
+            let cancelled = self
+                .armed
+                .as_ref()
+                .filter(|(_, cancel)| cancel.load(Ordering::Relaxed))
+                .and_then(|(seq_id, _)| self.slots.iter().position(|slot| slot.seq_id == *seq_id));
             if let (hypura_sys::SysError::Aborted, Some(index)) = (&error, cancelled) {
                 let seq_id = self.slots[index].seq_id;
                 // The KV cache may hold part of the batch.
@@ -416,7 +457,10 @@ impl Batcher {
             // The pending token and the draft take cells; one more is needed to sample after them.
             let by_context = active.sampling.limit.saturating_sub(slot.cached.len() + 2);
             // A pass yields up to draft + 1 tokens, the pending one already counted.
-            let by_tokens = active.sampling.max_tokens.map_or(usize::MAX, |limit| (limit as usize).saturating_sub(active.output.generated.len() + 1));
+            let by_tokens = active
+                .sampling
+                .max_tokens
+                .map_or(usize::MAX, |limit| (limit as usize).saturating_sub(active.output.generated.len() + 1));
             let n_max = speculator.n_max().min(by_context).min(by_tokens).min(room);
             if n_max > 0 {
                 indices.push(index);
@@ -445,14 +489,17 @@ impl Batcher {
     /// Abort flags for the next decode: the one sequence in the batch may stop it mid-graph
     /// (with several, one request's cancel must not fail the others' shared decode).
     fn arm_abort(&mut self) {
-        let mut involved = self.slots.iter().filter(|slot| slot.active.as_ref().is_some_and(|active| !active.feed.queued.is_empty()));
+        let mut involved =
+            self.slots.iter().filter(|slot| slot.active.as_ref().is_some_and(|active| !active.feed.queued.is_empty()));
         let alone = match (involved.next(), involved.next()) {
             (Some(slot), None) => Some(slot),
             _ => None,
         };
         let wanted = alone.and_then(|slot| Some((slot.seq_id, slot.active.as_ref()?.cancel.clone())));
         let same = match (&wanted, &self.armed) {
-            (Some((wanted_seq, wanted_flag)), Some((armed_seq, armed_flag))) => wanted_seq == armed_seq && Arc::ptr_eq(wanted_flag, armed_flag),
+            (Some((wanted_seq, wanted_flag)), Some((armed_seq, armed_flag))) => {
+                wanted_seq == armed_seq && Arc::ptr_eq(wanted_flag, armed_flag)
+            }
             (None, None) => true,
             _ => false,
         };
@@ -520,10 +567,15 @@ impl Batcher {
                 // Only a recurrent state refuses, and speculation is refused for those at load.
                 self.context.truncate_sequence(slot.seq_id, 0);
                 slot.cached.clear();
-                return self.fail(index, EngineError::Decode("the KV cache could not drop the rejected drafted tokens".into()));
+                return self.fail(
+                    index,
+                    EngineError::Decode("the KV cache could not drop the rejected drafted tokens".into()),
+                );
             }
         }
-        if let Some(error) = self.speculator.as_mut().and_then(|speculator| speculator.accept(slot.seq_id, accepted).err()) {
+        if let Some(error) =
+            self.speculator.as_mut().and_then(|speculator| speculator.accept(slot.seq_id, accepted).err())
+        {
             self.stop_speculating(&error);
         }
     }

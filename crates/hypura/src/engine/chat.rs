@@ -52,7 +52,8 @@ impl ChatMessage {
                         Value::String(text) => text.clone(),
                         other => other.to_string(),
                     };
-                    let mut value = json!({ "type": "function", "function": { "name": call.name, "arguments": arguments } });
+                    let mut value =
+                        json!({ "type": "function", "function": { "name": call.name, "arguments": arguments } });
                     if let Some(id) = &call.id {
                         value["id"] = json!(id);
                     }
@@ -150,7 +151,8 @@ pub enum ChatError {
 impl ChatTemplate {
     /// The file's template, or `override_template` in its place.
     pub fn new(model: &Model, override_template: Option<&str>) -> Result<ChatTemplate, String> {
-        let templates = ChatTemplates::new(model, override_template.filter(|text| !text.trim().is_empty())).map_err(|error| error.to_string())?;
+        let templates = ChatTemplates::new(model, override_template.filter(|text| !text.trim().is_empty()))
+            .map_err(|error| error.to_string())?;
         ChatTemplate::with(templates)
     }
 
@@ -166,17 +168,25 @@ impl ChatTemplate {
     }
 
     fn with(templates: ChatTemplates) -> Result<ChatTemplate, String> {
-        let describe: Describe = serde_json::from_str(&templates.describe().map_err(|error| error.to_string())?).map_err(|error| error.to_string())?;
+        let describe: Describe = serde_json::from_str(&templates.describe().map_err(|error| error.to_string())?)
+            .map_err(|error| error.to_string())?;
         if !describe.explicit {
             return Ok(ChatTemplate { templates: None, caps: TemplateCaps::default() });
         }
-        Ok(ChatTemplate { templates: Some(templates), caps: TemplateCaps { template: true, tools: describe.tools, thinking: describe.thinking } })
+        Ok(ChatTemplate {
+            templates: Some(templates),
+            caps: TemplateCaps { template: true, tools: describe.tools, thinking: describe.thinking },
+        })
     }
 
     /// What a file's template text can do, without loading the model (`/api/show`). A
     /// template llama.cpp cannot parse can do nothing.
     pub fn caps_of(template: Option<&str>) -> TemplateCaps {
-        template.filter(|text| !text.trim().is_empty()).and_then(|text| ChatTemplate::from_text(text).ok()).map(|template| template.caps).unwrap_or_default()
+        template
+            .filter(|text| !text.trim().is_empty())
+            .and_then(|text| ChatTemplate::from_text(text).ok())
+            .map(|template| template.caps)
+            .unwrap_or_default()
     }
 
     pub fn describe(&self) -> String {
@@ -195,11 +205,19 @@ impl ChatTemplate {
             if !request.tools.is_empty() {
                 return Err(ChatError::Unsupported("does not support tools (the model has no chat template)".into()));
             }
-            let prompt = request.messages.iter().map(|message| message.content.as_str()).filter(|text| !text.is_empty()).collect::<Vec<_>>().join("\n\n");
+            let prompt = request
+                .messages
+                .iter()
+                .map(|message| message.content.as_str())
+                .filter(|text| !text.is_empty())
+                .collect::<Vec<_>>()
+                .join("\n\n");
             return Ok(RenderedTurn { prompt, chat: None, stops: Vec::new(), preserved: Vec::new() });
         };
         if !request.tools.is_empty() && !self.caps.tools {
-            return Err(ChatError::Unsupported("does not support tools (its chat template does not render them)".into()));
+            return Err(ChatError::Unsupported(
+                "does not support tools (its chat template does not render them)".into(),
+            ));
         }
         for tool in &request.tools {
             check_tool(tool)?;
@@ -225,7 +243,8 @@ impl ChatTemplate {
         }
         let rendered = templates.apply(&body.to_string()).map_err(|error| ChatError::Template(error.to_string()))?;
         tracing::debug!("chat layer: {}", rendered.json());
-        let params: RenderedParams = serde_json::from_str(rendered.json()).map_err(|error| ChatError::Template(format!("the chat layer's answer: {error}")))?;
+        let params: RenderedParams = serde_json::from_str(rendered.json())
+            .map_err(|error| ChatError::Template(format!("the chat layer's answer: {error}")))?;
         // The parser runs only where it has something to find: tool calls, or a reasoning section.
         let parse = !request.tools.is_empty() || params.supports_thinking;
         Ok(RenderedTurn {
@@ -237,7 +256,11 @@ impl ChatTemplate {
                 text: String::new(),
                 sent_content: 0,
                 sent_thinking: 0,
-                tool_names: request.tools.iter().filter_map(|tool| tool.pointer("/function/name").and_then(Value::as_str).map(str::to_string)).collect(),
+                tool_names: request
+                    .tools
+                    .iter()
+                    .filter_map(|tool| tool.pointer("/function/name").and_then(Value::as_str).map(str::to_string))
+                    .collect(),
             }),
         })
     }
@@ -246,8 +269,9 @@ impl ChatTemplate {
 /// A tool definition has a function with a name, and parameters (if any) that are a JSON
 /// Schema object: checked here so a malformed one is a clear 400, not a template's error.
 fn check_tool(tool: &Value) -> Result<(), ChatError> {
-    let function =
-        tool.get("function").filter(|function| function.is_object()).ok_or_else(|| ChatError::Template(format!("a tool must be {{\"type\": \"function\", \"function\": {{...}}}}, not {tool}")))?;
+    let function = tool.get("function").filter(|function| function.is_object()).ok_or_else(|| {
+        ChatError::Template(format!("a tool must be {{\"type\": \"function\", \"function\": {{...}}}}, not {tool}"))
+    })?;
     if let Some(kind) = tool.get("type") {
         if kind != "function" {
             return Err(ChatError::Template(format!("tool type {kind} is not supported; only \"function\" is")));
@@ -259,7 +283,9 @@ fn check_tool(tool: &Value) -> Result<(), ChatError> {
     }
     match function.get("parameters") {
         None | Some(Value::Null) | Some(Value::Object(_)) => Ok(()),
-        Some(other) => Err(ChatError::Template(format!("a tool's parameters must be a JSON Schema object, not {other}"))),
+        Some(other) => {
+            Err(ChatError::Template(format!("a tool's parameters must be a JSON Schema object, not {other}")))
+        }
     }
 }
 
@@ -288,7 +314,12 @@ impl RenderedTurn {
     /// The preserved markers that are single tokens.
     pub fn preserved_tokens(&self, model: &Model) -> HashSet<Token> {
         let vocab = model.vocab();
-        self.preserved.iter().filter_map(|text| vocab.tokenize(text, false, true).ok()).filter(|tokens| tokens.len() == 1).map(|tokens| tokens[0]).collect()
+        self.preserved
+            .iter()
+            .filter_map(|text| vocab.tokenize(text, false, true).ok())
+            .filter(|tokens| tokens.len() == 1)
+            .map(|tokens| tokens[0])
+            .collect()
     }
 }
 
@@ -369,7 +400,9 @@ impl ChatStream {
     /// The whole answer, and whatever of it was not yet sent. Output the parser cannot read
     /// (a botched call) is returned as plain content.
     pub fn finish(&mut self) -> (ChatDelta, AssistantMessage) {
-        let mut message = self.parse(false).unwrap_or_else(|| AssistantMessage { content: self.text.clone(), ..AssistantMessage::default() });
+        let mut message = self
+            .parse(false)
+            .unwrap_or_else(|| AssistantMessage { content: self.text.clone(), ..AssistantMessage::default() });
         if message.tool_calls.is_empty() && self.sent_content == 0 {
             if let Some(calls) = bare_calls(&message.content, &self.tool_names) {
                 message.tool_calls = calls;
@@ -383,7 +416,9 @@ impl ChatStream {
     /// Content that may still turn out to be a bare JSON call is not sent yet.
     fn may_be_bare_call(&self, content: &str) -> bool {
         let start = content.trim_start();
-        !self.tool_names.is_empty() && self.sent_content == 0 && (start.is_empty() || start.starts_with('{') || start.starts_with('[') || start.starts_with("```"))
+        !self.tool_names.is_empty()
+            && self.sent_content == 0
+            && (start.is_empty() || start.starts_with('{') || start.starts_with('[') || start.starts_with("```"))
     }
 
     /// What the content and reasoning gained since the last delta (`last`: the answer is
@@ -392,7 +427,10 @@ impl ChatStream {
     /// that part; the final message has it right.
     fn delta(&mut self, message: &AssistantMessage, last: bool) -> ChatDelta {
         let mut delta = ChatDelta::default();
-        if message.content.len() > self.sent_content && message.content.is_char_boundary(self.sent_content) && (last || !self.may_be_bare_call(&message.content)) {
+        if message.content.len() > self.sent_content
+            && message.content.is_char_boundary(self.sent_content)
+            && (last || !self.may_be_bare_call(&message.content))
+        {
             delta.content = message.content[self.sent_content..].to_string();
             self.sent_content = message.content.len();
         }
@@ -408,7 +446,9 @@ impl ChatStream {
             Ok(json) => json,
             Err(error) => {
                 if !partial {
-                    tracing::warn!("the answer does not parse as the template's format ({error}); it is returned as plain text");
+                    tracing::warn!(
+                        "the answer does not parse as the template's format ({error}); it is returned as plain text"
+                    );
                 }
                 return None;
             }
@@ -416,7 +456,9 @@ impl ChatStream {
         let parsed: ParsedMessage = serde_json::from_str(&json).ok()?;
         let content = match parsed.content {
             Some(Value::String(text)) => text,
-            Some(Value::Array(parts)) => parts.iter().filter_map(|part| part.get("text").and_then(Value::as_str)).collect::<Vec<_>>().join("\n"),
+            Some(Value::Array(parts)) => {
+                parts.iter().filter_map(|part| part.get("text").and_then(Value::as_str)).collect::<Vec<_>>().join("\n")
+            }
             _ => String::new(),
         };
         let tool_calls = parsed
@@ -424,7 +466,8 @@ impl ChatStream {
             .into_iter()
             .map(|call| ToolCall {
                 id: Some(call.id.filter(|id| !id.is_empty()).unwrap_or_else(new_call_id)),
-                arguments: serde_json::from_str(&call.function.arguments).unwrap_or(Value::String(call.function.arguments)),
+                arguments: serde_json::from_str(&call.function.arguments)
+                    .unwrap_or(Value::String(call.function.arguments)),
                 name: call.function.name,
             })
             .collect();
@@ -505,8 +548,13 @@ mod tests {
         let template = qwen3();
         assert!(template.caps().template && template.caps().thinking, "{:?}", template.caps());
         assert!(!template.caps().tools, "this template does not render tools");
-        let mut turn = template.render(&ChatRequest::new(vec![ChatMessage::new("user", "Why is the sky blue?")])).unwrap();
-        assert!(turn.prompt.ends_with("<|im_start|>user\nWhy is the sky blue?<|im_end|>\n<|im_start|>assistant\n"), "{}", turn.prompt);
+        let mut turn =
+            template.render(&ChatRequest::new(vec![ChatMessage::new("user", "Why is the sky blue?")])).unwrap();
+        assert!(
+            turn.prompt.ends_with("<|im_start|>user\nWhy is the sky blue?<|im_end|>\n<|im_start|>assistant\n"),
+            "{}",
+            turn.prompt
+        );
         let chat = turn.chat.as_mut().expect("a reasoning template's answer is parsed");
         let mut thinking = String::new();
         let mut content = String::new();
@@ -520,7 +568,11 @@ mod tests {
         content.push_str(&delta.content);
         assert_eq!(message.thinking.trim_end(), "Rayleigh scattering.");
         assert_eq!(message.content, "Blue light scatters most.");
-        assert_eq!((thinking.as_str(), content.as_str()), (message.thinking.as_str(), message.content.as_str()), "the stream's deltas add up to the message");
+        assert_eq!(
+            (thinking.as_str(), content.as_str()),
+            (message.thinking.as_str(), message.content.as_str()),
+            "the stream's deltas add up to the message"
+        );
     }
 
     #[test]
@@ -529,7 +581,11 @@ mod tests {
         let request = ChatRequest { think: Some(Think::Off), ..ChatRequest::new(vec![ChatMessage::new("user", "Hi")]) };
         let turn = template.render(&request).unwrap();
         assert!(turn.prompt.ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n"), "{}", turn.prompt);
-        let history = vec![ChatMessage::new("user", "Hi"), ChatMessage { thinking: Some("greet back".into()), ..ChatMessage::new("assistant", "Hello.") }, ChatMessage::new("user", "Bye")];
+        let history = vec![
+            ChatMessage::new("user", "Hi"),
+            ChatMessage { thinking: Some("greet back".into()), ..ChatMessage::new("assistant", "Hello.") },
+            ChatMessage::new("user", "Bye"),
+        ];
         let turn = template.render(&ChatRequest::new(history)).unwrap();
         assert!(turn.prompt.contains("<think>\ngreet back\n</think>\n\nHello.<|im_end|>"), "{}", turn.prompt);
     }
@@ -537,14 +593,19 @@ mod tests {
     #[test]
     fn capabilities_the_template_lacks_are_refused() {
         let template = qwen3();
-        let tools = ChatRequest { tools: vec![weather_tool()], ..ChatRequest::new(vec![ChatMessage::new("user", "Weather?")]) };
-        assert!(matches!(template.render(&tools), Err(ChatError::Unsupported(reason)) if reason.contains("does not support tools")));
+        let tools =
+            ChatRequest { tools: vec![weather_tool()], ..ChatRequest::new(vec![ChatMessage::new("user", "Weather?")]) };
+        assert!(
+            matches!(template.render(&tools), Err(ChatError::Unsupported(reason)) if reason.contains("does not support tools"))
+        );
         let chatml =
             ChatTemplate::from_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
                 .unwrap();
         assert!(!chatml.caps().thinking);
         let think = ChatRequest { think: Some(Think::On), ..ChatRequest::new(vec![ChatMessage::new("user", "Hi")]) };
-        assert!(matches!(chatml.render(&think), Err(ChatError::Unsupported(reason)) if reason.contains("does not support thinking")));
+        assert!(
+            matches!(chatml.render(&think), Err(ChatError::Unsupported(reason)) if reason.contains("does not support thinking"))
+        );
         // A plain ChatML answer is content as it streams: no parser is needed.
         assert!(chatml.render(&ChatRequest::new(vec![ChatMessage::new("user", "Hi")])).unwrap().chat.is_none());
     }
@@ -569,14 +630,27 @@ mod tests {
         let calls = bare_calls("{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}", &names).unwrap();
         assert_eq!((calls[0].name.as_str(), calls[0].arguments["city"].as_str()), ("get_weather", Some("Paris")));
         assert!(calls[0].id.as_deref().is_some_and(|id| id.starts_with("call_") && id.len() == 29));
-        let fenced = bare_calls("```json\n[{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Oslo\"}}]\n```", &names).unwrap();
+        let fenced =
+            bare_calls("```json\n[{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Oslo\"}}]\n```", &names)
+                .unwrap();
         assert_eq!(fenced[0].arguments["city"], "Oslo");
-        assert_eq!(bare_calls("{\"name\": \"get_weather\", \"arguments\": {}}\n{\"name\": \"get_weather\", \"arguments\": {}}", &names).unwrap().len(), 2);
+        assert_eq!(
+            bare_calls(
+                "{\"name\": \"get_weather\", \"arguments\": {}}\n{\"name\": \"get_weather\", \"arguments\": {}}",
+                &names
+            )
+            .unwrap()
+            .len(),
+            2
+        );
         // Anything else stays content: an unknown tool, prose, JSON that is not a call.
         assert!(bare_calls("{\"name\": \"delete_everything\", \"arguments\": {}}", &names).is_none());
         assert!(bare_calls("It is sunny in Paris.", &names).is_none());
         assert!(bare_calls("{\"city\": \"Paris\"}", &names).is_none());
         assert!(bare_calls("{\"name\": \"get_weather\"} and more", &names).is_none());
-        assert!(bare_calls("{\"name\": \"get_weather\", \"arguments\": {}}", &[]).is_none(), "no tools offered: no calls");
+        assert!(
+            bare_calls("{\"name\": \"get_weather\", \"arguments\": {}}", &[]).is_none(),
+            "no tools offered: no calls"
+        );
     }
 }

@@ -3,7 +3,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hypura_sys::{Backend, ContextParams, LoadMode, Model, ModelParams, Placement, SpeculativeParams, Speculator, StreamBufferType};
+use hypura_sys::{
+    Backend, ContextParams, LoadMode, Model, ModelParams, Placement, SpeculativeParams, Speculator, StreamBufferType,
+};
 
 use super::chat::ChatTemplate;
 use super::EngineError;
@@ -71,7 +73,10 @@ impl Speculation {
     /// 12 rarely matches in an answer that rewrites its prompt).
     pub fn new(draft_model: Option<PathBuf>, types: Vec<String>) -> Speculation {
         let types = if types.is_empty() && draft_model.is_some() { vec!["draft-simple".to_string()] } else { types };
-        Speculation { draft_model, params: SpeculativeParams { types, n_max: 3, n_min: 0, p_min: 0.0, ngram_n: DEFAULT_NGRAM } }
+        Speculation {
+            draft_model,
+            params: SpeculativeParams { types, n_max: 3, n_min: 0, p_min: 0.0, ngram_n: DEFAULT_NGRAM },
+        }
     }
 
     /// Whether the target's own MTP layers draft (`draft-mtp`): they are then loaded, resident.
@@ -250,7 +255,10 @@ impl Engine {
         let path = inventory.path.clone();
         let path = path.as_path();
         let backend = Backend::get();
-        let streams = options.plan.as_ref().is_some_and(|plan| plan.mode != Mode::Resident && plan.tensors.iter().any(|tensor| matches!(tensor.tier, Tier::Stream | Tier::Mapped)));
+        let streams = options.plan.as_ref().is_some_and(|plan| {
+            plan.mode != Mode::Resident
+                && plan.tensors.iter().any(|tensor| matches!(tensor.tier, Tier::Stream | Tier::Mapped))
+        });
         let (model, streaming) = if streams {
             let plan = options.plan.as_ref().expect("checked above");
             let (model, streaming) = load_streaming(backend, path, &inventory, plan, &options)?;
@@ -276,7 +284,8 @@ impl Engine {
         if let Some(workers) = &options.remote {
             workers.check()?;
         }
-        let template = ChatTemplate::new(&model, options.chat_template.as_deref()).map_err(|reason| EngineError::Template { path: inventory.path.clone(), reason })?;
+        let template = ChatTemplate::new(&model, options.chat_template.as_deref())
+            .map_err(|reason| EngineError::Template { path: inventory.path.clone(), reason })?;
         tracing::debug!("chat template: {}", template.describe());
         let draft = match &options.speculation {
             Some(speculation) => load_draft(backend, &inventory, &model, speculation, &options)?,
@@ -303,7 +312,13 @@ impl Engine {
     /// The context for the draft model: the target's length, sequences and batches, without
     /// the target's streaming hook.
     pub(super) fn draft_context_params(&self, target: &ContextParams) -> ContextParams {
-        ContextParams { n_ubatch: target.n_ubatch.min(crate::plan::DRAFT_UBATCH), eval_hook: None, batch_invariant: false, op_offload: true, ..target.clone() }
+        ContextParams {
+            n_ubatch: target.n_ubatch.min(crate::plan::DRAFT_UBATCH),
+            eval_hook: None,
+            batch_invariant: false,
+            op_offload: true,
+            ..target.clone()
+        }
     }
 
     /// The streaming machinery, in dense-stream mode.
@@ -342,7 +357,10 @@ impl Engine {
 
     /// Whether llama.cpp repacked the CPU weights (never when streaming or batch-invariant).
     pub fn repacked(&self) -> bool {
-        self.streaming.is_none() && self.options.repack && !self.options.batch_invariant && hypura_sys::repacking_available()
+        self.streaming.is_none()
+            && self.options.repack
+            && !self.options.batch_invariant
+            && hypura_sys::repacking_available()
     }
 
     pub fn load_duration(&self) -> Duration {
@@ -381,7 +399,8 @@ impl Engine {
             // room for op offload's copies keeps prompt batches of host layers on the CPU.
             // Batch-invariant runs keep prompt batches on the CPU too, where the reference
             // kernels are.
-            op_offload: !self.options.batch_invariant && self.options.plan.as_ref().is_none_or(|plan| plan.gpu.as_ref().is_some_and(|gpu| gpu.op_offload)),
+            op_offload: !self.options.batch_invariant
+                && self.options.plan.as_ref().is_none_or(|plan| plan.gpu.as_ref().is_some_and(|gpu| gpu.op_offload)),
             batch_invariant: self.options.batch_invariant,
             ..defaults
         }
@@ -396,15 +415,27 @@ fn loads_mtp(options: &EngineOptions) -> bool {
 
 /// Check that speculation can run on this target, and load its draft model (resident, the way
 /// plain llama.cpp loads a model).
-fn load_draft(backend: &Backend, inventory: &Inventory, target: &Model, speculation: &Speculation, options: &EngineOptions) -> Result<Option<Model>, EngineError> {
+fn load_draft(
+    backend: &Backend,
+    inventory: &Inventory,
+    target: &Model,
+    speculation: &Speculation,
+    options: &EngineOptions,
+) -> Result<Option<Model>, EngineError> {
     let unsupported = |reason: String| Err(EngineError::Setup(format!("speculative decoding: {reason}")));
     // Rejected drafts are removed from the KV cache; a recurrent state cannot drop tokens.
     if inventory.hparams.recurrent_state_bytes > 0 {
-        return unsupported(format!("{} keeps a recurrent state, which cannot drop rejected drafts; run without a draft", inventory.arch));
+        return unsupported(format!(
+            "{} keeps a recurrent state, which cannot drop rejected drafts; run without a draft",
+            inventory.arch
+        ));
     }
     if speculation.uses_mtp() {
         if inventory.hparams.n_layer_mtp == 0 {
-            return unsupported(format!("the draft-mtp type drafts with the model's own MTP layers, and {} has none", inventory.path.display()));
+            return unsupported(format!(
+                "the draft-mtp type drafts with the model's own MTP layers, and {} has none",
+                inventory.path.display()
+            ));
         }
         if speculation.draft_model.is_some() {
             return unsupported("draft-mtp drafts with the target's own layers: give no draft model beside it".into());
@@ -412,10 +443,17 @@ fn load_draft(backend: &Backend, inventory: &Inventory, target: &Model, speculat
     }
     let needs_model = speculation.params.types.iter().any(|name| name == "draft-simple");
     let Some(path) = &speculation.draft_model else {
-        return if needs_model { unsupported("the draft-simple type needs a draft model (--model-draft)".into()) } else { Ok(None) };
+        return if needs_model {
+            unsupported("the draft-simple type needs a draft model (--model-draft)".into())
+        } else {
+            Ok(None)
+        };
     };
     if !needs_model {
-        return unsupported(format!("a draft model was given but no draft-simple type (types: {})", speculation.params.types.join(",")));
+        return unsupported(format!(
+            "a draft model was given but no draft-simple type (types: {})",
+            speculation.params.types.join(",")
+        ));
     }
     // The draft is checked like the target: a bad file is a typed error before llama.cpp sees it.
     Inventory::open(path)?;
@@ -426,10 +464,18 @@ fn load_draft(backend: &Backend, inventory: &Inventory, target: &Model, speculat
     let load_mode = if streams { LoadMode::Read } else { options.load_mode };
     // The draft computes locally: its layers never go to a remote tier's devices.
     let on_gpu = on_gpu && options.plan.as_ref().is_some_and(|plan| plan.remote.is_none());
-    let params = ModelParams { n_gpu_layers: if on_gpu { -1 } else { 0 }, load_mode, use_extra_bufts: options.repack, ..ModelParams::default() };
+    let params = ModelParams {
+        n_gpu_layers: if on_gpu { -1 } else { 0 },
+        load_mode,
+        use_extra_bufts: options.repack,
+        ..ModelParams::default()
+    };
     let draft = Model::load(backend, path, &params)?;
     if !Speculator::compatible(target, &draft) {
-        return unsupported(format!("the vocabulary of the draft model {} does not match the target's", path.display()));
+        return unsupported(format!(
+            "the vocabulary of the draft model {} does not match the target's",
+            path.display()
+        ));
     }
     Ok(Some(draft))
 }
@@ -438,7 +484,9 @@ fn load_draft(backend: &Backend, inventory: &Inventory, target: &Model, speculat
 /// offsets.
 fn check_plan_matches(plan: &Plan, inventory: &Inventory) -> Result<(), EngineError> {
     let same = plan.tensors.len() == inventory.tensors.len()
-        && plan.tensors.iter().zip(&inventory.tensors).all(|(placement, tensor)| placement.name == tensor.name && placement.bytes == tensor.bytes && placement.layer == tensor.layer);
+        && plan.tensors.iter().zip(&inventory.tensors).all(|(placement, tensor)| {
+            placement.name == tensor.name && placement.bytes == tensor.bytes && placement.layer == tensor.layer
+        });
     if same {
         Ok(())
     } else {
@@ -450,7 +498,13 @@ fn check_plan_matches(plan: &Plan, inventory: &Inventory) -> Result<(), EngineEr
 /// reserved to mirror the file, llama.cpp's reads are served by the store (resident bytes with
 /// direct I/O, streamed bytes skipped), and the store's drivers (the dense window, the expert
 /// cache) decide residency from the eval hook.
-fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &Plan, options: &EngineOptions) -> Result<(Model, Streaming), EngineError> {
+fn load_streaming(
+    backend: &Backend,
+    path: &Path,
+    inventory: &Inventory,
+    plan: &Plan,
+    options: &EngineOptions,
+) -> Result<(Model, Streaming), EngineError> {
     // Declared before the model, so that it drops after it: streamed tensors point into its region.
     let mut load = StreamLoad::prepare(path, inventory, plan)?;
     let (region_address, region_bytes) = load.region_span();
@@ -463,17 +517,38 @@ fn load_streaming(backend: &Backend, path: &Path, inventory: &Inventory, plan: &
     // Streamed tensors cannot be repacked, and resident ones must not be either, or streamed
     // and resident runs would compute with different kernels.
     let (devices, tensor_split) = remote_devices(options)?;
-    let params = ModelParams { n_gpu_layers: plan.n_gpu_layers(), load_mode: LoadMode::Read, use_extra_bufts: false, vocab_only: false, devices, tensor_split, load_mtp: loads_mtp(options) };
+    let params = ModelParams {
+        n_gpu_layers: plan.n_gpu_layers(),
+        load_mode: LoadMode::Read,
+        use_extra_bufts: false,
+        vocab_only: false,
+        devices,
+        tensor_split,
+        load_mtp: loads_mtp(options),
+    };
     let model = Model::load_placed(backend, path, &params, placement)?;
     let streams = load.finish(buffer_type.finalize(), options.io_workers, options.trace_routing)?;
-    Ok((model, Streaming { driver: StreamDriver::new(streams.dense, streams.experts), stats: streams.stats, load_bytes: streams.load_bytes, arch: inventory.arch.clone(), hooked: streams.hooked }))
+    Ok((
+        model,
+        Streaming {
+            driver: StreamDriver::new(streams.dense, streams.experts),
+            stats: streams.stats,
+            load_bytes: streams.load_bytes,
+            arch: inventory.arch.clone(),
+            hooked: streams.hooked,
+        },
+    ))
 }
 
 /// llama.cpp's device list and tensor split for a plan with a remote tier: its devices in
 /// order, each taking its share of the layers; empty otherwise (llama.cpp's own GPUs).
 fn remote_devices(options: &EngineOptions) -> Result<(Vec<hypura_sys::DeviceHandle>, Vec<f32>), EngineError> {
-    let Some(remote) = options.plan.as_ref().and_then(|plan| plan.remote.as_ref()) else { return Ok((Vec::new(), Vec::new())) };
-    let workers = options.remote.as_ref().ok_or_else(|| EngineError::Setup("the plan puts layers on remote devices, but no RPC worker is connected".into()))?;
+    let Some(remote) = options.plan.as_ref().and_then(|plan| plan.remote.as_ref()) else {
+        return Ok((Vec::new(), Vec::new()));
+    };
+    let workers = options.remote.as_ref().ok_or_else(|| {
+        EngineError::Setup("the plan puts layers on remote devices, but no RPC worker is connected".into())
+    })?;
     workers.check()?;
     let names: Vec<&str> = remote.shares.iter().map(|share| share.name.as_str()).collect();
     let devices = workers.handles(&names);

@@ -22,7 +22,9 @@ mod text;
 use std::path::PathBuf;
 
 pub use batch::{Batcher, Finished, SequenceEvent, SequenceSink};
-pub use chat::{AssistantMessage, ChatDelta, ChatMessage, ChatRequest, ChatTemplate, TemplateCaps, Think, ToolCall, ToolChoice};
+pub use chat::{
+    AssistantMessage, ChatDelta, ChatMessage, ChatRequest, ChatTemplate, TemplateCaps, Think, ToolCall, ToolChoice,
+};
 pub use embed::{Embedder, Embedding};
 pub use load::{Engine, EngineOptions, Speculation, StreamDriver, Streaming, DEFAULT_NGRAM};
 pub use prompt::Prompt;

@@ -29,7 +29,11 @@ pub fn tokenize(engine: &Engine, prompt: &Prompt) -> Result<Vec<Token>, EngineEr
 /// The tokens of `context` (Ollama's: an earlier exchange's tokens, usually none) followed by
 /// the prompt's and, for a conversation, its rendering (the answer's parser, the template's
 /// stop strings and marker tokens). A prompt after a context gets no BOS of its own.
-pub fn prepare(engine: &Engine, context: &[Token], prompt: &Prompt) -> Result<(Vec<Token>, Option<RenderedTurn>), EngineError> {
+pub fn prepare(
+    engine: &Engine,
+    context: &[Token],
+    prompt: &Prompt,
+) -> Result<(Vec<Token>, Option<RenderedTurn>), EngineError> {
     let add_special = context.is_empty();
     let (tokens, turn) = match prompt {
         Prompt::Tokens(tokens) => (tokens.clone(), None),

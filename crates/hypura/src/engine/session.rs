@@ -46,7 +46,12 @@ impl Session {
     /// (for comparisons with llama.cpp).
     pub fn prompt_logits(&mut self, prompt: &Prompt) -> Result<Vec<f32>, EngineError> {
         self.reset();
-        let request = GenerateRequest { max_tokens: Some(0), sampling: SamplerParams::greedy(), prompt_logits: true, ..GenerateRequest::new(prompt.clone()) };
+        let request = GenerateRequest {
+            max_tokens: Some(0),
+            sampling: SamplerParams::greedy(),
+            prompt_logits: true,
+            ..GenerateRequest::new(prompt.clone())
+        };
         let output = self.generate(&request, &mut |_| Control::Continue)?;
         output.prompt_logits.ok_or_else(|| EngineError::Decode("the prompt gave no logits".into()))
     }
@@ -57,7 +62,11 @@ impl Session {
     }
 
     /// Generate. `on_text` receives text as it becomes final (never part of a stop string).
-    pub fn generate(&mut self, request: &GenerateRequest, on_text: &mut dyn FnMut(&str) -> Control) -> Result<GenerateOutput, EngineError> {
+    pub fn generate(
+        &mut self,
+        request: &GenerateRequest,
+        on_text: &mut dyn FnMut(&str) -> Control,
+    ) -> Result<GenerateOutput, EngineError> {
         let (sender, receiver) = mpsc::channel();
         let sink = Box::new(move |event: SequenceEvent<'_>| {
             let _ = sender.send(match event {

@@ -74,7 +74,8 @@ impl GenerationStats {
     /// Generation time per decoded token that was not spent waiting on reads: the compute term
     /// of the physical limit. None without a decode.
     pub fn eval_compute_seconds_per_token(&self) -> Option<f64> {
-        (self.eval_decodes > 0).then(|| self.eval_duration.saturating_sub(self.eval_stall).as_secs_f64() / f64::from(self.eval_decodes))
+        (self.eval_decodes > 0)
+            .then(|| self.eval_duration.saturating_sub(self.eval_stall).as_secs_f64() / f64::from(self.eval_decodes))
     }
 
     /// The rate the disk delivered while at least one read was in flight, the share of the
@@ -84,7 +85,14 @@ impl GenerationStats {
     pub fn disk_while_busy(&self) -> Option<DiskWhileBusy> {
         let io = self.io.as_ref()?;
         let limit_at = |rate| self.decode_limit(rate).map(|limit| limit.tokens_per_sec);
-        DiskWhileBusy::from_totals(io.bytes_read, io.busy_seconds, self.total_duration.as_secs_f64(), u64::from(self.weight_passes()), self.tokens_per_weight_pass(), limit_at)
+        DiskWhileBusy::from_totals(
+            io.bytes_read,
+            io.busy_seconds,
+            self.total_duration.as_secs_f64(),
+            u64::from(self.weight_passes()),
+            self.tokens_per_weight_pass(),
+            limit_at,
+        )
     }
 
     /// Tokens each pass over the weights yielded: 1 without drafts.
@@ -104,7 +112,12 @@ impl GenerationStats {
         let io = self.io.as_ref()?;
         let compute_seconds = self.eval_compute_seconds_per_token()?;
         let bytes_per_pass = io.bytes_read as f64 / f64::from(self.weight_passes().max(1));
-        let tokens_per_sec = crate::plan::limit_tokens_per_sec(compute_seconds, bytes_per_pass, disk_bytes_per_sec, self.tokens_per_weight_pass())?;
+        let tokens_per_sec = crate::plan::limit_tokens_per_sec(
+            compute_seconds,
+            bytes_per_pass,
+            disk_bytes_per_sec,
+            self.tokens_per_weight_pass(),
+        )?;
         let achieved = if self.draft_tokens > 0 { self.eval_tokens_per_sec() } else { self.decode_tokens_per_sec() };
         let wall = self.total_duration.as_secs_f64();
         Some(DecodeLimit {
@@ -134,13 +147,25 @@ impl DiskWhileBusy {
     /// From a span's totals (one request's, or a benchmark's tg runs'): bytes read, wall time
     /// with a read in flight, wall time, passes over the weights and the tokens each yielded;
     /// `limit_at` is the physical limit at a disk rate. None without reads or time.
-    pub fn from_totals(bytes_read: u64, busy_seconds: f64, wall_seconds: f64, passes: u64, tokens_per_pass: f64, limit_at: impl FnOnce(f64) -> Option<f64>) -> Option<DiskWhileBusy> {
+    pub fn from_totals(
+        bytes_read: u64,
+        busy_seconds: f64,
+        wall_seconds: f64,
+        passes: u64,
+        tokens_per_pass: f64,
+        limit_at: impl FnOnce(f64) -> Option<f64>,
+    ) -> Option<DiskWhileBusy> {
         if bytes_read == 0 || busy_seconds <= 0.0 || wall_seconds <= 0.0 {
             return None;
         }
         let bytes_per_sec = bytes_read as f64 / busy_seconds;
         let limit_tokens_per_sec = limit_at(bytes_per_sec)?;
-        Some(DiskWhileBusy { bytes_per_sec, busy: (busy_seconds / wall_seconds).min(1.0), limit_tokens_per_sec, fraction: passes as f64 * tokens_per_pass / wall_seconds / limit_tokens_per_sec })
+        Some(DiskWhileBusy {
+            bytes_per_sec,
+            busy: (busy_seconds / wall_seconds).min(1.0),
+            limit_tokens_per_sec,
+            fraction: passes as f64 * tokens_per_pass / wall_seconds / limit_tokens_per_sec,
+        })
     }
 }
 
@@ -179,7 +204,11 @@ impl Counters {
     pub(super) fn read(engine: &Engine) -> Counters {
         let links = engine.remote_traffic();
         let Some(streaming) = engine.streaming() else { return Counters { links, ..Counters::default() } };
-        Counters { io: Some(streaming.stats.snapshot()), experts: streaming.driver.experts().map(|experts| experts.snapshot()), links }
+        Counters {
+            io: Some(streaming.stats.snapshot()),
+            experts: streaming.driver.experts().map(|experts| experts.snapshot()),
+            links,
+        }
     }
 
     /// Seconds spent waiting on reads so far (0 without streaming).
@@ -242,7 +271,10 @@ mod tests {
         assert!((limit.tokens_per_sec - 1.0 / 0.06).abs() < 1e-6, "{limit:?}");
         assert!((limit.fraction - 0.6).abs() < 1e-6, "{limit:?}");
         assert!((limit.disk_busy - 0.5).abs() < 1e-6, "{limit:?}");
-        assert!(GenerationStats { io: None, ..streaming_run(20, 60, 40, 1) }.decode_limit(1e9).is_none(), "a resident run has no streaming limit");
+        assert!(
+            GenerationStats { io: None, ..streaming_run(20, 60, 40, 1) }.decode_limit(1e9).is_none(),
+            "a resident run has no streaming limit"
+        );
     }
 
     #[test]
@@ -255,7 +287,10 @@ mod tests {
         stats.io.as_mut().unwrap().busy_seconds = 1.05;
         let disk = stats.disk_while_busy().unwrap();
         assert!((disk.bytes_per_sec - 2e9).abs() < 1.0 && (disk.busy - 0.5).abs() < 1e-9, "{disk:?}");
-        assert!((disk.limit_tokens_per_sec - 1.0 / 0.06).abs() < 1e-6 && (disk.fraction - 0.6).abs() < 1e-6, "{disk:?}");
+        assert!(
+            (disk.limit_tokens_per_sec - 1.0 / 0.06).abs() < 1e-6 && (disk.fraction - 0.6).abs() < 1e-6,
+            "{disk:?}"
+        );
         // Busy the whole request: the disk was the limit, and the passes reached it.
         stats.io.as_mut().unwrap().busy_seconds = 2.1;
         let disk = stats.disk_while_busy().unwrap();

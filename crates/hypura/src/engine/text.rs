@@ -84,7 +84,9 @@ impl StopMatcher {
             .map(|stop| {
                 (1..stop.len().min(self.held.len() + 1))
                     .rev()
-                    .filter(|&length| stop.is_char_boundary(length) && self.held.is_char_boundary(self.held.len() - length))
+                    .filter(|&length| {
+                        stop.is_char_boundary(length) && self.held.is_char_boundary(self.held.len() - length)
+                    })
                     .find(|&length| self.held.ends_with(&stop[..length]))
                     .unwrap_or(0)
             })

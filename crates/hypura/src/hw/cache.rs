@@ -73,7 +73,10 @@ impl ProfileCache {
     /// `<dir>/profile-<machine_key>.json`.
     pub fn path_for(&self, machine_key: &str) -> PathBuf {
         // Keys are hex, but keep the file name safe whatever a caller passes.
-        let safe_key: String = machine_key.chars().map(|character| if character.is_ascii_alphanumeric() || character == '-' { character } else { '_' }).collect();
+        let safe_key: String = machine_key
+            .chars()
+            .map(|character| if character.is_ascii_alphanumeric() || character == '-' { character } else { '_' })
+            .collect();
         self.dir.join(format!("profile-{safe_key}.json"))
     }
 
@@ -109,7 +112,8 @@ impl ProfileCache {
 /// rename, so a crash never leaves half a file to be read back.
 pub(crate) fn write_json_atomically(dir: &Path, path: &Path, value: &impl serde::Serialize) -> Result<(), HwError> {
     std::fs::create_dir_all(dir).map_err(|source| HwError::file("create cache directory", dir, source))?;
-    let json = serde_json::to_string_pretty(value).map_err(|source| HwError::CacheFormat { path: path.to_path_buf(), source })?;
+    let json = serde_json::to_string_pretty(value)
+        .map_err(|source| HwError::CacheFormat { path: path.to_path_buf(), source })?;
     let temporary = path.with_extension(format!("json.tmp-{}", std::process::id()));
     std::fs::write(&temporary, json).map_err(|source| HwError::file("write", &temporary, source))?;
     std::fs::rename(&temporary, path).map_err(|source| {
@@ -184,8 +188,14 @@ mod tests {
     fn cache_dir_precedence() {
         let platform = Some(PathBuf::from("/home/u/.cache"));
         let home = Some(PathBuf::from("/home/u"));
-        assert_eq!(cache_dir_from(Some("/srv/cache".into()), platform.clone(), home.clone()), PathBuf::from("/srv/cache"));
-        assert_eq!(cache_dir_from(Some("".into()), platform.clone(), home.clone()), PathBuf::from("/home/u/.cache/hypura"));
+        assert_eq!(
+            cache_dir_from(Some("/srv/cache".into()), platform.clone(), home.clone()),
+            PathBuf::from("/srv/cache")
+        );
+        assert_eq!(
+            cache_dir_from(Some("".into()), platform.clone(), home.clone()),
+            PathBuf::from("/home/u/.cache/hypura")
+        );
         assert_eq!(cache_dir_from(None, platform, home.clone()), PathBuf::from("/home/u/.cache/hypura"));
         assert_eq!(cache_dir_from(None, None, home), PathBuf::from("/home/u/.cache/hypura"));
     }

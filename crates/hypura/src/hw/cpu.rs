@@ -78,7 +78,8 @@ pub fn cpu_info() -> CpuInfo {
     let facts = parse_cpuinfo(&std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default());
     let available_parallelism = std::thread::available_parallelism().map(|count| count.get()).unwrap_or(1);
     let logical_cores = if facts.logical_cores > 0 { facts.logical_cores } else { available_parallelism };
-    let physical_cores = sysfs_physical_cores(Path::new("/sys/devices/system/cpu")).or(facts.physical_cores).unwrap_or(logical_cores);
+    let physical_cores =
+        sysfs_physical_cores(Path::new("/sys/devices/system/cpu")).or(facts.physical_cores).unwrap_or(logical_cores);
     CpuInfo {
         model_name: facts.model_name.clone().unwrap_or_else(|| std::env::consts::ARCH.to_string()),
         logical_cores: logical_cores as u32,
@@ -94,7 +95,9 @@ fn sysfs_physical_cores(cpu_directory: &Path) -> Option<usize> {
     for entry in std::fs::read_dir(cpu_directory).ok()?.flatten() {
         let name = entry.file_name();
         let name = name.to_string_lossy();
-        let is_cpu = name.strip_prefix("cpu").is_some_and(|digits| !digits.is_empty() && digits.bytes().all(|byte| byte.is_ascii_digit()));
+        let is_cpu = name
+            .strip_prefix("cpu")
+            .is_some_and(|digits| !digits.is_empty() && digits.bytes().all(|byte| byte.is_ascii_digit()));
         if !is_cpu {
             continue;
         }

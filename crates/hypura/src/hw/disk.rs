@@ -151,17 +151,25 @@ pub struct Volume {
 pub fn volume_of(path: &Path) -> Result<Volume, HwError> {
     let metadata = fs::metadata(path).map_err(|source| HwError::file("inspect", path, source))?;
     let (major, minor) = split_device_number(metadata.dev());
-    let mountinfo = fs::read_to_string("/proc/self/mountinfo").map_err(|source| HwError::file("read", "/proc/self/mountinfo", source))?;
+    let mountinfo = fs::read_to_string("/proc/self/mountinfo")
+        .map_err(|source| HwError::file("read", "/proc/self/mountinfo", source))?;
     let canonical = fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
     // Bind mounts list one device several times; the mount point that is the longest prefix of
     // the path is the one the path was reached through.
-    let best = parse_mountinfo(&mountinfo).into_iter().filter(|mount| (mount.major, mount.minor) == (major, minor)).max_by_key(|mount| {
-        let is_prefix = canonical.starts_with(&mount.mount_point);
-        (is_prefix, mount.mount_point.as_os_str().len())
-    });
+    let best = parse_mountinfo(&mountinfo)
+        .into_iter()
+        .filter(|mount| (mount.major, mount.minor) == (major, minor))
+        .max_by_key(|mount| {
+            let is_prefix = canonical.starts_with(&mount.mount_point);
+            (is_prefix, mount.mount_point.as_os_str().len())
+        });
     Ok(match best {
         Some(mount) => Volume { device: mount.source, mount_point: mount.mount_point, filesystem: mount.filesystem },
-        None => Volume { device: format!("{major}:{minor}"), mount_point: PathBuf::from("/"), filesystem: "unknown".to_string() },
+        None => Volume {
+            device: format!("{major}:{minor}"),
+            mount_point: PathBuf::from("/"),
+            filesystem: "unknown".to_string(),
+        },
     })
 }
 
@@ -208,13 +216,19 @@ pub fn measure_disk(probe: &Path, options: &DiskOptions, progress: &dyn Fn(u64, 
     // The random point's exact size depends on the queue depth chosen later; progress counts
     // its planned size so that it still ends exactly at 100%.
     let random_progress_bytes = options.random_bytes;
-    let sequential_total: u64 = sequential_plans.iter().map(|&(block, depth, per_thread)| block * u64::from(depth) * per_thread).sum();
+    let sequential_total: u64 =
+        sequential_plans.iter().map(|&(block, depth, per_thread)| block * u64::from(depth) * per_thread).sum();
     // The sustained point: the store's chunks, whole passes over the file.
-    let chunk_bytes = crate::plan::READ_CHUNK_BYTES.min(direct_bytes / ALIGNMENT_BYTES * ALIGNMENT_BYTES).max(ALIGNMENT_BYTES);
+    let chunk_bytes =
+        crate::plan::READ_CHUNK_BYTES.min(direct_bytes / ALIGNMENT_BYTES * ALIGNMENT_BYTES).max(ALIGNMENT_BYTES);
     let chunks_per_pass = direct_bytes / chunk_bytes;
     let sustained_passes = options.sustained_bytes.div_ceil((chunks_per_pass * chunk_bytes).max(1)).max(1);
     let sustained_total = sustained_passes * chunks_per_pass * chunk_bytes;
-    let total_bytes = if read_in_place { 0 } else { file_bytes } + sequential_total + random_progress_bytes + buffered_blocks * options.buffered_block_bytes + sustained_total;
+    let total_bytes = if read_in_place { 0 } else { file_bytes }
+        + sequential_total
+        + random_progress_bytes
+        + buffered_blocks * options.buffered_block_bytes
+        + sustained_total;
     let mut done_bytes = 0u64;
     progress(done_bytes, total_bytes);
 
@@ -238,7 +252,13 @@ pub fn measure_disk(probe: &Path, options: &DiskOptions, progress: &dyn Fn(u64, 
     let mut direct = Vec::with_capacity(sequential_plans.len());
     for &(block_bytes, queue_depth, blocks_per_thread) in &sequential_plans {
         evict_from_page_cache(target)?;
-        let point = time_parallel_reads(&file, block_bytes, queue_depth, |thread_index, read_index| (u64::from(thread_index) * blocks_per_thread + read_index) * block_bytes, blocks_per_thread)?;
+        let point = time_parallel_reads(
+            &file,
+            block_bytes,
+            queue_depth,
+            |thread_index, read_index| (u64::from(thread_index) * blocks_per_thread + read_index) * block_bytes,
+            blocks_per_thread,
+        )?;
         done_bytes += point.bytes_read;
         progress(done_bytes, total_bytes);
         direct.push(point);
@@ -246,8 +266,10 @@ pub fn measure_disk(probe: &Path, options: &DiskOptions, progress: &dyn Fn(u64, 
     let best_direct = fastest(&direct).clone();
 
     // Random reads at the queue depth that served this block size best sequentially.
-    let random_queue_depth = fastest_matching(&direct, options.random_block_bytes).map_or(best_direct.queue_depth, |point| point.queue_depth);
-    let random_reads_per_thread = (options.random_bytes / (options.random_block_bytes * u64::from(random_queue_depth))).max(1);
+    let random_queue_depth = fastest_matching(&direct, options.random_block_bytes)
+        .map_or(best_direct.queue_depth, |point| point.queue_depth);
+    let random_reads_per_thread =
+        (options.random_bytes / (options.random_block_bytes * u64::from(random_queue_depth))).max(1);
     let random_slots = (direct_bytes - options.random_block_bytes) / ALIGNMENT_BYTES + 1;
     evict_from_page_cache(target)?;
     let random_1mib = time_parallel_reads(
@@ -282,15 +304,27 @@ pub fn measure_disk(probe: &Path, options: &DiskOptions, progress: &dyn Fn(u64, 
     let mut sustained_seconds = 0.0;
     for _ in 0..sustained_passes {
         evict_from_page_cache(target)?;
-        let point =
-            time_parallel_reads(&file, chunk_bytes, depth, |thread_index, read_index| (read_index * u64::from(depth) + u64::from(thread_index)) % chunks_per_pass.max(1) * chunk_bytes, per_thread)?;
+        let point = time_parallel_reads(
+            &file,
+            chunk_bytes,
+            depth,
+            |thread_index, read_index| {
+                (read_index * u64::from(depth) + u64::from(thread_index)) % chunks_per_pass.max(1) * chunk_bytes
+            },
+            per_thread,
+        )?;
         sustained_read += point.bytes_read;
         sustained_seconds += point.seconds;
         done_bytes += point.bytes_read.min(chunks_per_pass * chunk_bytes);
         progress(done_bytes.min(total_bytes), total_bytes);
     }
-    let sustained =
-        ReadPoint { block_bytes: chunk_bytes, queue_depth: depth, bytes_per_sec: sustained_read as f64 / sustained_seconds.max(1e-9), bytes_read: sustained_read, seconds: sustained_seconds };
+    let sustained = ReadPoint {
+        block_bytes: chunk_bytes,
+        queue_depth: depth,
+        bytes_per_sec: sustained_read as f64 / sustained_seconds.max(1e-9),
+        bytes_read: sustained_read,
+        seconds: sustained_seconds,
+    };
     progress(total_bytes, total_bytes);
     // Leave the page cache as we found it rather than full of probe data.
     evict_from_page_cache(target)?;
@@ -334,13 +368,23 @@ fn validate(probe: &Path, options: &DiskOptions) -> Result<(), HwError> {
 fn too_small(probe: &Path, file_bytes: u64, block_bytes: u64, queue_depth: u32) -> HwError {
     HwError::Probe {
         path: probe.to_path_buf(),
-        reason: format!("{} is too small for {} blocks at queue depth {queue_depth}", crate::format::format_bytes(file_bytes), crate::format::format_bytes(block_bytes),),
+        reason: format!(
+            "{} is too small for {} blocks at queue depth {queue_depth}",
+            crate::format::format_bytes(file_bytes),
+            crate::format::format_bytes(block_bytes),
+        ),
     }
 }
 
 /// Run `queue_depth` threads, each reading `reads_per_thread` blocks at `offset(thread, read)`,
 /// and time them from a common start (the barrier) to the last one finishing.
-fn time_parallel_reads(file: &DirectFile, block_bytes: u64, queue_depth: u32, offset: impl Fn(u32, u64) -> u64 + Sync, reads_per_thread: u64) -> Result<ReadPoint, HwError> {
+fn time_parallel_reads(
+    file: &DirectFile,
+    block_bytes: u64,
+    queue_depth: u32,
+    offset: impl Fn(u32, u64) -> u64 + Sync,
+    reads_per_thread: u64,
+) -> Result<ReadPoint, HwError> {
     let barrier = Barrier::new(queue_depth as usize + 1);
     let (bytes_read, seconds) = std::thread::scope(|scope| {
         let readers: Vec<_> = (0..queue_depth)
@@ -383,11 +427,17 @@ fn seconds_since(start: Instant) -> f64 {
 }
 
 fn fastest(points: &[ReadPoint]) -> &ReadPoint {
-    points.iter().max_by(|left, right| left.bytes_per_sec.total_cmp(&right.bytes_per_sec)).expect("validate() guarantees at least one point")
+    points
+        .iter()
+        .max_by(|left, right| left.bytes_per_sec.total_cmp(&right.bytes_per_sec))
+        .expect("validate() guarantees at least one point")
 }
 
 fn fastest_matching(points: &[ReadPoint], block_bytes: u64) -> Option<&ReadPoint> {
-    points.iter().filter(|point| point.block_bytes == block_bytes).max_by(|left, right| left.bytes_per_sec.total_cmp(&right.bytes_per_sec))
+    points
+        .iter()
+        .filter(|point| point.block_bytes == block_bytes)
+        .max_by(|left, right| left.bytes_per_sec.total_cmp(&right.bytes_per_sec))
 }
 
 /// A probe file this process wrote; deleted on drop, so an error or panic cannot leave a
@@ -402,10 +452,22 @@ impl ScratchFile {
     const FLUSH_EVERY_BYTES: u64 = 256 * MIB;
     const CHUNK_BYTES: u64 = 16 * MIB;
 
-    fn create(directory: &Path, len_bytes: u64, seed: u64, progress: &mut dyn FnMut(u64)) -> Result<ScratchFile, HwError> {
-        let unique = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|elapsed| elapsed.as_nanos()).unwrap_or(0);
+    fn create(
+        directory: &Path,
+        len_bytes: u64,
+        seed: u64,
+        progress: &mut dyn FnMut(u64),
+    ) -> Result<ScratchFile, HwError> {
+        let unique = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|elapsed| elapsed.as_nanos())
+            .unwrap_or(0);
         let path = directory.join(format!(".hypura-disk-probe-{}-{unique}.tmp", std::process::id()));
-        let mut file = OpenOptions::new().write(true).create_new(true).open(&path).map_err(|source| HwError::file("create scratch file", &path, source))?;
+        let mut file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(|source| HwError::file("create scratch file", &path, source))?;
         // From here on the guard owns the path.
         let scratch = ScratchFile { path };
         let write_error = |source| HwError::file("write scratch file", &scratch.path, source);
@@ -471,7 +533,10 @@ mod tests {
     /// tmpfs and the point is to read a real device.
     fn disk_test_directory() -> tempfile::TempDir {
         let executable = std::env::current_exe().expect("test binary path");
-        tempfile::Builder::new().prefix(".hypura-hw-test-").tempdir_in(executable.parent().expect("test binary directory")).expect("create a test directory on the build disk")
+        tempfile::Builder::new()
+            .prefix(".hypura-hw-test-")
+            .tempdir_in(executable.parent().expect("test binary directory"))
+            .expect("create a test directory on the build disk")
     }
 
     fn directory_entries(directory: &Path) -> Vec<PathBuf> {
@@ -485,7 +550,11 @@ mod tests {
         let sustained = profile.sustained.as_ref().expect("a sustained point");
         assert_eq!(sustained.block_bytes, crate::plan::READ_CHUNK_BYTES.min(profile.file_bytes / 4096 * 4096));
         assert_eq!(sustained.queue_depth, profile.best_direct.queue_depth);
-        assert!(sustained.bytes_read >= options.sustained_bytes && sustained.bytes_read.is_multiple_of(sustained.block_bytes), "{sustained:?}");
+        assert!(
+            sustained.bytes_read >= options.sustained_bytes
+                && sustained.bytes_read.is_multiple_of(sustained.block_bytes),
+            "{sustained:?}"
+        );
         assert!(sustained.bytes_per_sec > 0.0 && sustained.bytes_per_sec.is_finite());
         assert_eq!(profile.streaming_bytes_per_sec(), sustained.bytes_per_sec);
         for point in &profile.direct {
@@ -494,7 +563,8 @@ mod tests {
             assert!(point.bytes_per_sec > 0.0 && point.bytes_per_sec.is_finite(), "{point:?}");
             assert!(point.seconds > 0.0);
         }
-        let pairs: Vec<(u64, u32)> = profile.direct.iter().map(|point| (point.block_bytes, point.queue_depth)).collect();
+        let pairs: Vec<(u64, u32)> =
+            profile.direct.iter().map(|point| (point.block_bytes, point.queue_depth)).collect();
         for &block in &options.block_sizes_bytes {
             for &depth in &options.queue_depths {
                 assert!(pairs.contains(&(block, depth)), "missing {block} x {depth}");
@@ -514,7 +584,8 @@ mod tests {
         let directory = disk_test_directory();
         let options = DiskOptions::quick();
         let calls = std::cell::RefCell::new(Vec::new());
-        let profile = measure_disk(directory.path(), &options, &|done, total| calls.borrow_mut().push((done, total))).unwrap();
+        let profile =
+            measure_disk(directory.path(), &options, &|done, total| calls.borrow_mut().push((done, total))).unwrap();
         eprintln!("{profile:#?}");
         assert_points_complete(&profile, &options);
         assert!(profile.scratch_file);

@@ -40,7 +40,8 @@ impl ModelRecord {
         if tokens == 0 || !seconds.is_finite() || seconds <= 0.0 {
             return;
         }
-        let entry = self.compute_by_threads.entry(threads).or_insert(ComputeMeasurement { seconds_per_token: 0.0, tokens: 0 });
+        let entry =
+            self.compute_by_threads.entry(threads).or_insert(ComputeMeasurement { seconds_per_token: 0.0, tokens: 0 });
         let total = entry.tokens + tokens;
         entry.seconds_per_token = (entry.seconds_per_token * entry.tokens as f64 + seconds) / total as f64;
         entry.tokens = total;
@@ -66,14 +67,24 @@ impl ModelRecords {
     pub fn path_for(&self, model: &Path) -> Option<PathBuf> {
         let canonical = std::fs::canonicalize(model).ok()?;
         let metadata = std::fs::metadata(&canonical).ok()?;
-        let modified = metadata.modified().ok()?.duration_since(std::time::UNIX_EPOCH).map_or(0, |since| since.as_nanos());
-        let key = fnv1a(&[machine_key().as_bytes(), canonical.as_os_str().as_encoded_bytes(), &metadata.len().to_le_bytes(), &modified.to_le_bytes()]);
+        let modified =
+            metadata.modified().ok()?.duration_since(std::time::UNIX_EPOCH).map_or(0, |since| since.as_nanos());
+        let key = fnv1a(&[
+            machine_key().as_bytes(),
+            canonical.as_os_str().as_encoded_bytes(),
+            &metadata.len().to_le_bytes(),
+            &modified.to_le_bytes(),
+        ]);
         Some(self.dir.join(format!("{key:016x}.json")))
     }
 
     /// The record for `model`, or an empty one (never an error: a record is only a hint).
     pub fn load(&self, model: &Path) -> ModelRecord {
-        let empty = ModelRecord { schema_version: RECORD_SCHEMA_VERSION, model_path: model.to_path_buf(), ..ModelRecord::default() };
+        let empty = ModelRecord {
+            schema_version: RECORD_SCHEMA_VERSION,
+            model_path: model.to_path_buf(),
+            ..ModelRecord::default()
+        };
         let Some(path) = self.path_for(model) else { return empty };
         let Ok(text) = std::fs::read_to_string(&path) else { return empty };
         match serde_json::from_str::<ModelRecord>(&text) {

@@ -68,7 +68,9 @@ pub(crate) fn parse_meminfo(contents: &str) -> Option<(u64, u64)> {
     };
     let total_bytes = field("MemTotal")?;
     // Kernels before 3.14 lack MemAvailable; free + buffers + cache is the classic estimate.
-    let available_bytes = field("MemAvailable").unwrap_or_else(|| field("MemFree").unwrap_or(0) + field("Buffers").unwrap_or(0) + field("Cached").unwrap_or(0));
+    let available_bytes = field("MemAvailable").unwrap_or_else(|| {
+        field("MemFree").unwrap_or(0) + field("Buffers").unwrap_or(0) + field("Cached").unwrap_or(0)
+    });
     Some((total_bytes, available_bytes))
 }
 
@@ -136,7 +138,12 @@ pub(crate) fn cgroup_directory(mount_point: &Path, mount_root: &str, process_pat
 
 /// Walk from `leaf` up to `mount_point` (inclusive) and return the limit with the least headroom,
 /// since every ancestor's limit applies to this process too. `read` returns a file's contents.
-pub(crate) fn tightest_cgroup_limit(version: u8, mount_point: &Path, leaf: &Path, read: &dyn Fn(&Path) -> Option<String>) -> Option<CgroupLimit> {
+pub(crate) fn tightest_cgroup_limit(
+    version: u8,
+    mount_point: &Path,
+    leaf: &Path,
+    read: &dyn Fn(&Path) -> Option<String>,
+) -> Option<CgroupLimit> {
     let (limit_file, usage_file) = match version {
         1 => ("memory.limit_in_bytes", "memory.usage_in_bytes"),
         _ => ("memory.max", "memory.current"),
@@ -149,8 +156,10 @@ pub(crate) fn tightest_cgroup_limit(version: u8, mount_point: &Path, leaf: &Path
         }
         if let Some(limit_bytes) = read(&current.join(limit_file)).as_deref().and_then(parse_limit) {
             let usage_bytes = read(&current.join(usage_file)).and_then(|text| text.trim().parse().ok()).unwrap_or(0);
-            let inactive_file_bytes = read(&current.join("memory.stat")).map(|text| parse_inactive_file(&text, version)).unwrap_or(0);
-            let candidate = CgroupLimit { version, limit_bytes, usage_bytes, inactive_file_bytes, path: current.to_path_buf() };
+            let inactive_file_bytes =
+                read(&current.join("memory.stat")).map(|text| parse_inactive_file(&text, version)).unwrap_or(0);
+            let candidate =
+                CgroupLimit { version, limit_bytes, usage_bytes, inactive_file_bytes, path: current.to_path_buf() };
             if tightest.as_ref().is_none_or(|best| candidate.headroom_bytes() < best.headroom_bytes()) {
                 tightest = Some(candidate);
             }
@@ -161,7 +170,11 @@ pub(crate) fn tightest_cgroup_limit(version: u8, mount_point: &Path, leaf: &Path
 }
 
 /// The tightest limit over the v2 and v1 hierarchies (hybrid hosts mount both).
-pub(crate) fn process_cgroup_limit(process_cgroups: &ProcessCgroups, mounts: &[MountEntry], read: &dyn Fn(&Path) -> Option<String>) -> Option<CgroupLimit> {
+pub(crate) fn process_cgroup_limit(
+    process_cgroups: &ProcessCgroups,
+    mounts: &[MountEntry],
+    read: &dyn Fn(&Path) -> Option<String>,
+) -> Option<CgroupLimit> {
     let mut candidates = Vec::new();
     if let Some(path) = &process_cgroups.unified {
         let mount = mounts.iter().find(|mount| mount.filesystem == "cgroup2");
@@ -173,7 +186,9 @@ pub(crate) fn process_cgroup_limit(process_cgroups: &ProcessCgroups, mounts: &[M
         candidates.extend(tightest_cgroup_limit(2, &mount_point, &leaf, read));
     }
     if let Some(path) = &process_cgroups.memory_v1 {
-        let mount = mounts.iter().find(|mount| mount.filesystem == "cgroup" && mount.super_options.split(',').any(|option| option == "memory"));
+        let mount = mounts.iter().find(|mount| {
+            mount.filesystem == "cgroup" && mount.super_options.split(',').any(|option| option == "memory")
+        });
         let (mount_point, root) = match mount {
             Some(mount) => (mount.mount_point.clone(), mount.root.as_str()),
             None => (PathBuf::from("/sys/fs/cgroup/memory"), "/"),
@@ -187,7 +202,8 @@ pub(crate) fn process_cgroup_limit(process_cgroups: &ProcessCgroups, mounts: &[M
 /// Read RAM totals and the cgroup limit of this process now.
 pub fn memory_info() -> MemoryInfo {
     let read = |path: &Path| std::fs::read_to_string(path).ok();
-    let (total_bytes, available_bytes) = read(Path::new("/proc/meminfo")).as_deref().and_then(parse_meminfo).unwrap_or((0, 0));
+    let (total_bytes, available_bytes) =
+        read(Path::new("/proc/meminfo")).as_deref().and_then(parse_meminfo).unwrap_or((0, 0));
     let process_cgroups = parse_process_cgroups(&read(Path::new("/proc/self/cgroup")).unwrap_or_default());
     let mounts = parse_mountinfo(&read(Path::new("/proc/self/mountinfo")).unwrap_or_default());
     MemoryInfo { total_bytes, available_bytes, cgroup: process_cgroup_limit(&process_cgroups, &mounts, &read) }
@@ -201,7 +217,8 @@ mod tests {
     const GIB: u64 = 1 << 30;
 
     fn fake_files(files: &[(&str, &str)]) -> impl Fn(&Path) -> Option<String> {
-        let map: HashMap<PathBuf, String> = files.iter().map(|(path, text)| (PathBuf::from(path), text.to_string())).collect();
+        let map: HashMap<PathBuf, String> =
+            files.iter().map(|(path, text)| (PathBuf::from(path), text.to_string())).collect();
         move |path: &Path| map.get(path).cloned()
     }
 
@@ -267,7 +284,11 @@ mod tests {
 
     #[test]
     fn v2_unlimited_everywhere_is_none() {
-        let read = fake_files(&[("/sys/fs/cgroup/a/b/memory.max", "max\n"), ("/sys/fs/cgroup/a/b/memory.current", "1000\n"), ("/sys/fs/cgroup/a/memory.max", "max\n")]);
+        let read = fake_files(&[
+            ("/sys/fs/cgroup/a/b/memory.max", "max\n"),
+            ("/sys/fs/cgroup/a/b/memory.current", "1000\n"),
+            ("/sys/fs/cgroup/a/memory.max", "max\n"),
+        ]);
         let cgroups = parse_process_cgroups("0::/a/b\n");
         assert_eq!(process_cgroup_limit(&cgroups, &[], &read), None);
         let memory = MemoryInfo { total_bytes: 8 * GIB, available_bytes: 5 * GIB, cgroup: None };
@@ -302,7 +323,10 @@ mod tests {
             ("/sys/fs/cgroup/memory/process_api/job/memory.usage_in_bytes", "48574464\n"),
             ("/sys/fs/cgroup/memory/process_api/memory.limit_in_bytes", "8589934592\n"),
             ("/sys/fs/cgroup/memory/process_api/memory.usage_in_bytes", "2147483648\n"),
-            ("/sys/fs/cgroup/memory/process_api/memory.stat", "cache 5\ninactive_file 7\ntotal_inactive_file 1073741824\n"),
+            (
+                "/sys/fs/cgroup/memory/process_api/memory.stat",
+                "cache 5\ninactive_file 7\ntotal_inactive_file 1073741824\n",
+            ),
             ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "9223372036854771712\n"),
         ]);
         let limit = process_cgroup_limit(&cgroups, &mounts, &read).unwrap();
@@ -313,8 +337,10 @@ mod tests {
         assert_eq!(limit.headroom_bytes(), 7 * GIB);
 
         // Everything unlimited: no cgroup limit at all.
-        let unlimited =
-            fake_files(&[("/sys/fs/cgroup/memory/process_api/job/memory.limit_in_bytes", "9223372036854771712\n"), ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "9223372036854771712\n")]);
+        let unlimited = fake_files(&[
+            ("/sys/fs/cgroup/memory/process_api/job/memory.limit_in_bytes", "9223372036854771712\n"),
+            ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "9223372036854771712\n"),
+        ]);
         assert_eq!(process_cgroup_limit(&cgroups, &mounts, &unlimited), None);
     }
 
@@ -351,7 +377,11 @@ pub fn peak_rss_bytes() -> Option<u64> {
 }
 
 fn parse_status_kib(status: &str, key: &str) -> Option<u64> {
-    status.lines().find_map(|line| line.strip_prefix(key)).and_then(|rest| rest.split_whitespace().next()).and_then(|number| number.parse().ok())
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix(key))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|number| number.parse().ok())
 }
 
 #[cfg(test)]

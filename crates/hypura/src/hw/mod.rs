@@ -91,12 +91,25 @@ impl HwError {
 impl Profile {
     /// Measure CPU and memory, store `devices`, and measure the disk at `disk_probe` if given
     /// (see [`measure_disk`] for what a probe path may be).
-    pub fn measure(devices: Vec<DeviceInfo>, disk_probe: Option<&std::path::Path>, disk_options: &DiskOptions, progress: &dyn Fn(u64, u64)) -> Result<Profile, HwError> {
+    pub fn measure(
+        devices: Vec<DeviceInfo>,
+        disk_probe: Option<&std::path::Path>,
+        disk_options: &DiskOptions,
+        progress: &dyn Fn(u64, u64),
+    ) -> Result<Profile, HwError> {
         let disk = match disk_probe {
             Some(probe) => Some(measure_disk(probe, disk_options, progress)?),
             None => None,
         };
-        Ok(Profile { schema_version: PROFILE_SCHEMA_VERSION, machine_key: machine_key(), measured_at_unix_secs: unix_now_secs(), cpu: cpu_info(), memory: memory_info(), devices, disk })
+        Ok(Profile {
+            schema_version: PROFILE_SCHEMA_VERSION,
+            machine_key: machine_key(),
+            measured_at_unix_secs: unix_now_secs(),
+            cpu: cpu_info(),
+            memory: memory_info(),
+            devices,
+            disk,
+        })
     }
 
     /// Re-read memory figures, which change from minute to minute, keeping the cached disk

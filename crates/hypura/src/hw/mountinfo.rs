@@ -43,7 +43,9 @@ fn unescape(field: &str) -> String {
     let mut output = Vec::with_capacity(bytes.len());
     let mut index = 0;
     while index < bytes.len() {
-        let escape = bytes.get(index + 1..index + 4).filter(|digits| bytes[index] == b'\\' && digits.iter().all(|digit| (b'0'..=b'7').contains(digit)));
+        let escape = bytes
+            .get(index + 1..index + 4)
+            .filter(|digits| bytes[index] == b'\\' && digits.iter().all(|digit| (b'0'..=b'7').contains(digit)));
         if let Some(digits) = escape {
             let value = digits.iter().fold(0u32, |value, digit| value * 8 + u32::from(digit - b'0'));
             output.push(value as u8);
@@ -96,7 +98,10 @@ garbage line
         // makedev(254, 0) and makedev(259, 65537) computed with glibc's formula.
         assert_eq!(split_device_number(0xfe00), (254, 0));
         let (major, minor) = (259u64, 65_537u64);
-        let device = ((major & 0xffff_f000) << 32) | ((major & 0x0000_0fff) << 8) | ((minor & 0xffff_ff00) << 12) | (minor & 0x0000_00ff);
+        let device = ((major & 0xffff_f000) << 32)
+            | ((major & 0x0000_0fff) << 8)
+            | ((minor & 0xffff_ff00) << 12)
+            | (minor & 0x0000_00ff);
         assert_eq!(split_device_number(device), (259, 65_537));
     }
 }

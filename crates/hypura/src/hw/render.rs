@@ -12,16 +12,31 @@ pub(super) fn render_profile(profile: &Profile) -> String {
     let mut out = String::new();
     let indent = " ".repeat(LABEL_WIDTH);
     // Writing to a String cannot fail; the results are ignored for brevity.
-    let _ = writeln!(out, "Hypura hardware profile (machine {}, measured {})", profile.machine_key, format_unix_time_utc(profile.measured_at_unix_secs));
+    let _ = writeln!(
+        out,
+        "Hypura hardware profile (machine {}, measured {})",
+        profile.machine_key,
+        format_unix_time_utc(profile.measured_at_unix_secs)
+    );
 
     let cpu = &profile.cpu;
     let _ = writeln!(out, "\n{:<LABEL_WIDTH$}{}", "CPU", cpu.model_name);
-    let _ = writeln!(out, "{indent}{} logical / {} physical cores, {} usable by this process", cpu.logical_cores, cpu.physical_cores, cpu.available_parallelism);
+    let _ = writeln!(
+        out,
+        "{indent}{} logical / {} physical cores, {} usable by this process",
+        cpu.logical_cores, cpu.physical_cores, cpu.available_parallelism
+    );
     let simd = if cpu.simd.is_empty() { "none detected".to_string() } else { cpu.simd.join(" ") };
     let _ = writeln!(out, "{indent}SIMD: {simd}");
 
     let memory = &profile.memory;
-    let _ = writeln!(out, "\n{:<LABEL_WIDTH$}total {}, available {}", "RAM", format_bytes(memory.total_bytes), format_bytes(memory.available_bytes));
+    let _ = writeln!(
+        out,
+        "\n{:<LABEL_WIDTH$}total {}, available {}",
+        "RAM",
+        format_bytes(memory.total_bytes),
+        format_bytes(memory.available_bytes)
+    );
     match &memory.cgroup {
         Some(cgroup) => {
             let _ = writeln!(
@@ -45,7 +60,11 @@ pub(super) fn render_profile(profile: &Profile) -> String {
         let _ = writeln!(out, "{indent}none listed");
     } else {
         let name_width = profile.devices.iter().map(|device| device.name.len()).max().unwrap_or(0).max(4);
-        let _ = writeln!(out, "{indent}{:<name_width$}  {:<5}  {:>11}  {:>11}  {:<9}  description", "name", "kind", "free", "total", "memory");
+        let _ = writeln!(
+            out,
+            "{indent}{:<name_width$}  {:<5}  {:>11}  {:>11}  {:<9}  description",
+            "name", "kind", "free", "total", "memory"
+        );
         for device in &profile.devices {
             let _ = writeln!(
                 out,
@@ -73,10 +92,22 @@ pub(super) fn render_profile(profile: &Profile) -> String {
 }
 
 fn render_disk(out: &mut String, disk: &DiskProfile, indent: &str) {
-    let source = if disk.scratch_file { format!("scratch file of {}", format_bytes(disk.file_bytes)) } else { format!("existing file of {}", format_bytes(disk.file_bytes)) };
-    let _ = writeln!(out, "\n{:<LABEL_WIDTH$}{} on {} ({}), {source}", "Disk", disk.probe_path.display(), disk.volume, disk.filesystem);
+    let source = if disk.scratch_file {
+        format!("scratch file of {}", format_bytes(disk.file_bytes))
+    } else {
+        format!("existing file of {}", format_bytes(disk.file_bytes))
+    };
+    let _ = writeln!(
+        out,
+        "\n{:<LABEL_WIDTH$}{} on {} ({}), {source}",
+        "Disk",
+        disk.probe_path.display(),
+        disk.volume,
+        disk.filesystem
+    );
     if !disk.direct_supported {
-        let _ = writeln!(out, "{indent}O_DIRECT not supported: \"direct\" figures are page-cache reads of an evicted file");
+        let _ =
+            writeln!(out, "{indent}O_DIRECT not supported: \"direct\" figures are page-cache reads of an evicted file");
     }
     let blocks: BTreeSet<u64> = disk.direct.iter().map(|point| point.block_bytes).collect();
     let depths: BTreeSet<u32> = disk.direct.iter().map(|point| point.queue_depth).collect();
@@ -88,13 +119,23 @@ fn render_disk(out: &mut String, disk: &DiskProfile, indent: &str) {
     for &block in &blocks {
         let _ = write!(out, "{indent}{:>9}", block_label(block));
         for &depth in &depths {
-            let cell = disk.direct.iter().find(|point| point.block_bytes == block && point.queue_depth == depth).map_or_else(|| "-".to_string(), |point| format!("{:.2}", point.bytes_per_sec / 1e9));
+            let cell = disk
+                .direct
+                .iter()
+                .find(|point| point.block_bytes == block && point.queue_depth == depth)
+                .map_or_else(|| "-".to_string(), |point| format!("{:.2}", point.bytes_per_sec / 1e9));
             let _ = write!(out, "{cell:>9}");
         }
         out.push('\n');
     }
     let best = &disk.best_direct;
-    let _ = writeln!(out, "{indent}best direct       {} ({} blocks, QD {})", format_bytes_per_sec(best.bytes_per_sec), block_label(best.block_bytes), best.queue_depth);
+    let _ = writeln!(
+        out,
+        "{indent}best direct       {} ({} blocks, QD {})",
+        format_bytes_per_sec(best.bytes_per_sec),
+        block_label(best.block_bytes),
+        best.queue_depth
+    );
     if let Some(sustained) = &disk.sustained {
         let _ = writeln!(
             out,
@@ -107,8 +148,18 @@ fn render_disk(out: &mut String, disk: &DiskProfile, indent: &str) {
         );
     }
     let random = &disk.random_1mib;
-    let _ = writeln!(out, "{indent}random {:<10} {} (QD {})", block_label(random.block_bytes), format_bytes_per_sec(random.bytes_per_sec), random.queue_depth);
-    let _ = writeln!(out, "{indent}buffered          {} (sequential, from an evicted page cache)", format_bytes_per_sec(disk.buffered_bytes_per_sec));
+    let _ = writeln!(
+        out,
+        "{indent}random {:<10} {} (QD {})",
+        block_label(random.block_bytes),
+        format_bytes_per_sec(random.bytes_per_sec),
+        random.queue_depth
+    );
+    let _ = writeln!(
+        out,
+        "{indent}buffered          {} (sequential, from an evicted page cache)",
+        format_bytes_per_sec(disk.buffered_bytes_per_sec)
+    );
 }
 
 /// "1 MiB", "64 KiB": exact sizes for table labels, where "1.00 MiB" would be noise.

@@ -98,7 +98,11 @@ impl Drop for AlignedBuf {
 
 impl fmt::Debug for AlignedBuf {
     fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
-        formatter.debug_struct("AlignedBuf").field("len_bytes", &self.len_bytes).field("alignment_bytes", &self.layout.align()).finish()
+        formatter
+            .debug_struct("AlignedBuf")
+            .field("len_bytes", &self.len_bytes)
+            .field("alignment_bytes", &self.layout.align())
+            .finish()
     }
 }
 

@@ -78,7 +78,10 @@ impl DirectFile {
 
     /// Open read-only through the page cache (no alignment rules).
     pub fn open_buffered(path: &Path) -> Result<DirectFile, IoError> {
-        let file = OpenOptions::new().read(true).open(path).map_err(|source| IoError::Open { path: path.to_path_buf(), source })?;
+        let file = OpenOptions::new()
+            .read(true)
+            .open(path)
+            .map_err(|source| IoError::Open { path: path.to_path_buf(), source })?;
         DirectFile::from_file(file, path, ReadPath::Buffered)
     }
 
@@ -160,7 +163,14 @@ impl DirectFile {
                     // with a logical block larger than our alignment). Buffered reads still work.
                     self.switch_to_buffered(position)?;
                 }
-                Err(source) => return Err(IoError::Read { path: self.path.clone(), offset: position, len: buffer.len() - filled, source }),
+                Err(source) => {
+                    return Err(IoError::Read {
+                        path: self.path.clone(),
+                        offset: position,
+                        len: buffer.len() - filled,
+                        source,
+                    })
+                }
             }
         }
         Ok(filled)
@@ -180,7 +190,13 @@ impl DirectFile {
         // The alignment is a power of two, so the low bits below it must all be zero.
         let misaligned = |value: u64| value & (alignment - 1) != 0;
         if misaligned(offset) || misaligned(buffer.len() as u64) || misaligned(buffer_address as u64) {
-            return Err(IoError::Unaligned { path: self.path.clone(), offset, len: buffer.len(), buffer_address, alignment_bytes: alignment });
+            return Err(IoError::Unaligned {
+                path: self.path.clone(),
+                offset,
+                len: buffer.len(),
+                buffer_address,
+                alignment_bytes: alignment,
+            });
         }
         Ok(())
     }
@@ -239,7 +255,8 @@ fn advise_dont_need(file: &File) -> io::Result<()> {
 /// A path for error messages about a bare `File`: where /proc says it points, else its descriptor.
 fn describe_descriptor(file: &File) -> PathBuf {
     let descriptor = file.as_raw_fd();
-    std::fs::read_link(format!("/proc/self/fd/{descriptor}")).unwrap_or_else(|_| PathBuf::from(format!("<file descriptor {descriptor}>")))
+    std::fs::read_link(format!("/proc/self/fd/{descriptor}"))
+        .unwrap_or_else(|_| PathBuf::from(format!("<file descriptor {descriptor}>")))
 }
 
 #[cfg(test)]
@@ -314,7 +331,10 @@ mod tests {
         let mut buffer = AlignedBuf::new(8192);
         // Unaligned offset, unaligned length, unaligned address.
         assert!(matches!(file.read_exact_at(buffer.as_mut_slice(), 100), Err(IoError::Unaligned { offset: 100, .. })));
-        assert!(matches!(file.read_exact_at(&mut buffer.as_mut_slice()[..1000], 0), Err(IoError::Unaligned { len: 1000, .. })));
+        assert!(matches!(
+            file.read_exact_at(&mut buffer.as_mut_slice()[..1000], 0),
+            Err(IoError::Unaligned { len: 1000, .. })
+        ));
         assert!(matches!(file.read_exact_at(&mut buffer.as_mut_slice()[512..4608], 0), Err(IoError::Unaligned { .. })));
         // A refused read does not switch the file to buffered.
         assert_eq!(file.read_path(), ReadPath::Direct);
@@ -375,7 +395,8 @@ mod tests {
         // SAFETY: a fresh read-only shared mapping of a file we keep open for the call; the
         // kernel picks the address. Mapping does not fault pages in, so it does not change the
         // residency we measure.
-        let mapping = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, file.as_raw_fd(), 0) };
+        let mapping =
+            unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, file.as_raw_fd(), 0) };
         assert_ne!(mapping, libc::MAP_FAILED, "{}", io::Error::last_os_error());
         let mut residency = vec![0u8; len.div_ceil(page_bytes)];
         // SAFETY: `mapping` is the page-aligned start of a live mapping of `len` bytes, and

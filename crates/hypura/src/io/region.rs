@@ -49,10 +49,20 @@ impl Region {
     /// dense-stream throughput here). Small units (experts of a few MB) should not: a unit
     /// boundary inside a huge page backs the whole 2 MiB, inflating memory beyond the budget.
     pub fn reserve(len_bytes: u64, huge_pages: bool) -> Result<Region, IoError> {
-        let len_bytes = usize::try_from(len_bytes.div_ceil(PAGE_BYTES) * PAGE_BYTES).map_err(|_| IoError::BufferLayout { len_bytes: usize::MAX, alignment_bytes: PAGE_BYTES as usize })?;
+        let len_bytes = usize::try_from(len_bytes.div_ceil(PAGE_BYTES) * PAGE_BYTES)
+            .map_err(|_| IoError::BufferLayout { len_bytes: usize::MAX, alignment_bytes: PAGE_BYTES as usize })?;
         // SAFETY: an anonymous private mapping with no address hint; the kernel picks a free
         // range or fails. We own the mapping until Drop unmaps it.
-        let pointer = unsafe { libc::mmap(std::ptr::null_mut(), len_bytes.max(1), libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE, -1, 0) };
+        let pointer = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len_bytes.max(1),
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
         if pointer == libc::MAP_FAILED {
             return Err(IoError::Reserve { len_bytes: len_bytes as u64, source: io::Error::last_os_error() });
         }
@@ -75,7 +85,13 @@ impl Region {
         // SAFETY: `inner` lies within `range` clamped to the region's length, and is not
         // empty, so it is inside our own live mapping; madvise only changes how future faults
         // are served.
-        unsafe { libc::madvise(self.base.as_ptr().add(inner.start as usize).cast(), (inner.end - inner.start) as usize, libc::MADV_HUGEPAGE) == 0 }
+        unsafe {
+            libc::madvise(
+                self.base.as_ptr().add(inner.start as usize).cast(),
+                (inner.end - inner.start) as usize,
+                libc::MADV_HUGEPAGE,
+            ) == 0
+        }
     }
 
     /// The start of the range, as a number (handed to the stream buffer type).
@@ -119,7 +135,8 @@ impl Region {
         debug_assert_eq!(shift % PAGE_BYTES, 0, "a shift must keep the page phase");
         let start = range.start / PAGE_BYTES * PAGE_BYTES;
         let end = range.end.div_ceil(PAGE_BYTES) * PAGE_BYTES;
-        let span = start..end.min(file.len().div_ceil(PAGE_BYTES) * PAGE_BYTES).min((self.len_bytes as u64).saturating_sub(shift));
+        let span = start
+            ..end.min(file.len().div_ceil(PAGE_BYTES) * PAGE_BYTES).min((self.len_bytes as u64).saturating_sub(shift));
         if span.start >= span.end {
             return Ok(0);
         }
@@ -127,11 +144,17 @@ impl Region {
         // SAFETY: `span + shift` is inside the region (clamped above) and the mapping lives as
         // long as `self`. Writers of these pages are serialised by the store's state machine
         // (documented contract above), and no Rust reference into the region outlives a call.
-        let target = unsafe { std::slice::from_raw_parts_mut(self.base.as_ptr().add((span.start + shift) as usize), len) };
+        let target =
+            unsafe { std::slice::from_raw_parts_mut(self.base.as_ptr().add((span.start + shift) as usize), len) };
         let available = file.len().saturating_sub(span.start);
         let read = file.read_at(target, span.start)?;
         if (read as u64) < (len as u64).min(available) {
-            return Err(IoError::ShortRead { path: file.path().to_path_buf(), offset: span.start, wanted: len, got: read });
+            return Err(IoError::ShortRead {
+                path: file.path().to_path_buf(),
+                offset: span.start,
+                wanted: len,
+                got: read,
+            });
         }
         Ok(read as u64)
     }
@@ -154,7 +177,9 @@ impl Region {
         // SAFETY: the page-aligned range lies inside our mapping; MADV_DONTNEED on a private
         // anonymous mapping only drops contents (they read back as zeros), which the state
         // machine allows because the slice is `Evicting` and no compute reads it.
-        let status = unsafe { libc::madvise(self.base.as_ptr().add(start as usize).cast(), (end - start) as usize, libc::MADV_DONTNEED) };
+        let status = unsafe {
+            libc::madvise(self.base.as_ptr().add(start as usize).cast(), (end - start) as usize, libc::MADV_DONTNEED)
+        };
         if status != 0 {
             return Err(IoError::Release { offset: start, len_bytes: end - start, source: io::Error::last_os_error() });
         }
@@ -174,7 +199,10 @@ impl Region {
     /// earlier moves form mappings of their own); 6.18 moves across mappings.
     pub fn move_pages(&self, from: u64, to: u64, len: u64) -> Result<(), IoError> {
         let region = self.len_bytes as u64;
-        assert!(from.is_multiple_of(PAGE_BYTES) && to.is_multiple_of(PAGE_BYTES) && len.is_multiple_of(PAGE_BYTES), "page moves are page-aligned");
+        assert!(
+            from.is_multiple_of(PAGE_BYTES) && to.is_multiple_of(PAGE_BYTES) && len.is_multiple_of(PAGE_BYTES),
+            "page moves are page-aligned"
+        );
         assert!(from + len <= region && to + len <= region, "page moves stay inside the region");
         assert!(from + len <= to || to + len <= from, "page moves do not overlap");
         if len == 0 {
@@ -187,7 +215,13 @@ impl Region {
         // meanwhile (the caller's contract).
         let moved = unsafe {
             let base = self.base.as_ptr();
-            libc::mremap(base.add(from as usize).cast(), len as usize, len as usize, libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED | libc::MREMAP_DONTUNMAP, base.add(to as usize).cast::<libc::c_void>())
+            libc::mremap(
+                base.add(from as usize).cast(),
+                len as usize,
+                len as usize,
+                libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED | libc::MREMAP_DONTUNMAP,
+                base.add(to as usize).cast::<libc::c_void>(),
+            )
         };
         if moved == libc::MAP_FAILED {
             return Err(IoError::Move { from, to, len_bytes: len, source: io::Error::last_os_error() });
@@ -201,7 +235,8 @@ impl Region {
     /// edges, which neighbours share, are read in as `read_in` does. For tables read a few rows
     /// at a time (the token embedding). The range must never be released or read into again.
     pub fn map_file(&self, file: &File, direct: &DirectFile, range: std::ops::Range<u64>) -> Result<(), IoError> {
-        let inner = range.start.div_ceil(PAGE_BYTES) * PAGE_BYTES..(range.end / PAGE_BYTES * PAGE_BYTES).min(self.len_bytes as u64);
+        let inner = range.start.div_ceil(PAGE_BYTES) * PAGE_BYTES
+            ..(range.end / PAGE_BYTES * PAGE_BYTES).min(self.len_bytes as u64);
         if inner.start >= inner.end {
             return self.read_in(direct, range).map(|_| ());
         }
@@ -209,10 +244,23 @@ impl Region {
         // SAFETY: `inner` is page-aligned and inside our live mapping (clamped above), so
         // MAP_FIXED replaces only pages of this region, which no compute reads yet (load time);
         // the file offset equals the region offset, as the mirror requires, and is page-aligned.
-        let pointer =
-            unsafe { libc::mmap(self.base.as_ptr().add(inner.start as usize).cast(), len, libc::PROT_READ, libc::MAP_PRIVATE | libc::MAP_FIXED, file.as_raw_fd(), inner.start as libc::off_t) };
+        let pointer = unsafe {
+            libc::mmap(
+                self.base.as_ptr().add(inner.start as usize).cast(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE | libc::MAP_FIXED,
+                file.as_raw_fd(),
+                inner.start as libc::off_t,
+            )
+        };
         if pointer == libc::MAP_FAILED {
-            return Err(IoError::Map { path: direct.path().to_path_buf(), offset: inner.start, len_bytes: len as u64, source: io::Error::last_os_error() });
+            return Err(IoError::Map {
+                path: direct.path().to_path_buf(),
+                offset: inner.start,
+                len_bytes: len as u64,
+                source: io::Error::last_os_error(),
+            });
         }
         if range.start < inner.start {
             self.read_in(direct, range.start..inner.start)?;
@@ -227,7 +275,10 @@ impl Region {
     pub fn copy_out(&self, range: std::ops::Range<u64>) -> Vec<u8> {
         assert!(range.end as usize <= self.len_bytes && range.start <= range.end, "range {range:?} outside the region");
         // SAFETY: the range was checked to lie inside the live mapping; we copy it out at once.
-        unsafe { std::slice::from_raw_parts(self.base.as_ptr().add(range.start as usize), (range.end - range.start) as usize) }.to_vec()
+        unsafe {
+            std::slice::from_raw_parts(self.base.as_ptr().add(range.start as usize), (range.end - range.start) as usize)
+        }
+        .to_vec()
     }
 
     /// Copy `source` into the region at `offset`, bypassing the file (load-time fills of small
@@ -235,7 +286,9 @@ impl Region {
     pub fn write(&self, offset: u64, source: &[u8]) {
         assert!(offset as usize + source.len() <= self.len_bytes, "write outside the region");
         // SAFETY: checked to lie inside the mapping; writers are serialised by the store.
-        unsafe { std::ptr::copy_nonoverlapping(source.as_ptr(), self.base.as_ptr().add(offset as usize), source.len()) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(source.as_ptr(), self.base.as_ptr().add(offset as usize), source.len())
+        };
     }
 }
 

@@ -8,7 +8,10 @@ use std::path::{Path, PathBuf};
 pub(crate) fn disk_test_directory() -> tempfile::TempDir {
     let executable = std::env::current_exe().expect("test binary path");
     let directory = executable.parent().expect("test binary directory");
-    tempfile::Builder::new().prefix(".hypura-io-test-").tempdir_in(directory).expect("create a test directory on the build disk")
+    tempfile::Builder::new()
+        .prefix(".hypura-io-test-")
+        .tempdir_in(directory)
+        .expect("create a test directory on the build disk")
 }
 
 /// Bytes that differ at every offset, so a read from the wrong offset cannot pass.

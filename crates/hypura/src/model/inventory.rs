@@ -115,9 +115,14 @@ impl Inventory {
 
     pub fn from_files(path: &Path, files: &ModelFiles) -> Result<Inventory, ModelError> {
         let first = files.first();
-        let arch = first.architecture().ok_or_else(|| ModelError::NoArchitecture { path: path.to_path_buf() })?.to_string();
+        let arch =
+            first.architecture().ok_or_else(|| ModelError::NoArchitecture { path: path.to_path_buf() })?.to_string();
         if !KNOWN_ARCHITECTURES.contains(&arch.as_str()) {
-            return Err(ModelError::UnknownArchitecture { path: path.to_path_buf(), arch, known: KNOWN_ARCHITECTURES.len() });
+            return Err(ModelError::UnknownArchitecture {
+                path: path.to_path_buf(),
+                arch,
+                known: KNOWN_ARCHITECTURES.len(),
+            });
         }
         let hparams = read_hparams(path, &arch, first)?;
         let mut tensors = Vec::with_capacity(first.tensors.len());
@@ -128,14 +133,24 @@ impl Inventory {
             let role = if mtp { Role::Mtp } else { Role::from_tensor_name(&tensor.info.name) };
             if let Some(layer) = layer {
                 if u64::from(layer) >= hparams.n_layer {
-                    return Err(ModelError::LayerOutOfRange { path: path.to_path_buf(), tensor: tensor.info.name.clone(), layer, n_layer: hparams.n_layer });
+                    return Err(ModelError::LayerOutOfRange {
+                        path: path.to_path_buf(),
+                        tensor: tensor.info.name.clone(),
+                        layer,
+                        n_layer: hparams.n_layer,
+                    });
                 }
             }
             let experts = if role.is_expert() {
                 // Experts are the outermost dimension, so each expert is one contiguous slice.
                 let n_expert = tensor.info.dims.last().copied().unwrap_or(1);
                 if tensor.info.dims.len() < 3 || n_expert == 0 || tensor.info.bytes % n_expert != 0 {
-                    return Err(ModelError::BadExpertTensor { path: path.to_path_buf(), tensor: tensor.info.name.clone(), bytes: tensor.info.bytes, n_expert });
+                    return Err(ModelError::BadExpertTensor {
+                        path: path.to_path_buf(),
+                        tensor: tensor.info.name.clone(),
+                        bytes: tensor.info.bytes,
+                        n_expert,
+                    });
                 }
                 Some(ExpertSlices { n_expert, slice_bytes: tensor.info.bytes / n_expert })
             } else {
@@ -220,14 +235,18 @@ fn read_hparams(path: &Path, arch: &str, gguf: &hypura_gguf::Gguf) -> Result<Hpa
             value => value.as_u64(),
         }
     };
-    let required = |suffix: &str| number(suffix).ok_or_else(|| ModelError::MissingKey { path: path.to_path_buf(), key: key(suffix) });
+    let required = |suffix: &str| {
+        number(suffix).ok_or_else(|| ModelError::MissingKey { path: path.to_path_buf(), key: key(suffix) })
+    };
     let n_layer = required("block_count")?;
     let n_embd = required("embedding_length")?;
     let n_head = number("attention.head_count").unwrap_or(0);
     let n_head_kv = number("attention.head_count_kv").unwrap_or(n_head);
     let default_head_dim = n_embd.checked_div(n_head).unwrap_or(0);
     let head_dim_k = number("attention.key_length").unwrap_or(default_head_dim);
-    let n_vocab = number("vocab_size").or_else(|| gguf.get("tokenizer.ggml.tokens").and_then(Value::as_array).map(|tokens| tokens.len() as u64)).unwrap_or(0);
+    let n_vocab = number("vocab_size")
+        .or_else(|| gguf.get("tokenizer.ggml.tokens").and_then(Value::as_array).map(|tokens| tokens.len() as u64))
+        .unwrap_or(0);
     let n_layer_mtp = number("nextn_predict_layers").unwrap_or(0).min(n_layer);
     let head_dim_v = number("attention.value_length").unwrap_or(head_dim_k);
     let (n_layer_kv, recurrent_state_bytes) = attention_layers(gguf, arch, &key, n_layer - n_layer_mtp);
@@ -262,7 +281,9 @@ fn read_hparams(path: &Path, arch: &str, gguf: &hypura_gguf::Gguf) -> Result<Hpa
 fn attention_layers(gguf: &hypura_gguf::Gguf, arch: &str, key: &dyn Fn(&str) -> String, trunk: u64) -> (u64, u64) {
     let get = |suffix: &str| gguf.get(&key(suffix)).and_then(Value::as_u64);
     let attends: Vec<bool> = match gguf.get(&key("attention.head_count_kv")) {
-        Some(Value::Array(_, values)) => values.iter().take(trunk as usize).map(|value| value.as_u64().unwrap_or(1) > 0).collect(),
+        Some(Value::Array(_, values)) => {
+            values.iter().take(trunk as usize).map(|value| value.as_u64().unwrap_or(1) > 0).collect()
+        }
         _ if matches!(arch, "qwen35moe" | "qwen3next") => {
             let interval = get("full_attention_interval").unwrap_or(4).max(1);
             (0..trunk).map(|layer| (layer + 1) % interval == 0).collect()
@@ -270,7 +291,8 @@ fn attention_layers(gguf: &hypura_gguf::Gguf, arch: &str, key: &dyn Fn(&str) -> 
         _ => return (trunk, 0),
     };
     let recurrent = attends.iter().filter(|&&attends| !attends).count() as u64;
-    let (Some(state), Some(inner), Some(conv)) = (get("ssm.state_size"), get("ssm.inner_size"), get("ssm.conv_kernel")) else {
+    let (Some(state), Some(inner), Some(conv)) = (get("ssm.state_size"), get("ssm.inner_size"), get("ssm.conv_kernel"))
+    else {
         return (trunk, 0);
     };
     let groups = get("ssm.group_count").unwrap_or(1);

@@ -158,7 +158,10 @@ impl Role {
 
 /// `blk.12.attn_q.weight` -> `attn_q.weight`; names without a layer are returned unchanged.
 fn strip_layer(name: &str) -> &str {
-    name.strip_prefix("blk.").and_then(|rest| rest.split_once('.')).filter(|(number, _)| number.bytes().all(|byte| byte.is_ascii_digit())).map_or(name, |(_, rest)| rest)
+    name.strip_prefix("blk.")
+        .and_then(|rest| rest.split_once('.'))
+        .filter(|(number, _)| number.bytes().all(|byte| byte.is_ascii_digit()))
+        .map_or(name, |(_, rest)| rest)
 }
 
 /// The layer of a `blk.N.*` tensor.

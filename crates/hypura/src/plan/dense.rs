@@ -49,36 +49,70 @@ struct DenseCandidate {
 
 /// Dense-stream over the layers whose FFN the GPU does not hold: `all_layer_ffn` is every
 /// layer's streamable bytes, `base` the plan so far (mode, host budget use, GPU tier).
-pub(super) fn plan_dense(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions, all_layer_ffn: &[u64], base: Plan) -> Result<Plan, PlanError> {
+pub(super) fn plan_dense(
+    inventory: &Inventory,
+    machine: &MachineFacts,
+    options: &PlanOptions,
+    all_layer_ffn: &[u64],
+    base: Plan,
+) -> Result<Plan, PlanError> {
     let gpu = &base.gpu;
-    let BudgetUse { budget_bytes: budget, resident_weight_bytes: weights, kv_cache_bytes: kv, compute_buffer_bytes: compute, total_bytes: everything, .. } = base.budget;
+    let BudgetUse {
+        budget_bytes: budget,
+        resident_weight_bytes: weights,
+        kv_cache_bytes: kv,
+        compute_buffer_bytes: compute,
+        total_bytes: everything,
+        ..
+    } = base.budget;
     let remote = &base.remote;
     let host_layers: Vec<u32> = (0..all_layer_ffn.len() as u32)
-        .filter(|layer| !gpu.as_ref().is_some_and(|gpu| gpu.ffn_layers.contains(layer)) && !remote.as_ref().is_some_and(|remote| remote.layers.contains(layer)))
+        .filter(|layer| {
+            !gpu.as_ref().is_some_and(|gpu| gpu.ffn_layers.contains(layer))
+                && !remote.as_ref().is_some_and(|remote| remote.layers.contains(layer))
+        })
         .collect();
     let layer_ffn: Vec<u64> = host_layers.iter().map(|&layer| all_layer_ffn[layer as usize]).collect();
     if layer_ffn.iter().all(|&bytes| bytes == 0) {
         if all_layer_ffn.iter().any(|&bytes| bytes > 0) {
             // The GPU holds every FFN layer: nothing is left to stream, and the host cannot
             // hold the rest.
-            return Err(PlanError::BudgetTooSmall { budget, needed: everything, resident: weights, window: 0, layers: 0, kv, compute });
+            return Err(PlanError::BudgetTooSmall {
+                budget,
+                needed: everything,
+                resident: weights,
+                window: 0,
+                layers: 0,
+                kv,
+                compute,
+            });
         }
         return Err(PlanError::ModeUnavailable { mode: "dense-stream", what: "FFN tensors in layers" });
     }
     let fixed_weights = weights - layer_ffn.iter().sum::<u64>();
     let forced = options.mode == ModeChoice::Forced(Mode::DenseStream);
-    let DenseChoice { layout, streamed_bytes: streamed_bytes_per_token, window_bytes } =
-        choose_window(&host_layers, &layer_ffn, fixed_weights + kv + compute, budget, options, machine, forced, everything <= budget).map_err(|(window, window_bytes)| PlanError::BudgetTooSmall {
-            budget,
-            needed: fixed_weights + window_bytes + kv + compute,
-            resident: fixed_weights,
-            window: window_bytes,
-            layers: window,
-            kv,
-            compute,
-        })?;
+    let DenseChoice { layout, streamed_bytes: streamed_bytes_per_token, window_bytes } = choose_window(
+        &host_layers,
+        &layer_ffn,
+        fixed_weights + kv + compute,
+        budget,
+        options,
+        machine,
+        forced,
+        everything <= budget,
+    )
+    .map_err(|(window, window_bytes)| PlanError::BudgetTooSmall {
+        budget,
+        needed: fixed_weights + window_bytes + kv + compute,
+        resident: fixed_weights,
+        window: window_bytes,
+        layers: window,
+        kv,
+        compute,
+    })?;
     let tensors = place(inventory, gpu.as_ref(), remote.as_ref(), |tensor| {
-        let streamed = is_streamable(tensor) && layout.streamed_layers.contains(&tensor.layer.expect("streamable tensors have a layer"));
+        let streamed = is_streamable(tensor)
+            && layout.streamed_layers.contains(&tensor.layer.expect("streamable tensors have a layer"));
         match (streamed, is_streamable(tensor)) {
             (true, _) => (Tier::Stream, "FFN of a streamed layer: read through the window each token"),
             (false, true) => (Tier::Ram, "FFN of a pinned layer: the budget holds it"),
@@ -86,7 +120,10 @@ pub(super) fn plan_dense(inventory: &Inventory, machine: &MachineFacts, options:
         }
     });
     let resident_weight_bytes = weights - streamed_bytes_per_token;
-    let io_bound_tokens_per_sec = machine.disk_bytes_per_sec.filter(|_| streamed_bytes_per_token > 0).map(|bandwidth| bandwidth / streamed_bytes_per_token as f64);
+    let io_bound_tokens_per_sec = machine
+        .disk_bytes_per_sec
+        .filter(|_| streamed_bytes_per_token > 0)
+        .map(|bandwidth| bandwidth / streamed_bytes_per_token as f64);
     Ok(Plan {
         budget: BudgetUse {
             budget_bytes: budget,
@@ -117,13 +154,25 @@ pub(super) struct DenseChoice {
 /// model predicts fastest, pinning what the budget leaves after `fixed` bytes. Err: the first
 /// window weighed and its bytes, which the budget cannot hold.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn choose_window(layers: &[u32], layer_ffn: &[u64], fixed: u64, budget: u64, options: &PlanOptions, machine: &MachineFacts, forced: bool, fits: bool) -> Result<DenseChoice, (usize, u64)> {
+pub(super) fn choose_window(
+    layers: &[u32],
+    layer_ffn: &[u64],
+    fixed: u64,
+    budget: u64,
+    options: &PlanOptions,
+    machine: &MachineFacts,
+    forced: bool,
+    fits: bool,
+) -> Result<DenseChoice, (usize, u64)> {
     let n_layer = layer_ffn.len();
     let candidates: Vec<usize> = match options.window_layers {
         Some(layers) => vec![layers.clamp(1, n_layer)],
         None => (1..=MAX_WINDOW_LAYERS.min(n_layer)).collect(),
     };
-    let costed: Vec<DenseCandidate> = candidates.iter().filter_map(|&window| dense_candidate(layer_ffn, fixed, budget, window, forced, fits, machine)).collect();
+    let costed: Vec<DenseCandidate> = candidates
+        .iter()
+        .filter_map(|&window| dense_candidate(layer_ffn, fixed, budget, window, forced, fits, machine))
+        .collect();
     // The least predicted time per token; a larger window must win by more than 2% to be
     // worth the layer it takes from the pinned set.
     let Some(chosen) = costed.iter().fold(None::<&DenseCandidate>, |best, candidate| match best {
@@ -147,7 +196,15 @@ pub(super) fn choose_window(layers: &[u32], layer_ffn: &[u64], fixed: u64, budge
     Ok(DenseChoice { layout, streamed_bytes: chosen.streamed_bytes, window_bytes: chosen.window_bytes })
 }
 
-fn dense_candidate(layer_ffn: &[u64], fixed: u64, budget: u64, window: usize, forced: bool, fits: bool, machine: &MachineFacts) -> Option<DenseCandidate> {
+fn dense_candidate(
+    layer_ffn: &[u64],
+    fixed: u64,
+    budget: u64,
+    window: usize,
+    forced: bool,
+    fits: bool,
+    machine: &MachineFacts,
+) -> Option<DenseCandidate> {
     let n_layer = layer_ffn.len();
     // The window holds `window` layers read ahead plus the one computing.
     let largest = layer_ffn.iter().copied().max().unwrap_or(0);
@@ -166,9 +223,11 @@ fn dense_candidate(layer_ffn: &[u64], fixed: u64, budget: u64, window: usize, fo
     }
     let streamed_count = n_layer - pinned_count.min(n_layer);
     let streamed_set = spread(streamed_count, n_layer);
-    let streamed_layers: Vec<u32> = (0..n_layer as u32).filter(|layer| streamed_set.contains(&(*layer as usize))).collect();
+    let streamed_layers: Vec<u32> =
+        (0..n_layer as u32).filter(|layer| streamed_set.contains(&(*layer as usize))).collect();
     let streamed_bytes: u64 = streamed_layers.iter().map(|&layer| layer_ffn[layer as usize]).sum();
-    let window_bytes = if streamed_layers.is_empty() { 0 } else { largest * (window as u64 + 1).min(streamed_layers.len() as u64) };
+    let window_bytes =
+        if streamed_layers.is_empty() { 0 } else { largest * (window as u64 + 1).min(streamed_layers.len() as u64) };
     // What can be in flight: the window's layers, as far as the store's reader threads take
     // them (`queue_depth` chunks at once). The disk's rate at that depth is the profile's.
     let mean_layer = streamed_bytes / streamed_layers.len().max(1) as u64;
@@ -187,7 +246,12 @@ fn rate_in_flight(machine: &MachineFacts, in_flight: u64) -> f64 {
     if machine.disk_read_points.is_empty() {
         return best;
     }
-    let reachable = machine.disk_read_points.iter().filter(|(needed, _)| *needed <= in_flight).map(|(_, rate)| *rate).fold(0.0, f64::max);
+    let reachable = machine
+        .disk_read_points
+        .iter()
+        .filter(|(needed, _)| *needed <= in_flight)
+        .map(|(_, rate)| *rate)
+        .fold(0.0, f64::max);
     if reachable > 0.0 {
         return reachable;
     }
@@ -210,7 +274,12 @@ fn physical_limit(machine: &MachineFacts, streamed_bytes_per_token: u64) -> Opti
 /// compute and the reading of its streamed bytes at the disk's rate, and yields
 /// `tokens_per_pass` tokens (more than one with speculative decoding). None if a pass would
 /// take no time.
-pub fn limit_tokens_per_sec(compute_seconds_per_pass: f64, bytes_per_pass: f64, disk_bytes_per_sec: f64, tokens_per_pass: f64) -> Option<f64> {
+pub fn limit_tokens_per_sec(
+    compute_seconds_per_pass: f64,
+    bytes_per_pass: f64,
+    disk_bytes_per_sec: f64,
+    tokens_per_pass: f64,
+) -> Option<f64> {
     let seconds = compute_seconds_per_pass.max(bytes_per_pass / disk_bytes_per_sec);
     (seconds > 0.0 && seconds.is_finite()).then(|| tokens_per_pass / seconds)
 }
@@ -229,10 +298,18 @@ mod tests {
     #[test]
     fn the_io_bound_follows_from_streamed_bytes() {
         let inventory = inventory(10, 16 << 20, 32 << 20, 64 << 20);
-        let fixed = (64 << 20) + 10 * (16 << 20) + kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 256);
+        let fixed = (64 << 20)
+            + 10 * (16 << 20)
+            + kv_cache_bytes(&inventory, 1024)
+            + compute_buffer_bytes(&inventory, 1024, 256);
         // Room for the window (3 layers of 96 MiB) and 2 pinned layers.
         let budget = fixed + 5 * (96 << 20);
-        let plan = plan(&inventory, &MachineFacts { memory_budget_bytes: budget, disk_bytes_per_sec: Some(2e9), ..MachineFacts::default() }, &options(ModeChoice::Auto, 2)).unwrap();
+        let plan = plan(
+            &inventory,
+            &MachineFacts { memory_budget_bytes: budget, disk_bytes_per_sec: Some(2e9), ..MachineFacts::default() },
+            &options(ModeChoice::Auto, 2),
+        )
+        .unwrap();
         let dense = plan.dense.as_ref().unwrap();
         assert_eq!(dense.pinned_layers.len(), 2);
         assert_eq!(dense.streamed_layers.len(), 8);
@@ -245,7 +322,12 @@ mod tests {
     fn forced_dense_stream_of_a_model_that_fits_still_rotates_layers_through_the_window() {
         let inventory = inventory(12, 1 << 20, 4 << 20, 8 << 20);
         for window in 1..4 {
-            let plan = plan(&inventory, &MachineFacts { memory_budget_bytes: 8 << 30, ..MachineFacts::default() }, &options(ModeChoice::Forced(Mode::DenseStream), window)).unwrap();
+            let plan = plan(
+                &inventory,
+                &MachineFacts { memory_budget_bytes: 8 << 30, ..MachineFacts::default() },
+                &options(ModeChoice::Forced(Mode::DenseStream), window),
+            )
+            .unwrap();
             let dense = plan.dense.as_ref().unwrap();
             // The window holds `window + 1` layers; one more must stream, or nothing is read
             // after the first token.
@@ -255,10 +337,24 @@ mod tests {
 
     /// A 2 GB/s disk with a queue-hungry profile and a budget with room for everything but
     /// the FFN layers, plus `layers` FFN layers of `ffn` × 3 bytes.
-    fn machine_with_room(inventory: &Inventory, ffn: u64, layers: u64, compute_seconds_per_token: Option<f64>) -> MachineFacts {
-        let fixed = inventory.tensor_data_bytes() - inventory.tensors.iter().filter(|tensor| tensor.role.is_dense_ffn()).map(|tensor| tensor.bytes).sum::<u64>();
+    fn machine_with_room(
+        inventory: &Inventory,
+        ffn: u64,
+        layers: u64,
+        compute_seconds_per_token: Option<f64>,
+    ) -> MachineFacts {
+        let fixed = inventory.tensor_data_bytes()
+            - inventory
+                .tensors
+                .iter()
+                .filter(|tensor| tensor.role.is_dense_ffn())
+                .map(|tensor| tensor.bytes)
+                .sum::<u64>();
         MachineFacts {
-            memory_budget_bytes: fixed + kv_cache_bytes(inventory, 1024) + compute_buffer_bytes(inventory, 1024, 256) + layers * 3 * ffn,
+            memory_budget_bytes: fixed
+                + kv_cache_bytes(inventory, 1024)
+                + compute_buffer_bytes(inventory, 1024, 256)
+                + layers * 3 * ffn,
             disk_bytes_per_sec: Some(2e9),
             read_queue_depth: Some(16),
             disk_read_points: queue_hungry_disk(),

@@ -38,10 +38,18 @@ pub const HUGE_SLICE_MIN_BYTES: u64 = 4 << 20;
 /// Expert-stream: every routed expert tensor of a layer the GPU does not hold streams by
 /// expert, dense FFN layers among them through a dense window where the budget needs it; the
 /// rest is resident, and what the budget leaves is the expert cache.
-pub(super) fn plan_experts(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions, base: Plan) -> Result<Plan, PlanError> {
+pub(super) fn plan_experts(
+    inventory: &Inventory,
+    machine: &MachineFacts,
+    options: &PlanOptions,
+    base: Plan,
+) -> Result<Plan, PlanError> {
     let hparams = &inventory.hparams;
     let n_expert = hparams.n_expert;
-    let on_gpu = |tensor: &TensorEntry| base.gpu.as_ref().is_some_and(|gpu| gpu.holds(tensor)) || base.remote.as_ref().is_some_and(|remote| remote.holds(tensor));
+    let on_gpu = |tensor: &TensorEntry| {
+        base.gpu.as_ref().is_some_and(|gpu| gpu.holds(tensor))
+            || base.remote.as_ref().is_some_and(|remote| remote.holds(tensor))
+    };
     let streamed: Vec<&TensorEntry> = inventory.expert_tensors().filter(|tensor| !on_gpu(tensor)).collect();
     if n_expert == 0 || inventory.expert_tensors().next().is_none() {
         return Err(PlanError::ModeUnavailable { mode: "expert-stream", what: "routed expert tensors" });
@@ -53,7 +61,8 @@ pub(super) fn plan_experts(inventory: &Inventory, machine: &MachineFacts, option
         unit_bytes_by_layer[tensor.layer.expect("experts have a layer") as usize] += slices.slice_bytes;
     }
     let unit_bytes = unit_bytes_by_layer.iter().copied().max().unwrap_or(0);
-    let min_slice_bytes = streamed.iter().filter_map(|tensor| tensor.experts.map(|slices| slices.slice_bytes)).min().unwrap_or(0);
+    let min_slice_bytes =
+        streamed.iter().filter_map(|tensor| tensor.experts.map(|slices| slices.slice_bytes)).min().unwrap_or(0);
     let moe_layers = unit_bytes_by_layer.iter().filter(|&&bytes| bytes > 0).count() as u64;
     let expert_bytes: u64 = streamed.iter().map(|tensor| tensor.bytes).sum();
     let fixed = base.budget.resident_weight_bytes - expert_bytes;
@@ -74,7 +83,8 @@ pub(super) fn plan_experts(inventory: &Inventory, machine: &MachineFacts, option
     // interleave) stay resident while the budget holds them beside a cache of what a prompt
     // batch picks; otherwise, or where expert-stream was forced, they stream through a dense
     // window in the same plan.
-    let dense_layers: Vec<u32> = (0..hparams.n_layer as u32).filter(|&layer| dense_bytes_by_layer[layer as usize] > 0).collect();
+    let dense_layers: Vec<u32> =
+        (0..hparams.n_layer as u32).filter(|&layer| dense_bytes_by_layer[layer as usize] > 0).collect();
     let dense_ffn: Vec<u64> = dense_layers.iter().map(|&layer| dense_bytes_by_layer[layer as usize]).collect();
     let forced = options.mode == ModeChoice::Forced(Mode::ExpertStream);
     let tight = fixed + kv + compute + full_units as u64 * unit_bytes > budget;
@@ -83,9 +93,22 @@ pub(super) fn plan_experts(inventory: &Inventory, machine: &MachineFacts, option
     } else {
         let without_dense = fixed - dense_ffn.iter().sum::<u64>() + kv + compute;
         // Room for a full batch's picks first; failing that, for one token's.
-        [full_units, batch_units(1)].into_iter().find_map(|units| choose_window(&dense_layers, &dense_ffn, without_dense + units as u64 * unit_bytes, budget, options, machine, forced, !tight).ok())
+        [full_units, batch_units(1)].into_iter().find_map(|units| {
+            choose_window(
+                &dense_layers,
+                &dense_ffn,
+                without_dense + units as u64 * unit_bytes,
+                budget,
+                options,
+                machine,
+                forced,
+                !tight,
+            )
+            .ok()
+        })
     };
-    let (dense_streamed, dense_window) = dense.as_ref().map_or((0, 0), |dense| (dense.streamed_bytes, dense.window_bytes));
+    let (dense_streamed, dense_window) =
+        dense.as_ref().map_or((0, 0), |dense| (dense.streamed_bytes, dense.window_bytes));
     // From here, `fixed` is what is not the expert cache: resident weights and the dense window.
     let resident = fixed - dense_streamed;
     let fixed = resident + dense_window;
@@ -106,7 +129,15 @@ pub(super) fn plan_experts(inventory: &Inventory, machine: &MachineFacts, option
         cache_units = cache_for(compute);
         if cache_units < decode_units {
             let needed = fixed + kv + compute + decode_units as u64 * unit_bytes;
-            return Err(PlanError::BudgetTooSmall { budget, needed, resident: fixed, window: decode_units as u64 * unit_bytes, layers: 1, kv, compute });
+            return Err(PlanError::BudgetTooSmall {
+                budget,
+                needed,
+                resident: fixed,
+                window: decode_units as u64 * unit_bytes,
+                layers: 1,
+                kv,
+                compute,
+            });
         }
         (Some(ubatch), compute)
     };
@@ -114,7 +145,8 @@ pub(super) fn plan_experts(inventory: &Inventory, machine: &MachineFacts, option
     let tensors = place(inventory, base.gpu.as_ref(), base.remote.as_ref(), |tensor| {
         if tensor.experts.is_some() {
             (Tier::Stream, "routed experts: only the router's picks are read, through the expert cache")
-        } else if tensor.role.is_dense_ffn() && tensor.layer.is_some_and(|layer| dense_streamed_layers.contains(&layer)) {
+        } else if tensor.role.is_dense_ffn() && tensor.layer.is_some_and(|layer| dense_streamed_layers.contains(&layer))
+        {
             (Tier::Stream, "FFN of a streamed dense layer: read through the window each token")
         } else if tensor.role.is_dense_ffn() && tensor.layer.is_some() {
             (Tier::Ram, "FFN of a pinned dense layer: the budget holds it")
@@ -141,13 +173,18 @@ pub(super) fn plan_experts(inventory: &Inventory, machine: &MachineFacts, option
             n_expert_used: hparams.n_expert_used,
             unit_bytes,
             cache_units,
-            policy: options.cache_policy.unwrap_or_else(|| CachePolicy::automatic(cache_units, (moe_layers * k) as usize)),
+            policy: options
+                .cache_policy
+                .unwrap_or_else(|| CachePolicy::automatic(cache_units, (moe_layers * k) as usize)),
             min_slice_bytes,
             prefetch: options.expert_prefetch.unwrap_or(true),
             max_ubatch,
         }),
         streamed_bytes_per_token: worst_case,
-        io_bound_tokens_per_sec: machine.disk_bytes_per_sec.filter(|_| worst_case > 0).map(|bandwidth| bandwidth / worst_case as f64),
+        io_bound_tokens_per_sec: machine
+            .disk_bytes_per_sec
+            .filter(|_| worst_case > 0)
+            .map(|bandwidth| bandwidth / worst_case as f64),
         // What streams per token depends on the cache's hit rate, known only once it runs.
         limit_tokens_per_sec: None,
         ..base
@@ -157,15 +194,26 @@ pub(super) fn plan_experts(inventory: &Inventory, machine: &MachineFacts, option
 #[cfg(test)]
 mod tests {
     use crate::plan::test_support::*;
-    use crate::plan::{compute_buffer_bytes, kv_cache_bytes, plan, CachePolicy, MachineFacts, Mode, ModeChoice, PlanError, PlanOptions, Tier};
+    use crate::plan::{
+        compute_buffer_bytes, kv_cache_bytes, plan, CachePolicy, MachineFacts, Mode, ModeChoice, PlanError,
+        PlanOptions, Tier,
+    };
 
     /// 128 experts of 3 × 1 MiB per layer, 8 picked per token; a budget with room for `units`
     /// units beside the rest, at a prompt batch of 512.
     fn planned(units: u64, cache: Option<usize>) -> Result<crate::plan::Plan, PlanError> {
         let inventory = moe_inventory(4, 128, 8, 1 << 20);
-        let fixed = inventory.tensors.iter().filter(|tensor| tensor.experts.is_none()).map(|tensor| tensor.bytes).sum::<u64>();
-        let budget = fixed + kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 512) + units * (3 << 20);
-        let options = PlanOptions { mode: ModeChoice::Auto, n_ctx: 1024, n_ubatch: 512, expert_cache_units: cache, ..PlanOptions::default() };
+        let fixed =
+            inventory.tensors.iter().filter(|tensor| tensor.experts.is_none()).map(|tensor| tensor.bytes).sum::<u64>();
+        let budget =
+            fixed + kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 512) + units * (3 << 20);
+        let options = PlanOptions {
+            mode: ModeChoice::Auto,
+            n_ctx: 1024,
+            n_ubatch: 512,
+            expert_cache_units: cache,
+            ..PlanOptions::default()
+        };
         plan(&inventory, &MachineFacts { memory_budget_bytes: budget, ..MachineFacts::default() }, &options)
     }
 
@@ -184,10 +232,27 @@ mod tests {
         // 4 MoE layers × 8 picks: a token touches 32 units.
         let policy = |units: usize, given: Option<CachePolicy>| {
             let inventory = moe_inventory(4, 128, 8, 1 << 20);
-            let fixed = inventory.tensors.iter().filter(|tensor| tensor.experts.is_none()).map(|tensor| tensor.bytes).sum::<u64>();
-            let budget = fixed + kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 512) + 200 * (3 << 20);
-            let options = PlanOptions { mode: ModeChoice::Auto, n_ctx: 1024, n_ubatch: 512, expert_cache_units: Some(units), cache_policy: given, ..PlanOptions::default() };
-            let plan = plan(&inventory, &MachineFacts { memory_budget_bytes: budget, ..MachineFacts::default() }, &options).unwrap();
+            let fixed = inventory
+                .tensors
+                .iter()
+                .filter(|tensor| tensor.experts.is_none())
+                .map(|tensor| tensor.bytes)
+                .sum::<u64>();
+            let budget = fixed
+                + kv_cache_bytes(&inventory, 1024)
+                + compute_buffer_bytes(&inventory, 1024, 512)
+                + 200 * (3 << 20);
+            let options = PlanOptions {
+                mode: ModeChoice::Auto,
+                n_ctx: 1024,
+                n_ubatch: 512,
+                expert_cache_units: Some(units),
+                cache_policy: given,
+                ..PlanOptions::default()
+            };
+            let plan =
+                plan(&inventory, &MachineFacts { memory_budget_bytes: budget, ..MachineFacts::default() }, &options)
+                    .unwrap();
             let experts = plan.experts.unwrap();
             assert_eq!(experts.cache_units, units);
             experts.policy
@@ -210,7 +275,10 @@ mod tests {
         assert!(plan.render().contains(&format!("prompt batches of at most {ubatch} tokens")), "{}", plan.render());
         // A cache forced to one token's picks: one token per batch.
         let forced = planned(200, Some(8)).unwrap();
-        assert_eq!((forced.experts.as_ref().unwrap().cache_units, forced.experts.as_ref().unwrap().max_ubatch), (8, Some(1)));
+        assert_eq!(
+            (forced.experts.as_ref().unwrap().cache_units, forced.experts.as_ref().unwrap().max_ubatch),
+            (8, Some(1))
+        );
     }
 
     #[test]
@@ -218,10 +286,13 @@ mod tests {
         // Four dense layers of 3 × 64 MiB, then 6 MoE layers of 64 experts of 3 × 1 MiB.
         let layer: u64 = 3 * (64 << 20);
         let inventory = mixed_inventory(4, 10, 64 << 20, 64, 4, 1 << 20);
-        let fixed = inventory.tensors.iter().filter(|tensor| tensor.experts.is_none()).map(|tensor| tensor.bytes).sum::<u64>();
+        let fixed =
+            inventory.tensors.iter().filter(|tensor| tensor.experts.is_none()).map(|tensor| tensor.bytes).sum::<u64>();
         let extra = kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 512);
         let options = PlanOptions { mode: ModeChoice::Auto, n_ctx: 1024, n_ubatch: 512, ..PlanOptions::default() };
-        let plan_at = |budget: u64| plan(&inventory, &MachineFacts { memory_budget_bytes: budget, ..MachineFacts::default() }, &options);
+        let plan_at = |budget: u64| {
+            plan(&inventory, &MachineFacts { memory_budget_bytes: budget, ..MachineFacts::default() }, &options)
+        };
         // Room for the dense layers and a full batch's picks (64 units): they stay resident.
         let roomy = plan_at(fixed + extra + 100 * (3 << 20)).unwrap();
         assert_eq!(roomy.mode, Mode::ExpertStream);
@@ -230,14 +301,27 @@ mod tests {
         // through a window (one ahead and the one computing).
         let tight = plan_at(fixed - 4 * layer + extra + 64 * (3 << 20) + 2 * layer + (8 << 20)).unwrap();
         let dense = tight.dense.as_ref().expect("a dense window");
-        assert!(dense.streamed_layers.len() >= 3 && dense.streamed_layers.iter().all(|&layer| layer < 4), "{}", tight.render());
+        assert!(
+            dense.streamed_layers.len() >= 3 && dense.streamed_layers.iter().all(|&layer| layer < 4),
+            "{}",
+            tight.render()
+        );
         assert!(tight.budget.total_bytes <= tight.budget.budget_bytes, "{:?}", tight.budget);
         assert!(tight.experts.as_ref().unwrap().cache_units >= 64, "{}", tight.render());
-        let streamed_dense: u64 =
-            tight.tensors.iter().zip(&inventory.tensors).filter(|(placement, tensor)| placement.tier == Tier::Stream && tensor.role.is_dense_ffn()).map(|(_, tensor)| tensor.bytes).sum();
+        let streamed_dense: u64 = tight
+            .tensors
+            .iter()
+            .zip(&inventory.tensors)
+            .filter(|(placement, tensor)| placement.tier == Tier::Stream && tensor.role.is_dense_ffn())
+            .map(|(_, tensor)| tensor.bytes)
+            .sum();
         assert_eq!(streamed_dense, dense.streamed_layers.len() as u64 * layer);
         let rendered = tight.render();
-        assert!(rendered.contains("and the streamed dense layers") && rendered.lines().filter(|line| line.starts_with("per token")).count() == 1, "{rendered}");
+        assert!(
+            rendered.contains("and the streamed dense layers")
+                && rendered.lines().filter(|line| line.starts_with("per token")).count() == 1,
+            "{rendered}"
+        );
     }
 
     #[test]
@@ -245,8 +329,10 @@ mod tests {
         // Room for the compute buffers of a one-token batch and 7 units, one fewer than a
         // token picks.
         let inventory = moe_inventory(4, 128, 8, 1 << 20);
-        let fixed = inventory.tensors.iter().filter(|tensor| tensor.experts.is_none()).map(|tensor| tensor.bytes).sum::<u64>();
-        let budget = fixed + kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 1) + 7 * (3 << 20);
+        let fixed =
+            inventory.tensors.iter().filter(|tensor| tensor.experts.is_none()).map(|tensor| tensor.bytes).sum::<u64>();
+        let budget =
+            fixed + kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 1) + 7 * (3 << 20);
         let options = PlanOptions { mode: ModeChoice::Auto, n_ctx: 1024, n_ubatch: 512, ..PlanOptions::default() };
         match plan(&inventory, &MachineFacts { memory_budget_bytes: budget, ..MachineFacts::default() }, &options) {
             Err(PlanError::BudgetTooSmall { needed, budget, .. }) => assert!(needed > budget),

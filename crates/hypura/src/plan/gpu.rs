@@ -4,7 +4,9 @@
 use serde::Serialize;
 
 use super::remote::RemoteLayout;
-use super::sizing::{compute_buffer_bytes, context_memory_bytes, is_streamable, on_input_layer, output_is_tied, TOKEN_EMBEDDING};
+use super::sizing::{
+    compute_buffer_bytes, context_memory_bytes, is_streamable, on_input_layer, output_is_tied, TOKEN_EMBEDDING,
+};
 use super::types::{MachineFacts, Plan, PlanOptions, TensorPlacement, Tier};
 use crate::format::format_bytes;
 use crate::model::{Inventory, TensorEntry};
@@ -82,7 +84,13 @@ struct DeviceCosts<'a> {
 /// the budget cannot hold even one whole layer. With `ffn`, whole layers' FFN fill what is left
 /// after what every token touches, from the last layer down; where every layer's attention and
 /// KV cache do not fit, the last layers go on the device whole instead.
-pub(super) fn gpu_tier(inventory: &Inventory, options: &PlanOptions, machine: &MachineFacts, layer_ffn: &[u64], ffn: bool) -> Result<Option<GpuLayout>, String> {
+pub(super) fn gpu_tier(
+    inventory: &Inventory,
+    options: &PlanOptions,
+    machine: &MachineFacts,
+    layer_ffn: &[u64],
+    ffn: bool,
+) -> Result<Option<GpuLayout>, String> {
     if machine.gpu_budget_bytes == 0 || layer_ffn.is_empty() {
         return Ok(None);
     }
@@ -96,7 +104,11 @@ pub(super) fn gpu_tier(inventory: &Inventory, options: &PlanOptions, machine: &M
         }
     }
     // Only `token_embd.weight` is copied for the logits (not, say, a per-layer embedding).
-    let tied_output_bytes = if output_is_tied(inventory) { inventory.tensors.iter().filter(|tensor| tensor.name == TOKEN_EMBEDDING).map(|tensor| tensor.bytes).sum() } else { 0 };
+    let tied_output_bytes = if output_is_tied(inventory) {
+        inventory.tensors.iter().filter(|tensor| tensor.name == TOKEN_EMBEDDING).map(|tensor| tensor.bytes).sum()
+    } else {
+        0
+    };
     let costs = DeviceCosts {
         budget: machine.gpu_budget_bytes,
         runtime: machine.gpu_runtime_bytes,
@@ -159,7 +171,8 @@ impl DeviceCosts<'_> {
     fn whole_last_layers(&self, ffn: bool) -> Result<Option<GpuLayout>, String> {
         let n_layer = self.layer_ffn.len();
         let kv_per_layer = self.kv / n_layer as u64;
-        let largest_layer = (0..n_layer).map(|layer| self.layer_attention[layer] + self.layer_ffn[layer]).max().unwrap_or(0);
+        let largest_layer =
+            (0..n_layer).map(|layer| self.layer_attention[layer] + self.layer_ffn[layer]).max().unwrap_or(0);
         let runtime = self.runtime.max(largest_layer);
         let whole = |layer: usize| self.layer_attention[layer] + if ffn { self.layer_ffn[layer] } else { 0 };
         let output = self.outside_layers + self.tied_output_bytes;
@@ -200,14 +213,21 @@ impl DeviceCosts<'_> {
 
 /// Each tensor's tier: the GPU's where it holds the tensor, a remote device's where the remote
 /// tier holds its layer, else what `host` says.
-pub(super) fn place(inventory: &Inventory, gpu: Option<&GpuLayout>, remote: Option<&RemoteLayout>, host: impl Fn(&TensorEntry) -> (Tier, &'static str)) -> Vec<TensorPlacement> {
+pub(super) fn place(
+    inventory: &Inventory,
+    gpu: Option<&GpuLayout>,
+    remote: Option<&RemoteLayout>,
+    host: impl Fn(&TensorEntry) -> (Tier, &'static str),
+) -> Vec<TensorPlacement> {
     inventory
         .tensors
         .iter()
         .map(|tensor| {
             let (tier, why) = match (gpu, remote) {
                 (Some(gpu), _) if gpu.holds(tensor) => (Tier::Gpu, gpu_reason(gpu, tensor)),
-                (_, Some(remote)) if remote.holds(tensor) => (Tier::Remote, "a layer a remote device holds whole: computed there"),
+                (_, Some(remote)) if remote.holds(tensor) => {
+                    (Tier::Remote, "a layer a remote device holds whole: computed there")
+                }
                 _ => host(tensor),
             };
             TensorPlacement { name: tensor.name.clone(), layer: tensor.layer, tier, bytes: tensor.bytes, why }
@@ -253,14 +273,24 @@ impl Plan {
             return self
                 .tensors
                 .iter()
-                .filter(|tensor| tiers.contains(&tensor.tier) && tensor.layer.is_none() && (output_layer(&tensor.name) || (tied && tensor.name == TOKEN_EMBEDDING)))
+                .filter(|tensor| {
+                    tiers.contains(&tensor.tier)
+                        && tensor.layer.is_none()
+                        && (output_layer(&tensor.name) || (tied && tensor.name == TOKEN_EMBEDDING))
+                })
                 .map(|tensor| exact_name_pattern(&tensor.name))
                 .collect();
         }
         let Some(gpu) = &self.gpu else {
             return Vec::new();
         };
-        self.tensors.iter().filter(|tensor| tiers.contains(&tensor.tier) && tensor.name != TOKEN_EMBEDDING && gpu.offloads(tensor.layer)).map(|tensor| exact_name_pattern(&tensor.name)).collect()
+        self.tensors
+            .iter()
+            .filter(|tensor| {
+                tiers.contains(&tensor.tier) && tensor.name != TOKEN_EMBEDDING && gpu.offloads(tensor.layer)
+            })
+            .map(|tensor| exact_name_pattern(&tensor.name))
+            .collect()
     }
 }
 
@@ -282,9 +312,13 @@ mod tests {
         // matrix), so the GPU holds a copy of it for the logits.
         let inventory = inventory(8, 16 << 20, 32 << 20, 64 << 20);
         let options = auto_window(ModeChoice::Auto);
-        let fixed = 8 * (16 << 20) + (64 << 20) + kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 256);
+        let fixed = 8 * (16 << 20)
+            + (64 << 20)
+            + kv_cache_bytes(&inventory, 1024)
+            + compute_buffer_bytes(&inventory, 1024, 256);
         // What every token touches, op offload's copy of one host layer's FFN, 3 FFN layers.
-        let plan = plan(&inventory, &with_gpu(8 << 30, fixed + (96 << 20) + 3 * (96 << 20) + (50 << 20)), &options).unwrap();
+        let plan =
+            plan(&inventory, &with_gpu(8 << 30, fixed + (96 << 20) + 3 * (96 << 20) + (50 << 20)), &options).unwrap();
         let gpu = plan.gpu.as_ref().expect("a GPU tier");
         assert_eq!(gpu.ffn_layers, vec![5, 6, 7], "{}", plan.render());
         assert_eq!(gpu.tied_output_bytes, 64 << 20);
@@ -309,17 +343,24 @@ mod tests {
     #[test]
     fn a_gpu_holding_every_layer_keeps_no_room_for_copies_of_host_weights() {
         let inventory = inventory(8, 16 << 20, 32 << 20, 64 << 20);
-        let fixed = 8 * (16 << 20) + (64 << 20) + kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 256);
+        let fixed = 8 * (16 << 20)
+            + (64 << 20)
+            + kv_cache_bytes(&inventory, 1024)
+            + compute_buffer_bytes(&inventory, 1024, 256);
         let all = plan(&inventory, &with_gpu(8 << 30, fixed + 8 * (96 << 20)), &auto_window(ModeChoice::Auto)).unwrap();
         let gpu = all.gpu.as_ref().unwrap();
         assert_eq!(gpu.ffn_layers.len(), 8, "{}", all.render());
         assert_eq!(gpu.runtime_bytes, 0);
         // One byte less: a layer stays on the host, and room for its copy costs another layer.
-        let short = plan(&inventory, &with_gpu(8 << 30, fixed + 8 * (96 << 20) - 1), &auto_window(ModeChoice::Auto)).unwrap();
+        let short =
+            plan(&inventory, &with_gpu(8 << 30, fixed + 8 * (96 << 20) - 1), &auto_window(ModeChoice::Auto)).unwrap();
         assert_eq!(short.gpu.as_ref().unwrap().ffn_layers, vec![2, 3, 4, 5, 6, 7], "{}", short.render());
         // The runtime's own reserve counts when it is the larger.
         let machine = MachineFacts { gpu_runtime_bytes: 200 << 20, ..with_gpu(8 << 30, fixed + 8 * (96 << 20)) };
-        assert_eq!(plan(&inventory, &machine, &auto_window(ModeChoice::Auto)).unwrap().gpu.unwrap().runtime_bytes, 200 << 20);
+        assert_eq!(
+            plan(&inventory, &machine, &auto_window(ModeChoice::Auto)).unwrap().gpu.unwrap().runtime_bytes,
+            200 << 20
+        );
     }
 
     #[test]
@@ -337,7 +378,10 @@ mod tests {
         let gpu = plan.gpu.as_ref().unwrap_or_else(|| panic!("{}", plan.render()));
         assert_eq!(gpu.whole_layers, Some(6..8));
         assert_eq!(gpu.ffn_layers, vec![6, 7]);
-        assert_eq!((gpu.weight_bytes, gpu.kv_cache_bytes, gpu.tied_output_bytes, gpu.runtime_bytes), ((64 << 20) + 2 * (160 << 20), 4 << 20, 64 << 20, 160 << 20));
+        assert_eq!(
+            (gpu.weight_bytes, gpu.kv_cache_bytes, gpu.tied_output_bytes, gpu.runtime_bytes),
+            ((64 << 20) + 2 * (160 << 20), 4 << 20, 64 << 20, 160 << 20)
+        );
         assert_eq!(gpu.total_bytes(), budget);
         // Two layers and the output, as llama.cpp counts them.
         assert_eq!(plan.n_gpu_layers(), 3);
@@ -365,9 +409,18 @@ mod tests {
     fn whole_layers_carry_the_output_matrix_and_final_norm() {
         // The same model with its own 96 MiB output matrix and a final norm (no tied copy).
         let mut inventory = inventory(8, 64 << 20, 32 << 20, 64 << 20);
-        for (name, role, bytes) in [("output_norm.weight", Role::Norm, 1u64 << 20), ("output.weight", Role::Output, 96 << 20)] {
+        for (name, role, bytes) in
+            [("output_norm.weight", Role::Norm, 1u64 << 20), ("output.weight", Role::Output, 96 << 20)]
+        {
             let last = inventory.tensors.last().unwrap();
-            let entry = TensorEntry { name: name.into(), role, layer: None, bytes, file_offset: last.file_offset + last.bytes, ..inventory.tensors[0].clone() };
+            let entry = TensorEntry {
+                name: name.into(),
+                role,
+                layer: None,
+                bytes,
+                file_offset: last.file_offset + last.bytes,
+                ..inventory.tensors[0].clone()
+            };
             inventory.tensors.push(entry);
         }
         let compute = compute_buffer_bytes(&inventory, 1024, 256);
@@ -377,7 +430,10 @@ mod tests {
         assert_eq!(gpu.whole_layers, Some(6..8));
         assert_eq!((gpu.weight_bytes, gpu.tied_output_bytes), ((97 << 20) + 2 * (160 << 20), 0));
         let tier = |name: &str| plan.tensors.iter().find(|tensor| tensor.name == name).unwrap().tier;
-        assert_eq!((tier("output.weight"), tier("output_norm.weight"), tier("token_embd.weight")), (Tier::Gpu, Tier::Gpu, Tier::Ram));
+        assert_eq!(
+            (tier("output.weight"), tier("output_norm.weight"), tier("token_embd.weight")),
+            (Tier::Gpu, Tier::Gpu, Tier::Ram)
+        );
         assert_eq!(plan_for(&inventory, budget - 1).gpu.unwrap().whole_layers, Some(7..8));
     }
 
@@ -386,7 +442,10 @@ mod tests {
         // Every layer's attention, the tied output's copy and the KV cache fit, but not with
         // the 96 MiB copy of a host layer's FFN as well: that layout without op offload.
         let inventory = inventory(8, 16 << 20, 32 << 20, 64 << 20);
-        let fixed = 8 * (16 << 20) + (64 << 20) + kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 256);
+        let fixed = 8 * (16 << 20)
+            + (64 << 20)
+            + kv_cache_bytes(&inventory, 1024)
+            + compute_buffer_bytes(&inventory, 1024, 256);
         let plan = plan_for(&inventory, fixed + (95 << 20));
         let gpu = plan.gpu.as_ref().unwrap();
         assert_eq!((gpu.whole_layers.clone(), gpu.op_offload, gpu.runtime_bytes), (None, false, 0));
@@ -403,7 +462,14 @@ mod tests {
     fn input_tables_stay_on_the_host_as_llama_cpp_keeps_them() {
         let mut inventory = inventory(4, 16 << 20, 32 << 20, 64 << 20);
         let last = inventory.tensors.last().unwrap();
-        let entry = TensorEntry { name: "position_embd.weight".into(), role: Role::Other, layer: None, bytes: 8 << 20, file_offset: last.file_offset + last.bytes, ..inventory.tensors[0].clone() };
+        let entry = TensorEntry {
+            name: "position_embd.weight".into(),
+            role: Role::Other,
+            layer: None,
+            bytes: 8 << 20,
+            file_offset: last.file_offset + last.bytes,
+            ..inventory.tensors[0].clone()
+        };
         inventory.tensors.push(entry);
         let plan = plan_for(&inventory, 4 << 30);
         let tier = |name: &str| plan.tensors.iter().find(|tensor| tensor.name == name).unwrap().tier;
@@ -417,21 +483,38 @@ mod tests {
         let mut inventory = inventory(4, 16 << 20, 32 << 20, 64 << 20);
         let last = inventory.tensors.last().unwrap();
         let offset = last.file_offset + last.bytes;
-        inventory.tensors.push(TensorEntry { name: "per_layer_token_embd.weight".into(), role: Role::TokenEmbedding, layer: None, file_offset: offset, ..inventory.tensors[0].clone() });
+        inventory.tensors.push(TensorEntry {
+            name: "per_layer_token_embd.weight".into(),
+            role: Role::TokenEmbedding,
+            layer: None,
+            file_offset: offset,
+            ..inventory.tensors[0].clone()
+        });
         let plan = plan(&inventory, &with_gpu(8 << 30, 4 << 30), &auto_window(ModeChoice::Auto)).unwrap();
         let gpu = plan.gpu.as_ref().unwrap();
         assert_eq!(gpu.tied_output_bytes, 64 << 20);
-        assert_eq!(plan.tensors.iter().find(|tensor| tensor.name == "per_layer_token_embd.weight").unwrap().tier, Tier::Ram);
+        assert_eq!(
+            plan.tensors.iter().find(|tensor| tensor.name == "per_layer_token_embd.weight").unwrap().tier,
+            Tier::Ram
+        );
     }
 
     #[test]
     fn ffn_layers_the_gpu_holds_leave_the_host_stream_plan() {
         let inventory = inventory(16, 16 << 20, 32 << 20, 64 << 20);
-        let gpu_fixed = 16 * (16 << 20) + (64 << 20) + kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 256);
+        let gpu_fixed = 16 * (16 << 20)
+            + (64 << 20)
+            + kv_cache_bytes(&inventory, 1024)
+            + compute_buffer_bytes(&inventory, 1024, 256);
         let host_fixed = (64 << 20) + compute_buffer_bytes(&inventory, 1024, 256);
         // The GPU holds 4 FFN layers (and room to copy a fifth); the host the window (2 layers)
         // and 4 pinned.
-        let plan = plan(&inventory, &with_gpu(host_fixed + 6 * (96 << 20), gpu_fixed + 5 * (96 << 20)), &options(ModeChoice::Auto, 1)).unwrap();
+        let plan = plan(
+            &inventory,
+            &with_gpu(host_fixed + 6 * (96 << 20), gpu_fixed + 5 * (96 << 20)),
+            &options(ModeChoice::Auto, 1),
+        )
+        .unwrap();
         let dense = plan.dense.as_ref().expect("dense-stream");
         assert_eq!(plan.gpu.as_ref().unwrap().ffn_layers, vec![12, 13, 14, 15]);
         assert_eq!(dense.pinned_layers.len(), 4, "{}", plan.render());
@@ -449,13 +532,18 @@ mod tests {
         assert_eq!(plan.n_gpu_layers(), 0);
         assert!(plan.host_patterns(&[Tier::Ram]).is_empty());
         assert!(plan.tensors.iter().all(|tensor| tensor.tier == Tier::Ram));
-        assert!(plan.render().contains("gpu          unused: the GPU budget of 64.0 MiB cannot hold"), "{}", plan.render());
+        assert!(
+            plan.render().contains("gpu          unused: the GPU budget of 64.0 MiB cannot hold"),
+            "{}",
+            plan.render()
+        );
     }
 
     #[test]
     fn forced_streaming_keeps_the_ffn_off_the_gpu() {
         let inventory = inventory(8, 1 << 20, 4 << 20, 8 << 20);
-        let plan = plan(&inventory, &with_gpu(8 << 30, 8 << 30), &options(ModeChoice::Forced(Mode::DenseStream), 1)).unwrap();
+        let plan =
+            plan(&inventory, &with_gpu(8 << 30, 8 << 30), &options(ModeChoice::Forced(Mode::DenseStream), 1)).unwrap();
         assert!(plan.gpu.as_ref().unwrap().ffn_layers.is_empty());
         assert!(plan.streamed_tensors().count() > 0);
         assert_eq!(plan.tensors.iter().find(|tensor| tensor.name == "blk.0.attn_q.weight").unwrap().tier, Tier::Gpu);

@@ -29,7 +29,9 @@ pub use gpu::GpuLayout;
 pub use remote::{RemoteDeviceFacts, RemoteLayout, RemoteShare, REMOTE_RESERVE_BYTES};
 pub use search::{choose, context_for, plan_for, Ask, Choice, DRAFT_UBATCH};
 pub use sizing::{compute_buffer_bytes, context_memory_bytes, kv_cache_bytes};
-pub use types::{BudgetUse, CachePolicy, MachineFacts, Mode, ModeChoice, Plan, PlanError, PlanOptions, TensorPlacement, Tier};
+pub use types::{
+    BudgetUse, CachePolicy, MachineFacts, Mode, ModeChoice, Plan, PlanError, PlanOptions, TensorPlacement, Tier,
+};
 
 use crate::model::{Inventory, Role, TensorEntry};
 use dense::plan_dense;
@@ -46,7 +48,13 @@ pub fn plan(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions
     if machine.remote_devices.is_empty() {
         return plan_reaching(inventory, machine, options, Reach::Host);
     }
-    let candidate = |reach| plan_reaching(inventory, machine, options, reach).map(|plan| Choice { n_ctx_seq: options.n_ctx / options.n_sequences.max(1), n_batch: options.n_ubatch, plan });
+    let candidate = |reach| {
+        plan_reaching(inventory, machine, options, reach).map(|plan| Choice {
+            n_ctx_seq: options.n_ctx / options.n_sequences.max(1),
+            n_batch: options.n_ubatch,
+            plan,
+        })
+    };
     weigh(machine, candidate(Reach::Host), candidate(Reach::Remote)).map(|choice| choice.plan)
 }
 
@@ -62,7 +70,12 @@ pub(crate) enum Reach {
 /// `plan` with only `reach`'s devices. MTP layers, which llama.cpp does not load for decoding,
 /// are planned as unused and cost nothing; where they draft (`options.mtp`) they are resident in
 /// host memory, taken out of the budget before the rest is planned (`BudgetUse::mtp_bytes`).
-pub(crate) fn plan_reaching(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions, reach: Reach) -> Result<Plan, PlanError> {
+pub(crate) fn plan_reaching(
+    inventory: &Inventory,
+    machine: &MachineFacts,
+    options: &PlanOptions,
+    reach: Reach,
+) -> Result<Plan, PlanError> {
     let plan_loaded = |inventory: &Inventory, machine: &MachineFacts| match reach {
         Reach::Host => plan_local(inventory, machine, options),
         Reach::Remote => plan_remote(inventory, machine, options),
@@ -70,9 +83,17 @@ pub(crate) fn plan_reaching(inventory: &Inventory, machine: &MachineFacts, optio
     if !inventory.tensors.iter().any(|tensor| tensor.role == Role::Mtp) {
         return plan_loaded(inventory, machine);
     }
-    let loaded = Inventory { tensors: inventory.tensors.iter().filter(|tensor| tensor.role != Role::Mtp).cloned().collect(), ..inventory.clone() };
-    let mtp_bytes: u64 = if options.mtp { inventory.tensors.iter().filter(|tensor| tensor.role == Role::Mtp).map(|tensor| tensor.bytes).sum() } else { 0 };
-    let machine = MachineFacts { memory_budget_bytes: machine.memory_budget_bytes.saturating_sub(mtp_bytes), ..machine.clone() };
+    let loaded = Inventory {
+        tensors: inventory.tensors.iter().filter(|tensor| tensor.role != Role::Mtp).cloned().collect(),
+        ..inventory.clone()
+    };
+    let mtp_bytes: u64 = if options.mtp {
+        inventory.tensors.iter().filter(|tensor| tensor.role == Role::Mtp).map(|tensor| tensor.bytes).sum()
+    } else {
+        0
+    };
+    let machine =
+        MachineFacts { memory_budget_bytes: machine.memory_budget_bytes.saturating_sub(mtp_bytes), ..machine.clone() };
     let mut plan = plan_loaded(&loaded, &machine)?;
     plan.budget.set_aside(mtp_bytes, |budget| &mut budget.mtp_bytes);
     let mut placed = std::mem::take(&mut plan.tensors).into_iter();
@@ -113,12 +134,15 @@ fn plan_local(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptio
 fn plan_remote(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions) -> Result<Plan, PlanError> {
     let mut remote = remote_tier(inventory, options, machine).ok_or(PlanError::NoRemoteRoom)?;
     let all_layer_ffn = ffn_bytes_by_layer(inventory);
-    let gpu_unused = (machine.gpu_budget_bytes > 0).then(|| "remote devices were given: a local GPU tier beside them is not built".to_string());
+    let gpu_unused = (machine.gpu_budget_bytes > 0)
+        .then(|| "remote devices were given: a local GPU tier beside them is not built".to_string());
     let mut plan = plan_host(inventory, machine, options, &all_layer_ffn, None, gpu_unused, Some(remote.clone()))
         .map_err(|error| PlanError::HostBeforeRemote { remote: remote.describe(), reason: Box::new(error) })?;
     let remote_share = remote.layers.len() as f64 / inventory.hparams.n_layer.max(1) as f64;
     remote.predicted_seconds_per_token =
-        remote::host_seconds_per_token(machine, plan.streamed_bytes_per_token, 1.0 - remote_share) + machine.compute_seconds_per_token.unwrap_or(0.0) * remote_share + remote.link_seconds_per_token;
+        remote::host_seconds_per_token(machine, plan.streamed_bytes_per_token, 1.0 - remote_share)
+            + machine.compute_seconds_per_token.unwrap_or(0.0) * remote_share
+            + remote.link_seconds_per_token;
     plan.remote = Some(remote);
     Ok(plan)
 }
@@ -126,7 +150,11 @@ fn plan_remote(inventory: &Inventory, machine: &MachineFacts, options: &PlanOpti
 /// The one place the remote tier is weighed against the host alone, each at its own context
 /// and prompt batch: the remote plan where it is predicted faster or the host alone cannot be
 /// planned, else the host's plan with the reason the devices went unused.
-pub(crate) fn weigh(machine: &MachineFacts, local: Result<Choice, PlanError>, remote: Result<Choice, PlanError>) -> Result<Choice, PlanError> {
+pub(crate) fn weigh(
+    machine: &MachineFacts,
+    local: Result<Choice, PlanError>,
+    remote: Result<Choice, PlanError>,
+) -> Result<Choice, PlanError> {
     let local_seconds = local.as_ref().map_or(f64::INFINITY, |local| local_seconds_per_token(machine, &local.plan));
     let why = match remote {
         Ok(mut chosen) => {
@@ -177,13 +205,16 @@ fn plan_host(
     gpu_unused: Option<String>,
     remote: Option<RemoteLayout>,
 ) -> Result<Plan, PlanError> {
-    let off_host = |tensor: &TensorEntry| gpu.as_ref().is_some_and(|gpu| gpu.holds(tensor)) || remote.as_ref().is_some_and(|remote| remote.holds(tensor));
+    let off_host = |tensor: &TensorEntry| {
+        gpu.as_ref().is_some_and(|gpu| gpu.holds(tensor)) || remote.as_ref().is_some_and(|remote| remote.holds(tensor))
+    };
     // What the host holds: weights not on the GPU or a remote device, the KV cache of its own
     // layers, and the CPU's compute buffers (the CPU still computes host-resident and streamed
     // layers).
     let weights: u64 = inventory.tensors.iter().filter(|tensor| !off_host(tensor)).map(|tensor| tensor.bytes).sum();
-    let kv =
-        context_memory_bytes(inventory, options.n_ctx, options.n_sequences) - gpu.as_ref().map_or(0, |gpu| gpu.kv_cache_bytes) - remote.as_ref().map_or(0, |remote| remote.host_context_bytes_moved);
+    let kv = context_memory_bytes(inventory, options.n_ctx, options.n_sequences)
+        - gpu.as_ref().map_or(0, |gpu| gpu.kv_cache_bytes)
+        - remote.as_ref().map_or(0, |remote| remote.host_context_bytes_moved);
     let compute = compute_buffer_bytes(inventory, options.n_ctx, options.n_ubatch);
     let budget = machine.memory_budget_bytes;
     let everything = weights + kv + compute;
@@ -196,7 +227,15 @@ fn plan_host(
     };
     let base = Plan {
         mode,
-        budget: BudgetUse { budget_bytes: budget, resident_weight_bytes: weights, window_bytes: 0, kv_cache_bytes: kv, compute_buffer_bytes: compute, total_bytes: everything, ..BudgetUse::default() },
+        budget: BudgetUse {
+            budget_bytes: budget,
+            resident_weight_bytes: weights,
+            window_bytes: 0,
+            kv_cache_bytes: kv,
+            compute_buffer_bytes: compute,
+            total_bytes: everything,
+            ..BudgetUse::default()
+        },
         tensors: Vec::new(),
         dense: None,
         experts: None,
@@ -210,14 +249,30 @@ fn plan_host(
         limit_tokens_per_sec: None,
     };
     if mode == Mode::Resident {
-        let why = if gpu.is_some() || remote.is_some() { "the host holds what the GPU or the remote devices do not" } else { "the whole model fits" };
+        let why = if gpu.is_some() || remote.is_some() {
+            "the host holds what the GPU or the remote devices do not"
+        } else {
+            "the whole model fits"
+        };
         return Ok(Plan { tensors: place(inventory, gpu.as_ref(), remote.as_ref(), |_| (Tier::Ram, why)), ..base });
     }
     // A streaming plan leaves the input tables in the file's pages: they cost no budget.
     let tied = sizing::output_is_tied(inventory);
-    let mapped: u64 = inventory.tensors.iter().filter(|tensor| !off_host(tensor) && stays_in_file(tensor, tied)).map(|tensor| tensor.bytes).sum();
-    let base = Plan { budget: BudgetUse { resident_weight_bytes: weights - mapped, total_bytes: everything - mapped, ..base.budget }, ..base };
-    let mut plan = if mode == Mode::ExpertStream { plan_experts(inventory, machine, options, base)? } else { plan_dense(inventory, machine, options, all_layer_ffn, base)? };
+    let mapped: u64 = inventory
+        .tensors
+        .iter()
+        .filter(|tensor| !off_host(tensor) && stays_in_file(tensor, tied))
+        .map(|tensor| tensor.bytes)
+        .sum();
+    let base = Plan {
+        budget: BudgetUse { resident_weight_bytes: weights - mapped, total_bytes: everything - mapped, ..base.budget },
+        ..base
+    };
+    let mut plan = if mode == Mode::ExpertStream {
+        plan_experts(inventory, machine, options, base)?
+    } else {
+        plan_dense(inventory, machine, options, all_layer_ffn, base)?
+    };
     for (placement, tensor) in plan.tensors.iter_mut().zip(&inventory.tensors) {
         if placement.tier == Tier::Ram && stays_in_file(tensor, tied) {
             placement.tier = Tier::Mapped;
@@ -244,7 +299,12 @@ mod tests {
     #[test]
     fn a_model_that_fits_is_resident() {
         let inventory = inventory(8, 1 << 20, 4 << 20, 8 << 20);
-        let plan = plan(&inventory, &MachineFacts { memory_budget_bytes: 8 << 30, disk_bytes_per_sec: None, ..MachineFacts::default() }, &options(ModeChoice::Auto, 2)).unwrap();
+        let plan = plan(
+            &inventory,
+            &MachineFacts { memory_budget_bytes: 8 << 30, disk_bytes_per_sec: None, ..MachineFacts::default() },
+            &options(ModeChoice::Auto, 2),
+        )
+        .unwrap();
         assert_eq!(plan.mode, Mode::Resident);
         assert!(plan.tensors.iter().all(|tensor| tensor.tier == Tier::Ram));
         assert_eq!(plan.streamed_bytes_per_token, 0);
@@ -253,7 +313,12 @@ mod tests {
     #[test]
     fn a_budget_below_the_fixed_part_is_refused_with_the_numbers() {
         let inventory = inventory(8, 64 << 20, 64 << 20, 256 << 20);
-        let error = plan(&inventory, &MachineFacts { memory_budget_bytes: 300 << 20, disk_bytes_per_sec: None, ..MachineFacts::default() }, &options(ModeChoice::Auto, 2)).unwrap_err();
+        let error = plan(
+            &inventory,
+            &MachineFacts { memory_budget_bytes: 300 << 20, disk_bytes_per_sec: None, ..MachineFacts::default() },
+            &options(ModeChoice::Auto, 2),
+        )
+        .unwrap_err();
         match &error {
             PlanError::BudgetTooSmall { budget, needed, resident, layers, .. } => {
                 assert_eq!(*budget, 300 << 20);
@@ -272,7 +337,8 @@ mod tests {
     #[test]
     fn streaming_plans_map_an_untied_token_embedding_from_the_file() {
         let tier_of = |plan: &Plan| plan.tensors.iter().find(|tensor| tensor.name == "token_embd.weight").unwrap().tier;
-        let facts = MachineFacts { memory_budget_bytes: 1 << 30, disk_bytes_per_sec: Some(1e9), ..MachineFacts::default() };
+        let facts =
+            MachineFacts { memory_budget_bytes: 1 << 30, disk_bytes_per_sec: Some(1e9), ..MachineFacts::default() };
         let tied = inventory(8, 16 << 20, 32 << 20, 256 << 20);
         let mut untied = tied.clone();
         let offset = untied.file_bytes;
@@ -294,11 +360,14 @@ mod tests {
         assert_eq!(tier_of(&untied_plan), Tier::Mapped);
         // The resident weights are the RAM tier's bytes: the mapped embedding's 256 MiB are not.
         for plan in [&tied_plan, &untied_plan] {
-            let in_ram: u64 = plan.tensors.iter().filter(|tensor| tensor.tier == Tier::Ram).map(|tensor| tensor.bytes).sum();
+            let in_ram: u64 =
+                plan.tensors.iter().filter(|tensor| tensor.tier == Tier::Ram).map(|tensor| tensor.bytes).sum();
             assert_eq!(plan.budget.resident_weight_bytes, in_ram);
         }
         assert!(untied_plan.budget.total_bytes <= 1 << 30);
-        let resident = plan(&untied, &MachineFacts { memory_budget_bytes: 8 << 30, ..facts }, &options(ModeChoice::Auto, 2)).unwrap();
+        let resident =
+            plan(&untied, &MachineFacts { memory_budget_bytes: 8 << 30, ..facts }, &options(ModeChoice::Auto, 2))
+                .unwrap();
         assert_eq!((resident.mode, tier_of(&resident)), (Mode::Resident, Tier::Ram));
     }
 

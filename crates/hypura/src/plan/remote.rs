@@ -90,7 +90,11 @@ impl RemoteLayout {
     /// that its split points fall exactly between the shares.
     pub fn tensor_split(&self) -> Vec<f32> {
         let last = self.shares.len().saturating_sub(1);
-        self.shares.iter().enumerate().map(|(index, share)| share.layers.len() as f32 + if index == last { 1.0 } else { 0.0 }).collect()
+        self.shares
+            .iter()
+            .enumerate()
+            .map(|(index, share)| share.layers.len() as f32 + if index == last { 1.0 } else { 0.0 })
+            .collect()
     }
 
     pub fn describe(&self) -> String {
@@ -156,7 +160,11 @@ fn layer_compute_bytes(inventory: &Inventory, n_ubatch: u32) -> u64 {
 
 /// The largest remote tier the devices hold: layers from the last one down, the last device
 /// taking the last layers. None without devices or where no device holds one layer.
-pub(super) fn remote_tier(inventory: &Inventory, options: &PlanOptions, machine: &MachineFacts) -> Option<RemoteLayout> {
+pub(super) fn remote_tier(
+    inventory: &Inventory,
+    options: &PlanOptions,
+    machine: &MachineFacts,
+) -> Option<RemoteLayout> {
     if machine.remote_devices.is_empty() || inventory.hparams.n_layer == 0 {
         return None;
     }
@@ -199,7 +207,9 @@ pub(super) fn remote_tier(inventory: &Inventory, options: &PlanOptions, machine:
     let hops = shares.len() as u64 + 1;
     let row_bytes = 4 * inventory.hparams.n_embd;
     let activation_bytes_per_token = hops * row_bytes + shares.len() as u64 * 4 * u64::from(options.n_ctx);
-    let device_of = |share: &RemoteShare| machine.remote_devices.iter().find(|device| device.name == share.name).expect("a share's device");
+    let device_of = |share: &RemoteShare| {
+        machine.remote_devices.iter().find(|device| device.name == share.name).expect("a share's device")
+    };
     let link_seconds_per_token = shares
         .iter()
         .map(|share| {
@@ -222,11 +232,16 @@ pub(super) fn remote_tier(inventory: &Inventory, options: &PlanOptions, machine:
 
 /// The predicted seconds per token of a host plan: the longer of its compute (where measured,
 /// in proportion to the layers it computes) and its streamed bytes at the disk's rate.
-pub(super) fn host_seconds_per_token(machine: &MachineFacts, streamed_bytes_per_token: u64, host_layer_share: f64) -> f64 {
+pub(super) fn host_seconds_per_token(
+    machine: &MachineFacts,
+    streamed_bytes_per_token: u64,
+    host_layer_share: f64,
+) -> f64 {
     // An unknown disk rate gives relative units, in which any stream costs more than none.
     let rate = machine.disk_bytes_per_sec.filter(|rate| *rate > 0.0).unwrap_or(1e9);
     let compute = machine.compute_seconds_per_token.unwrap_or(0.0) * host_layer_share;
-    super::limit_tokens_per_sec(compute, streamed_bytes_per_token as f64, rate, 1.0).map_or(0.0, |tokens_per_sec| 1.0 / tokens_per_sec)
+    super::limit_tokens_per_sec(compute, streamed_bytes_per_token as f64, rate, 1.0)
+        .map_or(0.0, |tokens_per_sec| 1.0 / tokens_per_sec)
 }
 
 #[cfg(test)]
@@ -236,16 +251,28 @@ mod tests {
     use crate::plan::{plan, Mode, ModeChoice, Plan, Tier};
 
     fn device(name: &str, free_bytes: u64, round_trip_secs: f64) -> RemoteDeviceFacts {
-        RemoteDeviceFacts { name: name.into(), worker: format!("10.0.0.{}:50052", name.trim_start_matches("RPC")), free_bytes, round_trip_secs, link_bytes_per_sec: Some(1e9) }
+        RemoteDeviceFacts {
+            name: name.into(),
+            worker: format!("10.0.0.{}:50052", name.trim_start_matches("RPC")),
+            free_bytes,
+            round_trip_secs,
+            link_bytes_per_sec: Some(1e9),
+        }
     }
 
     /// 16 layers of 16 MiB attention and 3 × 32 MiB FFN (112 MiB a layer), a 64 MiB embedding.
     fn machine(host: u64, devices: Vec<RemoteDeviceFacts>) -> MachineFacts {
-        MachineFacts { memory_budget_bytes: host, disk_bytes_per_sec: Some(2e9), remote_devices: devices, ..MachineFacts::default() }
+        MachineFacts {
+            memory_budget_bytes: host,
+            disk_bytes_per_sec: Some(2e9),
+            remote_devices: devices,
+            ..MachineFacts::default()
+        }
     }
 
     fn remote_plan(host: u64, devices: Vec<RemoteDeviceFacts>) -> Plan {
-        plan(&inventory(16, 16 << 20, 32 << 20, 64 << 20), &machine(host, devices), &auto_window(ModeChoice::Auto)).unwrap()
+        plan(&inventory(16, 16 << 20, 32 << 20, 64 << 20), &machine(host, devices), &auto_window(ModeChoice::Auto))
+            .unwrap()
     }
 
     /// Room on each device for `layers` layers with their KV cache, compute buffer and reserve.
@@ -275,7 +302,10 @@ mod tests {
         }
         // Their tensors are on the remote tier, the host keeps the rest and the output.
         let tier = |name: &str| plan.tensors.iter().find(|tensor| tensor.name == name).unwrap().tier;
-        assert_eq!((tier("blk.7.ffn_up.weight"), tier("blk.8.attn_q.weight"), tier("blk.15.ffn_down.weight")), (Tier::Ram, Tier::Remote, Tier::Remote));
+        assert_eq!(
+            (tier("blk.7.ffn_up.weight"), tier("blk.8.attn_q.weight"), tier("blk.15.ffn_down.weight")),
+            (Tier::Ram, Tier::Remote, Tier::Remote)
+        );
         assert_eq!(plan.mode, Mode::Resident, "the host holds its 8 layers: {}", plan.render());
         assert_eq!(plan.budget.resident_weight_bytes, (64 << 20) + 8 * (112 << 20));
         assert_eq!(plan.n_gpu_layers(), 9);
@@ -301,7 +331,11 @@ mod tests {
         let plan = remote_plan(8 << 30, vec![device("RPC0", room_for(8), 2e-4)]);
         assert!(plan.remote.is_none());
         assert!(plan.tensors.iter().all(|tensor| tensor.tier != Tier::Remote));
-        assert!(plan.remote_unused.as_deref().unwrap().contains("streaming locally alone is predicted faster"), "{:?}", plan.remote_unused);
+        assert!(
+            plan.remote_unused.as_deref().unwrap().contains("streaming locally alone is predicted faster"),
+            "{:?}",
+            plan.remote_unused
+        );
     }
 
     /// The planner switches to local streaming where the links cost more than the streamed
@@ -312,7 +346,8 @@ mod tests {
         let near = remote_plan(budget, vec![device("RPC0", room_for(2), 2e-4)]);
         let near_remote = near.remote.as_ref().unwrap_or_else(|| panic!("{}", near.render()));
         // What the two remote layers save: their streamed FFN at the disk's rate.
-        let saved = near_remote.local_seconds_per_token - (near_remote.predicted_seconds_per_token - near_remote.link_seconds_per_token);
+        let saved = near_remote.local_seconds_per_token
+            - (near_remote.predicted_seconds_per_token - near_remote.link_seconds_per_token);
         assert!(saved > 0.0, "{near_remote:?}");
         let far = remote_plan(budget, vec![device("RPC0", room_for(2), saved * 1.5)]);
         assert!(far.remote.is_none(), "{}", far.render());
@@ -331,7 +366,9 @@ mod tests {
         let options = auto_window(ModeChoice::Auto);
         let attending = crate::plan::kv_cache_bytes(&hybrid, 1024) / 4;
         assert!(attending > (12 << 20) / 12, "the attending layer is the larger here");
-        let plan = plan(&hybrid, &machine(1536 << 20, vec![device("RPC0", room_for(4) + 4 * attending, 2e-4)]), &options).unwrap();
+        let plan =
+            plan(&hybrid, &machine(1536 << 20, vec![device("RPC0", room_for(4) + 4 * attending, 2e-4)]), &options)
+                .unwrap();
         let remote = plan.remote.as_ref().unwrap_or_else(|| panic!("{}", plan.render()));
         let share = &remote.shares[0];
         assert_eq!(share.kv_cache_bytes, share.layers.len() as u64 * attending, "{share:?}");
@@ -343,7 +380,11 @@ mod tests {
     fn devices_too_small_for_a_layer_are_unused_and_say_so() {
         let plan = remote_plan(700 << 20, vec![device("RPC0", 64 << 20, 2e-4)]);
         assert!(plan.remote.is_none());
-        assert!(plan.remote_unused.as_deref().unwrap().contains("no remote device holds one layer"), "{:?}", plan.remote_unused);
+        assert!(
+            plan.remote_unused.as_deref().unwrap().contains("no remote device holds one layer"),
+            "{:?}",
+            plan.remote_unused
+        );
     }
 
     #[test]

@@ -50,14 +50,24 @@ impl Plan {
                 format_bytes(gpu.compute_buffer_bytes),
                 format_bytes(gpu.runtime_bytes),
             );
-            let prompts = if gpu.op_offload { "ggml may move large prompt batches to the GPU" } else { "prompt batches too (op offload off: the budget has no room for a host layer's copy)" };
+            let prompts = if gpu.op_offload {
+                "ggml may move large prompt batches to the GPU"
+            } else {
+                "prompt batches too (op offload off: the budget has no room for a host layer's copy)"
+            };
             let _ = writeln!(out, "             host-memory weights and streamed layers compute on the CPU at decode (copying them costs more than computing them); {prompts}");
         }
         if let Some(why) = &self.gpu_unused {
             let _ = writeln!(out, "gpu          unused: {why}");
         }
         if let Some(remote) = &self.remote {
-            let _ = writeln!(out, "remote       layers {}-{} whole on other machines: {}", remote.layers.start, remote.layers.end - 1, remote.describe());
+            let _ = writeln!(
+                out,
+                "remote       layers {}-{} whole on other machines: {}",
+                remote.layers.start,
+                remote.layers.end - 1,
+                remote.describe()
+            );
             let local = if remote.local_seconds_per_token.is_finite() {
                 format!("against {:.2} ms streaming locally alone", remote.local_seconds_per_token * 1e3)
             } else {
@@ -100,9 +110,16 @@ impl Plan {
                 let _ = writeln!(out, "batches      prompt batches of at most {ubatch} tokens: the cache holds fewer units than a larger batch may pick in a layer");
             }
             let also = if self.dense.is_some() { ", and the streamed dense layers" } else { "" };
-            let _ = writeln!(out, "per token    at most {} read from disk (every pick a miss{also})", format_bytes(self.streamed_bytes_per_token));
+            let _ = writeln!(
+                out,
+                "per token    at most {} read from disk (every pick a miss{also})",
+                format_bytes(self.streamed_bytes_per_token)
+            );
             if let Some(bound) = self.io_bound_tokens_per_sec {
-                let _ = writeln!(out, "bound        at least {bound:.2} tok/s from disk bandwidth alone, before cache hits");
+                let _ = writeln!(
+                    out,
+                    "bound        at least {bound:.2} tok/s from disk bandwidth alone, before cache hits"
+                );
             }
         }
         if let Some(dense) = &self.dense {
@@ -117,7 +134,11 @@ impl Plan {
                 if dense.window_layers == 1 { "" } else { "s" }
             );
             if dense.window_sized && dense.windows_costed.len() > 1 && self.io_bound_tokens_per_sec.is_some() {
-                let costs: Vec<String> = dense.windows_costed.iter().map(|(window, seconds)| format!("{window}: {:.0} ms", seconds * 1e3)).collect();
+                let costs: Vec<String> = dense
+                    .windows_costed
+                    .iter()
+                    .map(|(window, seconds)| format!("{window}: {:.0} ms", seconds * 1e3))
+                    .collect();
                 let _ = writeln!(out, "window       chosen by predicted time per token, max(compute, disk at the reads in flight), each layer of window one fewer pinned: {}", costs.join(", "));
             }
             // With experts, their lines above already count the dense layers' bytes.
@@ -129,7 +150,10 @@ impl Plan {
             }
         }
         if let Some(limit) = self.limit_tokens_per_sec {
-            let _ = writeln!(out, "limit        {limit:.2} tok/s: 1 / max(measured compute per token, streamed bytes / disk bandwidth)");
+            let _ = writeln!(
+                out,
+                "limit        {limit:.2} tok/s: 1 / max(measured compute per token, streamed bytes / disk bandwidth)"
+            );
         }
         let mut reasons: Vec<(&str, Tier, usize, u64)> = Vec::new();
         for tensor in &self.tensors {
@@ -142,7 +166,13 @@ impl Plan {
             }
         }
         for (why, tier, count, bytes) in reasons {
-            let _ = writeln!(out, "  {:<6} {:>4} tensors {:>12}  {why}", format!("{tier:?}").to_lowercase(), count, format_bytes(bytes));
+            let _ = writeln!(
+                out,
+                "  {:<6} {:>4} tensors {:>12}  {why}",
+                format!("{tier:?}").to_lowercase(),
+                count,
+                format_bytes(bytes)
+            );
         }
         out
     }

@@ -6,7 +6,10 @@
 //! Pure, like the rest of the planner: the caller reads the machine and opens the draft's index.
 use std::collections::{BTreeSet, HashSet};
 
-use super::{compute_buffer_bytes, context_memory_bytes, kv_cache_bytes, plan, plan_reaching, weigh, MachineFacts, Mode, Plan, PlanError, PlanOptions, Reach, Tier};
+use super::{
+    compute_buffer_bytes, context_memory_bytes, kv_cache_bytes, plan, plan_reaching, weigh, MachineFacts, Mode, Plan,
+    PlanError, PlanOptions, Reach, Tier,
+};
 use crate::format::format_bytes;
 use crate::model::Inventory;
 
@@ -86,16 +89,28 @@ pub fn context_for(inventory: &Inventory, ask: &Ask, facts: &MachineFacts) -> u3
 /// compute buffer first, then, once the target's context is chosen in what is left, its KV
 /// cache for that context and every sequence. The ask comes back with that context fixed, with
 /// the draft's bytes.
-fn set_aside_draft(inventory: &Inventory, facts: &MachineFacts, ask: &Ask) -> Result<(MachineFacts, Ask, u64), PlanError> {
+fn set_aside_draft(
+    inventory: &Inventory,
+    facts: &MachineFacts,
+    ask: &Ask,
+) -> Result<(MachineFacts, Ask, u64), PlanError> {
     let Some(draft) = &ask.draft else { return Ok((facts.clone(), ask.clone(), 0)) };
     let n_sequences = ask.n_sequences.max(1);
     let weights: u64 = draft.tensors.iter().map(|tensor| tensor.bytes).sum();
     let compute = compute_buffer_bytes(draft, 0, DRAFT_UBATCH.min(ask.n_batch));
-    let too_large = |needed: u64| PlanError::DraftTooLarge { model: draft.path.clone(), needed, budget: facts.memory_budget_bytes };
-    let mut left = MachineFacts { memory_budget_bytes: facts.memory_budget_bytes.checked_sub(weights + compute).ok_or_else(|| too_large(weights + compute))?, ..facts.clone() };
+    let too_large =
+        |needed: u64| PlanError::DraftTooLarge { model: draft.path.clone(), needed, budget: facts.memory_budget_bytes };
+    let mut left = MachineFacts {
+        memory_budget_bytes: facts
+            .memory_budget_bytes
+            .checked_sub(weights + compute)
+            .ok_or_else(|| too_large(weights + compute))?,
+        ..facts.clone()
+    };
     let n_ctx_seq = context_for(inventory, ask, &left);
     let kv = context_memory_bytes(draft, n_ctx_seq.saturating_mul(n_sequences), n_sequences);
-    left.memory_budget_bytes = left.memory_budget_bytes.checked_sub(kv).ok_or_else(|| too_large(weights + compute + kv))?;
+    left.memory_budget_bytes =
+        left.memory_budget_bytes.checked_sub(kv).ok_or_else(|| too_large(weights + compute + kv))?;
     tracing::info!(
         "the draft model takes {} ({} of weights, {} of KV cache, {} of compute buffer); the target is planned in the {} left",
         format_bytes(weights + compute + kv),
@@ -109,9 +124,21 @@ fn set_aside_draft(inventory: &Inventory, facts: &MachineFacts, ask: &Ask) -> Re
 
 /// The plan at one context and prompt batch, reaching `reach`'s devices (None: weighing the
 /// remote tier against the host, as `plan` does).
-fn plan_at(inventory: &Inventory, facts: &MachineFacts, ask: &Ask, n_ctx_seq: u32, n_batch: u32, reach: Option<Reach>) -> Result<Plan, PlanError> {
+fn plan_at(
+    inventory: &Inventory,
+    facts: &MachineFacts,
+    ask: &Ask,
+    n_ctx_seq: u32,
+    n_batch: u32,
+    reach: Option<Reach>,
+) -> Result<Plan, PlanError> {
     let n_sequences = ask.n_sequences.max(1);
-    let options = PlanOptions { n_ctx: n_ctx_seq.saturating_mul(n_sequences), n_sequences, n_ubatch: n_batch, ..ask.options.clone() };
+    let options = PlanOptions {
+        n_ctx: n_ctx_seq.saturating_mul(n_sequences),
+        n_sequences,
+        n_ubatch: n_batch,
+        ..ask.options.clone()
+    };
     let planned = match reach {
         Some(reach) => plan_reaching(inventory, facts, &options, reach),
         None => plan(inventory, facts, &options),
@@ -123,7 +150,12 @@ fn plan_at(inventory: &Inventory, facts: &MachineFacts, ask: &Ask, n_ctx_seq: u3
             if rest >= budget {
                 return PlanError::TooSmallWithoutContext { reason: Box::new(error), needed: rest };
             }
-            PlanError::ContextTooLong { reason: Box::new(error), n_ctx_seq, n_sequences, fits: (budget - rest) / per_token }
+            PlanError::ContextTooLong {
+                reason: Box::new(error),
+                n_ctx_seq,
+                n_sequences,
+                fits: (budget - rest) / per_token,
+            }
         }
         other => other,
     })
@@ -167,7 +199,9 @@ impl Search<'_> {
         for smaller in SMALLER_BATCHES.into_iter().filter(|&smaller| smaller < n_batch) {
             match self.plan_at(n_ctx_seq, smaller) {
                 Ok(plan) => {
-                    tracing::info!("prompt batches of {smaller} tokens: the budget does not hold the compute buffers of {n_batch}");
+                    tracing::info!(
+                        "prompt batches of {smaller} tokens: the budget does not hold the compute buffers of {n_batch}"
+                    );
                     return Ok((smaller, plan));
                 }
                 Err(error) => smallest = Some((smaller, error)),
@@ -196,7 +230,9 @@ impl Search<'_> {
         }
         let cost = |n_batch: u32, plan: &Plan| reference_request_bytes(self.inventory, plan, n_batch);
         let mut best = (n_batch, cost(n_batch, &plan), plan);
-        let candidates = STREAMING_BATCHES.into_iter().filter(|&candidate| candidate != n_batch && candidate <= n_ctx_seq && candidate >= MIN_STREAMING_BATCH.min(n_batch));
+        let candidates = STREAMING_BATCHES.into_iter().filter(|&candidate| {
+            candidate != n_batch && candidate <= n_ctx_seq && candidate >= MIN_STREAMING_BATCH.min(n_batch)
+        });
         for candidate in candidates {
             let Ok(plan) = self.plan_at(n_ctx_seq, candidate) else { continue };
             let candidate_cost = cost(candidate, &plan);
@@ -242,7 +278,8 @@ fn reference_request_bytes(inventory: &Inventory, plan: &Plan, n_batch: u32) -> 
     let Some(experts) = plan.experts.as_ref().filter(|experts| experts.n_expert > 0) else {
         return per_pass * (REFERENCE_PROMPT_TOKENS / f64::from(n_batch.max(1)) + REFERENCE_ANSWER_TOKENS);
     };
-    let streamed: HashSet<&str> = plan.tensors.iter().filter(|tensor| tensor.tier == Tier::Stream).map(|tensor| tensor.name.as_str()).collect();
+    let streamed: HashSet<&str> =
+        plan.tensors.iter().filter(|tensor| tensor.tier == Tier::Stream).map(|tensor| tensor.name.as_str()).collect();
     let mut layers = BTreeSet::new();
     let mut expert_bytes = 0u64;
     for tensor in inventory.expert_tensors().filter(|tensor| streamed.contains(tensor.name.as_str())) {
@@ -281,12 +318,18 @@ fn auto_context(inventory: &Inventory, ask: &Ask, facts: &MachineFacts) -> u32 {
     let trained = trained_context(inventory);
     let n_sequences = ask.n_sequences.max(1);
     // A prompt batch the user did not choose shrinks before the context does (`fit_batch`).
-    let n_ubatch = if ask.grow_batch { SMALLER_BATCHES[SMALLER_BATCHES.len() - 1].min(ask.n_batch) } else { ask.n_batch };
+    let n_ubatch =
+        if ask.grow_batch { SMALLER_BATCHES[SMALLER_BATCHES.len() - 1].min(ask.n_batch) } else { ask.n_batch };
     let fits = |n_ctx_seq: u32| {
         let n_ctx = n_ctx_seq.saturating_mul(n_sequences);
-        kv_cache_bytes(inventory, n_ctx) <= facts.memory_budget_bytes / 4 && plan(inventory, facts, &PlanOptions { n_ctx, n_sequences, n_ubatch, ..ask.options.clone() }).is_ok()
+        kv_cache_bytes(inventory, n_ctx) <= facts.memory_budget_bytes / 4
+            && plan(inventory, facts, &PlanOptions { n_ctx, n_sequences, n_ubatch, ..ask.options.clone() }).is_ok()
     };
-    AUTO_CONTEXTS.iter().map(|&n_ctx_seq| n_ctx_seq.min(trained)).find(|&n_ctx_seq| fits(n_ctx_seq)).unwrap_or(AUTO_CONTEXTS[AUTO_CONTEXTS.len() - 1].min(trained))
+    AUTO_CONTEXTS
+        .iter()
+        .map(|&n_ctx_seq| n_ctx_seq.min(trained))
+        .find(|&n_ctx_seq| fits(n_ctx_seq))
+        .unwrap_or(AUTO_CONTEXTS[AUTO_CONTEXTS.len() - 1].min(trained))
 }
 
 #[cfg(test)]
@@ -295,7 +338,14 @@ mod tests {
     use crate::plan::{ModeChoice, PlanOptions};
 
     fn ask(n_ctx_seq: u32, n_batch: u32) -> Ask {
-        Ask { n_ctx_seq: Some(n_ctx_seq), n_sequences: 1, n_batch, grow_batch: true, options: PlanOptions::default(), draft: None }
+        Ask {
+            n_ctx_seq: Some(n_ctx_seq),
+            n_sequences: 1,
+            n_batch,
+            grow_batch: true,
+            options: PlanOptions::default(),
+            draft: None,
+        }
     }
 
     #[test]
@@ -303,7 +353,8 @@ mod tests {
         // Qwen's vocabulary: the logits of a 4096-token batch alone are 2.5 GB of compute buffer.
         let mut inventory = crate::plan::test_support::moe_inventory(24, 8, 2, 8 << 20);
         inventory.hparams.n_vocab = 152_064;
-        let facts = MachineFacts { memory_budget_bytes: 4 << 30, disk_bytes_per_sec: Some(2e9), ..MachineFacts::default() };
+        let facts =
+            MachineFacts { memory_budget_bytes: 4 << 30, disk_bytes_per_sec: Some(2e9), ..MachineFacts::default() };
         let ask = ask(1024, 512);
         let search = Search { inventory: &inventory, facts: &facts, ask: &ask, reach: Reach::Host };
         let (n_batch, chosen) = search.grow_batch(1024, 512, plan_for(&inventory, &facts, &ask).unwrap());
@@ -312,15 +363,27 @@ mod tests {
         // Weighed by the worst case alone (every pick a miss, the same at every batch) the
         // largest batch won and its compute buffer took the cache.
         assert_eq!(chosen.streamed_bytes_per_token, largest.streamed_bytes_per_token);
-        assert!(n_batch < 4096 && cache(&chosen) > cache(&largest), "batch {n_batch}: {} units against {} at 4096", cache(&chosen), cache(&largest));
-        assert!(reference_request_bytes(&inventory, &chosen, n_batch) < reference_request_bytes(&inventory, &largest, 4096));
+        assert!(
+            n_batch < 4096 && cache(&chosen) > cache(&largest),
+            "batch {n_batch}: {} units against {} at 4096",
+            cache(&chosen),
+            cache(&largest)
+        );
+        assert!(
+            reference_request_bytes(&inventory, &chosen, n_batch) < reference_request_bytes(&inventory, &largest, 4096)
+        );
         // The search takes the same batch.
         assert_eq!(choose(&inventory, &facts, &ask).unwrap().n_batch, n_batch);
         // A cache of every streamed expert reads nothing more once it is warm.
         let all = plan(
             &inventory,
             &MachineFacts { memory_budget_bytes: 64 << 30, ..facts.clone() },
-            &PlanOptions { n_ctx: 1024, n_ubatch: 512, mode: ModeChoice::Forced(Mode::ExpertStream), ..PlanOptions::default() },
+            &PlanOptions {
+                n_ctx: 1024,
+                n_ubatch: 512,
+                mode: ModeChoice::Forced(Mode::ExpertStream),
+                ..PlanOptions::default()
+            },
         )
         .unwrap();
         assert_eq!(reference_request_bytes(&inventory, &all, 512), 0.0);
@@ -332,10 +395,13 @@ mod tests {
     fn a_draft_model_is_set_aside_in_the_budget() {
         let inventory = crate::plan::test_support::inventory(8, 16 << 20, 32 << 20, 64 << 20);
         let draft = crate::plan::test_support::inventory(2, 1 << 20, 2 << 20, 4 << 20);
-        let facts = MachineFacts { memory_budget_bytes: 2 << 30, disk_bytes_per_sec: Some(2e9), ..MachineFacts::default() };
+        let facts =
+            MachineFacts { memory_budget_bytes: 2 << 30, disk_bytes_per_sec: Some(2e9), ..MachineFacts::default() };
         let alone = choose(&inventory, &facts, &ask(1024, 256)).unwrap();
         let with_draft = choose(&inventory, &facts, &Ask { draft: Some(draft.clone()), ..ask(1024, 256) }).unwrap();
-        let draft_bytes = draft.tensors.iter().map(|tensor| tensor.bytes).sum::<u64>() + compute_buffer_bytes(&draft, 0, DRAFT_UBATCH) + context_memory_bytes(&draft, 1024, 1);
+        let draft_bytes = draft.tensors.iter().map(|tensor| tensor.bytes).sum::<u64>()
+            + compute_buffer_bytes(&draft, 0, DRAFT_UBATCH)
+            + context_memory_bytes(&draft, 1024, 1);
         let budget = &with_draft.plan.budget;
         assert_eq!(budget.draft_bytes, draft_bytes);
         assert_eq!(budget.budget_bytes, 2 << 30);
@@ -353,9 +419,17 @@ mod tests {
     fn a_context_too_long_for_the_budget_says_what_fits() {
         let inventory = crate::plan::test_support::inventory(8, 1 << 20, 4 << 20, 8 << 20);
         // What streaming needs beside the KV cache, from the refusal of a budget of nothing.
-        let refusal = plan_for(&inventory, &MachineFacts { memory_budget_bytes: 1, ..MachineFacts::default() }, &Ask { grow_batch: false, ..ask(1 << 20, 32) }).unwrap_err();
+        let refusal = plan_for(
+            &inventory,
+            &MachineFacts { memory_budget_bytes: 1, ..MachineFacts::default() },
+            &Ask { grow_batch: false, ..ask(1 << 20, 32) },
+        )
+        .unwrap_err();
         let PlanError::TooSmallWithoutContext { needed, .. } = refusal else { panic!("{refusal}") };
-        let facts = MachineFacts { memory_budget_bytes: needed + 1024 * kv_cache_bytes(&inventory, 1), ..MachineFacts::default() };
+        let facts = MachineFacts {
+            memory_budget_bytes: needed + 1024 * kv_cache_bytes(&inventory, 1),
+            ..MachineFacts::default()
+        };
         let error = plan_for(&inventory, &facts, &Ask { grow_batch: false, ..ask(1 << 20, 32) }).unwrap_err();
         let PlanError::ContextTooLong { fits, n_ctx_seq, .. } = &error else { panic!("{error}") };
         assert!(*fits > 0 && *fits < u64::from(*n_ctx_seq), "{error}");

@@ -44,7 +44,10 @@ pub(super) fn output_is_tied(inventory: &Inventory) -> bool {
 pub(super) fn on_input_layer(tensor: &TensorEntry) -> bool {
     const INPUT_TABLES: [&str; 4] = ["position_embd", "token_types", "masked_embd_centroids", "masked_embd_ordering"];
     tensor.role == crate::model::Role::TokenEmbedding
-        || (tensor.layer.is_none() && INPUT_TABLES.iter().any(|table| tensor.name.strip_prefix(table).is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))))
+        || (tensor.layer.is_none()
+            && INPUT_TABLES.iter().any(|table| {
+                tensor.name.strip_prefix(table).is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+            }))
 }
 
 /// Tensors the dense-stream mode may stream: dense FFN weights and routed experts.

@@ -10,7 +10,17 @@ pub(super) fn inventory(n_layer: u64, attention_bytes: u64, ffn_bytes: u64, embe
     let mut tensors = Vec::new();
     let mut offset = 0;
     let mut add = |name: String, role: Role, layer: Option<u32>, bytes: u64| {
-        tensors.push(TensorEntry { name, role, layer, ggml_type: GgmlType::Q4_K, dims: vec![256, bytes / 144], bytes, split: 0, file_offset: offset, experts: None });
+        tensors.push(TensorEntry {
+            name,
+            role,
+            layer,
+            ggml_type: GgmlType::Q4_K,
+            dims: vec![256, bytes / 144],
+            bytes,
+            split: 0,
+            file_offset: offset,
+            experts: None,
+        });
         offset += bytes;
     };
     add("token_embd.weight".into(), Role::TokenEmbedding, None, embedding_bytes);
@@ -55,7 +65,9 @@ pub(crate) fn moe_inventory(n_layer: u64, n_expert: u64, n_expert_used: u64, sli
     inventory.tensors.retain(|tensor| !tensor.role.is_dense_ffn());
     let mut offset = inventory.file_bytes;
     for layer in 0..n_layer as u32 {
-        for (suffix, role) in [("ffn_gate_exps", Role::ExpertGate), ("ffn_up_exps", Role::ExpertUp), ("ffn_down_exps", Role::ExpertDown)] {
+        for (suffix, role) in
+            [("ffn_gate_exps", Role::ExpertGate), ("ffn_up_exps", Role::ExpertUp), ("ffn_down_exps", Role::ExpertDown)]
+        {
             let bytes = n_expert * slice_bytes;
             let experts = Some(crate::model::ExpertSlices { n_expert, slice_bytes });
             inventory.tensors.push(TensorEntry {
@@ -79,12 +91,25 @@ pub(crate) fn moe_inventory(n_layer: u64, n_expert: u64, n_expert_used: u64, sli
 
 /// DeepSeek's layout: `n_dense` leading layers with a dense FFN of 3 × `ffn_bytes`, then MoE
 /// layers as `moe_inventory` makes them.
-pub(super) fn mixed_inventory(n_dense: u64, n_layer: u64, ffn_bytes: u64, n_expert: u64, n_expert_used: u64, slice_bytes: u64) -> Inventory {
+pub(super) fn mixed_inventory(
+    n_dense: u64,
+    n_layer: u64,
+    ffn_bytes: u64,
+    n_expert: u64,
+    n_expert_used: u64,
+    slice_bytes: u64,
+) -> Inventory {
     let dense = inventory(n_layer, 1 << 20, ffn_bytes, 8 << 20);
     let mut mixed = moe_inventory(n_layer, n_expert, n_expert_used, slice_bytes);
-    mixed.tensors.retain(|tensor| !tensor.layer.is_some_and(|layer| u64::from(layer) < n_dense && tensor.experts.is_some()));
+    mixed
+        .tensors
+        .retain(|tensor| !tensor.layer.is_some_and(|layer| u64::from(layer) < n_dense && tensor.experts.is_some()));
     let mut offset = mixed.file_bytes;
-    for tensor in dense.tensors.into_iter().filter(|tensor| tensor.role.is_dense_ffn() && tensor.layer.is_some_and(|layer| u64::from(layer) < n_dense)) {
+    for tensor in dense
+        .tensors
+        .into_iter()
+        .filter(|tensor| tensor.role.is_dense_ffn() && tensor.layer.is_some_and(|layer| u64::from(layer) < n_dense))
+    {
         mixed.tensors.push(TensorEntry { file_offset: offset, ..tensor });
         offset += ffn_bytes;
     }
@@ -108,5 +133,10 @@ pub(super) fn queue_hungry_disk() -> Vec<(u64, f64)> {
 
 /// A machine with `host` bytes of memory and a GPU budget of `gpu` bytes.
 pub(super) fn with_gpu(host: u64, gpu: u64) -> MachineFacts {
-    MachineFacts { memory_budget_bytes: host, disk_bytes_per_sec: Some(2e9), gpu_budget_bytes: gpu, ..MachineFacts::default() }
+    MachineFacts {
+        memory_budget_bytes: host,
+        disk_bytes_per_sec: Some(2e9),
+        gpu_budget_bytes: gpu,
+        ..MachineFacts::default()
+    }
 }

@@ -139,7 +139,17 @@ pub struct PlanOptions {
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        PlanOptions { mode: ModeChoice::Auto, n_ctx: 4096, n_sequences: 1, n_ubatch: 512, window_layers: None, expert_cache_units: None, expert_prefetch: None, cache_policy: None, mtp: false }
+        PlanOptions {
+            mode: ModeChoice::Auto,
+            n_ctx: 4096,
+            n_sequences: 1,
+            n_ubatch: 512,
+            window_layers: None,
+            expert_cache_units: None,
+            expert_prefetch: None,
+            cache_policy: None,
+            mtp: false,
+        }
     }
 }
 
@@ -259,7 +269,8 @@ impl Plan {
         if let Some(remote) = &self.remote {
             return Some(remote.predicted_seconds_per_token);
         }
-        let disk = disk_bytes_per_sec.filter(|rate| *rate > 0.0).map(|rate| self.streamed_bytes_per_token as f64 / rate);
+        let disk =
+            disk_bytes_per_sec.filter(|rate| *rate > 0.0).map(|rate| self.streamed_bytes_per_token as f64 / rate);
         let compute = self.limit_tokens_per_sec.map(|limit| 1.0 / limit);
         match (disk, compute) {
             (None, None) => None,
@@ -291,7 +302,8 @@ mod tests {
         assert_eq!(with_tier.memory_use(kv), ((64 << 20) + gpu.weight_bytes + kv, gpu.weight_bytes + kv));
         // Streaming: the host part is the resident weights and the window, not the whole file.
         let host_fixed = (64 << 20) + compute_buffer_bytes(&inventory, 1024, 256) + kv_cache_bytes(&inventory, 1024);
-        let streamed = plan(&inventory, &with_gpu(host_fixed + 4 * (96 << 20), 0), &options(ModeChoice::Auto, 1)).unwrap();
+        let streamed =
+            plan(&inventory, &with_gpu(host_fixed + 4 * (96 << 20), 0), &options(ModeChoice::Auto, 1)).unwrap();
         assert_eq!(streamed.mode, Mode::DenseStream, "{}", streamed.render());
         let (size, vram) = streamed.memory_use(kv);
         assert_eq!(size, streamed.budget.resident_weight_bytes + streamed.budget.window_bytes + kv);

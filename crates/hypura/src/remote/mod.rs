@@ -67,13 +67,21 @@ pub struct Traffic {
 impl std::ops::Add for Traffic {
     type Output = Traffic;
     fn add(self, other: Traffic) -> Traffic {
-        Traffic { sent_bytes: self.sent_bytes + other.sent_bytes, received_bytes: self.received_bytes + other.received_bytes, round_trips: self.round_trips + other.round_trips }
+        Traffic {
+            sent_bytes: self.sent_bytes + other.sent_bytes,
+            received_bytes: self.received_bytes + other.received_bytes,
+            round_trips: self.round_trips + other.round_trips,
+        }
     }
 }
 
 impl Traffic {
     pub fn since(self, earlier: Traffic) -> Traffic {
-        Traffic { sent_bytes: self.sent_bytes - earlier.sent_bytes, received_bytes: self.received_bytes - earlier.received_bytes, round_trips: self.round_trips - earlier.round_trips }
+        Traffic {
+            sent_bytes: self.sent_bytes - earlier.sent_bytes,
+            received_bytes: self.received_bytes - earlier.received_bytes,
+            round_trips: self.round_trips - earlier.round_trips,
+        }
     }
 
     pub fn bytes(&self) -> u64 {
@@ -106,12 +114,22 @@ impl Workers {
     /// upload rate is timed too (it allocates 8 MiB on the worker for a moment).
     pub fn connect(endpoints: &[String], delay: Duration, measure_rate: bool) -> Result<Arc<Workers>, RemoteError> {
         let backend = hypura_sys::Backend::get();
-        let mut workers = Workers { relays: Vec::new(), devices: Vec::new(), links: Vec::new(), endpoints: endpoints.to_vec(), delay, measure_rate, successor: std::sync::Mutex::new(None) };
+        let mut workers = Workers {
+            relays: Vec::new(),
+            devices: Vec::new(),
+            links: Vec::new(),
+            endpoints: endpoints.to_vec(),
+            delay,
+            measure_rate,
+            successor: std::sync::Mutex::new(None),
+        };
         for worker in endpoints {
             let worker = worker.trim();
             let pings = check_worker(worker, PINGS)?;
-            let relay = Relay::start(worker, delay).map_err(|error| RemoteError::Sys(format!("a relay for {worker}: {error}")))?;
-            let devices = hypura_sys::rpc_connect(backend, &relay.endpoint).map_err(|error| RemoteError::Sys(error.to_string()))?;
+            let relay = Relay::start(worker, delay)
+                .map_err(|error| RemoteError::Sys(format!("a relay for {worker}: {error}")))?;
+            let devices = hypura_sys::rpc_connect(backend, &relay.endpoint)
+                .map_err(|error| RemoteError::Sys(error.to_string()))?;
             if let Some(reason) = relay.state.failure() {
                 return Err(RemoteError::Down { worker: worker.to_string(), reason });
             }
@@ -119,11 +137,23 @@ impl Workers {
             for device in devices {
                 let (free_bytes, total_bytes) = device.memory();
                 if measure_rate && bytes_per_sec.is_none() {
-                    bytes_per_sec = device.transfer_bytes_per_sec(LINK_PROBE_BYTES, 2).map(|(upload, download)| upload.min(download));
+                    bytes_per_sec = device
+                        .transfer_bytes_per_sec(LINK_PROBE_BYTES, 2)
+                        .map(|(upload, download)| upload.min(download));
                 }
-                workers.devices.push(RemoteDevice { device, name: device.name(), worker: worker.to_string(), free_bytes, total_bytes });
+                workers.devices.push(RemoteDevice {
+                    device,
+                    name: device.name(),
+                    worker: worker.to_string(),
+                    free_bytes,
+                    total_bytes,
+                });
             }
-            workers.links.push(Link { worker: worker.to_string(), round_trip: pings[pings.len() / 2] + delay, bytes_per_sec });
+            workers.links.push(Link {
+                worker: worker.to_string(),
+                round_trip: pings[pings.len() / 2] + delay,
+                bytes_per_sec,
+            });
             workers.relays.push(relay.state);
             workers.check()?;
         }
@@ -188,7 +218,12 @@ impl Workers {
     pub fn traffic(&self) -> Traffic {
         use std::sync::atomic::Ordering::Relaxed;
         self.relays.iter().fold(Traffic::default(), |total, relay| {
-            total + Traffic { sent_bytes: relay.sent_bytes.load(Relaxed), received_bytes: relay.received_bytes.load(Relaxed), round_trips: relay.round_trips.load(Relaxed) }
+            total
+                + Traffic {
+                    sent_bytes: relay.sent_bytes.load(Relaxed),
+                    received_bytes: relay.received_bytes.load(Relaxed),
+                    round_trips: relay.round_trips.load(Relaxed),
+                }
         })
     }
 
@@ -198,7 +233,8 @@ impl Workers {
         self.devices
             .iter()
             .map(|device| {
-                let link = self.links.iter().find(|link| link.worker == device.worker).expect("a device's worker has a link");
+                let link =
+                    self.links.iter().find(|link| link.worker == device.worker).expect("a device's worker has a link");
                 RemoteDeviceFacts {
                     name: device.name.clone(),
                     worker: device.worker.clone(),
@@ -212,7 +248,11 @@ impl Workers {
 
     /// The device handles for the devices named (in that order), for llama.cpp's device list.
     pub fn handles(&self, names: &[&str]) -> Vec<hypura_sys::DeviceHandle> {
-        names.iter().filter_map(|name| self.devices.iter().find(|device| device.name == *name)).map(|device| device.device).collect()
+        names
+            .iter()
+            .filter_map(|name| self.devices.iter().find(|device| device.name == *name))
+            .map(|device| device.device)
+            .collect()
     }
 }
 
@@ -223,7 +263,8 @@ fn check_worker(worker: &str, pings: usize) -> Result<Vec<Duration>, RemoteError
         Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {}
         _ => return Err(RemoteError::BadEndpoint(worker.to_string())),
     }
-    let (major, count, mut times) = relay::probe(worker, pings).map_err(|error| RemoteError::Down { worker: worker.to_string(), reason: error.to_string() })?;
+    let (major, count, mut times) = relay::probe(worker, pings)
+        .map_err(|error| RemoteError::Down { worker: worker.to_string(), reason: error.to_string() })?;
     if major != hypura_sys::RPC_PROTOCOL_MAJOR {
         return Err(RemoteError::Version { worker: worker.to_string(), major, ours: hypura_sys::RPC_PROTOCOL_MAJOR });
     }
@@ -261,6 +302,10 @@ pub fn profile_link(worker: &str, pings: usize, bytes: usize) -> Result<LinkProf
         round_trip_p90_secs: times[(times.len() * 9 / 10).min(times.len() - 1)].as_secs_f64(),
         upload_bytes_per_sec: rates.map(|(upload, _)| upload),
         download_bytes_per_sec: rates.map(|(_, download)| download),
-        devices: workers.devices.iter().map(|device| (device.name.clone(), device.free_bytes, device.total_bytes)).collect(),
+        devices: workers
+            .devices
+            .iter()
+            .map(|device| (device.name.clone(), device.free_bytes, device.total_bytes))
+            .collect(),
     })
 }

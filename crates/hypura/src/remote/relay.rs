@@ -57,7 +57,9 @@ fn response_bytes(cmd: u8, payload: &[u8]) -> Option<u64> {
         // SET_TENSOR_HASH, COPY_TENSOR: a result byte.
         7 | 9 => 1,
         // GET_TENSOR: the size the request asks for, its payload's last 8 bytes.
-        8 => payload.len().checked_sub(8).map_or(0, |at| u64::from_le_bytes(payload[at..].try_into().expect("8 bytes"))),
+        8 => {
+            payload.len().checked_sub(8).map_or(0, |at| u64::from_le_bytes(payload[at..].try_into().expect("8 bytes")))
+        }
         // FREE_BUFFER, BUFFER_CLEAR, SET_TENSOR, INIT_TENSOR, GRAPH_COMPUTE, GRAPH_RECOMPUTE,
         // MEMSET_TENSOR: none.
         _ => return None,
@@ -122,7 +124,9 @@ impl Relay {
         std::thread::Builder::new().name(format!("rpc-relay {worker}")).spawn(move || {
             for client in listener.incoming().flatten() {
                 let state = accepting.clone();
-                let _ = std::thread::Builder::new().name("rpc-relay-conn".into()).spawn(move || relay_connection(client, &state));
+                let _ = std::thread::Builder::new()
+                    .name("rpc-relay-conn".into())
+                    .spawn(move || relay_connection(client, &state));
             }
         })?;
         Ok(Relay { endpoint, state })
@@ -139,7 +143,8 @@ pub(crate) fn connect_worker(worker: &str) -> std::io::Result<TcpStream> {
                 stream.set_nodelay(true)?;
                 // A worker that goes quiet without closing (a partition, a frozen host) is found
                 // by keepalive probes; one that answers nothing at all for a long time fails too.
-                let keepalive = socket2::TcpKeepalive::new().with_time(KEEPALIVE_IDLE).with_interval(KEEPALIVE_INTERVAL);
+                let keepalive =
+                    socket2::TcpKeepalive::new().with_time(KEEPALIVE_IDLE).with_interval(KEEPALIVE_INTERVAL);
                 socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive)?;
                 stream.set_read_timeout(Some(RESPONSE_TIMEOUT))?;
                 return Ok(stream);
@@ -257,7 +262,15 @@ enum Side<E> {
     Worker(E),
 }
 
-fn forward_request(worker: &mut TcpStream, client: &mut TcpStream, header: &[u8; 9], payload: &[u8], size: u64, chunk: &mut [u8], state: &RelayState) -> Result<(), Side<std::io::Error>> {
+fn forward_request(
+    worker: &mut TcpStream,
+    client: &mut TcpStream,
+    header: &[u8; 9],
+    payload: &[u8],
+    size: u64,
+    chunk: &mut [u8],
+    state: &RelayState,
+) -> Result<(), Side<std::io::Error>> {
     let mut failed = worker.write_all(header).err();
     if holds_payload(header[0]) {
         failed = failed.or_else(|| worker.write_all(payload).err());
@@ -285,11 +298,20 @@ fn forward_request(worker: &mut TcpStream, client: &mut TcpStream, header: &[u8;
 
 /// Forward a response of `expected` payload bytes; returns how many bytes of the whole frame
 /// (size and payload) reached the client, with the error where the worker failed.
-fn forward_response(worker: &mut TcpStream, client: &mut TcpStream, expected: u64, chunk: &mut [u8], state: &RelayState) -> Result<u64, Side<(String, u64)>> {
+fn forward_response(
+    worker: &mut TcpStream,
+    client: &mut TcpStream,
+    expected: u64,
+    chunk: &mut [u8],
+    state: &RelayState,
+) -> Result<u64, Side<(String, u64)>> {
     let mut size = [0u8; 8];
     worker.read_exact(&mut size).map_err(|error| Side::Worker((error.to_string(), 0)))?;
     if u64::from_le_bytes(size) != expected {
-        return Err(Side::Worker((format!("a response of {} bytes where {expected} were due", u64::from_le_bytes(size)), 0)));
+        return Err(Side::Worker((
+            format!("a response of {} bytes where {expected} were due", u64::from_le_bytes(size)),
+            0,
+        )));
     }
     client.write_all(&size).map_err(|_| Side::Client)?;
     let mut sent = 8u64;
@@ -497,7 +519,17 @@ mod tests {
         }
         let commands = seen.join().unwrap();
         let kinds: Vec<u8> = commands.iter().map(|(cmd, _)| *cmd).collect();
-        assert_eq!(kinds, vec![CMD_GRAPH_COMPUTE, CMD_GRAPH_RECOMPUTE, CMD_GRAPH_COMPUTE, CMD_GRAPH_COMPUTE, CMD_FREE_BUFFER, CMD_GRAPH_COMPUTE]);
+        assert_eq!(
+            kinds,
+            vec![
+                CMD_GRAPH_COMPUTE,
+                CMD_GRAPH_RECOMPUTE,
+                CMD_GRAPH_COMPUTE,
+                CMD_GRAPH_COMPUTE,
+                CMD_FREE_BUFFER,
+                CMD_GRAPH_COMPUTE
+            ]
+        );
         assert_eq!(commands[1].1, 0u32.to_le_bytes().to_vec(), "the device to recompute");
         assert_eq!(commands[3].1[4], 2);
         assert_eq!(relay.state.graph_bytes_saved.load(Ordering::Relaxed), 104);

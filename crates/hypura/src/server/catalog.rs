@@ -96,7 +96,9 @@ impl ModelName {
 fn valid_part(part: &str) -> bool {
     let mut characters = part.chars();
     let Some(first) = characters.next() else { return false };
-    part.len() <= 128 && (first.is_ascii_alphanumeric() || first == '_') && characters.all(|character| character.is_ascii_alphanumeric() || matches!(character, '_' | '-' | '.'))
+    part.len() <= 128
+        && (first.is_ascii_alphanumeric() || first == '_')
+        && characters.all(|character| character.is_ascii_alphanumeric() || matches!(character, '_' | '-' | '.'))
 }
 
 impl Catalog {
@@ -121,7 +123,10 @@ impl Catalog {
         }
         for directory in &self.directories {
             let Ok(listing) = std::fs::read_dir(directory) else { continue };
-            let mut paths: Vec<PathBuf> = listing.filter_map(|item| item.ok().map(|item| item.path())).filter(|path| is_first_gguf(path)).collect();
+            let mut paths: Vec<PathBuf> = listing
+                .filter_map(|item| item.ok().map(|item| item.path()))
+                .filter(|path| is_first_gguf(path))
+                .collect();
             paths.sort();
             entries.extend(paths.iter().filter_map(|path| file_entry(path)));
         }
@@ -138,7 +143,10 @@ impl Catalog {
     pub fn resolve(&self, name: &str) -> Result<ModelEntry, AppError> {
         let parsed = ModelName::parse(name).ok_or_else(|| AppError::bad_request("invalid model name"))?;
         let key = parsed.key();
-        self.scan().into_iter().find(|entry| entry.key == key).ok_or_else(|| AppError::not_found(format!("model '{name}' not found")))
+        self.scan()
+            .into_iter()
+            .find(|entry| entry.key == key)
+            .ok_or_else(|| AppError::not_found(format!("model '{name}' not found")))
     }
 }
 
@@ -193,8 +201,14 @@ fn ollama_entries(store: &Path) -> Vec<ModelEntry> {
             for model in subdirectories(&namespace) {
                 let Ok(tags) = std::fs::read_dir(&model) else { continue };
                 for tag in tags.filter_map(|item| item.ok().map(|item| item.path())) {
-                    let name = [&host, &namespace, &model, &tag].iter().map(|path| path.file_name().and_then(|name| name.to_str()).unwrap_or("")).collect::<Vec<_>>();
-                    let Some(parsed) = ModelName::parse(&format!("{}/{}/{}:{}", name[0], name[1], name[2], name[3])) else { continue };
+                    let name = [&host, &namespace, &model, &tag]
+                        .iter()
+                        .map(|path| path.file_name().and_then(|name| name.to_str()).unwrap_or(""))
+                        .collect::<Vec<_>>();
+                    let Some(parsed) = ModelName::parse(&format!("{}/{}/{}:{}", name[0], name[1], name[2], name[3]))
+                    else {
+                        continue;
+                    };
                     if let Some(entry) = manifest_entry(store, &tag, &parsed) {
                         entries.push(entry);
                     }
@@ -207,7 +221,8 @@ fn ollama_entries(store: &Path) -> Vec<ModelEntry> {
 
 fn subdirectories(path: &Path) -> Vec<PathBuf> {
     let Ok(listing) = std::fs::read_dir(path) else { return Vec::new() };
-    let mut directories: Vec<PathBuf> = listing.filter_map(|item| item.ok().map(|item| item.path())).filter(|path| path.is_dir()).collect();
+    let mut directories: Vec<PathBuf> =
+        listing.filter_map(|item| item.ok().map(|item| item.path())).filter(|path| path.is_dir()).collect();
     directories.sort();
     directories
 }
@@ -215,7 +230,11 @@ fn subdirectories(path: &Path) -> Vec<PathBuf> {
 fn manifest_entry(store: &Path, manifest_path: &Path, name: &ModelName) -> Option<ModelEntry> {
     let bytes = std::fs::read(manifest_path).ok()?;
     let manifest: serde_json::Value = serde_json::from_slice(&bytes).ok()?;
-    let layer = manifest.get("layers")?.as_array()?.iter().find(|layer| layer.get("mediaType").and_then(|kind| kind.as_str()) == Some(MODEL_MEDIA_TYPE))?;
+    let layer = manifest
+        .get("layers")?
+        .as_array()?
+        .iter()
+        .find(|layer| layer.get("mediaType").and_then(|kind| kind.as_str()) == Some(MODEL_MEDIA_TYPE))?;
     let digest = layer.get("digest")?.as_str()?;
     let hex_digest = digest.strip_prefix("sha256:")?;
     // The digest becomes a file name: only 64 hex digits may.
@@ -224,8 +243,17 @@ fn manifest_entry(store: &Path, manifest_path: &Path, name: &ModelName) -> Optio
     }
     let blob = store.join("blobs").join(format!("sha256-{hex_digest}"));
     let blob_metadata = std::fs::metadata(&blob).ok()?;
-    let modified = std::fs::metadata(manifest_path).and_then(|metadata| metadata.modified()).unwrap_or(SystemTime::UNIX_EPOCH);
-    Some(ModelEntry { name: name.display(), key: name.key(), path: blob, size: blob_metadata.len(), modified, digest: hex(&Sha256::digest(&bytes)), owner: name.namespace.clone() })
+    let modified =
+        std::fs::metadata(manifest_path).and_then(|metadata| metadata.modified()).unwrap_or(SystemTime::UNIX_EPOCH);
+    Some(ModelEntry {
+        name: name.display(),
+        key: name.key(),
+        path: blob,
+        size: blob_metadata.len(),
+        modified,
+        digest: hex(&Sha256::digest(&bytes)),
+        owner: name.namespace.clone(),
+    })
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -243,7 +271,20 @@ mod tests {
         assert_eq!(name.display(), "llama3.2:latest");
         assert_eq!(ModelName::parse("me/model:q4").unwrap().display(), "me/model:q4");
         assert_eq!(ModelName::parse("host.io/me/model:q4").unwrap().key(), "host.io/me/model:q4");
-        for bad in ["", "../etc/passwd", "a/../b", "a:b/c", "a//b", ".hidden", "a/b/c/d", "a:", "x\\y", "a b", "model:..", "/abs"] {
+        for bad in [
+            "",
+            "../etc/passwd",
+            "a/../b",
+            "a:b/c",
+            "a//b",
+            ".hidden",
+            "a/b/c/d",
+            "a:",
+            "x\\y",
+            "a b",
+            "model:..",
+            "/abs",
+        ] {
             assert!(ModelName::parse(bad).is_none(), "{bad:?} should be refused");
         }
     }

@@ -34,7 +34,10 @@ impl AppError {
     }
 
     pub fn busy() -> AppError {
-        AppError::new(StatusCode::SERVICE_UNAVAILABLE, "server busy, please try again.  maximum pending requests exceeded")
+        AppError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server busy, please try again.  maximum pending requests exceeded",
+        )
     }
 
     /// The status for an engine error: what the request asked for is a 400, the rest a 500.
@@ -42,8 +45,15 @@ impl AppError {
         use crate::engine::SysError;
         let status = match error {
             EngineError::PromptTooLong { .. } | EngineError::EmptyPrompt => StatusCode::BAD_REQUEST,
-            EngineError::Sys(SysError::BadSampling { .. } | SysError::BadToken { .. } | SysError::Grammar(_) | SysError::TextTooLong { .. }) => StatusCode::BAD_REQUEST,
-            EngineError::Template { .. } | EngineError::Unsupported(_) | EngineError::Sys(SysError::Chat(_)) => StatusCode::BAD_REQUEST,
+            EngineError::Sys(
+                SysError::BadSampling { .. }
+                | SysError::BadToken { .. }
+                | SysError::Grammar(_)
+                | SysError::TextTooLong { .. },
+            ) => StatusCode::BAD_REQUEST,
+            EngineError::Template { .. } | EngineError::Unsupported(_) | EngineError::Sys(SysError::Chat(_)) => {
+                StatusCode::BAD_REQUEST
+            }
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
         AppError::new(status, error.to_string())
@@ -90,9 +100,18 @@ mod tests {
     #[test]
     fn engine_errors_map_to_the_status_of_their_cause() {
         assert_eq!(AppError::from_engine(&EngineError::EmptyPrompt).status, StatusCode::BAD_REQUEST);
-        assert_eq!(AppError::from_engine(&EngineError::Unsupported("does not support tools".into())).status, StatusCode::BAD_REQUEST);
+        assert_eq!(
+            AppError::from_engine(&EngineError::Unsupported("does not support tools".into())).status,
+            StatusCode::BAD_REQUEST
+        );
         // Busy sequences mean the worker admitted past its free slots: the server's own fault.
         let busy = AppError::from_engine(&EngineError::Busy { n_sequences: 4 });
-        assert_eq!((busy.status, busy.message.as_str()), (StatusCode::INTERNAL_SERVER_ERROR, "all 4 sequences of the context are busy; admit only when free_slots() > 0"));
+        assert_eq!(
+            (busy.status, busy.message.as_str()),
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "all 4 sequences of the context are busy; admit only when free_slots() > 0"
+            )
+        );
     }
 }

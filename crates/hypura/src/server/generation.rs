@@ -44,7 +44,12 @@ pub struct Collected {
 
 /// Hand the request to its model's worker and wait for its first event. The request's cancel
 /// flag becomes the generation's: dropping the generation sets it.
-pub async fn start(scheduler: &Scheduler, entry: &ModelEntry, keep_alive: Option<KeepAlive>, mut request: GenerateRequest) -> Result<Generation, AppError> {
+pub async fn start(
+    scheduler: &Scheduler,
+    entry: &ModelEntry,
+    keep_alive: Option<KeepAlive>,
+    mut request: GenerateRequest,
+) -> Result<Generation, AppError> {
     // A `num_ctx` longer than the loaded context reloads the model with it.
     let lease = scheduler.acquire_with_context(entry, keep_alive, request.n_ctx_seq)?;
     let flag = Arc::new(AtomicBool::new(false));

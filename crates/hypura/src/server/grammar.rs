@@ -97,10 +97,20 @@ fn write_schema(schema: &Value, out: &mut String) -> Result<(), SchemaError> {
 
 /// `properties`: the `required` ones first, in the client's order (`required` is an array, so
 /// it keeps it), then the others in key order.
-fn write_properties(properties: &Map<String, Value>, required: Option<&Value>, out: &mut String) -> Result<(), SchemaError> {
-    let required: Vec<&str> = required.and_then(Value::as_array).map(|names| names.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
+fn write_properties(
+    properties: &Map<String, Value>,
+    required: Option<&Value>,
+    out: &mut String,
+) -> Result<(), SchemaError> {
+    let required: Vec<&str> = required
+        .and_then(Value::as_array)
+        .map(|names| names.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
     let mut listed = HashSet::new();
-    let first = required.iter().filter_map(|name| properties.get_key_value(*name)).filter(|(name, _)| listed.insert(name.as_str()));
+    let first = required
+        .iter()
+        .filter_map(|name| properties.get_key_value(*name))
+        .filter(|(name, _)| listed.insert(name.as_str()));
     let first: Vec<_> = first.collect();
     let rest = properties.iter().filter(|(name, _)| !listed.contains(name.as_str()));
     write_map(first.into_iter().chain(rest), out)
@@ -135,7 +145,10 @@ mod tests {
 
     /// The rule `name` of `grammar`, in one line.
     fn rule<'a>(grammar: &'a str, name: &str) -> &'a str {
-        grammar.lines().find(|line| line.starts_with(&format!("{name} ::= "))).unwrap_or_else(|| panic!("no rule {name}: {grammar}"))
+        grammar
+            .lines()
+            .find(|line| line.starts_with(&format!("{name} ::= ")))
+            .unwrap_or_else(|| panic!("no rule {name}: {grammar}"))
     }
 
     #[test]
@@ -149,7 +162,11 @@ mod tests {
         // llama.cpp's converter checked the schema and its parser the grammar.
         let grammar = schema_grammar(&schema).unwrap();
         let root = rule(&grammar, "root");
-        assert!(root.find("name").unwrap() < root.find("age").unwrap() && root.find("age").unwrap() < root.find("tags").unwrap(), "{root}");
+        assert!(
+            root.find("name").unwrap() < root.find("age").unwrap()
+                && root.find("age").unwrap() < root.find("tags").unwrap(),
+            "{root}"
+        );
         assert!(rule(&grammar, "name-kv").contains(r#""\"name\"" space ":" space string"#), "{grammar}");
         assert!(rule(&grammar, "age-kv").contains(r#""\"age\"" space ":" space integer"#), "{grammar}");
         // The optional one may be left out, the required ones may not.
@@ -194,11 +211,24 @@ mod tests {
 
     #[test]
     fn bad_schemas_are_errors() {
-        for bad in [json!("string"), json!({"type": "thing"}), json!({"enum": []}), json!({"$ref": "http://x"}), json!({"$ref": "#/nowhere"}), json!(false)] {
+        for bad in [
+            json!("string"),
+            json!({"type": "thing"}),
+            json!({"enum": []}),
+            json!({"$ref": "http://x"}),
+            json!({"$ref": "#/nowhere"}),
+            json!(false),
+        ] {
             assert!(schema_grammar(&bad).is_err(), "{bad}");
         }
-        assert_eq!(schema_grammar(&json!({"type": "thing"})).unwrap_err().to_string(), "JSON schema: unknown type \"thing\"");
-        assert_eq!(schema_grammar(&json!({"properties": {"a": false}})).unwrap_err().to_string(), "JSON schema: a `false` schema allows nothing");
+        assert_eq!(
+            schema_grammar(&json!({"type": "thing"})).unwrap_err().to_string(),
+            "JSON schema: unknown type \"thing\""
+        );
+        assert_eq!(
+            schema_grammar(&json!({"properties": {"a": false}})).unwrap_err().to_string(),
+            "JSON schema: a `false` schema allows nothing"
+        );
         let mut deep = json!({"type": "string"});
         for _ in 0..40 {
             deep = json!({"type": "array", "items": deep});
@@ -208,7 +238,10 @@ mod tests {
 
     #[test]
     fn literals_escape_quotes_and_control_characters() {
-        let grammar = schema_grammar(&json!({"properties": {"a\"b\\c\nd\u{1}": {"const": "x\"y"}}, "required": ["a\"b\\c\nd\u{1}"]})).unwrap();
+        let grammar = schema_grammar(
+            &json!({"properties": {"a\"b\\c\nd\u{1}": {"const": "x\"y"}}, "required": ["a\"b\\c\nd\u{1}"]}),
+        )
+        .unwrap();
         assert!(grammar.contains(r#""\"a\\\"b\\\\c\\nd\\u0001\"" space ":" space"#), "{grammar}");
         assert!(grammar.contains(r#""\"x\\\"y\"""#), "{grammar}");
     }

@@ -68,7 +68,12 @@ pub struct AppState {
 
 impl AppState {
     pub fn new(catalog: Catalog, scheduler: SchedulerConfig, http: HttpConfig) -> AppState {
-        AppState { catalog: Arc::new(catalog), scheduler: Scheduler::new(scheduler), http, details_cache: Arc::default() }
+        AppState {
+            catalog: Arc::new(catalog),
+            scheduler: Scheduler::new(scheduler),
+            http,
+            details_cache: Arc::default(),
+        }
     }
 
     /// Scan the catalog off the async runtime (it reads directories).
@@ -80,17 +85,26 @@ impl AppState {
     pub async fn resolve(&self, name: &str) -> Result<ModelEntry, AppError> {
         let catalog = self.catalog.clone();
         let name = name.to_string();
-        tokio::task::spawn_blocking(move || catalog.resolve(&name)).await.map_err(|error| AppError::internal(error.to_string()))?
+        tokio::task::spawn_blocking(move || catalog.resolve(&name))
+            .await
+            .map_err(|error| AppError::internal(error.to_string()))?
     }
 
     /// Ollama's `details` object for a model.
     pub async fn details(&self, entry: &ModelEntry) -> Result<serde_json::Value, AppError> {
-        let cached = self.details_cache.locked().get(&entry.path).filter(|(modified, _)| *modified == entry.modified).map(|(_, details)| details.clone());
+        let cached = self
+            .details_cache
+            .locked()
+            .get(&entry.path)
+            .filter(|(modified, _)| *modified == entry.modified)
+            .map(|(_, details)| details.clone());
         let details = match cached {
             Some(details) => details,
             None => {
                 let path = entry.path.clone();
-                let details = tokio::task::spawn_blocking(move || model_details::read_details(&path)).await.map_err(|error| AppError::internal(error.to_string()))??;
+                let details = tokio::task::spawn_blocking(move || model_details::read_details(&path))
+                    .await
+                    .map_err(|error| AppError::internal(error.to_string()))??;
                 self.details_cache.locked().insert(entry.path.clone(), (entry.modified, details.clone()));
                 details
             }
@@ -131,13 +145,17 @@ pub fn router(state: AppState) -> Router {
 /// CORS: localhost origins always (any port, http or https), plus the configured ones.
 fn cors_layer(origins: &[String]) -> CorsLayer {
     let any = origins.iter().any(|origin| origin == "*");
-    let configured: Vec<String> = origins.iter().map(|origin| origin.trim_end_matches('/').to_ascii_lowercase()).collect();
+    let configured: Vec<String> =
+        origins.iter().map(|origin| origin.trim_end_matches('/').to_ascii_lowercase()).collect();
     let allow = AllowOrigin::predicate(move |origin: &HeaderValue, _| {
         let Ok(origin) = origin.to_str() else { return false };
         let origin = origin.to_ascii_lowercase();
         any || configured.contains(&origin) || is_local_origin(&origin)
     });
-    CorsLayer::new().allow_origin(allow).allow_methods([Method::GET, Method::POST, Method::HEAD, Method::OPTIONS, Method::DELETE]).allow_headers(AllowHeaders::mirror_request())
+    CorsLayer::new()
+        .allow_origin(allow)
+        .allow_methods([Method::GET, Method::POST, Method::HEAD, Method::OPTIONS, Method::DELETE])
+        .allow_headers(AllowHeaders::mirror_request())
 }
 
 fn is_local_origin(origin: &str) -> bool {
@@ -150,7 +168,11 @@ fn is_local_origin(origin: &str) -> bool {
 }
 
 /// Serve on `listener` until `shutdown` resolves, unloading models whose `keep_alive` lapses.
-pub async fn serve(listener: tokio::net::TcpListener, state: AppState, shutdown: impl std::future::Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: AppState,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
     let scheduler = state.scheduler.clone();
     let reaper = tokio::spawn(async move {
         let mut ticks = tokio::time::interval(Duration::from_millis(500));
@@ -169,7 +191,9 @@ pub async fn serve(listener: tokio::net::TcpListener, state: AppState, shutdown:
 
 /// Whether `path` is a GGUF file (by extension), for the command line.
 pub fn is_gguf(path: &Path) -> bool {
-    path.extension().and_then(|extension| extension.to_str()).is_some_and(|extension| extension.eq_ignore_ascii_case("gguf"))
+    path.extension()
+        .and_then(|extension| extension.to_str())
+        .is_some_and(|extension| extension.eq_ignore_ascii_case("gguf"))
 }
 
 #[cfg(test)]

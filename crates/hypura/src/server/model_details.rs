@@ -29,7 +29,11 @@ fn open(path: &Path) -> Result<Gguf, AppError> {
 }
 
 fn details(gguf: &Gguf) -> Details {
-    Details { family: gguf.architecture().unwrap_or("").to_string(), parameter_size: parameter_size(parameter_count(gguf)), quantization_level: quantization_level(gguf) }
+    Details {
+        family: gguf.architecture().unwrap_or("").to_string(),
+        parameter_size: parameter_size(parameter_count(gguf)),
+        quantization_level: quantization_level(gguf),
+    }
 }
 
 fn parameter_count(gguf: &Gguf) -> u64 {
@@ -85,14 +89,22 @@ fn quantization_level(gguf: &Gguf) -> String {
         (37, "TQ2_0"),
         (38, "MXFP4"),
     ];
-    if let Some(name) = gguf.get_u64("general.file_type").and_then(|id| FILE_TYPES.iter().find(|(known, _)| *known == id)).map(|(_, name)| *name) {
+    if let Some(name) = gguf
+        .get_u64("general.file_type")
+        .and_then(|id| FILE_TYPES.iter().find(|(known, _)| *known == id))
+        .map(|(_, name)| *name)
+    {
         return name.to_string();
     }
     let mut bytes_by_type: std::collections::HashMap<&str, u64> = std::collections::HashMap::new();
     for tensor in &gguf.tensors {
         *bytes_by_type.entry(tensor.ggml_type.name()).or_default() += tensor.bytes;
     }
-    bytes_by_type.into_iter().max_by_key(|(_, bytes)| *bytes).map(|(name, _)| name.to_ascii_uppercase()).unwrap_or_default()
+    bytes_by_type
+        .into_iter()
+        .max_by_key(|(_, bytes)| *bytes)
+        .map(|(name, _)| name.to_ascii_uppercase())
+        .unwrap_or_default()
 }
 
 fn to_json(value: &GgufValue, verbose: bool) -> Value {
@@ -149,7 +161,11 @@ pub fn show_model(path: &Path, verbose: bool) -> Result<Map<String, Value>, AppE
     object.insert("model_info".into(), Value::Object(model_info));
     object.insert("capabilities".into(), json!(capabilities));
     if verbose {
-        let tensors: Vec<Value> = gguf.tensors.iter().map(|tensor| json!({"name": tensor.name, "type": tensor.ggml_type.name(), "shape": tensor.dims})).collect();
+        let tensors: Vec<Value> = gguf
+            .tensors
+            .iter()
+            .map(|tensor| json!({"name": tensor.name, "type": tensor.ggml_type.name(), "shape": tensor.dims}))
+            .collect();
         object.insert("tensors".into(), Value::Array(tensors));
     }
     Ok(object)

@@ -62,7 +62,9 @@ pub async fn ps(State(state): State<AppState>) -> Result<Json<Value>, AppError> 
         let Some(info) = model.info() else { continue };
         let details = state.details(&model.entry).await.unwrap_or(Value::Null);
         // "Forever" is far in the future, as Ollama shows it.
-        let expires_at = model.expires_at().unwrap_or_else(|| SystemTime::now() + std::time::Duration::from_secs(100 * 365 * 86_400));
+        let expires_at = model
+            .expires_at()
+            .unwrap_or_else(|| SystemTime::now() + std::time::Duration::from_secs(100 * 365 * 86_400));
         models.push(json!({
             "name": model.entry.name,
             "model": model.entry.name,
@@ -90,11 +92,17 @@ struct ShowBody {
 
 pub async fn show(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, AppError> {
     let body: ShowBody = parse_body(body)?;
-    let name = body.model.or(body.name).filter(|name| !name.is_empty()).ok_or_else(|| AppError::bad_request("model is required"))?;
+    let name = body
+        .model
+        .or(body.name)
+        .filter(|name| !name.is_empty())
+        .ok_or_else(|| AppError::bad_request("model is required"))?;
     let entry = state.resolve(&name).await?;
     let verbose = body.verbose;
     let path = entry.path.clone();
-    let shown = tokio::task::spawn_blocking(move || super::show_model(&path, verbose)).await.map_err(|error| AppError::internal(error.to_string()))??;
+    let shown = tokio::task::spawn_blocking(move || super::show_model(&path, verbose))
+        .await
+        .map_err(|error| AppError::internal(error.to_string()))??;
     let mut object = shown;
     object.insert("modified_at".into(), json!(rfc3339(entry.modified)));
     served_context(&state, &entry.path, &mut object);
@@ -109,7 +117,13 @@ fn served_context(state: &AppState, path: &std::path::Path, object: &mut Map<Str
     let Some(arch) = info.get("general.architecture").and_then(Value::as_str).map(str::to_string) else { return };
     let key = format!("{arch}.context_length");
     let trained = info.get(&key).and_then(Value::as_u64).filter(|&trained| trained > 0);
-    let loaded = state.scheduler.loaded().into_iter().find(|model| model.entry.path == path).and_then(|model| model.info()).map(|info| info.context_length as u64);
+    let loaded = state
+        .scheduler
+        .loaded()
+        .into_iter()
+        .find(|model| model.entry.path == path)
+        .and_then(|model| model.info())
+        .map(|info| info.context_length as u64);
     let configured = match state.scheduler.config().run.n_ctx_seq.map(u64::from) {
         Some(0) => trained,
         Some(asked) => Some(trained.map_or(asked, |trained| asked.min(trained))),
@@ -211,7 +225,10 @@ fn final_fields(object: &mut Map<String, Value>, finished: &Finished, with_conte
     object.insert("hypura_prompt_cached".into(), json!(stats.reused_prompt_tokens));
     if let Some(io) = &stats.io {
         object.insert("hypura_bytes_read".into(), json!(io.bytes_read));
-        object.insert("hypura_stall_duration".into(), json!(nanos(std::time::Duration::from_secs_f64(io.stall_seconds.max(0.0)))));
+        object.insert(
+            "hypura_stall_duration".into(),
+            json!(nanos(std::time::Duration::from_secs_f64(io.stall_seconds.max(0.0)))),
+        );
     }
     if let Some(experts) = &stats.experts {
         object.insert("hypura_expert_hit_rate".into(), json!(experts.hit_rate()));
@@ -282,7 +299,10 @@ impl Shape {
     }
 }
 
-pub async fn generate(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Response, AppError> {
+pub async fn generate(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, AppError> {
     let body: GenerateBody = parse_body(body)?;
     let name = model_name(body.model)?;
     let entry = state.resolve(&name).await?;
@@ -290,7 +310,9 @@ pub async fn generate(State(state): State<AppState>, body: Result<Bytes, BytesRe
         return Err(AppError::bad_request("raw mode does not support template, system, or context"));
     }
     if body.template.as_deref().is_some_and(|template| !template.is_empty()) {
-        return Err(AppError::bad_request("template overrides are not supported: Hypura renders the model's own chat template"));
+        return Err(AppError::bad_request(
+            "template overrides are not supported: Hypura renders the model's own chat template",
+        ));
     }
     if body.suffix.as_deref().is_some_and(|suffix| !suffix.is_empty()) {
         return Err(AppError::bad_request(format!("\"{name}\" does not support insert")));
@@ -326,7 +348,12 @@ pub async fn chat(State(state): State<AppState>, body: Result<Bytes, BytesReject
     let tools = tools::parse_tools(body.tools)?;
     let think = tools::parse_think(body.common.think.as_ref())?;
     let keep_alive = keep_alive(body.common.keep_alive.as_ref())?;
-    tracing::debug!("chat {name}: {} tools, think {:?}, options {}", tools.len(), body.common.think, body.common.options.as_ref().map_or_else(|| "none".to_string(), |options| options.to_string()));
+    tracing::debug!(
+        "chat {name}: {} tools, think {:?}, options {}",
+        tools.len(),
+        body.common.think,
+        body.common.options.as_ref().map_or_else(|| "none".to_string(), |options| options.to_string())
+    );
     let options = parse_options(body.common.options.as_ref())?;
     let grammar = format_grammar(body.common.format.as_ref())?;
     let mut messages = Vec::new();
@@ -351,7 +378,13 @@ pub async fn chat(State(state): State<AppState>, body: Result<Bytes, BytesReject
 }
 
 /// An empty prompt loads the model (`done_reason: "load"`), or with `keep_alive: 0` unloads it.
-async fn load_only(state: &AppState, entry: &ModelEntry, name: &str, keep_alive: Option<KeepAlive>, shape: &Shape) -> Result<Response, AppError> {
+async fn load_only(
+    state: &AppState,
+    entry: &ModelEntry,
+    name: &str,
+    keep_alive: Option<KeepAlive>,
+    shape: &Shape,
+) -> Result<Response, AppError> {
     if keep_alive == Some(KeepAlive::For(std::time::Duration::ZERO)) {
         state.scheduler.unload(&entry.path);
         return Ok(Json(shape.loaded(name, "unload")).into_response());
@@ -361,13 +394,23 @@ async fn load_only(state: &AppState, entry: &ModelEntry, name: &str, keep_alive:
     Ok(Json(shape.loaded(name, "load")).into_response())
 }
 
-async fn respond(state: &AppState, entry: &ModelEntry, name: String, keep_alive: Option<KeepAlive>, request: GenerateRequest, stream: bool, shape: Shape) -> Result<Response, AppError> {
+async fn respond(
+    state: &AppState,
+    entry: &ModelEntry,
+    name: String,
+    keep_alive: Option<KeepAlive>,
+    request: GenerateRequest,
+    stream: bool,
+    shape: Shape,
+) -> Result<Response, AppError> {
     let generation = generation::start(&state.scheduler, entry, keep_alive, request).await?;
     if !stream {
         let collected = generation.collect().await?;
         let message = collected.finished.output.message.as_ref();
         let piece = match message {
-            Some(message) => Piece { text: &message.content, thinking: &message.thinking, tool_calls: &message.tool_calls },
+            Some(message) => {
+                Piece { text: &message.content, thinking: &message.thinking, tool_calls: &message.tool_calls }
+            }
             None => Piece { text: &collected.text, thinking: &collected.thinking, tool_calls: &[] },
         };
         return Ok(Json(shape.last(&name, &piece, &collected.finished)).into_response());
@@ -375,13 +418,18 @@ async fn respond(state: &AppState, entry: &ModelEntry, name: String, keep_alive:
     let lines = generation.into_stream().map(move |event| {
         let line = match event {
             Event::Text(text) => ndjson_line(&shape.chunk(&name, &Piece { text: &text, ..Piece::default() })),
-            Event::Thinking(thinking) => ndjson_line(&shape.chunk(&name, &Piece { thinking: &thinking, ..Piece::default() })),
+            Event::Thinking(thinking) => {
+                ndjson_line(&shape.chunk(&name, &Piece { thinking: &thinking, ..Piece::default() }))
+            }
             Event::Done(finished) => {
                 // The calls come whole, in a chunk of their own before the last line.
-                let calls = finished.output.message.as_ref().map(|message| message.tool_calls.as_slice()).unwrap_or_default();
+                let calls =
+                    finished.output.message.as_ref().map(|message| message.tool_calls.as_slice()).unwrap_or_default();
                 let mut lines = Vec::new();
                 if !calls.is_empty() {
-                    lines.extend_from_slice(&ndjson_line(&shape.chunk(&name, &Piece { tool_calls: calls, ..Piece::default() })));
+                    lines.extend_from_slice(&ndjson_line(
+                        &shape.chunk(&name, &Piece { tool_calls: calls, ..Piece::default() }),
+                    ));
                 }
                 lines.extend_from_slice(&ndjson_line(&shape.last(&name, &Piece::default(), &finished)));
                 Bytes::from(lines)
@@ -410,7 +458,10 @@ pub fn embed_inputs(input: Option<&Value>) -> Result<Vec<String>, AppError> {
         None | Some(Value::Null) => Ok(Vec::new()),
         Some(Value::String(text)) if text.is_empty() => Ok(Vec::new()),
         Some(Value::String(text)) => Ok(vec![text.clone()]),
-        Some(Value::Array(items)) => items.iter().map(|item| item.as_str().map(str::to_string).ok_or_else(|| AppError::bad_request("invalid input type"))).collect(),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|item| item.as_str().map(str::to_string).ok_or_else(|| AppError::bad_request("invalid input type")))
+            .collect(),
         Some(_) => Err(AppError::bad_request("invalid input type")),
     }
 }
@@ -437,7 +488,10 @@ pub fn dimensions(value: Option<i64>) -> Result<Option<usize>, AppError> {
     }
 }
 
-pub async fn embed(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, AppError> {
+pub async fn embed(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, AppError> {
     let started = Instant::now();
     let body: EmbedBody = parse_body(body)?;
     let name = model_name(body.model)?;
@@ -471,7 +525,10 @@ struct EmbeddingsBody {
 }
 
 /// The legacy endpoint: one un-normalised vector.
-pub async fn embeddings(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, AppError> {
+pub async fn embeddings(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, AppError> {
     let body: EmbeddingsBody = parse_body(body)?;
     let name = model_name(body.model)?;
     let entry = state.resolve(&name).await?;
@@ -488,7 +545,11 @@ pub async fn embeddings(State(state): State<AppState>, body: Result<Bytes, Bytes
 }
 
 /// Embed through the model's worker.
-pub async fn run_embed(lease: super::scheduler::Lease, inputs: Vec<String>, truncate: bool) -> Result<super::worker::EmbedOutput, AppError> {
+pub async fn run_embed(
+    lease: super::scheduler::Lease,
+    inputs: Vec<String>,
+    truncate: bool,
+) -> Result<super::worker::EmbedOutput, AppError> {
     let (reply, answer) = tokio::sync::oneshot::channel();
     lease.embed(EmbedJob { inputs, truncate, reply })?;
     answer.await.map_err(|_| AppError::internal("the model's worker stopped before answering"))?
@@ -541,7 +602,12 @@ mod tests {
     );
 
     async fn generate(app: &Router, body: Value) -> Value {
-        let request = Request::builder().method("POST").uri("/api/generate").header("content-type", "application/json").body(Body::from(body.to_string())).unwrap();
+        let request = Request::builder()
+            .method("POST")
+            .uri("/api/generate")
+            .header("content-type", "application/json")
+            .body(Body::from(body.to_string()))
+            .unwrap();
         let response = app.clone().oneshot(request).await.unwrap();
         let status = response.status();
         let bytes = response.into_body().collect().await.unwrap().to_bytes();
@@ -559,8 +625,15 @@ mod tests {
         let path = directory.path().join("tiny-qwen3.gguf");
         hypura_forge::write_model(&spec, &path, &|_, _| {}).unwrap();
         let catalog = Catalog { files: vec![path], ..Catalog::default() };
-        let run = RunSpec { n_ctx_seq: Some(512), n_batch: 256, n_threads: Some(2), repack: false, ..RunSpec::default() };
-        let scheduler = SchedulerConfig { n_parallel: 1, max_queue: 1, default_keep_alive: KeepAlive::For(Duration::from_secs(60)), run, embedding_context: 64 };
+        let run =
+            RunSpec { n_ctx_seq: Some(512), n_batch: 256, n_threads: Some(2), repack: false, ..RunSpec::default() };
+        let scheduler = SchedulerConfig {
+            n_parallel: 1,
+            max_queue: 1,
+            default_keep_alive: KeepAlive::For(Duration::from_secs(60)),
+            run,
+            embedding_context: 64,
+        };
         let app = router(AppState::new(catalog, scheduler, HttpConfig::default()));
         let options = json!({"temperature": 0, "num_predict": 6, "ignore_eos": true});
         let first = generate(&app, json!({"model": "tiny-qwen3", "prompt": "why is the sky blue", "think": true, "stream": false, "options": options})).await;

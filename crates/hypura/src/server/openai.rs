@@ -63,7 +63,12 @@ struct Sampling {
 impl Sampling {
     fn options(&self) -> Result<RequestOptions, AppError> {
         let present = |value: &Option<Value>| value.as_ref().filter(|value| !value.is_null()).cloned();
-        let mut sampling = SamplerParams { temperature: 1.0, top_p: 1.0, seed: super::options::random_seed(), ..SamplerParams::default() };
+        let mut sampling = SamplerParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            seed: super::options::random_seed(),
+            ..SamplerParams::default()
+        };
         if let Some(value) = present(&self.temperature) {
             sampling.temperature = float("temperature", &value)?;
         }
@@ -86,9 +91,14 @@ impl Sampling {
         let stop = match present(&self.stop) {
             None => Vec::new(),
             Some(Value::String(text)) => vec![text],
-            Some(Value::Array(items)) => {
-                items.iter().map(|item| item.as_str().map(str::to_string).ok_or_else(|| AppError::bad_request("stop must be a string or a list of strings"))).collect::<Result<_, _>>()?
-            }
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|item| {
+                    item.as_str()
+                        .map(str::to_string)
+                        .ok_or_else(|| AppError::bad_request("stop must be a string or a list of strings"))
+                })
+                .collect::<Result<_, _>>()?,
             Some(_) => return Err(AppError::bad_request("stop must be a string or a list of strings")),
         };
         if let Some(count) = present(&self.n) {
@@ -150,7 +160,9 @@ fn content_text(content: Option<Value>) -> Result<String, AppError> {
             for part in parts {
                 match part.get("type").and_then(Value::as_str) {
                     Some("text") => text.push_str(part.get("text").and_then(Value::as_str).unwrap_or("")),
-                    Some(kind) => return Err(AppError::bad_request(format!("content parts of type {kind:?} are not supported"))),
+                    Some(kind) => {
+                        return Err(AppError::bad_request(format!("content parts of type {kind:?} are not supported")))
+                    }
                     None => return Err(AppError::bad_request("a content part has no type")),
                 }
             }
@@ -167,7 +179,9 @@ fn response_grammar(format: Option<&Value>) -> Result<Option<String>, AppError> 
         Some("text") => Ok(None),
         Some("json_object") => super::options::format_grammar(Some(&json!("json"))),
         Some("json_schema") => {
-            let schema = format.pointer("/json_schema/schema").ok_or_else(|| AppError::bad_request("response_format json_schema needs json_schema.schema"))?;
+            let schema = format
+                .pointer("/json_schema/schema")
+                .ok_or_else(|| AppError::bad_request("response_format json_schema needs json_schema.schema"))?;
             super::options::format_grammar(Some(schema))
         }
         _ => Err(AppError::bad_request(format!("invalid response_format: {format}"))),
@@ -176,7 +190,8 @@ fn response_grammar(format: Option<&Value>) -> Result<Option<String>, AppError> 
 
 fn next_id(prefix: &str) -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|elapsed| elapsed.as_nanos() as u64).unwrap_or(0);
+    let nanos =
+        SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|elapsed| elapsed.as_nanos() as u64).unwrap_or(0);
     format!("{prefix}-{:x}{:04x}", nanos & 0xffff_ffff_ffff, COUNTER.fetch_add(1, Ordering::Relaxed) & 0xffff)
 }
 
@@ -211,7 +226,9 @@ impl Envelope {
 
     fn delta(&self, text: &str, first: bool) -> Value {
         match self.kind {
-            Kind::Chat if first => self.chunk(json!([{ "index": 0, "delta": { "role": "assistant", "content": text }, "finish_reason": null }])),
+            Kind::Chat if first => self.chunk(
+                json!([{ "index": 0, "delta": { "role": "assistant", "content": text }, "finish_reason": null }]),
+            ),
             Kind::Chat => self.chunk(json!([{ "index": 0, "delta": { "content": text }, "finish_reason": null }])),
             Kind::Text => self.chunk(json!([{ "index": 0, "text": text, "finish_reason": null }])),
         }
@@ -276,7 +293,10 @@ fn finish_reason(finished: &Finished) -> &'static str {
     }
 }
 
-pub async fn chat_completions(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> OpenAiResult<Response> {
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> OpenAiResult<Response> {
     let body: ChatBody = parse_body(body)?;
     let name = model_name(body.model)?;
     let entry = state.resolve(&name).await?;
@@ -306,7 +326,8 @@ pub async fn chat_completions(State(state): State<AppState>, body: Result<Bytes,
     let grammar = response_grammar(body.response_format.as_ref())?;
     let request = ChatRequest { tools, tool_choice, think, ..ChatRequest::new(messages) };
     let request = GenerateRequest { grammar, ..options.request(Prompt::Chat(request)) };
-    let envelope = Envelope { kind: Kind::Chat, id: next_id("chatcmpl"), created: unix_seconds(SystemTime::now()), model: name };
+    let envelope =
+        Envelope { kind: Kind::Chat, id: next_id("chatcmpl"), created: unix_seconds(SystemTime::now()), model: name };
     respond(&state, &entry, request, envelope, body.sampling.stream, body.sampling.include_usage()).await
 }
 
@@ -319,7 +340,9 @@ pub async fn completions(State(state): State<AppState>, body: Result<Bytes, Byte
     }
     let prompt = match body.prompt {
         Some(Value::String(text)) => text,
-        Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => items[0].as_str().unwrap_or_default().to_string(),
+        Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => {
+            items[0].as_str().unwrap_or_default().to_string()
+        }
         _ => return Err(AppError::bad_request("prompt must be a string").into()),
     };
     if prompt.is_empty() {
@@ -327,11 +350,19 @@ pub async fn completions(State(state): State<AppState>, body: Result<Bytes, Byte
     }
     let options = body.sampling.options()?;
     let request = options.request(Prompt::Raw(prompt));
-    let envelope = Envelope { kind: Kind::Text, id: next_id("cmpl"), created: unix_seconds(SystemTime::now()), model: name };
+    let envelope =
+        Envelope { kind: Kind::Text, id: next_id("cmpl"), created: unix_seconds(SystemTime::now()), model: name };
     respond(&state, &entry, request, envelope, body.sampling.stream, body.sampling.include_usage()).await
 }
 
-async fn respond(state: &AppState, entry: &super::catalog::ModelEntry, request: GenerateRequest, envelope: Envelope, stream: bool, include_usage: bool) -> OpenAiResult<Response> {
+async fn respond(
+    state: &AppState,
+    entry: &super::catalog::ModelEntry,
+    request: GenerateRequest,
+    envelope: Envelope,
+    stream: bool,
+    include_usage: bool,
+) -> OpenAiResult<Response> {
     let generation = generation::start(&state.scheduler, entry, None, request).await?;
     if !stream {
         let collected = generation.collect().await?;
@@ -350,12 +381,16 @@ async fn respond(state: &AppState, entry: &super::catalog::ModelEntry, request: 
                 first = false;
             }
             Event::Thinking(thinking) => {
-                bytes.extend_from_slice(&sse_event(&envelope.chat_delta(json!({ "reasoning_content": thinking, "reasoning": thinking }), first)));
+                bytes.extend_from_slice(&sse_event(
+                    &envelope.chat_delta(json!({ "reasoning_content": thinking, "reasoning": thinking }), first),
+                ));
                 first = false;
             }
             Event::Done(finished) => {
                 if let Some(calls) = tool_calls(&finished) {
-                    bytes.extend_from_slice(&sse_event(&envelope.chat_delta(json!({ "tool_calls": tools::openai_calls(calls) }), first)));
+                    bytes.extend_from_slice(&sse_event(
+                        &envelope.chat_delta(json!({ "tool_calls": tools::openai_calls(calls) }), first),
+                    ));
                     first = false;
                 }
                 if first {
@@ -383,7 +418,10 @@ struct EmbeddingsBody {
     dimensions: Option<i64>,
 }
 
-pub async fn embeddings(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> OpenAiResult<Json<Value>> {
+pub async fn embeddings(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> OpenAiResult<Json<Value>> {
     let body: EmbeddingsBody = parse_body(body)?;
     let name = model_name(body.model)?;
     let entry = state.resolve(&name).await?;
@@ -396,7 +434,9 @@ pub async fn embeddings(State(state): State<AppState>, body: Result<Bytes, Bytes
     let base64 = match body.encoding_format.as_deref() {
         None | Some("float") => false,
         Some("base64") => true,
-        Some(other) => return Err(AppError::bad_request(format!("invalid encoding_format {other:?}: use float or base64")).into()),
+        Some(other) => {
+            return Err(AppError::bad_request(format!("invalid encoding_format {other:?}: use float or base64")).into())
+        }
     };
     let dimensions = dimensions(body.dimensions)?;
     let lease = state.scheduler.acquire(&entry, None)?;
@@ -416,7 +456,9 @@ pub async fn embeddings(State(state): State<AppState>, body: Result<Bytes, Bytes
             json!({ "object": "embedding", "embedding": embedding, "index": index })
         })
         .collect();
-    Ok(Json(json!({ "object": "list", "data": data, "model": name, "usage": { "prompt_tokens": output.prompt_tokens, "total_tokens": output.prompt_tokens } })))
+    Ok(Json(
+        json!({ "object": "list", "data": data, "model": name, "usage": { "prompt_tokens": output.prompt_tokens, "total_tokens": output.prompt_tokens } }),
+    ))
 }
 
 fn model_object(entry: &super::catalog::ModelEntry) -> Value {

@@ -28,14 +28,27 @@ pub struct RequestOptions {
 impl RequestOptions {
     /// A generation of `prompt` with these options.
     pub fn request(self, prompt: Prompt) -> GenerateRequest {
-        GenerateRequest { max_tokens: self.max_tokens, sampling: self.sampling, stop: self.stop, n_ctx_seq: self.n_ctx_seq, ignore_eos: self.ignore_eos, ..GenerateRequest::new(prompt) }
+        GenerateRequest {
+            max_tokens: self.max_tokens,
+            sampling: self.sampling,
+            stop: self.stop,
+            n_ctx_seq: self.n_ctx_seq,
+            ignore_eos: self.ignore_eos,
+            ..GenerateRequest::new(prompt)
+        }
     }
 }
 
 impl Default for RequestOptions {
     /// Ollama's defaults (the engine's, which follow llama.cpp's), with a random seed.
     fn default() -> Self {
-        RequestOptions { sampling: SamplerParams { seed: random_seed(), ..SamplerParams::default() }, max_tokens: None, stop: Vec::new(), n_ctx_seq: None, ignore_eos: false }
+        RequestOptions {
+            sampling: SamplerParams { seed: random_seed(), ..SamplerParams::default() },
+            max_tokens: None,
+            stop: Vec::new(),
+            n_ctx_seq: None,
+            ignore_eos: false,
+        }
     }
 }
 
@@ -140,7 +153,10 @@ pub fn seed(value: i64) -> u32 {
 
 pub fn random_seed() -> u32 {
     static COUNTER: AtomicU32 = AtomicU32::new(0);
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|elapsed| elapsed.subsec_nanos()).unwrap_or(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|elapsed| elapsed.subsec_nanos())
+        .unwrap_or(0);
     nanos ^ std::process::id().rotate_left(16) ^ COUNTER.fetch_add(0x9E37_79B9, Ordering::Relaxed)
 }
 
@@ -150,8 +166,12 @@ pub fn format_grammar(format: Option<&Value>) -> Result<Option<String>, AppError
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(text)) if text.is_empty() => Ok(None),
         Some(Value::String(text)) if text == "json" => Ok(Some(json_object_grammar())),
-        Some(schema @ Value::Object(_)) => schema_grammar(schema).map(Some).map_err(|error| AppError::bad_request(error.to_string())),
-        Some(other) => Err(AppError::bad_request(format!("invalid format: {other}; expected \"json\" or a valid JSON Schema object"))),
+        Some(schema @ Value::Object(_)) => {
+            schema_grammar(schema).map(Some).map_err(|error| AppError::bad_request(error.to_string()))
+        }
+        Some(other) => Err(AppError::bad_request(format!(
+            "invalid format: {other}; expected \"json\" or a valid JSON Schema object"
+        ))),
     }
 }
 
@@ -196,7 +216,12 @@ mod tests {
         assert_eq!(format_grammar(None).unwrap(), None);
         assert_eq!(format_grammar(Some(&json!(""))).unwrap(), None);
         assert!(format_grammar(Some(&json!("json"))).unwrap().unwrap().starts_with("root ::= object"));
-        assert!(format_grammar(Some(&json!({"type": "object", "properties": {"a": {"type": "boolean"}}}))).unwrap().is_some());
-        assert_eq!(format_grammar(Some(&json!("xml"))).unwrap_err().message, "invalid format: \"xml\"; expected \"json\" or a valid JSON Schema object");
+        assert!(format_grammar(Some(&json!({"type": "object", "properties": {"a": {"type": "boolean"}}})))
+            .unwrap()
+            .is_some());
+        assert_eq!(
+            format_grammar(Some(&json!("xml"))).unwrap_err().message,
+            "invalid format: \"xml\"; expected \"json\" or a valid JSON Schema object"
+        );
     }
 }

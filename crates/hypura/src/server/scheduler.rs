@@ -90,7 +90,8 @@ impl LoadedModel {
     /// the model's thread marks itself failed only after that batch, and a request sent at
     /// once would reach the thread that is about to fail everything it holds.
     fn failed(&self) -> bool {
-        matches!(*self.status.locked(), Status::Failed) || self.remote.locked().as_ref().is_some_and(|workers| workers.check().is_err())
+        matches!(*self.status.locked(), Status::Failed)
+            || self.remote.locked().as_ref().is_some_and(|workers| workers.check().is_err())
     }
 
     /// Set by the model's worker as its load goes.
@@ -117,7 +118,10 @@ impl LoadedModel {
     /// per-request limit applies.
     fn too_short_for(&self, n_ctx: u32) -> bool {
         match &*self.status.locked() {
-            Status::Ready(info) => n_ctx as usize > info.context_length && (info.trained_context == 0 || (info.context_length as u64) < info.trained_context),
+            Status::Ready(info) => {
+                n_ctx as usize > info.context_length
+                    && (info.trained_context == 0 || (info.context_length as u64) < info.trained_context)
+            }
             _ => self.context.is_some_and(|asked| n_ctx > asked),
         }
     }
@@ -153,8 +157,12 @@ impl Lease {
 
     fn submit(self, work: Work) -> Result<(), AppError> {
         let sender = self.model.sender.locked().clone();
-        let sender = sender.ok_or_else(|| AppError::new(axum::http::StatusCode::SERVICE_UNAVAILABLE, "the model is unloading; try again"))?;
-        sender.send(Job { work, received: Instant::now(), lease: self }).map_err(|_| AppError::internal("the model's worker has stopped"))
+        let sender = sender.ok_or_else(|| {
+            AppError::new(axum::http::StatusCode::SERVICE_UNAVAILABLE, "the model is unloading; try again")
+        })?;
+        sender
+            .send(Job { work, received: Instant::now(), lease: self })
+            .map_err(|_| AppError::internal("the model's worker has stopped"))
     }
 
     pub fn generate(self, job: GenerateJob) -> Result<(), AppError> {
@@ -202,7 +210,8 @@ impl Inner {
     fn unload_if_idle(&self, path: &Path, idle: Duration) -> bool {
         let mut models = self.models.locked();
         let Some(model) = models.get(path) else { return false };
-        let idle_enough = model.pending.load(Ordering::Acquire) == 0 && model.usage.locked().idle_since.is_some_and(|since| since.elapsed() >= idle);
+        let idle_enough = model.pending.load(Ordering::Acquire) == 0
+            && model.usage.locked().idle_since.is_some_and(|since| since.elapsed() >= idle);
         if !idle_enough {
             return false;
         }
@@ -222,7 +231,9 @@ pub struct Scheduler {
 
 impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Scheduler {
-        Scheduler { inner: Arc::new(Inner { config, models: Mutex::new(HashMap::new()), gates: Mutex::new(HashMap::new()) }) }
+        Scheduler {
+            inner: Arc::new(Inner { config, models: Mutex::new(HashMap::new()), gates: Mutex::new(HashMap::new()) }),
+        }
     }
 
     pub fn config(&self) -> &SchedulerConfig {
@@ -236,7 +247,12 @@ impl Scheduler {
         self.acquire_with_context(entry, keep_alive, None)
     }
 
-    pub fn acquire_with_context(&self, entry: &ModelEntry, keep_alive: Option<KeepAlive>, n_ctx: Option<u32>) -> Result<Lease, AppError> {
+    pub fn acquire_with_context(
+        &self,
+        entry: &ModelEntry,
+        keep_alive: Option<KeepAlive>,
+        n_ctx: Option<u32>,
+    ) -> Result<Lease, AppError> {
         let config = &self.inner.config;
         let mut models = self.inner.models.locked();
         if let Some(n_ctx) = n_ctx {
@@ -283,7 +299,10 @@ impl Scheduler {
             context: n_ctx,
             sender: Mutex::new(Some(sender)),
             pending: AtomicUsize::new(0),
-            usage: Mutex::new(Usage { keep_alive: self.inner.config.default_keep_alive, idle_since: Some(Instant::now()) }),
+            usage: Mutex::new(Usage {
+                keep_alive: self.inner.config.default_keep_alive,
+                idle_since: Some(Instant::now()),
+            }),
             status: Mutex::new(Status::Loading),
             remote: Mutex::new(None),
         });
@@ -293,7 +312,9 @@ impl Scheduler {
             config.run.n_ctx_seq = n_ctx;
         }
         let worker = Worker { model: Arc::downgrade(&model), path: entry.path.clone(), config, gate };
-        worker.spawn(&entry.name, receiver).map_err(|error| AppError::internal(format!("starting the model thread: {error}")))?;
+        worker
+            .spawn(&entry.name, receiver)
+            .map_err(|error| AppError::internal(format!("starting the model thread: {error}")))?;
         Ok(model)
     }
 
@@ -310,8 +331,13 @@ impl Scheduler {
     /// Models that are loaded (or loading), most recently expiring first.
     pub fn loaded(&self) -> Vec<Arc<LoadedModel>> {
         let models = self.inner.models.locked();
-        let mut loaded: Vec<Arc<LoadedModel>> = models.values().filter(|model| model.info().is_some()).cloned().collect();
-        loaded.sort_by_key(|model| std::cmp::Reverse(model.expires_at().unwrap_or(SystemTime::UNIX_EPOCH + Duration::from_secs(u32::MAX as u64 * 4))));
+        let mut loaded: Vec<Arc<LoadedModel>> =
+            models.values().filter(|model| model.info().is_some()).cloned().collect();
+        loaded.sort_by_key(|model| {
+            std::cmp::Reverse(
+                model.expires_at().unwrap_or(SystemTime::UNIX_EPOCH + Duration::from_secs(u32::MAX as u64 * 4)),
+            )
+        });
         loaded
     }
 

@@ -10,8 +10,15 @@ use crate::engine::{ChatMessage, Think, ToolCall, ToolChoice};
 /// One call from a request's history: `{"id"?, "type"?, "function": {"name", "arguments"}}`,
 /// arguments an object (Ollama) or a JSON string (OpenAI).
 pub fn parse_call(value: &Value) -> Result<ToolCall, AppError> {
-    let function = value.get("function").filter(|function| function.is_object()).ok_or_else(|| AppError::bad_request(format!("a tool call needs a \"function\" object: {value}")))?;
-    let name = function.get("name").and_then(Value::as_str).filter(|name| !name.is_empty()).ok_or_else(|| AppError::bad_request(format!("a tool call's function needs a name: {value}")))?;
+    let function = value
+        .get("function")
+        .filter(|function| function.is_object())
+        .ok_or_else(|| AppError::bad_request(format!("a tool call needs a \"function\" object: {value}")))?;
+    let name = function
+        .get("name")
+        .and_then(Value::as_str)
+        .filter(|name| !name.is_empty())
+        .ok_or_else(|| AppError::bad_request(format!("a tool call's function needs a name: {value}")))?;
     let arguments = match function.get("arguments") {
         None | Some(Value::Null) => json!({}),
         Some(Value::String(text)) => serde_json::from_str(text).unwrap_or_else(|_| Value::String(text.clone())),
@@ -39,10 +46,14 @@ pub fn resolve_tool_names(messages: &mut [ChatMessage]) {
         if messages[index].role != "tool" || messages[index].tool_name.is_some() {
             continue;
         }
-        let by_id = messages[index]
-            .tool_call_id
-            .clone()
-            .and_then(|id| messages[..index].iter().rev().flat_map(|message| message.tool_calls.iter()).find(|call| call.id.as_deref() == Some(id.as_str())).map(|call| call.name.clone()));
+        let by_id = messages[index].tool_call_id.clone().and_then(|id| {
+            messages[..index]
+                .iter()
+                .rev()
+                .flat_map(|message| message.tool_calls.iter())
+                .find(|call| call.id.as_deref() == Some(id.as_str()))
+                .map(|call| call.name.clone())
+        });
         let by_position = || {
             let caller = messages[..index].iter().rposition(|message| message.role != "tool")?;
             let position = index - caller - 1;
@@ -71,7 +82,9 @@ pub fn parse_tool_choice(value: Option<&Value>) -> Result<ToolChoice, AppError> 
             "auto" => Ok(ToolChoice::Auto),
             "none" => Ok(ToolChoice::None),
             "required" => Ok(ToolChoice::Required),
-            other => Err(AppError::bad_request(format!("tool_choice must be \"auto\", \"none\" or \"required\", not {other:?}"))),
+            other => Err(AppError::bad_request(format!(
+                "tool_choice must be \"auto\", \"none\" or \"required\", not {other:?}"
+            ))),
         },
         Some(Value::Object(_)) => Ok(ToolChoice::Required),
         Some(other) => Err(AppError::bad_request(format!("invalid tool_choice: {other}"))),
@@ -85,7 +98,9 @@ pub fn parse_think(value: Option<&Value>) -> Result<Option<Think>, AppError> {
         Some(Value::Bool(false)) => Ok(Some(Think::Off)),
         Some(Value::Bool(true)) => Ok(Some(Think::On)),
         Some(Value::String(level)) => reasoning_effort(level),
-        Some(other) => Err(AppError::bad_request(format!("think must be a boolean or one of \"low\", \"medium\", \"high\", not {other}"))),
+        Some(other) => Err(AppError::bad_request(format!(
+            "think must be a boolean or one of \"low\", \"medium\", \"high\", not {other}"
+        ))),
     }
 }
 
@@ -96,7 +111,9 @@ pub fn reasoning_effort(level: &str) -> Result<Option<Think>, AppError> {
         "true" => Ok(Some(Think::On)),
         "false" => Ok(Some(Think::Off)),
         "minimal" | "low" | "medium" | "high" | "xhigh" | "max" => Ok(Some(Think::Level(level.to_string()))),
-        other => Err(AppError::bad_request(format!("think must be a boolean or one of \"low\", \"medium\", \"high\", not {other:?}"))),
+        other => Err(AppError::bad_request(format!(
+            "think must be a boolean or one of \"low\", \"medium\", \"high\", not {other:?}"
+        ))),
     }
 }
 
@@ -106,7 +123,11 @@ pub fn log_results(model: &str, request: &crate::engine::ChatRequest) {
     let start = request.messages.iter().rposition(|message| message.role == "assistant").map_or(0, |index| index + 1);
     for message in request.messages[start..].iter().filter(|message| message.role == "tool") {
         let preview: String = message.content.chars().take(120).collect();
-        tracing::info!("{model}: tool result for {} ({} bytes): {preview:?}", message.tool_name.as_deref().unwrap_or("?"), message.content.len());
+        tracing::info!(
+            "{model}: tool result for {} ({} bytes): {preview:?}",
+            message.tool_name.as_deref().unwrap_or("?"),
+            message.content.len()
+        );
     }
 }
 
@@ -158,7 +179,10 @@ mod tests {
     #[test]
     fn a_tool_result_finds_its_tool_by_call_id() {
         let mut messages = vec![
-            ChatMessage { tool_calls: vec![ToolCall { id: Some("call_7".into()), name: "read".into(), arguments: json!({}) }], ..ChatMessage::new("assistant", "") },
+            ChatMessage {
+                tool_calls: vec![ToolCall { id: Some("call_7".into()), name: "read".into(), arguments: json!({}) }],
+                ..ChatMessage::new("assistant", "")
+            },
             ChatMessage { tool_call_id: Some("call_7".into()), ..ChatMessage::new("tool", "the secret is heron") },
         ];
         resolve_tool_names(&mut messages);
@@ -166,7 +190,10 @@ mod tests {
         // No name and an id no call carries: the results answer the calls in order.
         let mut messages = vec![
             ChatMessage {
-                tool_calls: vec![ToolCall { id: None, name: "read".into(), arguments: json!({}) }, ToolCall { id: None, name: "ls".into(), arguments: json!({}) }],
+                tool_calls: vec![
+                    ToolCall { id: None, name: "read".into(), arguments: json!({}) },
+                    ToolCall { id: None, name: "ls".into(), arguments: json!({}) },
+                ],
                 ..ChatMessage::new("assistant", "")
             },
             ChatMessage { tool_call_id: Some("lc-1".into()), ..ChatMessage::new("tool", "file text") },

@@ -28,7 +28,8 @@ pub fn rfc3339(time: SystemTime) -> String {
     let seconds = since.as_secs();
     let (year, month, day) = crate::format::civil_from_days((seconds / 86_400) as i64);
     let of_day = seconds % 86_400;
-    let mut text = format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}", of_day / 3600, of_day / 60 % 60, of_day % 60);
+    let mut text =
+        format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}", of_day / 3600, of_day / 60 % 60, of_day % 60);
     let nanos = since.subsec_nanos();
     if nanos > 0 {
         let fraction = format!("{nanos:09}");
@@ -59,10 +60,13 @@ impl KeepAlive {
     /// (the Python client sends floats), or a plain number in a string. Negative means forever.
     pub fn parse(value: &serde_json::Value) -> Result<KeepAlive, AppError> {
         let seconds = match value {
-            serde_json::Value::Number(number) => number.as_f64().ok_or_else(|| AppError::bad_request("keep_alive is not a number"))?,
+            serde_json::Value::Number(number) => {
+                number.as_f64().ok_or_else(|| AppError::bad_request("keep_alive is not a number"))?
+            }
             serde_json::Value::String(text) => match text.trim().parse::<f64>() {
                 Ok(seconds) => seconds,
-                Err(_) => parse_go_duration(text.trim()).ok_or_else(|| AppError::bad_request(format!("time: invalid duration \"{text}\"")))?,
+                Err(_) => parse_go_duration(text.trim())
+                    .ok_or_else(|| AppError::bad_request(format!("time: invalid duration \"{text}\"")))?,
             },
             _ => return Err(AppError::bad_request("keep_alive must be a duration string or a number of seconds")),
         };
@@ -90,10 +94,12 @@ fn parse_go_duration(text: &str) -> Option<f64> {
     }
     let mut total = 0.0;
     while !rest.is_empty() {
-        let number_end = rest.find(|character: char| !(character.is_ascii_digit() || character == '.')).unwrap_or(rest.len());
+        let number_end =
+            rest.find(|character: char| !(character.is_ascii_digit() || character == '.')).unwrap_or(rest.len());
         let value: f64 = rest[..number_end].parse().ok()?;
         rest = &rest[number_end..];
-        let unit_end = rest.find(|character: char| character.is_ascii_digit() || character == '.').unwrap_or(rest.len());
+        let unit_end =
+            rest.find(|character: char| character.is_ascii_digit() || character == '.').unwrap_or(rest.len());
         let scale = match &rest[..unit_end] {
             "ns" => 1e-9,
             "us" | "µs" | "μs" => 1e-6,
@@ -160,7 +166,8 @@ mod tests {
         assert_eq!(parse(serde_json::json!("0")).unwrap(), KeepAlive::For(Duration::ZERO));
         assert_eq!(parse(serde_json::json!(-1)).unwrap(), KeepAlive::Forever);
         assert_eq!(parse(serde_json::json!("10")).unwrap(), KeepAlive::For(Duration::from_secs(10)));
-        for bad in [serde_json::json!("soon"), serde_json::json!("5x"), serde_json::json!(true), serde_json::json!("")] {
+        for bad in [serde_json::json!("soon"), serde_json::json!("5x"), serde_json::json!(true), serde_json::json!("")]
+        {
             assert!(parse(bad.clone()).is_err(), "{bad}");
         }
     }

@@ -19,7 +19,9 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::error::AppError;
 use super::scheduler::{EngineInfo, Lease, LoadedModel, SchedulerConfig, Status};
-use crate::engine::{Batcher, Control, Embedder, Engine, EngineError, Finished, GenerateRequest, Prompt, SequenceEvent};
+use crate::engine::{
+    Batcher, Control, Embedder, Engine, EngineError, Finished, GenerateRequest, Prompt, SequenceEvent,
+};
 use crate::setup::RunSpec;
 
 /// A generation for a worker: the request as the handler made it, and where its events go.
@@ -109,10 +111,14 @@ impl Worker {
         }
         let loaded = crate::setup::prepare(&self.path, &run)
             .map_err(|error| AppError::internal(format!("planning {}: {error}", self.path.display())))
-            .and_then(|setup| Engine::load(setup.inventory, setup.options).map_err(|error| AppError::internal(format!("loading {}: {error}", self.path.display()))))
+            .and_then(|setup| {
+                Engine::load(setup.inventory, setup.options)
+                    .map_err(|error| AppError::internal(format!("loading {}: {error}", self.path.display())))
+            })
             .and_then(|engine| {
                 let engine = Arc::new(engine);
-                Batcher::new(engine, self.config.n_parallel).map_err(|error| AppError::internal(format!("creating the context: {error}")))
+                Batcher::new(engine, self.config.n_parallel)
+                    .map_err(|error| AppError::internal(format!("creating the context: {error}")))
             });
         let mut batcher = match loaded {
             Ok(batcher) => batcher,
@@ -130,7 +136,12 @@ impl Worker {
         let ready_at = Instant::now();
         let engine = batcher.engine().clone();
         self.set_status(Status::Ready(engine_info(&engine, &batcher)));
-        tracing::info!("loaded {} in {:.2} s ({} mode)", self.path.display(), (ready_at - started).as_secs_f64(), engine.mode().name());
+        tracing::info!(
+            "loaded {} in {:.2} s ({} mode)",
+            self.path.display(),
+            (ready_at - started).as_secs_f64(),
+            engine.mode().name()
+        );
         let mut embedder: Option<Embedder> = None;
         let mut waiting: VecDeque<Job> = VecDeque::new();
         let mut open = true;
@@ -179,7 +190,14 @@ impl Worker {
         batcher.cancel_all();
     }
 
-    fn accept(&self, job: Job, ready_at: Instant, waiting: &mut VecDeque<Job>, embedder: &mut Option<Embedder>, engine: &Arc<Engine>) {
+    fn accept(
+        &self,
+        job: Job,
+        ready_at: Instant,
+        waiting: &mut VecDeque<Job>,
+        embedder: &mut Option<Embedder>,
+        engine: &Arc<Engine>,
+    ) {
         let load_duration = ready_at.saturating_duration_since(job.received);
         match job.work {
             Work::Generate(_) => waiting.push_back(job),
@@ -187,15 +205,26 @@ impl Worker {
                 let _ = reply.send(Ok(load_duration));
             }
             Work::Embed(embed) => {
-                let result = self.embed(engine, embedder, &embed.inputs, embed.truncate).map(|(vectors, prompt_tokens)| EmbedOutput { vectors, prompt_tokens, load_duration });
+                let result = self
+                    .embed(engine, embedder, &embed.inputs, embed.truncate)
+                    .map(|(vectors, prompt_tokens)| EmbedOutput { vectors, prompt_tokens, load_duration });
                 let _ = embed.reply.send(result);
             }
         }
     }
 
-    fn embed(&self, engine: &Arc<Engine>, embedder: &mut Option<Embedder>, inputs: &[String], truncate: bool) -> Result<(Vec<Vec<f32>>, usize), AppError> {
+    fn embed(
+        &self,
+        engine: &Arc<Engine>,
+        embedder: &mut Option<Embedder>,
+        inputs: &[String],
+        truncate: bool,
+    ) -> Result<(Vec<Vec<f32>>, usize), AppError> {
         if embedder.is_none() {
-            *embedder = Some(Embedder::new(engine.clone(), self.config.embedding_context).map_err(|error| AppError::internal(error.to_string()))?);
+            *embedder = Some(
+                Embedder::new(engine.clone(), self.config.embedding_context)
+                    .map_err(|error| AppError::internal(error.to_string()))?,
+            );
         }
         let embedder = embedder.as_mut().expect("created above");
         let mut vectors = Vec::with_capacity(inputs.len());
@@ -238,7 +267,13 @@ fn fail_job(job: Job, error: &AppError) {
 fn admit(batcher: &mut Batcher, job: Job, ready_at: Instant) {
     let Job { work, received, lease } = job;
     let Work::Generate(GenerateJob { request, events }) = work else { return };
-    let name = batcher.engine().inventory().path.file_stem().map(|stem| stem.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = batcher
+        .engine()
+        .inventory()
+        .path
+        .file_stem()
+        .map(|stem| stem.to_string_lossy().into_owned())
+        .unwrap_or_default();
     if let Prompt::Chat(chat) = &request.prompt {
         super::tools::log_results(&name, chat);
     }
@@ -291,5 +326,12 @@ fn engine_info(engine: &Engine, batcher: &Batcher) -> EngineInfo {
         None => (engine.model().size_bytes() + kv, 0),
     };
     let io = engine.streaming().map(|streaming| streaming.stats.clone());
-    EngineInfo { size_bytes, vram_bytes, context_length: batcher.n_ctx_seq(), trained_context: engine.inventory().hparams.n_ctx_train, mode: engine.mode().name(), io }
+    EngineInfo {
+        size_bytes,
+        vram_bytes,
+        context_length: batcher.n_ctx_seq(),
+        trained_context: engine.inventory().hparams.n_ctx_train,
+        mode: engine.mode().name(),
+        io,
+    }
 }

@@ -30,9 +30,26 @@ pub struct DenseWindow {
 impl DenseWindow {
     /// `unit_of_layer[L]` is the residency unit holding layer L's FFN, if it streams;
     /// `entry_node` the graph node before each layer's FFN (`ffn_norm`).
-    pub fn new(residency: Arc<Residency>, unit_of_layer: Vec<Option<usize>>, window: usize, entry_node: &str) -> DenseWindow {
-        let streamed_layers = unit_of_layer.iter().enumerate().filter(|(_, unit)| unit.is_some()).map(|(layer, _)| layer as u32).collect();
-        DenseWindow { residency, unit_of_layer, streamed_layers, window: window.max(1), entry_prefix: format!("{entry_node}-"), failure: FailureLatch::default() }
+    pub fn new(
+        residency: Arc<Residency>,
+        unit_of_layer: Vec<Option<usize>>,
+        window: usize,
+        entry_node: &str,
+    ) -> DenseWindow {
+        let streamed_layers = unit_of_layer
+            .iter()
+            .enumerate()
+            .filter(|(_, unit)| unit.is_some())
+            .map(|(layer, _)| layer as u32)
+            .collect();
+        DenseWindow {
+            residency,
+            unit_of_layer,
+            streamed_layers,
+            window: window.max(1),
+            entry_prefix: format!("{entry_node}-"),
+            failure: FailureLatch::default(),
+        }
     }
 
     /// The entry node's name, for messages.

@@ -113,7 +113,9 @@ impl CacheModel {
         let mut evicted = Vec::new();
         while self.resident_count >= self.capacity {
             // The least recent unpinned unit: probationary first (for LRU, the only segment).
-            let oldest = |segment: &BTreeSet<(u64, usize)>| segment.iter().map(|&(_, candidate)| candidate).find(|candidate| !pinned.contains(candidate));
+            let oldest = |segment: &BTreeSet<(u64, usize)>| {
+                segment.iter().map(|&(_, candidate)| candidate).find(|candidate| !pinned.contains(candidate))
+            };
             let Some(victim) = oldest(&self.probation).or_else(|| oldest(&self.protected)) else { break };
             self.remove(victim);
             evicted.push(victim);
@@ -133,7 +135,8 @@ impl CacheModel {
             let mut shielded = protected.to_vec();
             shielded.sort_unstable();
             shielded.dedup();
-            let evictable = self.resident_count - shielded.iter().filter(|&&candidate| self.resident[candidate]).count();
+            let evictable =
+                self.resident_count - shielded.iter().filter(|&&candidate| self.resident[candidate]).count();
             if self.resident_count + 1 - self.capacity > evictable {
                 return None;
             }
@@ -208,7 +211,12 @@ impl std::ops::Sub for ExpertSnapshot {
             hits: self.hits - earlier.hits,
             misses: self.misses - earlier.misses,
             layer_visits: self.layer_visits - earlier.layer_visits,
-            misses_by_layer: self.misses_by_layer.iter().zip(&earlier.misses_by_layer).map(|(now, then)| now - then).collect(),
+            misses_by_layer: self
+                .misses_by_layer
+                .iter()
+                .zip(&earlier.misses_by_layer)
+                .map(|(now, then)| now - then)
+                .collect(),
             prefetch_issued: self.prefetch_issued - earlier.prefetch_issued,
             prefetch_used: self.prefetch_used - earlier.prefetch_used,
             prefetch_cancelled: self.prefetch_cancelled - earlier.prefetch_cancelled,
@@ -298,7 +306,13 @@ pub struct ExpertStream {
 impl ExpertStream {
     /// Units are numbered as `numbering` says; `capacity` is how many the cache holds (at least
     /// what one graph's batch picks in a layer, which the plan sees to).
-    pub fn new(residency: Arc<Residency>, numbering: ExpertUnits, capacity: usize, policy: CachePolicy, trace: bool) -> ExpertStream {
+    pub fn new(
+        residency: Arc<Residency>,
+        numbering: ExpertUnits,
+        capacity: usize,
+        policy: CachePolicy,
+        trace: bool,
+    ) -> ExpertStream {
         let ExpertUnits { n_layer, .. } = numbering;
         let units = numbering.count();
         ExpertStream {
@@ -309,8 +323,15 @@ impl ExpertStream {
             prefetch_issued: AtomicU64::new(0),
             prefetch_used: AtomicU64::new(0),
             prefetch_cancelled: AtomicU64::new(0),
-            state: Mutex::new(State { cache: CacheModel::new(policy, units, capacity), pinned: Vec::new(), prefetched: vec![Vec::new(); n_layer] }),
-            counters: ExpertCounters { misses_by_layer: (0..n_layer).map(|_| AtomicU64::new(0)).collect(), ..ExpertCounters::default() },
+            state: Mutex::new(State {
+                cache: CacheModel::new(policy, units, capacity),
+                pinned: Vec::new(),
+                prefetched: vec![Vec::new(); n_layer],
+            }),
+            counters: ExpertCounters {
+                misses_by_layer: (0..n_layer).map(|_| AtomicU64::new(0)).collect(),
+                ..ExpertCounters::default()
+            },
             trace: trace.then(|| Mutex::new(Vec::new())),
             failure: FailureLatch::default(),
         }
@@ -339,7 +360,12 @@ impl ExpertStream {
             hits: self.counters.hits.load(Ordering::Relaxed),
             misses: self.counters.misses.load(Ordering::Relaxed),
             layer_visits: self.counters.layer_visits.load(Ordering::Relaxed),
-            misses_by_layer: self.counters.misses_by_layer.iter().map(|misses| misses.load(Ordering::Relaxed)).collect(),
+            misses_by_layer: self
+                .counters
+                .misses_by_layer
+                .iter()
+                .map(|misses| misses.load(Ordering::Relaxed))
+                .collect(),
             prefetch_issued: self.prefetch_issued.load(Ordering::Relaxed),
             prefetch_used: self.prefetch_used.load(Ordering::Relaxed),
             prefetch_cancelled: self.prefetch_cancelled.load(Ordering::Relaxed),
@@ -365,8 +391,10 @@ impl ExpertStream {
         let mut chosen: Vec<usize> = Vec::new();
         for &expert in rows.iter().flatten() {
             // An id outside the expert count would make ggml read outside the tensor.
-            let expert =
-                usize::try_from(expert).ok().filter(|&expert| expert < self.numbering.n_expert).ok_or(ResidencyError::NoSuchUnit { unit: expert.max(0) as usize, count: self.numbering.n_expert })?;
+            let expert = usize::try_from(expert)
+                .ok()
+                .filter(|&expert| expert < self.numbering.n_expert)
+                .ok_or(ResidencyError::NoSuchUnit { unit: expert.max(0) as usize, count: self.numbering.n_expert })?;
             let unit = self.numbering.unit(layer, expert);
             if !chosen.contains(&unit) {
                 chosen.push(unit);
@@ -378,7 +406,11 @@ impl ExpertStream {
             let mut state = self.state.locked();
             // Every pick must be resident at once; the plan sizes prompt batches so they fit.
             if chosen.len() > state.cache.capacity() {
-                return Err(ResidencyError::CacheTooSmall { layer, picked: chosen.len(), capacity: state.cache.capacity() });
+                return Err(ResidencyError::CacheTooSmall {
+                    layer,
+                    picked: chosen.len(),
+                    capacity: state.cache.capacity(),
+                });
             }
             state.pinned.clone_from(&chosen);
             // Score the prediction for this layer; cancel the reads it got wrong that have not
@@ -479,10 +511,15 @@ impl EvalHook for ExpertStream {
                 // The hidden state is read (from the device, on a GPU) only when a prediction
                 // will use it: prefetch on, a decode-sized batch, and a next layer that streams.
                 let predicts = self.routers.is_some() && rows.len() <= PREDICT_MAX_TOKENS && self.streams(layer + 1);
-                let hidden = predicts.then(|| node.ancestor_input_f32_rows(&format!("{ROUTER_LOGITS_NODE}{layer}"), 1, 6)).flatten();
+                let hidden = predicts
+                    .then(|| node.ancestor_input_f32_rows(&format!("{ROUTER_LOGITS_NODE}{layer}"), 1, 6))
+                    .flatten();
                 self.route(layer, &rows, hidden.as_deref())
             }
-            None => Err(ResidencyError::Read { unit: layer, reason: format!("{} is not a readable I32 tensor", node.name()) }),
+            None => Err(ResidencyError::Read {
+                unit: layer,
+                reason: format!("{} is not a readable I32 tensor", node.name()),
+            }),
         };
         if let Err(error) = result {
             tracing::error!("expert streaming at layer {layer}: {error}");

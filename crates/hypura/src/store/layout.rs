@@ -56,7 +56,9 @@ impl ExpertUnits {
         for tensor in tensors {
             let Some(slices) = tensor.experts else { continue };
             for expert in 0..self.n_expert {
-                units[self.unit(tensor.layer as usize, expert)].ranges.push(slices.range(tensor.file_offset, expert as u64));
+                units[self.unit(tensor.layer as usize, expert)]
+                    .ranges
+                    .push(slices.range(tensor.file_offset, expert as u64));
             }
         }
         for unit in &mut units {
@@ -74,11 +76,19 @@ impl ExpertUnits {
 
 /// One unit per streamed dense layer, in the order given: its tensors' ranges merged across
 /// gaps below `MERGE_GAP_BYTES`. Returns the units and, per layer of `n_layer`, its unit.
-pub fn dense_units(layers: &[u32], tensors: &[StreamedTensor], n_layer: usize) -> (Vec<StreamUnit>, Vec<Option<usize>>) {
+pub fn dense_units(
+    layers: &[u32],
+    tensors: &[StreamedTensor],
+    n_layer: usize,
+) -> (Vec<StreamUnit>, Vec<Option<usize>>) {
     let mut unit_of_layer = vec![None; n_layer];
     let mut units = Vec::with_capacity(layers.len());
     for &layer in layers {
-        let mut ranges: Vec<Range<u64>> = tensors.iter().filter(|tensor| tensor.layer == layer).map(|tensor| tensor.file_offset..tensor.file_offset + tensor.bytes).collect();
+        let mut ranges: Vec<Range<u64>> = tensors
+            .iter()
+            .filter(|tensor| tensor.layer == layer)
+            .map(|tensor| tensor.file_offset..tensor.file_offset + tensor.bytes)
+            .collect();
         ranges.sort_by_key(|range| range.start);
         let mut merged: Vec<Range<u64>> = Vec::new();
         for range in ranges {
@@ -123,7 +133,11 @@ pub fn place_in_slots(units: &mut [StreamUnit], slots: usize, area_start: u64) -
 /// a resident slice still costs exactly its bytes. Returns how many were advised.
 pub fn advise_huge_slices(region: &Region, units: &[StreamUnit], min_bytes: u64) -> usize {
     let mut advised = 0;
-    for (range, shift) in units.iter().flat_map(|unit| unit.ranges.iter().map(|range| (range, unit.shift))).filter(|(range, _)| range.end - range.start >= min_bytes) {
+    for (range, shift) in units
+        .iter()
+        .flat_map(|unit| unit.ranges.iter().map(|range| (range, unit.shift)))
+        .filter(|(range, _)| range.end - range.start >= min_bytes)
+    {
         if advised >= MAX_HUGE_SLICES {
             break;
         }
@@ -139,7 +153,12 @@ mod tests {
     use super::*;
 
     fn tensor(layer: u32, file_offset: u64, bytes: u64, n_expert: Option<u64>) -> StreamedTensor {
-        StreamedTensor { layer, file_offset, bytes, experts: n_expert.map(|n_expert| ExpertSlices { n_expert, slice_bytes: bytes / n_expert }) }
+        StreamedTensor {
+            layer,
+            file_offset,
+            bytes,
+            experts: n_expert.map(|n_expert| ExpertSlices { n_expert, slice_bytes: bytes / n_expert }),
+        }
     }
 
     #[test]
@@ -156,7 +175,8 @@ mod tests {
 
     #[test]
     fn dense_units_in_slots_keep_their_page_phase_and_alternate() {
-        let tensors = [tensor(0, 5000, 3 * 4096, None), tensor(1, 40_000, 9000, None), tensor(2, 90_000, 2 * 4096 + 17, None)];
+        let tensors =
+            [tensor(0, 5000, 3 * 4096, None), tensor(1, 40_000, 9000, None), tensor(2, 90_000, 2 * 4096 + 17, None)];
         let (mut units, _) = dense_units(&[0, 1, 2], &tensors, 3);
         let area = place_in_slots(&mut units, 2, 1 << 20);
         // The largest page span: layer 0's, 4 pages (5000 + 12288 crosses into a fourth).
@@ -166,14 +186,22 @@ mod tests {
             assert_eq!(unit.shift % 4096, 0);
             let start = unit.ranges[0].start + unit.shift;
             let slot_start = (1 << 20) + unit.slot.unwrap() as u64 * 4 * 4096;
-            assert!(start >= slot_start && unit.ranges.last().unwrap().end + unit.shift <= slot_start + 4 * 4096, "{unit:?}");
+            assert!(
+                start >= slot_start && unit.ranges.last().unwrap().end + unit.shift <= slot_start + 4 * 4096,
+                "{unit:?}"
+            );
         }
     }
 
     #[test]
     fn dense_units_merge_small_gaps_and_keep_large_ones() {
         let gap = MERGE_GAP_BYTES;
-        let tensors = [tensor(2, 0, 100, None), tensor(2, 100 + gap, 50, None), tensor(2, 10 * gap, 10, None), tensor(4, 0, 8, None)];
+        let tensors = [
+            tensor(2, 0, 100, None),
+            tensor(2, 100 + gap, 50, None),
+            tensor(2, 10 * gap, 10, None),
+            tensor(4, 0, 8, None),
+        ];
         let (units, unit_of_layer) = dense_units(&[4, 2], &tensors, 5);
         assert_eq!(unit_of_layer, vec![None, None, Some(1), None, Some(0)]);
         assert_eq!(units[0].ranges, vec![0..8]);

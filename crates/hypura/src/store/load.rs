@@ -26,7 +26,14 @@ pub struct StoreLoadReader {
 impl StoreLoadReader {
     pub fn new(file: DirectFile, mut streamed: Vec<Range<u64>>, stats: Arc<IoStats>) -> StoreLoadReader {
         streamed.sort_by_key(|range| range.start);
-        StoreLoadReader { file, streamed, bounce: AlignedBuf::new(BOUNCE_BYTES), bounce_range: 0..0, stats, skipped_bytes: 0 }
+        StoreLoadReader {
+            file,
+            streamed,
+            bounce: AlignedBuf::new(BOUNCE_BYTES),
+            bounce_range: 0..0,
+            stats,
+            skipped_bytes: 0,
+        }
     }
 
     /// The streamed range containing `position`, if any.
@@ -52,7 +59,10 @@ impl StoreLoadReader {
         self.stats.record_read(read as u64, started.elapsed());
         self.bounce_range = start..start + read as u64;
         if read == 0 {
-            return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, format!("end of {} at offset {offset}", self.file.path().display())));
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                format!("end of {} at offset {offset}", self.file.path().display()),
+            ));
         }
         Ok(())
     }
@@ -79,7 +89,9 @@ impl hypura_sys::LoadReader for StoreLoadReader {
                 self.fill_bounce(position)?;
             }
             let from = (position - self.bounce_range.start) as usize;
-            let count = (self.bounce_range.end - position).min(remaining).min(self.next_streamed_start(position) - position) as usize;
+            let count = (self.bounce_range.end - position)
+                .min(remaining)
+                .min(self.next_streamed_start(position) - position) as usize;
             buffer[filled..filled + count].copy_from_slice(&self.bounce.as_slice()[from..from + count]);
             filled += count;
         }

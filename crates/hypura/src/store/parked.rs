@@ -61,7 +61,9 @@ impl ParkedPages {
             return;
         }
         parked.count_moves(moves.len(), region);
-        parked.moving.extend(moves.iter().map(|&(from, _, bytes)| from..from + bytes).chain(given_back.iter().cloned()));
+        parked
+            .moving
+            .extend(moves.iter().map(|&(from, _, bytes)| from..from + bytes).chain(given_back.iter().cloned()));
         drop(parked);
         for range in &given_back {
             let _ = region.release(range.clone());
@@ -83,7 +85,9 @@ impl ParkedPages {
             }
         }
         let mut parked = self.lock();
-        parked.moving.retain(|source| !moves.iter().any(|&(from, _, _)| from == source.start) && !given_back.contains(source));
+        parked
+            .moving
+            .retain(|source| !moves.iter().any(|&(from, _, _)| from == source.start) && !given_back.contains(source));
         if let Some((index, error)) = failure {
             tracing::warn!("reusing released pages failed, giving them back from now on: {error}");
             for &(from, _, bytes) in &moves[index..] {
@@ -129,7 +133,10 @@ const MOVES_PER_MAP_COUNT: usize = 256;
 
 impl Parked {
     fn new(phase: u64) -> Parked {
-        let map_limit = std::fs::read_to_string("/proc/sys/vm/max_map_count").ok().and_then(|text| text.trim().parse().ok()).unwrap_or(65_530);
+        let map_limit = std::fs::read_to_string("/proc/sys/vm/max_map_count")
+            .ok()
+            .and_then(|text| text.trim().parse().ok())
+            .unwrap_or(65_530);
         Parked { ranges: Vec::new(), phase, recycle: true, map_limit, moves_since_count: 0, moving: Vec::new() }
     }
 
@@ -191,7 +198,11 @@ impl Parked {
         self.moves_since_count = 0;
         let mappings = std::fs::read_to_string("/proc/self/maps").map_or(usize::MAX, |maps| maps.lines().count());
         if mappings > self.map_limit / 2 {
-            tracing::warn!(mappings, limit = self.map_limit, "reused pages split memory into too many mappings; giving released pages back from now on");
+            tracing::warn!(
+                mappings,
+                limit = self.map_limit,
+                "reused pages split memory into too many mappings; giving released pages back from now on"
+            );
             self.stop(region);
         }
     }
@@ -207,8 +218,14 @@ impl Parked {
                 kept.push(parked);
                 continue;
             }
-            kept.extend([parked.start..overlap.start, overlap.end..parked.end].into_iter().filter(|piece| !piece.is_empty()));
-            holes = holes.into_iter().flat_map(|hole| [hole.start..hole.end.min(overlap.start), hole.start.max(overlap.end)..hole.end]).filter(|piece| !piece.is_empty()).collect();
+            kept.extend(
+                [parked.start..overlap.start, overlap.end..parked.end].into_iter().filter(|piece| !piece.is_empty()),
+            );
+            holes = holes
+                .into_iter()
+                .flat_map(|hole| [hole.start..hole.end.min(overlap.start), hole.start.max(overlap.end)..hole.end])
+                .filter(|piece| !piece.is_empty())
+                .collect();
         }
         self.ranges = kept;
         holes
@@ -232,13 +249,21 @@ impl Parked {
         let mut fresh = 0;
         for hole in holes {
             let inner = self.huge_part(&hole);
-            let pieces = if inner.is_empty() { vec![(hole, false)] } else { vec![(hole.start..inner.start, false), (inner.clone(), true), (inner.end..hole.end, false)] };
+            let pieces = if inner.is_empty() {
+                vec![(hole, false)]
+            } else {
+                vec![(hole.start..inner.start, false), (inner.clone(), true), (inner.end..hole.end, false)]
+            };
             for (mut piece, huge) in pieces {
                 // An edge takes one covering part or none; whole huge pages gather from several.
                 while !piece.is_empty() {
                     let need = length(&piece);
                     let parts = self.parts_of_kind(huge);
-                    let covering = parts.iter().filter(|(_, part)| length(part) >= need).min_by_key(|(_, part)| length(part)).cloned();
+                    let covering = parts
+                        .iter()
+                        .filter(|(_, part)| length(part) >= need)
+                        .min_by_key(|(_, part)| length(part))
+                        .cloned();
                     let largest = || parts.into_iter().max_by_key(|(_, part)| length(part));
                     let Some((index, part)) = covering.or_else(|| if huge { largest() } else { None }) else { break };
                     let bytes = need.min(length(&part));
@@ -255,12 +280,17 @@ impl Parked {
     /// (parked range index, part) for every part of one kind: whole huge pages, or the pages
     /// around them.
     fn parts_of_kind(&self, huge: bool) -> Vec<(usize, Range<u64>)> {
-        self.ranges.iter().enumerate().flat_map(|(index, range)| self.parts(range, huge).into_iter().map(move |part| (index, part))).collect()
+        self.ranges
+            .iter()
+            .enumerate()
+            .flat_map(|(index, range)| self.parts(range, huge).into_iter().map(move |part| (index, part)))
+            .collect()
     }
 
     /// Take parked parts of at least `bytes` in all out of the set, the smallest first.
     fn take_smallest(&mut self, bytes: u64) -> Vec<Range<u64>> {
-        let mut parts: Vec<Range<u64>> = self.parts_of_kind(false).into_iter().chain(self.parts_of_kind(true)).map(|(_, part)| part).collect();
+        let mut parts: Vec<Range<u64>> =
+            self.parts_of_kind(false).into_iter().chain(self.parts_of_kind(true)).map(|(_, part)| part).collect();
         parts.sort_by_key(|part| part.end - part.start);
         let mut left = bytes;
         let taken: Vec<Range<u64>> = parts
@@ -298,10 +328,16 @@ mod tests {
         assert_eq!(parked.take_for(holes), Backing { moves: vec![(30 * P, 8 * P, 6 * P)], given_back: Vec::new() });
         assert_eq!(parked.ranges, vec![0..4 * P, 20 * P..23 * P, 36 * P..40 * P]);
         // Three pages: the three-page range fits exactly.
-        assert_eq!(parked.take_for(std::iter::once(50 * P..53 * P).collect()), Backing { moves: vec![(20 * P, 50 * P, 3 * P)], given_back: Vec::new() });
+        assert_eq!(
+            parked.take_for(std::iter::once(50 * P..53 * P).collect()),
+            Backing { moves: vec![(20 * P, 50 * P, 3 * P)], given_back: Vec::new() }
+        );
         // Nine pages: nothing covers them, and gathering them from pieces would cost a TLB
         // shootdown for each: they fault in afresh, and the parked eight pages go back.
-        assert_eq!(parked.take_for(std::iter::once(60 * P..69 * P).collect()), Backing { moves: Vec::new(), given_back: vec![0..4 * P, 36 * P..40 * P] });
+        assert_eq!(
+            parked.take_for(std::iter::once(60 * P..69 * P).collect()),
+            Backing { moves: Vec::new(), given_back: vec![0..4 * P, 36 * P..40 * P] }
+        );
         assert!(parked.ranges.is_empty());
         // Nothing parked: the hole faults in, and there is nothing to give back.
         assert_eq!(parked.take_for(std::iter::once(0..P).collect()), Backing::default());
@@ -316,7 +352,13 @@ mod tests {
         const H: u64 = HUGE_PAGE_BYTES;
         let mut parked = Parked { ranges: std::iter::once(H - 4 * P..3 * H + 8 * P).collect(), ..Parked::new(0) };
         let backing = parked.take_for(std::iter::once(10 * H - 4 * P..12 * H + 8 * P).collect());
-        assert_eq!(backing, Backing { moves: vec![(H - 4 * P, 10 * H - 4 * P, 4 * P), (H, 10 * H, 2 * H), (3 * H, 12 * H, 8 * P)], given_back: Vec::new() });
+        assert_eq!(
+            backing,
+            Backing {
+                moves: vec![(H - 4 * P, 10 * H - 4 * P, 4 * P), (H, 10 * H, 2 * H), (3 * H, 12 * H, 8 * P)],
+                given_back: Vec::new()
+            }
+        );
         assert!(parked.ranges.is_empty());
         // Two huge pages parked apart back a two-page hole in two whole-page moves.
         parked.ranges = vec![H..2 * H, 5 * H..6 * H];
@@ -329,7 +371,10 @@ mod tests {
         // Only a huge page parked: an edge hole does not split it; it faults in afresh and the
         // huge page goes back whole.
         parked.ranges = std::iter::once(H..2 * H).collect();
-        assert_eq!(parked.take_for(std::iter::once(30 * H..30 * H + 4 * P).collect()), Backing { moves: Vec::new(), given_back: std::iter::once(H..2 * H).collect() });
+        assert_eq!(
+            parked.take_for(std::iter::once(30 * H..30 * H + 4 * P).collect()),
+            Backing { moves: Vec::new(), given_back: std::iter::once(H..2 * H).collect() }
+        );
         // The region's phase moves the boundaries: at phase 4 pages, offset H - 4 pages is one.
         let parked = Parked { ranges: Vec::new(), ..Parked::new(4 * P) };
         assert_eq!(parked.huge_part(&(0..3 * H)), H - 4 * P..3 * H - 4 * P);

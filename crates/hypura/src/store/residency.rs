@@ -154,9 +154,20 @@ pub struct Residency {
 }
 
 impl Residency {
-    pub fn new(region: Arc<Region>, reader: Arc<dyn UnitReader>, units: Vec<StreamUnit>, workers: usize, stats: Arc<IoStats>) -> Residency {
+    pub fn new(
+        region: Arc<Region>,
+        reader: Arc<dyn UnitReader>,
+        units: Vec<StreamUnit>,
+        workers: usize,
+        stats: Arc<IoStats>,
+    ) -> Residency {
         let shared = Arc::new(Shared {
-            units: Mutex::new(units.iter().map(|_| UnitRecord { state: UnitState::Empty, generation: 0, pending_chunks: 0, error: None }).collect()),
+            units: Mutex::new(
+                units
+                    .iter()
+                    .map(|_| UnitRecord { state: UnitState::Empty, generation: 0, pending_chunks: 0, error: None })
+                    .collect(),
+            ),
             unit_bytes: units.iter().map(StreamUnit::bytes).collect(),
             changed: Condvar::new(),
             queue: Mutex::new(VecDeque::new()),
@@ -170,7 +181,10 @@ impl Residency {
                 let region = region.clone();
                 let reader = reader.clone();
                 let stats = stats.clone();
-                std::thread::Builder::new().name(format!("hypura-io-{index}")).spawn(move || worker(&shared, &region, reader.as_ref(), &stats)).expect("spawning an I/O worker")
+                std::thread::Builder::new()
+                    .name(format!("hypura-io-{index}"))
+                    .spawn(move || worker(&shared, &region, reader.as_ref(), &stats))
+                    .expect("spawning an I/O worker")
             })
             .collect();
         let n_slots = units.iter().filter_map(|unit| unit.slot).max().map_or(0, |slot| slot + 1);
@@ -261,7 +275,13 @@ impl Residency {
                 }
                 pieces
             })
-            .map(|range| Chunk { unit, generation: state.generation, range, shift, recycle: self.units[unit].slot.is_none() })
+            .map(|range| Chunk {
+                unit,
+                generation: state.generation,
+                range,
+                shift,
+                recycle: self.units[unit].slot.is_none(),
+            })
             .collect();
         if chunks.is_empty() {
             state.state = UnitState::Ready;
@@ -520,8 +540,12 @@ mod tests {
     #[test]
     fn a_load_not_yet_started_is_cancelled_and_one_under_way_is_not() {
         let region = Arc::new(Region::reserve(64 << 20, false).unwrap());
-        let units = vec![StreamUnit::mirrored(std::iter::once(0..(9 << 20)).collect()), StreamUnit::mirrored(vec![(16 << 20)..(17 << 20), (20 << 20)..(21 << 20)])];
-        let reader = Arc::new(GatedReader { open: Mutex::new(false), opened: Condvar::new(), calls: AtomicUsize::new(0) });
+        let units = vec![
+            StreamUnit::mirrored(std::iter::once(0..(9 << 20)).collect()),
+            StreamUnit::mirrored(vec![(16 << 20)..(17 << 20), (20 << 20)..(21 << 20)]),
+        ];
+        let reader =
+            Arc::new(GatedReader { open: Mutex::new(false), opened: Condvar::new(), calls: AtomicUsize::new(0) });
         let residency = Residency::new(region.clone(), reader.clone(), units, 1, Arc::new(IoStats::default()));
         residency.request(0).unwrap();
         while reader.calls.load(Ordering::SeqCst) == 0 {
@@ -546,15 +570,33 @@ mod tests {
 
     fn residency(fail_on: Vec<usize>) -> Residency {
         let region = Arc::new(Region::reserve(64 << 20, false).unwrap());
-        let units = vec![StreamUnit::mirrored(std::iter::once(0..(9 << 20)).collect()), StreamUnit::mirrored(vec![(16 << 20)..(17 << 20) + 123, (20 << 20)..(21 << 20)])];
-        Residency::new(region, Arc::new(FakeReader { calls: AtomicUsize::new(0), fail_on }), units, 3, Arc::new(IoStats::default()))
+        let units = vec![
+            StreamUnit::mirrored(std::iter::once(0..(9 << 20)).collect()),
+            StreamUnit::mirrored(vec![(16 << 20)..(17 << 20) + 123, (20 << 20)..(21 << 20)]),
+        ];
+        Residency::new(
+            region,
+            Arc::new(FakeReader { calls: AtomicUsize::new(0), fail_on }),
+            units,
+            3,
+            Arc::new(IoStats::default()),
+        )
     }
 
     #[test]
     fn a_unit_becomes_ready_with_its_bytes_and_its_pages_back_the_next_unit_read_after_release() {
         let region = Arc::new(Region::reserve(64 << 20, false).unwrap());
-        let units = vec![StreamUnit::mirrored(std::iter::once((4 << 20)..(5 << 20)).collect()), StreamUnit::mirrored(vec![(16 << 20)..(17 << 20) + 123, (20 << 20)..(21 << 20)])];
-        let residency = Residency::new(region, Arc::new(FakeReader { calls: AtomicUsize::new(0), fail_on: Vec::new() }), units, 3, Arc::new(IoStats::default()));
+        let units = vec![
+            StreamUnit::mirrored(std::iter::once((4 << 20)..(5 << 20)).collect()),
+            StreamUnit::mirrored(vec![(16 << 20)..(17 << 20) + 123, (20 << 20)..(21 << 20)]),
+        ];
+        let residency = Residency::new(
+            region,
+            Arc::new(FakeReader { calls: AtomicUsize::new(0), fail_on: Vec::new() }),
+            units,
+            3,
+            Arc::new(IoStats::default()),
+        );
         let pattern = |range: Range<u64>| range.map(|offset| (offset % 251) as u8 + 1).collect::<Vec<u8>>();
         assert_eq!(residency.state(1), Some((UnitState::Empty, 0)));
         residency.wait_ready(1).unwrap();
@@ -589,7 +631,10 @@ mod tests {
     impl UnitReader for FirstPageReader {
         fn read(&self, region: &Region, range: Range<u64>, shift: u64) -> Result<u64, IoError> {
             let end = if self.calls.fetch_add(1, Ordering::SeqCst) == 0 { range.end } else { range.start + 4096 };
-            region.write(range.start + shift, &(range.start..end).map(|offset| (offset % 251) as u8 + 1).collect::<Vec<u8>>());
+            region.write(
+                range.start + shift,
+                &(range.start..end).map(|offset| (offset % 251) as u8 + 1).collect::<Vec<u8>>(),
+            );
             Ok(range.end - range.start)
         }
     }
@@ -600,8 +645,17 @@ mod tests {
     #[test]
     fn the_next_unit_is_read_into_the_released_units_pages() {
         let region = Arc::new(Region::reserve(8 << 20, false).unwrap());
-        let units = vec![StreamUnit::mirrored(std::iter::once(0..(1 << 20)).collect()), StreamUnit::mirrored(std::iter::once((4 << 20)..(5 << 20)).collect())];
-        let residency = Residency::new(region.clone(), Arc::new(FirstPageReader { calls: AtomicUsize::new(0) }), units, 1, Arc::new(IoStats::default()));
+        let units = vec![
+            StreamUnit::mirrored(std::iter::once(0..(1 << 20)).collect()),
+            StreamUnit::mirrored(std::iter::once((4 << 20)..(5 << 20)).collect()),
+        ];
+        let residency = Residency::new(
+            region.clone(),
+            Arc::new(FirstPageReader { calls: AtomicUsize::new(0) }),
+            units,
+            1,
+            Arc::new(IoStats::default()),
+        );
         residency.wait_ready(0).unwrap();
         residency.release(0).unwrap();
         residency.wait_ready(1).unwrap();
@@ -617,10 +671,21 @@ mod tests {
     fn units_in_one_slot_take_turns_and_keep_its_pages() {
         let region = Arc::new(Region::reserve(64 << 20, false).unwrap());
         // Two file ranges that both live at region offset 32 MiB.
-        let in_slot = |start: u64| StreamUnit { ranges: std::iter::once(start..start + (1 << 20)).collect(), shift: (32 << 20) - start, slot: Some(0) };
+        let in_slot = |start: u64| StreamUnit {
+            ranges: std::iter::once(start..start + (1 << 20)).collect(),
+            shift: (32 << 20) - start,
+            slot: Some(0),
+        };
         let units = vec![in_slot(0), in_slot(4 << 20)];
-        let residency = Residency::new(region.clone(), Arc::new(FakeReader { calls: AtomicUsize::new(0), fail_on: vec![] }), units, 2, Arc::new(IoStats::default()));
-        let pattern = |start: u64| (start..start + (1 << 20)).map(|offset| (offset % 251) as u8 + 1).collect::<Vec<u8>>();
+        let residency = Residency::new(
+            region.clone(),
+            Arc::new(FakeReader { calls: AtomicUsize::new(0), fail_on: vec![] }),
+            units,
+            2,
+            Arc::new(IoStats::default()),
+        );
+        let pattern =
+            |start: u64| (start..start + (1 << 20)).map(|offset| (offset % 251) as u8 + 1).collect::<Vec<u8>>();
         residency.wait_ready(0).unwrap();
         assert_eq!(region.copy_out((32 << 20)..(33 << 20)), pattern(0));
         // Unit 0 holds the slot: a read-ahead of unit 1 does nothing yet.
@@ -659,7 +724,13 @@ mod tests {
         let region = Arc::new(Region::reserve(64 << 20, false).unwrap());
         let unit = 12_345..(30 << 20) + 77;
         let reader = Arc::new(RecordingReader { ranges: Mutex::new(Vec::new()) });
-        let residency = Residency::new(region.clone(), reader.clone(), vec![StreamUnit::mirrored(std::iter::once(unit.clone()).collect())], 1, Arc::new(IoStats::default()));
+        let residency = Residency::new(
+            region.clone(),
+            reader.clone(),
+            vec![StreamUnit::mirrored(std::iter::once(unit.clone()).collect())],
+            1,
+            Arc::new(IoStats::default()),
+        );
         residency.wait_ready(0).unwrap();
         let mut chunks = reader.ranges.lock().unwrap().clone();
         chunks.sort_by_key(|chunk| chunk.start);

@@ -108,17 +108,34 @@ impl<'a> StreamLoad<'a> {
             return Err(StoreError::SplitModel { files: inventory.split_paths.len() });
         }
         // The plan's placements are the inventory's tensors, in order (checked at load).
-        let with_tier = |tier: Tier| -> Vec<&'a TensorEntry> { plan.tensors.iter().zip(&inventory.tensors).filter(|(placement, _)| placement.tier == tier).map(|(_, tensor)| tensor).collect() };
+        let with_tier = |tier: Tier| -> Vec<&'a TensorEntry> {
+            plan.tensors
+                .iter()
+                .zip(&inventory.tensors)
+                .filter(|(placement, _)| placement.tier == tier)
+                .map(|(_, tensor)| tensor)
+                .collect()
+        };
         let streamed = with_tier(Tier::Stream);
         let mapped = with_tier(Tier::Mapped);
-        let layout: Vec<StreamedTensor> =
-            streamed.iter().filter_map(|tensor| Some(StreamedTensor { layer: tensor.layer?, file_offset: tensor.file_offset, bytes: tensor.bytes, experts: tensor.experts })).collect();
+        let layout: Vec<StreamedTensor> = streamed
+            .iter()
+            .filter_map(|tensor| {
+                Some(StreamedTensor {
+                    layer: tensor.layer?,
+                    file_offset: tensor.file_offset,
+                    bytes: tensor.bytes,
+                    experts: tensor.experts,
+                })
+            })
+            .collect();
         let n_layer = inventory.hparams.n_layer as usize;
         // Dense layers stream through reused slots after the file's mirror (as many as the window
         // holds), expert slices through their mirror positions.
         let mirror_bytes = inventory.file_bytes.next_multiple_of(2 << 20);
         let dense = plan.dense.as_ref().map(|dense| {
-            let dense_tensors: Vec<StreamedTensor> = layout.iter().filter(|tensor| streams_dense(plan, tensor.experts)).copied().collect();
+            let dense_tensors: Vec<StreamedTensor> =
+                layout.iter().filter(|tensor| streams_dense(plan, tensor.experts)).copied().collect();
             let (mut units, unit_of_layer) = dense_units(&dense.streamed_layers, &dense_tensors, n_layer);
             // As many slots as the window holds layers (`DenseWindow` reads at least one ahead).
             let slot_bytes = place_in_slots(&mut units, dense.window_layers.max(1) + 1, mirror_bytes);
@@ -131,7 +148,18 @@ impl<'a> StreamLoad<'a> {
         // largest streamed tensor absorbs them, so the region is never faulted in by the load.
         let largest = streamed.iter().chain(&mapped).map(|tensor| tensor.bytes).max().unwrap_or(0);
         let sink = Region::reserve(largest, false)?;
-        Ok(StreamLoad { path, inventory, plan, streamed, mapped, layout, dense, region, sink: Some(sink), stats: Arc::new(IoStats::default()) })
+        Ok(StreamLoad {
+            path,
+            inventory,
+            plan,
+            streamed,
+            mapped,
+            layout,
+            dense,
+            region,
+            sink: Some(sink),
+            stats: Arc::new(IoStats::default()),
+        })
     }
 
     /// Every tensor the region holds: the streamed ones, then the mapped tables.
@@ -158,17 +186,23 @@ impl<'a> StreamLoad<'a> {
     /// dense unit's slot, else at its mirror position; a mapped table at its mirror position.
     pub fn offsets(&self) -> HashMap<String, u64> {
         let region_offset = |tensor: &TensorEntry| -> u64 {
-            let shift =
-                self.dense.as_ref().filter(|_| streams_dense(self.plan, tensor.experts)).and_then(|dense| Some(dense.units[dense.unit_of_layer.get(tensor.layer? as usize).copied().flatten()?].shift));
+            let shift = self.dense.as_ref().filter(|_| streams_dense(self.plan, tensor.experts)).and_then(|dense| {
+                Some(dense.units[dense.unit_of_layer.get(tensor.layer? as usize).copied().flatten()?].shift)
+            });
             tensor.file_offset + shift.unwrap_or(0)
         };
-        self.streamed.iter().map(|tensor| (tensor.name.clone(), region_offset(tensor))).chain(self.mapped.iter().map(|tensor| (tensor.name.clone(), tensor.file_offset))).collect()
+        self.streamed
+            .iter()
+            .map(|tensor| (tensor.name.clone(), region_offset(tensor)))
+            .chain(self.mapped.iter().map(|tensor| (tensor.name.clone(), tensor.file_offset)))
+            .collect()
     }
 
     /// The reader that serves llama.cpp's load-time reads: resident bytes with direct I/O, the
     /// region's tensors skipped.
     pub fn load_reader(&self) -> Result<StoreLoadReader, StoreError> {
-        let skipped: Vec<Range<u64>> = self.in_region().map(|tensor| tensor.file_offset..tensor.file_offset + tensor.bytes).collect();
+        let skipped: Vec<Range<u64>> =
+            self.in_region().map(|tensor| tensor.file_offset..tensor.file_offset + tensor.bytes).collect();
         Ok(StoreLoadReader::new(DirectFile::open(self.path)?, skipped, self.stats.clone()))
     }
 
@@ -187,7 +221,8 @@ impl<'a> StreamLoad<'a> {
 
         let file = Arc::new(DirectFile::open(path)?);
         if !self.mapped.is_empty() {
-            let plain = std::fs::File::open(path).map_err(|source| StoreError::Open { path: path.to_path_buf(), source })?;
+            let plain =
+                std::fs::File::open(path).map_err(|source| StoreError::Open { path: path.to_path_buf(), source })?;
             for tensor in &self.mapped {
                 region.map_file(&plain, &file, tensor.file_offset..tensor.file_offset + tensor.bytes)?;
             }
@@ -201,8 +236,11 @@ impl<'a> StreamLoad<'a> {
                 let units = numbering.build(&self.layout);
                 advise_huge_slices(region, &units, crate::plan::HUGE_SLICE_MIN_BYTES);
                 let streamed_layers = numbering.streamed_layers(&units);
-                let residency = Arc::new(Residency::new(region.clone(), file.clone(), units, io_workers, self.stats.clone()));
-                let mut driver = ExpertStream::new(residency, numbering, experts.cache_units, experts.policy, trace_routing).with_streamed_layers(streamed_layers);
+                let residency =
+                    Arc::new(Residency::new(region.clone(), file.clone(), units, io_workers, self.stats.clone()));
+                let mut driver =
+                    ExpertStream::new(residency, numbering, experts.cache_units, experts.policy, trace_routing)
+                        .with_streamed_layers(streamed_layers);
                 if experts.prefetch {
                     driver = driver.with_prefetch(read_router_weights(path, inventory)?);
                 }
@@ -223,7 +261,12 @@ impl<'a> StreamLoad<'a> {
                     advise_huge_slices(region, &units, crate::plan::HUGE_SLICE_MIN_BYTES);
                 }
                 let residency = Arc::new(Residency::new(region.clone(), file, units, io_workers, self.stats.clone()));
-                let window = Arc::new(DenseWindow::new(residency, unit_of_layer, dense.window_layers, crate::model::ffn_entry_node(&inventory.arch)));
+                let window = Arc::new(DenseWindow::new(
+                    residency,
+                    unit_of_layer,
+                    dense.window_layers,
+                    crate::model::ffn_entry_node(&inventory.arch),
+                ));
                 window.prefetch_start()?;
                 Some(window)
             }
@@ -238,16 +281,29 @@ impl<'a> StreamLoad<'a> {
 fn read_router_weights(path: &Path, inventory: &Inventory) -> Result<RouterWeights, StoreError> {
     use std::os::unix::fs::FileExt;
     let file = std::fs::File::open(path).map_err(|source| StoreError::Open { path: path.to_path_buf(), source })?;
-    let mut routers = RouterWeights { n_embd: inventory.hparams.n_embd as usize, layers: vec![None; inventory.hparams.n_layer as usize] };
+    let mut routers = RouterWeights {
+        n_embd: inventory.hparams.n_embd as usize,
+        layers: vec![None; inventory.hparams.n_layer as usize],
+    };
     for tensor in &inventory.tensors {
         let (Some(layer), true) = (tensor.layer, tensor.name.ends_with("ffn_gate_inp.weight")) else { continue };
-        if tensor.ggml_type != hypura_gguf::GgmlType::F32 || tensor.split != 0 || tensor.dims.first() != Some(&inventory.hparams.n_embd) {
-            tracing::info!("{} is {:?}, not F32 [n_embd, n_expert]: no stale-gate prediction for layer {layer}", tensor.name, tensor.ggml_type);
+        if tensor.ggml_type != hypura_gguf::GgmlType::F32
+            || tensor.split != 0
+            || tensor.dims.first() != Some(&inventory.hparams.n_embd)
+        {
+            tracing::info!(
+                "{} is {:?}, not F32 [n_embd, n_expert]: no stale-gate prediction for layer {layer}",
+                tensor.name,
+                tensor.ggml_type
+            );
             continue;
         }
         let mut bytes = vec![0u8; tensor.bytes as usize];
-        file.read_exact_at(&mut bytes, tensor.file_offset).map_err(|source| StoreError::ReadTensor { tensor: tensor.name.clone(), source })?;
-        routers.layers[layer as usize] = Some(bytes.chunks_exact(4).map(|chunk| f32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]])).collect());
+        file.read_exact_at(&mut bytes, tensor.file_offset)
+            .map_err(|source| StoreError::ReadTensor { tensor: tensor.name.clone(), source })?;
+        routers.layers[layer as usize] = Some(
+            bytes.chunks_exact(4).map(|chunk| f32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]])).collect(),
+        );
     }
     Ok(routers)
 }
@@ -260,11 +316,23 @@ mod tests {
     /// its own streams.
     #[test]
     fn messages_name_the_file_tensor_and_number_at_fault() {
-        assert_eq!(StoreError::SplitModel { files: 3 }.to_string(), "streaming split models (3 files) is not supported yet");
-        assert_eq!(StoreError::Placed { placed: 7, planned: 9 }.to_string(), "7 streamed and mapped tensors were placed, 9 planned");
+        assert_eq!(
+            StoreError::SplitModel { files: 3 }.to_string(),
+            "streaming split models (3 files) is not supported yet"
+        );
+        assert_eq!(
+            StoreError::Placed { placed: 7, planned: 9 }.to_string(),
+            "7 streamed and mapped tensors were placed, 9 planned"
+        );
         let missing = || std::io::Error::from(std::io::ErrorKind::NotFound);
-        assert_eq!(StoreError::Open { path: "/models/m.gguf".into(), source: missing() }.to_string(), format!("opening /models/m.gguf: {}", missing()));
-        assert_eq!(StoreError::ReadTensor { tensor: "blk.3.ffn_gate_inp.weight".into(), source: missing() }.to_string(), format!("reading blk.3.ffn_gate_inp.weight: {}", missing()));
+        assert_eq!(
+            StoreError::Open { path: "/models/m.gguf".into(), source: missing() }.to_string(),
+            format!("opening /models/m.gguf: {}", missing())
+        );
+        assert_eq!(
+            StoreError::ReadTensor { tensor: "blk.3.ffn_gate_inp.weight".into(), source: missing() }.to_string(),
+            format!("reading blk.3.ffn_gate_inp.weight: {}", missing())
+        );
         assert_eq!(
             StoreError::HookNeverFired { arch: "llama".into(), node: "ffn_norm-<layer>".into() }.to_string(),
             "llama.cpp's graph for llama has no ffn_norm-<layer> node, so streamed weights were never loaded; use --mode resident or another mode"

@@ -38,7 +38,8 @@ fn agent_turn(extra: &[&str]) -> (String, String) {
     std::fs::create_dir_all(&workspace).unwrap();
     // A word the model cannot guess: it must come from the file.
     let secret = format!("heron{}", std::process::id() % 9000 + 1000);
-    std::fs::write(workspace.join("notes.txt"), format!("Notes for the agent.\nThe secret word is {secret}.\n")).unwrap();
+    std::fs::write(workspace.join("notes.txt"), format!("Notes for the agent.\nThe secret word is {secret}.\n"))
+        .unwrap();
     let config = serde_json::json!({
         "models": {"providers": {"ollama": {
             "baseUrl": server.base, "apiKey": "ollama-local", "api": "ollama",
@@ -64,7 +65,14 @@ fn agent_turn(extra: &[&str]) -> (String, String) {
     let started = Instant::now();
     let path = format!("{}:{}", node.display(), std::env::var("PATH").unwrap_or_default());
     let output = Command::new(&binary)
-        .args(["agent", "--local", "--timeout", "2400", "-m", "Use the read tool to read notes.txt. Then tell me the secret word from that file."])
+        .args([
+            "agent",
+            "--local",
+            "--timeout",
+            "2400",
+            "-m",
+            "Use the read tool to read notes.txt. Then tell me the secret word from that file.",
+        ])
         .env("PATH", path)
         .env("HOME", &home)
         .env("OPENCLAW_CONFIG_PATH", &config_path)
@@ -76,10 +84,23 @@ fn agent_turn(extra: &[&str]) -> (String, String) {
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     let log = server.log_text();
     eprintln!("openclaw agent turn: {:.0} s", started.elapsed().as_secs_f64());
-    assert!(output.status.success(), "openclaw exited with {}\n--- stdout\n{stdout}\n--- stderr\n{stderr}\n--- server log\n{log}", output.status);
-    assert!(log.contains("tool call read("), "the server's log shows no read call\n--- stdout\n{stdout}\n--- server log\n{log}");
-    assert!(log.contains("tool result for read"), "the server's log shows no read result coming back\n--- stdout\n{stdout}\n--- server log\n{log}");
-    assert!(stdout.contains(&secret), "the reply does not hold {secret}\n--- stdout\n{stdout}\n--- stderr\n{stderr}\n--- server log\n{log}");
+    assert!(
+        output.status.success(),
+        "openclaw exited with {}\n--- stdout\n{stdout}\n--- stderr\n{stderr}\n--- server log\n{log}",
+        output.status
+    );
+    assert!(
+        log.contains("tool call read("),
+        "the server's log shows no read call\n--- stdout\n{stdout}\n--- server log\n{log}"
+    );
+    assert!(
+        log.contains("tool result for read"),
+        "the server's log shows no read result coming back\n--- stdout\n{stdout}\n--- server log\n{log}"
+    );
+    assert!(
+        stdout.contains(&secret),
+        "the reply does not hold {secret}\n--- stdout\n{stdout}\n--- stderr\n{stderr}\n--- server log\n{log}"
+    );
     (stdout, log)
 }
 

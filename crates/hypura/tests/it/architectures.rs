@@ -29,8 +29,17 @@ fn engine(path: &Path, mode: Mode, n_ubatch: u32, cache_units: Option<usize>) ->
         cache_policy: Some(CachePolicy::Lru),
         ..PlanOptions::default()
     };
-    let plan = plan::plan(&inventory, &MachineFacts { memory_budget_bytes: 8 << 30, ..MachineFacts::default() }, &options).unwrap_or_else(|error| panic!("{}: {error}", path.display()));
-    let options = EngineOptions { n_ctx_seq: 512, n_ubatch, n_threads: Some(1), repack: false, plan: Some(plan), ..EngineOptions::default() };
+    let plan =
+        plan::plan(&inventory, &MachineFacts { memory_budget_bytes: 8 << 30, ..MachineFacts::default() }, &options)
+            .unwrap_or_else(|error| panic!("{}: {error}", path.display()));
+    let options = EngineOptions {
+        n_ctx_seq: 512,
+        n_ubatch,
+        n_threads: Some(1),
+        repack: false,
+        plan: Some(plan),
+        ..EngineOptions::default()
+    };
     let engine = Arc::new(Engine::open(path, options).unwrap_or_else(|error| panic!("{}: {error}", path.display())));
     assert_eq!(engine.mode(), mode);
     engine
@@ -39,7 +48,12 @@ fn engine(path: &Path, mode: Mode, n_ubatch: u32, cache_units: Option<usize>) ->
 /// The prompt's logits and 24 greedy tokens, each from an empty cache.
 fn run(engine: &Arc<Engine>) -> (Vec<f32>, Vec<i32>, hypura::engine::GenerateOutput) {
     let logits = Session::new(engine.clone()).unwrap().prompt_logits(&Prompt::Raw(PROMPT.into())).unwrap();
-    let request = GenerateRequest { max_tokens: Some(TOKENS), sampling: SamplerParams::greedy(), ignore_eos: true, ..GenerateRequest::new(Prompt::Raw(PROMPT.into())) };
+    let request = GenerateRequest {
+        max_tokens: Some(TOKENS),
+        sampling: SamplerParams::greedy(),
+        ignore_eos: true,
+        ..GenerateRequest::new(Prompt::Raw(PROMPT.into()))
+    };
     let output = Session::new(engine.clone()).unwrap().generate(&request, &mut |_| Control::Continue).unwrap();
     (logits, output.tokens.clone(), output)
 }
@@ -48,7 +62,12 @@ fn matrix(preset: &str) {
     let directory = tempfile::tempdir().unwrap();
     let path = common::forge(preset, directory.path());
     let inventory = Inventory::open(&path).unwrap();
-    let others: Vec<&str> = inventory.tensors.iter().filter(|tensor| tensor.role == Role::Other).map(|tensor| tensor.name.as_str()).collect();
+    let others: Vec<&str> = inventory
+        .tensors
+        .iter()
+        .filter(|tensor| tensor.role == Role::Other)
+        .map(|tensor| tensor.name.as_str())
+        .collect();
     assert!(others.is_empty(), "{preset}: tensors without a role: {others:?}");
     let hparams = &inventory.hparams;
 
@@ -59,7 +78,11 @@ fn matrix(preset: &str) {
     let prompt = peer.tokenize(PROMPT).unwrap();
     peer.prefill(&prompt).unwrap();
     assert!(logits == peer.last_logits().unwrap(), "{preset}: resident logits differ from libllama's");
-    assert_eq!(tokens, peer.greedy(&prompt, TOKENS as usize).unwrap(), "{preset}: resident tokens differ from libllama's");
+    assert_eq!(
+        tokens,
+        peer.greedy(&prompt, TOKENS as usize).unwrap(),
+        "{preset}: resident tokens differ from libllama's"
+    );
 
     // Expert-stream with half of one layer's experts: the plan takes prompt batches of what
     // the cache holds the picks of, and resident runs with the same batch for the reference.
@@ -75,17 +98,30 @@ fn matrix(preset: &str) {
     let experts = output.stats.experts.expect("expert stats");
     let io = output.stats.io.expect("io stats");
     assert!(experts.misses > 0 && io.units_released > 0, "{preset}: the cache must miss and evict: {experts:?} {io:?}");
-    let moe_layers =
-        inventory.expert_tensors().filter_map(|tensor| tensor.layer).filter(|&layer| u64::from(layer) + hparams.n_layer_mtp < hparams.n_layer).collect::<std::collections::BTreeSet<_>>().len() as u64;
+    let moe_layers = inventory
+        .expert_tensors()
+        .filter_map(|tensor| tensor.layer)
+        .filter(|&layer| u64::from(layer) + hparams.n_layer_mtp < hparams.n_layer)
+        .collect::<std::collections::BTreeSet<_>>()
+        .len() as u64;
     // One router call per MoE layer per graph (the counters are the engine's, so they include
     // the logits run before).
-    assert!(experts.layer_visits % moe_layers == 0 && experts.layer_visits >= moe_layers * u64::from(passes), "{preset}: {} router calls, {moe_layers} MoE layers", experts.layer_visits);
+    assert!(
+        experts.layer_visits % moe_layers == 0 && experts.layer_visits >= moe_layers * u64::from(passes),
+        "{preset}: {} router calls, {moe_layers} MoE layers",
+        experts.layer_visits
+    );
 
     // Dense FFN layers among the MoE layers stream in the same expert-stream plan.
     let has_dense = inventory.tensors.iter().any(|tensor| tensor.role.is_dense_ffn() && tensor.role != Role::Mtp);
     let plan = streaming.options().plan.as_ref().unwrap();
     assert_eq!(plan.dense.is_some(), has_dense, "{preset}: a dense window exactly where there are dense FFN layers");
-    let streamed_dense = plan.tensors.iter().zip(&inventory.tensors).filter(|(placement, tensor)| placement.tier == Tier::Stream && tensor.role.is_dense_ffn()).count();
+    let streamed_dense = plan
+        .tensors
+        .iter()
+        .zip(&inventory.tensors)
+        .filter(|(placement, tensor)| placement.tier == Tier::Stream && tensor.role.is_dense_ffn())
+        .count();
     assert_eq!(streamed_dense > 0, has_dense, "{preset}");
     // MTP layers are planned unused and never read.
     let mtp = inventory.tensors.iter().filter(|tensor| tensor.role == Role::Mtp).count();
@@ -102,7 +138,10 @@ fn matrix(preset: &str) {
     assert!(logits == resident_logits, "{preset}: dense-stream logits differ from resident");
     assert_eq!(tokens, resident_tokens, "{preset}: dense-stream tokens");
     let io = output.stats.io.expect("io stats");
-    assert!(io.units_released > 0 && io.units_loaded > moe_layers, "{preset}: layers must rotate through the window: {io:?}");
+    assert!(
+        io.units_released > 0 && io.units_loaded > moe_layers,
+        "{preset}: layers must rotate through the window: {io:?}"
+    );
 }
 
 macro_rules! matrix {

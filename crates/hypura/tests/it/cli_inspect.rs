@@ -39,7 +39,8 @@ fn inspect_gemma_reports_architecture_layers_and_tensors() {
     assert_eq!(report["arch"], "gemma3");
     assert_eq!(report["tensor_count"], 236);
     assert_eq!(report["tensors"].as_array().unwrap().len(), 236);
-    let role_total: u64 = report["bytes_by_role"].as_array().unwrap().iter().map(|pair| pair[1].as_u64().unwrap()).sum();
+    let role_total: u64 =
+        report["bytes_by_role"].as_array().unwrap().iter().map(|pair| pair[1].as_u64().unwrap()).sum();
     assert_eq!(role_total, report["tensor_data_bytes"].as_u64().unwrap());
 }
 
@@ -67,7 +68,12 @@ fn inspect_summarizes_layers_by_kind() {
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(stdout.contains("16 experts in 3 of 5 layers"), "{stdout}");
     assert!(stdout.contains("one expert of layer 1 (all its tensors)"), "{stdout}");
-    let kinds: Vec<&str> = stdout.lines().skip_while(|line| !line.starts_with("bytes by layer")).skip(1).take_while(|line| !line.is_empty()).collect();
+    let kinds: Vec<&str> = stdout
+        .lines()
+        .skip_while(|line| !line.starts_with("bytes by layer"))
+        .skip(1)
+        .take_while(|line| !line.is_empty())
+        .collect();
     assert_eq!(kinds.len(), 3, "{stdout}");
     assert!(kinds[0].contains("dense") && kinds[0].contains("layers 0"), "{kinds:?}");
     assert!(kinds[1].contains("moe") && kinds[1].contains("3 layers") && kinds[1].contains("layers 1-3"), "{kinds:?}");
@@ -133,7 +139,10 @@ fn a_gpu_budget_places_on_a_gpu_only_where_there_is_one() {
     let _machine = common::shared_machine();
     let path = common::gemma_path();
     let has_gpu = hypura_sys::Backend::get().devices().iter().any(|device| device.kind == hypura_sys::DeviceKind::Gpu);
-    let output = Command::new(env!("CARGO_BIN_EXE_hypura")).args(["inspect", path.to_str().unwrap(), "--gpu-budget", "4GiB"]).output().expect("run hypura");
+    let output = Command::new(env!("CARGO_BIN_EXE_hypura"))
+        .args(["inspect", path.to_str().unwrap(), "--gpu-budget", "4GiB"])
+        .output()
+        .expect("run hypura");
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     let stdout = String::from_utf8_lossy(&output.stdout);
     let stderr = String::from_utf8_lossy(&output.stderr);
@@ -157,10 +166,26 @@ fn a_budget_too_small_for_the_default_batch_takes_a_smaller_one() {
     let output = hypura(&["inspect", model, "--memory-budget", "520MB"]);
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-    let batch: u32 = stdout.lines().find_map(|line| line.strip_prefix("batch        prompt batches of ")?.split(' ').next()?.parse().ok()).unwrap_or_else(|| panic!("{stdout}"));
+    let batch: u32 = stdout
+        .lines()
+        .find_map(|line| line.strip_prefix("batch        prompt batches of ")?.split(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("{stdout}"));
     assert!((32..512).contains(&batch), "{stdout}");
     assert_clean_failure(&hypura(&["inspect", model, "--memory-budget", "520MB", "-b", "512"]), "too small");
-    let run = hypura(&["run", model, "--memory-budget", "520MB", "-p", "Say hello.", "-n", "4", "--temperature", "0", "-t", "2"]);
+    let run = hypura(&[
+        "run",
+        model,
+        "--memory-budget",
+        "520MB",
+        "-p",
+        "Say hello.",
+        "-n",
+        "4",
+        "--temperature",
+        "0",
+        "-t",
+        "2",
+    ]);
     assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
     assert!(!run.stdout.is_empty());
 }

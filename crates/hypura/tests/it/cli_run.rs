@@ -24,7 +24,19 @@ fn run_generates_and_reports_stats() {
     let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let model = common::forge("tiny-dense-1b", directory.path());
-    let output = hypura(&["run", model.to_str().unwrap(), "-p", "hello world", "-n", "6", "--temperature", "0", "--stats", "-t", "1"]);
+    let output = hypura(&[
+        "run",
+        model.to_str().unwrap(),
+        "-p",
+        "hello world",
+        "-n",
+        "6",
+        "--temperature",
+        "0",
+        "--stats",
+        "-t",
+        "1",
+    ]);
     assert!(output.status.success(), "{}", stderr(&output));
     let stats = stderr(&output);
     assert!(stats.contains("eval 6 tokens"), "{stats}");
@@ -49,7 +61,11 @@ fn a_base_model_without_a_template_runs_chat_as_plain_completion() {
     let raw = run_model(&gemma, &["--raw", "-p", "Water freezes at a temperature of"]);
     assert!(raw.contains('0') || raw.to_lowercase().contains("zero"), "{raw}");
     assert_eq!(raw, run_model(&gemma, &["--raw", "-p", "Water freezes at a temperature of"]), "greedy output repeats");
-    assert_eq!(raw, run_model(&gemma, &["-p", "Water freezes at a temperature of"]), "no template: chat is the prompt as written");
+    assert_eq!(
+        raw,
+        run_model(&gemma, &["-p", "Water freezes at a temperature of"]),
+        "no template: chat is the prompt as written"
+    );
 }
 
 #[test]
@@ -60,7 +76,20 @@ fn an_instruct_model_answers_through_its_template() {
     assert!(chat.contains("Paris"), "{chat}");
     // The same text without the template is a different prompt (and `-m` names the model as
     // llama.cpp's flag does).
-    let output = hypura(&["run", "-m", qwen.to_str().unwrap(), "--raw", "-p", "What is the capital of France? One word.", "-n", "8", "--temperature", "0", "-t", "1"]);
+    let output = hypura(&[
+        "run",
+        "-m",
+        qwen.to_str().unwrap(),
+        "--raw",
+        "-p",
+        "What is the capital of France? One word.",
+        "-n",
+        "8",
+        "--temperature",
+        "0",
+        "-t",
+        "1",
+    ]);
     assert!(output.status.success(), "{}", stderr(&output));
     assert_ne!(String::from_utf8(output.stdout).unwrap(), chat);
 }
@@ -76,7 +105,10 @@ fn run_rejects_bad_input_clearly() {
     assert_fails_with(&hypura(&["run", model, "-p", "hi", "--min-p", "-0.1"]), "min_p");
     assert_fails_with(&hypura(&["run", model, "-p", "hi", "--repeat-penalty", "0"]), "repeat_penalty");
     let long_prompt = "the king of paris ".repeat(40);
-    assert_fails_with(&hypura(&["run", model, "--raw", "-p", &long_prompt, "--context", "32"]), "the prompt is too long");
+    assert_fails_with(
+        &hypura(&["run", model, "--raw", "-p", &long_prompt, "--context", "32"]),
+        "the prompt is too long",
+    );
     let missing = directory.path().join("absent.gguf");
     assert_fails_with(&hypura(&["run", missing.to_str().unwrap(), "-p", "hi"]), "absent.gguf");
 }
@@ -87,7 +119,20 @@ fn bench_prints_a_table_and_json_against_llama_cpp() {
     let directory = tempfile::tempdir().unwrap();
     let model = common::forge("tiny-moe-8x", directory.path());
     let json = directory.path().join("bench.json");
-    let output = hypura(&["bench", model.to_str().unwrap(), "-p", "32", "-n", "8", "-r", "2", "-t", "1", "--json", json.to_str().unwrap()]);
+    let output = hypura(&[
+        "bench",
+        model.to_str().unwrap(),
+        "-p",
+        "32",
+        "-n",
+        "8",
+        "-r",
+        "2",
+        "-t",
+        "1",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
     assert!(output.status.success(), "{}", stderr(&output));
     let table = String::from_utf8_lossy(&output.stdout);
     assert!(table.contains("| pp32 |") && table.contains("| tg8 |"), "{table}");
@@ -109,9 +154,34 @@ fn run_and_inspect_take_a_model_pulled_by_ollama_by_name_and_llama_cpp_flags() {
     let store = tempfile::tempdir().unwrap();
     let model = common::forge("tiny-dense-1b", store.path());
     common::ollama_store(store.path(), &model, "tiny", "q4");
-    let with_store = |args: &[&str]| Command::new(env!("CARGO_BIN_EXE_hypura")).args(args).env("HYPURA_LOG", "off").env("OLLAMA_MODELS", store.path()).output().unwrap();
+    let with_store = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_hypura"))
+            .args(args)
+            .env("HYPURA_LOG", "off")
+            .env("OLLAMA_MODELS", store.path())
+            .output()
+            .unwrap()
+    };
 
-    let output = with_store(&["run", "tiny:q4", "-p", "hello", "-n", "4", "--temperature", "0", "-t", "1", "-c", "256", "-b", "64", "-ub", "64", "--stats"]);
+    let output = with_store(&[
+        "run",
+        "tiny:q4",
+        "-p",
+        "hello",
+        "-n",
+        "4",
+        "--temperature",
+        "0",
+        "-t",
+        "1",
+        "-c",
+        "256",
+        "-b",
+        "64",
+        "-ub",
+        "64",
+        "--stats",
+    ]);
     assert!(output.status.success(), "{}", stderr(&output));
     assert!(stderr(&output).contains("eval 4 tokens"), "{}", stderr(&output));
     let output = with_store(&["inspect", "-m", "tiny:q4", "-c", "256"]);

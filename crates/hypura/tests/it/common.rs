@@ -86,7 +86,10 @@ fn cached_model(variable: &str, file: &str, fetch_name: &str) -> PathBuf {
     if let Some(path) = std::env::var_os(variable) {
         return PathBuf::from(path);
     }
-    let cache = std::env::var_os("HYPURA_CACHE_DIR").map(PathBuf::from).or_else(|| dirs::cache_dir().map(|dir| dir.join("hypura"))).expect("a cache directory");
+    let cache = std::env::var_os("HYPURA_CACHE_DIR")
+        .map(PathBuf::from)
+        .or_else(|| dirs::cache_dir().map(|dir| dir.join("hypura")))
+        .expect("a cache directory");
     let path = cache.join("models").join(file);
     assert!(path.exists(), "{} is missing: run scripts/fetch-model {fetch_name} first", path.display());
     path
@@ -134,9 +137,15 @@ impl Server {
 
     pub fn python(&self, script: &str, arguments: &[String]) -> String {
         let scripts = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python");
-        let output = Command::new("python3").arg(scripts.join(script)).arg(&self.base).args(arguments).output().unwrap();
+        let output =
+            Command::new("python3").arg(scripts.join(script)).arg(&self.base).args(arguments).output().unwrap();
         let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-        assert!(output.status.success(), "{script} failed\n--- stdout\n{stdout}\n--- stderr\n{}\n--- server log\n{}", String::from_utf8_lossy(&output.stderr), self.log_text());
+        assert!(
+            output.status.success(),
+            "{script} failed\n--- stdout\n{stdout}\n--- stderr\n{}\n--- server log\n{}",
+            String::from_utf8_lossy(&output.stderr),
+            self.log_text()
+        );
         assert!(self.child_alive(), "the server died: {}", self.log_text());
         stdout
     }
@@ -166,7 +175,10 @@ impl Server {
     /// POST a JSON body and return the status and the body, whatever the status.
     pub fn post_status(&self, path: &str, body: &serde_json::Value) -> (u16, String) {
         let body = body.to_string();
-        self.exchange(&format!("POST {path} HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n", body.len()), &body)
+        self.exchange(
+            &format!("POST {path} HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n", body.len()),
+            &body,
+        )
     }
 
     /// GET a JSON reply.
@@ -183,7 +195,11 @@ impl Server {
         let mut reply = String::new();
         stream.read_to_string(&mut reply).unwrap();
         let (head, payload) = reply.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no HTTP reply: {reply:?}"));
-        let status = head.split_whitespace().nth(1).and_then(|code| code.parse().ok()).unwrap_or_else(|| panic!("no status in {head:?}"));
+        let status = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|code| code.parse().ok())
+            .unwrap_or_else(|| panic!("no status in {head:?}"));
         (status, payload.to_string())
     }
 }
@@ -192,8 +208,18 @@ impl Server {
 /// Every streamable layer then streams.
 pub fn streaming_budget(path: &Path, mode: hypura::plan::Mode, n_ctx: u32) -> u64 {
     let inventory = hypura::model::Inventory::open(path).unwrap();
-    let facts = hypura::plan::MachineFacts { memory_budget_bytes: 1, disk_bytes_per_sec: Some(1e9), ..hypura::plan::MachineFacts::default() };
-    let options = hypura::plan::PlanOptions { mode: hypura::plan::ModeChoice::Forced(mode), n_ctx, n_ubatch: 512, window_layers: Some(2), ..hypura::plan::PlanOptions::default() };
+    let facts = hypura::plan::MachineFacts {
+        memory_budget_bytes: 1,
+        disk_bytes_per_sec: Some(1e9),
+        ..hypura::plan::MachineFacts::default()
+    };
+    let options = hypura::plan::PlanOptions {
+        mode: hypura::plan::ModeChoice::Forced(mode),
+        n_ctx,
+        n_ubatch: 512,
+        window_layers: Some(2),
+        ..hypura::plan::PlanOptions::default()
+    };
     match hypura::plan::plan(&inventory, &facts, &options) {
         Err(hypura::plan::PlanError::BudgetTooSmall { needed, .. }) => needed + (1 << 20),
         other => panic!("expected the planner to ask for more memory: {other:?}"),

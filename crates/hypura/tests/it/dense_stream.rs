@@ -14,18 +14,38 @@ const N_CTX: u32 = 512;
 /// A budget that holds everything but the FFN layers, plus the window and `pinned` layers.
 fn tight_budget(inventory: &Inventory, window: usize, pinned: u64) -> u64 {
     let ffn: Vec<u64> = (0..inventory.hparams.n_layer as u32)
-        .map(|layer| inventory.tensors.iter().filter(|tensor| tensor.layer == Some(layer) && tensor.role.is_dense_ffn()).map(|tensor| tensor.bytes).sum())
+        .map(|layer| {
+            inventory
+                .tensors
+                .iter()
+                .filter(|tensor| tensor.layer == Some(layer) && tensor.role.is_dense_ffn())
+                .map(|tensor| tensor.bytes)
+                .sum()
+        })
         .collect();
     let largest = *ffn.iter().max().unwrap();
     let fixed = inventory.tensor_data_bytes() - ffn.iter().sum::<u64>();
-    fixed + plan::kv_cache_bytes(inventory, N_CTX) + plan::compute_buffer_bytes(inventory, N_CTX, 512) + largest * (window as u64 + 1 + pinned)
+    fixed
+        + plan::kv_cache_bytes(inventory, N_CTX)
+        + plan::compute_buffer_bytes(inventory, N_CTX, 512)
+        + largest * (window as u64 + 1 + pinned)
 }
 
 fn engines(path: &Path, pinned: u64) -> (Arc<Engine>, Arc<Engine>) {
     let inventory = Inventory::open(path).unwrap();
     let window = 2;
-    let facts = MachineFacts { memory_budget_bytes: tight_budget(&inventory, window, pinned), disk_bytes_per_sec: Some(1e9), ..MachineFacts::default() };
-    let options = PlanOptions { mode: ModeChoice::Forced(Mode::DenseStream), n_ctx: N_CTX, n_ubatch: 512, window_layers: Some(window), ..PlanOptions::default() };
+    let facts = MachineFacts {
+        memory_budget_bytes: tight_budget(&inventory, window, pinned),
+        disk_bytes_per_sec: Some(1e9),
+        ..MachineFacts::default()
+    };
+    let options = PlanOptions {
+        mode: ModeChoice::Forced(Mode::DenseStream),
+        n_ctx: N_CTX,
+        n_ubatch: 512,
+        window_layers: Some(window),
+        ..PlanOptions::default()
+    };
     let plan = plan::plan(&inventory, &facts, &options).unwrap();
     let dense = plan.dense.as_ref().unwrap();
     assert_eq!(dense.pinned_layers.len() as u64, pinned, "{}", plan.render());
@@ -38,14 +58,24 @@ fn engines(path: &Path, pinned: u64) -> (Arc<Engine>, Arc<Engine>) {
 
 fn greedy(engine: &Arc<Engine>, prompt: &str, count: u32) -> hypura::engine::GenerateOutput {
     let mut session = Session::new(engine.clone()).unwrap();
-    let request = GenerateRequest { max_tokens: Some(count), sampling: SamplerParams::greedy(), ignore_eos: true, ..GenerateRequest::new(Prompt::Raw(prompt.into())) };
+    let request = GenerateRequest {
+        max_tokens: Some(count),
+        sampling: SamplerParams::greedy(),
+        ignore_eos: true,
+        ..GenerateRequest::new(Prompt::Raw(prompt.into()))
+    };
     session.generate(&request, &mut |_| Control::Continue).unwrap()
 }
 
 /// Bytes of one sweep over the streamed layers, as the store reads them (whole pages).
 fn streaming_plan_bytes(engine: &Engine) -> u64 {
     let residency = engine.streaming().unwrap().driver.residency().clone();
-    residency.units().iter().flat_map(|unit| unit.ranges.iter()).map(|range| range.end.div_ceil(4096) * 4096 - range.start / 4096 * 4096).sum()
+    residency
+        .units()
+        .iter()
+        .flat_map(|unit| unit.ranges.iter())
+        .map(|range| range.end.div_ceil(4096) * 4096 - range.start / 4096 * 4096)
+        .sum()
 }
 
 fn assert_identical(path: &Path, pinned: u64, prompt: &str) {
@@ -67,7 +97,11 @@ fn assert_identical(path: &Path, pinned: u64, prompt: &str) {
     // Every streamed layer is read once per graph: 24 sweeps, give or take the window that was
     // prefetched before the request (at load) or for the token after it.
     let sweep = streaming_plan_bytes(&streaming);
-    assert!((23 * sweep..=25 * sweep).contains(&io.bytes_read), "{} bytes read for a sweep of {sweep}: {io:?}", io.bytes_read);
+    assert!(
+        (23 * sweep..=25 * sweep).contains(&io.bytes_read),
+        "{} bytes read for a sweep of {sweep}: {io:?}",
+        io.bytes_read
+    );
 }
 
 #[test]
@@ -95,10 +129,20 @@ fn a_read_failure_fails_the_request_clearly() {
     let (_, streaming) = engines(&path, 0);
     let inventory = streaming.inventory();
     // Cut the file inside the last streamed layer's FFN.
-    let last = inventory.tensors.iter().filter(|tensor| tensor.role.is_dense_ffn()).map(|tensor| tensor.file_offset).max().unwrap();
+    let last = inventory
+        .tensors
+        .iter()
+        .filter(|tensor| tensor.role.is_dense_ffn())
+        .map(|tensor| tensor.file_offset)
+        .max()
+        .unwrap();
     std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(last + 100).unwrap();
     let mut session = Session::new(streaming.clone()).unwrap();
-    let request = GenerateRequest { max_tokens: Some(4), sampling: SamplerParams::greedy(), ..GenerateRequest::new(Prompt::Raw("the sea".into())) };
+    let request = GenerateRequest {
+        max_tokens: Some(4),
+        sampling: SamplerParams::greedy(),
+        ..GenerateRequest::new(Prompt::Raw("the sea".into()))
+    };
     let mut seen = String::new();
     let error = session.generate(&request, &mut |text| {
         seen.push_str(text);
@@ -116,7 +160,10 @@ fn too_small_a_budget_is_refused_at_plan_time() {
     let facts = MachineFacts { memory_budget_bytes: 64 << 20, disk_bytes_per_sec: None, ..MachineFacts::default() };
     let error = plan::plan(&inventory, &facts, &PlanOptions::default()).unwrap_err();
     assert!(matches!(error, plan::PlanError::BudgetTooSmall { .. }), "{error}");
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_hypura")).args(["inspect", common::gemma_path().to_str().unwrap(), "--memory-budget", "64MiB"]).output().unwrap();
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_hypura"))
+        .args(["inspect", common::gemma_path().to_str().unwrap(), "--memory-budget", "64MiB"])
+        .output()
+        .unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("64.0 MiB is too small") && stderr.contains("resident weights"), "{stderr}");
@@ -131,7 +178,17 @@ fn peak_memory_stays_under_the_budget() {
     let gemma = common::gemma_path();
     for (path, budget) in [(tiny.as_path(), "140MiB"), (gemma.as_path(), "850MiB")] {
         let output = std::process::Command::new(env!("CARGO_BIN_EXE_hypura"))
-            .args(["run", path.to_str().unwrap(), "--raw", "-p", "the sea and the king", "-n", "8", "--temperature", "0"])
+            .args([
+                "run",
+                path.to_str().unwrap(),
+                "--raw",
+                "-p",
+                "the sea and the king",
+                "-n",
+                "8",
+                "--temperature",
+                "0",
+            ])
             .args(["--mode", "dense-stream", "--memory-budget", budget, "--context", "512", "--stats", "-t", "1"])
             .output()
             .unwrap();
@@ -140,11 +197,19 @@ fn peak_memory_stays_under_the_budget() {
         assert!(stderr.contains("mode dense-stream") && stderr.contains("streamed"), "{stderr}");
         let peak: u64 = stderr
             .lines()
-            .find_map(|line| line.strip_prefix("peak memory ").and_then(|rest| rest.split('(').nth(1)).and_then(|rest| rest.split(' ').next()))
+            .find_map(|line| {
+                line.strip_prefix("peak memory ")
+                    .and_then(|rest| rest.split('(').nth(1))
+                    .and_then(|rest| rest.split(' ').next())
+            })
             .and_then(|number| number.parse().ok())
             .unwrap_or_else(|| panic!("no peak memory line in {stderr}"));
         let budget_bytes = hypura::cli::settings::parse_bytes(budget).unwrap();
-        assert!(peak as f64 <= budget_bytes as f64 * 1.05, "{}: peak {peak} bytes over the budget {budget_bytes}: {stderr}", path.display());
+        assert!(
+            peak as f64 <= budget_bytes as f64 * 1.05,
+            "{}: peak {peak} bytes over the budget {budget_bytes}: {stderr}",
+            path.display()
+        );
         assert!(stderr.contains("io "), "{stderr}");
     }
 }

@@ -15,7 +15,12 @@ fn engine(path: &std::path::Path, repack: bool) -> Arc<Engine> {
 }
 
 fn greedy(session: &mut Session, prompt: &str, count: u32) -> hypura::engine::GenerateOutput {
-    let request = GenerateRequest { max_tokens: Some(count), sampling: SamplerParams::greedy(), ignore_eos: true, ..GenerateRequest::new(Prompt::Raw(prompt.to_string())) };
+    let request = GenerateRequest {
+        max_tokens: Some(count),
+        sampling: SamplerParams::greedy(),
+        ignore_eos: true,
+        ..GenerateRequest::new(Prompt::Raw(prompt.to_string()))
+    };
     session.generate(&request, &mut |_| Control::Continue).unwrap()
 }
 
@@ -66,7 +71,10 @@ fn every_tiny_preset_has_llama_cpp_logits() {
             assert_eq!(ours.len(), theirs.len());
             let range = theirs.iter().fold(f32::MIN, |a, &b| a.max(b)) - theirs.iter().fold(f32::MAX, |a, &b| a.min(b));
             let max_difference = ours.iter().zip(&theirs).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-            assert!(max_difference <= 1e-3 * range, "{preset} repack={repack}: max |Δlogit| {max_difference} over range {range}");
+            assert!(
+                max_difference <= 1e-3 * range,
+                "{preset} repack={repack}: max |Δlogit| {max_difference} over range {range}"
+            );
             // Same placement, same kernels: in fact bit-identical.
             assert_eq!(ours, theirs, "{preset} repack={repack}");
             // From an empty cache, so both sides batch the prompt the same way.
@@ -86,7 +94,13 @@ fn every_tiny_preset_has_llama_cpp_logits() {
 fn cancelling_a_long_prompt_stops_its_decode_between_graph_nodes() {
     let _machine = common::shared_machine();
     let path = common::gemma_path();
-    let options = EngineOptions { n_ctx_seq: 4096, n_batch: 2048, n_ubatch: 2048, n_threads: Some(2), ..EngineOptions::default() };
+    let options = EngineOptions {
+        n_ctx_seq: 4096,
+        n_batch: 2048,
+        n_ubatch: 2048,
+        n_threads: Some(2),
+        ..EngineOptions::default()
+    };
     let mut session = Session::new(Arc::new(Engine::open(&path, options).unwrap())).unwrap();
     let text = "The sea was calm and the sky was grey over the harbour that morning. ".repeat(120);
     let tokens = session.tokenize_prompt(&Prompt::Raw(text)).unwrap();
@@ -99,7 +113,12 @@ fn cancelling_a_long_prompt_stops_its_decode_between_graph_nodes() {
             cancel.store(true, std::sync::atomic::Ordering::Relaxed);
         })
     };
-    let request = GenerateRequest { max_tokens: Some(4), sampling: SamplerParams::greedy(), cancel: Some(cancel), ..GenerateRequest::new(Prompt::Tokens(tokens.clone())) };
+    let request = GenerateRequest {
+        max_tokens: Some(4),
+        sampling: SamplerParams::greedy(),
+        cancel: Some(cancel),
+        ..GenerateRequest::new(Prompt::Tokens(tokens.clone()))
+    };
     let output = session.generate(&request, &mut |_| Control::Continue).unwrap();
     setter.join().unwrap();
     assert_eq!(output.done_reason, DoneReason::Cancelled);
@@ -109,7 +128,16 @@ fn cancelling_a_long_prompt_stops_its_decode_between_graph_nodes() {
     assert_eq!(again.tokens.len(), 2);
 }
 
-fn greedy_tokens(session: &mut Session, tokens: Vec<hypura::engine::Token>, count: u32) -> hypura::engine::GenerateOutput {
-    let request = GenerateRequest { max_tokens: Some(count), sampling: SamplerParams::greedy(), ignore_eos: true, ..GenerateRequest::new(Prompt::Tokens(tokens)) };
+fn greedy_tokens(
+    session: &mut Session,
+    tokens: Vec<hypura::engine::Token>,
+    count: u32,
+) -> hypura::engine::GenerateOutput {
+    let request = GenerateRequest {
+        max_tokens: Some(count),
+        sampling: SamplerParams::greedy(),
+        ignore_eos: true,
+        ..GenerateRequest::new(Prompt::Tokens(tokens))
+    };
     session.generate(&request, &mut |_| Control::Continue).unwrap()
 }

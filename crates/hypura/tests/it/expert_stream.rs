@@ -26,8 +26,19 @@ fn engine_with(path: &Path, mode: Mode, cache_units: usize, policy: CachePolicy,
         cache_policy: Some(policy),
         ..PlanOptions::default()
     };
-    let plan = plan::plan(&inventory, &MachineFacts { memory_budget_bytes: 8 << 30, disk_bytes_per_sec: None, ..MachineFacts::default() }, &options).unwrap();
-    let engine_options = EngineOptions { n_ctx_seq: 512, n_threads: Some(1), repack: false, plan: Some(plan), ..EngineOptions::default() };
+    let plan = plan::plan(
+        &inventory,
+        &MachineFacts { memory_budget_bytes: 8 << 30, disk_bytes_per_sec: None, ..MachineFacts::default() },
+        &options,
+    )
+    .unwrap();
+    let engine_options = EngineOptions {
+        n_ctx_seq: 512,
+        n_threads: Some(1),
+        repack: false,
+        plan: Some(plan),
+        ..EngineOptions::default()
+    };
     let engine = Arc::new(Engine::open(path, engine_options).unwrap());
     assert_eq!(engine.mode(), mode);
     engine
@@ -35,12 +46,21 @@ fn engine_with(path: &Path, mode: Mode, cache_units: usize, policy: CachePolicy,
 
 /// Bytes of one expert of `layer`: its slice of each expert tensor.
 fn unit_bytes(inventory: &Inventory, layer: u32) -> u64 {
-    inventory.expert_tensors().filter(|tensor| tensor.layer == Some(layer)).map(|tensor| tensor.experts.unwrap().slice_bytes).sum()
+    inventory
+        .expert_tensors()
+        .filter(|tensor| tensor.layer == Some(layer))
+        .map(|tensor| tensor.experts.unwrap().slice_bytes)
+        .sum()
 }
 
 fn generate(engine: &Arc<Engine>, prompt: &str) -> hypura::engine::GenerateOutput {
     let mut session = Session::new(engine.clone()).unwrap();
-    let request = GenerateRequest { max_tokens: Some(20), sampling: SamplerParams::greedy(), ignore_eos: true, ..GenerateRequest::new(Prompt::Raw(prompt.into())) };
+    let request = GenerateRequest {
+        max_tokens: Some(20),
+        sampling: SamplerParams::greedy(),
+        ignore_eos: true,
+        ..GenerateRequest::new(Prompt::Raw(prompt.into()))
+    };
     session.generate(&request, &mut |_| Control::Continue).unwrap()
 }
 
@@ -55,7 +75,8 @@ fn expert_stream_is_bit_identical_to_resident_and_reads_only_misses() {
         let resident = engine(&path, Mode::Resident, 0, CachePolicy::Lru);
         let prompt = "the king of paris and the queen of the sea walked to the river";
         let reference = generate(&resident, prompt);
-        let reference_logits = Session::new(resident.clone()).unwrap().prompt_logits(&Prompt::Raw(prompt.into())).unwrap();
+        let reference_logits =
+            Session::new(resident.clone()).unwrap().prompt_logits(&Prompt::Raw(prompt.into())).unwrap();
         for policy in [CachePolicy::Lru, CachePolicy::Slru] {
             // The smallest cache: one layer's experts, so every layer evicts the previous one's.
             let streaming = engine(&path, Mode::ExpertStream, n_expert, policy);
@@ -66,7 +87,10 @@ fn expert_stream_is_bit_identical_to_resident_and_reads_only_misses() {
             let passes = output.stats.weight_passes();
             let experts = output.stats.experts.expect("expert stats");
             let io = output.stats.io.expect("io stats");
-            assert!(experts.misses > 0 && io.units_released > 0, "{preset} {policy:?}: the cache must miss and evict: {experts:?} {io:?}");
+            assert!(
+                experts.misses > 0 && io.units_released > 0,
+                "{preset} {policy:?}: the cache must miss and evict: {experts:?} {io:?}"
+            );
             // One router call per MoE layer per graph (the prompt and each of 20 tokens but the
             // last, which ends the answer without a decode).
             assert_eq!(experts.layer_visits, inventory.hparams.n_layer * u64::from(passes), "{preset}");
@@ -74,7 +98,12 @@ fn expert_stream_is_bit_identical_to_resident_and_reads_only_misses() {
             assert_eq!(io.observations, experts.layer_visits);
             // Each miss is read exactly once, and nothing else is.
             assert_eq!(io.units_loaded, experts.misses, "{preset} {policy:?}: {io:?}");
-            let expected: u64 = experts.misses_by_layer.iter().enumerate().map(|(layer, misses)| misses * unit_bytes(&inventory, layer as u32)).sum();
+            let expected: u64 = experts
+                .misses_by_layer
+                .iter()
+                .enumerate()
+                .map(|(layer, misses)| misses * unit_bytes(&inventory, layer as u32))
+                .sum();
             assert_eq!(io.unit_bytes_loaded, expected, "{preset} {policy:?}");
             // Each pick is a hit or a miss: k per token per layer at most.
             let picks = experts.hits + experts.misses;
@@ -90,13 +119,28 @@ fn expert_ids_from_the_router_are_recorded_in_the_trace() {
     let path = common::forge("tiny-moe-8x", directory.path());
     let trace = directory.path().join("trace.jsonl");
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_hypura"))
-        .args(["run", path.to_str().unwrap(), "--raw", "-p", "the sea", "-n", "4", "--temperature", "0", "-t", "1", "--context", "512"])
+        .args([
+            "run",
+            path.to_str().unwrap(),
+            "--raw",
+            "-p",
+            "the sea",
+            "-n",
+            "4",
+            "--temperature",
+            "0",
+            "-t",
+            "1",
+            "--context",
+            "512",
+        ])
         .args(["--mode", "expert-stream", "--expert-cache", "8", "--stats", "--trace", trace.to_str().unwrap()])
         .output()
         .unwrap();
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     let text = std::fs::read_to_string(&trace).unwrap();
-    let records: Vec<hypura::store::RouteRecord> = text.lines().map(|line| serde_json::from_str(line).unwrap()).collect();
+    let records: Vec<hypura::store::RouteRecord> =
+        text.lines().map(|line| serde_json::from_str(line).unwrap()).collect();
     // 4 layers × (prompt + 3 decoded tokens: the 4th ends the answer), top-2 of 8 experts per
     // token.
     assert_eq!(records.len(), 4 * 4);

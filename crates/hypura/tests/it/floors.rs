@@ -8,8 +8,21 @@ use std::path::{Path, PathBuf};
 use crate::common;
 
 /// The floor of each top-level module of `crates/hypura/src`.
-const FLOORS: [(&str, u32); 13] =
-    [("io", 0), ("format", 0), ("sync", 0), ("model", 1), ("plan", 2), ("store", 3), ("remote", 3), ("hw", 3), ("engine", 4), ("setup", 5), ("server", 6), ("bench", 6), ("cli", 7)];
+const FLOORS: [(&str, u32); 13] = [
+    ("io", 0),
+    ("format", 0),
+    ("sync", 0),
+    ("model", 1),
+    ("plan", 2),
+    ("store", 3),
+    ("remote", 3),
+    ("hw", 3),
+    ("engine", 4),
+    ("setup", 5),
+    ("server", 6),
+    ("bench", 6),
+    ("cli", 7),
+];
 
 fn source_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("src")
@@ -39,7 +52,12 @@ fn files_of(module: &str) -> Vec<PathBuf> {
 
 /// The code of a file without its comments (line comments, doc comments).
 fn code_of(path: &Path) -> String {
-    std::fs::read_to_string(path).unwrap().lines().map(|line| line.split("//").next().unwrap_or_default()).collect::<Vec<_>>().join("\n")
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|line| line.split("//").next().unwrap_or_default())
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// The top-level modules a file names through `crate::` (paths and `use crate::{a, b::c}`).
@@ -47,13 +65,22 @@ fn modules_named(code: &str) -> BTreeSet<String> {
     let mut named = BTreeSet::new();
     for (at, _) in code.match_indices("crate::") {
         // `hypura_crate::` or `$crate::` are not this crate's root.
-        if code[..at].chars().next_back().is_some_and(|before| before.is_alphanumeric() || before == '_' || before == '$') {
+        if code[..at]
+            .chars()
+            .next_back()
+            .is_some_and(|before| before.is_alphanumeric() || before == '_' || before == '$')
+        {
             continue;
         }
         let rest = &code[at + "crate::".len()..];
         if let Some(group) = rest.strip_prefix('{') {
             let group = &group[..group.find('}').unwrap_or(group.len())];
-            named.extend(group.split(',').map(|item| item.trim().split("::").next().unwrap_or_default().to_string()).filter(|name| !name.is_empty()));
+            named.extend(
+                group
+                    .split(',')
+                    .map(|item| item.trim().split("::").next().unwrap_or_default().to_string())
+                    .filter(|name| !name.is_empty()),
+            );
         } else {
             named.insert(rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect());
         }
@@ -77,7 +104,9 @@ fn every_module_imports_only_from_the_floors_below_it() {
                 }
                 match floor_of(&named) {
                     Some(other) if other < floor => {}
-                    Some(other) => wrong.push(format!("{} (floor {floor}) names crate::{named} (floor {other})", file.display())),
+                    Some(other) => {
+                        wrong.push(format!("{} (floor {floor}) names crate::{named} (floor {other})", file.display()))
+                    }
                     None => wrong.push(format!("{} names crate::{named}, which has no floor", file.display())),
                 }
             }
@@ -91,7 +120,8 @@ fn every_module_imports_only_from_the_floors_below_it() {
 #[test]
 fn plan_reads_only_model_engine_not_hw_server_not_cli() {
     let _turn = common::shared_machine();
-    let named_by = |module: &str| files_of(module).iter().flat_map(|file| modules_named(&code_of(file))).collect::<BTreeSet<_>>();
+    let named_by =
+        |module: &str| files_of(module).iter().flat_map(|file| modules_named(&code_of(file))).collect::<BTreeSet<_>>();
     let plan: BTreeSet<String> = named_by("plan").into_iter().filter(|name| name != "plan").collect();
     assert!(plan.iter().all(|name| name == "model" || name == "format"), "plan names {plan:?}");
     assert!(!named_by("engine").contains("hw"), "the engine names crate::hw");
@@ -115,6 +145,8 @@ fn the_fence_is_named_only_where_the_map_says() {
 fn the_import_reader_sees_groups_and_paths_but_not_comments() {
     let _turn = common::shared_machine();
     let code = "use crate::{engine::Batcher, hw};\nlet x = crate::plan::plan(a);\n// crate::cli\nmacro $crate::server";
-    let named = modules_named(&code.lines().map(|line| line.split("//").next().unwrap_or_default()).collect::<Vec<_>>().join("\n"));
+    let named = modules_named(
+        &code.lines().map(|line| line.split("//").next().unwrap_or_default()).collect::<Vec<_>>().join("\n"),
+    );
     assert_eq!(named, ["engine", "hw", "plan"].into_iter().map(String::from).collect());
 }

@@ -20,21 +20,41 @@ const PROMPT: &str = "the king of paris and the queen of the sea walked to the r
 /// Per-layer bytes of FFN and expert tensors.
 fn layer_ffn(inventory: &Inventory) -> Vec<u64> {
     (0..inventory.hparams.n_layer as u32)
-        .map(|layer| inventory.tensors.iter().filter(|tensor| tensor.layer == Some(layer) && (tensor.role.is_dense_ffn() || tensor.role.is_expert())).map(|tensor| tensor.bytes).sum())
+        .map(|layer| {
+            inventory
+                .tensors
+                .iter()
+                .filter(|tensor| tensor.layer == Some(layer) && (tensor.role.is_dense_ffn() || tensor.role.is_expert()))
+                .map(|tensor| tensor.bytes)
+                .sum()
+        })
         .collect()
 }
 
 /// The plan for these host and GPU budgets (prefetch on, a window of one layer).
 fn plan_with_budgets(inventory: &Inventory, host_bytes: u64, gpu_bytes: u64) -> Plan {
-    let facts = MachineFacts { memory_budget_bytes: host_bytes, disk_bytes_per_sec: Some(1e9), gpu_budget_bytes: gpu_bytes, ..MachineFacts::default() };
-    let options = PlanOptions { mode: ModeChoice::Auto, n_ctx: N_CTX, n_ubatch: 512, window_layers: Some(1), expert_prefetch: Some(true), ..PlanOptions::default() };
+    let facts = MachineFacts {
+        memory_budget_bytes: host_bytes,
+        disk_bytes_per_sec: Some(1e9),
+        gpu_budget_bytes: gpu_bytes,
+        ..MachineFacts::default()
+    };
+    let options = PlanOptions {
+        mode: ModeChoice::Auto,
+        n_ctx: N_CTX,
+        n_ubatch: 512,
+        window_layers: Some(1),
+        expert_prefetch: Some(true),
+        ..PlanOptions::default()
+    };
     plan::plan(inventory, &facts, &options).unwrap()
 }
 
 /// The token embedding's bytes, and those of its copy on the GPU for a model whose logits use
 /// it (no output matrix).
 fn embedding_and_tied_copy(inventory: &Inventory) -> (u64, u64) {
-    let embedding: u64 = inventory.tensors.iter().filter(|tensor| tensor.role == Role::TokenEmbedding).map(|tensor| tensor.bytes).sum();
+    let embedding: u64 =
+        inventory.tensors.iter().filter(|tensor| tensor.role == Role::TokenEmbedding).map(|tensor| tensor.bytes).sum();
     let tied = if inventory.tensors.iter().any(|tensor| tensor.role == Role::Output) { 0 } else { embedding };
     (embedding, tied)
 }
@@ -48,10 +68,20 @@ fn plan_with_gpu(inventory: &Inventory, ffn_layers: usize, host_spare: u64) -> P
     let every_token = inventory.tensor_data_bytes() - ffn.iter().sum::<u64>() - embedding;
     let compute = plan::compute_buffer_bytes(inventory, N_CTX, 512);
     let copy = ffn.iter().copied().max().unwrap();
-    let gpu = every_token + tied + plan::kv_cache_bytes(inventory, N_CTX) + compute + copy + ffn.iter().rev().take(ffn_layers).sum::<u64>();
+    let gpu = every_token
+        + tied
+        + plan::kv_cache_bytes(inventory, N_CTX)
+        + compute
+        + copy
+        + ffn.iter().rev().take(ffn_layers).sum::<u64>();
     let plan = plan_with_budgets(inventory, embedding + compute + host_spare, gpu);
     let n_layer = ffn.len() as u32;
-    assert_eq!(plan.gpu.as_ref().unwrap().ffn_layers, (n_layer - ffn_layers as u32..n_layer).collect::<Vec<_>>(), "{}", plan.render());
+    assert_eq!(
+        plan.gpu.as_ref().unwrap().ffn_layers,
+        (n_layer - ffn_layers as u32..n_layer).collect::<Vec<_>>(),
+        "{}",
+        plan.render()
+    );
     plan
 }
 
@@ -62,15 +92,24 @@ fn plan_with_gpu(inventory: &Inventory, ffn_layers: usize, host_spare: u64) -> P
 /// `host_spare` bytes of FFN, so the rest streams.
 fn plan_with_whole_layers(inventory: &Inventory, layers: usize, host_spare: u64) -> Plan {
     let n_layer = inventory.hparams.n_layer as usize;
-    let whole: Vec<u64> = (0..n_layer as u32).map(|layer| inventory.tensors.iter().filter(|tensor| tensor.layer == Some(layer)).map(|tensor| tensor.bytes).sum()).collect();
+    let whole: Vec<u64> = (0..n_layer as u32)
+        .map(|layer| {
+            inventory.tensors.iter().filter(|tensor| tensor.layer == Some(layer)).map(|tensor| tensor.bytes).sum()
+        })
+        .collect();
     let ffn = layer_ffn(inventory);
     let (embedding, tied) = embedding_and_tied_copy(inventory);
     let outside = inventory.tensor_data_bytes() - whole.iter().sum::<u64>() - embedding;
     let kv_layer = plan::kv_cache_bytes(inventory, N_CTX) / n_layer as u64;
     let compute = plan::compute_buffer_bytes(inventory, N_CTX, 512);
-    let gpu = outside + tied + compute + whole.iter().max().unwrap() + whole.iter().rev().take(layers).map(|bytes| bytes + kv_layer).sum::<u64>();
+    let gpu = outside
+        + tied
+        + compute
+        + whole.iter().max().unwrap()
+        + whole.iter().rev().take(layers).map(|bytes| bytes + kv_layer).sum::<u64>();
     let host_layers = n_layer - layers;
-    let host_fixed = embedding + (0..host_layers).map(|layer| whole[layer] - ffn[layer] + kv_layer).sum::<u64>() + compute;
+    let host_fixed =
+        embedding + (0..host_layers).map(|layer| whole[layer] - ffn[layer] + kv_layer).sum::<u64>() + compute;
     let plan = plan_with_budgets(inventory, host_fixed + host_spare, gpu);
     assert_eq!(plan.gpu.as_ref().unwrap().whole_layers, Some(host_layers as u32..n_layer as u32), "{}", plan.render());
     // The layers and the output, as llama.cpp counts them.
@@ -80,7 +119,12 @@ fn plan_with_whole_layers(inventory: &Inventory, layers: usize, host_spare: u64)
 
 fn greedy(engine: &Arc<Engine>, count: u32) -> hypura::engine::GenerateOutput {
     let mut session = Session::new(engine.clone()).unwrap();
-    let request = GenerateRequest { max_tokens: Some(count), sampling: SamplerParams::greedy(), ignore_eos: true, ..GenerateRequest::new(Prompt::Raw(PROMPT.into())) };
+    let request = GenerateRequest {
+        max_tokens: Some(count),
+        sampling: SamplerParams::greedy(),
+        ignore_eos: true,
+        ..GenerateRequest::new(Prompt::Raw(PROMPT.into()))
+    };
     session.generate(&request, &mut |_| Control::Continue).unwrap()
 }
 
@@ -98,7 +142,9 @@ fn assert_same_as_llama_cpp(path: &Path, plan: Plan, mode: Mode, hooked_layers: 
                 .tensors
                 .iter()
                 .filter(|tensor| tensor.tier != Tier::Gpu && tensor.name != "token_embd.weight")
-                .filter(|tensor| whole_layers.as_ref().is_none_or(|layers| tensor.layer.is_some_and(|layer| layers.contains(&layer))))
+                .filter(|tensor| {
+                    whole_layers.as_ref().is_none_or(|layers| tensor.layer.is_some_and(|layer| layers.contains(&layer)))
+                })
                 .count();
             assert_eq!(host_patterns.len(), host);
             assert_eq!(host > 0, whole_layers.is_none());
@@ -106,7 +152,13 @@ fn assert_same_as_llama_cpp(path: &Path, plan: Plan, mode: Mode, hooked_layers: 
         other => panic!("{other:?}"),
     }
     let n_gpu_layers = plan.n_gpu_layers();
-    let options = EngineOptions { n_ctx_seq: N_CTX, n_threads: Some(1), repack: false, plan: Some(plan), ..EngineOptions::default() };
+    let options = EngineOptions {
+        n_ctx_seq: N_CTX,
+        n_threads: Some(1),
+        repack: false,
+        plan: Some(plan),
+        ..EngineOptions::default()
+    };
     let engine = Arc::new(Engine::open(path, options).unwrap());
     assert_eq!(engine.mode(), mode);
     let ours = greedy(&engine, 32);
@@ -129,12 +181,18 @@ fn expert_layers_on_the_gpu_are_not_streamed_and_tokens_equal_llama_cpp_with_tha
     let path = common::forge("tiny-moe-8x", directory.path());
     let inventory = Inventory::open(&path).unwrap();
     let n_expert = inventory.hparams.n_expert;
-    let unit: u64 = inventory.expert_tensors().filter(|tensor| tensor.layer == Some(0)).map(|tensor| tensor.experts.unwrap().slice_bytes).sum();
+    let unit: u64 = inventory
+        .expert_tensors()
+        .filter(|tensor| tensor.layer == Some(0))
+        .map(|tensor| tensor.experts.unwrap().slice_bytes)
+        .sum();
     // 4 layers: the GPU holds the experts of the last 2, the host streams the first 2 through
     // a cache of one layer's experts (plus the dense parts: routers are on the GPU).
     let plan = plan_with_gpu(&inventory, 2, n_expert * unit + unit / 2);
     assert_eq!(plan.mode, Mode::ExpertStream, "{}", plan.render());
-    assert!(plan.streamed_tensors().all(|tensor| tensor.name.starts_with("blk.0.") || tensor.name.starts_with("blk.1.")));
+    assert!(plan
+        .streamed_tensors()
+        .all(|tensor| tensor.name.starts_with("blk.0.") || tensor.name.starts_with("blk.1.")));
     // The expert hook stops only at the streamed layers, none of the GPU's.
     assert_same_as_llama_cpp(&path, plan, Mode::ExpertStream, 2);
 }

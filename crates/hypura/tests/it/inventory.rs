@@ -16,7 +16,8 @@ fn gemma_inventory_matches_the_file() {
     let by_role: u64 = inventory.bytes_by_role().values().sum();
     assert_eq!(by_role, inventory.tensor_data_bytes(), "role totals must add up to the tensor data");
     let by_layer: u64 = inventory.bytes_by_layer().iter().sum();
-    let outside_layers: u64 = inventory.tensors.iter().filter(|tensor| tensor.layer.is_none()).map(|tensor| tensor.bytes).sum();
+    let outside_layers: u64 =
+        inventory.tensors.iter().filter(|tensor| tensor.layer.is_none()).map(|tensor| tensor.bytes).sum();
     assert_eq!(by_layer + outside_layers, inventory.tensor_data_bytes());
     assert!(inventory.tensor_data_bytes() < inventory.file_bytes);
     // Gemma 3: 13 tensors per layer (q/k norms, post-attention and post-FFN norms included).
@@ -46,12 +47,20 @@ fn forged_moe_has_expert_slices_that_tile_each_tensor() {
             assert_eq!(slices.n_expert, n_expert);
             assert_eq!(slices.slice_bytes * n_expert, tensor.bytes);
             let last = slices.range(tensor.file_offset, n_expert - 1);
-            assert_eq!(last.end, tensor.file_offset + tensor.bytes, "{}: slices must end at the tensor's end", tensor.name);
+            assert_eq!(
+                last.end,
+                tensor.file_offset + tensor.bytes,
+                "{}: slices must end at the tensor's end",
+                tensor.name
+            );
             // A slice is exactly one expert's rows: [ne0, ne1] elements of the tensor's type.
             let per_expert = tensor.ggml_type.tensor_bytes(&tensor.dims[..2]).unwrap();
             assert_eq!(slices.slice_bytes, per_expert);
         }
-        assert_eq!(inventory.tensors.iter().filter(|tensor| tensor.role == Role::Router).count() as u64, inventory.hparams.n_layer);
+        assert_eq!(
+            inventory.tensors.iter().filter(|tensor| tensor.role == Role::Router).count() as u64,
+            inventory.hparams.n_layer
+        );
         assert_eq!(inventory.tensors.iter().filter(|tensor| tensor.role == Role::Other).count(), 0, "{preset}");
     }
 }
@@ -64,7 +73,10 @@ fn forged_moe_has_expert_slices_that_tile_each_tensor() {
 fn every_moe_architecture_slices_its_experts_under_every_mix() {
     let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
-    let presets: Vec<&str> = hypura_forge::presets().into_iter().filter(|name| name.starts_with("tiny-") && hypura_forge::preset(name).unwrap().is_moe()).collect();
+    let presets: Vec<&str> = hypura_forge::presets()
+        .into_iter()
+        .filter(|name| name.starts_with("tiny-") && hypura_forge::preset(name).unwrap().is_moe())
+        .collect();
     assert!(presets.len() >= 13, "{presets:?}");
     let mut types_seen = std::collections::BTreeSet::new();
     for preset in presets {
@@ -72,7 +84,12 @@ fn every_moe_architecture_slices_its_experts_under_every_mix() {
             let path = common::forge_with(preset, directory.path(), |spec| spec.quant = quant);
             let inventory = Inventory::open(&path).unwrap();
             let label = format!("{preset} {quant}");
-            let others: Vec<&str> = inventory.tensors.iter().filter(|tensor| tensor.role == Role::Other).map(|tensor| tensor.name.as_str()).collect();
+            let others: Vec<&str> = inventory
+                .tensors
+                .iter()
+                .filter(|tensor| tensor.role == Role::Other)
+                .map(|tensor| tensor.name.as_str())
+                .collect();
             assert!(others.is_empty(), "{label}: {others:?}");
             let experts: Vec<_> = inventory.expert_tensors().collect();
             assert!(!experts.is_empty(), "{label}");
@@ -80,8 +97,16 @@ fn every_moe_architecture_slices_its_experts_under_every_mix() {
                 let slices = tensor.experts.unwrap();
                 assert_eq!(tensor.dims.len(), 3, "{label}: {}", tensor.name);
                 assert_eq!(slices.n_expert, tensor.dims[2], "{label}: {}", tensor.name);
-                assert_eq!(slices.slice_bytes, tensor.ggml_type.tensor_bytes(&tensor.dims[..2]).unwrap(), "{label}: {}", tensor.name);
-                assert_eq!(slices.range(tensor.file_offset, slices.n_expert - 1).end, tensor.file_offset + tensor.bytes);
+                assert_eq!(
+                    slices.slice_bytes,
+                    tensor.ggml_type.tensor_bytes(&tensor.dims[..2]).unwrap(),
+                    "{label}: {}",
+                    tensor.name
+                );
+                assert_eq!(
+                    slices.range(tensor.file_offset, slices.n_expert - 1).end,
+                    tensor.file_offset + tensor.bytes
+                );
                 types_seen.insert(tensor.ggml_type.name());
             }
             for tensor in inventory.tensors.iter().filter(|tensor| tensor.role == Role::ExpertBias) {
@@ -110,7 +135,10 @@ fn forged_dense_models_classify_every_tensor() {
         assert_eq!(inventory.hparams.n_layer, spec.shape.n_layer);
         assert_eq!(inventory.hparams.n_head_kv, spec.shape.n_head_kv);
         assert_eq!(inventory.hparams.head_dim_k, spec.shape.head_dim);
-        assert_eq!(inventory.tensors.iter().filter(|tensor| tensor.role.is_dense_ffn()).count() as u64, 3 * spec.shape.n_layer);
+        assert_eq!(
+            inventory.tensors.iter().filter(|tensor| tensor.role.is_dense_ffn()).count() as u64,
+            3 * spec.shape.n_layer
+        );
         assert_eq!(inventory.tensors.iter().filter(|tensor| tensor.role == Role::Other).count(), 0, "{preset}");
         let mix = inventory.quantization_mix();
         assert!(mix.iter().any(|(ggml_type, _, _)| *ggml_type == GgmlType::Q4_K), "{preset}: Q4_K_M mix has q4_K");
@@ -163,7 +191,11 @@ fn context_memory_matches_what_llama_cpp_allocates() {
     let directory = tempfile::tempdir().unwrap();
     let memory = |preset: &str| {
         let inventory = Inventory::open(&common::forge(preset, directory.path())).unwrap();
-        (hypura::plan::kv_cache_bytes(&inventory, 1024), inventory.hparams.recurrent_state_bytes, inventory.hparams.n_layer_kv)
+        (
+            hypura::plan::kv_cache_bytes(&inventory, 1024),
+            inventory.hparams.recurrent_state_bytes,
+            inventory.hparams.n_layer_kv,
+        )
     };
     let (kv, state, layers) = memory("tiny-qwen35moe");
     assert_eq!((kv, layers), (512 << 10, 1));

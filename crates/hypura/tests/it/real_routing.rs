@@ -55,8 +55,16 @@ fn every_expert_used_predicts_as_the_dense_model_and_fewer_keep_less() {
         convert(&dense, &path, 8, used, None);
         agreements.push(agreement(&dense_next, &next_tokens(&path, TEXT)));
     }
-    eprintln!("next-token agreement with the dense model: every expert {all_agreement:.2}, top-6 {:.2}, top-2 {:.2}", agreements[0], agreements[1]);
-    assert!(agreements[0] > agreements[1] && agreements[0] < all_agreement + 1e-9, "top-6 {:.2}, top-2 {:.2}, all {all_agreement:.2}", agreements[0], agreements[1]);
+    eprintln!(
+        "next-token agreement with the dense model: every expert {all_agreement:.2}, top-6 {:.2}, top-2 {:.2}",
+        agreements[0], agreements[1]
+    );
+    assert!(
+        agreements[0] > agreements[1] && agreements[0] < all_agreement + 1e-9,
+        "top-6 {:.2}, top-2 {:.2}, all {all_agreement:.2}",
+        agreements[0],
+        agreements[1]
+    );
 }
 
 #[test]
@@ -69,7 +77,20 @@ fn a_trace_of_real_routing_changes_from_token_to_token_and_simulates() {
     let trace = directory.path().join("trace.jsonl");
     let hypura = env!("CARGO_BIN_EXE_hypura");
     let run = Command::new(hypura)
-        .args(["run", "--threads", "2", "--context", "512", "--mode", "expert-stream", "--temperature", "0", "-n", "64", "--trace"])
+        .args([
+            "run",
+            "--threads",
+            "2",
+            "--context",
+            "512",
+            "--mode",
+            "expert-stream",
+            "--temperature",
+            "0",
+            "-n",
+            "64",
+            "--trace",
+        ])
         .arg(&trace)
         .arg("-m")
         .arg(&model)
@@ -79,17 +100,22 @@ fn a_trace_of_real_routing_changes_from_token_to_token_and_simulates() {
     assert!(run.status.success(), "hypura run: {}", String::from_utf8_lossy(&run.stderr));
     let text = String::from_utf8_lossy(&run.stdout);
     assert!(text.to_lowercase().contains("hash"), "the converted model should still answer: {text:?}");
-    let records: Vec<RouteRecord> = std::fs::read_to_string(&trace).unwrap().lines().map(|line| serde_json::from_str(line).unwrap()).collect();
+    let records: Vec<RouteRecord> =
+        std::fs::read_to_string(&trace).unwrap().lines().map(|line| serde_json::from_str(line).unwrap()).collect();
     let layers: HashSet<u32> = records.iter().map(|record| record.layer).collect();
     assert_eq!(layers.len(), 24, "every layer routes");
     let mut changed = 0usize;
     let mut picks = 0usize;
     for layer in 0..24 {
-        let rows: Vec<&Vec<i32>> = records.iter().filter(|record| record.layer == layer).flat_map(|record| &record.experts).collect();
+        let rows: Vec<&Vec<i32>> =
+            records.iter().filter(|record| record.layer == layer).flat_map(|record| &record.experts).collect();
         assert!(rows.len() >= 64, "layer {layer}: {} routed tokens", rows.len());
         for row in &rows {
             let distinct: HashSet<i32> = row.iter().copied().collect();
-            assert!(row.len() == 8 && distinct.len() == 8 && row.iter().all(|&expert| (0..16).contains(&expert)), "layer {layer}: picks {row:?}");
+            assert!(
+                row.len() == 8 && distinct.len() == 8 && row.iter().all(|&expert| (0..16).contains(&expert)),
+                "layer {layer}: picks {row:?}"
+            );
         }
         for pair in rows.windows(2) {
             let before: HashSet<i32> = pair[0].iter().copied().collect();
@@ -101,10 +127,16 @@ fn a_trace_of_real_routing_changes_from_token_to_token_and_simulates() {
     let change = changed as f64 / picks as f64;
     assert!((0.1..0.45).contains(&change), "{change:.3} of picks are new from one token to the next");
 
-    let simulate = Command::new(hypura).args(["simulate", "--json", "--capacity", "192,336", "--model"]).arg(&model).arg(&trace).output().unwrap();
+    let simulate = Command::new(hypura)
+        .args(["simulate", "--json", "--capacity", "192,336", "--model"])
+        .arg(&model)
+        .arg(&trace)
+        .output()
+        .unwrap();
     assert!(simulate.status.success(), "hypura simulate: {}", String::from_utf8_lossy(&simulate.stderr));
     let results: serde_json::Value = serde_json::from_slice(&simulate.stdout).unwrap();
-    let rates: Vec<f64> = results.as_array().unwrap().iter().map(|result| result["hit_rate"].as_f64().unwrap()).collect();
+    let rates: Vec<f64> =
+        results.as_array().unwrap().iter().map(|result| result["hit_rate"].as_f64().unwrap()).collect();
     assert_eq!(rates.len(), 4, "{results}");
     assert!(rates.iter().all(|rate| (0.0..1.0).contains(rate)), "{results}");
 }

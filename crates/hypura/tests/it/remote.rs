@@ -28,7 +28,12 @@ struct Worker {
 impl Worker {
     fn start(lent: &str, cgroup_limit_bytes: u64) -> Worker {
         let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let child = Command::new(env!("CARGO_BIN_EXE_hypura")).args(["rpc-server", "--port", &port.to_string(), "--mem", lent, "-t", "1"]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_hypura"))
+            .args(["rpc-server", "--port", &port.to_string(), "--mem", lent, "-t", "1"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
         // The worker allocates nothing before a client connects, so moving it in now is in time.
         let cgroup = memory_cgroup(&format!("hypura-test-worker-{port}"), cgroup_limit_bytes);
         if let Some(cgroup) = &cgroup {
@@ -49,7 +54,12 @@ impl Worker {
     /// The worker's peak resident memory (VmHWM), in bytes.
     fn peak_bytes(&self) -> u64 {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
-        status.lines().find_map(|line| line.strip_prefix("VmHWM:")).and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse::<u64>().ok()).expect("VmHWM") * 1024
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix("VmHWM:"))
+            .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .expect("VmHWM")
+            * 1024
     }
 
     fn kill(&mut self) {
@@ -100,7 +110,11 @@ fn greedy_run(model: &str, extra: &[&str]) -> (String, String) {
 fn peak_rss(stderr: &str) -> u64 {
     stderr
         .lines()
-        .find_map(|line| line.strip_prefix("peak memory ").and_then(|rest| rest.split('(').nth(1)).and_then(|rest| rest.split(' ').next()))
+        .find_map(|line| {
+            line.strip_prefix("peak memory ")
+                .and_then(|rest| rest.split('(').nth(1))
+                .and_then(|rest| rest.split(' ').next())
+        })
         .and_then(|number| number.parse().ok())
         .unwrap_or_else(|| panic!("no peak memory line in {stderr}"))
 }
@@ -119,7 +133,8 @@ fn two_workers_hold_the_last_layers_and_the_greedy_text_is_the_resident_text() {
     let inspect = hypura(&[&["inspect", model, "--json", "-c", "512"][..], &flags].concat());
     assert!(inspect.status.success(), "{}", String::from_utf8_lossy(&inspect.stderr));
     let report: serde_json::Value = serde_json::from_slice(&inspect.stdout).unwrap();
-    let shares = report["plan"]["remote"]["shares"].as_array().unwrap_or_else(|| panic!("no remote tier: {}", report["plan"]));
+    let shares =
+        report["plan"]["remote"]["shares"].as_array().unwrap_or_else(|| panic!("no remote tier: {}", report["plan"]));
     assert_eq!(shares.len(), 2, "both workers hold layers: {shares:?}");
     let n_layer = report["hparams"]["n_layer"].as_u64().unwrap();
     assert_eq!(shares[1]["layers"]["end"].as_u64(), Some(n_layer), "the last device holds the last layers");
@@ -155,13 +170,19 @@ fn a_worker_that_is_down_at_start_is_named() {
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let endpoint = format!("127.0.0.1:{port}");
     for command in ["run", "inspect"] {
-        let output = hypura(&[command, model.to_str().unwrap(), "--rpc", &endpoint, "-p", "hi"][..if command == "run" { 6 } else { 4 }]);
+        let output = hypura(
+            &[command, model.to_str().unwrap(), "--rpc", &endpoint, "-p", "hi"][..if command == "run" { 6 } else { 4 }],
+        );
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert_eq!(output.status.code(), Some(1), "{stderr}");
         assert!(stderr.contains(&format!("RPC worker {endpoint} is not answering")), "{stderr}");
     }
     let output = hypura(&["run", model.to_str().unwrap(), "--rpc", "nowhere", "-p", "hi"]);
-    assert!(String::from_utf8_lossy(&output.stderr).contains("\"nowhere\" is not HOST:PORT"), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("\"nowhere\" is not HOST:PORT"),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
 }
 
 /// Kill a worker while the server streams an answer through it: that request ends with an error
@@ -176,7 +197,17 @@ fn a_worker_killed_mid_answer_fails_that_request_and_the_next_one_is_planned_wit
     let rpc = format!("{},{}", workers[0].endpoint, workers[1].endpoint);
     let directory = tempfile::tempdir().unwrap();
     let server = common::Server::start(
-        &[model.to_str().unwrap().to_string(), "--rpc".into(), rpc, "--memory-budget".into(), HOST_BUDGET.into(), "-c".into(), "512".into(), "--parallel".into(), "1".into()],
+        &[
+            model.to_str().unwrap().to_string(),
+            "--rpc".into(),
+            rpc,
+            "--memory-budget".into(),
+            HOST_BUDGET.into(),
+            "-c".into(),
+            "512".into(),
+            "--parallel".into(),
+            "1".into(),
+        ],
         directory.path().join("serve.log"),
     );
     let name = server.get("/api/tags")["models"][0]["name"].as_str().expect("the served model").to_string();
@@ -215,8 +246,17 @@ fn a_worker_killed_mid_answer_fails_that_request_and_the_next_one_is_planned_wit
     let reply = server.post("/api/generate", &serde_json::json!({"model": name, "prompt": PROMPT, "raw": false, "stream": false, "options": {"temperature": 0, "num_predict": 24}}));
     let log = server.log_text();
     assert!(log.contains(&format!("without a worker: RPC worker {} is not answering", workers[1].endpoint)), "{log}");
-    let resident =
-        common::Server::start(&[model.to_str().unwrap().to_string(), "--no-repack".into(), "-c".into(), "512".into(), "--parallel".into(), "1".into()], directory.path().join("resident.log"));
+    let resident = common::Server::start(
+        &[
+            model.to_str().unwrap().to_string(),
+            "--no-repack".into(),
+            "-c".into(),
+            "512".into(),
+            "--parallel".into(),
+            "1".into(),
+        ],
+        directory.path().join("resident.log"),
+    );
     let expected = resident.post("/api/generate", &serde_json::json!({"model": name, "prompt": PROMPT, "stream": false, "options": {"temperature": 0, "num_predict": 24}}));
     assert_eq!(reply["response"], expected["response"], "{log}");
 }
@@ -229,7 +269,8 @@ fn a_worker_with_less_memory_than_planned_is_refused_at_load_and_its_link_is_pro
     let model = common::chat_model_path();
     let lent = hypura::cli::settings::parse_bytes(LENT).unwrap();
     let worker = Worker::start(LENT, lent + (160 << 20));
-    let workers = hypura::remote::Workers::connect(std::slice::from_ref(&worker.endpoint), Duration::ZERO, false).unwrap();
+    let workers =
+        hypura::remote::Workers::connect(std::slice::from_ref(&worker.endpoint), Duration::ZERO, false).unwrap();
     assert_eq!(workers.devices.len(), 1);
     // What it lends, less what the server itself took since it started (a client's
     // connection: a few MiB at most).
@@ -249,21 +290,49 @@ fn a_worker_with_less_memory_than_planned_is_refused_at_load_and_its_link_is_pro
     let hypura::plan::Choice { n_ctx_seq, n_batch, plan } = hypura::setup::choose(&inventory, &spec, &facts).unwrap();
     let share = plan.remote.as_ref().expect("a remote tier").shares[0].clone();
     assert!(share.total_bytes() > lent, "{share:?}");
-    let options = hypura::engine::EngineOptions { n_ctx_seq, n_batch, n_ubatch: n_batch, repack: false, plan: Some(plan), remote: Some(workers.clone()), ..hypura::engine::EngineOptions::default() };
+    let options = hypura::engine::EngineOptions {
+        n_ctx_seq,
+        n_batch,
+        n_ubatch: n_batch,
+        repack: false,
+        plan: Some(plan),
+        remote: Some(workers.clone()),
+        ..hypura::engine::EngineOptions::default()
+    };
     let error = hypura::engine::Engine::load(inventory.clone(), options).err().expect("refused at load").to_string();
-    assert!(error.contains(&format!("RPC worker {}", worker.endpoint)) && error.contains("MiB free, and the plan puts"), "{error}");
+    assert!(
+        error.contains(&format!("RPC worker {}", worker.endpoint)) && error.contains("MiB free, and the plan puts"),
+        "{error}"
+    );
 
     // Planned with what it has, the model loads; the worker then reports what its layers took
     // out of what it lends, and a second model is planned in what is left.
     let facts = hypura::setup::machine_facts(&spec, &model).unwrap();
     let hypura::plan::Choice { n_ctx_seq, n_batch, plan } = hypura::setup::choose(&inventory, &spec, &facts).unwrap();
     let share = plan.remote.as_ref().expect("a remote tier").shares[0].clone();
-    let options = hypura::engine::EngineOptions { n_ctx_seq, n_batch, n_ubatch: n_batch, repack: false, plan: Some(plan), remote: Some(workers.clone()), ..hypura::engine::EngineOptions::default() };
+    let options = hypura::engine::EngineOptions {
+        n_ctx_seq,
+        n_batch,
+        n_ubatch: n_batch,
+        repack: false,
+        plan: Some(plan),
+        remote: Some(workers.clone()),
+        ..hypura::engine::EngineOptions::default()
+    };
     let engine = hypura::engine::Engine::load(inventory.clone(), options).unwrap();
     let left = workers.facts()[0].free_bytes;
-    assert!(left + share.weight_bytes <= free, "{left} bytes left of {free} with {} of weights there", share.weight_bytes);
-    let second = hypura::setup::choose(&inventory, &spec, &hypura::setup::machine_facts(&spec, &model).unwrap()).unwrap().plan;
-    assert!(second.remote.as_ref().is_none_or(|remote| remote.layers.len() < share.layers.len()), "{}", second.render());
+    assert!(
+        left + share.weight_bytes <= free,
+        "{left} bytes left of {free} with {} of weights there",
+        share.weight_bytes
+    );
+    let second =
+        hypura::setup::choose(&inventory, &spec, &hypura::setup::machine_facts(&spec, &model).unwrap()).unwrap().plan;
+    assert!(
+        second.remote.as_ref().is_none_or(|remote| remote.layers.len() < share.layers.len()),
+        "{}",
+        second.render()
+    );
     drop(engine);
 
     let link = hypura::remote::profile_link(&worker.endpoint, 10, 4 << 20).unwrap();
@@ -290,24 +359,43 @@ fn remote_and_local_streaming_are_weighed_each_at_its_own_batch() {
     let facts = |round_trip_secs: f64| hypura::plan::MachineFacts {
         disk_bytes_per_sec: Some(1e9),
         compute_seconds_per_token: None,
-        remote_devices: vec![hypura::plan::RemoteDeviceFacts { name: "RPC0".into(), worker: "10.0.0.2:50052".into(), free_bytes: 400 << 20, round_trip_secs, link_bytes_per_sec: Some(1e8) }],
+        remote_devices: vec![hypura::plan::RemoteDeviceFacts {
+            name: "RPC0".into(),
+            worker: "10.0.0.2:50052".into(),
+            free_bytes: 400 << 20,
+            round_trip_secs,
+            link_bytes_per_sec: Some(1e8),
+        }],
         ..hypura::setup::machine_facts(&spec, &model).unwrap()
     };
     // At the default batch the host cannot stream alone (its compute buffers are too large).
-    let at_default = hypura::plan::plan_for(&inventory, &hypura::plan::MachineFacts { remote_devices: Vec::new(), ..facts(1e-4) }, &spec.ask().unwrap());
+    let at_default = hypura::plan::plan_for(
+        &inventory,
+        &hypura::plan::MachineFacts { remote_devices: Vec::new(), ..facts(1e-4) },
+        &spec.ask().unwrap(),
+    );
     assert!(at_default.is_err(), "the test needs a budget too small for 512-token batches alone");
 
     let near = hypura::setup::choose(&inventory, &spec, &facts(1e-4)).unwrap().plan;
     let remote = near.remote.as_ref().unwrap_or_else(|| panic!("{}", near.render()));
-    assert!(remote.local_seconds_per_token.is_finite() && remote.local_seconds_per_token > remote.predicted_seconds_per_token, "{remote:?}");
+    assert!(
+        remote.local_seconds_per_token.is_finite()
+            && remote.local_seconds_per_token > remote.predicted_seconds_per_token,
+        "{remote:?}"
+    );
 
     // A link whose round trip costs more than the streamed bytes it saves: local streaming, at
     // the batch it fits.
-    let hypura::plan::Choice { n_batch, plan: far, .. } = hypura::setup::choose(&inventory, &spec, &facts(remote.local_seconds_per_token)).unwrap();
+    let hypura::plan::Choice { n_batch, plan: far, .. } =
+        hypura::setup::choose(&inventory, &spec, &facts(remote.local_seconds_per_token)).unwrap();
     assert!(far.remote.is_none(), "{}", far.render());
     assert!(n_batch < 512);
     let why = far.remote_unused.as_deref().unwrap_or_default();
-    assert!(why.contains("streaming locally alone is predicted faster") && why.contains(&format!("prompt batches of {n_batch}")), "{why}");
+    assert!(
+        why.contains("streaming locally alone is predicted faster")
+            && why.contains(&format!("prompt batches of {n_batch}")),
+        "{why}"
+    );
 }
 
 /// A model without an output matrix computes its logits with a copy of the token embedding,

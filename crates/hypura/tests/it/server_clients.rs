@@ -10,7 +10,10 @@ use hypura::plan::Mode;
 use crate::common::{self, streaming_budget, Server};
 
 fn require_clients() {
-    let status = Command::new("python3").args(["-c", "import ollama, openai, httpx"]).status().expect("python3 is needed for the client tests");
+    let status = Command::new("python3")
+        .args(["-c", "import ollama, openai, httpx"])
+        .status()
+        .expect("python3 is needed for the client tests");
     assert!(status.success(), "the Python clients are missing: pip install ollama openai (scripts/test does)");
 }
 
@@ -28,11 +31,26 @@ fn python_clients_against_gemma_and_tiny_moe() {
     // Without repacking, a row's arithmetic does not depend on the batch it is in, so a seeded
     // request gives the same answer whether or not its prompt prefix was cached.
     let mut arguments = vec![gemma.display().to_string(), moe.display().to_string()];
-    arguments.extend(strings(&["--context", "1024", "--parallel", "4", "--mode", "resident", "--no-repack", "--threads", "2"]));
+    arguments.extend(strings(&[
+        "--context",
+        "1024",
+        "--parallel",
+        "4",
+        "--mode",
+        "resident",
+        "--no-repack",
+        "--threads",
+        "2",
+    ]));
     let server = Server::start(&arguments, directory.path().join("serve.log"));
     let stem = gemma.file_stem().unwrap().to_str().unwrap().to_ascii_lowercase();
     let output = server.python("clients.py", &[stem, "tiny-moe-8x".into()]);
-    assert!(output.contains("ollama client: ok") && output.contains("openai client: ok") && output.contains("tiny-moe-8x: ok"), "{output}");
+    assert!(
+        output.contains("ollama client: ok")
+            && output.contains("openai client: ok")
+            && output.contains("tiny-moe-8x: ok"),
+        "{output}"
+    );
 }
 
 /// Serve one forged model in a streaming mode, through the plan, and drive it with the clients.
@@ -45,7 +63,16 @@ fn streaming_model(preset: &str, mode: Mode) {
     // `serve` plans KV cache for every parallel sequence.
     let budget = streaming_budget(&model, mode, context * parallel);
     let mut arguments = vec![model.display().to_string()];
-    arguments.extend(strings(&["--context", &context.to_string(), "--parallel", &parallel.to_string(), "--mode", mode.name(), "--window", "2"]));
+    arguments.extend(strings(&[
+        "--context",
+        &context.to_string(),
+        "--parallel",
+        &parallel.to_string(),
+        "--mode",
+        mode.name(),
+        "--window",
+        "2",
+    ]));
     arguments.extend(["--memory-budget".to_string(), budget.to_string(), "--threads".into(), "2".into()]);
     let server = Server::start(&arguments, directory.path().join("serve.log"));
     let output = server.python("clients.py", &["--extra-only".into(), preset.into()]);

@@ -35,7 +35,13 @@ fn a_greedy_answer_repeats_with_its_prefix_cached_and_another_request_in_the_bat
     let server = Server::start(&arguments, directory.path().join("serve.log"));
     let model = model_name(&gemma);
     let neighbour = greedy(&model, "List the planets of the solar system, from the closest to the sun to the farthest, with one fact about each of them.", 64);
-    let prompts = ["Name three colours.", "What is two plus two?", "Describe a cat.", "Write a limerick about a frog.", "Why is the sky blue? Explain it to a child."];
+    let prompts = [
+        "Name three colours.",
+        "What is two plus two?",
+        "Describe a cat.",
+        "Write a limerick about a frog.",
+        "Why is the sky blue? Explain it to a child.",
+    ];
     for prompt in prompts {
         let request = greedy(&model, prompt, 64);
         let first = server.post("/api/generate", &request);
@@ -48,7 +54,10 @@ fn a_greedy_answer_repeats_with_its_prefix_cached_and_another_request_in_the_bat
                 let other = scope.spawn(|| server.post("/api/generate", &neighbour));
                 let answer = answer.join().unwrap();
                 let other = other.join().unwrap();
-                assert!(answer["hypura_prompt_cached"].as_u64().unwrap() > 0, "{prompt:?} round {round}: the prefix was not reused: {answer}");
+                assert!(
+                    answer["hypura_prompt_cached"].as_u64().unwrap() > 0,
+                    "{prompt:?} round {round}: the prefix was not reused: {answer}"
+                );
                 assert!(other["eval_count"].as_u64().unwrap() > 0, "{other}");
                 assert_eq!(answer["response"], first["response"], "{prompt:?} round {round}: a greedy answer changed with its prefix cached and a neighbour in the batch");
             });
@@ -60,7 +69,15 @@ fn a_greedy_answer_repeats_with_its_prefix_cached_and_another_request_in_the_bat
 fn streaming_equals_resident(model: &std::path::Path, mode: Mode, prompts: &[&str]) {
     let directory = tempfile::tempdir().unwrap();
     let (context, parallel) = (256, 2);
-    let common_arguments = strings(&["--context", &context.to_string(), "--parallel", &parallel.to_string(), "--threads", "2", "--batch-invariant"]);
+    let common_arguments = strings(&[
+        "--context",
+        &context.to_string(),
+        "--parallel",
+        &parallel.to_string(),
+        "--threads",
+        "2",
+        "--batch-invariant",
+    ]);
     let answers = |extra: Vec<String>| -> Vec<Value> {
         let mut arguments = vec![model.display().to_string()];
         arguments.extend(common_arguments.clone());
@@ -70,7 +87,14 @@ fn streaming_equals_resident(model: &std::path::Path, mode: Mode, prompts: &[&st
     };
     let resident = answers(strings(&["--mode", "resident"]));
     let budget = streaming_budget(model, mode, context * parallel);
-    let streamed = answers(vec!["--mode".into(), mode.name().into(), "--window".into(), "2".into(), "--memory-budget".into(), budget.to_string()]);
+    let streamed = answers(vec![
+        "--mode".into(),
+        mode.name().into(),
+        "--window".into(),
+        "2".into(),
+        "--memory-budget".into(),
+        budget.to_string(),
+    ]);
     for ((prompt, resident), streamed) in prompts.iter().zip(&resident).zip(&streamed) {
         assert!(resident.get("hypura_bytes_read").is_none(), "the resident server streamed: {resident}");
         assert!(streamed["hypura_bytes_read"].as_u64().unwrap() > 0, "{} read nothing: {streamed}", mode.name());
@@ -82,7 +106,11 @@ fn streaming_equals_resident(model: &std::path::Path, mode: Mode, prompts: &[&st
 #[test]
 fn greedy_text_from_the_server_in_dense_stream_equals_resident() {
     let _machine = common::whole_machine();
-    streaming_equals_resident(&common::gemma_path(), Mode::DenseStream, &["The capital of France is", "Write a haiku about the sea."]);
+    streaming_equals_resident(
+        &common::gemma_path(),
+        Mode::DenseStream,
+        &["The capital of France is", "Write a haiku about the sea."],
+    );
 }
 
 #[test]

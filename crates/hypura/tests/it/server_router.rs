@@ -20,12 +20,25 @@ use crate::common;
 /// How the test models load: batch-invariant kernels (`hypura serve --batch-invariant`), so
 /// parallel sequences give exactly the answers they give alone.
 fn run() -> RunSpec {
-    RunSpec { n_ctx_seq: Some(512), n_batch: 256, n_threads: Some(2), repack: false, batch_invariant: true, ..RunSpec::default() }
+    RunSpec {
+        n_ctx_seq: Some(512),
+        n_batch: 256,
+        n_threads: Some(2),
+        repack: false,
+        batch_invariant: true,
+        ..RunSpec::default()
+    }
 }
 
 fn app_with(files: Vec<PathBuf>, n_parallel: u32, max_queue: usize, http: HttpConfig) -> Router {
     let catalog = Catalog { files, ..Catalog::default() };
-    let scheduler = SchedulerConfig { n_parallel, max_queue, default_keep_alive: KeepAlive::For(Duration::from_secs(300)), run: run(), embedding_context: 128 };
+    let scheduler = SchedulerConfig {
+        n_parallel,
+        max_queue,
+        default_keep_alive: KeepAlive::For(Duration::from_secs(300)),
+        run: run(),
+        embedding_context: 128,
+    };
     router(AppState::new(catalog, scheduler, http))
 }
 
@@ -41,17 +54,23 @@ struct Reply {
 
 impl Reply {
     fn json(&self) -> Value {
-        serde_json::from_slice(&self.body).unwrap_or_else(|error| panic!("{error}: {}", String::from_utf8_lossy(&self.body)))
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|error| panic!("{error}: {}", String::from_utf8_lossy(&self.body)))
     }
 
     fn lines(&self) -> Vec<Value> {
         let text = String::from_utf8(self.body.clone()).unwrap();
         assert!(text.ends_with('\n'), "{text}");
-        text.split_terminator('\n').map(|line| serde_json::from_str(line).unwrap_or_else(|error| panic!("{error}: {line:?}"))).collect()
+        text.split_terminator('\n')
+            .map(|line| serde_json::from_str(line).unwrap_or_else(|error| panic!("{error}: {line:?}")))
+            .collect()
     }
 
     fn error(&self) -> String {
-        self.json()["error"].as_str().unwrap_or_else(|| panic!("no error string: {}", String::from_utf8_lossy(&self.body))).to_string()
+        self.json()["error"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no error string: {}", String::from_utf8_lossy(&self.body)))
+            .to_string()
     }
 }
 
@@ -63,7 +82,8 @@ fn request(method: Method, uri: &str, body: Option<&str>) -> Request<Body> {
 async fn call(app: &Router, method: Method, uri: &str, body: Option<&str>) -> Reply {
     let response = app.clone().oneshot(request(method, uri, body)).await.unwrap();
     let status = response.status();
-    let content_type = response.headers().get("content-type").map(|value| value.to_str().unwrap().to_string()).unwrap_or_default();
+    let content_type =
+        response.headers().get("content-type").map(|value| value.to_str().unwrap().to_string()).unwrap_or_default();
     let body = response.into_body().collect().await.unwrap().to_bytes().to_vec();
     Reply { status, content_type, body }
 }
@@ -136,7 +156,8 @@ async fn meta_endpoints_answer_like_ollama() {
 async fn bad_requests_get_400_and_unknown_models_404() {
     let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
-    let app = app_with(vec![tiny(directory.path())], 1, 1, HttpConfig { body_limit_bytes: 4096, ..HttpConfig::default() });
+    let app =
+        app_with(vec![tiny(directory.path())], 1, 1, HttpConfig { body_limit_bytes: 4096, ..HttpConfig::default() });
 
     for uri in ["/api/generate", "/api/chat", "/api/show", "/api/embed", "/api/embeddings"] {
         let empty = call(&app, Method::POST, uri, None).await;
@@ -144,20 +165,39 @@ async fn bad_requests_get_400_and_unknown_models_404() {
         let malformed = call(&app, Method::POST, uri, Some("{\"model\": ")).await;
         assert_eq!(malformed.status, StatusCode::BAD_REQUEST, "{uri}");
         assert!(!malformed.error().is_empty());
-        let unknown = post(&app, uri, json!({"model": "nothing", "prompt": "x", "input": "x", "messages": [{"role": "user", "content": "x"}]})).await;
+        let unknown = post(
+            &app,
+            uri,
+            json!({"model": "nothing", "prompt": "x", "input": "x", "messages": [{"role": "user", "content": "x"}]}),
+        )
+        .await;
         assert_eq!(unknown.status, StatusCode::NOT_FOUND, "{uri}");
         assert!(unknown.error().contains("not found"), "{uri}: {}", unknown.error());
         let invalid = post(&app, uri, json!({"model": "../../etc/passwd", "prompt": "x"})).await;
-        assert_eq!((invalid.status, invalid.error().as_str()), (StatusCode::BAD_REQUEST, "invalid model name"), "{uri}");
+        assert_eq!(
+            (invalid.status, invalid.error().as_str()),
+            (StatusCode::BAD_REQUEST, "invalid model name"),
+            "{uri}"
+        );
         let nameless = post(&app, uri, json!({"prompt": "x"})).await;
-        assert_eq!((nameless.status, nameless.error().as_str()), (StatusCode::BAD_REQUEST, "model is required"), "{uri}");
+        assert_eq!(
+            (nameless.status, nameless.error().as_str()),
+            (StatusCode::BAD_REQUEST, "model is required"),
+            "{uri}"
+        );
     }
     let cases = [
         (json!({"model": MODEL, "prompt": 5}), "invalid type"),
-        (json!({"model": MODEL, "prompt": "x", "options": {"temperature": "hot"}}), "option \"temperature\" must be of type float32"),
+        (
+            json!({"model": MODEL, "prompt": "x", "options": {"temperature": "hot"}}),
+            "option \"temperature\" must be of type float32",
+        ),
         (json!({"model": MODEL, "prompt": "x", "options": {"stop": "x"}}), "must be of type []string"),
         (json!({"model": MODEL, "prompt": "x", "options": {"top_p": 3.0}}), "top_p"),
-        (json!({"model": MODEL, "prompt": "x", "raw": true, "system": "s"}), "raw mode does not support template, system, or context"),
+        (
+            json!({"model": MODEL, "prompt": "x", "raw": true, "system": "s"}),
+            "raw mode does not support template, system, or context",
+        ),
         (json!({"model": MODEL, "prompt": "x", "think": true}), "does not support thinking"),
         (json!({"model": MODEL, "prompt": "x", "images": ["aGk="]}), "does not support images"),
         (json!({"model": MODEL, "prompt": "x", "suffix": "y"}), "does not support insert"),
@@ -185,7 +225,9 @@ async fn bad_requests_get_400_and_unknown_models_404() {
     assert!(!too_big.error().is_empty());
 
     // OpenAI's routes answer in OpenAI's shape.
-    let openai = post(&app, "/v1/chat/completions", json!({"model": "nothing", "messages": [{"role": "user", "content": "x"}]})).await;
+    let openai =
+        post(&app, "/v1/chat/completions", json!({"model": "nothing", "messages": [{"role": "user", "content": "x"}]}))
+            .await;
     assert_eq!(openai.status, StatusCode::NOT_FOUND);
     let error = &openai.json()["error"];
     assert_eq!(error["type"], "not_found_error");
@@ -197,7 +239,8 @@ async fn bad_requests_get_400_and_unknown_models_404() {
     let malformed = call(&app, Method::POST, "/v1/completions", Some("[")).await;
     assert_eq!(malformed.status, StatusCode::BAD_REQUEST);
     assert_eq!(malformed.json()["error"]["type"], "invalid_request_error");
-    let bad_encoding = post(&app, "/v1/embeddings", json!({"model": MODEL, "input": "x", "encoding_format": "hex"})).await;
+    let bad_encoding =
+        post(&app, "/v1/embeddings", json!({"model": MODEL, "input": "x", "encoding_format": "hex"})).await;
     assert_eq!(bad_encoding.status, StatusCode::BAD_REQUEST);
     let bad_input = post(&app, "/api/embed", json!({"model": MODEL, "input": [1, 2]})).await;
     assert_eq!((bad_input.status, bad_input.error().as_str()), (StatusCode::BAD_REQUEST, "invalid input type"));
@@ -210,12 +253,15 @@ async fn generate_streams_ndjson_and_answers_whole_objects() {
     let app = app(vec![tiny(directory.path())]);
     let options = json!({"temperature": 0, "num_predict": 8});
 
-    let stream = post(&app, "/api/generate", json!({"model": MODEL, "prompt": "once upon a time", "options": options})).await;
+    let stream =
+        post(&app, "/api/generate", json!({"model": MODEL, "prompt": "once upon a time", "options": options})).await;
     assert_eq!(stream.status, StatusCode::OK);
     assert_eq!(stream.content_type, "application/x-ndjson");
     let lines = stream.lines();
     let (last, chunks) = lines.split_last().unwrap();
-    assert!(chunks.iter().all(|chunk| chunk["done"] == false && chunk["model"] == MODEL && chunk["created_at"].is_string()));
+    assert!(chunks
+        .iter()
+        .all(|chunk| chunk["done"] == false && chunk["model"] == MODEL && chunk["created_at"].is_string()));
     assert_eq!(last["done"], true);
     assert_eq!(last["done_reason"], "length");
     assert_eq!(last["eval_count"], 8);
@@ -224,7 +270,12 @@ async fn generate_streams_ndjson_and_answers_whole_objects() {
     }
     let streamed: String = lines.iter().map(|line| line["response"].as_str().unwrap()).collect();
 
-    let whole = post(&app, "/api/generate", json!({"model": MODEL, "prompt": "once upon a time", "options": options, "stream": false})).await;
+    let whole = post(
+        &app,
+        "/api/generate",
+        json!({"model": MODEL, "prompt": "once upon a time", "options": options, "stream": false}),
+    )
+    .await;
     assert!(whole.content_type.starts_with("application/json"), "{}", whole.content_type);
     let whole = whole.json();
     assert_eq!(whole["response"], streamed.as_str(), "greedy answers are the same streamed or not");
@@ -233,7 +284,13 @@ async fn generate_streams_ndjson_and_answers_whole_objects() {
     assert_eq!(context.len() as u64, whole["prompt_eval_count"].as_u64().unwrap() + 8);
 
     // The context continues the conversation: its tokens come first.
-    let next = post(&app, "/api/generate", json!({"model": MODEL, "prompt": "and then", "context": context, "stream": false, "options": options})).await.json();
+    let next = post(
+        &app,
+        "/api/generate",
+        json!({"model": MODEL, "prompt": "and then", "context": context, "stream": false, "options": options}),
+    )
+    .await
+    .json();
     assert!(next["prompt_eval_count"].as_u64().unwrap() > context.len() as u64);
 
     // Raw prompts carry no context; stop strings are cut with what follows.
@@ -249,7 +306,10 @@ async fn generate_streams_ndjson_and_answers_whole_objects() {
 
     // A seed makes sampling reproducible.
     let seeded = json!({"model": MODEL, "prompt": "the sea", "stream": false, "options": {"temperature": 1.0, "seed": 7, "num_predict": 12}});
-    assert_eq!(post(&app, "/api/generate", seeded.clone()).await.json()["response"], post(&app, "/api/generate", seeded).await.json()["response"]);
+    assert_eq!(
+        post(&app, "/api/generate", seeded.clone()).await.json()["response"],
+        post(&app, "/api/generate", seeded).await.json()["response"]
+    );
 }
 
 #[tokio::test]
@@ -270,14 +330,25 @@ async fn chat_load_unload_and_ps() {
     assert!(loaded["expires_at"].as_str().unwrap().ends_with('Z'));
 
     let messages = json!([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]);
-    let stream = post(&app, "/api/chat", json!({"model": MODEL, "messages": messages, "options": {"temperature": 0, "num_predict": 6}})).await;
+    let stream = post(
+        &app,
+        "/api/chat",
+        json!({"model": MODEL, "messages": messages, "options": {"temperature": 0, "num_predict": 6}}),
+    )
+    .await;
     let lines = stream.lines();
     let last = lines.last().unwrap();
     assert_eq!((last["done"].clone(), last["done_reason"].clone()), (json!(true), json!("length")));
     assert!(last.get("context").is_none(), "chat has no context");
     assert!(lines.iter().all(|line| line["message"]["role"] == "assistant"));
     let streamed: String = lines.iter().map(|line| line["message"]["content"].as_str().unwrap()).collect();
-    let whole = post(&app, "/api/chat", json!({"model": MODEL, "messages": messages, "stream": false, "options": {"temperature": 0, "num_predict": 6}})).await.json();
+    let whole = post(
+        &app,
+        "/api/chat",
+        json!({"model": MODEL, "messages": messages, "stream": false, "options": {"temperature": 0, "num_predict": 6}}),
+    )
+    .await
+    .json();
     assert_eq!(whole["message"]["content"], streamed.as_str());
 
     let unload = post(&app, "/api/generate", json!({"model": MODEL, "keep_alive": 0})).await.json();
@@ -285,7 +356,12 @@ async fn chat_load_unload_and_ps() {
     assert_eq!(call(&app, Method::GET, "/api/ps", None).await.json(), json!({"models": []}));
 
     // keep_alive 0 on a generation unloads once it is done.
-    let once = post(&app, "/api/generate", json!({"model": MODEL, "prompt": "hi", "keep_alive": 0, "stream": false, "options": {"num_predict": 2}})).await;
+    let once = post(
+        &app,
+        "/api/generate",
+        json!({"model": MODEL, "prompt": "hi", "keep_alive": 0, "stream": false, "options": {"num_predict": 2}}),
+    )
+    .await;
     assert_eq!(once.status, StatusCode::OK);
     assert_eq!(call(&app, Method::GET, "/api/ps", None).await.json(), json!({"models": []}));
 }
@@ -328,7 +404,8 @@ async fn embeddings_in_both_apis() {
     let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let app = app(vec![tiny(directory.path())]);
-    let embed = post(&app, "/api/embed", json!({"model": MODEL, "input": ["the king", "the queen of the sea"]})).await.json();
+    let embed =
+        post(&app, "/api/embed", json!({"model": MODEL, "input": ["the king", "the queen of the sea"]})).await.json();
     let vectors: Vec<Vec<f64>> = serde_json::from_value(embed["embeddings"].clone()).unwrap();
     assert_eq!(vectors.len(), 2);
     for vector in &vectors {
@@ -341,7 +418,8 @@ async fn embeddings_in_both_apis() {
     let cut = post(&app, "/api/embed", json!({"model": MODEL, "input": "the king", "dimensions": 16})).await.json();
     assert_eq!(cut["embeddings"][0].as_array().unwrap().len(), 16);
     assert_eq!(post(&app, "/api/embed", json!({"model": MODEL, "input": []})).await.json()["embeddings"], json!([]));
-    let too_long = post(&app, "/api/embed", json!({"model": MODEL, "input": "word ".repeat(300), "truncate": false})).await;
+    let too_long =
+        post(&app, "/api/embed", json!({"model": MODEL, "input": "word ".repeat(300), "truncate": false})).await;
     assert_eq!(too_long.status, StatusCode::BAD_REQUEST);
 
     let legacy = post(&app, "/api/embeddings", json!({"model": MODEL, "prompt": "the king"})).await.json();
@@ -353,9 +431,13 @@ async fn embeddings_in_both_apis() {
     let openai = post(&app, "/v1/embeddings", json!({"model": MODEL, "input": "the king"})).await.json();
     assert_eq!(openai["object"], "list");
     assert_eq!(openai["data"][0]["embedding"].as_array().unwrap().len(), 256);
-    let encoded = post(&app, "/v1/embeddings", json!({"model": MODEL, "input": ["the king"], "encoding_format": "base64"})).await.json();
+    let encoded =
+        post(&app, "/v1/embeddings", json!({"model": MODEL, "input": ["the king"], "encoding_format": "base64"}))
+            .await
+            .json();
     use base64::Engine as _;
-    let bytes = base64::engine::general_purpose::STANDARD.decode(encoded["data"][0]["embedding"].as_str().unwrap()).unwrap();
+    let bytes =
+        base64::engine::general_purpose::STANDARD.decode(encoded["data"][0]["embedding"].as_str().unwrap()).unwrap();
     assert_eq!(bytes.len(), 256 * 4);
 }
 
@@ -376,9 +458,14 @@ async fn openai_chat_and_completions_stream_server_sent_events() {
     let reply = post(&app, "/v1/chat/completions", streaming).await;
     assert_eq!(reply.content_type, "text/event-stream");
     let text = String::from_utf8(reply.body).unwrap();
-    let events: Vec<&str> = text.split("\n\n").filter(|event| !event.is_empty()).map(|event| event.strip_prefix("data: ").unwrap()).collect();
+    let events: Vec<&str> = text
+        .split("\n\n")
+        .filter(|event| !event.is_empty())
+        .map(|event| event.strip_prefix("data: ").unwrap())
+        .collect();
     assert_eq!(*events.last().unwrap(), "[DONE]");
-    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|event| serde_json::from_str(event).unwrap()).collect();
+    let chunks: Vec<Value> =
+        events[..events.len() - 1].iter().map(|event| serde_json::from_str(event).unwrap()).collect();
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     let usage = chunks.last().unwrap();
     assert_eq!(usage["choices"], json!([]));
@@ -390,10 +477,21 @@ async fn openai_chat_and_completions_stream_server_sent_events() {
     assert_eq!(content, whole["choices"][0]["message"]["content"].as_str().unwrap());
     assert!(chunks.iter().all(|chunk| chunk["id"] == chunks[0]["id"] && chunk["object"] == "chat.completion.chunk"));
 
-    let completion = post(&app, "/v1/completions", json!({"model": MODEL, "prompt": "the king", "max_tokens": 4, "temperature": 0, "stop": "zzz"})).await.json();
+    let completion = post(
+        &app,
+        "/v1/completions",
+        json!({"model": MODEL, "prompt": "the king", "max_tokens": 4, "temperature": 0, "stop": "zzz"}),
+    )
+    .await
+    .json();
     assert_eq!(completion["object"], "text_completion");
     assert!(completion["choices"][0]["text"].is_string());
-    let streamed = post(&app, "/v1/completions", json!({"model": MODEL, "prompt": "the king", "max_tokens": 4, "temperature": 0, "stream": true})).await;
+    let streamed = post(
+        &app,
+        "/v1/completions",
+        json!({"model": MODEL, "prompt": "the king", "max_tokens": 4, "temperature": 0, "stream": true}),
+    )
+    .await;
     let text = String::from_utf8(streamed.body).unwrap();
     assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
     assert!(text.contains("\"finish_reason\":\"length\""), "{text}");
@@ -424,7 +522,9 @@ async fn a_full_queue_is_503_and_a_dropped_stream_frees_its_place() {
     let busy = post(&app, "/api/generate", json!({"model": MODEL, "prompt": "x", "stream": false})).await;
     assert_eq!(busy.status, StatusCode::SERVICE_UNAVAILABLE);
     assert!(busy.error().contains("server busy"), "{}", busy.error());
-    let busy = post(&app, "/v1/chat/completions", json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}]})).await;
+    let busy =
+        post(&app, "/v1/chat/completions", json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}]}))
+            .await;
     assert_eq!(busy.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(busy.json()["error"]["type"], "api_error");
 
@@ -432,7 +532,12 @@ async fn a_full_queue_is_503_and_a_dropped_stream_frees_its_place() {
     drop(stream);
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let reply = post(&app, "/api/generate", json!({"model": MODEL, "prompt": "x", "stream": false, "options": {"num_predict": 1}})).await;
+        let reply = post(
+            &app,
+            "/api/generate",
+            json!({"model": MODEL, "prompt": "x", "stream": false, "options": {"num_predict": 1}}),
+        )
+        .await;
         if reply.status == StatusCode::OK {
             break;
         }
@@ -470,11 +575,23 @@ async fn ollama_store_names_resolve_and_never_escape_it() {
     common::ollama_store(store.path(), &model, "tiny", "q4");
 
     let catalog = Catalog { ollama_stores: vec![store.path().to_path_buf()], ..Catalog::default() };
-    let scheduler = SchedulerConfig { n_parallel: 1, max_queue: 1, default_keep_alive: KeepAlive::For(Duration::from_secs(60)), run: run(), embedding_context: 64 };
+    let scheduler = SchedulerConfig {
+        n_parallel: 1,
+        max_queue: 1,
+        default_keep_alive: KeepAlive::For(Duration::from_secs(60)),
+        run: run(),
+        embedding_context: 64,
+    };
     let app = router(AppState::new(catalog, scheduler, HttpConfig::default()));
     let tags = call(&app, Method::GET, "/api/tags", None).await.json();
     assert_eq!(tags["models"][0]["name"], "tiny:q4");
-    let reply = post(&app, "/api/generate", json!({"model": "TINY:q4", "prompt": "hi", "stream": false, "options": {"num_predict": 2}})).await.json();
+    let reply = post(
+        &app,
+        "/api/generate",
+        json!({"model": "TINY:q4", "prompt": "hi", "stream": false, "options": {"num_predict": 2}}),
+    )
+    .await
+    .json();
     assert_eq!(reply["model"], "TINY:q4", "the name is echoed as sent");
     for name in ["tiny", "../tiny:q4", "registry.ollama.ai/library/../../blobs:q4", "/etc/passwd"] {
         let status = post(&app, "/api/show", json!({"model": name})).await.status;
@@ -486,8 +603,15 @@ async fn ollama_store_names_resolve_and_never_escape_it() {
 async fn cors_allows_localhost_and_configured_origins_only() {
     let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
-    let app = app_with(vec![tiny(directory.path())], 1, 1, HttpConfig { cors_origins: vec!["https://webui.example".into()], ..HttpConfig::default() });
-    for (origin, allowed) in [("http://localhost:3000", true), ("https://webui.example", true), ("http://evil.example", false)] {
+    let app = app_with(
+        vec![tiny(directory.path())],
+        1,
+        1,
+        HttpConfig { cors_origins: vec!["https://webui.example".into()], ..HttpConfig::default() },
+    );
+    for (origin, allowed) in
+        [("http://localhost:3000", true), ("https://webui.example", true), ("http://evil.example", false)]
+    {
         let preflight = Request::builder()
             .method(Method::OPTIONS)
             .uri("/api/chat")
@@ -497,7 +621,8 @@ async fn cors_allows_localhost_and_configured_origins_only() {
             .body(Body::empty())
             .unwrap();
         let response = app.clone().oneshot(preflight).await.unwrap();
-        let allow = response.headers().get("access-control-allow-origin").map(|value| value.to_str().unwrap().to_string());
+        let allow =
+            response.headers().get("access-control-allow-origin").map(|value| value.to_str().unwrap().to_string());
         assert_eq!(allow.as_deref() == Some(origin), allowed, "{origin}: {allow:?}");
     }
 }
@@ -511,12 +636,31 @@ async fn parallel_sequences_share_each_streamed_read() {
     let directory = tempfile::tempdir().unwrap();
     let path = common::forge("tiny-dense-8b", directory.path());
     let inventory = hypura::model::Inventory::open(&path).unwrap();
-    let plan_options = PlanOptions { mode: ModeChoice::Forced(Mode::DenseStream), n_ctx: 2048, n_ubatch: 256, window_layers: Some(2), ..PlanOptions::default() };
-    let needed = match plan::plan(&inventory, &MachineFacts { memory_budget_bytes: 1, disk_bytes_per_sec: Some(1e9), ..MachineFacts::default() }, &plan_options) {
+    let plan_options = PlanOptions {
+        mode: ModeChoice::Forced(Mode::DenseStream),
+        n_ctx: 2048,
+        n_ubatch: 256,
+        window_layers: Some(2),
+        ..PlanOptions::default()
+    };
+    let needed = match plan::plan(
+        &inventory,
+        &MachineFacts { memory_budget_bytes: 1, disk_bytes_per_sec: Some(1e9), ..MachineFacts::default() },
+        &plan_options,
+    ) {
         Err(PlanError::BudgetTooSmall { needed, .. }) => needed,
         other => panic!("{other:?}"),
     };
-    let plan = plan::plan(&inventory, &MachineFacts { memory_budget_bytes: needed + (1 << 20), disk_bytes_per_sec: Some(1e9), ..MachineFacts::default() }, &plan_options).unwrap();
+    let plan = plan::plan(
+        &inventory,
+        &MachineFacts {
+            memory_budget_bytes: needed + (1 << 20),
+            disk_bytes_per_sec: Some(1e9),
+            ..MachineFacts::default()
+        },
+        &plan_options,
+    )
+    .unwrap();
     let catalog = Catalog { files: vec![path], ..Catalog::default() };
     let scheduler = SchedulerConfig {
         n_parallel: 4,

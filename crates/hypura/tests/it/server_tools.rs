@@ -16,12 +16,23 @@ fn stem(path: &std::path::Path) -> String {
 #[test]
 fn tool_calls_through_the_python_clients() {
     let _machine = common::whole_machine();
-    let status = Command::new("python3").args(["-c", "import ollama, openai, langchain_ollama"]).status().expect("python3");
-    assert!(status.success(), "the Python clients are missing: pip install ollama openai langchain-ollama (scripts/test does)");
+    let status =
+        Command::new("python3").args(["-c", "import ollama, openai, langchain_ollama"]).status().expect("python3");
+    assert!(
+        status.success(),
+        "the Python clients are missing: pip install ollama openai langchain-ollama (scripts/test does)"
+    );
     let directory = tempfile::tempdir().unwrap();
     let (qwen, smollm) = (common::chat_model_path(), common::smollm_path());
     let reasoning = common::forge("tiny-qwen3", directory.path());
-    let arguments: Vec<String> = [qwen.display().to_string(), smollm.display().to_string(), reasoning.display().to_string(), "--threads".into(), "2".into()].into();
+    let arguments: Vec<String> = [
+        qwen.display().to_string(),
+        smollm.display().to_string(),
+        reasoning.display().to_string(),
+        "--threads".into(),
+        "2".into(),
+    ]
+    .into();
     let server = Server::start(&arguments, directory.path().join("serve.log"));
     let output = server.python("tools.py", &[stem(&qwen), stem(&smollm), "tiny-qwen3".into()]);
     for line in ["capabilities: ok", "ollama tools: ok", "openai tools: ok", "langchain tools: ok"] {
@@ -38,7 +49,16 @@ fn a_longer_num_ctx_reloads_the_model_and_an_overflow_says_so() {
     let _machine = common::whole_machine();
     let directory = tempfile::tempdir().unwrap();
     let qwen = common::chat_model_path();
-    let arguments: Vec<String> = [qwen.display().to_string(), "--context".into(), "1024".into(), "--parallel".into(), "1".into(), "--threads".into(), "2".into()].into();
+    let arguments: Vec<String> = [
+        qwen.display().to_string(),
+        "--context".into(),
+        "1024".into(),
+        "--parallel".into(),
+        "1".into(),
+        "--threads".into(),
+        "2".into(),
+    ]
+    .into();
     let server = Server::start(&arguments, directory.path().join("serve.log"));
     let model = stem(&qwen);
     let long = "one two three four ".repeat(400);
@@ -46,7 +66,10 @@ fn a_longer_num_ctx_reloads_the_model_and_an_overflow_says_so() {
     // Too long for the loaded 1024 tokens: Ollama's words, which agents' overflow detectors know.
     let refused = server.post_status("/api/chat", &chat(json!({"num_predict": 4})));
     assert_eq!(refused.0, 400, "{refused:?}");
-    assert!(refused.1.contains("the prompt is too long") && refused.1.contains("exceed the context length of 1024"), "{refused:?}");
+    assert!(
+        refused.1.contains("the prompt is too long") && refused.1.contains("exceed the context length of 1024"),
+        "{refused:?}"
+    );
     // num_ctx: the model reloads with the longer context and answers.
     let answer = server.post("/api/chat", &chat(json!({"num_predict": 4, "num_ctx": 4096})));
     assert!(answer["done"].as_bool().unwrap() && answer["prompt_eval_count"].as_u64().unwrap() > 1024, "{answer}");
@@ -64,7 +87,16 @@ fn a_num_ctx_beyond_the_budget_says_how_much_fits_and_the_server_recovers() {
     let _machine = common::whole_machine();
     let directory = tempfile::tempdir().unwrap();
     let qwen = common::chat_model_path();
-    let arguments: Vec<String> = [qwen.display().to_string(), "--parallel".into(), "1".into(), "--memory-budget".into(), "560MiB".into(), "--threads".into(), "2".into()].into();
+    let arguments: Vec<String> = [
+        qwen.display().to_string(),
+        "--parallel".into(),
+        "1".into(),
+        "--memory-budget".into(),
+        "560MiB".into(),
+        "--threads".into(),
+        "2".into(),
+    ]
+    .into();
     let server = Server::start(&arguments, directory.path().join("serve.log"));
     let model = stem(&qwen);
     let chat = |options: serde_json::Value| json!({"model": model, "stream": false, "messages": [{"role": "user", "content": "Hi"}], "options": options});
@@ -72,7 +104,12 @@ fn a_num_ctx_beyond_the_budget_says_how_much_fits_and_the_server_recovers() {
     // (the token embedding, mapped from the file in a streaming plan, is outside the budget).
     let refused = server.post_status("/api/chat", &chat(json!({"num_predict": 2, "num_ctx": 32768})));
     assert_ne!(refused.0, 200, "{refused:?}");
-    assert!(refused.1.contains("a context of 32768 tokens") && refused.1.contains("at most") && refused.1.contains("tokens would"), "{refused:?}");
+    assert!(
+        refused.1.contains("a context of 32768 tokens")
+            && refused.1.contains("at most")
+            && refused.1.contains("tokens would"),
+        "{refused:?}"
+    );
     // The next request without num_ctx loads the default again and answers.
     let answer = server.post("/api/chat", &chat(json!({"num_predict": 2})));
     assert_eq!(answer["done"], true, "{answer}");

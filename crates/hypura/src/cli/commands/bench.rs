@@ -26,10 +26,13 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let (engine, facts) = (setup.options, setup.facts);
     let threads = settings::threads(engine.n_threads);
     let placement = PeerPlacement::parse(&args.baseline_placement, engine.plan.as_ref(), facts.gpu_budget_bytes)
-        .with_context(|| format!("unknown --baseline-placement {:?}: use default, fit, exps-cpu or same", args.baseline_placement))?;
+        .with_context(|| {
+            format!("unknown --baseline-placement {:?}: use default, fit, exps-cpu or same", args.baseline_placement)
+        })?;
     // With --rpc the baseline is llama.cpp's own --rpc on the same workers. A worker serves one
     // client at a time, so the two sides cannot share them in one process.
-    let devices: Vec<hypura_sys::DeviceHandle> = engine.remote.iter().flat_map(|workers| workers.devices.iter().map(|device| device.device)).collect();
+    let devices: Vec<hypura_sys::DeviceHandle> =
+        engine.remote.iter().flat_map(|workers| workers.devices.iter().map(|device| device.device)).collect();
     if !devices.is_empty() && baseline && !args.baseline_only {
         anyhow::bail!("with --rpc, run each side in its own process (--no-baseline, then --baseline-only): an RPC worker serves one client at a time");
     }
@@ -39,16 +42,32 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         placement,
         devices,
     });
-    let options = BenchOptions { n_prompt: args.n_prompt, n_gen: args.n_gen, reps: args.reps.max(1), hypura: !args.baseline_only, peer, engine, threads, disk_bytes_per_sec: facts.disk_bytes_per_sec };
+    let options = BenchOptions {
+        n_prompt: args.n_prompt,
+        n_gen: args.n_gen,
+        reps: args.reps.max(1),
+        hypura: !args.baseline_only,
+        peer,
+        engine,
+        threads,
+        disk_bytes_per_sec: facts.disk_bytes_per_sec,
+    };
     let report = bench::run(&path, &options, &|stage| tracing::info!("bench: {stage}"))?;
     // A run with remote layers measured other machines and links too: not this machine's
     // compute for the model.
     if let Some(seconds) = report.compute_seconds_per_token.filter(|_| report.link_bytes_per_token.is_none()) {
-        crate::setup::record_compute(&path, threads, report.bytes_read_per_token.is_some(), seconds, report.generated_tokens);
+        crate::setup::record_compute(
+            &path,
+            threads,
+            report.bytes_read_per_token.is_some(),
+            seconds,
+            report.generated_tokens,
+        );
     }
     print!("{}", bench::render(&report));
     if let Some(json) = &args.json {
-        std::fs::write(json, serde_json::to_string_pretty(&report)? + "\n").with_context(|| format!("writing {}", json.display()))?;
+        std::fs::write(json, serde_json::to_string_pretty(&report)? + "\n")
+            .with_context(|| format!("writing {}", json.display()))?;
     }
     Ok(())
 }

@@ -36,9 +36,11 @@ struct QuantRow {
 }
 
 pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
-    let inventory = Inventory::open(&crate::cli::settings::model_path(args.model.as_deref().or(args.model_flag.as_deref()))?)?;
+    let inventory =
+        Inventory::open(&crate::cli::settings::model_path(args.model.as_deref().or(args.model_flag.as_deref()))?)?;
     let spec = crate::cli::settings::run_spec(&args.model_args)?;
-    let crate::plan::Choice { n_batch, plan, .. } = crate::setup::choose(&inventory, &spec, &crate::setup::machine_facts(&spec, &inventory.path)?)?;
+    let crate::plan::Choice { n_batch, plan, .. } =
+        crate::setup::choose(&inventory, &spec, &crate::setup::machine_facts(&spec, &inventory.path)?)?;
     let output = if args.json {
         let report = InspectReport {
             path: &inventory.path,
@@ -49,7 +51,11 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
             tensor_count: inventory.tensors.len(),
             n_params: inventory.n_params(),
             hparams: &inventory.hparams,
-            quantization: inventory.quantization_mix().into_iter().map(|(ggml_type, tensors, bytes)| QuantRow { ggml_type: ggml_type.name(), tensors, bytes }).collect(),
+            quantization: inventory
+                .quantization_mix()
+                .into_iter()
+                .map(|(ggml_type, tensors, bytes)| QuantRow { ggml_type: ggml_type.name(), tensors, bytes })
+                .collect(),
             bytes_by_role: inventory.bytes_by_role().into_iter().collect(),
             bytes_by_layer: inventory.bytes_by_layer(),
             tensors: args.tensors.then_some(inventory.tensors.as_slice()),
@@ -58,7 +64,10 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
         };
         serde_json::to_string_pretty(&report).context("serialising the report")? + "\n"
     } else {
-        render(&inventory, args.tensors) + "\n" + &plan.render() + &format!("batch        prompt batches of {n_batch} tokens\n")
+        render(&inventory, args.tensors)
+            + "\n"
+            + &plan.render()
+            + &format!("batch        prompt batches of {n_batch} tokens\n")
     };
     print!("{output}");
     Ok(())
@@ -87,10 +96,21 @@ pub fn render(inventory: &Inventory, with_tensors: bool) -> String {
     let _ = writeln!(
         out,
         "hparams      n_layer {}  n_embd {}  n_head {}  n_head_kv {}  head_dim {}  n_ff {}  n_ctx_train {}  n_vocab {}",
-        hparams.n_layer, hparams.n_embd, hparams.n_head, hparams.n_head_kv, hparams.head_dim_k, hparams.n_ff, hparams.n_ctx_train, hparams.n_vocab
+        hparams.n_layer,
+        hparams.n_embd,
+        hparams.n_head,
+        hparams.n_head_kv,
+        hparams.head_dim_k,
+        hparams.n_ff,
+        hparams.n_ctx_train,
+        hparams.n_vocab
     );
     if hparams.n_expert > 0 {
-        let moe_layers: std::collections::BTreeSet<u32> = inventory.expert_tensors().filter(|tensor| tensor.role != Role::Mtp).filter_map(|tensor| tensor.layer).collect();
+        let moe_layers: std::collections::BTreeSet<u32> = inventory
+            .expert_tensors()
+            .filter(|tensor| tensor.role != Role::Mtp)
+            .filter_map(|tensor| tensor.layer)
+            .collect();
         let first = moe_layers.first().copied().unwrap_or(0);
         let _ = writeln!(
             out,
@@ -105,7 +125,13 @@ pub fn render(inventory: &Inventory, with_tensors: bool) -> String {
         for tensor in inventory.expert_tensors().filter(|tensor| tensor.layer == Some(first)) {
             let slices = tensor.experts.expect("expert tensors have slices");
             per_layer += slices.slice_bytes;
-            let _ = writeln!(out, "  slice      {:<28} {:>6} {:>12} per expert", tensor.name, tensor.ggml_type.name(), format_bytes(slices.slice_bytes));
+            let _ = writeln!(
+                out,
+                "  slice      {:<28} {:>6} {:>12} per expert",
+                tensor.name,
+                tensor.ggml_type.name(),
+                format_bytes(slices.slice_bytes)
+            );
         }
         let _ = writeln!(out, "  one expert of layer {first} (all its tensors): {}", format_bytes(per_layer));
     } else {
@@ -113,26 +139,60 @@ pub fn render(inventory: &Inventory, with_tensors: bool) -> String {
     }
     let _ = writeln!(out, "\nquantization");
     for (ggml_type, count, bytes) in inventory.quantization_mix() {
-        let _ = writeln!(out, "  {:<8} {:>5} tensors {:>12} {:>6.1}%", ggml_type.name(), count, format_bytes(bytes), percent(bytes));
+        let _ = writeln!(
+            out,
+            "  {:<8} {:>5} tensors {:>12} {:>6.1}%",
+            ggml_type.name(),
+            count,
+            format_bytes(bytes),
+            percent(bytes)
+        );
     }
     let _ = writeln!(out, "\nbytes by role");
     let by_role = inventory.bytes_by_role();
     for (role, bytes) in &by_role {
         let _ = writeln!(out, "  {:<18} {:>12} {:>6.1}%", role.name(), format_bytes(*bytes), percent(*bytes));
     }
-    let _ = writeln!(out, "  {:<18} {:>12} {:>6.1}%", "total", format_bytes(by_role.values().sum()), percent(by_role.values().sum()));
+    let _ = writeln!(
+        out,
+        "  {:<18} {:>12} {:>6.1}%",
+        "total",
+        format_bytes(by_role.values().sum()),
+        percent(by_role.values().sum())
+    );
     let _ = writeln!(out, "\nbytes by layer, by kind");
     for group in layer_groups(inventory) {
         let total: u64 = group.bytes.iter().sum();
         let count = format!("{} layer{}", group.layers.len(), if group.layers.len() == 1 { "" } else { "s" });
-        let _ = writeln!(out, "  {:<10} {count:>10} {:>12} ({})  layers {}", group.kind, format_bytes(total), group.size(), layer_ranges(&group.layers));
+        let _ = writeln!(
+            out,
+            "  {:<10} {count:>10} {:>12} ({})  layers {}",
+            group.kind,
+            format_bytes(total),
+            group.size(),
+            layer_ranges(&group.layers)
+        );
     }
     if with_tensors {
-        let _ = writeln!(out, "\n{:<40} {:<18} {:>5} {:<7} {:<24} {:>12} {:>14}", "tensor", "role", "layer", "type", "dims", "bytes", "offset");
+        let _ = writeln!(
+            out,
+            "\n{:<40} {:<18} {:>5} {:<7} {:<24} {:>12} {:>14}",
+            "tensor", "role", "layer", "type", "dims", "bytes", "offset"
+        );
         for tensor in &inventory.tensors {
             let dims = tensor.dims.iter().map(u64::to_string).collect::<Vec<_>>().join(" x ");
             let layer = tensor.layer.map_or_else(|| "-".to_string(), |layer| layer.to_string());
-            let _ = writeln!(out, "{:<40} {:<18} {:>5} {:<7} {:<24} {:>12} {:>14}", tensor.name, tensor.role.name(), layer, tensor.ggml_type.name(), dims, tensor.bytes, tensor.file_offset);
+            let _ = writeln!(
+                out,
+                "{:<40} {:<18} {:>5} {:<7} {:<24} {:>12} {:>14}",
+                tensor.name,
+                tensor.role.name(),
+                layer,
+                tensor.ggml_type.name(),
+                dims,
+                tensor.bytes,
+                tensor.file_offset
+            );
         }
     }
     out
@@ -151,7 +211,12 @@ fn layer_groups(inventory: &Inventory) -> Vec<LayerGroup> {
     let bytes = inventory.bytes_by_layer();
     // A layer is what its FFN is: an MTP block, experts, a dense FFN, or attention alone.
     let kind = |layer: usize| {
-        let roles: Vec<Role> = inventory.tensors.iter().filter(|tensor| tensor.layer == Some(layer as u32)).map(|tensor| tensor.role).collect();
+        let roles: Vec<Role> = inventory
+            .tensors
+            .iter()
+            .filter(|tensor| tensor.layer == Some(layer as u32))
+            .map(|tensor| tensor.role)
+            .collect();
         if roles.contains(&Role::Mtp) {
             "mtp"
         } else if roles.iter().any(|role| role.is_expert()) {
@@ -179,7 +244,8 @@ fn layer_groups(inventory: &Inventory) -> Vec<LayerGroup> {
 impl LayerGroup {
     /// `524.3 MiB each`, or `450.3–524.3 MiB` where the layers differ (Q4_K_M's Q6_K layers).
     fn size(&self) -> String {
-        let (low, high) = (self.bytes.iter().copied().min().unwrap_or(0), self.bytes.iter().copied().max().unwrap_or(0));
+        let (low, high) =
+            (self.bytes.iter().copied().min().unwrap_or(0), self.bytes.iter().copied().max().unwrap_or(0));
         if low == high {
             format!("{} each", format_bytes(low))
         } else {
@@ -197,7 +263,11 @@ fn layer_ranges(layers: &[u32]) -> String {
             _ => ranges.push((layer, layer)),
         }
     }
-    let shown: Vec<String> = ranges.iter().take(8).map(|&(start, end)| if start == end { start.to_string() } else { format!("{start}-{end}") }).collect();
+    let shown: Vec<String> = ranges
+        .iter()
+        .take(8)
+        .map(|&(start, end)| if start == end { start.to_string() } else { format!("{start}-{end}") })
+        .collect();
     let more = ranges.len().saturating_sub(8);
     if more > 0 {
         format!("{} and {more} more ranges", shown.join(", "))

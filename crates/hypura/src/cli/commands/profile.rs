@@ -18,7 +18,13 @@ pub fn ggml_devices() -> Vec<DeviceInfo> {
         .enumerate()
         .map(|(index, device)| DeviceInfo {
             host_to_device_bytes_per_sec: (!device.kind.unified_memory())
-                .then(|| backend.host_to_device_bytes_per_sec(index, HOST_TO_DEVICE_PROBE_BYTES.min(device.free_bytes as usize / 4), 3))
+                .then(|| {
+                    backend.host_to_device_bytes_per_sec(
+                        index,
+                        HOST_TO_DEVICE_PROBE_BYTES.min(device.free_bytes as usize / 4),
+                        3,
+                    )
+                })
                 .flatten(),
             name: device.name,
             description: device.description,
@@ -53,7 +59,11 @@ pub fn run(args: &ProfileArgs) -> anyhow::Result<()> {
             profile
         }
     };
-    let links = args.rpc.iter().map(|worker| crate::remote::profile_link(worker.trim(), LINK_PINGS, LINK_PROBE_BYTES)).collect::<Result<Vec<_>, _>>()?;
+    let links = args
+        .rpc
+        .iter()
+        .map(|worker| crate::remote::profile_link(worker.trim(), LINK_PINGS, LINK_PROBE_BYTES))
+        .collect::<Result<Vec<_>, _>>()?;
     if args.json {
         let mut value = serde_json::to_value(&profile)?;
         if !links.is_empty() {
@@ -73,7 +83,11 @@ pub fn run(args: &ProfileArgs) -> anyhow::Result<()> {
                 rate(link.download_bytes_per_sec)
             );
             for (name, free, total) in &link.devices {
-                println!("  {name}: {} free of {}", crate::format::format_bytes(*free), crate::format::format_bytes(*total));
+                println!(
+                    "  {name}: {} free of {}",
+                    crate::format::format_bytes(*free),
+                    crate::format::format_bytes(*total)
+                );
             }
         }
     }

@@ -9,7 +9,8 @@ use crate::format::format_bytes;
 
 pub fn run(args: &RpcServerArgs) -> anyhow::Result<()> {
     let backend = hypura_sys::Backend::get();
-    let host: std::net::IpAddr = args.host.parse().with_context(|| format!("--host {:?} is not an IP address", args.host))?;
+    let host: std::net::IpAddr =
+        args.host.parse().with_context(|| format!("--host {:?} is not an IP address", args.host))?;
     if !host.is_loopback() {
         eprintln!("hypura: lending this machine's devices on {host}:{}: ggml's RPC protocol has no authentication, so anyone who reaches this port can use them", args.port);
     }
@@ -20,7 +21,12 @@ pub fn run(args: &RpcServerArgs) -> anyhow::Result<()> {
         Some(text) => {
             let asked = settings::parse_bytes(text).context("--mem")?;
             if asked > available {
-                eprintln!("hypura: --mem {} is more than the {} this process may use; lending {}", format_bytes(asked), format_bytes(available), format_bytes(available));
+                eprintln!(
+                    "hypura: --mem {} is more than the {} this process may use; lending {}",
+                    format_bytes(asked),
+                    format_bytes(available),
+                    format_bytes(available)
+                );
             }
             asked.min(available)
         }

@@ -7,7 +7,9 @@ use anyhow::Context;
 
 use crate::cli::args::RunArgs;
 use crate::cli::settings;
-use crate::engine::{ChatMessage, ChatRequest, Control, DoneReason, Engine, GenerateOutput, GenerateRequest, Prompt, Session};
+use crate::engine::{
+    ChatMessage, ChatRequest, Control, DoneReason, Engine, GenerateOutput, GenerateRequest, Prompt, Session,
+};
 
 pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     let path = settings::model_path(args.model.as_deref().or(args.model_flag.as_deref()))?;
@@ -16,7 +18,8 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     // Free memory of each GPU before the load, so --stats can say what the model took there.
     let gpu_free_before = args.stats.then(crate::setup::gpu_free_by_name);
     let disk_rate = setup.facts.disk_bytes_per_sec;
-    let engine = Arc::new(Engine::load(setup.inventory, setup.options).with_context(|| format!("loading {}", path.display()))?);
+    let engine =
+        Arc::new(Engine::load(setup.inventory, setup.options).with_context(|| format!("loading {}", path.display()))?);
     if args.stats {
         if let Some(plan) = &engine.options().plan {
             eprint!("{}", plan.render());
@@ -29,7 +32,13 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         let cancel = cancel.clone();
         ctrlc::set_handler(move || cancel.store(true, Ordering::Relaxed)).context("installing the Ctrl-C handler")?;
     }
-    let request = |prompt: Prompt| GenerateRequest { max_tokens: args.max_tokens, sampling: sampling.clone(), stop: args.stop.clone(), cancel: Some(cancel.clone()), ..GenerateRequest::new(prompt) };
+    let request = |prompt: Prompt| GenerateRequest {
+        max_tokens: args.max_tokens,
+        sampling: sampling.clone(),
+        stop: args.stop.clone(),
+        cancel: Some(cancel.clone()),
+        ..GenerateRequest::new(prompt)
+    };
     let mut messages = Vec::new();
     if let Some(system) = &args.system {
         messages.push(ChatMessage::new("system", system.clone()));
@@ -55,7 +64,13 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         // compute for the model.
         if let Some(seconds) = output.stats.eval_compute_seconds_per_token().filter(|_| output.stats.links.is_none()) {
             let engine = session.engine();
-            crate::setup::record_compute(&path, settings::threads(engine.options().n_threads), engine.streaming().is_some(), seconds, u64::from(output.stats.eval_decodes));
+            crate::setup::record_compute(
+                &path,
+                settings::threads(engine.options().n_threads),
+                engine.streaming().is_some(),
+                seconds,
+                u64::from(output.stats.eval_decodes),
+            );
         }
         write_trace(&session, args.model_args.plan.trace.as_deref())?;
         return Ok(());
@@ -107,7 +122,9 @@ fn chat_loop(
 
 /// Write the router's choices as JSON lines (one per MoE layer call).
 fn write_trace(session: &Session, path: Option<&std::path::Path>) -> anyhow::Result<()> {
-    let (Some(path), Some(experts)) = (path, session.engine().streaming().and_then(|streaming| streaming.driver.experts())) else {
+    let (Some(path), Some(experts)) =
+        (path, session.engine().streaming().and_then(|streaming| streaming.driver.experts()))
+    else {
         return Ok(());
     };
     let mut text = String::new();
@@ -139,7 +156,11 @@ fn print_stats(gpu_free_before: Option<&[(String, u64)]>, disk_rate: Option<f64>
     };
     let stats = &output.stats;
     // With drafts a decode verifies several tokens: the rate is then the tokens generated.
-    let (rate, rate_label) = if stats.draft_tokens > 0 { (stats.eval_tokens_per_sec(), "generated") } else { (stats.decode_tokens_per_sec(), "decoded") };
+    let (rate, rate_label) = if stats.draft_tokens > 0 {
+        (stats.eval_tokens_per_sec(), "generated")
+    } else {
+        (stats.decode_tokens_per_sec(), "decoded")
+    };
     eprintln!(
         "load {:.2} s | prompt {} tokens in {:.3} s ({:.1} tok/s, {} reused) | eval {} tokens ({} decoded) in {:.3} s ({:.1} tok/s {rate_label}) | total {:.3} s | done: {:?}",
         stats.load_duration.as_secs_f64(),
@@ -155,7 +176,16 @@ fn print_stats(gpu_free_before: Option<&[(String, u64)]>, disk_rate: Option<f64>
         output.done_reason
     );
     if let Some(acceptance) = stats.draft_acceptance() {
-        let streamed = stats.io.as_ref().map(|io| format!(" | {:.1} MB read per generated token", io.bytes_read as f64 / f64::from(stats.eval_count.max(1)) / 1e6)).unwrap_or_default();
+        let streamed = stats
+            .io
+            .as_ref()
+            .map(|io| {
+                format!(
+                    " | {:.1} MB read per generated token",
+                    io.bytes_read as f64 / f64::from(stats.eval_count.max(1)) / 1e6
+                )
+            })
+            .unwrap_or_default();
         eprintln!(
             "draft {} tokens drafted, {} accepted ({:.1}%) | {:.2} tokens per pass, {:.1} tok/s generated{streamed}",
             stats.draft_tokens,

@@ -16,26 +16,49 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     if models.is_empty() {
         eprintln!("hypura: no models found; name GGUF files or directories, or use --models-dir");
     }
-    let keep_alive = KeepAlive::parse(&serde_json::Value::String(args.keep_alive.clone())).map_err(|error| anyhow::anyhow!("--keep-alive: {error}"))?;
+    let keep_alive = KeepAlive::parse(&serde_json::Value::String(args.keep_alive.clone()))
+        .map_err(|error| anyhow::anyhow!("--keep-alive: {error}"))?;
     let body_limit = settings::parse_bytes(&args.max_body).context("--max-body")?;
     let parallel = args.parallel.clamp(1, 64);
     // The plan reserves KV cache for every parallel sequence; each sequence gets --context. The
     // server's kernels are batch-invariant unless asked otherwise: it is where prefixes are
     // cached and requests share batches, and a greedy answer should not depend on either.
-    let run = crate::setup::RunSpec { n_sequences: parallel, batch_invariant: args.model_args.batch_invariant.unwrap_or(false), ..settings::run_spec(&args.model_args)? };
-    let scheduler = SchedulerConfig { n_parallel: parallel, max_queue: args.max_queue, default_keep_alive: keep_alive, run, embedding_context: args.embedding_context };
-    let http = HttpConfig { cors_origins: args.cors_origins.clone(), body_limit_bytes: usize::try_from(body_limit).unwrap_or(usize::MAX) };
+    let run = crate::setup::RunSpec {
+        n_sequences: parallel,
+        batch_invariant: args.model_args.batch_invariant.unwrap_or(false),
+        ..settings::run_spec(&args.model_args)?
+    };
+    let scheduler = SchedulerConfig {
+        n_parallel: parallel,
+        max_queue: args.max_queue,
+        default_keep_alive: keep_alive,
+        run,
+        embedding_context: args.embedding_context,
+    };
+    let http = HttpConfig {
+        cors_origins: args.cors_origins.clone(),
+        body_limit_bytes: usize::try_from(body_limit).unwrap_or(usize::MAX),
+    };
     let state = AppState::new(catalog, scheduler, http);
 
     let host: IpAddr = args.host.parse().with_context(|| format!("--host {:?} is not an IP address", args.host))?;
     if !host.is_loopback() {
         eprintln!("hypura: listening on {host}, which other machines can reach; the API has no authentication");
     }
-    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().context("starting the async runtime")?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
     runtime.block_on(async move {
-        let listener = tokio::net::TcpListener::bind((host, args.port)).await.with_context(|| format!("binding {host}:{}", args.port))?;
+        let listener = tokio::net::TcpListener::bind((host, args.port))
+            .await
+            .with_context(|| format!("binding {host}:{}", args.port))?;
         let address = listener.local_addr()?;
-        eprintln!("hypura: serving {} model(s) on http://{address} (Ollama API at /api, OpenAI API at /v1)", models.len());
+        eprintln!(
+            "hypura: serving {} model(s) on http://{address} (Ollama API at /api, OpenAI API at /v1)",
+            models.len()
+        );
         for model in &models {
             eprintln!("  {}  {}", model.name, model.path.display());
         }
@@ -81,7 +104,9 @@ fn catalog(args: &ServeArgs) -> anyhow::Result<Catalog> {
         }
     }
     for name in names {
-        catalog.resolve(&name).map_err(|error| anyhow::anyhow!("{name}: {error} (looked in {:?})", catalog.ollama_stores))?;
+        catalog
+            .resolve(&name)
+            .map_err(|error| anyhow::anyhow!("{name}: {error} (looked in {:?})", catalog.ollama_stores))?;
     }
     Ok(catalog)
 }

@@ -16,14 +16,27 @@ pub fn run(args: &SimulateArgs) -> anyhow::Result<()> {
         .lines()
         .enumerate()
         .filter(|(_, line)| !line.trim().is_empty())
-        .map(|(number, line)| serde_json::from_str(line).with_context(|| format!("{} line {}", args.trace.display(), number + 1)))
+        .map(|(number, line)| {
+            serde_json::from_str(line).with_context(|| format!("{} line {}", args.trace.display(), number + 1))
+        })
         .collect::<anyhow::Result<_>>()?;
     let records = if args.token_by_token { token_by_token(&records) } else { records };
-    let policies: Vec<CachePolicy> = args.policy.iter().map(|name| CachePolicy::parse(name).with_context(|| format!("unknown policy {name:?}: use lru or slru"))).collect::<anyhow::Result<_>>()?;
+    let policies: Vec<CachePolicy> = args
+        .policy
+        .iter()
+        .map(|name| CachePolicy::parse(name).with_context(|| format!("unknown policy {name:?}: use lru or slru")))
+        .collect::<anyhow::Result<_>>()?;
     let total = n_layer * n_expert;
-    let capacities = if args.capacity.is_empty() { (0..5).map(|step| n_expert + (total / 2 - n_expert.min(total / 2)) * step / 4).collect() } else { args.capacity.clone() };
-    let results: Vec<_> =
-        capacities.iter().flat_map(|&capacity| policies.iter().map(move |&policy| (capacity, policy))).map(|(capacity, policy)| simulate(&records, n_layer, n_expert, policy, capacity)).collect();
+    let capacities = if args.capacity.is_empty() {
+        (0..5).map(|step| n_expert + (total / 2 - n_expert.min(total / 2)) * step / 4).collect()
+    } else {
+        args.capacity.clone()
+    };
+    let results: Vec<_> = capacities
+        .iter()
+        .flat_map(|&capacity| policies.iter().map(move |&policy| (capacity, policy)))
+        .map(|(capacity, policy)| simulate(&records, n_layer, n_expert, policy, capacity))
+        .collect();
     if args.json {
         println!("{}", serde_json::to_string_pretty(&results)?);
     } else {

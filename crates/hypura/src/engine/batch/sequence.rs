@@ -99,7 +99,14 @@ impl Active {
         let message = self.output.finish(done_reason);
         let mut stats = self.statistics.finish(engine);
         stats.eval_count = self.output.generated.len() as u32;
-        let output = GenerateOutput { text: self.output.text, message, tokens: self.output.generated, done_reason, stats, prompt_logits: self.output.prompt_logits };
+        let output = GenerateOutput {
+            text: self.output.text,
+            message,
+            tokens: self.output.generated,
+            done_reason,
+            stats,
+            prompt_logits: self.output.prompt_logits,
+        };
         (self.output.sink)(SequenceEvent::Done(Box::new(Finished { output, prompt: self.feed.prompt })));
     }
 }
@@ -177,7 +184,8 @@ impl Statistics {
             Some((eval_started, before)) => {
                 let counters = Counters::read(engine);
                 stats.eval_duration = now - eval_started;
-                stats.eval_stall = Duration::from_secs_f64((counters.stall_seconds() - before.stall_seconds()).max(0.0));
+                stats.eval_stall =
+                    Duration::from_secs_f64((counters.stall_seconds() - before.stall_seconds()).max(0.0));
                 stats.eval_links = counters.links_since(&before);
             }
             None => stats.prompt_eval_duration = now - self.started,
