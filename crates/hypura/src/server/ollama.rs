@@ -585,21 +585,12 @@ mod tests {
     /// The forge's Qwen3 template, but opening the reasoning block when thinking is on (as
     /// Qwen3.5's and DeepSeek-R1's templates do): whatever a forged model writes is then
     /// reasoning, so a test can tell reasoning read apart from plain content.
-    const OPEN_THINK_TEMPLATE: &str = concat!(
-        "{%- for message in messages %}",
-        "{%- if message.role == 'assistant' %}",
-        "{{- '<|im_start|>assistant\\n' }}",
-        "{%- if message.reasoning_content %}{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}",
-        "{{- message.content + '<|im_end|>\\n' }}",
-        "{%- else %}",
-        "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}",
-        "{%- endif %}",
-        "{%- endfor %}",
-        "{%- if add_generation_prompt %}",
-        "{{- '<|im_start|>assistant\\n' }}",
-        "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- else %}{{- '<think>\\n' }}{%- endif %}",
-        "{%- endif %}",
-    );
+    fn open_think_template() -> String {
+        let closed = "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}";
+        assert!(hypura_forge::QWEN3_TEMPLATE.contains(closed), "the forge's Qwen3 template changed");
+        hypura_forge::QWEN3_TEMPLATE
+            .replace(closed, "{{- '<think>\\n\\n</think>\\n\\n' }}{%- else %}{{- '<think>\\n' }}{%- endif %}")
+    }
 
     async fn generate(app: &Router, body: Value) -> Value {
         let request = Request::builder()
@@ -621,7 +612,7 @@ mod tests {
     async fn a_generate_after_a_context_splits_the_reasoning_out() {
         let directory = tempfile::tempdir().unwrap();
         let mut spec = hypura_forge::preset("tiny-qwen3").unwrap();
-        spec.chat_template = Some(OPEN_THINK_TEMPLATE.to_string());
+        spec.chat_template = Some(open_think_template());
         let path = directory.path().join("tiny-qwen3.gguf");
         hypura_forge::write_model(&spec, &path, &|_, _| {}).unwrap();
         let catalog = Catalog { files: vec![path], ..Catalog::default() };

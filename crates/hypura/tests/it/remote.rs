@@ -287,18 +287,20 @@ fn a_worker_with_less_memory_than_planned_is_refused_at_load_and_its_link_is_pro
     let mut facts = hypura::setup::machine_facts(&spec, &model).unwrap();
     // The plan believes in twice the memory.
     facts.remote_devices[0].free_bytes = 2 * lent;
-    let hypura::plan::Choice { n_ctx_seq, n_batch, plan } = hypura::setup::choose(&inventory, &spec, &facts).unwrap();
-    let share = plan.remote.as_ref().expect("a remote tier").shares[0].clone();
-    assert!(share.total_bytes() > lent, "{share:?}");
-    let options = hypura::engine::EngineOptions {
-        n_ctx_seq,
-        n_batch,
-        n_ubatch: n_batch,
+    // The engine options that load a choice with the workers.
+    let options_for = |choice: hypura::plan::Choice| hypura::engine::EngineOptions {
+        n_ctx_seq: choice.n_ctx_seq,
+        n_batch: choice.n_batch,
+        n_ubatch: choice.n_batch,
         repack: false,
-        plan: Some(plan),
+        plan: Some(choice.plan),
         remote: Some(workers.clone()),
         ..hypura::engine::EngineOptions::default()
     };
+    let choice = hypura::setup::choose(&inventory, &spec, &facts).unwrap();
+    let share = choice.plan.remote.as_ref().expect("a remote tier").shares[0].clone();
+    assert!(share.total_bytes() > lent, "{share:?}");
+    let options = options_for(choice);
     let error = hypura::engine::Engine::load(inventory.clone(), options).err().expect("refused at load").to_string();
     assert!(
         error.contains(&format!("RPC worker {}", worker.endpoint)) && error.contains("MiB free, and the plan puts"),
@@ -308,17 +310,9 @@ fn a_worker_with_less_memory_than_planned_is_refused_at_load_and_its_link_is_pro
     // Planned with what it has, the model loads; the worker then reports what its layers took
     // out of what it lends, and a second model is planned in what is left.
     let facts = hypura::setup::machine_facts(&spec, &model).unwrap();
-    let hypura::plan::Choice { n_ctx_seq, n_batch, plan } = hypura::setup::choose(&inventory, &spec, &facts).unwrap();
-    let share = plan.remote.as_ref().expect("a remote tier").shares[0].clone();
-    let options = hypura::engine::EngineOptions {
-        n_ctx_seq,
-        n_batch,
-        n_ubatch: n_batch,
-        repack: false,
-        plan: Some(plan),
-        remote: Some(workers.clone()),
-        ..hypura::engine::EngineOptions::default()
-    };
+    let choice = hypura::setup::choose(&inventory, &spec, &facts).unwrap();
+    let share = choice.plan.remote.as_ref().expect("a remote tier").shares[0].clone();
+    let options = options_for(choice);
     let engine = hypura::engine::Engine::load(inventory.clone(), options).unwrap();
     let left = workers.facts()[0].free_bytes;
     assert!(
