@@ -239,3 +239,16 @@ pub fn ollama_store(store: &Path, model: &Path, name: &str, tag: &str) {
     let manifest = serde_json::json!({"schemaVersion": 2, "layers": [{"mediaType": "application/vnd.ollama.image.model", "digest": format!("sha256:{digest}"), "size": bytes.len()}]});
     std::fs::write(manifests.join(tag), manifest.to_string()).unwrap();
 }
+
+/// The peak resident memory `run --stats` printed ("peak memory X (N bytes resident)"), in bytes.
+pub fn peak_rss(stderr: &str) -> u64 {
+    stderr
+        .lines()
+        .find_map(|line| {
+            line.strip_prefix("peak memory ")
+                .and_then(|rest| rest.split('(').nth(1))
+                .and_then(|rest| rest.split(' ').next())
+        })
+        .and_then(|number| number.parse().ok())
+        .unwrap_or_else(|| panic!("no peak memory line in {stderr}"))
+}

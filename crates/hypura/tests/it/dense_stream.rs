@@ -195,15 +195,7 @@ fn peak_memory_stays_under_the_budget() {
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(output.status.success(), "{stderr}");
         assert!(stderr.contains("mode dense-stream") && stderr.contains("streamed"), "{stderr}");
-        let peak: u64 = stderr
-            .lines()
-            .find_map(|line| {
-                line.strip_prefix("peak memory ")
-                    .and_then(|rest| rest.split('(').nth(1))
-                    .and_then(|rest| rest.split(' ').next())
-            })
-            .and_then(|number| number.parse().ok())
-            .unwrap_or_else(|| panic!("no peak memory line in {stderr}"));
+        let peak = common::peak_rss(&stderr);
         let budget_bytes = hypura::cli::settings::parse_bytes(budget).unwrap();
         assert!(
             peak as f64 <= budget_bytes as f64 * 1.05,

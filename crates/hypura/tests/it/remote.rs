@@ -107,18 +107,6 @@ fn greedy_run(model: &str, extra: &[&str]) -> (String, String) {
     (String::from_utf8_lossy(&output.stdout).into_owned(), stderr)
 }
 
-fn peak_rss(stderr: &str) -> u64 {
-    stderr
-        .lines()
-        .find_map(|line| {
-            line.strip_prefix("peak memory ")
-                .and_then(|rest| rest.split('(').nth(1))
-                .and_then(|rest| rest.split(' ').next())
-        })
-        .and_then(|number| number.parse().ok())
-        .unwrap_or_else(|| panic!("no peak memory line in {stderr}"))
-}
-
 /// Two workers hold the last layers, each its own range, and the text is the resident text.
 #[test]
 fn two_workers_hold_the_last_layers_and_the_greedy_text_is_the_resident_text() {
@@ -159,7 +147,7 @@ fn two_workers_hold_the_last_layers_and_the_greedy_text_is_the_resident_text() {
     // The host stays under its budget, but for the process's own ~75 MiB beyond its plan (the
     // same margin a run without workers needs at this budget).
     let budget = hypura::cli::settings::parse_bytes(HOST_BUDGET).unwrap();
-    let peak = peak_rss(&stderr);
+    let peak = common::peak_rss(&stderr);
     assert!(peak <= budget + (96 << 20), "host peak {peak} bytes over the budget {budget}: {stderr}");
 }
 
