@@ -77,6 +77,42 @@ impl Backend {
     }
 }
 
+/// Whether ggml's CPU backend reports `feature` (a name of its `ggml_backend_get_features`
+/// list, such as `AMX_INT8` or `AVX512`). Asked of the CPU backend's registry entry, so it holds
+/// whether the backend is linked in or loaded as a library (where its `ggml_cpu_has_*`
+/// functions are not linked into the binary at all). False where no CPU backend is registered.
+pub fn cpu_has_feature(feature: &str) -> bool {
+    Backend::get();
+    // SAFETY: the registry is initialised (`Backend::get`); the names are NUL-terminated
+    // literals; a registry entry and the procedure it returns live for the whole process.
+    let get_features = unsafe {
+        let registry = raw::ggml_backend_reg_by_name(c"CPU".as_ptr());
+        if registry.is_null() {
+            return false;
+        }
+        let address = raw::ggml_backend_reg_get_proc_address(registry, c"ggml_backend_get_features".as_ptr());
+        if address.is_null() {
+            return false;
+        }
+        // SAFETY: ggml registers this name for a `ggml_backend_get_features_t` (ggml-backend.h).
+        let function: raw::ggml_backend_get_features_t = std::mem::transmute(address);
+        function.map(|function| (function, registry))
+    };
+    let Some((function, registry)) = get_features else { return false };
+    // SAFETY: the function returns a static array of name/value pairs that ends with a null
+    // name; its strings are static and NUL-terminated.
+    unsafe {
+        let mut entry = function(registry);
+        while !entry.is_null() && !(*entry).name.is_null() {
+            if CStr::from_ptr((*entry).name).to_bytes() == feature.as_bytes() {
+                return true;
+            }
+            entry = entry.add(1);
+        }
+    }
+    false
+}
+
 /// Every device in ggml's registry, in its order.
 pub(crate) fn device_handles() -> Vec<crate::rpc::DeviceHandle> {
     // SAFETY: the registry lives for the process; every index below the count names a device.
@@ -195,4 +231,23 @@ pub struct DeviceInfo {
     pub kind: DeviceKind,
     pub free_bytes: u64,
     pub total_bytes: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The registry's answer is the CPU backend's own, for the feature that switches repacking
+    /// off and for one every x86-64 build reports on; nothing for a name it does not know.
+    #[test]
+    #[cfg(not(feature = "dynamic-backends"))]
+    fn the_cpu_registry_reports_the_features_the_backend_was_built_with() {
+        // SAFETY: pure queries of how the linked CPU backend was compiled.
+        let (amx, avx2, sse3) =
+            unsafe { (raw::ggml_cpu_has_amx_int8(), raw::ggml_cpu_has_avx2(), raw::ggml_cpu_has_sse3()) };
+        assert_eq!(cpu_has_feature("AMX_INT8"), amx != 0);
+        assert_eq!(cpu_has_feature("AVX2"), avx2 != 0);
+        assert_eq!(cpu_has_feature("SSE3"), sse3 != 0);
+        assert!(!cpu_has_feature("NO_SUCH_FEATURE"));
+    }
 }

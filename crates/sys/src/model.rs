@@ -104,8 +104,7 @@ impl ModelParams {
 pub fn repacking_available() -> bool {
     static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *AVAILABLE.get_or_init(|| {
-        // SAFETY: a pure query of how the CPU backend was compiled.
-        let amx = unsafe { raw::ggml_cpu_has_amx_int8() } != 0;
+        let amx = crate::backend::cpu_has_feature("AMX_INT8");
         if amx {
             tracing::warn!("this CPU backend has AMX, whose weight buffers crash llama.cpp's matrix products: weights are not repacked");
         }

@@ -1,14 +1,14 @@
 //! `hypura inspect` end to end: good files print the inventory, bad files give one clear line
 //! on stderr and exit 1, never a panic or an abort.
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 use hypura_gguf::{GgmlType, GgufWriter, Value};
 
 use crate::common;
 
 fn hypura(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_hypura")).args(args).env("HYPURA_LOG", "off").output().expect("run hypura")
+    common::hypura_command().args(args).env("HYPURA_LOG", "off").output().expect("run hypura")
 }
 
 /// Exit status 1 (an error, not a panic's 101 or a signal) and exactly one line on stderr.
@@ -139,7 +139,7 @@ fn a_gpu_budget_places_on_a_gpu_only_where_there_is_one() {
     let _machine = common::shared_machine();
     let path = common::gemma_path();
     let has_gpu = hypura_sys::Backend::get().devices().iter().any(|device| device.kind == hypura_sys::DeviceKind::Gpu);
-    let output = Command::new(env!("CARGO_BIN_EXE_hypura"))
+    let output = common::hypura_command()
         .args(["inspect", path.to_str().unwrap(), "--gpu-budget", "4GiB"])
         .output()
         .expect("run hypura");

@@ -1,11 +1,11 @@
 //! `hypura run` and `hypura bench` end to end, including bad input: each gives one clear line
 //! and exit status 1, never a panic.
-use std::process::{Command, Output};
+use std::process::Output;
 
 use crate::common;
 
 fn hypura(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_hypura")).args(args).env("HYPURA_LOG", "off").output().expect("run hypura")
+    common::hypura_command().args(args).env("HYPURA_LOG", "off").output().expect("run hypura")
 }
 
 fn stderr(output: &Output) -> String {
@@ -155,7 +155,7 @@ fn run_and_inspect_take_a_model_pulled_by_ollama_by_name_and_llama_cpp_flags() {
     let model = common::forge("tiny-dense-1b", store.path());
     common::ollama_store(store.path(), &model, "tiny", "q4");
     let with_store = |args: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_hypura"))
+        common::hypura_command()
             .args(args)
             .env("HYPURA_LOG", "off")
             .env("OLLAMA_MODELS", store.path())

@@ -4,6 +4,7 @@ use std::io::{Read, Write};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
@@ -49,6 +50,23 @@ pub fn whole_machine() -> Turn {
 /// A share of the machine, beside other shared tests but never beside a whole-machine test.
 pub fn shared_machine() -> Turn {
     Turn::Shared { _guard: MACHINE.read().unwrap_or_else(PoisonError::into_inner) }
+}
+
+/// The `hypura` binary, with a cache directory of its own (profile, measured compute, bench
+/// reports) under cargo's scratch directory for tests. A plan reads the compute time earlier
+/// streaming runs of the model measured; a run one test made under the load of others would
+/// otherwise steer another test's plan (a 4-token run measured at 0.27 s a token made the
+/// remote tier lose to local streaming in a later test).
+pub fn hypura_command() -> Command {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let cache = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
+        "hypura-cache-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    let mut command = Command::new(env!("CARGO_BIN_EXE_hypura"));
+    command.env("HYPURA_CACHE_DIR", cache);
+    command
 }
 
 /// Forge `name` into `directory` and return its path.
@@ -106,7 +124,7 @@ impl Server {
     pub fn start(arguments: &[String], log: PathBuf) -> Server {
         let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let log_file = std::fs::File::create(&log).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_hypura"))
+        let child = hypura_command()
             .arg("serve")
             .args(arguments)
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])

@@ -160,7 +160,7 @@ fn too_small_a_budget_is_refused_at_plan_time() {
     let facts = MachineFacts { memory_budget_bytes: 64 << 20, disk_bytes_per_sec: None, ..MachineFacts::default() };
     let error = plan::plan(&inventory, &facts, &PlanOptions::default()).unwrap_err();
     assert!(matches!(error, plan::PlanError::BudgetTooSmall { .. }), "{error}");
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_hypura"))
+    let output = common::hypura_command()
         .args(["inspect", common::gemma_path().to_str().unwrap(), "--memory-budget", "64MiB"])
         .output()
         .unwrap();
@@ -177,7 +177,7 @@ fn peak_memory_stays_under_the_budget() {
     let tiny = common::forge("tiny-dense-8b", directory.path());
     let gemma = common::gemma_path();
     for (path, budget) in [(tiny.as_path(), "140MiB"), (gemma.as_path(), "850MiB")] {
-        let output = std::process::Command::new(env!("CARGO_BIN_EXE_hypura"))
+        let output = common::hypura_command()
             .args([
                 "run",
                 path.to_str().unwrap(),

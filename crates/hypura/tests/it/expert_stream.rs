@@ -118,7 +118,7 @@ fn expert_ids_from_the_router_are_recorded_in_the_trace() {
     let directory = tempfile::tempdir().unwrap();
     let path = common::forge("tiny-moe-8x", directory.path());
     let trace = directory.path().join("trace.jsonl");
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_hypura"))
+    let output = common::hypura_command()
         .args([
             "run",
             path.to_str().unwrap(),

@@ -5,7 +5,6 @@
 //! picks that change from token to token, neither stuck nor random.
 use std::collections::HashSet;
 use std::path::Path;
-use std::process::Command;
 
 use hypura::bench::peer::PlainLlama;
 use hypura::store::RouteRecord;
@@ -75,8 +74,7 @@ fn a_trace_of_real_routing_changes_from_token_to_token_and_simulates() {
     // Qwen2.5-Coder-0.5B: 4864 neurons in 19 clusters of 256, 3 of them the shared expert.
     convert(&common::chat_model_path(), &model, 16, 8, Some(3));
     let trace = directory.path().join("trace.jsonl");
-    let hypura = env!("CARGO_BIN_EXE_hypura");
-    let run = Command::new(hypura)
+    let run = common::hypura_command()
         .args([
             "run",
             "--threads",
@@ -127,7 +125,7 @@ fn a_trace_of_real_routing_changes_from_token_to_token_and_simulates() {
     let change = changed as f64 / picks as f64;
     assert!((0.1..0.45).contains(&change), "{change:.3} of picks are new from one token to the next");
 
-    let simulate = Command::new(hypura)
+    let simulate = common::hypura_command()
         .args(["simulate", "--json", "--capacity", "192,336", "--model"])
         .arg(&model)
         .arg(&trace)

@@ -6,7 +6,7 @@
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
 use std::path::PathBuf;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::common;
@@ -28,7 +28,7 @@ struct Worker {
 impl Worker {
     fn start(lent: &str, cgroup_limit_bytes: u64) -> Worker {
         let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let child = Command::new(env!("CARGO_BIN_EXE_hypura"))
+        let child = common::hypura_command()
             .args(["rpc-server", "--port", &port.to_string(), "--mem", lent, "-t", "1"])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -95,7 +95,7 @@ fn memory_cgroup(name: &str, limit: u64) -> Option<PathBuf> {
 }
 
 fn hypura(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_hypura")).args(args).output().unwrap()
+    common::hypura_command().args(args).output().unwrap()
 }
 
 fn greedy_run(model: &str, extra: &[&str]) -> (String, String) {
@@ -272,7 +272,12 @@ fn a_worker_with_less_memory_than_planned_is_refused_at_load_and_its_link_is_pro
         ..hypura::setup::RunSpec::default()
     };
     let inventory = hypura::model::Inventory::open(&model).unwrap();
-    let mut facts = hypura::setup::machine_facts(&spec, &model).unwrap();
+    // The machine as it is now (the worker's free memory), without what earlier runs measured.
+    let facts_now = || hypura::plan::MachineFacts {
+        compute_seconds_per_token: None,
+        ..hypura::setup::machine_facts(&spec, &model).unwrap()
+    };
+    let mut facts = facts_now();
     // The plan believes in twice the memory.
     facts.remote_devices[0].free_bytes = 2 * lent;
     // The engine options that load a choice with the workers.
@@ -297,7 +302,7 @@ fn a_worker_with_less_memory_than_planned_is_refused_at_load_and_its_link_is_pro
 
     // Planned with what it has, the model loads; the worker then reports what its layers took
     // out of what it lends, and a second model is planned in what is left.
-    let facts = hypura::setup::machine_facts(&spec, &model).unwrap();
+    let facts = facts_now();
     let choice = hypura::setup::choose(&inventory, &spec, &facts).unwrap();
     let share = choice.plan.remote.as_ref().expect("a remote tier").shares[0].clone();
     let options = options_for(choice);
@@ -308,8 +313,7 @@ fn a_worker_with_less_memory_than_planned_is_refused_at_load_and_its_link_is_pro
         "{left} bytes left of {free} with {} of weights there",
         share.weight_bytes
     );
-    let second =
-        hypura::setup::choose(&inventory, &spec, &hypura::setup::machine_facts(&spec, &model).unwrap()).unwrap().plan;
+    let second = hypura::setup::choose(&inventory, &spec, &facts_now()).unwrap().plan;
     assert!(
         second.remote.as_ref().is_none_or(|remote| remote.layers.len() < share.layers.len()),
         "{}",

@@ -239,7 +239,7 @@ fn bench_reports_acceptance_and_tokens_per_pass() {
     let _machine = common::shared_machine();
     let model = common::chat_model_path();
     let model = model.to_str().unwrap();
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_hypura"))
+    let output = common::hypura_command()
         .args([
             "bench",
             model,
