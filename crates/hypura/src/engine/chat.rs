@@ -90,12 +90,15 @@ pub enum Think {
 }
 
 /// Which tool the model must call: OpenAI's `tool_choice`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum ToolChoice {
     #[default]
     Auto,
     Required,
     None,
+    /// This function, by name: the model sees only that tool, and the grammar allows only its
+    /// call.
+    Function(String),
 }
 
 /// A conversation to answer.
@@ -222,15 +225,34 @@ impl ChatTemplate {
         for tool in &request.tools {
             check_tool(tool)?;
         }
+        // A named function is "required" over that one tool (llama.cpp's chat layer knows no
+        // named choice), so the template renders it alone and the grammar allows only its call.
+        let tools: Vec<Value> = match &request.tool_choice {
+            ToolChoice::Function(name) => {
+                let named =
+                    request.tools.iter().find(|tool| tool_name(tool) == Some(name.as_str())).ok_or_else(|| {
+                        ChatError::Template(format!(
+                            "tool_choice names the function {name:?}, which is not among the tools"
+                        ))
+                    })?;
+                vec![named.clone()]
+            }
+            _ => request.tools.clone(),
+        };
+        let tool_choice = match request.tool_choice {
+            ToolChoice::Auto => "auto",
+            ToolChoice::Required | ToolChoice::Function(_) => "required",
+            ToolChoice::None => "none",
+        };
         let mut body = json!({
             "messages": request.messages.iter().map(ChatMessage::to_openai).collect::<Vec<_>>(),
-            "tool_choice": match request.tool_choice { ToolChoice::Auto => "auto", ToolChoice::Required => "required", ToolChoice::None => "none" },
+            "tool_choice": tool_choice,
             "parallel_tool_calls": true,
             "reasoning_format": "deepseek",
             "add_generation_prompt": true,
         });
-        if !request.tools.is_empty() {
-            body["tools"] = Value::Array(request.tools.clone());
+        if !tools.is_empty() {
+            body["tools"] = Value::Array(tools.clone());
         }
         match &request.think {
             Some(Think::Off) => body["enable_thinking"] = json!(false),
@@ -256,14 +278,15 @@ impl ChatTemplate {
                 text: String::new(),
                 sent_content: 0,
                 sent_thinking: 0,
-                tool_names: request
-                    .tools
-                    .iter()
-                    .filter_map(|tool| tool.pointer("/function/name").and_then(Value::as_str).map(str::to_string))
-                    .collect(),
+                tool_names: tools.iter().filter_map(|tool| tool_name(tool).map(str::to_string)).collect(),
             }),
         })
     }
+}
+
+/// A tool definition's function name.
+fn tool_name(tool: &Value) -> Option<&str> {
+    tool.pointer("/function/name").and_then(Value::as_str)
 }
 
 /// A tool definition has a function with a name, and parameters (if any) that are a JSON
@@ -415,10 +438,7 @@ impl ChatStream {
 
     /// Content that may still turn out to be a bare JSON call is not sent yet.
     fn may_be_bare_call(&self, content: &str) -> bool {
-        let start = content.trim_start();
-        !self.tool_names.is_empty()
-            && self.sent_content == 0
-            && (start.is_empty() || start.starts_with('{') || start.starts_with('[') || start.starts_with("```"))
+        self.sent_content == 0 && may_become_bare_calls(content, &self.tool_names)
     }
 
     /// What the content and reasoning gained since the last delta (`last`: the answer is
@@ -494,23 +514,100 @@ fn bare_calls(content: &str, tool_names: &[String]) -> Option<Vec<ToolCall>> {
             other => values.push(other),
         }
     }
-    let calls: Vec<ToolCall> = values
-        .into_iter()
-        .map(|value| {
-            let name = value.get("name")?.as_str()?.to_string();
-            if !tool_names.contains(&name) {
-                return None;
-            }
-            let arguments = match value.get("arguments").or_else(|| value.get("parameters")) {
-                Some(Value::String(text)) => serde_json::from_str(text).ok()?,
-                Some(arguments @ Value::Object(_)) => arguments.clone(),
-                None => json!({}),
-                Some(_) => return None,
-            };
-            Some(ToolCall { id: Some(new_call_id()), name, arguments })
-        })
-        .collect::<Option<_>>()?;
+    let calls: Vec<ToolCall> = values.iter().map(|value| call_of(value, tool_names)).collect::<Option<_>>()?;
     (!calls.is_empty()).then_some(calls)
+}
+
+/// A JSON value read as a call of an offered tool: `{"name", "arguments" | "parameters"}`, the
+/// arguments an object or a JSON string of one.
+fn call_of(value: &Value, tool_names: &[String]) -> Option<ToolCall> {
+    let name = value.get("name")?.as_str()?.to_string();
+    if !tool_names.contains(&name) {
+        return None;
+    }
+    let arguments = match value.get("arguments").or_else(|| value.get("parameters")) {
+        Some(Value::String(text)) => serde_json::from_str(text).ok()?,
+        Some(arguments @ Value::Object(_)) => arguments.clone(),
+        None => json!({}),
+        Some(_) => return None,
+    };
+    Some(ToolCall { id: Some(new_call_id()), name, arguments })
+}
+
+/// The most content held back while it may still become bare calls. Past it the answer streams
+/// as content, so a looping answer that keeps the shape of a call (an argument string that never
+/// ends) cannot keep a client waiting: on two cores a 0.5B model writes 4 KiB in about half a
+/// minute. A bare call longer than this is returned as content, as the model wrote it.
+pub const BARE_CALL_HOLD_BYTES: usize = 4096;
+
+/// Whether an answer that starts with `content` may still be nothing but bare calls of
+/// `tool_names` (what `bare_calls` reads once it is whole): an opening fence, then JSON whose
+/// complete values are calls of offered tools and whose last value, cut short, opens with a key
+/// a call has and, where the name has begun, a prefix of an offered tool's name. Content that
+/// cannot become calls is released at once instead of waiting for the end of the answer.
+fn may_become_bare_calls(content: &str, tool_names: &[String]) -> bool {
+    if tool_names.is_empty() || content.len() > BARE_CALL_HOLD_BYTES {
+        return false;
+    }
+    let mut text = content.trim_start();
+    if let Some(fenced) = text.strip_prefix("```") {
+        if "json".starts_with(fenced) {
+            return true;
+        }
+        text = fenced.strip_prefix("json").unwrap_or(fenced);
+        // The closing fence, whole or begun.
+        text = text.trim_end().trim_end_matches('`');
+    } else if "```".starts_with(text) {
+        // Nothing yet, or a fence begun.
+        return true;
+    }
+    let text = text.trim();
+    if text.is_empty() {
+        return true;
+    }
+    if !text.starts_with('{') && !text.starts_with('[') {
+        return false;
+    }
+    let mut values = serde_json::Deserializer::from_str(text).into_iter::<Value>();
+    loop {
+        let offset = values.byte_offset();
+        match values.next() {
+            None => return true,
+            Some(Ok(Value::Array(items))) if items.iter().all(|item| call_of(item, tool_names).is_some()) => {}
+            Some(Ok(value)) if call_of(&value, tool_names).is_some() => {}
+            Some(Ok(_)) => return false,
+            Some(Err(error)) if error.is_eof() => return opens_like_a_call(&text[offset..], tool_names),
+            Some(Err(_)) => return false,
+        }
+    }
+}
+
+/// Whether a JSON value cut short (`{...` or `[{...`) still opens as a call may: its first key,
+/// once whole, is one a call has, and where that key is `"name"`, the name so far begins an
+/// offered tool's name.
+fn opens_like_a_call(partial: &str, tool_names: &[String]) -> bool {
+    let rest = partial.trim_start();
+    let rest = rest.strip_prefix('[').map_or(rest, str::trim_start);
+    let Some(rest) = rest.strip_prefix('{') else { return rest.is_empty() };
+    let rest = rest.trim_start();
+    let Some(rest) = rest.strip_prefix('"') else { return rest.is_empty() };
+    let Some((key, rest)) = rest.split_once('"') else {
+        return ["name", "arguments", "parameters"].iter().any(|known| known.starts_with(rest));
+    };
+    match key {
+        "arguments" | "parameters" => true,
+        "name" => {
+            let rest = rest.trim_start();
+            let Some(rest) = rest.strip_prefix(':') else { return rest.is_empty() };
+            let rest = rest.trim_start();
+            let Some(name) = rest.strip_prefix('"') else { return rest.is_empty() };
+            match name.split_once('"') {
+                Some((name, _)) => tool_names.iter().any(|tool| tool == name),
+                None => tool_names.iter().any(|tool| tool.starts_with(name)),
+            }
+        }
+        _ => false,
+    }
 }
 
 /// An id for a call the model did not number itself ("call_" and 24 random letters and digits,
@@ -652,5 +749,57 @@ mod tests {
             bare_calls("{\"name\": \"get_weather\", \"arguments\": {}}", &[]).is_none(),
             "no tools offered: no calls"
         );
+    }
+
+    /// An answer is held back only while it may still become bare calls: released as soon as
+    /// its JSON cannot be a call of an offered tool, or once it is longer than the bound.
+    #[test]
+    fn content_is_held_back_only_while_it_may_become_a_call() {
+        let names = vec!["get_weather".to_string(), "read".to_string()];
+        let held = |content: &str| may_become_bare_calls(content, &names);
+        // May still become calls: nothing yet, a fence begun, a call or list of calls cut short.
+        for content in [
+            "",
+            "  \n",
+            "`",
+            "``",
+            "```js",
+            "```json\n",
+            "{",
+            "{\"na",
+            "{\"name\": \"get_w",
+            "{\"name\": \"read\", \"arguments\": {\"path\": \"notes",
+            "[{\"name\": \"read\", \"arguments\": {}}, {\"name\": \"get",
+            "{\"arguments\": {\"city\": \"Oslo\"}, \"na",
+            "{\"name\": \"read\", \"arguments\": {}}\n{\"name\": \"re",
+            "```json\n{\"name\": \"read\", \"arguments\": {}}\n``",
+        ] {
+            assert!(held(content), "{content:?} may still become a call");
+        }
+        // Cannot: prose, another first key, a tool not offered, a whole value that is no call,
+        // text after a call, anything past the bound.
+        for content in [
+            "The weather",
+            "{\"city\"",
+            "{\"result\": 1",
+            "{\"name\": \"delete",
+            "{\"name\": \"read_all\"",
+            "{\"city\": \"Paris\"}",
+            "[1, 2",
+            "{\"name\": \"read\", \"arguments\": {}} and then",
+            "```python\n",
+        ] {
+            assert!(!held(content), "{content:?} cannot become a call");
+        }
+        let looping =
+            format!("{{\"name\": \"read\", \"arguments\": {{\"path\": \"{}", "a".repeat(BARE_CALL_HOLD_BYTES));
+        assert!(!held(&looping), "a looping call is released past the bound");
+        assert!(!may_become_bare_calls("{", &[]), "no tools offered: nothing is held");
+        // Whatever is held until the end is read by `bare_calls` as the same calls.
+        for whole in
+            ["{\"name\": \"read\", \"arguments\": {\"path\": \"a\"}}", "```json\n[{\"name\": \"get_weather\"}]\n```"]
+        {
+            assert!(held(whole) && bare_calls(whole, &names).is_some(), "{whole:?}");
+        }
     }
 }

@@ -1,8 +1,10 @@
 //! Starting a generation for a handler, and reading its events back, for both APIs.
 //!
-//! The handler waits for the first event before it answers, so a failure before any text (a
-//! model that cannot load, a prompt too long for the context) is an ordinary error status; any
-//! later failure becomes the last line of the stream. The request's cancel flag is set when the
+//! The handler waits until the request is admitted before it answers, so a failure before that
+//! (a model that cannot load, a prompt too long for the context) is an ordinary error status;
+//! any later failure becomes the last line of the stream. A streaming answer's headers (and
+//! OpenAI's role chunk) then go out at once, before the prompt is evaluated and whatever the
+//! first text is. The request's cancel flag is set when the
 //! handler's future or the response stream is dropped, which is how a client that disconnects
 //! stops its generation within one token.
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -27,7 +29,7 @@ impl Drop for CancelOnDrop {
     }
 }
 
-/// A generation that has produced its first event.
+/// A generation that was admitted, or already produced its first event.
 pub struct Generation {
     first: Option<Event>,
     events: mpsc::UnboundedReceiver<Event>,
@@ -42,7 +44,7 @@ pub struct Collected {
     pub finished: Finished,
 }
 
-/// Hand the request to its model's worker and wait for its first event. The request's cancel
+/// Hand the request to its model's worker and wait until it is admitted. The request's cancel
 /// flag becomes the generation's: dropping the generation sets it.
 pub async fn start(
     scheduler: &Scheduler,
@@ -59,6 +61,7 @@ pub async fn start(
     lease.generate(GenerateJob { request, events: sender })?;
     match events.recv().await {
         Some(Event::Failed(error)) => Err(error),
+        Some(Event::Started) => Ok(Generation { first: None, events, _cancel: cancel }),
         Some(first) => Ok(Generation { first: Some(first), events, _cancel: cancel }),
         None => Err(AppError::internal("the model's worker stopped before answering")),
     }
@@ -70,14 +73,23 @@ impl Generation {
     pub fn into_stream(self) -> impl Stream<Item = Event> + Send + 'static {
         futures_util::stream::unfold(Some(self), |state| async move {
             let mut generation = state?;
-            let event = match generation.first.take() {
-                Some(event) => Some(event),
-                None => generation.events.recv().await,
-            };
-            let event = event?;
+            let event = generation.next().await?;
             let last = matches!(event, Event::Done(_) | Event::Failed(_));
             Some((event, if last { None } else { Some(generation) }))
         })
+    }
+
+    /// The next event after the admission (which `start` already waited for).
+    async fn next(&mut self) -> Option<Event> {
+        if let Some(event) = self.first.take() {
+            return Some(event);
+        }
+        loop {
+            match self.events.recv().await? {
+                Event::Started => continue,
+                event => return Some(event),
+            }
+        }
     }
 
     /// Wait for the end, joining the text.
@@ -85,15 +97,13 @@ impl Generation {
         let mut text = String::new();
         let mut thinking = String::new();
         loop {
-            let event = match self.first.take() {
-                Some(event) => Some(event),
-                None => self.events.recv().await,
-            };
-            match event {
+            match self.next().await {
                 Some(Event::Text(piece)) => text.push_str(&piece),
                 Some(Event::Thinking(piece)) => thinking.push_str(&piece),
                 Some(Event::Done(finished)) => return Ok(Collected { text, thinking, finished: *finished }),
                 Some(Event::Failed(error)) => return Err(error),
+                // `next` passes over the admission.
+                Some(Event::Started) => {}
                 None => return Err(AppError::internal("the model's worker stopped before finishing")),
             }
         }

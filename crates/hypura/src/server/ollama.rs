@@ -435,6 +435,8 @@ async fn respond(
                 Bytes::from(lines)
             }
             Event::Failed(error) => ndjson_line(&json!({ "error": error.message })),
+            // The stream passes over the admission.
+            Event::Started => Bytes::new(),
         };
         Ok(line)
     });

@@ -301,7 +301,7 @@ pub async fn chat_completions(
     let name = model_name(body.model)?;
     let entry = state.resolve(&name).await?;
     let tools = tools::parse_tools(body.tools)?;
-    let tool_choice = tools::parse_tool_choice(body.tool_choice.as_ref())?;
+    let tool_choice = tools::parse_tool_choice(body.tool_choice.as_ref(), &tools)?;
     let think = body.reasoning_effort.as_deref().map(tools::reasoning_effort).transpose()?.flatten();
     let messages = body.messages.unwrap_or_default();
     if messages.is_empty() {
@@ -372,30 +372,22 @@ async fn respond(
         };
         return Ok(Json(envelope.whole(text, thinking, &collected.finished)).into_response());
     }
-    let mut first = true;
+    // A chat stream opens with the role chunk at once, as llama-server's and OpenAI's do: the
+    // client has its headers and a first line before the prompt is evaluated.
+    let role = matches!(envelope.kind, Kind::Chat)
+        .then(|| Ok::<_, std::convert::Infallible>(sse_event(&envelope.delta("", true))));
     let events = generation.into_stream().map(move |event| {
         let mut bytes = Vec::new();
         match event {
-            Event::Text(text) => {
-                bytes.extend_from_slice(&sse_event(&envelope.delta(&text, first)));
-                first = false;
-            }
-            Event::Thinking(thinking) => {
-                bytes.extend_from_slice(&sse_event(
-                    &envelope.chat_delta(json!({ "reasoning_content": thinking, "reasoning": thinking }), first),
-                ));
-                first = false;
-            }
+            Event::Text(text) => bytes.extend_from_slice(&sse_event(&envelope.delta(&text, false))),
+            Event::Thinking(thinking) => bytes.extend_from_slice(&sse_event(
+                &envelope.chat_delta(json!({ "reasoning_content": thinking, "reasoning": thinking }), false),
+            )),
             Event::Done(finished) => {
                 if let Some(calls) = tool_calls(&finished) {
                     bytes.extend_from_slice(&sse_event(
-                        &envelope.chat_delta(json!({ "tool_calls": tools::openai_calls(calls) }), first),
+                        &envelope.chat_delta(json!({ "tool_calls": tools::openai_calls(calls) }), false),
                     ));
-                    first = false;
-                }
-                if first {
-                    // Clients expect the role chunk even when nothing was generated.
-                    bytes.extend_from_slice(&sse_event(&envelope.delta("", true)));
                 }
                 bytes.extend_from_slice(&sse_event(&envelope.finish(&finished)));
                 if include_usage {
@@ -404,10 +396,12 @@ async fn respond(
                 bytes.extend_from_slice(b"data: [DONE]\n\n");
             }
             Event::Failed(error) => bytes.extend_from_slice(&sse_event(&OpenAiError::body(&error))),
+            // The stream passes over the admission.
+            Event::Started => {}
         }
         Ok(Bytes::from(bytes))
     });
-    Ok(stream_response("text/event-stream", events))
+    Ok(stream_response("text/event-stream", futures_util::stream::iter(role).chain(events)))
 }
 
 #[derive(Deserialize)]

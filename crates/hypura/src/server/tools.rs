@@ -73,9 +73,9 @@ pub fn parse_tools(tools: Option<Vec<Value>>) -> Result<Vec<Value>, AppError> {
     Ok(tools)
 }
 
-/// OpenAI's `tool_choice`: "auto", "none", "required" (a named function is treated as
-/// "required").
-pub fn parse_tool_choice(value: Option<&Value>) -> Result<ToolChoice, AppError> {
+/// OpenAI's `tool_choice`: "auto", "none", "required", or `{"type": "function", "function":
+/// {"name"}}`, which forces that function: it must be one of `tools`.
+pub fn parse_tool_choice(value: Option<&Value>, tools: &[Value]) -> Result<ToolChoice, AppError> {
     match value {
         None | Some(Value::Null) => Ok(ToolChoice::Auto),
         Some(Value::String(choice)) => match choice.as_str() {
@@ -83,10 +83,28 @@ pub fn parse_tool_choice(value: Option<&Value>) -> Result<ToolChoice, AppError> 
             "none" => Ok(ToolChoice::None),
             "required" => Ok(ToolChoice::Required),
             other => Err(AppError::bad_request(format!(
-                "tool_choice must be \"auto\", \"none\" or \"required\", not {other:?}"
+                "tool_choice must be \"auto\", \"none\", \"required\" or a function, not {other:?}"
             ))),
         },
-        Some(Value::Object(_)) => Ok(ToolChoice::Required),
+        Some(Value::Object(choice)) => {
+            let name = choice
+                .get("function")
+                .and_then(|function| function.get("name"))
+                .and_then(Value::as_str)
+                .filter(|name| !name.is_empty())
+                .ok_or_else(|| {
+                    AppError::bad_request(format!(
+                        "tool_choice must name a function: {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, not {}",
+                        Value::Object(choice.clone())
+                    ))
+                })?;
+            if !tools.iter().any(|tool| tool.pointer("/function/name").and_then(Value::as_str) == Some(name)) {
+                return Err(AppError::bad_request(format!(
+                    "tool_choice names the function {name:?}, which is not among the request's tools"
+                )));
+            }
+            Ok(ToolChoice::Function(name.to_string()))
+        }
         Some(other) => Err(AppError::bad_request(format!("invalid tool_choice: {other}"))),
     }
 }
@@ -209,7 +227,14 @@ mod tests {
         assert_eq!(parse_think(Some(&json!("high"))).unwrap(), Some(Think::Level("high".into())));
         assert!(parse_think(Some(&json!(3))).is_err());
         assert!(parse_think(Some(&json!("loud"))).is_err());
-        assert_eq!(parse_tool_choice(Some(&json!("none"))).unwrap(), ToolChoice::None);
-        assert!(parse_tool_choice(Some(&json!("sometimes"))).is_err());
+        assert_eq!(parse_tool_choice(Some(&json!("none")), &[]).unwrap(), ToolChoice::None);
+        assert!(parse_tool_choice(Some(&json!("sometimes")), &[]).is_err());
+        // A named function is forced, and must be one of the request's tools.
+        let tools = [json!({"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}})];
+        let named = json!({"type": "function", "function": {"name": "read"}});
+        assert_eq!(parse_tool_choice(Some(&named), &tools).unwrap(), ToolChoice::Function("read".into()));
+        let unknown = json!({"type": "function", "function": {"name": "write"}});
+        assert!(parse_tool_choice(Some(&unknown), &tools).unwrap_err().message.contains("not among"));
+        assert!(parse_tool_choice(Some(&json!({"type": "function"})), &tools).is_err());
     }
 }

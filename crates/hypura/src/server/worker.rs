@@ -33,6 +33,9 @@ pub struct GenerateJob {
 /// What a generation sends back.
 #[derive(Debug)]
 pub enum Event {
+    /// The request was admitted (its prompt rendered and tokenized, within the context): the
+    /// handler may answer now, before any text, and later failures end its stream.
+    Started,
     /// Answer text (a conversation's content).
     Text(String),
     /// Reasoning, kept apart from the content.
@@ -308,13 +311,18 @@ fn admit(batcher: &mut Batcher, job: Job, ready_at: Instant) {
             Control::Continue
         }
     });
-    if let Err((error, _sink)) = batcher.admit(request, sink) {
-        // A capability the model lacks is named with the model, as Ollama words it.
-        let error = match &error {
-            EngineError::Unsupported(reason) => AppError::bad_request(format!("\"{name}\" {reason}")),
-            _ => AppError::from_engine(&error),
-        };
-        let _ = events.send(Event::Failed(error));
+    match batcher.admit(request, sink) {
+        Ok(()) => {
+            let _ = events.send(Event::Started);
+        }
+        Err((error, _sink)) => {
+            // A capability the model lacks is named with the model, as Ollama words it.
+            let error = match &error {
+                EngineError::Unsupported(reason) => AppError::bad_request(format!("\"{name}\" {reason}")),
+                _ => AppError::from_engine(&error),
+            };
+            let _ = events.send(Event::Failed(error));
+        }
     }
 }
 

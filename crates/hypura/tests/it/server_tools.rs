@@ -114,3 +114,33 @@ fn a_num_ctx_beyond_the_budget_says_how_much_fits_and_the_server_recovers() {
     let answer = server.post("/api/chat", &chat(json!({"num_predict": 2})));
     assert_eq!(answer["done"], true, "{answer}");
 }
+
+/// A named `tool_choice` is "required" over that one tool: the template renders it alone (the
+/// grammar llama.cpp builds from the rendered tools then allows only its call), and a bare JSON
+/// call of another tool is not read as a call.
+#[test]
+fn a_named_tool_choice_renders_only_that_tool() {
+    let _machine = common::shared_machine();
+    use hypura::engine::{ChatMessage, ChatRequest, Engine, EngineOptions, ToolChoice};
+    let engine =
+        Engine::open(&common::chat_model_path(), EngineOptions { n_threads: Some(1), ..EngineOptions::default() })
+            .unwrap();
+    let tool = |name: &str| json!({"type": "function", "function": {"name": name, "parameters": {"type": "object"}}});
+    let request = |tool_choice| ChatRequest {
+        tools: vec![tool("get_weather"), tool("read_file")],
+        tool_choice,
+        ..ChatRequest::new(vec![ChatMessage::new("user", "What is the weather in Paris?")])
+    };
+    let both = engine.template().render(&request(ToolChoice::Auto)).unwrap();
+    assert!(both.prompt.contains("get_weather") && both.prompt.contains("read_file"), "{}", both.prompt);
+    let named = engine.template().render(&request(ToolChoice::Function("read_file".into()))).unwrap();
+    assert!(named.prompt.contains("read_file") && !named.prompt.contains("get_weather"), "{}", named.prompt);
+    let mut chat = named.chat.expect("a tool request is parsed");
+    chat.push("{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}");
+    let (_, message) = chat.finish();
+    assert!(message.tool_calls.is_empty(), "{:?}", message.tool_calls);
+    let Err(unknown) = engine.template().render(&request(ToolChoice::Function("write_file".into()))) else {
+        panic!("a named function that is not among the tools was rendered")
+    };
+    assert!(unknown.to_string().contains("not among the tools"), "{unknown}");
+}
