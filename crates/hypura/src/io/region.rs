@@ -22,7 +22,7 @@ pub struct Region {
 }
 
 // SAFETY: the region is plain anonymous memory; who may touch which bytes when is governed by
-// the store's slice state machine, not by this type.
+// the store's unit state machine (`store::residency::UnitState`), not by this type.
 unsafe impl Send for Region {}
 // SAFETY: as above.
 unsafe impl Sync for Region {}
@@ -124,7 +124,7 @@ impl Region {
     /// its file byte or nothing.
     ///
     /// The caller must ensure no compute reads these pages while they are being written (the
-    /// store's state machine: a slice is `Loading` until this returns).
+    /// store's state machine: a unit is `Loading` until this returns).
     pub fn read_in(&self, file: &DirectFile, range: std::ops::Range<u64>) -> Result<u64, IoError> {
         self.read_in_shifted(file, range, 0)
     }
@@ -175,8 +175,9 @@ impl Region {
             return Ok(());
         }
         // SAFETY: the page-aligned range lies inside our mapping; MADV_DONTNEED on a private
-        // anonymous mapping only drops contents (they read back as zeros), which the state
-        // machine allows because the slice is `Evicting` and no compute reads it.
+        // anonymous mapping only drops contents (they read back as zeros), and no compute reads
+        // these pages: their unit is `Evicting` (`store::residency::UnitState`), or they are
+        // parked pages of an `Empty` unit, out of the parked set or listed as moving.
         let status = unsafe {
             libc::madvise(self.base.as_ptr().add(start as usize).cast(), (end - start) as usize, libc::MADV_DONTNEED)
         };

@@ -24,8 +24,8 @@ use crate::io::{DirectFile, IoError, Region};
 use crate::model::{ExpertSlices, Inventory, TensorEntry};
 use crate::plan::{Plan, Tier};
 
-/// Why the store could not set up or run its streams. Every message names the file, tensor or
-/// number at fault.
+/// Why the store could not set up or run its streams. Messages name the file, tensor or number
+/// at fault where there is one.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error(transparent)]
@@ -46,8 +46,8 @@ pub enum StoreError {
     /// nodes as the drivers expect, so streamed layers computed on bytes nobody loaded.
     #[error("llama.cpp's graph for {arch} has no {node} node, so streamed weights were never loaded; use --mode resident or another mode")]
     HookNeverFired { arch: String, node: String },
-    /// A failure that fails every sequence of a batch: each gets its words (the failure itself,
-    /// an I/O error, is reported once, to the first).
+    /// A failure that fails every sequence of a batch: each sequence gets the failure's words
+    /// (the typed failure, an I/O error among them, cannot be cloned).
     #[error("{message}")]
     Batch { message: String },
 }
