@@ -105,6 +105,8 @@ impl RunSpec {
 /// the engine options that carry it.
 pub struct Setup {
     pub inventory: Inventory,
+    /// The machine facts the plan was chosen with (before a draft model's memory was set
+    /// aside: the plan's `BudgetUse::draft_bytes` holds that).
     pub facts: MachineFacts,
     pub options: EngineOptions,
 }

@@ -278,7 +278,11 @@ impl ChatTemplate {
                 text: String::new(),
                 sent_content: 0,
                 sent_thinking: 0,
-                tool_names: tools.iter().filter_map(|tool| tool_name(tool).map(str::to_string)).collect(),
+                // With tool_choice "none" nothing is read as a call (as llama.cpp's parser does).
+                tool_names: match request.tool_choice {
+                    ToolChoice::None => Vec::new(),
+                    _ => tools.iter().filter_map(|tool| tool_name(tool).map(str::to_string)).collect(),
+                },
             }),
         })
     }
@@ -305,7 +309,13 @@ fn check_tool(tool: &Value) -> Result<(), ChatError> {
         _ => return Err(ChatError::Template(format!("a tool's function needs a name: {function}"))),
     }
     match function.get("parameters") {
-        None | Some(Value::Null) | Some(Value::Object(_)) => Ok(()),
+        None | Some(Value::Null) => Ok(()),
+        // llama.cpp builds the call grammar from it with the converter that crashes or stalls on
+        // hostile schemas: the fence's limits check it first (and convert it, which a schema
+        // within them takes milliseconds to).
+        Some(parameters @ Value::Object(_)) => hypura_sys::json_schema_to_grammar(&parameters.to_string())
+            .map(|_| ())
+            .map_err(|error| ChatError::Template(format!("a tool's parameters: {error}"))),
         Some(other) => {
             Err(ChatError::Template(format!("a tool's parameters must be a JSON Schema object, not {other}")))
         }
@@ -582,31 +592,78 @@ fn may_become_bare_calls(content: &str, tool_names: &[String]) -> bool {
     }
 }
 
-/// Whether a JSON value cut short (`{...` or `[{...`) still opens as a call may: its first key,
-/// once whole, is one a call has, and where that key is `"name"`, the name so far begins an
-/// offered tool's name.
+/// Whether a JSON value cut short (`{...` or `[{...`) may still be a call: any keys (a call may
+/// carry others, such as Llama 3's `"type"`), unless its top-level `"name"` has begun with a
+/// value that is no offered tool's name, or is no string.
 fn opens_like_a_call(partial: &str, tool_names: &[String]) -> bool {
     let rest = partial.trim_start();
     let rest = rest.strip_prefix('[').map_or(rest, str::trim_start);
-    let Some(rest) = rest.strip_prefix('{') else { return rest.is_empty() };
-    let rest = rest.trim_start();
-    let Some(rest) = rest.strip_prefix('"') else { return rest.is_empty() };
-    let Some((key, rest)) = rest.split_once('"') else {
-        return ["name", "arguments", "parameters"].iter().any(|known| known.starts_with(rest));
-    };
-    match key {
-        "arguments" | "parameters" => true,
-        "name" => {
-            let rest = rest.trim_start();
-            let Some(rest) = rest.strip_prefix(':') else { return rest.is_empty() };
-            let rest = rest.trim_start();
-            let Some(name) = rest.strip_prefix('"') else { return rest.is_empty() };
-            match name.split_once('"') {
-                Some((name, _)) => tool_names.iter().any(|tool| tool == name),
-                None => tool_names.iter().any(|tool| tool.starts_with(name)),
+    let Some(mut rest) = rest.strip_prefix('{') else { return rest.is_empty() };
+    loop {
+        rest = rest.trim_start();
+        let Some(after_quote) = rest.strip_prefix('"') else { return true };
+        let Some((key, after_key)) = json_string(after_quote) else { return true };
+        let after_key = after_key.trim_start();
+        let Some(value) = after_key.strip_prefix(':') else { return true };
+        let value = value.trim_start();
+        if key == "name" {
+            if value.is_empty() {
+                return true;
             }
+            let Some(name) = value.strip_prefix('"') else { return false };
+            return match json_string(name) {
+                Some((name, _)) => tool_names.iter().any(|tool| *tool == name),
+                None => tool_names.iter().any(|tool| tool.starts_with(name)),
+            };
         }
-        _ => false,
+        match skip_json_value(value) {
+            Some(next) => match next.trim_start().strip_prefix(',') {
+                Some(next) => rest = next,
+                None => return true,
+            },
+            None => return true,
+        }
+    }
+}
+
+/// A JSON string's text up to its closing quote (escapes kept as written), and what follows; None
+/// when it does not close yet.
+fn json_string(text: &str) -> Option<(&str, &str)> {
+    let mut escaped = false;
+    for (index, character) in text.char_indices() {
+        match character {
+            _ if escaped => escaped = false,
+            '\\' => escaped = true,
+            '"' => return Some((&text[..index], &text[index + 1..])),
+            _ => {}
+        }
+    }
+    None
+}
+
+/// What follows one whole JSON value at the start of `text` (strings and nesting followed), or
+/// None when the value does not end in `text`.
+fn skip_json_value(text: &str) -> Option<&str> {
+    let mut depth = 0usize;
+    let mut rest = text;
+    loop {
+        let character = rest.chars().next()?;
+        match character {
+            '"' => rest = json_string(&rest[1..])?.1,
+            '{' | '[' => {
+                depth += 1;
+                rest = &rest[1..];
+            }
+            '}' | ']' => {
+                depth = depth.checked_sub(1)?;
+                rest = &rest[1..];
+            }
+            ',' if depth == 0 => return Some(rest),
+            _ => rest = &rest[character.len_utf8()..],
+        }
+        if depth == 0 && matches!(character, '"' | '}' | ']') {
+            return Some(rest);
+        }
     }
 }
 
@@ -771,6 +828,8 @@ mod tests {
             "{\"name\": \"read\", \"arguments\": {\"path\": \"notes",
             "[{\"name\": \"read\", \"arguments\": {}}, {\"name\": \"get",
             "{\"arguments\": {\"city\": \"Oslo\"}, \"na",
+            "{\"type\": \"function\", \"name\": \"get_weather\", \"parameters\": {\"city",
+            "{\"id\": 7, \"arguments\": {\"name\": \"Bob\"}, \"name\": \"re",
             "{\"name\": \"read\", \"arguments\": {}}\n{\"name\": \"re",
             "```json\n{\"name\": \"read\", \"arguments\": {}}\n``",
         ] {
@@ -780,8 +839,8 @@ mod tests {
         // text after a call, anything past the bound.
         for content in [
             "The weather",
-            "{\"city\"",
-            "{\"result\": 1",
+            "{\"type\": \"function\", \"name\": \"delete",
+            "{\"name\": 3",
             "{\"name\": \"delete",
             "{\"name\": \"read_all\"",
             "{\"city\": \"Paris\"}",

@@ -134,8 +134,13 @@ fn plan_local(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptio
 fn plan_remote(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions) -> Result<Plan, PlanError> {
     let mut remote = remote_tier(inventory, options, machine).ok_or(PlanError::NoRemoteRoom)?;
     let all_layer_ffn = ffn_bytes_by_layer(inventory);
-    let gpu_unused = (machine.gpu_budget_bytes > 0)
-        .then(|| "remote devices were given: a local GPU tier beside them is not built".to_string());
+    // Why the GPU, if any, is unused: its tier's own refusal, or the remote devices.
+    let forced_stream = matches!(options.mode, ModeChoice::Forced(Mode::DenseStream | Mode::ExpertStream));
+    let gpu_unused = match gpu_tier(inventory, options, machine, &all_layer_ffn, !forced_stream) {
+        Ok(Some(_)) => Some("remote devices were given: a local GPU tier beside them is not built".to_string()),
+        Ok(None) => None,
+        Err(why) => Some(why),
+    };
     let mut plan = plan_host(inventory, machine, options, &all_layer_ffn, None, gpu_unused, Some(remote.clone()))
         .map_err(|error| PlanError::HostBeforeRemote { remote: remote.describe(), reason: Box::new(error) })?;
     let remote_share = remote.layers.len() as f64 / inventory.hparams.n_layer.max(1) as f64;

@@ -71,17 +71,22 @@ pub fn choose(inventory: &Inventory, facts: &MachineFacts, ask: &Ask) -> Result<
 /// does), every sequence's KV cache counted. A budget too small says how long a context it
 /// holds, so that a client can ask for that.
 pub fn plan_for(inventory: &Inventory, facts: &MachineFacts, ask: &Ask) -> Result<Plan, PlanError> {
-    plan_at(inventory, facts, ask, context_for(inventory, ask, facts), ask.n_batch, None)
+    plan_at(inventory, facts, ask, context_for(inventory, facts, ask), ask.n_batch, None)
 }
 
 /// The context each sequence gets: the ask's, the training context for 0, or by default the
 /// one the budget affords (`auto_context`). Never more than the training context.
-pub fn context_for(inventory: &Inventory, ask: &Ask, facts: &MachineFacts) -> u32 {
+pub fn context_for(inventory: &Inventory, facts: &MachineFacts, ask: &Ask) -> u32 {
+    context_reaching(inventory, facts, ask, None)
+}
+
+/// `context_for` for plans that reach `reach`'s devices (None: either, as `plan` weighs them).
+fn context_reaching(inventory: &Inventory, facts: &MachineFacts, ask: &Ask, reach: Option<Reach>) -> u32 {
     let trained = trained_context(inventory);
     match ask.n_ctx_seq {
         Some(0) => trained,
         Some(n_ctx_seq) => n_ctx_seq.min(trained),
-        None => auto_context(inventory, ask, facts),
+        None => auto_context(inventory, facts, ask, reach),
     }
 }
 
@@ -107,7 +112,7 @@ fn set_aside_draft(
             .ok_or_else(|| too_large(weights + compute))?,
         ..facts.clone()
     };
-    let n_ctx_seq = context_for(inventory, ask, &left);
+    let n_ctx_seq = context_for(inventory, &left, ask);
     let kv = context_memory_bytes(draft, n_ctx_seq.saturating_mul(n_sequences), n_sequences);
     left.memory_budget_bytes =
         left.memory_budget_bytes.checked_sub(kv).ok_or_else(|| too_large(weights + compute + kv))?;
@@ -173,7 +178,7 @@ impl Search<'_> {
     fn run(&self) -> Result<Choice, PlanError> {
         // The default context does not depend on the batch (`auto_context`): choose it once for
         // every plan weighed below.
-        let n_ctx_seq = context_for(self.inventory, self.ask, self.facts);
+        let n_ctx_seq = context_reaching(self.inventory, self.facts, self.ask, Some(self.reach));
         let (n_batch, plan) = self.fit_batch(n_ctx_seq)?;
         let (n_batch, plan) = self.grow_batch(n_ctx_seq, n_batch, plan);
         Ok(Choice { n_ctx_seq, n_batch, plan })
@@ -314,7 +319,7 @@ const AUTO_CONTEXTS: [u32; 5] = [32768, 16384, 8192, 4096, 2048];
 /// cache, for every sequence, takes at most a quarter of the memory budget, so that the
 /// weights keep the rest, and with which the plan fits the budget at some prompt batch (the
 /// batch shrinks first, then the context, before the budget is refused). 2048 tokens at least.
-fn auto_context(inventory: &Inventory, ask: &Ask, facts: &MachineFacts) -> u32 {
+fn auto_context(inventory: &Inventory, facts: &MachineFacts, ask: &Ask, reach: Option<Reach>) -> u32 {
     let trained = trained_context(inventory);
     let n_sequences = ask.n_sequences.max(1);
     // A prompt batch the user did not choose shrinks before the context does (`fit_batch`).
@@ -322,8 +327,12 @@ fn auto_context(inventory: &Inventory, ask: &Ask, facts: &MachineFacts) -> u32 {
         if ask.grow_batch { SMALLER_BATCHES[SMALLER_BATCHES.len() - 1].min(ask.n_batch) } else { ask.n_batch };
     let fits = |n_ctx_seq: u32| {
         let n_ctx = n_ctx_seq.saturating_mul(n_sequences);
-        kv_cache_bytes(inventory, n_ctx) <= facts.memory_budget_bytes / 4
-            && plan(inventory, facts, &PlanOptions { n_ctx, n_sequences, n_ubatch, ..ask.options.clone() }).is_ok()
+        let options = PlanOptions { n_ctx, n_sequences, n_ubatch, ..ask.options.clone() };
+        let planned = match reach {
+            Some(reach) => plan_reaching(inventory, facts, &options, reach),
+            None => plan(inventory, facts, &options),
+        };
+        kv_cache_bytes(inventory, n_ctx) <= facts.memory_budget_bytes / 4 && planned.is_ok()
     };
     AUTO_CONTEXTS
         .iter()

@@ -85,7 +85,13 @@ pub(super) struct Worker {
 impl Worker {
     /// Run the worker on a thread of its own, named after the model.
     pub fn spawn(self, name: &str, receiver: Receiver<Job>) -> std::io::Result<()> {
-        std::thread::Builder::new().name(format!("model {name}")).spawn(move || self.run(receiver)).map(|_| ())
+        // llama.cpp's chat layer converts tool schemas to grammars on this thread, recursively:
+        // a stack as large as the fence gives its own converter (address space, not memory).
+        std::thread::Builder::new()
+            .name(format!("model {name}"))
+            .stack_size(64 << 20)
+            .spawn(move || self.run(receiver))
+            .map(|_| ())
     }
 
     fn set_status(&self, status: Status) {
