@@ -19,7 +19,7 @@ use serde_json::{json, Map, Value};
 use super::catalog::ModelEntry;
 use super::error::AppError;
 use super::generation::{self, done_reason};
-use super::options::{format_grammar, parse_options};
+use super::options::{format_grammar, off_runtime, parse_options};
 use super::tools;
 use super::wire::{nanos, ndjson_line, parse_body, rfc3339, stream_response, KeepAlive};
 use super::worker::{EmbedJob, Event};
@@ -321,7 +321,8 @@ pub async fn generate(
     let think = tools::parse_think(body.common.think.as_ref())?;
     let keep_alive = keep_alive(body.common.keep_alive.as_ref())?;
     let options = parse_options(body.common.options.as_ref())?;
-    let grammar = format_grammar(body.common.format.as_ref())?;
+    let format = body.common.format.clone();
+    let grammar = off_runtime(move || format_grammar(format.as_ref())).await?;
     let prompt = body.prompt.unwrap_or_default();
     let shape = Shape::Generate { with_context: !body.raw };
     if prompt.is_empty() && body.context.as_ref().is_none_or(Vec::is_empty) {
@@ -355,7 +356,8 @@ pub async fn chat(State(state): State<AppState>, body: Result<Bytes, BytesReject
         body.common.options.as_ref().map_or_else(|| "none".to_string(), |options| options.to_string())
     );
     let options = parse_options(body.common.options.as_ref())?;
-    let grammar = format_grammar(body.common.format.as_ref())?;
+    let format = body.common.format.clone();
+    let grammar = off_runtime(move || format_grammar(format.as_ref())).await?;
     let mut messages = Vec::new();
     for message in body.messages.unwrap_or_default() {
         check_images(&name, message.images.as_ref())?;

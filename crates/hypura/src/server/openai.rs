@@ -323,7 +323,8 @@ pub async fn chat_completions(
         .collect::<Result<Vec<_>, AppError>>()?;
     tools::resolve_tool_names(&mut messages);
     let options = body.sampling.options()?;
-    let grammar = response_grammar(body.response_format.as_ref())?;
+    let format = body.response_format.clone();
+    let grammar = super::options::off_runtime(move || response_grammar(format.as_ref())).await?;
     let request = ChatRequest { tools, tool_choice, think, ..ChatRequest::new(messages) };
     let request = GenerateRequest { grammar, ..options.request(Prompt::Chat(request)) };
     let envelope =

@@ -160,6 +160,17 @@ pub fn random_seed() -> u32 {
     nanos ^ std::process::id().rotate_left(16) ^ COUNTER.fetch_add(0x9E37_79B9, Ordering::Relaxed)
 }
 
+/// `convert` on a blocking thread: a JSON schema at the fence's limits takes up to a few hundred
+/// milliseconds to become a grammar, which must not hold one of the runtime's threads (two of
+/// them on two cores).
+pub async fn off_runtime<T: Send + 'static>(
+    convert: impl FnOnce() -> Result<T, AppError> + Send + 'static,
+) -> Result<T, AppError> {
+    tokio::task::spawn_blocking(convert)
+        .await
+        .map_err(|error| AppError::internal(format!("converting the schema stopped: {error}")))?
+}
+
 /// `format`: null or `""` for none, `"json"` for any JSON object, or a JSON schema.
 pub fn format_grammar(format: Option<&Value>) -> Result<Option<String>, AppError> {
     match format {
