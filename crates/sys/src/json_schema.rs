@@ -97,6 +97,12 @@ pub fn json_schema_to_grammar(schema: &str) -> Result<String, SysError> {
     Ok(grammar)
 }
 
+/// Check `schema` against the limits above without converting it: for a schema that llama.cpp
+/// converts elsewhere (a tool's parameters, when the chat layer builds the tool-call grammar).
+pub fn check_json_schema(schema: &Value) -> Result<(), SysError> {
+    Limits::new(schema).node(schema, 0).map(|_| ())
+}
+
 fn convert(schema: &CString) -> Result<String, SysError> {
     let mut error = std::ptr::null_mut();
     // SAFETY: the text is NUL-terminated and outlives the call; `error` is a valid out pointer;

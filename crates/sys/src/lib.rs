@@ -36,7 +36,7 @@ pub use error::SysError;
 pub use eval_hook::{EvalHook, ObservedNode};
 pub use fit::{fit_placement, FitPlacement};
 pub use grammar::Grammar;
-pub use json_schema::json_schema_to_grammar;
+pub use json_schema::{check_json_schema, json_schema_to_grammar};
 pub use load_reader::LoadReader;
 pub use model::{exact_name_pattern, repacking_available, LoadMode, Model, ModelParams, Placement};
 pub use quantize::{dequantize_rows, ggml_type_block_size, ggml_type_name, ggml_type_size, quantize_rows};

@@ -310,11 +310,9 @@ fn check_tool(tool: &Value) -> Result<(), ChatError> {
     }
     match function.get("parameters") {
         None | Some(Value::Null) => Ok(()),
-        // llama.cpp builds the call grammar from it with the converter that crashes or stalls on
-        // hostile schemas: the fence's limits check it first (and convert it, which a schema
-        // within them takes milliseconds to).
-        Some(parameters @ Value::Object(_)) => hypura_sys::json_schema_to_grammar(&parameters.to_string())
-            .map(|_| ())
+        // llama.cpp's chat layer builds the call grammar from it with the converter that crashes
+        // or stalls on hostile schemas: the fence's limits check it first.
+        Some(parameters @ Value::Object(_)) => hypura_sys::check_json_schema(parameters)
             .map_err(|error| ChatError::Template(format!("a tool's parameters: {error}"))),
         Some(other) => {
             Err(ChatError::Template(format!("a tool's parameters must be a JSON Schema object, not {other}")))
@@ -776,6 +774,14 @@ mod tests {
             assert!(error.contains(needle), "{error:?} should contain {needle:?}");
         }
         assert!(check_tool(&weather_tool()).is_ok());
+        // A schema past the fence's limits never reaches llama.cpp's converter.
+        let mut deep = json!({"type": "string"});
+        for _ in 0..40 {
+            deep = json!({"type": "object", "properties": {"a": deep}});
+        }
+        let error =
+            check_tool(&json!({"type": "function", "function": {"name": "f", "parameters": deep}})).unwrap_err();
+        assert!(error.to_string().contains("a tool's parameters"), "{error}");
     }
 
     #[test]
