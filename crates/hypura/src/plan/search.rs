@@ -144,11 +144,7 @@ fn plan_at(
         n_ubatch: n_batch,
         ..ask.options.clone()
     };
-    let planned = match reach {
-        Some(reach) => plan_reaching(inventory, facts, &options, reach),
-        None => plan(inventory, facts, &options),
-    };
-    planned.map_err(|error| match error {
+    plan_with(inventory, facts, &options, reach).map_err(|error| match error {
         PlanError::BudgetTooSmall { budget, needed, kv, .. } => {
             let per_token = kv_cache_bytes(inventory, 1).max(1) * u64::from(n_sequences);
             let rest = needed.saturating_sub(kv);
@@ -164,6 +160,19 @@ fn plan_at(
         }
         other => other,
     })
+}
+
+/// The plan reaching `reach`'s devices, or with None the one `plan` weighs between them.
+fn plan_with(
+    inventory: &Inventory,
+    facts: &MachineFacts,
+    options: &PlanOptions,
+    reach: Option<Reach>,
+) -> Result<Plan, PlanError> {
+    match reach {
+        Some(reach) => plan_reaching(inventory, facts, options, reach),
+        None => plan(inventory, facts, options),
+    }
 }
 
 /// One search over prompt batches at one context, reaching one set of devices.
@@ -328,11 +337,8 @@ fn auto_context(inventory: &Inventory, facts: &MachineFacts, ask: &Ask, reach: O
     let fits = |n_ctx_seq: u32| {
         let n_ctx = n_ctx_seq.saturating_mul(n_sequences);
         let options = PlanOptions { n_ctx, n_sequences, n_ubatch, ..ask.options.clone() };
-        let planned = match reach {
-            Some(reach) => plan_reaching(inventory, facts, &options, reach),
-            None => plan(inventory, facts, &options),
-        };
-        kv_cache_bytes(inventory, n_ctx) <= facts.memory_budget_bytes / 4 && planned.is_ok()
+        kv_cache_bytes(inventory, n_ctx) <= facts.memory_budget_bytes / 4
+            && plan_with(inventory, facts, &options, reach).is_ok()
     };
     AUTO_CONTEXTS
         .iter()
