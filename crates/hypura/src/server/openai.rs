@@ -224,21 +224,15 @@ impl Envelope {
         json!({ "id": self.id, "object": object, "created": self.created, "model": self.model, "system_fingerprint": FINGERPRINT, "choices": choices })
     }
 
-    fn delta(&self, text: &str, first: bool) -> Value {
+    fn delta(&self, text: &str) -> Value {
         match self.kind {
-            Kind::Chat if first => self.chunk(
-                json!([{ "index": 0, "delta": { "role": "assistant", "content": text }, "finish_reason": null }]),
-            ),
-            Kind::Chat => self.chunk(json!([{ "index": 0, "delta": { "content": text }, "finish_reason": null }])),
+            Kind::Chat => self.chat_delta(json!({ "content": text })),
             Kind::Text => self.chunk(json!([{ "index": 0, "text": text, "finish_reason": null }])),
         }
     }
 
-    /// A chat delta that is not content: reasoning, or the answer's tool calls.
-    fn chat_delta(&self, mut delta: Value, first: bool) -> Value {
-        if first {
-            delta["role"] = json!("assistant");
-        }
+    /// A chat delta: the opening role, content, reasoning, or the answer's tool calls.
+    fn chat_delta(&self, delta: Value) -> Value {
         self.chunk(json!([{ "index": 0, "delta": delta, "finish_reason": null }]))
     }
 
@@ -375,19 +369,22 @@ async fn respond(
     }
     // A chat stream opens with the role chunk at once, as llama-server's and OpenAI's do: the
     // client has its headers and a first line before the prompt is evaluated.
-    let role = matches!(envelope.kind, Kind::Chat)
-        .then(|| Ok::<_, std::convert::Infallible>(sse_event(&envelope.delta("", true))));
+    let role = matches!(envelope.kind, Kind::Chat).then(|| {
+        Ok::<_, std::convert::Infallible>(sse_event(
+            &envelope.chat_delta(json!({ "role": "assistant", "content": "" })),
+        ))
+    });
     let events = generation.into_stream().map(move |event| {
         let mut bytes = Vec::new();
         match event {
-            Event::Text(text) => bytes.extend_from_slice(&sse_event(&envelope.delta(&text, false))),
+            Event::Text(text) => bytes.extend_from_slice(&sse_event(&envelope.delta(&text))),
             Event::Thinking(thinking) => bytes.extend_from_slice(&sse_event(
-                &envelope.chat_delta(json!({ "reasoning_content": thinking, "reasoning": thinking }), false),
+                &envelope.chat_delta(json!({ "reasoning_content": thinking, "reasoning": thinking })),
             )),
             Event::Done(finished) => {
                 if let Some(calls) = tool_calls(&finished) {
                     bytes.extend_from_slice(&sse_event(
-                        &envelope.chat_delta(json!({ "tool_calls": tools::openai_calls(calls) }), false),
+                        &envelope.chat_delta(json!({ "tool_calls": tools::openai_calls(calls) })),
                     ));
                 }
                 bytes.extend_from_slice(&sse_event(&envelope.finish(&finished)));
