@@ -62,12 +62,7 @@ fn matrix(preset: &str) {
     let directory = tempfile::tempdir().unwrap();
     let path = common::forge(preset, directory.path());
     let inventory = Inventory::open(&path).unwrap();
-    let others: Vec<&str> = inventory
-        .tensors
-        .iter()
-        .filter(|tensor| tensor.role == Role::Other)
-        .map(|tensor| tensor.name.as_str())
-        .collect();
+    let others = common::tensors_without_a_role(&inventory);
     assert!(others.is_empty(), "{preset}: tensors without a role: {others:?}");
     let hparams = &inventory.hparams;
 

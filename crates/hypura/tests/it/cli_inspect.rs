@@ -7,9 +7,7 @@ use hypura_gguf::{GgmlType, GgufWriter, Value};
 
 use crate::common;
 
-fn hypura(args: &[&str]) -> Output {
-    common::hypura_command().args(args).env("HYPURA_LOG", "off").output().expect("run hypura")
-}
+use common::hypura;
 
 /// Exit status 1 (an error, not a panic's 101 or a signal) and exactly one line on stderr.
 fn assert_clean_failure(output: &Output, must_mention: &str) -> String {

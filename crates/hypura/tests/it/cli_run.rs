@@ -4,9 +4,7 @@ use std::process::Output;
 
 use crate::common;
 
-fn hypura(args: &[&str]) -> Output {
-    common::hypura_command().args(args).env("HYPURA_LOG", "off").output().expect("run hypura")
-}
+use common::hypura;
 
 fn stderr(output: &Output) -> String {
     String::from_utf8_lossy(&output.stderr).into_owned()

@@ -69,6 +69,21 @@ pub fn hypura_command() -> Command {
     command
 }
 
+/// Run `hypura` with `args` to the end (its log off: stderr holds only what the command prints).
+pub fn hypura(args: &[&str]) -> std::process::Output {
+    hypura_command().args(args).env("HYPURA_LOG", "off").output().expect("run hypura")
+}
+
+/// The names of an inventory's tensors that got no role (every architecture's should get one).
+pub fn tensors_without_a_role(inventory: &hypura::model::Inventory) -> Vec<&str> {
+    inventory
+        .tensors
+        .iter()
+        .filter(|tensor| tensor.role == hypura::model::Role::Other)
+        .map(|tensor| tensor.name.as_str())
+        .collect()
+}
+
 /// Forge `name` into `directory` and return its path.
 pub fn forge(name: &str, directory: &Path) -> PathBuf {
     forge_with(name, directory, |_| {})

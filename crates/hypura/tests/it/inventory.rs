@@ -84,12 +84,7 @@ fn every_moe_architecture_slices_its_experts_under_every_mix() {
             let path = common::forge_with(preset, directory.path(), |spec| spec.quant = quant);
             let inventory = Inventory::open(&path).unwrap();
             let label = format!("{preset} {quant}");
-            let others: Vec<&str> = inventory
-                .tensors
-                .iter()
-                .filter(|tensor| tensor.role == Role::Other)
-                .map(|tensor| tensor.name.as_str())
-                .collect();
+            let others = common::tensors_without_a_role(&inventory);
             assert!(others.is_empty(), "{label}: {others:?}");
             let experts: Vec<_> = inventory.expert_tensors().collect();
             assert!(!experts.is_empty(), "{label}");

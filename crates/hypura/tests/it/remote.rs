@@ -6,7 +6,7 @@
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
 use std::path::PathBuf;
-use std::process::{Child, Output, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::common;
@@ -94,9 +94,7 @@ fn memory_cgroup(name: &str, limit: u64) -> Option<PathBuf> {
     Some(directory)
 }
 
-fn hypura(args: &[&str]) -> Output {
-    common::hypura_command().args(args).output().unwrap()
-}
+use common::hypura;
 
 fn greedy_run(model: &str, extra: &[&str]) -> (String, String) {
     let mut args = vec!["run", model, "-p", PROMPT, "-n", "24", "--temperature", "0", "-c", "512", "--stats"];
