@@ -49,15 +49,9 @@ pub struct RunSpec {
 
 impl RunSpec {
     /// The planning half of the spec: the planner's options with the MTP layers planned in host
-    /// memory where they draft (`draft-mtp`), and the draft model's index where one drafts.
-    pub fn ask(&self) -> Result<Ask, EngineError> {
-        let draft = self
-            .speculation
-            .as_ref()
-            .and_then(|speculation| speculation.draft_model.as_deref())
-            .map(Inventory::open)
-            .transpose()?;
-        Ok(Ask {
+    /// memory where they draft (`draft-mtp`), without a draft model (no file is read).
+    pub fn ask(&self) -> Ask {
+        Ask {
             n_ctx_seq: self.n_ctx_seq,
             n_sequences: self.n_sequences.max(1),
             n_batch: self.n_batch,
@@ -66,8 +60,19 @@ impl RunSpec {
                 mtp: self.speculation.as_ref().is_some_and(Speculation::uses_mtp),
                 ..self.plan.clone()
             },
-            draft,
-        })
+            draft: None,
+        }
+    }
+
+    /// `ask`, with the draft model's index where one drafts (its memory is set aside).
+    pub fn ask_with_draft(&self) -> Result<Ask, EngineError> {
+        let draft = self
+            .speculation
+            .as_ref()
+            .and_then(|speculation| speculation.draft_model.as_deref())
+            .map(Inventory::open)
+            .transpose()?;
+        Ok(Ask { draft, ..self.ask() })
     }
 }
 
@@ -119,7 +124,7 @@ impl Setup {
 
 /// The planner's choice for `spec` on `facts` (what `prepare` loads and `inspect` prints).
 pub fn choose(inventory: &Inventory, spec: &RunSpec, facts: &MachineFacts) -> Result<Choice, EngineError> {
-    Ok(plan::choose(inventory, facts, &spec.ask()?)?)
+    Ok(plan::choose(inventory, facts, &spec.ask_with_draft()?)?)
 }
 
 /// Open the model's index, read the machine facts once, plan, and build the engine options.

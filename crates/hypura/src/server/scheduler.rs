@@ -325,7 +325,7 @@ impl Scheduler {
         run.remote = run.remote.and_then(|workers| workers.current().0);
         let inventory = crate::model::Inventory::open(path).ok()?;
         let facts = crate::setup::machine_facts(&run, path).ok()?;
-        Some(crate::plan::context_for(&inventory, &facts, &run.ask().ok()?))
+        Some(crate::plan::context_for(&inventory, &facts, &run.ask()))
     }
 
     /// Models that are loaded (or loading), most recently expiring first.

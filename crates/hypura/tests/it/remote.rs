@@ -356,7 +356,7 @@ fn remote_and_local_streaming_are_weighed_each_at_its_own_batch() {
     let at_default = hypura::plan::plan_for(
         &inventory,
         &hypura::plan::MachineFacts { remote_devices: Vec::new(), ..facts(1e-4) },
-        &spec.ask().unwrap(),
+        &spec.ask(),
     );
     assert!(at_default.is_err(), "the test needs a budget too small for 512-token batches alone");
 
