@@ -45,6 +45,8 @@ pub struct RunSpec {
     pub speculation: Option<Speculation>,
     /// Connected RPC workers, whose devices the plan may put the last layers on.
     pub remote: Option<std::sync::Arc<crate::remote::Workers>>,
+    /// The prompt cache on disk (`EngineOptions::prompt_cache`).
+    pub prompt_cache: Option<crate::engine::prompt_cache::PromptCacheOptions>,
 }
 
 impl RunSpec {
@@ -95,6 +97,7 @@ impl Default for RunSpec {
             plan: PlanOptions::default(),
             speculation: None,
             remote: None,
+            prompt_cache: None,
         }
     }
 }
@@ -156,6 +159,7 @@ pub fn prepare(path: &Path, spec: &RunSpec) -> Result<Setup, EngineError> {
             speculation
         }),
         remote: spec.remote.clone(),
+        prompt_cache: spec.prompt_cache.clone(),
         ..EngineOptions::default()
     };
     Ok(Setup { inventory, facts, options })

@@ -10,6 +10,7 @@ use crate::batch::Batch;
 use crate::error::SysError;
 use crate::eval_hook::{eval_callback, EvalHook};
 use crate::model::Model;
+use crate::vocab::Token;
 
 /// Options for `Context::new`. Zero means "llama.cpp's default" where llama.cpp allows it.
 #[derive(Clone)]
@@ -396,6 +397,62 @@ impl Context {
             raw::llama_memory_clear(memory, true);
         }
         self.batch_tokens = 0;
+    }
+
+    /// Write one sequence's KV cache, with the tokens it holds, to `path` (llama.cpp's
+    /// sequence state file, whose layout `state` reads). llama.cpp streams it a layer's range at
+    /// a time, so this takes no host memory the size of the cache. Returns the bytes written.
+    pub fn save_sequence(&mut self, seq_id: i32, path: &std::path::Path, tokens: &[Token]) -> Result<u64, SysError> {
+        let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+            .map_err(|_| SysError::PathNul(path.to_path_buf()))?;
+        // SAFETY: the context is valid, the path is a NUL-terminated string and `tokens` is
+        // readable for its length; llama.cpp catches its own exceptions and returns 0.
+        let written = unsafe {
+            raw::llama_state_seq_save_file(
+                self.pointer.as_ptr(),
+                c_path.as_ptr(),
+                seq_id,
+                tokens.as_ptr(),
+                tokens.len(),
+            )
+        };
+        if written == 0 {
+            return Err(SysError::State(format!("llama.cpp could not save sequence {seq_id} to {}", path.display())));
+        }
+        Ok(written as u64)
+    }
+
+    /// Replace one sequence's KV cache with the one saved in `path`, returning its tokens (at
+    /// most `capacity`). On failure llama.cpp leaves the sequence empty.
+    pub fn load_sequence(
+        &mut self,
+        seq_id: i32,
+        path: &std::path::Path,
+        capacity: usize,
+    ) -> Result<Vec<Token>, SysError> {
+        let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+            .map_err(|_| SysError::PathNul(path.to_path_buf()))?;
+        let mut tokens: Vec<Token> = vec![0; capacity];
+        let mut count = 0usize;
+        // SAFETY: the context is valid, the path is NUL-terminated, `tokens` has room for
+        // `capacity` tokens and llama.cpp writes at most that many (it refuses larger files);
+        // it catches its own exceptions and returns 0.
+        let read = unsafe {
+            raw::llama_state_seq_load_file(
+                self.pointer.as_ptr(),
+                c_path.as_ptr(),
+                seq_id,
+                tokens.as_mut_ptr(),
+                capacity,
+                &mut count,
+            )
+        };
+        if read == 0 || count > capacity {
+            self.truncate_sequence(seq_id, 0);
+            return Err(SysError::State(format!("llama.cpp could not load sequence {seq_id} from {}", path.display())));
+        }
+        tokens.truncate(count);
+        Ok(tokens)
     }
 
     /// Remove positions `from..` of one sequence from the KV cache.

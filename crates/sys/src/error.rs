@@ -40,6 +40,8 @@ pub enum SysError {
     Speculative(String),
     #[error("embedding: {0}")]
     Embedding(String),
+    #[error("sequence state: {0}")]
+    State(String),
     #[error("RPC: {0}")]
     Rpc(String),
 }

@@ -24,6 +24,7 @@ mod quantize;
 mod rpc;
 mod sampler;
 mod speculative;
+pub mod state;
 mod stream;
 mod vocab;
 

@@ -239,6 +239,20 @@ pub struct SpeculativeArgs {
     pub ngram_size_n: u32,
 }
 
+/// The prompt cache on disk, for `run` and `serve`.
+#[derive(Args, Debug, Clone, Default)]
+pub struct PromptCacheArgs {
+    /// Keep prompts' KV caches in this directory, by prefix in blocks of 64 tokens, so that a
+    /// prompt that starts like an earlier one (a system prompt, an agent's tools) loads that
+    /// prefix instead of evaluating it, after a restart or a reload too. Off by default: without
+    /// it Hypura writes nothing beside its own small caches.
+    #[arg(long, value_name = "DIR")]
+    pub prompt_cache: Option<PathBuf>,
+    /// Most bytes the prompt cache keeps; the least recently used blocks go first.
+    #[arg(long, value_name = "SIZE", default_value = "8GiB", requires = "prompt_cache")]
+    pub prompt_cache_size: String,
+}
+
 #[derive(Args, Debug)]
 pub struct RunArgs {
     /// A GGUF file or the name of a model pulled by Ollama; default: Qwen2.5-Coder-0.5B-Instruct,
@@ -274,6 +288,8 @@ pub struct RunArgs {
     pub sampling: SamplingArgs,
     #[command(flatten)]
     pub model_args: ModelArgs,
+    #[command(flatten)]
+    pub prompt_cache: PromptCacheArgs,
 }
 
 #[derive(Args, Debug)]
@@ -352,6 +368,8 @@ pub struct ServeArgs {
     pub embedding_context: u32,
     #[command(flatten)]
     pub model_args: ModelArgs,
+    #[command(flatten)]
+    pub prompt_cache: PromptCacheArgs,
 }
 
 #[derive(Args, Debug)]

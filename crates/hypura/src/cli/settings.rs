@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 
-use crate::cli::args::{ModelArgs, PlanArgs, SamplingArgs, SpeculativeArgs};
+use crate::cli::args::{ModelArgs, PlanArgs, PromptCacheArgs, SamplingArgs, SpeculativeArgs};
 use crate::engine::SamplerParams;
 use crate::plan::{Mode, ModeChoice, PlanOptions};
 use crate::setup::{RunSpec, Setup};
@@ -87,6 +87,17 @@ pub fn speculation(args: &SpeculativeArgs) -> anyhow::Result<Option<crate::engin
         anyhow::bail!("--draft-min ({}) is more than --draft-max ({})", args.draft_min, speculation.params.n_max);
     }
     Ok(Some(speculation))
+}
+
+/// `--prompt-cache`, its directory created and proved writable; None without the flag.
+pub fn prompt_cache(args: &PromptCacheArgs) -> anyhow::Result<Option<crate::engine::prompt_cache::PromptCacheOptions>> {
+    let Some(dir) = &args.prompt_cache else { return Ok(None) };
+    let options = crate::engine::prompt_cache::PromptCacheOptions {
+        dir: dir.clone(),
+        max_bytes: parse_bytes(&args.prompt_cache_size).context("--prompt-cache-size")?,
+    };
+    options.check().context("--prompt-cache")?;
+    Ok(Some(options))
 }
 
 /// The part of a run the planner reads (`inspect` has only these flags).

@@ -38,6 +38,7 @@ use hypura_sys::{Batch, Context, DraftRequest, Grammar, Sampler, Speculator, Tok
 
 use self::sequence::{Active, Feed, Output, Sampling, Statistics};
 use super::prompt;
+use super::prompt_cache::{Loaded, PromptCache};
 use super::request::{Control, DoneReason, GenerateOutput, GenerateRequest};
 use super::stats::{Counters, GenerationStats};
 use super::text::{StopMatcher, Utf8Stream};
@@ -90,6 +91,9 @@ pub struct Batcher {
     armed: Option<(i32, Arc<AtomicBool>)>,
     /// Speculative decoding's drafters (and the draft model's context), when the engine has them.
     speculator: Option<Speculator>,
+    /// Prefixes on disk (`--prompt-cache`), and the KV cache's streams their loads are for.
+    prompt_cache: Option<PromptCache>,
+    n_stream: u32,
 }
 
 impl Batcher {
@@ -128,7 +132,22 @@ impl Batcher {
             }
             None => None,
         };
-        Ok(Batcher { engine, context, batch, slots, n_ctx_seq, prefill_turn: 0, abort_base, armed: None, speculator })
+        let prompt_cache =
+            engine.options().prompt_cache.as_ref().map(|options| PromptCache::open(options, &engine)).transpose()?;
+        let n_stream = if params.kv_unified { 1 } else { n_sequences };
+        Ok(Batcher {
+            engine,
+            context,
+            batch,
+            slots,
+            n_ctx_seq,
+            prefill_turn: 0,
+            abort_base,
+            armed: None,
+            speculator,
+            prompt_cache,
+            n_stream,
+        })
     }
 
     pub fn engine(&self) -> &Arc<Engine> {
@@ -164,6 +183,8 @@ impl Batcher {
     /// llama.cpp cannot parse, a prompt longer than the context, no free slot) are returned
     /// with the sink, before anything is decoded.
     pub fn admit(&mut self, request: GenerateRequest, sink: SequenceSink) -> Result<(), (EngineError, SequenceSink)> {
+        // The prompt's time counts from here: rendering, tokenizing and a prompt cache load too.
+        let started = Instant::now();
         let prepared = prompt::prepare(&self.engine, &request.context, &request.prompt).and_then(|(tokens, turn)| {
             let chat_grammar = match turn.as_ref().and_then(|turn| turn.chat.as_ref()) {
                 Some(chat) => chat.grammar(self.engine.model())?,
@@ -173,7 +194,7 @@ impl Batcher {
             Ok((prepared, turn))
         });
         match prepared {
-            Ok(((index, tokens, sampler, grammar, reused), turn)) => {
+            Ok(((index, tokens, sampler, grammar, (reused, from_disk)), turn)) => {
                 let limit = self.limit(&request);
                 let mut stop = request.stop.clone();
                 let (chat, keep_special) = match turn {
@@ -193,6 +214,8 @@ impl Batcher {
                 }
                 let stats = GenerationStats {
                     reused_prompt_tokens: reused as u32,
+                    prompt_cache_tokens: from_disk.tokens as u32,
+                    prompt_cache_bytes_read: from_disk.bytes,
                     prompt_eval_count: (tokens.len() - reused) as u32,
                     ..GenerationStats::default()
                 };
@@ -228,7 +251,7 @@ impl Batcher {
                     },
                     statistics: Statistics {
                         stats,
-                        started: Instant::now(),
+                        started,
                         counters: Counters::read(&self.engine),
                         eval_started: None,
                         decodes: 0,
@@ -252,7 +275,7 @@ impl Batcher {
         request: &GenerateRequest,
         tokens: Vec<Token>,
         chat_grammar: Option<Grammar>,
-    ) -> Result<(usize, Vec<Token>, Sampler, Option<Grammar>, usize), EngineError> {
+    ) -> Result<(usize, Vec<Token>, Sampler, Option<Grammar>, (usize, Loaded)), EngineError> {
         request.sampling.validate()?;
         if tokens.is_empty() {
             return Err(EngineError::EmptyPrompt);
@@ -283,7 +306,41 @@ impl Batcher {
             .map(|(index, _)| index)
             .ok_or(EngineError::Busy { n_sequences: self.slots.len() })?;
         let reused = self.reuse_prefix(index, &tokens);
+        let reused = self.load_cached_prefix(index, &tokens, reused);
         Ok((index, tokens, sampler, grammar, reused))
+    }
+
+    /// Load the prompt's prefix from the prompt cache when more of it is on disk than in the
+    /// slot (`reused` tokens). Returns the tokens the slot then holds and what was loaded.
+    fn load_cached_prefix(&mut self, index: usize, tokens: &[Token], reused: usize) -> (usize, Loaded) {
+        let Some(cache) = &self.prompt_cache else { return (reused, Loaded::default()) };
+        // At least one prompt token is decoded, for the logits.
+        let usable = &tokens[..tokens.len() - 1];
+        if cache.cached_tokens(usable) <= reused {
+            return (reused, Loaded::default());
+        }
+        let slot = &mut self.slots[index];
+        let started = Instant::now();
+        match cache.load(&mut self.context, slot.seq_id, self.n_stream, usable, usable.len()) {
+            Ok(Some(loaded)) => {
+                tracing::info!(
+                    "prompt cache: {} tokens ({:.1} MB) loaded in {:.3} s",
+                    loaded.tokens,
+                    loaded.bytes as f64 / 1e6,
+                    started.elapsed().as_secs_f64()
+                );
+                slot.cached = usable[..loaded.tokens].to_vec();
+                (loaded.tokens, loaded)
+            }
+            // Nothing valid on disk: the slot is as it was.
+            Ok(None) => (reused, Loaded::default()),
+            Err(error) => {
+                tracing::warn!("{error}; the prompt is evaluated");
+                self.context.truncate_sequence(slot.seq_id, 0);
+                slot.cached.clear();
+                (0, Loaded::default())
+            }
+        }
     }
 
     /// Keep the KV entries of the longest prefix the slot shares with `tokens`, dropping the
@@ -636,6 +693,10 @@ impl Batcher {
     fn finish(&mut self, index: usize, done_reason: DoneReason) {
         if let Some(active) = self.slots[index].active.take() {
             active.finish(&self.engine, done_reason);
+            if let Some(cache) = &self.prompt_cache {
+                let slot = &self.slots[index];
+                cache.save(&mut self.context, slot.seq_id, &slot.cached);
+            }
         }
     }
 

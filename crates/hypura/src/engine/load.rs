@@ -51,6 +51,8 @@ pub struct EngineOptions {
     pub speculation: Option<Speculation>,
     /// RPC workers whose devices hold the plan's remote layers (`Plan::remote`).
     pub remote: Option<Arc<Workers>>,
+    /// Prompt prefixes' KV caches on disk (`--prompt-cache`); None keeps them in memory only.
+    pub prompt_cache: Option<super::prompt_cache::PromptCacheOptions>,
 }
 
 /// Tokens the n-gram drafters match by default (`Speculation::new`).
@@ -117,6 +119,7 @@ impl Default for EngineOptions {
             chat_template: None,
             speculation: None,
             remote: None,
+            prompt_cache: None,
         }
     }
 }

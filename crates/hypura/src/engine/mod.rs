@@ -14,6 +14,7 @@ pub mod chat;
 mod embed;
 mod load;
 pub mod prompt;
+pub mod prompt_cache;
 pub mod request;
 mod session;
 mod stats;
@@ -65,6 +66,8 @@ pub enum EngineError {
     Setup(String),
     #[error(transparent)]
     Remote(#[from] crate::remote::RemoteError),
+    #[error(transparent)]
+    PromptCache(#[from] prompt_cache::PromptCacheError),
     /// Every sequence of the batcher's context is running (`Batcher::admit` was called
     /// without a free slot).
     #[error("all {n_sequences} sequences of the context are busy; admit only when free_slots() > 0")]

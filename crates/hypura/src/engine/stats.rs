@@ -24,6 +24,9 @@ pub struct GenerationStats {
     pub total_duration: Duration,
     /// Prompt tokens whose KV entries were reused from an earlier request.
     pub reused_prompt_tokens: u32,
+    /// Of those, the tokens loaded from the prompt cache on disk, and the bytes read for them.
+    pub prompt_cache_tokens: u32,
+    pub prompt_cache_bytes_read: u64,
     /// Streaming I/O during this request (streaming modes only). Sequences decoded together
     /// share their reads, so each one counts every read made while it was active.
     pub io: Option<IoSnapshot>,

@@ -186,6 +186,11 @@ pub async fn serve(
     let result = axum::serve(listener, app).with_graceful_shutdown(shutdown).await;
     reaper.abort();
     scheduler.unload_all();
+    // Let the workers drop their engines (and finish writing their prompt caches).
+    let waited = tokio::task::spawn_blocking(move || scheduler.wait_unloaded(Duration::from_secs(30))).await;
+    if !waited.unwrap_or(false) {
+        tracing::warn!("a model was still busy at shutdown");
+    }
     result
 }
 

@@ -223,6 +223,10 @@ fn final_fields(object: &mut Map<String, Value>, finished: &Finished, with_conte
     }
     // Hypura's own figures, the ones `run --stats` and `bench` print.
     object.insert("hypura_prompt_cached".into(), json!(stats.reused_prompt_tokens));
+    if stats.prompt_cache_tokens > 0 {
+        object.insert("hypura_prompt_cache_loaded".into(), json!(stats.prompt_cache_tokens));
+        object.insert("hypura_prompt_cache_bytes_read".into(), json!(stats.prompt_cache_bytes_read));
+    }
     if let Some(io) = &stats.io {
         object.insert("hypura_bytes_read".into(), json!(io.bytes_read));
         object.insert(

@@ -370,4 +370,19 @@ impl Scheduler {
             self.inner.unload_if_idle(&path, Duration::ZERO);
         }
     }
+
+    /// Wait, at most `limit`, until every worker has dropped its engine: a worker holds its
+    /// file's gate until then, and its prompt cache finishes its writes as it drops. Returns
+    /// whether they all did.
+    pub fn wait_unloaded(&self, limit: Duration) -> bool {
+        let gates: Vec<Arc<Mutex<()>>> = self.inner.gates.locked().values().cloned().collect();
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for gate in &gates {
+                drop(gate.locked());
+            }
+            let _ = done.send(());
+        });
+        finished.recv_timeout(limit).is_ok()
+    }
 }

@@ -14,7 +14,8 @@ use crate::engine::{
 pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     let path = settings::model_path(args.model.as_deref().or(args.model_flag.as_deref()))?;
     let sampling = settings::sampler_params(&args.sampling)?;
-    let setup = settings::setup(&args.model_args, &path)?;
+    let mut setup = settings::setup(&args.model_args, &path)?;
+    setup.options.prompt_cache = settings::prompt_cache(&args.prompt_cache)?;
     // Free memory of each GPU before the load, so --stats can say what the model took there.
     let gpu_free_before = args.stats.then(crate::setup::gpu_free_by_name);
     let disk_rate = setup.facts.disk_bytes_per_sec;
@@ -162,12 +163,21 @@ fn print_stats(gpu_free_before: Option<&[(String, u64)]>, disk_rate: Option<f64>
         (stats.decode_tokens_per_sec(), "decoded")
     };
     eprintln!(
-        "load {:.2} s | prompt {} tokens in {:.3} s ({:.1} tok/s, {} reused) | eval {} tokens ({} decoded) in {:.3} s ({:.1} tok/s {rate_label}) | total {:.3} s | done: {:?}",
+        "load {:.2} s | prompt {} tokens in {:.3} s ({:.1} tok/s, {} reused{}) | eval {} tokens ({} decoded) in {:.3} s ({:.1} tok/s {rate_label}) | total {:.3} s | done: {:?}",
         stats.load_duration.as_secs_f64(),
         stats.prompt_eval_count,
         stats.prompt_eval_duration.as_secs_f64(),
         stats.prompt_tokens_per_sec(),
         stats.reused_prompt_tokens,
+        if stats.prompt_cache_tokens > 0 {
+            format!(
+                ", {} from the prompt cache ({:.1} MB read)",
+                stats.prompt_cache_tokens,
+                stats.prompt_cache_bytes_read as f64 / 1e6
+            )
+        } else {
+            String::new()
+        },
         stats.eval_count,
         stats.eval_decodes,
         stats.eval_duration.as_secs_f64(),

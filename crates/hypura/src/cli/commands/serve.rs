@@ -26,6 +26,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     let run = crate::setup::RunSpec {
         n_sequences: parallel,
         batch_invariant: args.model_args.batch_invariant.unwrap_or(false),
+        prompt_cache: settings::prompt_cache(&args.prompt_cache)?,
         ..settings::run_spec(&args.model_args)?
     };
     let scheduler = SchedulerConfig {

@@ -1,0 +1,547 @@
+//! `PromptCache`: a sequence's KV cache on disk, by prefix, so that a prompt that starts like an
+//! earlier one (the same system prompt, the same tool definitions, an agent's next session)
+//! loads that prefix instead of evaluating it, after a restart or a reload too (decision 28).
+//!
+//! The cache is cut into blocks of `BLOCK_TOKENS` positions. A block's file is named by a hash
+//! chained over every token up to its end (`chain`), so two prompts that share a system prompt
+//! share its blocks, and a prompt's cached prefix is the run of blocks whose files exist. The
+//! chain starts from the settings digest (`settings_digest`): the model file's identity, the
+//! build, and the settings that change the bits of the KV cache; a file of another model or
+//! build is never looked up, and each file repeats the digest, its block's tokens and a SHA-256
+//! of itself, so a file that is truncated, corrupt or misplaced is skipped with a warning (and
+//! removed), never loaded.
+//!
+//! Saving happens when a sequence ends: llama.cpp writes the sequence to a temporary file (a
+//! layer's range at a time, no copy of the cache in memory), and a writer thread cuts the
+//! missing blocks out of it (`hypura_sys::state`), writes each to a temporary name and renames
+//! it, then evicts the least recently used blocks beyond the size limit. Loading joins the
+//! blocks into one sequence file that llama.cpp reads into the sequence. Two processes may
+//! share a directory: names are unique per process until the rename, a rename replaces a block
+//! with an equal one, and a block evicted under a reader is a miss.
+//!
+//! Sliding-window and recurrent caches (Gemma 3, Qwen3.5) have state that is not a run of
+//! positions; their sequences are not a plain KV cache to `hypura_sys::state`, and the cache
+//! says so once and stays off for them.
+use std::fs::File;
+use std::io::{BufWriter, Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::{Duration, SystemTime};
+
+use hypura_sys::state::{self, Part, Section, StateError};
+use hypura_sys::{Context, Token};
+use sha2::{Digest, Sha256};
+
+use super::Engine;
+
+/// Tokens per block: a 2,500-token system prompt is cached but for the last partial block.
+pub const BLOCK_TOKENS: usize = 64;
+/// `--prompt-cache-size` when not given.
+pub const DEFAULT_MAX_BYTES: u64 = 8 << 30;
+const MAGIC: &[u8; 8] = b"HYPKV\0\0\x01";
+const BLOCK_EXTENSION: &str = "kv";
+/// Temporary files older than this belong to a process that is gone.
+const STALE_TEMPORARY: Duration = Duration::from_secs(3600);
+
+type Hash = [u8; 32];
+
+/// Where and how much (`--prompt-cache DIR`, `--prompt-cache-size`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PromptCacheOptions {
+    pub dir: PathBuf,
+    pub max_bytes: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PromptCacheError {
+    #[error("prompt cache {path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("prompt cache {path}: {source}")]
+    State { path: PathBuf, source: StateError },
+    #[error("prompt cache {path}: {reason}")]
+    Invalid { path: PathBuf, reason: String },
+    #[error(transparent)]
+    Sys(#[from] hypura_sys::SysError),
+}
+
+fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> PromptCacheError + '_ {
+    move |source| PromptCacheError::Io { path: path.to_path_buf(), source }
+}
+
+impl PromptCacheOptions {
+    /// Create the directory and prove it writable, so that a bad `--prompt-cache` is an error at
+    /// startup rather than a warning per request.
+    pub fn check(&self) -> Result<(), PromptCacheError> {
+        std::fs::create_dir_all(&self.dir).map_err(io_error(&self.dir))?;
+        let probe = temporary_path(&self.dir, "probe");
+        std::fs::write(&probe, b"hypura").map_err(io_error(&self.dir))?;
+        std::fs::remove_file(&probe).map_err(io_error(&probe))?;
+        Ok(())
+    }
+}
+
+/// What a load brought in.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Loaded {
+    pub tokens: usize,
+    pub bytes: u64,
+}
+
+struct WriteJob {
+    saved: PathBuf,
+    tokens: Vec<Token>,
+    chain: Vec<Hash>,
+    from_block: usize,
+}
+
+/// The prompt cache of one engine's settings. See the module documentation.
+pub struct PromptCache {
+    root: PathBuf,
+    /// `root/<digest>`: this model's and settings' blocks.
+    dir: PathBuf,
+    digest: Hash,
+    writer: Option<(mpsc::Sender<WriteJob>, JoinHandle<()>)>,
+    /// Set once a sequence turned out not to be a plain KV cache.
+    unsupported: Arc<AtomicBool>,
+}
+
+impl PromptCache {
+    pub fn open(options: &PromptCacheOptions, engine: &Engine) -> Result<PromptCache, PromptCacheError> {
+        options.check()?;
+        let digest = settings_digest(engine)?;
+        let dir = options.dir.join(hex(&digest[..8]));
+        std::fs::create_dir_all(&dir).map_err(io_error(&dir))?;
+        remove_stale_temporaries(&options.dir);
+        let unsupported = Arc::new(AtomicBool::new(false));
+        let (sender, receiver) = mpsc::channel::<WriteJob>();
+        let writer = Writer {
+            root: options.dir.clone(),
+            dir: dir.clone(),
+            digest,
+            max_bytes: options.max_bytes,
+            unsupported: unsupported.clone(),
+        };
+        let handle = std::thread::Builder::new()
+            .name("hypura-prompt-cache".into())
+            .spawn(move || {
+                for job in receiver {
+                    writer.write(job);
+                }
+            })
+            .map_err(io_error(&dir))?;
+        Ok(PromptCache { root: options.dir.clone(), dir, digest, writer: Some((sender, handle)), unsupported })
+    }
+
+    /// The chain hash at the end of each whole block of `tokens`.
+    fn chain(&self, tokens: &[Token]) -> Vec<Hash> {
+        let mut previous = self.digest;
+        tokens
+            .chunks_exact(BLOCK_TOKENS)
+            .map(|block| {
+                previous = chain_step(&previous, block);
+                previous
+            })
+            .collect()
+    }
+
+    fn block_path(&self, hash: &Hash) -> PathBuf {
+        self.dir.join(format!("{}.{BLOCK_EXTENSION}", hex(hash)))
+    }
+
+    /// Tokens of the longest prefix of `tokens` whose blocks are on disk.
+    pub fn cached_tokens(&self, tokens: &[Token]) -> usize {
+        if self.unsupported.load(Ordering::Relaxed) {
+            return 0;
+        }
+        self.chain(tokens).iter().take_while(|hash| self.block_path(hash).is_file()).count() * BLOCK_TOKENS
+    }
+
+    /// Load the cached prefix of `tokens` (at most `max_tokens` of them) into sequence
+    /// `seq_id` of `context`, whose KV cache has `n_stream` streams. A block that fails its
+    /// checks is removed with a warning and the prefix before it is loaded. `Ok(None)` when
+    /// nothing valid is cached; an error leaves the sequence empty.
+    pub fn load(
+        &self,
+        context: &mut Context,
+        seq_id: i32,
+        n_stream: u32,
+        tokens: &[Token],
+        max_tokens: usize,
+    ) -> Result<Option<Loaded>, PromptCacheError> {
+        let usable = &tokens[..max_tokens.min(tokens.len())];
+        let chain = self.chain(usable);
+        let mut blocks = Vec::new();
+        let mut previous = self.digest;
+        for (index, hash) in chain.iter().enumerate() {
+            let path = self.block_path(hash);
+            let Ok(file) = File::open(&path) else { break };
+            let block_tokens = &usable[index * BLOCK_TOKENS..(index + 1) * BLOCK_TOKENS];
+            match read_block(&file, &path, &self.digest, &previous, index, block_tokens) {
+                Ok(section) => blocks.push((file, path, section)),
+                Err(error) => {
+                    tracing::warn!("{error}; the file is removed and the prompt evaluated from there");
+                    let _ = std::fs::remove_file(&path);
+                    break;
+                }
+            }
+            previous = *hash;
+        }
+        if blocks.is_empty() {
+            return Ok(None);
+        }
+        let n_tokens = blocks.len() * BLOCK_TOKENS;
+        let all: Vec<usize> = (0..BLOCK_TOKENS).collect();
+        let parts: Vec<Part<'_>> =
+            blocks.iter().map(|(file, _, section)| Part { file, section, cells: &all }).collect();
+        let joined = temporary_path(&self.root, "load");
+        let written = (|| {
+            let mut out = BufWriter::new(File::create(&joined)?);
+            let written = state::write_sequence(&mut out, &usable[..n_tokens], n_stream, &parts)?;
+            out.flush()?;
+            Ok::<u64, StateError>(written)
+        })();
+        let result =
+            written.map_err(|source| PromptCacheError::State { path: joined.clone(), source }).and_then(|written| {
+                let loaded = context.load_sequence(seq_id, &joined, n_tokens)?;
+                if loaded != usable[..n_tokens] {
+                    context.truncate_sequence(seq_id, 0);
+                    return Err(PromptCacheError::Invalid {
+                        path: joined.clone(),
+                        reason: "llama.cpp read back other tokens than were written".into(),
+                    });
+                }
+                Ok(Loaded { tokens: n_tokens, bytes: written })
+            });
+        let _ = std::fs::remove_file(&joined);
+        let now = SystemTime::now();
+        for (index, (file, _, _)) in blocks.iter().enumerate() {
+            let _ = file.set_modified(recency(now, index));
+        }
+        result.map(Some)
+    }
+
+    /// Save the blocks of sequence `seq_id` (which holds `tokens`) that are not on disk yet. The
+    /// context writes the sequence to a temporary file here; the writer thread does the rest.
+    pub fn save(&self, context: &mut Context, seq_id: i32, tokens: &[Token]) {
+        if self.unsupported.load(Ordering::Relaxed) {
+            return;
+        }
+        let chain = self.chain(tokens);
+        let Some(from_block) = chain.iter().position(|hash| !self.block_path(hash).is_file()) else { return };
+        let Some((sender, _)) = &self.writer else { return };
+        let saved = temporary_path(&self.root, "save");
+        if let Err(error) = context.save_sequence(seq_id, &saved, tokens) {
+            tracing::warn!("prompt cache: {error}; this prompt is not cached");
+            let _ = std::fs::remove_file(&saved);
+            return;
+        }
+        let job = WriteJob { saved, tokens: tokens[..chain.len() * BLOCK_TOKENS].to_vec(), chain, from_block };
+        if let Err(mpsc::SendError(job)) = sender.send(job) {
+            let _ = std::fs::remove_file(&job.saved);
+        }
+    }
+}
+
+impl Drop for PromptCache {
+    /// Finish the writes in flight, so that a restart finds them.
+    fn drop(&mut self) {
+        if let Some((sender, handle)) = self.writer.take() {
+            drop(sender);
+            let _ = handle.join();
+        }
+    }
+}
+
+/// The writer thread's half.
+struct Writer {
+    root: PathBuf,
+    dir: PathBuf,
+    digest: Hash,
+    max_bytes: u64,
+    unsupported: Arc<AtomicBool>,
+}
+
+impl Writer {
+    fn write(&self, job: WriteJob) {
+        match self.write_blocks(&job) {
+            Ok(written) if written > 0 => {
+                tracing::debug!("prompt cache: {written} bytes written for {} tokens", job.tokens.len());
+                self.evict();
+            }
+            Ok(_) => {}
+            Err(PromptCacheError::State { source: StateError::Layout(reason), .. }) => {
+                if !self.unsupported.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        "prompt cache: this model's cache is not a plain KV cache ({reason}); its prompts are not saved"
+                    );
+                }
+            }
+            Err(error) => tracing::warn!("{error}; the prompt's blocks are not all saved"),
+        }
+        let _ = std::fs::remove_file(&job.saved);
+    }
+
+    /// Write the job's missing blocks; returns the bytes written.
+    fn write_blocks(&self, job: &WriteJob) -> Result<u64, PromptCacheError> {
+        let file = File::open(&job.saved).map_err(io_error(&job.saved))?;
+        let state_error = |source| PromptCacheError::State { path: job.saved.clone(), source };
+        let (tokens, section) = state::read_sequence(&file).map_err(state_error)?;
+        if !tokens.starts_with(&job.tokens) {
+            return Err(PromptCacheError::Invalid {
+                path: job.saved.clone(),
+                reason: "the saved sequence holds other tokens".into(),
+            });
+        }
+        // Cells by position; every position of the blocks must be there exactly once.
+        let mut by_position = vec![usize::MAX; job.tokens.len()];
+        for (cell, &position) in section.positions().iter().enumerate() {
+            if let Some(slot) = usize::try_from(position).ok().and_then(|position| by_position.get_mut(position)) {
+                if *slot != usize::MAX {
+                    return Err(PromptCacheError::Invalid {
+                        path: job.saved.clone(),
+                        reason: format!("position {position} is held twice"),
+                    });
+                }
+                *slot = cell;
+            }
+        }
+        if by_position.contains(&usize::MAX) {
+            return Err(PromptCacheError::Invalid {
+                path: job.saved.clone(),
+                reason: "the sequence does not hold every position of its prompt".into(),
+            });
+        }
+        let mut written = 0;
+        let now = SystemTime::now();
+        for index in job.from_block..job.chain.len() {
+            let path = self.dir.join(format!("{}.{BLOCK_EXTENSION}", hex(&job.chain[index])));
+            if path.is_file() {
+                continue;
+            }
+            let range = index * BLOCK_TOKENS..(index + 1) * BLOCK_TOKENS;
+            let previous = if index == 0 { self.digest } else { job.chain[index - 1] };
+            let cells = &by_position[range.clone()];
+            let temporary = temporary_path(&self.root, "block");
+            let result = (|| {
+                let mut out = HashingWriter { inner: BufWriter::new(File::create(&temporary)?), hasher: Sha256::new() };
+                out.write_all(&block_header(&self.digest, &previous, index, &job.tokens[range.clone()]))?;
+                state::write_section(&mut out, &[Part { file: &file, section: &section, cells }])?;
+                let hash = out.hasher.finalize();
+                let mut inner = out.inner;
+                inner.write_all(&hash)?;
+                let file = inner.into_inner().map_err(|error| error.into_error())?;
+                file.set_modified(recency(now, index))?;
+                Ok::<u64, StateError>(file.metadata()?.len())
+            })();
+            match result {
+                Ok(bytes) => {
+                    std::fs::rename(&temporary, &path).map_err(io_error(&path))?;
+                    written += bytes;
+                }
+                Err(source) => {
+                    let _ = std::fs::remove_file(&temporary);
+                    return Err(PromptCacheError::State { path, source });
+                }
+            }
+        }
+        Ok(written)
+    }
+
+    /// Remove the least recently used blocks (of every model) beyond the size limit.
+    fn evict(&self) {
+        let mut blocks: Vec<(SystemTime, u64, PathBuf)> = Vec::new();
+        let Ok(dirs) = std::fs::read_dir(&self.root) else { return };
+        for dir in dirs.flatten().filter(|entry| entry.file_type().is_ok_and(|kind| kind.is_dir())) {
+            let Ok(files) = std::fs::read_dir(dir.path()) else { continue };
+            for file in files.flatten() {
+                let path = file.path();
+                if path.extension().is_some_and(|extension| extension == BLOCK_EXTENSION) {
+                    if let Ok(metadata) = file.metadata() {
+                        blocks.push((metadata.modified().unwrap_or(SystemTime::UNIX_EPOCH), metadata.len(), path));
+                    }
+                }
+            }
+        }
+        let mut total: u64 = blocks.iter().map(|(_, bytes, _)| bytes).sum();
+        if total <= self.max_bytes {
+            return;
+        }
+        blocks.sort();
+        for (_, bytes, path) in blocks {
+            if total <= self.max_bytes {
+                break;
+            }
+            if std::fs::remove_file(&path).is_ok() {
+                total -= bytes;
+            }
+        }
+    }
+}
+
+struct HashingWriter<W: Write> {
+    inner: W,
+    hasher: Sha256,
+}
+
+impl<W: Write> Write for HashingWriter<W> {
+    fn write(&mut self, buffer: &[u8]) -> std::io::Result<usize> {
+        let written = self.inner.write(buffer)?;
+        self.hasher.update(&buffer[..written]);
+        Ok(written)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// magic, settings digest, the chain hash before this block, its first position and token
+/// count, and its tokens.
+fn block_header(digest: &Hash, previous: &Hash, index: usize, tokens: &[Token]) -> Vec<u8> {
+    let mut header = Vec::with_capacity(MAGIC.len() + 72 + tokens.len() * 4);
+    header.extend_from_slice(MAGIC);
+    header.extend_from_slice(digest);
+    header.extend_from_slice(previous);
+    header.extend_from_slice(&((index * BLOCK_TOKENS) as u32).to_le_bytes());
+    header.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
+    for token in tokens {
+        header.extend_from_slice(&token.to_le_bytes());
+    }
+    header
+}
+
+/// Check a block file against what its name promised and return its section.
+fn read_block(
+    file: &File,
+    path: &Path,
+    digest: &Hash,
+    previous: &Hash,
+    index: usize,
+    tokens: &[Token],
+) -> Result<Section, PromptCacheError> {
+    let invalid = |reason: &str| PromptCacheError::Invalid { path: path.to_path_buf(), reason: reason.to_string() };
+    let expected = block_header(digest, previous, index, tokens);
+    let len = file.metadata().map_err(io_error(path))?.len();
+    if len < (expected.len() + 32) as u64 {
+        return Err(invalid("truncated"));
+    }
+    let mut header = vec![0u8; expected.len()];
+    std::os::unix::fs::FileExt::read_exact_at(file, &mut header, 0).map_err(io_error(path))?;
+    if header[..MAGIC.len()] != MAGIC[..] {
+        return Err(invalid("not a prompt cache block of this build"));
+    }
+    if header != expected {
+        return Err(invalid("made for another model, settings or prompt"));
+    }
+    let mut hasher = Sha256::new();
+    let mut reader = file.take(len - 32);
+    let mut buffer = vec![0u8; 1 << 20];
+    loop {
+        let read = reader.read(&mut buffer).map_err(io_error(path))?;
+        if read == 0 {
+            break;
+        }
+        hasher.update(&buffer[..read]);
+    }
+    let mut stored = [0u8; 32];
+    std::os::unix::fs::FileExt::read_exact_at(file, &mut stored, len - 32).map_err(io_error(path))?;
+    if hasher.finalize()[..] != stored {
+        return Err(invalid("its checksum does not match (a corrupt file)"));
+    }
+    let section = Section::read(file, expected.len() as u64, len - 32)
+        .map_err(|source| PromptCacheError::State { path: path.to_path_buf(), source })?;
+    let first = (index * BLOCK_TOKENS) as i32;
+    if !section.positions().iter().copied().eq(first..first + tokens.len() as i32) {
+        return Err(invalid("its cells are not its block's positions"));
+    }
+    Ok(section)
+}
+
+/// A block's modification time when it is used or written at `now`: eviction goes by
+/// modification time, and a block is worth nothing without the blocks before it, so each is
+/// made a microsecond older than the one before (the chain's tail goes first).
+fn recency(now: SystemTime, index: usize) -> SystemTime {
+    now - Duration::from_micros(index as u64)
+}
+
+fn chain_step(previous: &Hash, tokens: &[Token]) -> Hash {
+    let mut hasher = Sha256::new();
+    hasher.update(previous);
+    for token in tokens {
+        hasher.update(token.to_le_bytes());
+    }
+    hasher.finalize().into()
+}
+
+/// Everything the KV cache's bits depend on: the model file (its path, size, modification time
+/// and first MiB), this build (the executable's size and modification time), the kernels
+/// (repacking, batch invariance, the micro-batch), and which tensors compute on a GPU or
+/// another machine. Memory budgets and streaming are left out: every mode computes the same
+/// bits (the bit-identity tests).
+fn settings_digest(engine: &Engine) -> Result<Hash, PromptCacheError> {
+    let model = &engine.inventory().path;
+    let mut hasher = Sha256::new();
+    hasher.update(b"hypura prompt cache 1\n");
+    let identity = |path: &Path| -> Result<String, PromptCacheError> {
+        let canonical = std::fs::canonicalize(path).map_err(io_error(path))?;
+        let metadata = std::fs::metadata(&canonical).map_err(io_error(path))?;
+        let modified = metadata
+            .modified()
+            .ok()
+            .and_then(|time| time.duration_since(SystemTime::UNIX_EPOCH).ok())
+            .map_or(0, |since| since.as_nanos());
+        Ok(format!("{} {} {modified}\n", canonical.display(), metadata.len()))
+    };
+    hasher.update(identity(model)?);
+    let mut head = Vec::with_capacity(1 << 20);
+    File::open(model).and_then(|file| file.take(1 << 20).read_to_end(&mut head)).map_err(io_error(model))?;
+    hasher.update(&head);
+    let executable = std::env::current_exe().map_err(io_error(Path::new("the executable")))?;
+    hasher.update(identity(&executable)?);
+    hasher.update(env!("CARGO_PKG_VERSION"));
+    let options = engine.options();
+    hasher.update(format!(
+        "repacked {} batch_invariant {} n_ubatch {} n_gpu_layers {}\n",
+        engine.repacked(),
+        options.batch_invariant,
+        engine.n_ubatch(),
+        if options.plan.is_some() { 0 } else { options.n_gpu_layers },
+    ));
+    if let Some(plan) = &options.plan {
+        for tensor in &plan.tensors {
+            if matches!(tensor.tier, crate::plan::Tier::Gpu | crate::plan::Tier::Remote) {
+                hasher.update(format!("{} {:?}\n", tensor.name, tensor.tier));
+            }
+        }
+    }
+    Ok(hasher.finalize().into())
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+}
+
+static TEMPORARY_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// A name no other process or call uses: `<dir>/.tmp-<what>-<pid>-<n>`.
+fn temporary_path(dir: &Path, what: &str) -> PathBuf {
+    let n = TEMPORARY_COUNTER.fetch_add(1, Ordering::Relaxed);
+    dir.join(format!(".tmp-{what}-{}-{n}", std::process::id()))
+}
+
+fn remove_stale_temporaries(root: &Path) {
+    let Ok(entries) = std::fs::read_dir(root) else { return };
+    for entry in entries.flatten() {
+        let stale = entry
+            .metadata()
+            .ok()
+            .and_then(|metadata| metadata.modified().ok())
+            .and_then(|modified| modified.elapsed().ok())
+            .is_some_and(|age| age > STALE_TEMPORARY);
+        if stale && entry.file_name().to_string_lossy().starts_with(".tmp-") {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}

@@ -1,0 +1,267 @@
+//! The prompt cache on disk (`--prompt-cache`): a prefix saved by one process is loaded by the
+//! next, greedy text is the same bits as a fresh evaluation's (batch-invariant kernels), and a
+//! corrupt, truncated or foreign block, an unwritable directory and two processes sharing one
+//! directory each cost only the blocks involved, never a wrong token.
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use hypura::engine::prompt_cache::{PromptCacheOptions, BLOCK_TOKENS};
+use hypura::engine::{Control, Engine, EngineOptions, GenerateOutput, GenerateRequest, Prompt, SamplerParams, Session};
+use serde_json::{json, Value};
+
+use crate::common::{self, Server};
+
+/// A system prompt of about `rules` × 24 tokens (SmolLM2's tokenizer), the same each time.
+fn system_prompt(rules: usize) -> String {
+    let mut text = String::from("You are a careful assistant for a warehouse. Follow every rule below.\n");
+    for rule in 0..rules {
+        text.push_str(&format!(
+            "Rule {rule}: shelf {} holds item {} and is checked every {} days.\n",
+            rule % 17,
+            rule * 7,
+            rule % 5 + 1
+        ));
+    }
+    text
+}
+
+fn chat(model: &str, system: &str, question: &str) -> Value {
+    json!({
+        "model": model,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+        "stream": false,
+        "options": {"temperature": 0, "num_predict": 24, "seed": 1},
+    })
+}
+
+/// Stop a server as a user does (Ctrl-C), so that it finishes its writes, and wait for it.
+fn interrupt(mut server: Server) {
+    let pid = server.child.id().to_string();
+    assert!(std::process::Command::new("kill").args(["-INT", &pid]).status().unwrap().success());
+    let status = server.child.wait().unwrap();
+    assert!(status.success(), "serve exited with {status} after SIGINT: {}", server.log_text());
+}
+
+/// The test: a 2,500-token system prompt answered, the server restarted, and another
+/// question with the same system prompt: nine tenths of the prompt come from the cache, the
+/// prompt takes at most a quarter of a fresh server's time, and the greedy text is a fresh
+/// server's.
+#[test]
+fn a_restarted_server_loads_a_shared_system_prompt_from_disk() {
+    let _machine = common::whole_machine();
+    let directory = tempfile::tempdir().unwrap();
+    let cache = directory.path().join("prompt-cache");
+    let model_path = common::smollm_path();
+    let model = model_path.file_stem().unwrap().to_str().unwrap().to_ascii_lowercase();
+    let system = system_prompt(107);
+    let arguments = |with_cache: bool| {
+        let mut arguments = vec![model_path.display().to_string()];
+        arguments
+            .extend(["--context", "4096", "--parallel", "1", "--threads", "2", "--batch-invariant"].map(String::from));
+        if with_cache {
+            arguments.extend(["--prompt-cache".to_string(), cache.display().to_string()]);
+        }
+        arguments
+    };
+
+    let first = Server::start(&arguments(true), directory.path().join("first.log"));
+    let answer = first.post("/api/chat", &chat(&model, &system, "Which shelf holds item 70?"));
+    let prompt_tokens = answer["prompt_eval_count"].as_u64().unwrap();
+    assert!(prompt_tokens >= 2500, "the system prompt is {prompt_tokens} tokens, not 2,500: {answer}");
+    interrupt(first);
+    let blocks = block_files(&cache);
+    assert!(blocks.len() as u64 >= prompt_tokens / BLOCK_TOKENS as u64, "{} blocks saved", blocks.len());
+
+    let question = chat(&model, &system, "How often is shelf 3 checked?");
+    let restarted = Server::start(&arguments(true), directory.path().join("restarted.log"));
+    let cached = restarted.post("/api/chat", &question);
+    drop(restarted);
+    let fresh = Server::start(&arguments(false), directory.path().join("fresh.log"));
+    let evaluated = fresh.post("/api/chat", &question);
+
+    // Ollama's prompt_eval_count is the whole prompt, cached or not.
+    let from_cache = cached["hypura_prompt_cached"].as_u64().unwrap();
+    let total = cached["prompt_eval_count"].as_u64().unwrap();
+    assert_eq!(evaluated["prompt_eval_count"].as_u64().unwrap(), total, "{evaluated}");
+    assert_eq!(evaluated["hypura_prompt_cached"].as_u64(), Some(0), "{evaluated}");
+    assert!(from_cache * 10 >= total * 9, "{from_cache} of {total} prompt tokens came from the cache: {cached}");
+    assert_eq!(cached["hypura_prompt_cache_loaded"].as_u64(), Some(from_cache), "{cached}");
+    assert!(cached["hypura_prompt_cache_bytes_read"].as_u64().unwrap() > 0, "{cached}");
+    let (cached_time, fresh_time) =
+        (cached["prompt_eval_duration"].as_u64().unwrap(), evaluated["prompt_eval_duration"].as_u64().unwrap());
+    assert!(
+        cached_time * 4 <= fresh_time,
+        "the prompt took {:.3} s from the cache and {:.3} s fresh",
+        cached_time as f64 / 1e9,
+        fresh_time as f64 / 1e9
+    );
+    assert_eq!(cached["message"], evaluated["message"], "a greedy answer changed with its prefix from disk");
+}
+
+fn block_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    for model in std::fs::read_dir(dir).unwrap().flatten().filter(|entry| entry.path().is_dir()) {
+        for file in std::fs::read_dir(model.path()).unwrap().flatten() {
+            if file.path().extension().is_some_and(|extension| extension == "kv") {
+                files.push(file.path());
+            }
+        }
+    }
+    files
+}
+
+/// The block file that starts at `position` (its header names it: magic, settings digest,
+/// previous chain hash, then the first position).
+fn block_at(dir: &Path, position: usize) -> PathBuf {
+    block_files(dir)
+        .into_iter()
+        .find(|path| {
+            let bytes = std::fs::read(path).unwrap();
+            bytes.len() > 76 && u32::from_le_bytes(bytes[72..76].try_into().unwrap()) as usize == position
+        })
+        .unwrap_or_else(|| panic!("no block starts at {position}"))
+}
+
+fn engine(path: &Path, cache: Option<&Path>) -> Arc<Engine> {
+    let options = EngineOptions {
+        n_ctx_seq: 1024,
+        n_threads: Some(1),
+        batch_invariant: true,
+        prompt_cache: cache.map(|dir| PromptCacheOptions { dir: dir.to_path_buf(), max_bytes: 1 << 30 }),
+        ..EngineOptions::default()
+    };
+    Arc::new(Engine::open(path, options).unwrap())
+}
+
+/// One greedy answer from a session of its own, which writes its blocks before it returns.
+fn answer(engine: &Arc<Engine>, prompt: &str) -> GenerateOutput {
+    let request = GenerateRequest {
+        max_tokens: Some(12),
+        sampling: SamplerParams::greedy(),
+        ignore_eos: true,
+        ..GenerateRequest::new(Prompt::Raw(prompt.to_string()))
+    };
+    Session::new(engine.clone()).unwrap().generate(&request, &mut |_| Control::Continue).unwrap()
+}
+
+#[test]
+fn a_bad_block_costs_its_blocks_and_never_a_wrong_token() {
+    let _machine = common::shared_machine();
+    let directory = tempfile::tempdir().unwrap();
+    let cache = directory.path().join("cache");
+    let model = common::smollm_path();
+    let prefix = system_prompt(20);
+    let (first_prompt, prompt) =
+        (format!("{prefix}Question: where is item 7?"), format!("{prefix}Question: where is item 14?"));
+    let reference = answer(&engine(&model, None), &prompt);
+
+    let cached = engine(&model, Some(&cache));
+    answer(&cached, &first_prompt);
+    let shared = answer(&cached, &prompt).stats.prompt_cache_tokens as usize;
+    assert!(shared >= 6 * BLOCK_TOKENS, "only {shared} tokens of the shared prefix loaded");
+    let with_all = answer(&cached, &prompt);
+    assert_eq!(with_all.stats.prompt_cache_tokens as usize, shared);
+    assert_eq!(with_all.tokens, reference.tokens, "greedy tokens changed with the prefix from disk");
+
+    // A flipped byte in block 2's data: blocks 0 and 1 load, block 2 is removed and saved again.
+    let corrupt = block_at(&cache, 2 * BLOCK_TOKENS);
+    let mut bytes = std::fs::read(&corrupt).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x40;
+    std::fs::write(&corrupt, &bytes).unwrap();
+    let after_corruption = answer(&cached, &prompt);
+    assert_eq!(after_corruption.stats.prompt_cache_tokens as usize, 2 * BLOCK_TOKENS);
+    assert_eq!(after_corruption.tokens, reference.tokens);
+    assert_eq!(answer(&cached, &prompt).stats.prompt_cache_tokens as usize, shared, "block 2 was not saved again");
+
+    // A truncated block 3.
+    let truncated = block_at(&cache, 3 * BLOCK_TOKENS);
+    let length = std::fs::metadata(&truncated).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&truncated).unwrap().set_len(length / 2).unwrap();
+    let after_truncation = answer(&cached, &prompt);
+    assert_eq!(after_truncation.stats.prompt_cache_tokens as usize, 3 * BLOCK_TOKENS);
+    assert_eq!(after_truncation.tokens, reference.tokens);
+
+    // Block 1 made by another model or build (its header's settings digest differs).
+    let foreign = block_at(&cache, BLOCK_TOKENS);
+    let mut bytes = std::fs::read(&foreign).unwrap();
+    bytes[8] ^= 0xff;
+    std::fs::write(&foreign, &bytes).unwrap();
+    let after_foreign = answer(&cached, &prompt);
+    assert_eq!(after_foreign.stats.prompt_cache_tokens as usize, BLOCK_TOKENS);
+    assert_eq!(after_foreign.tokens, reference.tokens);
+
+    // Two engines on one directory, answering at once: both answers are right, and the blocks
+    // they both wrote load.
+    std::fs::remove_dir_all(&cache).unwrap();
+    let other = engine(&model, Some(&cache));
+    let (one, two) = std::thread::scope(|scope| {
+        let one = scope.spawn(|| answer(&cached, &prompt));
+        let two = scope.spawn(|| answer(&other, &prompt));
+        (one.join().unwrap(), two.join().unwrap())
+    });
+    assert_eq!(one.tokens, reference.tokens);
+    assert_eq!(two.tokens, reference.tokens);
+    let after_sharing = answer(&other, &prompt);
+    assert_eq!(after_sharing.stats.prompt_cache_tokens as usize, shared);
+    assert_eq!(after_sharing.tokens, reference.tokens);
+    let leftovers: Vec<_> = std::fs::read_dir(&cache)
+        .unwrap()
+        .flatten()
+        .filter(|entry| entry.file_name().to_string_lossy().starts_with(".tmp-"))
+        .collect();
+    assert!(leftovers.is_empty(), "temporary files left: {leftovers:?}");
+}
+
+#[test]
+fn an_unwritable_prompt_cache_is_refused_at_startup() {
+    let _machine = common::shared_machine();
+    let directory = tempfile::tempdir().unwrap();
+    let file = directory.path().join("a-file");
+    std::fs::write(&file, b"not a directory").unwrap();
+    let inside_a_file = file.join("cache");
+    let options = PromptCacheOptions { dir: inside_a_file.clone(), max_bytes: 1 << 20 };
+    assert!(options.check().is_err());
+    let model = common::smollm_path();
+    let output = common::hypura(&[
+        "run",
+        model.to_str().unwrap(),
+        "-p",
+        "hi",
+        "-n",
+        "1",
+        "--prompt-cache",
+        inside_a_file.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(stderr.contains("--prompt-cache") && stderr.contains("a-file"), "{stderr}");
+}
+
+/// The least recently used blocks go beyond `--prompt-cache-size`.
+#[test]
+fn the_prompt_cache_keeps_to_its_size() {
+    let _machine = common::shared_machine();
+    let directory = tempfile::tempdir().unwrap();
+    let cache = directory.path().join("cache");
+    let model = common::smollm_path();
+    let unlimited = engine(&model, Some(&cache));
+    let prompt = format!("{}Question: where is item 21?", system_prompt(20));
+    answer(&unlimited, &prompt);
+    let sizes: Vec<u64> = block_files(&cache).iter().map(|path| std::fs::metadata(path).unwrap().len()).collect();
+    let total: u64 = sizes.iter().sum();
+    assert!(sizes.len() >= 6);
+    std::fs::remove_dir_all(&cache).unwrap();
+    let limit = total / 2;
+    let options = EngineOptions {
+        n_ctx_seq: 1024,
+        n_threads: Some(1),
+        batch_invariant: true,
+        prompt_cache: Some(PromptCacheOptions { dir: cache.clone(), max_bytes: limit }),
+        ..EngineOptions::default()
+    };
+    let limited = Arc::new(Engine::open(&model, options).unwrap());
+    answer(&limited, &prompt);
+    let kept: u64 = block_files(&cache).iter().map(|path| std::fs::metadata(path).unwrap().len()).sum();
+    assert!(kept <= limit && kept > 0, "{kept} bytes kept under a limit of {limit}");
+}
