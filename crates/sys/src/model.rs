@@ -271,6 +271,28 @@ impl Model {
         unsafe { raw::llama_model_n_embd(self.as_ptr()) }
     }
 
+    /// The kind of memory llama.cpp gives the model's contexts when it is not a plain KV cache
+    /// (a run of positions per sequence): "sliding-window", "recurrent" or "hybrid".
+    pub fn memory_kind(&self) -> Option<&'static str> {
+        // SAFETY: the model pointer is valid while `self` lives; these read its hyperparameters.
+        let (swa, recurrent, hybrid) = unsafe {
+            (
+                raw::llama_model_n_swa(self.as_ptr()),
+                raw::llama_model_is_recurrent(self.as_ptr()),
+                raw::llama_model_is_hybrid(self.as_ptr()),
+            )
+        };
+        if hybrid {
+            Some("hybrid")
+        } else if recurrent {
+            Some("recurrent")
+        } else if swa > 0 {
+            Some("sliding-window")
+        } else {
+            None
+        }
+    }
+
     pub fn n_ctx_train(&self) -> i32 {
         // SAFETY: the model pointer is valid while `self` lives.
         unsafe { raw::llama_model_n_ctx_train(self.as_ptr()) }

@@ -176,7 +176,9 @@ impl Section {
                 let type_id = reader.i32()?;
                 let element_bytes = reader.u32()?;
                 let n_embd = reader.u32()?;
-                let bytes = u64::from(element_bytes) * u64::from(n_embd) * cell_count;
+                let bytes = (u64::from(element_bytes) * u64::from(n_embd))
+                    .checked_mul(cell_count)
+                    .ok_or_else(|| layout("a value column size overflows"))?;
                 columns.push(Columns { type_id, element_bytes, n_embd, at: reader.skip(bytes)? });
             }
             Values::Columns(columns)
@@ -187,17 +189,19 @@ impl Section {
     /// The section at `at`, which must end at `end`; the cell ext's size is whichever of the
     /// two the pinned llama.cpp writes makes the section end there.
     fn read_ending_at(file: &File, at: u64, end: u64) -> Result<Section, StateError> {
-        let mut last = None;
+        let mut first_error = None;
         for ext_bytes in [0, CELL_EXT_BYTES] {
-            match Section::read_with(file, at, end, ext_bytes) {
+            let error = match Section::read_with(file, at, end, ext_bytes) {
                 Ok(section) if section.end == end => return Ok(section),
-                Ok(section) => {
-                    last = Some(layout(format!("{} bytes follow the cells' data", end - section.end)));
-                }
-                Err(error) => last = Some(error),
-            }
+                Ok(section) => layout(format!(
+                    "{} bytes follow the cells' data (a second cache, or recurrent state)",
+                    end - section.end
+                )),
+                Err(error) => error,
+            };
+            first_error.get_or_insert(error);
         }
-        Err(last.unwrap_or_else(|| layout("empty")))
+        Err(first_error.unwrap_or_else(|| layout("empty")))
     }
 
     /// The section from `at` to `end` of `file` (a block file's).
@@ -441,5 +445,169 @@ impl<W: Write> Write for Counted<'_, W> {
 
     fn flush(&mut self) -> std::io::Result<()> {
         self.inner.flush()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const LAYERS: usize = 2;
+    const K_ROW: usize = 6;
+    const V_ROW: usize = 4;
+    const V_EMBD: usize = 3;
+
+    /// A byte for (layer, cell, byte within the row) of keys or values, so that a misplaced
+    /// copy shows.
+    fn byte(kind: u8, layer: usize, position: i32, index: usize) -> u8 {
+        kind.wrapping_mul(31)
+            .wrapping_add((layer * 59) as u8)
+            .wrapping_add((position * 7) as u8)
+            .wrapping_add(index as u8)
+    }
+
+    /// A section in the pinned llama.cpp's layout, for cells at `positions` (in cell order), of
+    /// sequence `stream` (the stream of a sequence of its own is its id).
+    fn section(positions: &[i32], v_trans: bool, ext: bool, seq_id: i32) -> Vec<u8> {
+        let mut out = Vec::new();
+        out.extend_from_slice(&(positions.len() as u32).to_le_bytes());
+        for &position in positions {
+            out.extend_from_slice(&position.to_le_bytes());
+            out.extend_from_slice(&1u32.to_le_bytes());
+            if ext {
+                out.extend_from_slice(&[position as u8; CELL_EXT_BYTES as usize]);
+            }
+            out.extend_from_slice(&seq_id.to_le_bytes());
+        }
+        for field in [u32::from(v_trans), LAYERS as u32, 0, 0] {
+            out.extend_from_slice(&field.to_le_bytes());
+        }
+        for layer in 0..LAYERS {
+            out.extend_from_slice(&1i32.to_le_bytes());
+            out.extend_from_slice(&(K_ROW as u64).to_le_bytes());
+            for &position in positions {
+                out.extend((0..K_ROW).map(|index| byte(1, layer, position, index)));
+            }
+        }
+        for layer in 0..LAYERS {
+            out.extend_from_slice(&1i32.to_le_bytes());
+            if v_trans {
+                out.extend_from_slice(&1u32.to_le_bytes());
+                out.extend_from_slice(&(V_EMBD as u32).to_le_bytes());
+                for element in 0..V_EMBD {
+                    out.extend(positions.iter().map(|&position| byte(2, layer, position, element)));
+                }
+            } else {
+                out.extend_from_slice(&(V_ROW as u64).to_le_bytes());
+                for &position in positions {
+                    out.extend((0..V_ROW).map(|index| byte(2, layer, position, index)));
+                }
+            }
+        }
+        out
+    }
+
+    /// A sequence file as `llama_state_seq_save_file` writes it, the cells in stream `stream`
+    /// of `n_stream`.
+    fn sequence(positions: &[i32], v_trans: bool, ext: bool, stream: u32, n_stream: u32) -> Vec<u8> {
+        let mut out = Vec::new();
+        out.extend_from_slice(&SEQ_MAGIC.to_le_bytes());
+        out.extend_from_slice(&SEQ_VERSION.to_le_bytes());
+        out.extend_from_slice(&(positions.len() as u32).to_le_bytes());
+        for &position in positions {
+            out.extend_from_slice(&(1000 + position).to_le_bytes());
+        }
+        out.extend_from_slice(&n_stream.to_le_bytes());
+        for index in 0..n_stream {
+            if index == stream {
+                out.extend(section(positions, v_trans, ext, stream as i32));
+            } else {
+                out.extend_from_slice(&0u32.to_le_bytes());
+            }
+        }
+        out
+    }
+
+    fn file_with(bytes: &[u8]) -> File {
+        let mut file = tempfile::tempfile().unwrap();
+        file.write_all(bytes).unwrap();
+        file
+    }
+
+    /// Cut a sequence into blocks of positions and join them again: the result is the
+    /// sequence llama.cpp would have written for those positions in order, whatever order the
+    /// cells had, with or without transposed values and cell exts.
+    #[test]
+    fn blocks_cut_from_a_sequence_join_into_the_sequence_in_position_order() {
+        for v_trans in [false, true] {
+            for ext in [false, true] {
+                // Cells out of position order, as a reused KV cache leaves them.
+                let positions = [4, 5, 6, 7, 0, 1, 2, 3];
+                let saved = file_with(&sequence(&positions, v_trans, ext, 1, 3));
+                let (tokens, section) = read_sequence(&saved).unwrap();
+                assert_eq!(tokens, positions.iter().map(|position| 1000 + position).collect::<Vec<_>>());
+                assert_eq!(section.positions(), positions);
+                let mut blocks = Vec::new();
+                for block in [[4, 5], [6, 7]] {
+                    let mut bytes = Vec::new();
+                    write_section(&mut bytes, &[Part { file: &saved, section: &section, cells: &block }]).unwrap();
+                    let file = file_with(&bytes);
+                    let section = Section::read(&file, 0, bytes.len() as u64).unwrap();
+                    blocks.push((file, section));
+                }
+                let all = [0, 1];
+                let parts: Vec<Part<'_>> =
+                    blocks.iter().map(|(file, section)| Part { file, section, cells: &all }).collect();
+                let tokens: Vec<Token> = (0..4).map(|position| 1000 + position).collect();
+                let mut joined = Vec::new();
+                write_sequence(&mut joined, &tokens, 3, &parts).unwrap();
+                // llama.cpp reads any stream's cells into the sequence's own stream (and the
+                // sequence id written is read and dropped).
+                assert_eq!(joined, sequence(&[0, 1, 2, 3], v_trans, ext, 0, 3), "v_trans {v_trans} ext {ext}");
+            }
+        }
+    }
+
+    #[test]
+    fn blocks_of_other_layouts_do_not_join() {
+        let rows = file_with(&section(&[0, 1], false, false, 0));
+        let columns = file_with(&section(&[2, 3], true, false, 0));
+        let rows_section = Section::read(&rows, 0, rows.metadata().unwrap().len()).unwrap();
+        let columns_section = Section::read(&columns, 0, columns.metadata().unwrap().len()).unwrap();
+        let cells = [0, 1];
+        let parts = [
+            Part { file: &rows, section: &rows_section, cells: &cells },
+            Part { file: &columns, section: &columns_section, cells: &cells },
+        ];
+        assert!(matches!(write_section(&mut Vec::new(), &parts), Err(StateError::Mismatch(_))));
+        let beyond = [0, 2];
+        let part = [Part { file: &rows, section: &rows_section, cells: &beyond }];
+        assert!(matches!(write_section(&mut Vec::new(), &part), Err(StateError::Mismatch(_))));
+    }
+
+    /// A second cache after the first (a sliding-window model's) is refused, not misread.
+    #[test]
+    fn a_state_with_more_than_one_cache_is_refused() {
+        let mut bytes = sequence(&[0, 1], false, false, 0, 1);
+        bytes.extend(sequence(&[0, 1], false, false, 0, 1)[12 + 8..].iter());
+        let error = read_sequence(&file_with(&bytes)).unwrap_err();
+        assert!(matches!(error, StateError::Layout(_)), "{error}");
+    }
+
+    proptest! {
+        /// Truncated or damaged files are errors, never panics or huge allocations.
+        #[test]
+        fn damaged_files_are_errors(cut in 0usize..400, flips in proptest::collection::vec((0usize..400, any::<u8>()), 0..4)) {
+            let mut bytes = sequence(&[0, 1, 2], true, false, 0, 2);
+            for (at, value) in flips {
+                let at = at % bytes.len();
+                bytes[at] ^= value;
+            }
+            bytes.truncate(cut.min(bytes.len()));
+            let file = file_with(&bytes);
+            let _ = read_sequence(&file);
+            let _ = Section::read(&file, 0, bytes.len() as u64);
+        }
     }
 }

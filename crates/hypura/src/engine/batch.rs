@@ -132,8 +132,16 @@ impl Batcher {
             }
             None => None,
         };
-        let prompt_cache =
-            engine.options().prompt_cache.as_ref().map(|options| PromptCache::open(options, &engine)).transpose()?;
+        let prompt_cache = match (&engine.options().prompt_cache, engine.model().memory_kind()) {
+            (Some(_), Some(kind)) => {
+                tracing::warn!(
+                    "prompt cache: this model's {kind} cache is not a run of positions; its prompts are not saved"
+                );
+                None
+            }
+            (Some(options), None) => Some(PromptCache::open(options, &engine)?),
+            (None, _) => None,
+        };
         let n_stream = if params.kv_unified { 1 } else { n_sequences };
         Ok(Batcher {
             engine,
@@ -185,17 +193,24 @@ impl Batcher {
     pub fn admit(&mut self, request: GenerateRequest, sink: SequenceSink) -> Result<(), (EngineError, SequenceSink)> {
         // The prompt's time counts from here: rendering, tokenizing and a prompt cache load too.
         let started = Instant::now();
-        let prepared = prompt::prepare(&self.engine, &request.context, &request.prompt).and_then(|(tokens, turn)| {
+        let fit = request.truncate_history.then(|| self.limit(&request));
+        let prepared = prompt::prepare(&self.engine, &request.context, &request.prompt, fit).and_then(|prepared| {
+            let prompt::Prepared { tokens, turn, dropped_messages } = prepared;
             let chat_grammar = match turn.as_ref().and_then(|turn| turn.chat.as_ref()) {
                 Some(chat) => chat.grammar(self.engine.model())?,
                 None => None,
             };
             let prepared = self.prepare(&request, tokens, chat_grammar)?;
-            Ok((prepared, turn))
+            Ok((prepared, turn, dropped_messages))
         });
         match prepared {
-            Ok(((index, tokens, sampler, grammar, (reused, from_disk)), turn)) => {
+            Ok(((index, tokens, sampler, grammar, (reused, from_disk)), turn, dropped_messages)) => {
                 let limit = self.limit(&request);
+                if dropped_messages > 0 {
+                    tracing::info!(
+                        "sequence {index}: the {dropped_messages} oldest messages were left out to fit {limit} tokens"
+                    );
+                }
                 let mut stop = request.stop.clone();
                 let (chat, keep_special) = match turn {
                     Some(turn) => {
@@ -216,6 +231,7 @@ impl Batcher {
                     reused_prompt_tokens: reused as u32,
                     prompt_cache_tokens: from_disk.tokens as u32,
                     prompt_cache_bytes_read: from_disk.bytes,
+                    dropped_messages: dropped_messages as u32,
                     prompt_eval_count: (tokens.len() - reused) as u32,
                     ..GenerationStats::default()
                 };
@@ -321,7 +337,7 @@ impl Batcher {
         }
         let slot = &mut self.slots[index];
         let started = Instant::now();
-        match cache.load(&mut self.context, slot.seq_id, self.n_stream, usable, usable.len()) {
+        match cache.load(&mut self.context, slot.seq_id, self.n_stream, usable) {
             Ok(Some(loaded)) => {
                 tracing::info!(
                     "prompt cache: {} tokens ({:.1} MB) loaded in {:.3} s",

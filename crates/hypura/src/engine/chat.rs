@@ -283,6 +283,10 @@ impl ChatTemplate {
                     ToolChoice::None => Vec::new(),
                     _ => tools.iter().filter_map(|tool| tool_name(tool).map(str::to_string)).collect(),
                 },
+                last: AssistantMessage::default(),
+                tail: Tail::Other,
+                parsed: 0,
+                parsed_total: 0,
             }),
         })
     }
@@ -393,9 +397,17 @@ struct ParsedFunction {
     arguments: String,
 }
 
-/// Reads the answer as it streams: each push re-parses the text so far (the formats' markers
-/// can span tokens) and returns what is new in the content and the reasoning. Tool calls come
-/// out whole, when the answer ends.
+/// Reads the answer as it streams and returns what is new in the content and the reasoning.
+/// Tool calls come out whole, when the answer ends.
+///
+/// The formats' markers can span tokens, so llama.cpp's parser reads the whole text so far; to
+/// keep that from growing with the square of the answer, it runs only where the answer may have
+/// changed course. While the last parse ended in plain content (or reasoning), a piece of plain
+/// text (`is_plain`: letters, digits, spaces and punctuation that starts no format's marker)
+/// extends it as written; a piece with anything else is parsed with the whole text, at most
+/// once per `PARSE_EVERY` of the text's length (the pieces between are held, then sent
+/// together), so the parsing of an answer is linear in its length. The final message is always
+/// parsed whole.
 ///
 /// Small models often write a call as bare JSON, without their template's markers
 /// (Qwen2.5-Coder-0.5B answers `{"name": "read", "arguments": {...}}` rather than
@@ -409,7 +421,31 @@ pub struct ChatStream {
     sent_thinking: usize,
     /// The offered tools' names (empty: no tools).
     tool_names: Vec<String>,
+    /// The last parse's message, extended by plain pieces while `tail` says where they go.
+    last: AssistantMessage,
+    tail: Tail,
+    /// The text's length at the last parse.
+    parsed: usize,
+    /// Bytes of text the parser has read in all (`ChatStream::parsed_bytes`).
+    parsed_total: usize,
 }
+
+/// Where the last parse left the end of the text.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Tail {
+    /// In the content (or reasoning) as written: plain text appended extends it.
+    Content,
+    Thinking,
+    /// In a marker, a call, escaped text or anything else: the next piece is parsed.
+    Other,
+}
+
+/// Pieces after the last parse wait for the next one until they are this fraction of the text.
+/// A 16 KB answer is parsed every 128 bytes at most, and its parsing reads about 128 times its
+/// length in all (llama.cpp's parser reads tens of MB a second).
+const PARSE_EVERY: usize = 128;
+/// ... and every this many bytes at most.
+const PARSE_AT_LEAST: usize = 16;
 
 impl ChatStream {
     /// The grammar that keeps tool calls well formed (None without tools).
@@ -422,10 +458,45 @@ impl ChatStream {
 
     pub fn push(&mut self, piece: &str) -> ChatDelta {
         self.text.push_str(piece);
-        match self.parse(true) {
-            Some(message) => self.delta(&message, false),
-            None => ChatDelta::default(),
+        let caught_up = self.parsed + piece.len() == self.text.len();
+        if caught_up && self.tail != Tail::Other && is_plain(piece) {
+            match self.tail {
+                Tail::Content => self.last.content.push_str(piece),
+                _ => self.last.thinking.push_str(piece),
+            }
+            self.parsed = self.text.len();
+            let message = std::mem::take(&mut self.last);
+            let delta = self.delta(&message, false);
+            self.last = message;
+            return delta;
         }
+        if self.text.len() - self.parsed < (self.parsed / PARSE_EVERY).max(PARSE_AT_LEAST) {
+            return ChatDelta::default();
+        }
+        self.parse_now()
+    }
+
+    /// Parse the whole text so far and send what is new.
+    fn parse_now(&mut self) -> ChatDelta {
+        self.parsed = self.text.len();
+        self.parsed_total += self.text.len();
+        match self.parse(true) {
+            Some(message) => {
+                self.tail = tail_of(&self.text, &message);
+                let delta = self.delta(&message, false);
+                self.last = message;
+                delta
+            }
+            None => {
+                self.tail = Tail::Other;
+                ChatDelta::default()
+            }
+        }
+    }
+
+    /// Bytes of text the parser has read so far, for the test that parsing stays linear.
+    pub fn parsed_bytes(&self) -> usize {
+        self.parsed_total
     }
 
     /// The whole answer, and whatever of it was not yet sent. Output the parser cannot read
@@ -500,6 +571,26 @@ impl ChatStream {
             })
             .collect();
         Some(AssistantMessage { content, thinking: parsed.reasoning_content.unwrap_or_default(), tool_calls })
+    }
+}
+
+/// Text that extends plain content as written in every format llama.cpp parses: ASCII letters,
+/// digits, spaces and punctuation that opens no marker, quote, escape or JSON value.
+fn is_plain(piece: &str) -> bool {
+    piece.bytes().all(|byte| byte.is_ascii_alphanumeric() || b" .,;:!?'()-_=+*/%#@$&^~".contains(&byte))
+}
+
+/// Where the parse of `text` into `message` left the end: the content's (or the reasoning's)
+/// last bytes are the text's own last bytes, and no call is open.
+fn tail_of(text: &str, message: &AssistantMessage) -> Tail {
+    let ends_with = |part: &str| {
+        let start = part.len().saturating_sub(32);
+        !part.is_empty() && part.is_char_boundary(start) && text.ends_with(&part[start..])
+    };
+    match (message.tool_calls.is_empty(), ends_with(&message.content), ends_with(&message.thinking)) {
+        (true, true, false) => Tail::Content,
+        (true, false, true) => Tail::Thinking,
+        _ => Tail::Other,
     }
 }
 
@@ -866,5 +957,123 @@ mod tests {
         {
             assert!(held(whole) && bare_calls(whole, &names).is_some(), "{whole:?}");
         }
+    }
+
+    /// A Hermes-style template with tools (llama.cpp reads `<tool_call>` JSON out of the answer).
+    fn hermes() -> ChatTemplate {
+        ChatTemplate::from_text(concat!(
+            "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>\n",
+            "For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags.<|im_end|>\n{%- endif %}",
+            "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endfor %}",
+            "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}",
+        ))
+        .unwrap()
+    }
+
+    /// Pieces as a tokenizer cuts text: words with their leading space, and markers apart.
+    fn pieces(text: &str) -> Vec<String> {
+        let mut pieces: Vec<String> = Vec::new();
+        for (index, part) in text.split(' ').enumerate() {
+            let word = if index == 0 { part.to_string() } else { format!(" {part}") };
+            let mut rest = word.as_str();
+            while let Some(at) = rest.find(['<', '{', '"', '\n']) {
+                let (before, marker) = rest.split_at(at);
+                if !before.is_empty() {
+                    pieces.push(before.to_string());
+                }
+                pieces.push(marker[..1].to_string());
+                rest = &marker[1..];
+            }
+            if !rest.is_empty() {
+                pieces.push(rest.to_string());
+            }
+        }
+        pieces
+    }
+
+    fn stream(turn: &mut RenderedTurn, text: &str) -> (String, String, AssistantMessage, usize) {
+        let chat = turn.chat.as_mut().unwrap();
+        let (mut content, mut thinking) = (String::new(), String::new());
+        for piece in pieces(text) {
+            let delta = chat.push(&piece);
+            content.push_str(&delta.content);
+            thinking.push_str(&delta.thinking);
+        }
+        let parsed = chat.parsed_bytes();
+        let (delta, message) = chat.finish();
+        content.push_str(&delta.content);
+        thinking.push_str(&delta.thinking);
+        (content, thinking, message, parsed)
+    }
+
+    /// Streamed pieces, parsed only where the answer may change course, add up to the answer
+    /// parsed whole: reasoning, prose, code with quotes and braces, and a tool call.
+    #[test]
+    fn streamed_deltas_add_up_to_the_answer_parsed_whole() {
+        let code = "Here is the fix:\n```rust\nfn main() { println!(\"{}\", 1 < 2); }\n```\nIt prints \"true\".";
+        let cases: Vec<(ChatTemplate, ChatRequest, String)> = vec![
+            (
+                qwen3(),
+                ChatRequest::new(vec![ChatMessage::new("user", "Why?")]),
+                format!("<think>\nThe user asks why, so I reason about it: first, then second.\n</think>\n\nBecause of {code} And that is all."),
+            ),
+            (
+                hermes(),
+                ChatRequest { tools: vec![weather_tool()], ..ChatRequest::new(vec![ChatMessage::new("user", "Weather?")]) },
+                "Let me check the weather in Paris for you, one moment.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>".to_string(),
+            ),
+            (
+                hermes(),
+                ChatRequest { tools: vec![weather_tool()], ..ChatRequest::new(vec![ChatMessage::new("user", "Code?")]) },
+                format!("{code} {code} Done, with no call at all."),
+            ),
+        ];
+        for (template, request, answer) in cases {
+            let (content, thinking, message, _) = stream(&mut template.render(&request).unwrap(), &answer);
+            let mut whole = template.render(&request).unwrap();
+            let chat = whole.chat.as_mut().unwrap();
+            chat.push(&answer);
+            let (_, expected) = chat.finish();
+            assert_eq!(message.content, expected.content, "{answer:?}");
+            assert_eq!(message.thinking, expected.thinking, "{answer:?}");
+            assert_eq!(
+                message.tool_calls.iter().map(|call| (&call.name, &call.arguments)).collect::<Vec<_>>(),
+                expected.tool_calls.iter().map(|call| (&call.name, &call.arguments)).collect::<Vec<_>>()
+            );
+            assert_eq!(content, expected.content, "streamed content of {answer:?}");
+            assert_eq!(thinking, expected.thinking, "streamed reasoning of {answer:?}");
+        }
+    }
+
+    /// A 4,000-piece answer of prose and code: the parser reads a bounded multiple of the
+    /// answer, and the last thousand pieces cost it no more per piece than the second thousand
+    /// (re-parsing at every piece would read 21 MB here, growing with the square of the length).
+    #[test]
+    fn parsing_a_long_answer_stays_linear() {
+        let template = hermes();
+        let request =
+            ChatRequest { tools: vec![weather_tool()], ..ChatRequest::new(vec![ChatMessage::new("user", "Explain.")]) };
+        let mut turn = template.render(&request).unwrap();
+        let chat = turn.chat.as_mut().unwrap();
+        let sentence = pieces("The value of {x} is \"set\" when a < b, so the loop ends.\n");
+        let mut marks = Vec::new();
+        let mut text = 0;
+        for index in 0..4000 {
+            let piece = &sentence[index % sentence.len()];
+            text += piece.len();
+            chat.push(piece);
+            if index % 1000 == 999 {
+                marks.push(chat.parsed_bytes());
+            }
+        }
+        let total = chat.parsed_bytes();
+        assert!(total <= (PARSE_EVERY + 8) * text, "{total} bytes parsed for an answer of {text}");
+        // Past the first kilobytes (parsed every PARSE_AT_LEAST bytes) the cost per piece is flat.
+        let second = marks[1] - marks[0];
+        let last = marks[3] - marks[2];
+        assert!(2 * last <= 3 * second, "the last thousand pieces parsed {last} bytes, the second thousand {second}");
+        eprintln!("{total} bytes parsed for {text}; every piece parsed would read {}", text * 4000 / 2);
+        let (_, message) = chat.finish();
+        assert_eq!(message.content.len(), text, "the answer is content");
     }
 }

@@ -2,10 +2,12 @@
 //! renders conversations (`chat.rs`); tokenizing turns special-token text into control
 //! tokens, adds BOS when the model wants it, and never doubles a BOS the template wrote itself.
 //! A prompt may follow Ollama's `context` (an earlier exchange's tokens), which it continues
-//! without a BOS. The CLI, the benchmark and the server (through the batcher) all tokenize here.
+//! without a BOS. A conversation longer than the context may lose its oldest messages, as
+//! Ollama's `truncate` does (`fit_history`). The CLI, the benchmark and the server (through the
+//! batcher) all tokenize here.
 use hypura_sys::{SysError, Token};
 
-use super::chat::{ChatError, ChatRequest, RenderedTurn};
+use super::chat::{ChatError, ChatMessage, ChatRequest, RenderedTurn};
 use super::{Engine, EngineError};
 
 /// What to generate from.
@@ -23,31 +25,99 @@ pub enum Prompt {
 /// The prompt's tokens. Token ids are checked against the vocabulary (an id out of range would
 /// be an out-of-bounds read inside llama.cpp).
 pub fn tokenize(engine: &Engine, prompt: &Prompt) -> Result<Vec<Token>, EngineError> {
-    prepare(engine, &[], prompt).map(|(tokens, _)| tokens)
+    prepare(engine, &[], prompt, None).map(|prepared| prepared.tokens)
+}
+
+/// A prompt ready to decode.
+pub struct Prepared {
+    pub tokens: Vec<Token>,
+    /// For a conversation: the answer's parser, the template's stop strings and marker tokens.
+    pub turn: Option<RenderedTurn>,
+    /// Messages left out so that the conversation fits (`fit`).
+    pub dropped_messages: usize,
 }
 
 /// The tokens of `context` (Ollama's: an earlier exchange's tokens, usually none) followed by
-/// the prompt's and, for a conversation, its rendering (the answer's parser, the template's
-/// stop strings and marker tokens). A prompt after a context gets no BOS of its own.
+/// the prompt's and, for a conversation, its rendering. A prompt after a context gets no BOS of
+/// its own. With `fit`, a conversation of `fit` tokens or more loses its oldest messages until
+/// it is shorter (`fit_history`); one that cannot get shorter is returned whole, for the
+/// caller's "too long" error.
 pub fn prepare(
     engine: &Engine,
     context: &[Token],
     prompt: &Prompt,
-) -> Result<(Vec<Token>, Option<RenderedTurn>), EngineError> {
+    fit: Option<usize>,
+) -> Result<Prepared, EngineError> {
     let add_special = context.is_empty();
-    let (tokens, turn) = match prompt {
-        Prompt::Tokens(tokens) => (tokens.clone(), None),
-        Prompt::Raw(text) => (tokenize_text(engine, text, add_special)?, None),
+    let render = |request: &ChatRequest| -> Result<(Vec<Token>, RenderedTurn), EngineError> {
+        let turn = render_chat(engine, request)?;
+        Ok((tokenize_text(engine, &turn.prompt, add_special)?, turn))
+    };
+    let (tokens, turn, dropped_messages) = match prompt {
+        Prompt::Tokens(tokens) => (tokens.clone(), None, 0),
+        Prompt::Raw(text) => (tokenize_text(engine, text, add_special)?, None, 0),
         Prompt::Chat(request) => {
-            let turn = render_chat(engine, request)?;
-            (tokenize_text(engine, &turn.prompt, add_special)?, Some(turn))
+            let (tokens, turn) = render(request)?;
+            match fit.map(|limit| limit.saturating_sub(context.len())) {
+                Some(room) if tokens.len() >= room => match fit_history(request, room, &render)? {
+                    Some((tokens, turn, dropped)) => (tokens, Some(turn), dropped),
+                    None => (tokens, Some(turn), 0),
+                },
+                _ => (tokens, Some(turn), 0),
+            }
         }
     };
     let tokens = if context.is_empty() { tokens } else { [context, tokens.as_slice()].concat() };
     if !context.is_empty() || matches!(prompt, Prompt::Tokens(_)) {
         check_tokens(engine, &tokens)?;
     }
-    Ok((tokens, turn))
+    Ok(Prepared { tokens, turn, dropped_messages })
+}
+
+/// Ollama's truncation of a conversation longer than the context: keep the system messages and
+/// the newest messages, dropping the oldest others, so that the rendering is shorter than
+/// `room` tokens. The kept part starts at a user or assistant message (a tool result without
+/// its call is not kept), and the last message is always kept. Fewer messages render shorter,
+/// so the first start that fits is found by bisection. None when even the last message with
+/// the system messages does not fit. Returns the tokens, the rendering and the messages dropped.
+#[allow(clippy::type_complexity)]
+fn fit_history(
+    request: &ChatRequest,
+    room: usize,
+    render: &dyn Fn(&ChatRequest) -> Result<(Vec<Token>, RenderedTurn), EngineError>,
+) -> Result<Option<(Vec<Token>, RenderedTurn, usize)>, EngineError> {
+    let messages = &request.messages;
+    let starts: Vec<usize> =
+        (1..messages.len()).filter(|&start| !matches!(messages[start].role.as_str(), "system" | "tool")).collect();
+    let from = |start: usize| -> ChatRequest {
+        let kept: Vec<ChatMessage> = messages[..start]
+            .iter()
+            .filter(|message| message.role == "system")
+            .chain(&messages[start..])
+            .cloned()
+            .collect();
+        ChatRequest { messages: kept, ..request.clone() }
+    };
+    let Some(&last) = starts.last() else { return Ok(None) };
+    let shortest = render(&from(last))?;
+    if shortest.0.len() >= room {
+        return Ok(None);
+    }
+    // starts[high] fits; find the first that does.
+    let (mut low, mut high, mut best) = (0, starts.len() - 1, shortest);
+    while low < high {
+        let middle = (low + high) / 2;
+        let rendered = render(&from(starts[middle]))?;
+        if rendered.0.len() < room {
+            high = middle;
+            best = rendered;
+        } else {
+            low = middle + 1;
+        }
+    }
+    let start = starts[high];
+    let dropped = messages[..start].iter().filter(|message| message.role != "system").count();
+    Ok(Some((best.0, best.1, dropped)))
 }
 
 /// Every token id within the vocabulary.
@@ -76,4 +146,68 @@ pub fn tokenize_text(engine: &Engine, text: &str, add_special: bool) -> Result<V
         tokens.remove(0);
     }
     Ok(tokens)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stand-in for the template: a token per character of each message, in order.
+    #[allow(clippy::type_complexity)]
+    fn by_characters() -> impl Fn(&ChatRequest) -> Result<(Vec<Token>, RenderedTurn), EngineError> {
+        |request: &ChatRequest| {
+            let prompt: String =
+                request.messages.iter().map(|message| format!("{}:{};", message.role, message.content)).collect();
+            let tokens = prompt.chars().map(|character| character as Token).collect();
+            Ok((tokens, RenderedTurn { prompt, stops: Vec::new(), preserved: Vec::new(), chat: None }))
+        }
+    }
+
+    fn conversation(roles: &[&str]) -> ChatRequest {
+        let messages = roles
+            .iter()
+            .enumerate()
+            .map(|(index, role)| ChatMessage::new(*role, format!("message {index:02}")))
+            .collect();
+        ChatRequest::new(messages)
+    }
+
+    fn kept(rendered: &RenderedTurn) -> Vec<String> {
+        rendered.prompt.split(';').filter(|part| !part.is_empty()).map(|part| part.to_string()).collect()
+    }
+
+    #[test]
+    fn the_oldest_messages_go_first_and_the_system_prompt_stays() {
+        let request = conversation(&["system", "user", "assistant", "user", "assistant", "user"]);
+        let render = by_characters();
+        // Each message is 17 or 22 characters; room for the system prompt and the last three.
+        let room = render(&ChatRequest::new(request.messages[3..].to_vec())).unwrap().0.len() + 24;
+        let (tokens, rendered, dropped) = fit_history(&request, room, &render).unwrap().unwrap();
+        assert!(tokens.len() < room);
+        assert_eq!(
+            kept(&rendered),
+            ["system:message 00", "user:message 03", "assistant:message 04", "user:message 05"]
+        );
+        assert_eq!(dropped, 2);
+    }
+
+    /// A tool result is not kept without the call it answers, and the last message stays
+    /// even when nothing before it fits.
+    #[test]
+    fn a_tool_result_is_not_kept_without_its_call() {
+        let request = conversation(&["system", "user", "assistant", "tool", "assistant", "user"]);
+        let render = by_characters();
+        // Room for everything from the tool result on: the cut moves past it.
+        let room =
+            render(&ChatRequest::new([&request.messages[..1], &request.messages[3..]].concat())).unwrap().0.len() + 1;
+        let (_, rendered, dropped) = fit_history(&request, room, &render).unwrap().unwrap();
+        assert_eq!(kept(&rendered), ["system:message 00", "assistant:message 04", "user:message 05"]);
+        assert_eq!(dropped, 3);
+        let (_, rendered, _) = fit_history(&request, 40, &render).unwrap().unwrap();
+        assert_eq!(kept(&rendered), ["system:message 00", "user:message 05"]);
+        assert!(
+            fit_history(&request, 20, &render).unwrap().is_none(),
+            "the last message with the system prompt does not fit"
+        );
+    }
 }

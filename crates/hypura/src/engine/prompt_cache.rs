@@ -86,6 +86,7 @@ impl PromptCacheOptions {
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Loaded {
     pub tokens: usize,
+    /// Bytes of the block files read.
     pub bytes: u64,
 }
 
@@ -158,8 +159,8 @@ impl PromptCache {
         self.chain(tokens).iter().take_while(|hash| self.block_path(hash).is_file()).count() * BLOCK_TOKENS
     }
 
-    /// Load the cached prefix of `tokens` (at most `max_tokens` of them) into sequence
-    /// `seq_id` of `context`, whose KV cache has `n_stream` streams. A block that fails its
+    /// Load the cached prefix of `tokens` into sequence `seq_id` of `context`, whose KV cache
+    /// has `n_stream` streams. A block that fails its
     /// checks is removed with a warning and the prefix before it is loaded. `Ok(None)` when
     /// nothing valid is cached; an error leaves the sequence empty.
     pub fn load(
@@ -168,18 +169,16 @@ impl PromptCache {
         seq_id: i32,
         n_stream: u32,
         tokens: &[Token],
-        max_tokens: usize,
     ) -> Result<Option<Loaded>, PromptCacheError> {
-        let usable = &tokens[..max_tokens.min(tokens.len())];
-        let chain = self.chain(usable);
+        let chain = self.chain(tokens);
         let mut blocks = Vec::new();
         let mut previous = self.digest;
         for (index, hash) in chain.iter().enumerate() {
             let path = self.block_path(hash);
             let Ok(file) = File::open(&path) else { break };
-            let block_tokens = &usable[index * BLOCK_TOKENS..(index + 1) * BLOCK_TOKENS];
+            let block_tokens = &tokens[index * BLOCK_TOKENS..(index + 1) * BLOCK_TOKENS];
             match read_block(&file, &path, &self.digest, &previous, index, block_tokens) {
-                Ok(section) => blocks.push((file, path, section)),
+                Ok(section) => blocks.push((file, section)),
                 Err(error) => {
                     tracing::warn!("{error}; the file is removed and the prompt evaluated from there");
                     let _ = std::fs::remove_file(&path);
@@ -193,30 +192,31 @@ impl PromptCache {
         }
         let n_tokens = blocks.len() * BLOCK_TOKENS;
         let all: Vec<usize> = (0..BLOCK_TOKENS).collect();
-        let parts: Vec<Part<'_>> =
-            blocks.iter().map(|(file, _, section)| Part { file, section, cells: &all }).collect();
+        let parts: Vec<Part<'_>> = blocks.iter().map(|(file, section)| Part { file, section, cells: &all }).collect();
+        let bytes_read =
+            blocks.iter().filter_map(|(file, _)| file.metadata().ok()).map(|metadata| metadata.len()).sum();
         let joined = temporary_path(&self.root, "load");
         let written = (|| {
             let mut out = BufWriter::new(File::create(&joined)?);
-            let written = state::write_sequence(&mut out, &usable[..n_tokens], n_stream, &parts)?;
+            let written = state::write_sequence(&mut out, &tokens[..n_tokens], n_stream, &parts)?;
             out.flush()?;
             Ok::<u64, StateError>(written)
         })();
         let result =
-            written.map_err(|source| PromptCacheError::State { path: joined.clone(), source }).and_then(|written| {
+            written.map_err(|source| PromptCacheError::State { path: joined.clone(), source }).and_then(|_| {
                 let loaded = context.load_sequence(seq_id, &joined, n_tokens)?;
-                if loaded != usable[..n_tokens] {
+                if loaded != tokens[..n_tokens] {
                     context.truncate_sequence(seq_id, 0);
                     return Err(PromptCacheError::Invalid {
                         path: joined.clone(),
                         reason: "llama.cpp read back other tokens than were written".into(),
                     });
                 }
-                Ok(Loaded { tokens: n_tokens, bytes: written })
+                Ok(Loaded { tokens: n_tokens, bytes: bytes_read })
             });
         let _ = std::fs::remove_file(&joined);
         let now = SystemTime::now();
-        for (index, (file, _, _)) in blocks.iter().enumerate() {
+        for (index, (file, _)) in blocks.iter().enumerate() {
             let _ = file.set_modified(recency(now, index));
         }
         result.map(Some)

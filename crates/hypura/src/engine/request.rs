@@ -29,6 +29,9 @@ pub struct GenerateRequest {
     /// Tokens this request may hold in total (prompt and answer); capped at the sequence's
     /// share of the context.
     pub n_ctx_seq: Option<u32>,
+    /// A conversation longer than the context loses its oldest messages (Ollama's `truncate`,
+    /// on by default there) instead of being refused as too long.
+    pub truncate_history: bool,
     /// Keep going past end-of-generation tokens (benchmarks).
     pub ignore_eos: bool,
     /// Return the logits after the prompt's last token (comparisons with llama.cpp).
@@ -47,6 +50,7 @@ impl GenerateRequest {
             stop: Vec::new(),
             grammar: None,
             n_ctx_seq: None,
+            truncate_history: false,
             ignore_eos: false,
             prompt_logits: false,
             cancel: None,

@@ -27,6 +27,9 @@ pub struct GenerationStats {
     /// Of those, the tokens loaded from the prompt cache on disk, and the bytes read for them.
     pub prompt_cache_tokens: u32,
     pub prompt_cache_bytes_read: u64,
+    /// The conversation's oldest messages left out so that it fits the context (Ollama's
+    /// `truncate`).
+    pub dropped_messages: u32,
     /// Streaming I/O during this request (streaming modes only). Sequences decoded together
     /// share their reads, so each one counts every read made while it was active.
     pub io: Option<IoSnapshot>,

@@ -144,6 +144,8 @@ struct Common {
     stream: Option<bool>,
     keep_alive: Option<Value>,
     think: Option<Value>,
+    /// Drop a conversation's oldest messages to fit the context (default), or refuse it.
+    truncate: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -223,6 +225,9 @@ fn final_fields(object: &mut Map<String, Value>, finished: &Finished, with_conte
     }
     // Hypura's own figures, the ones `run --stats` and `bench` print.
     object.insert("hypura_prompt_cached".into(), json!(stats.reused_prompt_tokens));
+    if stats.dropped_messages > 0 {
+        object.insert("hypura_messages_dropped".into(), json!(stats.dropped_messages));
+    }
     if stats.prompt_cache_tokens > 0 {
         object.insert("hypura_prompt_cache_loaded".into(), json!(stats.prompt_cache_tokens));
         object.insert("hypura_prompt_cache_bytes_read".into(), json!(stats.prompt_cache_bytes_read));
@@ -379,7 +384,11 @@ pub async fn chat(State(state): State<AppState>, body: Result<Bytes, BytesReject
     }
     tools::resolve_tool_names(&mut messages);
     let request = ChatRequest { tools, think, ..ChatRequest::new(messages) };
-    let request = GenerateRequest { grammar, ..options.request(Prompt::Chat(request)) };
+    let request = GenerateRequest {
+        grammar,
+        truncate_history: body.common.truncate.unwrap_or(true),
+        ..options.request(Prompt::Chat(request))
+    };
     respond(&state, &entry, name, keep_alive, request, body.common.stream.unwrap_or(true), Shape::Chat).await
 }
 

@@ -106,3 +106,21 @@ fn load_four_clients_on_loopback() {
     let summary = server.python("load.py", &[stem, seconds.to_string(), "4".into(), server.child.id().to_string()]);
     eprintln!("load test: {summary}");
 }
+
+/// A chat longer than the context, as Ollama handles one: the system prompt and the newest
+/// messages are kept and the reply says how many were dropped; `truncate: false` is refused as
+/// too long.
+#[test]
+fn a_chat_longer_than_the_context_keeps_its_newest_messages() {
+    let _machine = common::shared_machine();
+    require_clients();
+    let directory = tempfile::tempdir().unwrap();
+    let model = common::smollm_path();
+    let mut arguments = vec![model.display().to_string()];
+    arguments.extend(strings(&["--context", "512", "--parallel", "1", "--threads", "1"]));
+    let server = Server::start(&arguments, directory.path().join("serve.log"));
+    let stem = model.file_stem().unwrap().to_str().unwrap().to_ascii_lowercase();
+    let output = server.python("long_chat.py", &[stem, "512".into()]);
+    assert!(output.contains("dropped") && output.contains("truncate false"), "{output}");
+    assert!(server.log_text().contains("oldest messages were left out"), "{}", server.log_text());
+}
