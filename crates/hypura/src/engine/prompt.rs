@@ -76,8 +76,9 @@ pub fn prepare(
 
 /// Ollama's truncation of a conversation longer than the context: keep the system messages and
 /// the newest messages, dropping the oldest others, so that the rendering is shorter than
-/// `room` tokens. The kept part starts at a user or assistant message (a tool result without
-/// its call is not kept), and the last message is always kept. Fewer messages render shorter,
+/// `room` tokens. The kept part starts at a user message (a tool result is not kept without its
+/// call, and templates that insist on alternating roles still render), and the last message is
+/// always kept. Fewer messages render shorter,
 /// so the first start that fits is found by bisection. None when even the last message with
 /// the system messages does not fit. Returns the tokens, the rendering and the messages dropped.
 #[allow(clippy::type_complexity)]
@@ -87,8 +88,7 @@ fn fit_history(
     render: &dyn Fn(&ChatRequest) -> Result<(Vec<Token>, RenderedTurn), EngineError>,
 ) -> Result<Option<(Vec<Token>, RenderedTurn, usize)>, EngineError> {
     let messages = &request.messages;
-    let starts: Vec<usize> =
-        (1..messages.len()).filter(|&start| !matches!(messages[start].role.as_str(), "system" | "tool")).collect();
+    let starts: Vec<usize> = (1..messages.len()).filter(|&start| messages[start].role == "user").collect();
     let from = |start: usize| -> ChatRequest {
         let kept: Vec<ChatMessage> = messages[..start]
             .iter()
@@ -191,20 +191,24 @@ mod tests {
         assert_eq!(dropped, 2);
     }
 
-    /// A tool result is not kept without the call it answers, and the last message stays
-    /// even when nothing before it fits.
+    /// The kept part starts at a user message: a tool result is not kept without the call it
+    /// answers. The last message stays even when nothing before it fits.
     #[test]
     fn a_tool_result_is_not_kept_without_its_call() {
-        let request = conversation(&["system", "user", "assistant", "tool", "assistant", "user"]);
+        let roles = ["system", "user", "assistant", "tool", "assistant", "user", "assistant", "user"];
+        let request = conversation(&roles);
         let render = by_characters();
-        // Room for everything from the tool result on: the cut moves past it.
+        // Room for everything from the tool result on: the cut moves on to the next user message.
         let room =
             render(&ChatRequest::new([&request.messages[..1], &request.messages[3..]].concat())).unwrap().0.len() + 1;
         let (_, rendered, dropped) = fit_history(&request, room, &render).unwrap().unwrap();
-        assert_eq!(kept(&rendered), ["system:message 00", "assistant:message 04", "user:message 05"]);
-        assert_eq!(dropped, 3);
+        assert_eq!(
+            kept(&rendered),
+            ["system:message 00", "user:message 05", "assistant:message 06", "user:message 07"]
+        );
+        assert_eq!(dropped, 4);
         let (_, rendered, _) = fit_history(&request, 40, &render).unwrap().unwrap();
-        assert_eq!(kept(&rendered), ["system:message 00", "user:message 05"]);
+        assert_eq!(kept(&rendered), ["system:message 00", "user:message 07"]);
         assert!(
             fit_history(&request, 20, &render).unwrap().is_none(),
             "the last message with the system prompt does not fit"

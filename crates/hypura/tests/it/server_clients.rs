@@ -117,7 +117,8 @@ fn a_chat_longer_than_the_context_keeps_its_newest_messages() {
     let directory = tempfile::tempdir().unwrap();
     let model = common::smollm_path();
     let mut arguments = vec![model.display().to_string()];
-    arguments.extend(strings(&["--context", "512", "--parallel", "1", "--threads", "1"]));
+    // Batch-invariant: the streamed request reuses the first one's prefix and must answer the same.
+    arguments.extend(strings(&["--context", "512", "--parallel", "1", "--threads", "1", "--batch-invariant"]));
     let server = Server::start(&arguments, directory.path().join("serve.log"));
     let stem = model.file_stem().unwrap().to_str().unwrap().to_ascii_lowercase();
     let output = server.python("long_chat.py", &[stem, "512".into()]);
