@@ -403,8 +403,7 @@ impl Context {
     /// sequence state file, whose layout `state` reads). llama.cpp streams it a layer's range at
     /// a time, so this takes no host memory the size of the cache. Returns the bytes written.
     pub fn save_sequence(&mut self, seq_id: i32, path: &std::path::Path, tokens: &[Token]) -> Result<u64, SysError> {
-        let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
-            .map_err(|_| SysError::PathNul(path.to_path_buf()))?;
+        let c_path = crate::error::c_path(path)?;
         // SAFETY: the context is valid, the path is a NUL-terminated string and `tokens` is
         // readable for its length; llama.cpp catches its own exceptions and returns 0.
         let written = unsafe {
@@ -430,8 +429,7 @@ impl Context {
         path: &std::path::Path,
         capacity: usize,
     ) -> Result<Vec<Token>, SysError> {
-        let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
-            .map_err(|_| SysError::PathNul(path.to_path_buf()))?;
+        let c_path = crate::error::c_path(path)?;
         let mut tokens: Vec<Token> = vec![0; capacity];
         let mut count = 0usize;
         // SAFETY: the context is valid, the path is NUL-terminated, `tokens` has room for

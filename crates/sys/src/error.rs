@@ -45,3 +45,8 @@ pub enum SysError {
     #[error("RPC: {0}")]
     Rpc(String),
 }
+
+/// A path as the C string llama.cpp and ggml take.
+pub(crate) fn c_path(path: &std::path::Path) -> Result<std::ffi::CString, SysError> {
+    std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| SysError::PathNul(path.to_path_buf()))
+}

@@ -1,6 +1,6 @@
 //! llama.cpp's automatic fit (`--fit`): the placement its own tools choose for a device memory
 //! target, used as a benchmark peer.
-use std::ffi::{CStr, CString};
+use std::ffi::CStr;
 use std::path::Path;
 
 use llama_cpp_sys_2 as raw;
@@ -28,8 +28,7 @@ pub fn fit_placement(
     context: &ContextParams,
     margin_bytes: u64,
 ) -> Result<FitPlacement, SysError> {
-    let c_path =
-        CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| SysError::PathNul(path.to_path_buf()))?;
+    let c_path = crate::error::c_path(path)?;
     let mut model_params = model.to_raw();
     // The fit only changes what is still at llama.cpp's default: start from all layers.
     // SAFETY: returns a plain struct by value.

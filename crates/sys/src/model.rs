@@ -161,8 +161,7 @@ impl Model {
         params: &ModelParams,
         placement: Placement,
     ) -> Result<Model, SysError> {
-        let c_path =
-            CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| SysError::PathNul(path.to_path_buf()))?;
+        let c_path = crate::error::c_path(path)?;
         // Regexes in llama.cpp's override format (the first match wins), terminated by a null
         // entry: streamed tensors by exact name, then the host patterns.
         let host = if placement.host_patterns.is_empty() { std::ptr::null_mut() } else { cpu_buffer_type()? };

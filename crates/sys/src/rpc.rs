@@ -133,9 +133,7 @@ pub fn serve(
     }
     let c_endpoint =
         CString::new(endpoint).map_err(|_| SysError::Rpc(format!("endpoint {endpoint:?} contains a NUL byte")))?;
-    let c_cache = cache_dir
-        .map(|dir| CString::new(dir.as_os_str().as_encoded_bytes()).map_err(|_| SysError::PathNul(dir.to_path_buf())))
-        .transpose()?;
+    let c_cache = cache_dir.map(crate::error::c_path).transpose()?;
     let mut handles: Vec<raw::ggml_backend_dev_t> = devices.iter().map(|device| device.0).collect();
     let address = rpc_function(c"ggml_backend_rpc_start_server")?;
     // SAFETY: the registry hands out `ggml_backend_rpc_start_server` under its own name, whose
