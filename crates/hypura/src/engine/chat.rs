@@ -405,7 +405,7 @@ struct ParsedFunction {
 /// changed course. While the last parse ended in plain content (or reasoning), a piece of plain
 /// text (`is_plain`: letters, digits, spaces and punctuation that starts no format's marker)
 /// extends it as written; a piece with anything else is parsed with the whole text, at most
-/// once per `PARSE_EVERY` of the text's length (the pieces between are held, then sent
+/// once per `PARSE_EVERY`th of the text's length (the pieces between are held, then sent
 /// together), so the parsing of an answer is linear in its length. The final message is always
 /// parsed whole.
 ///
@@ -441,11 +441,10 @@ enum Tail {
 }
 
 /// Pieces after the last parse wait for the next one until they are this fraction of the text.
-/// A 16 KB answer is parsed every 128 bytes at most, and its parsing reads about 128 times its
-/// length in all (llama.cpp's parser reads tens of MB a second).
+/// A 16 KB answer is parsed every 128 bytes at most (the first 128 bytes at every piece), and
+/// its parsing reads about 128 times its length in all (llama.cpp's parser reads tens of MB a
+/// second).
 const PARSE_EVERY: usize = 128;
-/// ... and every this many bytes at most.
-const PARSE_AT_LEAST: usize = 16;
 
 impl ChatStream {
     /// The grammar that keeps tool calls well formed (None without tools).
@@ -470,7 +469,7 @@ impl ChatStream {
             self.last = message;
             return delta;
         }
-        if self.text.len() - self.parsed < (self.parsed / PARSE_EVERY).max(PARSE_AT_LEAST) {
+        if self.text.len() - self.parsed < self.parsed / PARSE_EVERY {
             return ChatDelta::default();
         }
         self.parse_now()
@@ -1068,7 +1067,7 @@ mod tests {
         }
         let total = chat.parsed_bytes();
         assert!(total <= (PARSE_EVERY + 8) * text, "{total} bytes parsed for an answer of {text}");
-        // Past the first kilobytes (parsed every PARSE_AT_LEAST bytes) the cost per piece is flat.
+        // Past the first kilobytes (parsed at more pieces) the cost per piece is flat.
         let second = marks[1] - marks[0];
         let last = marks[3] - marks[2];
         assert!(2 * last <= 3 * second, "the last thousand pieces parsed {last} bytes, the second thousand {second}");
