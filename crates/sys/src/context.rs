@@ -399,6 +399,36 @@ impl Context {
         self.batch_tokens = 0;
     }
 
+    /// One sequence's KV cache as llama.cpp serializes it (`llama_state_seq_get_data`), in
+    /// host memory.
+    pub fn sequence_state(&mut self, seq_id: i32) -> Result<Vec<u8>, SysError> {
+        // SAFETY: the context is valid; the size call only measures.
+        let size = unsafe { raw::llama_state_seq_get_size(self.pointer.as_ptr(), seq_id) };
+        let mut state = vec![0u8; size];
+        // SAFETY: `state` has room for the `size` bytes llama.cpp just measured for this
+        // sequence, and llama.cpp writes at most `size` (it catches its own exceptions, 0).
+        let written = unsafe { raw::llama_state_seq_get_data(self.pointer.as_ptr(), state.as_mut_ptr(), size, seq_id) };
+        if size == 0 || written != size {
+            return Err(SysError::State(format!(
+                "llama.cpp could not copy sequence {seq_id} ({written} of {size} bytes)"
+            )));
+        }
+        Ok(state)
+    }
+
+    /// Replace one sequence's KV cache with a copy from `sequence_state` of a context of the
+    /// same model and cache types. On failure llama.cpp leaves the sequence empty.
+    pub fn set_sequence_state(&mut self, seq_id: i32, state: &[u8]) -> Result<(), SysError> {
+        // SAFETY: the context is valid and `state` is readable for its length; llama.cpp checks
+        // what it reads against the length and catches its own exceptions (0).
+        let read = unsafe { raw::llama_state_seq_set_data(self.pointer.as_ptr(), state.as_ptr(), state.len(), seq_id) };
+        if read == 0 {
+            self.truncate_sequence(seq_id, 0);
+            return Err(SysError::State(format!("llama.cpp could not restore sequence {seq_id}")));
+        }
+        Ok(())
+    }
+
     /// Write one sequence's KV cache, with the tokens it holds, to `path` (llama.cpp's
     /// sequence state file, whose layout `state` reads). llama.cpp streams it a layer's range at
     /// a time, so this takes no host memory the size of the cache. Returns the bytes written.

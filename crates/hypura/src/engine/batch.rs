@@ -38,7 +38,7 @@ use hypura_sys::{Batch, Context, DraftRequest, Grammar, Sampler, Speculator, Tok
 
 use self::sequence::{Active, Feed, Output, Sampling, Statistics};
 use super::prompt;
-use super::prompt_cache::{Loaded, PromptCache};
+use super::prompt_cache::{settings_digest, Loaded, PromptCache};
 use super::request::{Control, DoneReason, GenerateOutput, GenerateRequest};
 use super::stats::{Counters, GenerationStats};
 use super::text::{StopMatcher, Utf8Stream};
@@ -63,6 +63,21 @@ pub enum SequenceEvent<'a> {
     Done(Box<Finished>),
     /// The decode failed; the sequence is gone.
     Failed(EngineError),
+}
+
+/// Idle sequences' KV caches in host memory between two batchers of one model (`Batcher::park`).
+#[derive(Default)]
+pub struct Parked {
+    /// The settings the caches were computed with (`prompt_cache::settings_digest`).
+    settings: Option<[u8; 32]>,
+    /// Each sequence's tokens and llama.cpp's copy of its cache.
+    sequences: Vec<(Vec<Token>, Vec<u8>)>,
+}
+
+impl Parked {
+    pub fn bytes(&self) -> u64 {
+        self.sequences.iter().map(|(_, state)| state.len() as u64).sum()
+    }
 }
 
 /// Receives a sequence's events on the batcher's thread.
@@ -185,6 +200,49 @@ impl Batcher {
             self.context.truncate_sequence(slot.seq_id, 0);
             slot.cached.clear();
         }
+    }
+
+    /// The idle slots' KV caches, copied into host memory for the next batcher of the same
+    /// model and settings (`unpark`): a reload for a longer context or a model loaded again
+    /// after its keep-alive then starts from the prefixes this one held. At most `max_bytes`.
+    pub fn park(&mut self, max_bytes: u64) -> Parked {
+        let mut parked = Parked { settings: settings_digest(&self.engine).ok(), sequences: Vec::new() };
+        let mut bytes = 0u64;
+        for slot in self.slots.iter().filter(|slot| slot.active.is_none() && !slot.cached.is_empty()) {
+            match self.context.sequence_state(slot.seq_id) {
+                Ok(state) if bytes + state.len() as u64 <= max_bytes => {
+                    bytes += state.len() as u64;
+                    parked.sequences.push((slot.cached.clone(), state));
+                }
+                Ok(_) => break,
+                Err(error) => tracing::warn!("the prefix of sequence {} is not kept: {error}", slot.seq_id),
+            }
+        }
+        parked
+    }
+
+    /// Put prefixes that an earlier batcher of this model parked into free slots, where the
+    /// settings match and they fit this context. Returns the tokens restored.
+    pub fn unpark(&mut self, parked: Parked) -> usize {
+        if parked.settings.is_none() || parked.settings != settings_digest(&self.engine).ok() {
+            return 0;
+        }
+        let mut restored = 0;
+        let mut free = self.slots.iter_mut().filter(|slot| slot.active.is_none() && slot.cached.is_empty());
+        for (tokens, state) in parked.sequences {
+            if tokens.len() >= self.n_ctx_seq {
+                continue;
+            }
+            let Some(slot) = free.next() else { break };
+            match self.context.set_sequence_state(slot.seq_id, &state) {
+                Ok(()) => {
+                    restored += tokens.len();
+                    slot.cached = tokens;
+                }
+                Err(error) => tracing::warn!("a parked prefix was not restored: {error}"),
+            }
+        }
+        restored
     }
 
     /// Start a sequence in a free slot. Errors (a bad prompt, bad sampling values, a grammar

@@ -22,7 +22,7 @@ mod text;
 
 use std::path::PathBuf;
 
-pub use batch::{Batcher, Finished, SequenceEvent, SequenceSink};
+pub use batch::{Batcher, Finished, Parked, SequenceEvent, SequenceSink};
 pub use chat::{
     AssistantMessage, ChatDelta, ChatMessage, ChatRequest, ChatTemplate, TemplateCaps, Think, ToolCall, ToolChoice,
 };

@@ -480,7 +480,7 @@ fn chain_step(previous: &Hash, tokens: &[Token]) -> Hash {
 /// (repacking, batch invariance, the micro-batch), and which tensors compute on a GPU or
 /// another machine. Memory budgets and streaming are left out: every mode computes the same
 /// bits (the bit-identity tests).
-fn settings_digest(engine: &Engine) -> Result<Hash, PromptCacheError> {
+pub fn settings_digest(engine: &Engine) -> Result<Hash, PromptCacheError> {
     let model = &engine.inventory().path;
     let mut hasher = Sha256::new();
     hasher.update(b"hypura prompt cache 1\n");

@@ -203,6 +203,7 @@ struct Inner {
     /// One per file: a worker holds its file's gate from before it loads until its engine is
     /// gone, so a reload waits for the copy it replaces.
     gates: Mutex<HashMap<PathBuf, Arc<Mutex<()>>>>,
+    parked: super::worker::ParkedPrefixes,
 }
 
 impl Inner {
@@ -232,7 +233,12 @@ pub struct Scheduler {
 impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Scheduler {
         Scheduler {
-            inner: Arc::new(Inner { config, models: Mutex::new(HashMap::new()), gates: Mutex::new(HashMap::new()) }),
+            inner: Arc::new(Inner {
+                config,
+                models: Mutex::new(HashMap::new()),
+                gates: Mutex::new(HashMap::new()),
+                parked: Default::default(),
+            }),
         }
     }
 
@@ -311,7 +317,13 @@ impl Scheduler {
         if n_ctx.is_some() {
             config.run.n_ctx_seq = n_ctx;
         }
-        let worker = Worker { model: Arc::downgrade(&model), path: entry.path.clone(), config, gate };
+        let worker = Worker {
+            model: Arc::downgrade(&model),
+            path: entry.path.clone(),
+            config,
+            gate,
+            parked: self.inner.parked.clone(),
+        };
         worker
             .spawn(&entry.name, receiver)
             .map_err(|error| AppError::internal(format!("starting the model thread: {error}")))?;

@@ -20,7 +20,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::error::AppError;
 use super::scheduler::{EngineInfo, Lease, LoadedModel, SchedulerConfig, Status};
 use crate::engine::{
-    Batcher, Control, Embedder, Engine, EngineError, Finished, GenerateRequest, Prompt, SequenceEvent,
+    Batcher, Control, Embedder, Engine, EngineError, Finished, GenerateRequest, Parked, Prompt, SequenceEvent,
 };
 use crate::setup::RunSpec;
 
@@ -80,7 +80,15 @@ pub(super) struct Worker {
     pub config: SchedulerConfig,
     /// The file's load gate, held from before the load until the engine is dropped.
     pub gate: Arc<Mutex<()>>,
+    /// Prefixes a model's last batcher left for its next (`Batcher::park`), by file.
+    pub parked: ParkedPrefixes,
 }
+
+/// Idle sequences' KV caches kept in host memory while their model reloads or is unloaded.
+pub type ParkedPrefixes = Arc<Mutex<std::collections::HashMap<PathBuf, Parked>>>;
+
+/// The parked prefixes take at most this fraction of the memory available when they are parked.
+const PARKED_SHARE_OF_AVAILABLE: u64 = 4;
 
 impl Worker {
     /// Run the worker on a thread of its own, named after the model.
@@ -142,6 +150,13 @@ impl Worker {
                 return;
             }
         };
+        let parked = self.parked.locked().remove(&self.path);
+        if let Some(parked) = parked {
+            let restored = batcher.unpark(parked);
+            if restored > 0 {
+                tracing::info!("{}: {restored} tokens of cached prefixes kept from the last load", self.path.display());
+            }
+        }
         let ready_at = Instant::now();
         let engine = batcher.engine().clone();
         self.set_status(Status::Ready(engine_info(&engine, &batcher)));
@@ -197,6 +212,13 @@ impl Worker {
             }
         }
         batcher.cancel_all();
+        // The next load of this file (a longer num_ctx, the next request after the keep-alive)
+        // starts from these prefixes; the memory they take is no longer available to its plan.
+        let parked = batcher.park(crate::hw::memory_info().effective_available_bytes() / PARKED_SHARE_OF_AVAILABLE);
+        if parked.bytes() > 0 {
+            tracing::debug!("{}: {} bytes of cached prefixes parked", self.path.display(), parked.bytes());
+            self.parked.locked().insert(self.path.clone(), parked);
+        }
     }
 
     fn accept(

@@ -265,3 +265,33 @@ fn the_prompt_cache_keeps_to_its_size() {
     let kept: u64 = block_files(&cache).iter().map(|path| std::fs::metadata(path).unwrap().len()).sum();
     assert!(kept <= limit && kept > 0, "{kept} bytes kept under a limit of {limit}");
 }
+
+/// Without `--prompt-cache`, a reload for a longer `num_ctx` and a load after an unload start
+/// from the prefix the last load held in memory, and answer the same.
+#[test]
+fn a_reloaded_model_keeps_its_cached_prefix_in_memory() {
+    let _machine = common::shared_machine();
+    let directory = tempfile::tempdir().unwrap();
+    let model_path = common::smollm_path();
+    let model = model_path.file_stem().unwrap().to_str().unwrap().to_ascii_lowercase();
+    let mut arguments = vec![model_path.display().to_string()];
+    arguments.extend(["--context", "512", "--parallel", "1", "--threads", "1", "--batch-invariant"].map(String::from));
+    let server = Server::start(&arguments, directory.path().join("serve.log"));
+    let prompt = format!("{}Question: where is item 28?", system_prompt(8));
+    let request = |num_ctx: u32| {
+        json!({"model": model, "prompt": prompt, "raw": true, "stream": false,
+               "options": {"temperature": 0, "num_predict": 12, "seed": 1, "num_ctx": num_ctx}})
+    };
+    let first = server.post("/api/generate", &request(512));
+    let prompt_tokens = first["prompt_eval_count"].as_u64().unwrap();
+    assert!(prompt_tokens > 100, "{first}");
+    let reloaded = server.post("/api/generate", &request(1024));
+    assert!(server.log_text().contains("cached prefixes kept from the last load"), "{}", server.log_text());
+    assert!(reloaded["hypura_prompt_cached"].as_u64().unwrap() >= prompt_tokens - 1, "{reloaded}");
+    assert_eq!(reloaded["response"], first["response"]);
+    let unloaded = server.post("/api/generate", &json!({"model": model, "keep_alive": 0}));
+    assert_eq!(unloaded["done_reason"], "unload", "{unloaded}");
+    let again = server.post("/api/generate", &request(1024));
+    assert!(again["hypura_prompt_cached"].as_u64().unwrap() >= prompt_tokens - 1, "{again}");
+    assert_eq!(again["response"], first["response"]);
+}
