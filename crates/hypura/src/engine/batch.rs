@@ -38,7 +38,7 @@ use hypura_sys::{Batch, Context, DraftRequest, Grammar, Sampler, Speculator, Tok
 
 use self::sequence::{Active, Feed, Output, Sampling, Statistics};
 use super::prompt;
-use super::prompt_cache::{settings_digest, Loaded, PromptCache};
+use super::prompt_cache::{Loaded, PromptCache};
 use super::request::{Control, DoneReason, GenerateOutput, GenerateRequest};
 use super::stats::{Counters, GenerationStats};
 use super::text::{StopMatcher, Utf8Stream};
@@ -68,7 +68,7 @@ pub enum SequenceEvent<'a> {
 /// Idle sequences' KV caches in host memory between two batchers of one model (`Batcher::park`).
 #[derive(Default)]
 pub struct Parked {
-    /// The settings the caches were computed with (`prompt_cache::settings_digest`).
+    /// The settings the caches were computed with (`Engine::settings_digest`).
     settings: Option<[u8; 32]>,
     /// Each sequence's tokens and llama.cpp's copy of its cache.
     sequences: Vec<(Vec<Token>, Vec<u8>)>,
@@ -154,7 +154,10 @@ impl Batcher {
                 );
                 None
             }
-            (Some(options), None) => Some(PromptCache::open(options, &engine)?),
+            (Some(options), None) => {
+                let digest = engine.settings_digest().map_err(EngineError::Setup)?;
+                Some(PromptCache::open(options, digest)?)
+            }
             (None, _) => None,
         };
         let n_stream = if params.kv_unified { 1 } else { n_sequences };
@@ -206,7 +209,7 @@ impl Batcher {
     /// model and settings (`unpark`): a reload for a longer context or a model loaded again
     /// after its keep-alive then starts from the prefixes this one held. At most `max_bytes`.
     pub fn park(&mut self, max_bytes: u64) -> Parked {
-        let mut parked = Parked { settings: settings_digest(&self.engine).ok(), sequences: Vec::new() };
+        let mut parked = Parked { settings: self.engine.settings_digest().ok(), sequences: Vec::new() };
         let mut bytes = 0u64;
         for slot in self.slots.iter().filter(|slot| slot.active.is_none() && !slot.cached.is_empty()) {
             match self.context.sequence_state(slot.seq_id) {
@@ -224,7 +227,7 @@ impl Batcher {
     /// Put prefixes that an earlier batcher of this model parked into free slots, where the
     /// settings match and they fit this context. Returns the tokens restored.
     pub fn unpark(&mut self, parked: Parked) -> usize {
-        if parked.settings.is_none() || parked.settings != settings_digest(&self.engine).ok() {
+        if parked.settings.is_none() || parked.settings != self.engine.settings_digest().ok() {
             return 0;
         }
         let mut restored = 0;
@@ -390,12 +393,9 @@ impl Batcher {
         let Some(cache) = &self.prompt_cache else { return (reused, Loaded::default()) };
         // At least one prompt token is decoded, for the logits.
         let usable = &tokens[..tokens.len() - 1];
-        if cache.cached_tokens(usable) <= reused {
-            return (reused, Loaded::default());
-        }
         let slot = &mut self.slots[index];
         let started = Instant::now();
-        match cache.load(&mut self.context, slot.seq_id, self.n_stream, usable) {
+        match cache.load(&mut self.context, slot.seq_id, self.n_stream, usable, reused) {
             Ok(Some(loaded)) => {
                 tracing::info!(
                     "prompt cache: {} tokens ({:.1} MB) loaded in {:.3} s",
@@ -406,7 +406,7 @@ impl Batcher {
                 slot.cached = usable[..loaded.tokens].to_vec();
                 (loaded.tokens, loaded)
             }
-            // Nothing valid on disk: the slot is as it was.
+            // No more on disk than in the slot: the slot is as it was.
             Ok(None) => (reused, Loaded::default()),
             Err(error) => {
                 tracing::warn!("{error}; the prompt is evaluated");

@@ -239,6 +239,9 @@ pub struct Engine {
     template: ChatTemplate,
     options: EngineOptions,
     load_duration: Duration,
+    /// What the KV cache's bits depend on (`prompt_cache::settings_digest`), read once when
+    /// first asked for.
+    settings: std::sync::OnceLock<Result<[u8; 32], String>>,
 }
 
 impl Engine {
@@ -294,7 +297,24 @@ impl Engine {
             Some(speculation) => load_draft(backend, &inventory, &model, speculation, &options)?,
             None => None,
         };
-        Ok(Engine { model, draft, streaming, inventory, template, options, load_duration: started.elapsed() })
+        Ok(Engine {
+            model,
+            draft,
+            streaming,
+            inventory,
+            template,
+            options,
+            load_duration: started.elapsed(),
+            settings: std::sync::OnceLock::new(),
+        })
+    }
+
+    /// The digest of what this engine's KV caches depend on: a cache computed by an engine with
+    /// the same digest is the same bits (`prompt_cache::settings_digest`).
+    pub fn settings_digest(&self) -> Result<[u8; 32], String> {
+        self.settings
+            .get_or_init(|| super::prompt_cache::settings_digest(self).map_err(|error| error.to_string()))
+            .clone()
     }
 
     /// Fails where a remote worker of the plan stopped answering.

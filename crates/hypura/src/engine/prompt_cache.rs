@@ -109,9 +109,9 @@ pub struct PromptCache {
 }
 
 impl PromptCache {
-    pub fn open(options: &PromptCacheOptions, engine: &Engine) -> Result<PromptCache, PromptCacheError> {
-        options.check()?;
-        let digest = settings_digest(engine)?;
+    /// The cache in `options.dir` (which `PromptCacheOptions::check` proved writable at
+    /// startup) for an engine whose settings digest is `digest`.
+    pub fn open(options: &PromptCacheOptions, digest: Hash) -> Result<PromptCache, PromptCacheError> {
         let dir = options.dir.join(hex(&digest[..8]));
         std::fs::create_dir_all(&dir).map_err(io_error(&dir))?;
         remove_stale_temporaries(&options.dir);
@@ -151,26 +151,26 @@ impl PromptCache {
         self.dir.join(format!("{}.{BLOCK_EXTENSION}", hex(hash)))
     }
 
-    /// Tokens of the longest prefix of `tokens` whose blocks are on disk.
-    pub fn cached_tokens(&self, tokens: &[Token]) -> usize {
-        if self.unsupported.load(Ordering::Relaxed) {
-            return 0;
-        }
-        self.chain(tokens).iter().take_while(|hash| self.block_path(hash).is_file()).count() * BLOCK_TOKENS
-    }
-
     /// Load the cached prefix of `tokens` into sequence `seq_id` of `context`, whose KV cache
-    /// has `n_stream` streams. A block that fails its
-    /// checks is removed with a warning and the prefix before it is loaded. `Ok(None)` when
-    /// nothing valid is cached; an error leaves the sequence empty.
+    /// has `n_stream` streams, where more than `beyond` tokens of it are on disk. A block that
+    /// fails its checks is removed with a warning and the prefix before it is loaded.
+    /// `Ok(None)` when no more than `beyond` tokens are cached (the sequence is untouched); an
+    /// error leaves the sequence empty.
     pub fn load(
         &self,
         context: &mut Context,
         seq_id: i32,
         n_stream: u32,
         tokens: &[Token],
+        beyond: usize,
     ) -> Result<Option<Loaded>, PromptCacheError> {
+        if self.unsupported.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
         let chain = self.chain(tokens);
+        if chain.iter().take_while(|hash| self.block_path(hash).is_file()).count() * BLOCK_TOKENS <= beyond {
+            return Ok(None);
+        }
         let mut blocks = Vec::new();
         let mut previous = self.digest;
         for (index, hash) in chain.iter().enumerate() {
@@ -187,7 +187,8 @@ impl PromptCache {
             }
             previous = *hash;
         }
-        if blocks.is_empty() {
+        // The valid run may be shorter than the files (a bad block): then the slot may hold more.
+        if blocks.len() * BLOCK_TOKENS <= beyond {
             return Ok(None);
         }
         let n_tokens = blocks.len() * BLOCK_TOKENS;
