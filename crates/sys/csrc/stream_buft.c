@@ -10,6 +10,9 @@
 // `hypura_stream_buft_finalize`, tensors point at a small "sink" that absorbs those copies
 // (faulted in once, reused by every tensor) instead of faulting in the whole region; finalize
 // then points each tensor at its mirror address, once, before any graph runs.
+//
+// The type remembers its tensors (`hypura_stream_buft_tensor` finds one by name), so that the
+// store can place a streamed expert tensor in a device's expert pool after the load.
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -57,11 +60,7 @@ static enum ggml_status hypura_buffer_init_tensor(ggml_backend_buffer_t buffer, 
     if (offset < 0 || (uint64_t) offset + ggml_nbytes(tensor) > ctx->size) {
         return GGML_STATUS_FAILED;
     }
-    if (ctx->finalized || ctx->sink == NULL) {
-        tensor->data = (char *) ctx->base + offset;
-        return GGML_STATUS_SUCCESS;
-    }
-    if (ggml_nbytes(tensor) > ctx->sink_size) {
+    if ((ctx->sink != NULL && !ctx->finalized) && ggml_nbytes(tensor) > ctx->sink_size) {
         return GGML_STATUS_FAILED;
     }
     if (ctx->n_records == ctx->records_capacity) {
@@ -76,6 +75,10 @@ static enum ggml_status hypura_buffer_init_tensor(ggml_backend_buffer_t buffer, 
     ctx->records[ctx->n_records].tensor = tensor;
     ctx->records[ctx->n_records].offset = offset;
     ctx->n_records++;
+    if (ctx->finalized || ctx->sink == NULL) {
+        tensor->data = (char *) ctx->base + offset;
+        return GGML_STATUS_SUCCESS;
+    }
     tensor->data = ctx->sink;
     return GGML_STATUS_SUCCESS;
 }
@@ -155,17 +158,27 @@ ggml_backend_buffer_type_t hypura_stream_buft_new(void * base, size_t size, void
 // Returns how many tensors were moved. Call after the load, before any graph runs.
 size_t hypura_stream_buft_finalize(ggml_backend_buffer_type_t buft) {
     struct hypura_stream_buft_context * ctx = (struct hypura_stream_buft_context *) buft->context;
-    for (size_t i = 0; i < ctx->n_records; i++) {
-        ctx->records[i].tensor->data = (char *) ctx->base + ctx->records[i].offset;
+    size_t moved = 0;
+    if (!ctx->finalized && ctx->sink != NULL) {
+        for (size_t i = 0; i < ctx->n_records; i++) {
+            ctx->records[i].tensor->data = (char *) ctx->base + ctx->records[i].offset;
+        }
+        moved = ctx->n_records;
     }
-    size_t moved = ctx->n_records;
-    free(ctx->records);
-    ctx->records = NULL;
-    ctx->n_records = 0;
-    ctx->records_capacity = 0;
     ctx->finalized = true;
     ctx->sink = NULL;
     return moved;
+}
+
+// The tensor of this type named `name`, or NULL. Valid while the model that owns it lives.
+struct ggml_tensor * hypura_stream_buft_tensor(ggml_backend_buffer_type_t buft, const char * name) {
+    struct hypura_stream_buft_context * ctx = (struct hypura_stream_buft_context *) buft->context;
+    for (size_t i = 0; i < ctx->n_records; i++) {
+        if (strcmp(ctx->records[i].tensor->name, name) == 0) {
+            return ctx->records[i].tensor;
+        }
+    }
+    return NULL;
 }
 
 // Free the type (not the reservation). Only after every model using it is freed.

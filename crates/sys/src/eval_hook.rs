@@ -52,6 +52,55 @@ impl ObservedNode<'_> {
         rows(self.tensor, raw::GGML_TYPE_F32, f32::from_ne_bytes)
     }
 
+    /// The rows of the node's I32 input `input` (from `ffn_moe_weights-L`, input 1 is the
+    /// router's expert ids per token), else None.
+    pub fn input_i32_rows(&self, input: usize) -> Option<Vec<Vec<i32>>> {
+        rows(self.input(input)?, raw::GGML_TYPE_I32, i32::from_ne_bytes)
+    }
+
+    /// Overwrite the node's I32 input `input` with `values`, which must have its shape (one
+    /// row per token). Nodes that read that input later in the graph see the new values:
+    /// the store rewrites expert ids to the slots of a device's expert pool so.
+    pub fn write_input_i32_rows(&self, input: usize, values: &[Vec<i32>]) -> Result<(), crate::SysError> {
+        let bad = || crate::SysError::State(format!("{}: input {input} is not an I32 matrix of that shape", self.name));
+        let tensor = self.input(input).ok_or_else(bad)?;
+        let buffer = buffer_of(tensor);
+        let [columns, rows, third, fourth] = tensor.ne;
+        let [element_stride, row_stride, ..] = tensor.nb;
+        let shaped = values.len() as i64 == rows && values.iter().all(|row| row.len() as i64 == columns);
+        if tensor.type_ != raw::GGML_TYPE_I32
+            || tensor.data.is_null()
+            || buffer.is_null()
+            || third != 1
+            || fourth != 1
+            || element_stride != 4
+            || !shaped
+        {
+            return Err(bad());
+        }
+        for (index, row) in values.iter().enumerate() {
+            let bytes: Vec<u8> = row.iter().flat_map(|value| value.to_ne_bytes()).collect();
+            // SAFETY: the tensor is a computed I32 matrix with a buffer; row `index` < ne[1]
+            // starts `index * nb[1]` bytes in and holds ne[0] four-byte elements, exactly
+            // `bytes.len()`. ggml runs the nodes that read it only after this callback returns.
+            unsafe {
+                raw::ggml_backend_tensor_set(
+                    tensor as *const raw::ggml_tensor as *mut raw::ggml_tensor,
+                    bytes.as_ptr() as *const c_void,
+                    index * row_stride,
+                    bytes.len(),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn input(&self, input: usize) -> Option<&raw::ggml_tensor> {
+        let source = *self.tensor.src.get(input)?;
+        // SAFETY: a non-null source of a live graph node is a live tensor of the same graph.
+        (!source.is_null()).then(|| unsafe { &*source })
+    }
+
     /// The F32 rows of input `input` of the node named `ancestor`, found among this node's
     /// sources at most `max_depth` steps up. From `ffn_moe_topk-L`, ancestor
     /// `ffn_moe_logits-L` input 1 is the hidden state the router was applied to (still live:
@@ -92,18 +141,21 @@ fn find_source<'a>(tensor: &'a raw::ggml_tensor, name: &str, depth: usize) -> Op
     None
 }
 
-/// The rows of a 2-D tensor of `ggml_type` with 4-byte elements, read through the backend (so
-/// device memory works as well as host memory), honouring the row stride `nb[1]`.
-fn rows<T>(tensor: &raw::ggml_tensor, ggml_type: raw::ggml_type, decode: fn([u8; 4]) -> T) -> Option<Vec<Vec<T>>> {
-    // ggml_backend_tensor_get reads through `view_src ? view_src->buffer : buffer` and aborts
-    // if that is null: check the same expression.
-    let buffer = if tensor.view_src.is_null() {
+/// The buffer ggml_backend_tensor_get/set go through (`view_src ? view_src->buffer : buffer`);
+/// they abort where it is null, so callers check it.
+fn buffer_of(tensor: &raw::ggml_tensor) -> raw::ggml_backend_buffer_t {
+    if tensor.view_src.is_null() {
         tensor.buffer
     } else {
         // SAFETY: view_src of a live tensor is a live tensor.
         unsafe { &*tensor.view_src }.buffer
-    };
-    let has_buffer = !buffer.is_null();
+    }
+}
+
+/// The rows of a 2-D tensor of `ggml_type` with 4-byte elements, read through the backend (so
+/// device memory works as well as host memory), honouring the row stride `nb[1]`.
+fn rows<T>(tensor: &raw::ggml_tensor, ggml_type: raw::ggml_type, decode: fn([u8; 4]) -> T) -> Option<Vec<Vec<T>>> {
+    let has_buffer = !buffer_of(tensor).is_null();
     if tensor.type_ != ggml_type || tensor.data.is_null() || !has_buffer {
         return None;
     }

@@ -20,6 +20,7 @@ mod json_schema;
 mod load_reader;
 mod log;
 mod model;
+mod pool;
 mod quantize;
 mod rpc;
 mod sampler;
@@ -40,6 +41,7 @@ pub use grammar::Grammar;
 pub use json_schema::{check_json_schema, json_schema_to_grammar};
 pub use load_reader::LoadReader;
 pub use model::{exact_name_pattern, repacking_available, LoadMode, Model, ModelParams, Placement};
+pub use pool::{DevicePool, ModelTensor};
 pub use quantize::{dequantize_rows, ggml_type_block_size, ggml_type_name, ggml_type_size, quantize_rows};
 pub use rpc::{
     capped_device, connect as rpc_connect, local_device, serve as rpc_serve, DeviceHandle, RPC_PROTOCOL_MAJOR,

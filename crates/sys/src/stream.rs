@@ -20,6 +20,7 @@ extern "C" {
     ) -> raw::ggml_backend_buffer_type_t;
     fn hypura_stream_buft_finalize(buft: raw::ggml_backend_buffer_type_t) -> usize;
     fn hypura_stream_buft_free(buft: raw::ggml_backend_buffer_type_t);
+    fn hypura_stream_buft_tensor(buft: raw::ggml_backend_buffer_type_t, name: *const c_char) -> *mut raw::ggml_tensor;
 }
 
 unsafe extern "C" fn offset_of(user: *mut c_void, name: *const c_char) -> i64 {
@@ -82,6 +83,17 @@ impl StreamBufferType {
         // SAFETY: the type is alive; the recorded tensors belong to the model just loaded,
         // which is alive (the caller holds it) and not computing yet.
         unsafe { hypura_stream_buft_finalize(self.buft.as_ptr()) }
+    }
+
+    /// The tensor of this type named `name`, after the load (`finalize`): a handle that can
+    /// place it in a device's expert pool. The model that owns it must outlive the handle, and
+    /// the caller keeps it (see `ModelTensor`).
+    pub fn tensor(&self, name: &str) -> Option<crate::pool::ModelTensor> {
+        let name = std::ffi::CString::new(name).ok()?;
+        // SAFETY: the type is alive and `name` is NUL-terminated for the call; the records it
+        // searches are tensors of the model loaded with it.
+        let tensor = unsafe { hypura_stream_buft_tensor(self.buft.as_ptr(), name.as_ptr()) };
+        NonNull::new(tensor).map(crate::pool::ModelTensor::new)
     }
 
     pub(crate) fn as_raw(&self) -> raw::ggml_backend_buffer_type_t {

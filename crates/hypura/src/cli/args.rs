@@ -134,6 +134,11 @@ pub struct PlanArgs {
     /// several).
     #[arg(long)]
     pub gpu_budget: Option<String>,
+    /// How routed experts use the GPU budget: pool (every MoE layer's most recently routed
+    /// experts in device slots, the rest streamed from the host's expert cache and disk, all
+    /// computed on the GPU) or layers (whole layers' experts, the rest computed on the CPU).
+    #[arg(long, default_value = "pool", value_parser = ["pool", "layers"])]
+    pub gpu_experts: String,
     /// auto, resident, dense-stream or expert-stream.
     #[arg(long, default_value = "auto")]
     pub mode: String,

@@ -550,7 +550,7 @@ fn load_streaming(
         load_mtp: loads_mtp(options),
     };
     let model = Model::load_placed(backend, path, &params, placement)?;
-    let streams = load.finish(buffer_type.finalize(), options.io_workers, options.trace_routing)?;
+    let streams = load.finish(&buffer_type, options.io_workers, options.trace_routing)?;
     Ok((
         model,
         Streaming {

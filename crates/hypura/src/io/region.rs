@@ -282,6 +282,18 @@ impl Region {
         .to_vec()
     }
 
+    /// The bytes at `range`, borrowed: the caller keeps them resident while it reads them
+    /// (the store reads a unit it holds ready, e.g. to upload an expert to a device).
+    pub fn bytes(&self, range: std::ops::Range<u64>) -> &[u8] {
+        assert!(range.end as usize <= self.len_bytes && range.start <= range.end, "range {range:?} outside the region");
+        // SAFETY: the range lies inside the live mapping, which outlives `&self`; its pages are
+        // readable (a released page reads as zeros, never faults), and the store does not
+        // release a unit while it holds it ready for a reader.
+        unsafe {
+            std::slice::from_raw_parts(self.base.as_ptr().add(range.start as usize), (range.end - range.start) as usize)
+        }
+    }
+
     /// Copy `source` into the region at `offset`, bypassing the file (load-time fills of small
     /// edge pieces). Same contract as `read_in`.
     pub fn write(&self, offset: u64, source: &[u8]) {

@@ -7,7 +7,7 @@ use super::remote::RemoteLayout;
 use super::sizing::{
     compute_buffer_bytes, context_memory_bytes, is_streamable, on_input_layer, output_is_tied, TOKEN_EMBEDDING,
 };
-use super::types::{MachineFacts, Plan, PlanOptions, TensorPlacement, Tier};
+use super::types::{MachineFacts, Mode, ModeChoice, Plan, PlanOptions, TensorPlacement, Tier};
 use crate::format::format_bytes;
 use crate::model::{Inventory, TensorEntry};
 
@@ -38,11 +38,44 @@ pub struct GpuLayout {
     /// Whether ggml may run host layers' prompt batches on the device (op offload); off where
     /// the budget holds every layer's attention only without room for a host layer's copy.
     pub op_offload: bool,
+    /// The expert pool: the routed experts of every MoE layer stream from the host cache into
+    /// device slots and compute on the device (decision 29). None: whole layers' FFN only.
+    pub expert_pool: Option<ExpertPoolLayout>,
+}
+
+/// The device's expert pool: `slots` experts of each pooled layer in device memory (the most
+/// recently routed), the rest in the host's expert cache and on disk, and a staging area that
+/// holds one layer's experts whole for prompt batches that pick more experts than a layer has
+/// slots.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ExpertPoolLayout {
+    /// The layers whose routed experts are pooled: every MoE layer.
+    pub layers: Vec<u32>,
+    /// Expert slots per pooled layer.
+    pub slots: u32,
+    /// The slots' bytes, every pooled layer together.
+    pub slot_bytes: u64,
+    /// The largest pooled layer's expert tensors, whole.
+    pub staging_bytes: u64,
+}
+
+/// Device memory the pool loses to alignment per pooled tensor: each tensor's slots start at a
+/// device-aligned offset (CUDA wants 256 bytes).
+pub const POOL_ALIGNMENT: u64 = 256;
+
+impl ExpertPoolLayout {
+    pub fn total_bytes(&self) -> u64 {
+        self.slot_bytes + self.staging_bytes
+    }
 }
 
 impl GpuLayout {
     pub fn total_bytes(&self) -> u64 {
-        self.weight_bytes + self.kv_cache_bytes + self.compute_buffer_bytes + self.runtime_bytes
+        self.weight_bytes
+            + self.kv_cache_bytes
+            + self.compute_buffer_bytes
+            + self.runtime_bytes
+            + self.expert_pool.as_ref().map_or(0, ExpertPoolLayout::total_bytes)
     }
 
     pub(super) fn holds(&self, tensor: &TensorEntry) -> bool {
@@ -78,6 +111,52 @@ struct DeviceCosts<'a> {
     outside_layers: u64,
     /// The token embedding's copy that a model without an output matrix computes logits with.
     tied_output_bytes: u64,
+    /// What an expert pool is sized from; None where the model's experts cannot be pooled.
+    pool: Option<PoolCosts>,
+}
+
+/// An expert pool's costs: per layer, the bytes of one expert's slices (0 for a layer without
+/// routed experts) and of its expert tensors whole, with its tensor count (for alignment).
+struct PoolCosts {
+    expert_bytes: Vec<u64>,
+    layer_bytes: Vec<u64>,
+    layer_tensors: Vec<u64>,
+    n_expert: u64,
+    n_expert_used: u64,
+}
+
+impl PoolCosts {
+    /// Where every MoE layer's routed experts can be pooled: a model with routed experts whose
+    /// layers have no per-expert biases or scales (those are indexed by the router's ids too,
+    /// and stay where llama.cpp put them).
+    fn of(inventory: &Inventory, n_layer: usize) -> Option<PoolCosts> {
+        let hparams = &inventory.hparams;
+        if hparams.n_expert < 2 || inventory.tensors.iter().any(|tensor| tensor.role == crate::model::Role::ExpertBias)
+        {
+            return None;
+        }
+        let mut costs = PoolCosts {
+            expert_bytes: vec![0; n_layer],
+            layer_bytes: vec![0; n_layer],
+            layer_tensors: vec![0; n_layer],
+            n_expert: hparams.n_expert,
+            n_expert_used: hparams.n_expert_used.max(1),
+        };
+        for tensor in inventory.expert_tensors() {
+            let (Some(layer), Some(slices)) = (tensor.layer, tensor.experts) else { continue };
+            let layer = layer as usize;
+            if layer >= n_layer {
+                continue;
+            }
+            if slices.n_expert != hparams.n_expert {
+                return None;
+            }
+            costs.expert_bytes[layer] += slices.slice_bytes;
+            costs.layer_bytes[layer] += tensor.bytes.next_multiple_of(POOL_ALIGNMENT);
+            costs.layer_tensors[layer] += 1;
+        }
+        costs.expert_bytes.iter().any(|&bytes| bytes > 0).then_some(costs)
+    }
 }
 
 /// The GPU tier for `budget` bytes of device memory: Ok(None) without a budget, Err(why) when
@@ -118,6 +197,12 @@ pub(super) fn gpu_tier(
         layer_ffn,
         outside_layers,
         tied_output_bytes,
+        // Pooled experts stream (expert-stream mode): not with static placement asked for, nor
+        // where another mode is forced.
+        pool: (!options.static_gpu_experts
+            && matches!(options.mode, ModeChoice::Auto | ModeChoice::Forced(Mode::ExpertStream)))
+        .then(|| PoolCosts::of(inventory, n_layer))
+        .flatten(),
     };
     costs.every_layers_attention(ffn).map_or_else(|| costs.whole_last_layers(ffn), |gpu| Ok(Some(gpu)))
 }
@@ -134,6 +219,11 @@ impl DeviceCosts<'_> {
         // runtime's own). Every layer's attention on the device is worth more at decode than
         // prompt batches of the host layers there: where only that fits, op offload is off.
         let all_on_device = ffn && base + self.runtime + self.layer_ffn.iter().sum::<u64>() <= self.budget;
+        if !all_on_device {
+            if let Some(gpu) = self.with_expert_pool(every_token, base) {
+                return Some(gpu);
+            }
+        }
         let copy = if all_on_device { 0 } else { self.layer_ffn.iter().copied().max().unwrap_or(0) };
         let (runtime, op_offload) = match () {
             _ if base + self.runtime.max(copy) <= self.budget => (self.runtime.max(copy), true),
@@ -161,6 +251,59 @@ impl DeviceCosts<'_> {
             ffn_layers,
             whole_layers: None,
             op_offload,
+            expert_pool: None,
+        })
+    }
+
+    /// Every layer's attention, the output and the KV cache, then the layers without routed
+    /// experts' FFN from the last layer down, then an expert pool in what is left: a staging
+    /// area for one layer's experts whole and as many slots per MoE layer as fit. None where
+    /// the pool would hold fewer slots than the router picks per token, or every expert.
+    fn with_expert_pool(&self, every_token: u64, base: u64) -> Option<GpuLayout> {
+        let pool = self.pool.as_ref()?;
+        let staging = pool.layer_bytes.iter().copied().max()?;
+        let mut spare = self.budget.checked_sub(base + self.runtime + staging)?;
+        let mut ffn_layers = Vec::new();
+        let mut ffn_bytes = 0;
+        for (layer, &bytes) in self.layer_ffn.iter().enumerate().rev() {
+            if pool.expert_bytes[layer] == 0 && bytes > 0 && bytes <= spare {
+                spare -= bytes;
+                ffn_bytes += bytes;
+                ffn_layers.push(layer as u32);
+            }
+        }
+        ffn_layers.reverse();
+        // A layer left without its FFN on the device would be copied there for prompt batches.
+        let dense_left = (0..self.layer_ffn.len())
+            .filter(|&layer| pool.expert_bytes[layer] == 0 && !ffn_layers.contains(&(layer as u32)))
+            .map(|layer| self.layer_ffn[layer])
+            .max()
+            .unwrap_or(0);
+        let layers: Vec<u32> =
+            (0..pool.expert_bytes.len() as u32).filter(|&layer| pool.expert_bytes[layer as usize] > 0).collect();
+        let per_slot: u64 = pool.expert_bytes.iter().sum();
+        let alignment: u64 = pool.layer_tensors.iter().sum::<u64>() * POOL_ALIGNMENT;
+        let spare = spare.checked_sub(alignment + self.runtime.max(dense_left) - self.runtime)?;
+        let slots = (spare / per_slot.max(1)).min(pool.n_expert - 1);
+        if slots < pool.n_expert_used {
+            return None;
+        }
+        Some(GpuLayout {
+            budget_bytes: self.budget,
+            weight_bytes: every_token + ffn_bytes,
+            tied_output_bytes: self.tied_output_bytes,
+            kv_cache_bytes: self.kv,
+            compute_buffer_bytes: self.compute,
+            runtime_bytes: self.runtime.max(dense_left),
+            ffn_layers,
+            whole_layers: None,
+            op_offload: true,
+            expert_pool: Some(ExpertPoolLayout {
+                layers,
+                slots: slots as u32,
+                slot_bytes: slots * per_slot + alignment,
+                staging_bytes: staging,
+            }),
         })
     }
 
@@ -207,6 +350,7 @@ impl DeviceCosts<'_> {
             ffn_layers: if ffn { layers.clone().collect() } else { Vec::new() },
             whole_layers: Some(layers),
             op_offload: true,
+            expert_pool: None,
         }))
     }
 }

@@ -25,7 +25,7 @@ mod types;
 
 pub use dense::{limit_tokens_per_sec, DenseLayout, READ_CHUNK_BYTES};
 pub use experts::{ExpertLayout, HUGE_SLICE_MIN_BYTES};
-pub use gpu::GpuLayout;
+pub use gpu::{ExpertPoolLayout, GpuLayout, POOL_ALIGNMENT};
 pub use remote::{RemoteDeviceFacts, RemoteLayout, RemoteShare, REMOTE_RESERVE_BYTES};
 pub use search::{choose, context_for, plan_for, Ask, Choice, DRAFT_UBATCH};
 pub use sizing::{compute_buffer_bytes, context_memory_bytes, kv_cache_bytes};
@@ -224,8 +224,11 @@ fn plan_host(
     let budget = machine.memory_budget_bytes;
     let everything = weights + kv + compute;
     let has_experts = inventory.expert_tensors().any(|tensor| !off_host(tensor));
+    // Pooled experts stream from the host's expert cache, however much of the model it holds.
+    let pooled = gpu.as_ref().is_some_and(|gpu| gpu.expert_pool.is_some());
     let mode = match options.mode {
         ModeChoice::Forced(mode) => mode,
+        ModeChoice::Auto if pooled && has_experts => Mode::ExpertStream,
         ModeChoice::Auto if everything <= budget => Mode::Resident,
         ModeChoice::Auto if has_experts => Mode::ExpertStream,
         ModeChoice::Auto => Mode::DenseStream,

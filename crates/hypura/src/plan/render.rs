@@ -40,9 +40,13 @@ impl Plan {
                     if gpu.ffn_layers.is_empty() { String::new() } else { format!(" {:?}", gpu.ffn_layers) }
                 ),
             };
+            let pool = gpu
+                .expert_pool
+                .as_ref()
+                .map_or(String::new(), |pool| format!(" + {} expert pool", format_bytes(pool.total_bytes())));
             let _ = writeln!(
                 out,
-                "gpu          {} of a {} budget: {} weights + {} KV cache + {} compute buffers + {} runtime; {layers}",
+                "gpu          {} of a {} budget: {} weights + {} KV cache + {} compute buffers + {} runtime{pool}; {layers}",
                 format_bytes(gpu.total_bytes()),
                 format_bytes(gpu.budget_bytes),
                 format_bytes(gpu.weight_bytes),
@@ -50,12 +54,23 @@ impl Plan {
                 format_bytes(gpu.compute_buffer_bytes),
                 format_bytes(gpu.runtime_bytes),
             );
-            let prompts = if gpu.op_offload {
-                "ggml may move large prompt batches to the GPU"
+            if let Some(pool) = &gpu.expert_pool {
+                let _ = writeln!(
+                    out,
+                    "expert pool  {} slots in each of {} MoE layers ({}) + a {} staging area for prompt batches that pick more: routed experts compute on the GPU, served from the slots, the host's expert cache, then disk",
+                    pool.slots,
+                    pool.layers.len(),
+                    format_bytes(pool.slot_bytes),
+                    format_bytes(pool.staging_bytes),
+                );
             } else {
-                "prompt batches too (op offload off: the budget has no room for a host layer's copy)"
-            };
-            let _ = writeln!(out, "             host-memory weights and streamed layers compute on the CPU at decode (copying them costs more than computing them); {prompts}");
+                let prompts = if gpu.op_offload {
+                    "ggml may move large prompt batches to the GPU"
+                } else {
+                    "prompt batches too (op offload off: the budget has no room for a host layer's copy)"
+                };
+                let _ = writeln!(out, "             host-memory weights and streamed layers compute on the CPU at decode (copying them costs more than computing them); {prompts}");
+            }
         }
         if let Some(why) = &self.gpu_unused {
             let _ = writeln!(out, "gpu          unused: {why}");

@@ -135,6 +135,9 @@ pub struct PlanOptions {
     /// The model's MTP layers draft tokens (speculative decoding): they are loaded, in host
     /// memory, and their bytes come out of the budget first. Otherwise they are unused.
     pub mtp: bool,
+    /// With a GPU tier, whole layers' experts only (llama.cpp's static placement) instead of
+    /// the expert pool (`GpuLayout::expert_pool`).
+    pub static_gpu_experts: bool,
 }
 
 impl Default for PlanOptions {
@@ -149,6 +152,7 @@ impl Default for PlanOptions {
             expert_prefetch: None,
             cache_policy: None,
             mtp: false,
+            static_gpu_experts: false,
         }
     }
 }

@@ -13,16 +13,24 @@
 //! and a mispredicted read that has not started by then is cancelled.
 use crate::sync::Lock;
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use hypura_sys::{EvalHook, ObservedNode};
 use serde::Serialize;
 
 use super::layout::ExpertUnits;
+use super::pool::{ExpertPool, PoolSnapshot, Serving};
 use super::residency::{FailureLatch, Residency, ResidencyError, UnitState};
 
 const TOP_K_NODE: &str = "ffn_moe_topk-";
+/// The router's weights gathered by its ids (`get_rows(probs, ids)`): the last node that reads
+/// the ids before the expert matmuls (llama.cpp expands it early for its fused top-k kernel),
+/// where a pooled layer's ids are rewritten to slots. Input 1 is the ids.
+const WEIGHTS_NODE: &str = "ffn_moe_weights-";
+/// The expert matmuls that read a pooled layer's ids; the last of them ends its layer.
+const EXPERT_MATMULS: [&str; 3] = ["ffn_moe_gate-", "ffn_moe_up-", "ffn_moe_gate_up-"];
+const LAST_EXPERT_MATMUL: &str = "ffn_moe_down-";
 /// The router's matmul (`gate_inp × hidden`); its input 1 is the hidden state.
 const ROUTER_LOGITS_NODE: &str = "ffn_moe_logits-";
 
@@ -190,6 +198,9 @@ pub struct ExpertSnapshot {
     pub prefetch_issued: u64,
     pub prefetch_used: u64,
     pub prefetch_cancelled: u64,
+    /// The device's expert pool: picks served from its slots, uploads, staged prompt layers
+    /// (all zero without a pool). `hits` and `misses` above count the host cache's share.
+    pub device: PoolSnapshot,
 }
 
 impl ExpertSnapshot {
@@ -220,6 +231,7 @@ impl std::ops::Sub for ExpertSnapshot {
             prefetch_issued: self.prefetch_issued - earlier.prefetch_issued,
             prefetch_used: self.prefetch_used - earlier.prefetch_used,
             prefetch_cancelled: self.prefetch_cancelled - earlier.prefetch_cancelled,
+            device: self.device - earlier.device,
         }
     }
 }
@@ -299,6 +311,11 @@ pub struct ExpertStream {
     state: Mutex<State>,
     counters: ExpertCounters,
     trace: Option<Mutex<Vec<RouteRecord>>>,
+    /// The device's expert pool above the cache, and per layer whether it serves the layer.
+    pool: Option<Mutex<ExpertPool>>,
+    pooled_layers: Vec<bool>,
+    /// Per pooled layer, whether its ids were rewritten in this graph (its matmuls may run).
+    served: Vec<AtomicBool>,
     /// The first read error and the abort flag it raises.
     pub failure: FailureLatch,
 }
@@ -333,8 +350,28 @@ impl ExpertStream {
                 ..ExpertCounters::default()
             },
             trace: trace.then(|| Mutex::new(Vec::new())),
+            pool: None,
+            pooled_layers: vec![false; n_layer],
+            served: (0..n_layer).map(|_| AtomicBool::new(false)).collect(),
             failure: FailureLatch::default(),
         }
+    }
+
+    /// Serve the pool's layers from device slots above the cache (decision 29).
+    pub fn with_pool(mut self, pool: ExpertPool) -> ExpertStream {
+        let mut pooled = pool.pooled_layers();
+        pooled.resize(self.numbering.n_layer, false);
+        self.pooled_layers = pooled;
+        self.pool = Some(Mutex::new(pool));
+        self
+    }
+
+    /// The pool's device and slots per layer, where there is a pool.
+    pub fn pool_shape(&self) -> Option<(String, usize)> {
+        self.pool.as_ref().map(|pool| {
+            let pool = pool.locked();
+            (pool.device().to_string(), pool.slots())
+        })
     }
 
     pub fn residency(&self) -> &Arc<Residency> {
@@ -369,6 +406,7 @@ impl ExpertStream {
             prefetch_issued: self.prefetch_issued.load(Ordering::Relaxed),
             prefetch_used: self.prefetch_used.load(Ordering::Relaxed),
             prefetch_cancelled: self.prefetch_cancelled.load(Ordering::Relaxed),
+            device: self.pool.as_ref().map(|pool| pool.locked().snapshot()).unwrap_or_default(),
         }
     }
 
@@ -381,25 +419,78 @@ impl ExpertStream {
         self.streamed_layers.get(layer).copied().unwrap_or(false)
     }
 
-    fn layer_of(name: &str) -> Option<usize> {
-        name.strip_prefix(TOP_K_NODE)?.parse().ok()
+    fn pooled(&self, layer: usize) -> bool {
+        self.pooled_layers.get(layer).copied().unwrap_or(false)
     }
 
-    /// Make the chosen experts of `layer` ready. `hidden` is the state the router saw (per
-    /// token), given when the next layer's experts should be predicted.
-    fn route(&self, layer: usize, rows: &[Vec<i32>], hidden: Option<&[Vec<f32>]>) -> Result<(), ResidencyError> {
-        let mut chosen: Vec<usize> = Vec::new();
+    fn layer_of(name: &str, node: &str) -> Option<usize> {
+        name.strip_prefix(node)?.parse().ok()
+    }
+
+    /// The distinct experts of `rows` (the router's ids per token), in order of first pick.
+    fn picks(&self, rows: &[Vec<i32>]) -> Result<Vec<usize>, ResidencyError> {
+        let mut picks: Vec<usize> = Vec::new();
         for &expert in rows.iter().flatten() {
             // An id outside the expert count would make ggml read outside the tensor.
             let expert = usize::try_from(expert)
                 .ok()
                 .filter(|&expert| expert < self.numbering.n_expert)
                 .ok_or(ResidencyError::NoSuchUnit { unit: expert.max(0) as usize, count: self.numbering.n_expert })?;
-            let unit = self.numbering.unit(layer, expert);
-            if !chosen.contains(&unit) {
-                chosen.push(unit);
+            if !picks.contains(&expert) {
+                picks.push(expert);
             }
         }
+        Ok(picks)
+    }
+
+    /// Serve a pooled layer at `ffn_moe_weights-L`: its picks' experts that no slot holds are
+    /// made ready in the host cache, then uploaded; the ids are rewritten to slots (or the
+    /// layer staged whole, for a prompt batch of more picks than slots).
+    fn serve_pooled(&self, layer: usize, node: &ObservedNode<'_>) -> Result<(), ResidencyError> {
+        let pool = self.pool.as_ref().ok_or_else(|| ResidencyError::Pool(format!("layer {layer} has no pool")))?;
+        let rows = node.input_i32_rows(1).ok_or_else(|| ResidencyError::Read {
+            unit: layer,
+            reason: format!("{}'s ids are not a readable I32 tensor", node.name()),
+        })?;
+        if let Some(trace) = &self.trace {
+            trace.locked().push(RouteRecord { layer: layer as u32, experts: rows.clone() });
+        }
+        let picks = self.picks(&rows)?;
+        let mut pool = pool.locked();
+        let serving = pool.serve(layer, &picks);
+        let from_host = match &serving {
+            Serving::Slots(experts) | Serving::Staged(experts) => experts,
+        };
+        let units: Vec<usize> = from_host.iter().map(|&expert| self.numbering.unit(layer, expert)).collect();
+        let predicts = self.routers.is_some() && rows.len() <= PREDICT_MAX_TOKENS && self.streams(layer + 1);
+        let hidden =
+            predicts.then(|| node.ancestor_input_f32_rows(&format!("{ROUTER_LOGITS_NODE}{layer}"), 1, 8)).flatten();
+        let next_pooled = |unit: usize| pool.holds(layer + 1, unit % self.numbering.n_expert);
+        self.route_units(layer, units, &rows, hidden.as_deref(), &next_pooled)?;
+        if let Some(remapped) = pool.load(layer, &picks, &serving, self.residency.region(), &rows)? {
+            node.write_input_i32_rows(1, &remapped).map_err(|error| ResidencyError::Pool(error.to_string()))?;
+        }
+        self.served[layer].store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Make the chosen experts of `layer` ready. `hidden` is the state the router saw (per
+    /// token), given when the next layer's experts should be predicted.
+    fn route(&self, layer: usize, rows: &[Vec<i32>], hidden: Option<&[Vec<f32>]>) -> Result<(), ResidencyError> {
+        let chosen = self.picks(rows)?.into_iter().map(|expert| self.numbering.unit(layer, expert)).collect();
+        self.route_units(layer, chosen, rows, hidden, &|_| false)
+    }
+
+    /// Make `chosen` (units of `layer`) ready in the cache, and prefetch the next layer's
+    /// predicted units that `skip` (the device's slots) does not hold.
+    fn route_units(
+        &self,
+        layer: usize,
+        chosen: Vec<usize>,
+        rows: &[Vec<i32>],
+        hidden: Option<&[Vec<f32>]>,
+        skip: &dyn Fn(usize) -> bool,
+    ) -> Result<(), ResidencyError> {
         self.counters.layer_visits.fetch_add(1, Ordering::Relaxed);
         let mut to_load = Vec::new();
         {
@@ -442,7 +533,9 @@ impl ExpertStream {
             self.residency.request(unit)?;
         }
         let predicted = match (hidden, &self.routers) {
-            (Some(hidden), Some(routers)) => self.predict(routers, layer + 1, rows, hidden),
+            (Some(hidden), Some(routers)) => {
+                self.predict(routers, layer + 1, rows, hidden).into_iter().filter(|&unit| !skip(unit)).collect()
+            }
             _ => Vec::new(),
         };
         // Prefetch behind this layer's misses (the queue is first in, first out, so they are
@@ -495,11 +588,28 @@ impl ExpertStream {
 
 impl EvalHook for ExpertStream {
     fn wants(&self, name: &str) -> bool {
-        Self::layer_of(name).is_some_and(|layer| self.streams(layer))
+        if let Some(layer) = Self::layer_of(name, TOP_K_NODE) {
+            return self.streams(layer) && !self.pooled(layer);
+        }
+        if let Some(layer) = Self::layer_of(name, WEIGHTS_NODE) {
+            return self.pooled(layer);
+        }
+        if self.pool.is_some() && name.starts_with("ffn_moe_") {
+            self.check_served(name);
+        }
+        false
     }
 
     fn observe(&self, node: &ObservedNode<'_>) {
-        let Some(layer) = Self::layer_of(node.name()) else {
+        if let Some(layer) = Self::layer_of(node.name(), WEIGHTS_NODE) {
+            self.residency.stats().record_observation();
+            if let Err(error) = self.serve_pooled(layer, node) {
+                tracing::error!("expert pool at layer {layer}: {error}");
+                self.failure.fail(error);
+            }
+            return;
+        }
+        let Some(layer) = Self::layer_of(node.name(), TOP_K_NODE) else {
             return;
         };
         self.residency.stats().record_observation();
@@ -524,6 +634,32 @@ impl EvalHook for ExpertStream {
         if let Err(error) = result {
             tracing::error!("expert streaming at layer {layer}: {error}");
             self.failure.fail(error);
+        }
+    }
+}
+
+impl ExpertStream {
+    /// A pooled layer's expert matmul is about to be scheduled: its ids must have been
+    /// rewritten to slots in this graph, or the kernels would read past the slots. Fails the
+    /// decode where they were not; the layer's last matmul ends its turn.
+    fn check_served(&self, name: &str) {
+        let (layer, last) = match Self::layer_of(name, LAST_EXPERT_MATMUL) {
+            Some(layer) => (layer, true),
+            None => match EXPERT_MATMULS.iter().find_map(|node| Self::layer_of(name, node)) {
+                Some(layer) => (layer, false),
+                None => return,
+            },
+        };
+        if !self.pooled(layer) {
+            return;
+        }
+        let served = if last {
+            self.served[layer].swap(false, Ordering::AcqRel)
+        } else {
+            self.served[layer].load(Ordering::Acquire)
+        };
+        if !served {
+            self.failure.fail(ResidencyError::PoolUnserved { layer });
         }
     }
 }

@@ -6,7 +6,8 @@
 //! pages of released units under the next reads; `dense` drives the dense-FFN window from the
 //! eval hook; `expert` makes the router's chosen experts resident through an expert cache;
 //! `layout` says which file ranges make up each stream unit; `load` serves llama.cpp's own
-//! load-time reads so that streamed bytes are skipped; `stats` counts bytes, reads and stalls.
+//! load-time reads so that streamed bytes are skipped; `pool` is the device's expert pool above
+//! the expert cache (slots in GPU memory, ids remapped by the expert driver); `stats` counts bytes, reads and stalls.
 //! `streams` is the door the engine loads through: it prepares the region, the tensors' offsets
 //! and the load reader before llama.cpp's load, and builds the drivers after it.
 pub mod dense;
@@ -14,6 +15,7 @@ pub mod expert;
 pub mod layout;
 pub mod load;
 mod parked;
+pub mod pool;
 pub mod residency;
 pub mod stats;
 pub mod streams;
@@ -21,6 +23,7 @@ pub mod streams;
 pub use dense::DenseWindow;
 pub use expert::{CacheModel, CachePolicy, ExpertSnapshot, ExpertStream, RouteRecord, RouterWeights};
 pub use layout::{ExpertUnits, StreamedTensor};
+pub use pool::{ExpertPool, PoolSnapshot, PooledTensor};
 pub use residency::{FailureLatch, Residency, ResidencyError, StreamUnit, UnitReader, UnitState, CHUNK_BYTES};
 pub use stats::{IoSnapshot, IoStats};
 pub use streams::{StoreError, StreamLoad, Streams};

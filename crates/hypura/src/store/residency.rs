@@ -111,6 +111,13 @@ pub enum ResidencyError {
     CacheTooSmall { layer: usize, picked: usize, capacity: usize },
     #[error(transparent)]
     Io(#[from] IoError),
+    /// The device's expert pool could not be set up or serve a layer.
+    #[error("the device's expert pool: {0}")]
+    Pool(String),
+    /// A pooled layer's expert matmuls came without the router's ids rewritten to slots: the
+    /// graph did not stop at `ffn_moe_weights` first, so the pool cannot serve it.
+    #[error("layer {layer}'s expert matmul ran before its experts were placed in the device's pool (no ffn_moe_weights node before it in llama.cpp's graph); use --gpu-experts layers")]
+    PoolUnserved { layer: usize },
 }
 
 /// The first error of a stream driver's eval hook, and the abort flag it raises. The hook

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use super::layout::{advise_huge_slices, dense_units, place_in_slots, ExpertUnits, StreamedTensor};
 use super::load::StoreLoadReader;
 use super::residency::{Residency, ResidencyError, StreamUnit};
-use super::{DenseWindow, ExpertStream, IoStats, RouterWeights};
+use super::{DenseWindow, ExpertPool, ExpertStream, IoStats, PooledTensor, RouterWeights};
 use crate::io::{DirectFile, IoError, Region};
 use crate::model::{ExpertSlices, Inventory, TensorEntry};
 use crate::plan::{Plan, Tier};
@@ -206,11 +206,18 @@ impl<'a> StreamLoad<'a> {
         Ok(StoreLoadReader::new(DirectFile::open(self.path)?, skipped, self.stats.clone()))
     }
 
-    /// After llama.cpp's load, which placed `placed` tensors in the stream buffer type: give the
-    /// sink back, map the tables left in the file's pages, and build the drivers, each with its
-    /// residency over the one region and `io_workers` reader threads. `trace_routing` records
-    /// the router's choices. The region stays held here too until this load is dropped.
-    pub fn finish(&mut self, placed: usize, io_workers: usize, trace_routing: bool) -> Result<Streams, StoreError> {
+    /// After llama.cpp's load into `buffer_type`: point its tensors at the region, give the sink
+    /// back, map the tables left in the file's pages, and build the drivers, each with its
+    /// residency over the one region and `io_workers` reader threads, and the device's expert
+    /// pool where the plan has one. `trace_routing` records the router's choices. The region
+    /// stays held here too until this load is dropped.
+    pub fn finish(
+        &mut self,
+        buffer_type: &hypura_sys::StreamBufferType,
+        io_workers: usize,
+        trace_routing: bool,
+    ) -> Result<Streams, StoreError> {
+        let placed = buffer_type.finalize();
         drop(self.sink.take());
         let planned = self.streamed.len() + self.mapped.len();
         if placed != planned {
@@ -244,6 +251,9 @@ impl<'a> StreamLoad<'a> {
                 if experts.prefetch {
                     driver = driver.with_prefetch(read_router_weights(path, inventory)?);
                 }
+                if let Some(pool) = plan.gpu.as_ref().and_then(|gpu| gpu.expert_pool.as_ref()) {
+                    driver = driver.with_pool(expert_pool(inventory, plan, pool, buffer_type)?);
+                }
                 Some(Arc::new(driver))
             }
             None => None,
@@ -275,6 +285,43 @@ impl<'a> StreamLoad<'a> {
         };
         Ok(Streams { dense, experts, stats: self.stats.clone(), load_bytes, hooked: !self.streamed.is_empty() })
     }
+}
+
+/// The device's expert pool for `layout`: device memory for its slots and staging area, and
+/// every pooled layer's streamed expert tensors placed on their slots.
+fn expert_pool(
+    inventory: &Inventory,
+    plan: &Plan,
+    layout: &crate::plan::ExpertPoolLayout,
+    buffer_type: &hypura_sys::StreamBufferType,
+) -> Result<ExpertPool, StoreError> {
+    let n_layer = inventory.hparams.n_layer as usize;
+    let mut layers: Vec<Option<Vec<PooledTensor>>> = (0..n_layer).map(|_| None).collect();
+    for (placement, tensor) in plan.tensors.iter().zip(&inventory.tensors) {
+        let (Some(layer), Some(slices)) = (tensor.layer, tensor.experts) else { continue };
+        if placement.tier != Tier::Stream || !layout.layers.contains(&layer) || layer as usize >= n_layer {
+            continue;
+        }
+        let handle = buffer_type.tensor(&tensor.name).ok_or_else(|| {
+            ResidencyError::Pool(format!("{} is not in the stream buffer type after the load", tensor.name))
+        })?;
+        layers[layer as usize].get_or_insert_with(Vec::new).push(PooledTensor::new(
+            handle,
+            tensor.file_offset,
+            slices.slice_bytes,
+        ));
+    }
+    let device = hypura_sys::DevicePool::new(hypura_sys::Backend::get(), layout.total_bytes() as usize)
+        .map_err(|error| ResidencyError::Pool(error.to_string()))?;
+    let pool = ExpertPool::new(device, layout.slots as usize, inventory.hparams.n_expert as usize, layers)?;
+    tracing::info!(
+        "expert pool on {}: {} slots in each of {} layers, {} with the staging area",
+        pool.device(),
+        layout.slots,
+        layout.layers.len(),
+        crate::format::format_bytes(layout.total_bytes())
+    );
+    Ok(pool)
 }
 
 /// Every layer's F32 router weights, read from the file (read-only) for the stale gate.

@@ -45,6 +45,7 @@ fn plan_with_budgets(inventory: &Inventory, host_bytes: u64, gpu_bytes: u64) -> 
         n_ubatch: 512,
         window_layers: Some(1),
         expert_prefetch: Some(true),
+        static_gpu_experts: true,
         ..PlanOptions::default()
     };
     plan::plan(inventory, &facts, &options).unwrap()
@@ -224,4 +225,86 @@ fn gemma_last_layers_whole_on_the_gpu_leave_the_dense_window_and_tokens_equal_ll
     let _machine = common::shared_machine();
     // The last 3 layers whole on the GPU with the output: 12 of the 15 host layers stream.
     gemma_dense_stream_beside_the_gpu(plan_with_whole_layers, 3, 12);
+}
+
+/// The expert pool: every MoE layer's routed experts in `slots` device slots (here the CPU's
+/// memory, where llama.cpp computes "GPU" layers without a GPU), uploaded from the host's
+/// expert cache as the router picks them, the ids rewritten to slots; a prompt batch that picks
+/// more experts than a layer has slots computes from the staging area. The same kernels on the
+/// same bytes: the greedy tokens equal the resident model's.
+#[test]
+fn pooled_experts_are_served_from_slots_and_staging_and_tokens_equal_resident() {
+    let _machine = common::shared_machine();
+    let directory = tempfile::tempdir().unwrap();
+    let path = common::forge("tiny-moe-30b", directory.path());
+    let inventory = Inventory::open(&path).unwrap();
+    let hparams = &inventory.hparams;
+    let (n_expert, k) = (hparams.n_expert, hparams.n_expert_used);
+    let expert_tensors: Vec<_> = inventory.expert_tensors().collect();
+    let per_slot: u64 = expert_tensors.iter().map(|tensor| tensor.experts.unwrap().slice_bytes).sum();
+    let staging = (0..hparams.n_layer as u32)
+        .map(|layer| {
+            expert_tensors
+                .iter()
+                .filter(|tensor| tensor.layer == Some(layer))
+                .map(|tensor| tensor.bytes.next_multiple_of(plan::POOL_ALIGNMENT))
+                .sum::<u64>()
+        })
+        .max()
+        .unwrap();
+    let ffn = layer_ffn(&inventory);
+    let (embedding, tied) = embedding_and_tied_copy(&inventory);
+    let every_token = inventory.tensor_data_bytes() - ffn.iter().sum::<u64>() - embedding;
+    let compute = plan::compute_buffer_bytes(&inventory, N_CTX, 512);
+    // Room for k + 1 slots per layer: a decode's picks fit, the prompt's do not.
+    let slots = k + 1;
+    let alignment = expert_tensors.len() as u64 * plan::POOL_ALIGNMENT;
+    let gpu =
+        every_token + tied + plan::kv_cache_bytes(&inventory, N_CTX) + compute + staging + slots * per_slot + alignment;
+    let facts = MachineFacts {
+        // The host cache holds two layers' experts: the rest of the model streams.
+        memory_budget_bytes: embedding + compute + 2 * n_expert * per_slot / hparams.n_layer,
+        disk_bytes_per_sec: Some(1e9),
+        gpu_budget_bytes: gpu,
+        ..MachineFacts::default()
+    };
+    let options = PlanOptions { mode: ModeChoice::Auto, n_ctx: N_CTX, n_ubatch: 512, ..PlanOptions::default() };
+    let plan = plan::plan(&inventory, &facts, &options).unwrap();
+    let pool = plan.gpu.as_ref().and_then(|gpu| gpu.expert_pool.clone()).unwrap_or_else(|| panic!("{}", plan.render()));
+    // At least k + 1 slots (the budget's other terms are the plan's own estimates), fewer
+    // than the experts.
+    assert!((slots..n_expert).contains(&(pool.slots as u64)), "{}", plan.render());
+    assert_eq!(pool.layers, (0..hparams.n_layer as u32).collect::<Vec<_>>());
+    assert_eq!(plan.mode, Mode::ExpertStream);
+    assert!(
+        plan.render().contains(&format!("expert pool  {} slots in each of 4 MoE layers", pool.slots)),
+        "{}",
+        plan.render()
+    );
+
+    let open = |plan: Option<Plan>| {
+        let options =
+            EngineOptions { n_ctx_seq: N_CTX, n_threads: Some(1), repack: false, plan, ..EngineOptions::default() };
+        Arc::new(Engine::open(&path, options).unwrap())
+    };
+    let pooled = open(Some(plan));
+    let ours = greedy(&pooled, 32);
+    let resident = open(None);
+    assert_eq!(resident.mode(), Mode::Resident);
+    let theirs = greedy(&resident, 32);
+    assert_eq!(ours.tokens, theirs.tokens);
+    let experts = ours.stats.experts.expect("expert stats");
+    let device = &experts.device;
+    // The prompt's graph stages the layers where it picks more experts than the slots; each
+    // decode serves every layer from slots, uploading what they do not hold.
+    assert!((1..=hparams.n_layer).contains(&device.staged_layers), "{experts:?}");
+    assert!(device.hits > 0 && device.uploads > 0, "{experts:?}");
+    let decode_picks = 31 * hparams.n_layer * k;
+    let prompt_slot_picks = device.hits + device.uploads - decode_picks;
+    assert!(prompt_slot_picks <= (hparams.n_layer - device.staged_layers) * pool.slots as u64, "{experts:?}");
+    // Staging uploads at most a layer whole each time; slots took the rest.
+    assert!(device.staged_bytes <= device.staged_layers * staging, "{experts:?}");
+    assert!(device.upload_bytes > device.staged_bytes, "{experts:?}");
+    // One stop per layer per graph, at ffn_moe_weights.
+    assert_eq!(ours.stats.io.expect("io stats").observations, hparams.n_layer * 32);
 }

@@ -1,0 +1,304 @@
+//! The device's expert pool (decision 29): the top tier of the expert hierarchy. Every pooled
+//! MoE layer's routed expert tensors are placed in device memory that holds `slots` of their
+//! experts; the host's expert cache (the region) is the tier below and the disk the last.
+//!
+//! At `ffn_moe_weights-L`, after the router's ids have been used to gather the expert weights
+//! and before any expert matmul reads them, the expert stream hands the layer's picks here:
+//! - where the picks fit the slots, the experts not in a slot are made ready in the host cache,
+//!   uploaded into the least recently used slots that this batch does not use, and the ids are
+//!   rewritten to slot numbers: the kernels read slots only;
+//! - where a prompt batch picks more experts than the layer has slots, the layer's tensors are
+//!   pointed at the staging area, which holds a layer whole, its picks are uploaded at their
+//!   own positions and the ids stay as they are.
+//!
+//! Either way the device computes every routed expert, from the same bytes as the file's.
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use hypura_sys::{DevicePool, ModelTensor};
+use serde::Serialize;
+
+use super::residency::ResidencyError;
+use crate::io::Region;
+use crate::plan::POOL_ALIGNMENT;
+
+/// One pooled expert tensor: where its experts lie in the file (and so in the region), and
+/// where its slots and its staging copy lie in the pool.
+pub struct PooledTensor {
+    pub tensor: ModelTensor,
+    pub file_offset: u64,
+    pub slice_bytes: u64,
+    slots_at: usize,
+    staging_at: usize,
+}
+
+impl PooledTensor {
+    pub fn new(tensor: ModelTensor, file_offset: u64, slice_bytes: u64) -> PooledTensor {
+        PooledTensor { tensor, file_offset, slice_bytes, slots_at: 0, staging_at: 0 }
+    }
+}
+
+/// One pooled layer's tensors and slot table.
+struct PooledLayer {
+    tensors: Vec<PooledTensor>,
+    /// Per expert, its slot.
+    slot_of: Vec<Option<u32>>,
+    /// Per slot, its expert and when it was last used.
+    holds: Vec<Option<usize>>,
+    last_used: Vec<u64>,
+    /// Whether the tensors point at the staging area now.
+    staged: bool,
+}
+
+/// What the pool did, counted per (token batch, layer, expert).
+#[derive(Debug, Default)]
+pub struct PoolCounters {
+    hits: AtomicU64,
+    uploads: AtomicU64,
+    upload_bytes: AtomicU64,
+    staged_layers: AtomicU64,
+    staged_bytes: AtomicU64,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct PoolSnapshot {
+    /// Picks served from a device slot.
+    pub hits: u64,
+    /// Experts uploaded into a slot (a pick that was not in one).
+    pub uploads: u64,
+    /// Bytes copied to the device, slots and staging together.
+    pub upload_bytes: u64,
+    /// Layers computed from the staging area (prompt batches), and the bytes staged.
+    pub staged_layers: u64,
+    pub staged_bytes: u64,
+}
+
+impl std::ops::Sub for PoolSnapshot {
+    type Output = PoolSnapshot;
+
+    fn sub(self, earlier: PoolSnapshot) -> PoolSnapshot {
+        PoolSnapshot {
+            hits: self.hits - earlier.hits,
+            uploads: self.uploads - earlier.uploads,
+            upload_bytes: self.upload_bytes - earlier.upload_bytes,
+            staged_layers: self.staged_layers - earlier.staged_layers,
+            staged_bytes: self.staged_bytes - earlier.staged_bytes,
+        }
+    }
+}
+
+/// How a layer's batch is served: the experts to make ready in the host cache first.
+pub enum Serving {
+    /// The picks fit the slots: these experts need uploading.
+    Slots(Vec<usize>),
+    /// A prompt batch: every pick is staged.
+    Staged(Vec<usize>),
+}
+
+pub struct ExpertPool {
+    pool: DevicePool,
+    slots: usize,
+    layers: Vec<Option<PooledLayer>>,
+    clock: u64,
+    counters: PoolCounters,
+}
+
+impl ExpertPool {
+    /// Lay `layers`' tensors out in `pool` (per layer: its tensors' `slots` slots, each tensor
+    /// aligned; after every layer, one staging area the size of the largest layer) and place
+    /// them on their slots. The pool must be at least `ExpertPool::bytes` long.
+    pub fn new(
+        pool: DevicePool,
+        slots: usize,
+        n_expert: usize,
+        layers: Vec<Option<Vec<PooledTensor>>>,
+    ) -> Result<ExpertPool, ResidencyError> {
+        let (slot_bytes, staging_bytes) = Self::layout(slots, &layers);
+        if slot_bytes + staging_bytes > pool.bytes() as u64 || slots == 0 {
+            return Err(ResidencyError::Pool(format!(
+                "{} of device memory holds no {slots} expert slots per layer and a staging area ({} needed)",
+                crate::format::format_bytes(pool.bytes() as u64),
+                crate::format::format_bytes(slot_bytes + staging_bytes)
+            )));
+        }
+        let mut at = 0usize;
+        let mut placed = Vec::with_capacity(layers.len());
+        for tensors in layers {
+            let Some(mut tensors) = tensors else {
+                placed.push(None);
+                continue;
+            };
+            let mut staged_at = slot_bytes as usize;
+            for tensor in &mut tensors {
+                tensor.slots_at = at;
+                tensor.staging_at = staged_at;
+                tensor.tensor.place(&pool, at, slots * tensor.slice_bytes as usize).map_err(pool_error)?;
+                at = (at + slots * tensor.slice_bytes as usize).next_multiple_of(POOL_ALIGNMENT as usize);
+                staged_at = (staged_at + tensor.tensor.nbytes()).next_multiple_of(POOL_ALIGNMENT as usize);
+            }
+            placed.push(Some(PooledLayer {
+                tensors,
+                slot_of: vec![None; n_expert],
+                holds: vec![None; slots],
+                last_used: vec![0; slots],
+                staged: false,
+            }));
+        }
+        Ok(ExpertPool { pool, slots, layers: placed, clock: 0, counters: PoolCounters::default() })
+    }
+
+    /// The slots' and the staging area's bytes for this layout.
+    fn layout(slots: usize, layers: &[Option<Vec<PooledTensor>>]) -> (u64, u64) {
+        let align = |bytes: u64| bytes.next_multiple_of(POOL_ALIGNMENT);
+        let slot_bytes = layers.iter().flatten().flatten().map(|tensor| align(slots as u64 * tensor.slice_bytes)).sum();
+        let staging_bytes = layers
+            .iter()
+            .flatten()
+            .map(|tensors| tensors.iter().map(|tensor| align(tensor.tensor.nbytes() as u64)).sum::<u64>())
+            .max()
+            .unwrap_or(0);
+        (slot_bytes, staging_bytes)
+    }
+
+    pub fn device(&self) -> &str {
+        self.pool.device()
+    }
+
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    pub fn pooled_layers(&self) -> Vec<bool> {
+        self.layers.iter().map(Option::is_some).collect()
+    }
+
+    /// Whether expert `expert` of `layer` is in a slot.
+    pub fn holds(&self, layer: usize, expert: usize) -> bool {
+        self.layers
+            .get(layer)
+            .and_then(Option::as_ref)
+            .is_some_and(|pooled| pooled.slot_of.get(expert).copied().flatten().is_some())
+    }
+
+    /// How `picks` (the batch's distinct experts of `layer`) will be served. Slot hits count
+    /// here; the caller makes the returned experts ready in the host cache, then calls `load`.
+    pub fn serve(&mut self, layer: usize, picks: &[usize]) -> Serving {
+        let Some(pooled) = self.layers.get(layer).and_then(Option::as_ref) else {
+            return Serving::Staged(picks.to_vec());
+        };
+        if picks.len() > self.slots {
+            return Serving::Staged(picks.to_vec());
+        }
+        let missing: Vec<usize> = picks.iter().copied().filter(|&expert| pooled.slot_of[expert].is_none()).collect();
+        self.counters.hits.fetch_add((picks.len() - missing.len()) as u64, Ordering::Relaxed);
+        Serving::Slots(missing)
+    }
+
+    /// Carry out `serving` for `layer`'s `picks`, reading the experts' bytes from `region`
+    /// (ready there): upload into slots and return the ids rewritten to slots, or stage the
+    /// layer and return None (the ids stay).
+    pub fn load(
+        &mut self,
+        layer: usize,
+        picks: &[usize],
+        serving: &Serving,
+        region: &Region,
+        rows: &[Vec<i32>],
+    ) -> Result<Option<Vec<Vec<i32>>>, ResidencyError> {
+        let slots = self.slots;
+        let Some(pooled) = self.layers.get_mut(layer).and_then(Option::as_mut) else {
+            return Err(ResidencyError::Pool(format!("layer {layer} has no expert pool")));
+        };
+        match serving {
+            Serving::Staged(experts) => {
+                let mut bytes = 0u64;
+                for tensor in &pooled.tensors {
+                    tensor.tensor.place(&self.pool, tensor.staging_at, tensor.tensor.nbytes()).map_err(pool_error)?;
+                    for &expert in experts {
+                        bytes += upload(tensor, region, expert, expert)?;
+                    }
+                }
+                pooled.staged = true;
+                self.counters.staged_layers.fetch_add(1, Ordering::Relaxed);
+                self.counters.staged_bytes.fetch_add(bytes, Ordering::Relaxed);
+                self.counters.upload_bytes.fetch_add(bytes, Ordering::Relaxed);
+                Ok(None)
+            }
+            Serving::Slots(missing) => {
+                if pooled.staged {
+                    for tensor in &pooled.tensors {
+                        tensor
+                            .tensor
+                            .place(&self.pool, tensor.slots_at, slots * tensor.slice_bytes as usize)
+                            .map_err(pool_error)?;
+                    }
+                    pooled.staged = false;
+                }
+                self.clock += 1;
+                let now = self.clock;
+                for &expert in picks {
+                    if let Some(slot) = pooled.slot_of[expert] {
+                        pooled.last_used[slot as usize] = now;
+                    }
+                }
+                for &expert in missing {
+                    // The least recently used slot that this batch does not use (one exists:
+                    // the picks are no more than the slots, and each used slot is stamped now).
+                    let slot = (0..slots)
+                        .filter(|&slot| pooled.last_used[slot] != now)
+                        .min_by_key(|&slot| pooled.last_used[slot])
+                        .ok_or_else(|| {
+                            ResidencyError::Pool(format!("layer {layer}: no free slot for expert {expert}"))
+                        })?;
+                    if let Some(previous) = pooled.holds[slot].take() {
+                        pooled.slot_of[previous] = None;
+                    }
+                    let mut bytes = 0;
+                    for tensor in &pooled.tensors {
+                        bytes += upload(tensor, region, expert, slot)?;
+                    }
+                    pooled.holds[slot] = Some(expert);
+                    pooled.slot_of[expert] = Some(slot as u32);
+                    pooled.last_used[slot] = now;
+                    self.counters.uploads.fetch_add(1, Ordering::Relaxed);
+                    self.counters.upload_bytes.fetch_add(bytes, Ordering::Relaxed);
+                }
+                let remapped = rows
+                    .iter()
+                    .map(|row| {
+                        row.iter()
+                            .map(|&expert| pooled.slot_of[expert as usize].map_or(-1, |slot| slot as i32))
+                            .collect::<Vec<i32>>()
+                    })
+                    .collect::<Vec<_>>();
+                if remapped.iter().flatten().any(|&slot| slot < 0) {
+                    return Err(ResidencyError::Pool(format!("layer {layer}: a picked expert has no slot")));
+                }
+                Ok(Some(remapped))
+            }
+        }
+    }
+
+    pub fn snapshot(&self) -> PoolSnapshot {
+        let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        PoolSnapshot {
+            hits: load(&self.counters.hits),
+            uploads: load(&self.counters.uploads),
+            upload_bytes: load(&self.counters.upload_bytes),
+            staged_layers: load(&self.counters.staged_layers),
+            staged_bytes: load(&self.counters.staged_bytes),
+        }
+    }
+}
+
+/// Copy expert `expert`'s slice of `tensor` from the region into position `at` of the tensor's
+/// device memory; the bytes copied.
+fn upload(tensor: &PooledTensor, region: &Region, expert: usize, at: usize) -> Result<u64, ResidencyError> {
+    let start = tensor.file_offset + expert as u64 * tensor.slice_bytes;
+    let bytes = region.bytes(start..start + tensor.slice_bytes);
+    tensor.tensor.write(at * tensor.slice_bytes as usize, bytes).map_err(pool_error)?;
+    Ok(tensor.slice_bytes)
+}
+
+fn pool_error(error: hypura_sys::SysError) -> ResidencyError {
+    ResidencyError::Pool(error.to_string())
+}
