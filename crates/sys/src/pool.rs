@@ -145,6 +145,17 @@ impl ModelTensor {
         Ok(())
     }
 
+    /// Copy the placed tensor's bytes at `offset` into `bytes` (a download on a GPU).
+    pub fn read(&self, offset: usize, bytes: &mut [u8]) -> Result<(), SysError> {
+        let span = self.span.load(Ordering::Acquire);
+        if span == 0 || offset.checked_add(bytes.len()).is_none_or(|end| end > span) {
+            return Err(SysError::Allocation("an expert slot (a read outside the tensor's placed span)"));
+        }
+        // SAFETY: as in `write`: the span is backed by the pool and `bytes` is that long.
+        unsafe { raw::ggml_backend_tensor_get(self.tensor.as_ptr(), bytes.as_mut_ptr().cast(), offset, bytes.len()) };
+        Ok(())
+    }
+
     /// Copy `bytes` into the placed tensor at `offset` (an upload on a GPU).
     pub fn write(&self, offset: usize, bytes: &[u8]) -> Result<(), SysError> {
         let span = self.span.load(Ordering::Acquire);

@@ -51,6 +51,8 @@ pub enum PeerPlacement {
     Fit { gpu_budget_bytes: u64 },
     /// `-ot exps=CPU`: every layer on the GPU but the routed experts, in host memory.
     ExpertsOnHost,
+    /// `--n-cpu-moe N`: every layer on the GPU but the routed experts of the first N layers.
+    CpuMoe { layers: u32 },
     /// Hypura's placement from its plan: the same layers on the GPU and the same tensors in
     /// host memory (streamed ones loaded whole), for output comparisons.
     Same { n_gpu_layers: i32, host_patterns: Vec<String> },
@@ -67,6 +69,9 @@ impl PeerPlacement {
             "default" => PeerPlacement::Default,
             "fit" => PeerPlacement::Fit { gpu_budget_bytes },
             "exps-cpu" => PeerPlacement::ExpertsOnHost,
+            other if other.starts_with("n-cpu-moe:") => {
+                PeerPlacement::CpuMoe { layers: other.strip_prefix("n-cpu-moe:")?.parse().ok()? }
+            }
             "same" => {
                 let plan = plan?;
                 let tiers = [crate::plan::Tier::Ram, crate::plan::Tier::Stream];
@@ -159,6 +164,10 @@ pub struct BenchReport {
     /// (issued, used by the router, cancelled unstarted).
     pub expert_hit_rate: Option<f64>,
     pub prefetch_issued_used_cancelled: Option<[u64; 3]>,
+    /// The device's expert pool, over tg runs: the share of all router picks its slots served
+    /// (the host cache's `expert_hit_rate` is of the rest), and bytes uploaded per pass.
+    pub gpu_expert_hit_rate: Option<f64>,
+    pub gpu_upload_bytes_per_token: Option<f64>,
     /// Speculative decoding, over tg runs: share of drafted tokens accepted, generated tokens
     /// per decode (pass over the weights), and bytes read per generated token.
     pub draft_acceptance: Option<f64>,
@@ -254,6 +263,8 @@ struct TgTotals {
     expert_hits: u64,
     expert_misses: u64,
     prefetch: [u64; 3],
+    /// The device's expert pool: picks served from its slots, and its uploads.
+    pool: crate::store::PoolSnapshot,
     /// Speculative decoding: tokens drafted and accepted, tokens generated and the decodes
     /// that produced them.
     drafted: u64,
@@ -313,6 +324,7 @@ impl HypuraSide {
             self.totals.prefetch[0] += experts.prefetch_issued;
             self.totals.prefetch[1] += experts.prefetch_used;
             self.totals.prefetch[2] += experts.prefetch_cancelled;
+            self.totals.pool = self.totals.pool + experts.device;
         }
         if let Some(links) = stats.eval_links {
             self.totals.link_bytes += links.bytes();
@@ -480,6 +492,11 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         expert_hit_rate: (totals.expert_hits + totals.expert_misses > 0)
             .then(|| totals.expert_hits as f64 / (totals.expert_hits + totals.expert_misses) as f64),
         prefetch_issued_used_cancelled: (totals.prefetch[0] > 0).then_some(totals.prefetch),
+        gpu_expert_hit_rate: (totals.pool.hits + totals.pool.uploads > 0).then(|| {
+            totals.pool.hits as f64 / (totals.pool.hits + totals.expert_hits + totals.expert_misses).max(1) as f64
+        }),
+        gpu_upload_bytes_per_token: (totals.pool.upload_bytes > 0 && totals.graphs > 0)
+            .then(|| totals.pool.upload_bytes as f64 / totals.graphs as f64),
         draft_acceptance: (totals.drafted > 0).then(|| totals.accepted as f64 / totals.drafted as f64),
         tokens_per_pass: (totals.drafted > 0 && totals.passes > 0).then(|| totals.tokens as f64 / totals.passes as f64),
         bytes_read_per_generated_token: (totals.drafted > 0 && totals.tokens > 0 && totals.graphs > 0)
@@ -568,6 +585,15 @@ pub fn render(report: &BenchReport) -> String {
             100.0 * report.stall_fraction.unwrap_or(0.0),
             report.io_bound_tokens_per_sec.map_or_else(String::new, |bound| format!("; disk bound {bound:.2} tok/s"))
         );
+        if let (Some(hits), Some(uploads)) = (report.gpu_expert_hit_rate, report.gpu_upload_bytes_per_token) {
+            let _ = writeln!(
+                out,
+                "expert tiers: {:.1}% of picks from the GPU's slots, {:.1}% from the host cache, the rest from disk; {:.1} MB uploaded to the GPU per token",
+                100.0 * hits,
+                100.0 * (1.0 - hits) * report.expert_hit_rate.unwrap_or(0.0),
+                uploads / 1e6
+            );
+        }
         if let (Some(limit), Some(fraction), Some(rate)) =
             (report.limit_tokens_per_sec, report.limit_fraction, report.disk_bytes_per_sec)
         {

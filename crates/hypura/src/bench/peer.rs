@@ -57,6 +57,10 @@ impl PlainLlama {
         let host_patterns = match &config.placement {
             PeerPlacement::Default => Vec::new(),
             PeerPlacement::ExpertsOnHost => vec![PeerPlacement::EXPERTS_PATTERN.to_string()],
+            // llama.cpp's own patterns for `--n-cpu-moe N`.
+            PeerPlacement::CpuMoe { layers } => {
+                (0..*layers).map(|layer| format!("blk\\.{layer}\\.ffn_(up|down|gate|gate_up)_(ch|)exps")).collect()
+            }
             PeerPlacement::Same { n_gpu_layers, host_patterns } => {
                 model_params.n_gpu_layers = *n_gpu_layers;
                 host_patterns.clone()

@@ -327,7 +327,8 @@ pub struct BenchArgs {
     #[arg(long)]
     pub baseline_no_repack: bool,
     /// The baseline's GPU placement: default (every layer on the GPU), fit (llama.cpp's
-    /// automatic fit to --gpu-budget), exps-cpu (-ot exps=CPU) or same (Hypura's plan).
+    /// automatic fit to --gpu-budget), exps-cpu (-ot exps=CPU), n-cpu-moe:N (--n-cpu-moe N: the
+    /// first N layers' routed experts in host memory) or same (Hypura's plan).
     #[arg(long, default_value = "default")]
     pub baseline_placement: String,
     /// Run the llama.cpp baseline even when the model exceeds available memory minus 4 GiB.

@@ -294,6 +294,25 @@ impl Region {
         }
     }
 
+    /// Let `write` fill the bytes at `range` (a unit the store holds as loading, which nothing
+    /// else reads or writes meanwhile: the device's expert pool copies an expert back so).
+    pub fn fill(
+        &self,
+        range: std::ops::Range<u64>,
+        write: impl FnOnce(&mut [u8]) -> Result<(), String>,
+    ) -> Result<(), String> {
+        assert!(range.end as usize <= self.len_bytes && range.start <= range.end, "range {range:?} outside the region");
+        // SAFETY: the range lies inside the live, writable mapping; the store serialises
+        // writers of a unit's range (it is loading, and only this caller fills it).
+        let bytes = unsafe {
+            std::slice::from_raw_parts_mut(
+                self.base.as_ptr().add(range.start as usize),
+                (range.end - range.start) as usize,
+            )
+        };
+        write(bytes)
+    }
+
     /// Copy `source` into the region at `offset`, bypassing the file (load-time fills of small
     /// edge pieces). Same contract as `read_in`.
     pub fn write(&self, offset: u64, source: &[u8]) {

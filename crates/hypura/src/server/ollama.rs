@@ -241,6 +241,11 @@ fn final_fields(object: &mut Map<String, Value>, finished: &Finished, with_conte
     }
     if let Some(experts) = &stats.experts {
         object.insert("hypura_expert_hit_rate".into(), json!(experts.hit_rate()));
+        if experts.device.hits + experts.device.uploads + experts.device.staged_layers > 0 {
+            object.insert("hypura_gpu_expert_hits".into(), json!(experts.device.hits));
+            object.insert("hypura_gpu_expert_uploads".into(), json!(experts.device.uploads));
+            object.insert("hypura_gpu_upload_bytes".into(), json!(experts.device.upload_bytes));
+        }
     }
     if let Some(peak) = crate::hw::peak_rss_bytes() {
         object.insert("hypura_peak_memory".into(), json!(peak));

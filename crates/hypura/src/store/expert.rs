@@ -20,7 +20,7 @@ use hypura_sys::{EvalHook, ObservedNode};
 use serde::Serialize;
 
 use super::layout::ExpertUnits;
-use super::pool::{ExpertPool, PoolSnapshot, Serving};
+use super::pool::{ExpertPool, PoolSnapshot, Serving, Tiers};
 use super::residency::{FailureLatch, Residency, ResidencyError, UnitState};
 
 const TOP_K_NODE: &str = "ffn_moe_topk-";
@@ -467,7 +467,8 @@ impl ExpertStream {
             predicts.then(|| node.ancestor_input_f32_rows(&format!("{ROUTER_LOGITS_NODE}{layer}"), 1, 8)).flatten();
         let next_pooled = |unit: usize| pool.holds(layer + 1, unit % self.numbering.n_expert);
         self.route_units(layer, units, &rows, hidden.as_deref(), &next_pooled)?;
-        if let Some(remapped) = pool.load(layer, &picks, &serving, self.residency.region(), &rows)? {
+        let mut tiers = HostTier { stream: self, layer };
+        if let Some(remapped) = pool.load(layer, &picks, &serving, self.residency.region(), &rows, &mut tiers)? {
             node.write_input_i32_rows(1, &remapped).map_err(|error| ResidencyError::Pool(error.to_string()))?;
         }
         self.served[layer].store(true, Ordering::Release);
@@ -635,6 +636,46 @@ impl EvalHook for ExpertStream {
             tracing::error!("expert streaming at layer {layer}: {error}");
             self.failure.fail(error);
         }
+    }
+}
+
+/// The host cache as the tier below a layer's device slots: an expert a slot gives up moves
+/// into it (copied back from the device, so it is not read from disk again), and an expert
+/// uploaded into a slot leaves it. The two tiers hold different experts, so together they hold
+/// as many as their sizes add up to.
+struct HostTier<'a> {
+    stream: &'a ExpertStream,
+    layer: usize,
+}
+
+impl Tiers for HostTier<'_> {
+    fn evicted(
+        &mut self,
+        expert: usize,
+        copy: &dyn Fn(&crate::io::Region) -> Result<(), String>,
+    ) -> Result<(), ResidencyError> {
+        let unit = self.stream.numbering.unit(self.layer, expert);
+        let mut state = self.stream.state.locked();
+        if state.cache.is_resident(unit) {
+            return Ok(());
+        }
+        let pinned = state.pinned.clone();
+        for victim in state.cache.admit(unit, &pinned) {
+            self.stream.residency.release(victim)?;
+        }
+        drop(state);
+        self.stream.residency.fill(unit, |region, _| copy(region))?;
+        Ok(())
+    }
+
+    fn uploaded(&mut self, expert: usize) -> Result<(), ResidencyError> {
+        let unit = self.stream.numbering.unit(self.layer, expert);
+        let mut state = self.stream.state.locked();
+        if state.cache.is_resident(unit) {
+            state.cache.forget(unit);
+            self.stream.residency.release(unit)?;
+        }
+        Ok(())
     }
 }
 

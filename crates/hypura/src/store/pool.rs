@@ -54,22 +54,40 @@ struct PooledLayer {
 pub struct PoolCounters {
     hits: AtomicU64,
     uploads: AtomicU64,
+    evictions: AtomicU64,
     upload_bytes: AtomicU64,
     staged_layers: AtomicU64,
     staged_bytes: AtomicU64,
 }
 
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct PoolSnapshot {
     /// Picks served from a device slot.
     pub hits: u64,
     /// Experts uploaded into a slot (a pick that was not in one).
     pub uploads: u64,
+    /// Experts a slot gave up for another, copied back to the host cache.
+    pub evictions: u64,
     /// Bytes copied to the device, slots and staging together.
     pub upload_bytes: u64,
     /// Layers computed from the staging area (prompt batches), and the bytes staged.
     pub staged_layers: u64,
     pub staged_bytes: u64,
+}
+
+impl std::ops::Add for PoolSnapshot {
+    type Output = PoolSnapshot;
+
+    fn add(self, other: PoolSnapshot) -> PoolSnapshot {
+        PoolSnapshot {
+            hits: self.hits + other.hits,
+            uploads: self.uploads + other.uploads,
+            evictions: self.evictions + other.evictions,
+            upload_bytes: self.upload_bytes + other.upload_bytes,
+            staged_layers: self.staged_layers + other.staged_layers,
+            staged_bytes: self.staged_bytes + other.staged_bytes,
+        }
+    }
 }
 
 impl std::ops::Sub for PoolSnapshot {
@@ -79,6 +97,7 @@ impl std::ops::Sub for PoolSnapshot {
         PoolSnapshot {
             hits: self.hits - earlier.hits,
             uploads: self.uploads - earlier.uploads,
+            evictions: self.evictions - earlier.evictions,
             upload_bytes: self.upload_bytes - earlier.upload_bytes,
             staged_layers: self.staged_layers - earlier.staged_layers,
             staged_bytes: self.staged_bytes - earlier.staged_bytes,
@@ -86,11 +105,20 @@ impl std::ops::Sub for PoolSnapshot {
     }
 }
 
+/// The tier below the pool (the host's expert cache), told what moves between them.
+pub trait Tiers {
+    /// `expert` left its slot; `copy` writes its bytes at its place in the region.
+    fn evicted(&mut self, expert: usize, copy: &dyn Fn(&Region) -> Result<(), String>) -> Result<(), ResidencyError>;
+    /// `expert` is in a slot now.
+    fn uploaded(&mut self, expert: usize) -> Result<(), ResidencyError>;
+}
+
 /// How a layer's batch is served: the experts to make ready in the host cache first.
 pub enum Serving {
     /// The picks fit the slots: these experts need uploading.
     Slots(Vec<usize>),
-    /// A prompt batch: every pick is staged.
+    /// A prompt batch: every pick is staged, these from the host cache (the others from
+    /// their slots).
     Staged(Vec<usize>),
 }
 
@@ -186,7 +214,8 @@ impl ExpertPool {
             return Serving::Staged(picks.to_vec());
         };
         if picks.len() > self.slots {
-            return Serving::Staged(picks.to_vec());
+            // Experts in slots are copied on the device's side; the host cache serves the rest.
+            return Serving::Staged(picks.iter().copied().filter(|&expert| pooled.slot_of[expert].is_none()).collect());
         }
         let missing: Vec<usize> = picks.iter().copied().filter(|&expert| pooled.slot_of[expert].is_none()).collect();
         self.counters.hits.fetch_add((picks.len() - missing.len()) as u64, Ordering::Relaxed);
@@ -195,7 +224,9 @@ impl ExpertPool {
 
     /// Carry out `serving` for `layer`'s `picks`, reading the experts' bytes from `region`
     /// (ready there): upload into slots and return the ids rewritten to slots, or stage the
-    /// layer and return None (the ids stay).
+    /// layer and return None (the ids stay). The tiers are exclusive: `tiers` is handed each
+    /// expert a slot gives up, with a copy of it into the region for the host cache to keep,
+    /// and each expert now in a slot, which the host cache drops.
     pub fn load(
         &mut self,
         layer: usize,
@@ -203,18 +234,34 @@ impl ExpertPool {
         serving: &Serving,
         region: &Region,
         rows: &[Vec<i32>],
+        tiers: &mut dyn Tiers,
     ) -> Result<Option<Vec<Vec<i32>>>, ResidencyError> {
         let slots = self.slots;
         let Some(pooled) = self.layers.get_mut(layer).and_then(Option::as_mut) else {
             return Err(ResidencyError::Pool(format!("layer {layer} has no expert pool")));
         };
         match serving {
-            Serving::Staged(experts) => {
+            Serving::Staged(from_host) => {
                 let mut bytes = 0u64;
                 for tensor in &pooled.tensors {
+                    // The picks the slots hold, copied out while the tensor points at them.
+                    let slice = tensor.slice_bytes as usize;
+                    tensor.tensor.place(&self.pool, tensor.slots_at, slots * slice).map_err(pool_error)?;
+                    let mut from_slots = Vec::new();
+                    for &expert in picks {
+                        if let Some(slot) = pooled.slot_of[expert] {
+                            let mut copy = vec![0u8; slice];
+                            tensor.tensor.read(slot as usize * slice, &mut copy).map_err(pool_error)?;
+                            from_slots.push((expert, copy));
+                        }
+                    }
                     tensor.tensor.place(&self.pool, tensor.staging_at, tensor.tensor.nbytes()).map_err(pool_error)?;
-                    for &expert in experts {
+                    for &expert in from_host {
                         bytes += upload(tensor, region, expert, expert)?;
+                    }
+                    for (expert, copy) in from_slots {
+                        tensor.tensor.write(expert * slice, &copy).map_err(pool_error)?;
+                        bytes += copy.len() as u64;
                     }
                 }
                 pooled.staged = true;
@@ -251,6 +298,21 @@ impl ExpertPool {
                         })?;
                     if let Some(previous) = pooled.holds[slot].take() {
                         pooled.slot_of[previous] = None;
+                        let tensors = &pooled.tensors;
+                        let copy_back = |region: &Region| -> Result<(), String> {
+                            for tensor in tensors {
+                                let start = tensor.file_offset + previous as u64 * tensor.slice_bytes;
+                                region.fill(start..start + tensor.slice_bytes, |bytes| {
+                                    tensor
+                                        .tensor
+                                        .read(slot * tensor.slice_bytes as usize, bytes)
+                                        .map_err(|error| error.to_string())
+                                })?;
+                            }
+                            Ok(())
+                        };
+                        tiers.evicted(previous, &copy_back)?;
+                        self.counters.evictions.fetch_add(1, Ordering::Relaxed);
                     }
                     let mut bytes = 0;
                     for tensor in &pooled.tensors {
@@ -261,6 +323,7 @@ impl ExpertPool {
                     pooled.last_used[slot] = now;
                     self.counters.uploads.fetch_add(1, Ordering::Relaxed);
                     self.counters.upload_bytes.fetch_add(bytes, Ordering::Relaxed);
+                    tiers.uploaded(expert)?;
                 }
                 let remapped = rows
                     .iter()
@@ -283,6 +346,7 @@ impl ExpertPool {
         PoolSnapshot {
             hits: load(&self.counters.hits),
             uploads: load(&self.counters.uploads),
+            evictions: load(&self.counters.evictions),
             upload_bytes: load(&self.counters.upload_bytes),
             staged_layers: load(&self.counters.staged_layers),
             staged_bytes: load(&self.counters.staged_bytes),

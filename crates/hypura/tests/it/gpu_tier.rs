@@ -299,6 +299,9 @@ fn pooled_experts_are_served_from_slots_and_staging_and_tokens_equal_resident() 
     // decode serves every layer from slots, uploading what they do not hold.
     assert!((1..=hparams.n_layer).contains(&device.staged_layers), "{experts:?}");
     assert!(device.hits > 0 && device.uploads > 0, "{experts:?}");
+    // Slots gave experts back to the host cache (copied from the device): later picks of them
+    // uploaded those copies, and the tokens still agree.
+    assert!(device.evictions > 0, "{experts:?}");
     let decode_picks = 31 * hparams.n_layer * k;
     let prompt_slot_picks = device.hits + device.uploads - decode_picks;
     assert!(prompt_slot_picks <= (hparams.n_layer - device.staged_layers) * pool.slots as u64, "{experts:?}");

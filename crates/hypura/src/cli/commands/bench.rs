@@ -27,7 +27,10 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let threads = settings::threads(engine.n_threads);
     let placement = PeerPlacement::parse(&args.baseline_placement, engine.plan.as_ref(), facts.gpu_budget_bytes)
         .with_context(|| {
-            format!("unknown --baseline-placement {:?}: use default, fit, exps-cpu or same", args.baseline_placement)
+            format!(
+                "unknown --baseline-placement {:?}: use default, fit, exps-cpu, n-cpu-moe:N or same",
+                args.baseline_placement
+            )
         })?;
     // With --rpc the baseline is llama.cpp's own --rpc on the same workers. A worker serves one
     // client at a time, so the two sides cannot share them in one process.

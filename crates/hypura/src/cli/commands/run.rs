@@ -216,6 +216,18 @@ fn print_stats(gpu_free_before: Option<&[(String, u64)]>, disk_rate: Option<f64>
             experts.prefetch_used,
             experts.prefetch_cancelled
         );
+        let device = &experts.device;
+        if device.hits + device.uploads + device.staged_layers > 0 {
+            eprintln!(
+                "gpu experts {} picks from the GPU's slots, {} uploaded into them (hit rate {:.1}%) | {} prompt layers staged whole ({}) | {} uploaded in all",
+                device.hits,
+                device.uploads,
+                100.0 * device.hits as f64 / (device.hits + device.uploads).max(1) as f64,
+                device.staged_layers,
+                crate::format::format_bytes(device.staged_bytes),
+                crate::format::format_bytes(device.upload_bytes)
+            );
+        }
     }
     if let Some(peak) = crate::hw::peak_rss_bytes() {
         eprintln!("peak memory {} ({peak} bytes resident)", crate::format::format_bytes(peak));
