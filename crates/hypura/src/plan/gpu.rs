@@ -692,4 +692,53 @@ mod tests {
         assert!(plan.streamed_tensors().count() > 0);
         assert_eq!(plan.tensors.iter().find(|tensor| tensor.name == "blk.0.attn_q.weight").unwrap().tier, Tier::Gpu);
     }
+
+    /// The GPU budget left after what every token touches, the KV cache and the compute
+    /// buffers: a staging area for one layer's experts, then as many slots per MoE layer as
+    /// fit, every MoE layer's experts streaming (however much of them the host could hold) and
+    /// computing on the device. Too small a budget for the router's picks, every expert fitting,
+    /// or static placement asked for: no pool.
+    #[test]
+    fn the_expert_pool_takes_what_the_gpu_budget_leaves_in_slots_per_moe_layer() {
+        let slice = 1 << 20;
+        // 8 layers of 64 experts, 3 tensors each: a layer's experts are 192 MiB, an expert
+        // across every layer 24 MiB.
+        let inventory = moe_inventory(8, 64, 4, slice);
+        let options = auto_window(ModeChoice::Auto);
+        let every_token = inventory
+            .tensors
+            .iter()
+            .filter(|tensor| !is_streamable(tensor) && !on_input_layer(tensor))
+            .map(|tensor| tensor.bytes)
+            .sum::<u64>()
+            + if output_is_tied(&inventory) { 8 << 20 } else { 0 };
+        let fixed = every_token + kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 256);
+        let staging = 3 * 64 * slice;
+        let alignment = 24 * POOL_ALIGNMENT;
+        let gpu_budget = fixed + staging + alignment + 10 * 24 * slice + slice;
+        // The host could hold the whole model: pooled experts stream anyway.
+        let pooled = plan(&inventory, &with_gpu(64 << 30, gpu_budget), &options).unwrap();
+        let gpu = pooled.gpu.as_ref().expect("a GPU tier");
+        let pool = gpu.expert_pool.as_ref().unwrap_or_else(|| panic!("{}", pooled.render()));
+        assert_eq!((pool.slots, pool.layers.len()), (10, 8), "{}", pooled.render());
+        assert_eq!(pool.staging_bytes, staging);
+        assert_eq!(pool.slot_bytes, 10 * 24 * slice + alignment);
+        assert!(gpu.total_bytes() <= gpu_budget);
+        assert!(gpu.ffn_layers.is_empty());
+        assert_eq!(pooled.mode, Mode::ExpertStream, "{}", pooled.render());
+        assert!(pooled
+            .tensors
+            .iter()
+            .filter(|tensor| tensor.name.contains("_exps"))
+            .all(|tensor| tensor.tier == Tier::Stream));
+        // Fewer slots than the router picks per token: whole layers' FFN instead.
+        let small =
+            plan(&inventory, &with_gpu(64 << 30, fixed + staging + alignment + 3 * 24 * slice), &options).unwrap();
+        assert!(small.gpu.as_ref().unwrap().expert_pool.is_none(), "{}", small.render());
+        // Static placement asked for: whole layers, the host holds the rest resident.
+        let layers = PlanOptions { static_gpu_experts: true, ..options.clone() };
+        let static_plan = plan(&inventory, &with_gpu(64 << 30, gpu_budget), &layers).unwrap();
+        assert!(static_plan.gpu.as_ref().unwrap().expert_pool.is_none());
+        assert_eq!(static_plan.mode, Mode::Resident);
+    }
 }

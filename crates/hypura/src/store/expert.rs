@@ -533,9 +533,14 @@ impl ExpertStream {
         for &unit in &to_load {
             self.residency.request(unit)?;
         }
-        let predicted = match (hidden, &self.routers) {
+        let predicted: Vec<usize> = match (hidden, &self.routers) {
             (Some(hidden), Some(routers)) => {
                 self.predict(routers, layer + 1, rows, hidden).into_iter().filter(|&unit| !skip(unit)).collect()
+            }
+            // A prompt batch picks nearly every expert of a pooled layer: the next layer's that
+            // the device's slots do not hold are read while this one computes.
+            _ if rows.len() > PREDICT_MAX_TOKENS && self.pooled(layer + 1) => {
+                self.numbering.layer(layer + 1).filter(|&unit| !skip(unit)).collect()
             }
             _ => Vec::new(),
         };
