@@ -516,6 +516,10 @@ pub fn settings_digest(engine: &Engine) -> Result<Hash, PromptCacheError> {
                 hasher.update(format!("{} {:?}\n", tensor.name, tensor.tier));
             }
         }
+        // The device's expert pool computes its layers' routed experts there.
+        if let Some(pool) = plan.gpu.as_ref().and_then(|gpu| gpu.expert_pool.as_ref()) {
+            hasher.update(format!("expert pool {:?}\n", pool.layers));
+        }
     }
     Ok(hasher.finalize().into())
 }

@@ -126,6 +126,39 @@ fn matrix(preset: &str) {
     // The dense window's hook stops the graph too, at each layer's FFN entry.
     assert_eq!(io.observations > experts.layer_visits, has_dense, "{preset}: {io:?} {experts:?}");
 
+    // The GPU's expert pool (computed on the CPU here, as llama.cpp places the "GPU" layers
+    // without a GPU): routed experts in k + 1 slots per MoE layer, staged whole for the prompt,
+    // uploaded from the host cache at decode, ids rewritten to slots. The same bits as resident
+    // at the same prompt batch, or no pool where the layers have per-expert biases (their ids
+    // index those too).
+    let has_biases = inventory.tensors.iter().any(|tensor| tensor.role == Role::ExpertBias);
+    let facts = MachineFacts {
+        memory_budget_bytes: 8 << 30,
+        gpu_budget_bytes: common::expert_pool_budget(&inventory, 512, 512, hparams.n_expert_used + 1),
+        ..MachineFacts::default()
+    };
+    let options = PlanOptions { n_ctx: 512, n_ubatch: 512, expert_prefetch: Some(false), ..PlanOptions::default() };
+    let plan = plan::plan(&inventory, &facts, &options).unwrap_or_else(|error| panic!("{preset}: {error}"));
+    let pool = plan.gpu.as_ref().and_then(|gpu| gpu.expert_pool.clone());
+    assert_eq!(pool.is_none(), has_biases, "{preset}: {}", plan.render());
+    if let Some(pool) = pool {
+        assert!(u64::from(pool.slots) < hparams.n_expert, "{preset}: {}", plan.render());
+        let options = EngineOptions {
+            n_ctx_seq: 512,
+            n_threads: Some(1),
+            repack: false,
+            plan: Some(plan),
+            ..EngineOptions::default()
+        };
+        let pooled = Arc::new(Engine::open(&path, options).unwrap_or_else(|error| panic!("{preset}: {error}")));
+        let (reference_logits, reference_tokens, _) = run(&engine(&path, Mode::Resident, pooled.n_ubatch(), None));
+        let (logits, tokens, output) = run(&pooled);
+        assert!(logits == reference_logits, "{preset}: pooled logits differ from resident");
+        assert_eq!(tokens, reference_tokens, "{preset}: pooled tokens");
+        let device = output.stats.experts.expect("expert stats").device;
+        assert!(device.hits + device.uploads > 0 && device.staged_layers > 0, "{preset}: {device:?}");
+    }
+
     // Dense-stream: every FFN tensor (experts whole) through a window of one layer ahead, so
     // layers rotate through it and the hook at each layer's FFN entry node must fire.
     let (logits, tokens, output) = run(&engine(&path, Mode::DenseStream, 512, None));

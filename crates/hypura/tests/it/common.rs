@@ -285,3 +285,50 @@ pub fn peak_rss(stderr: &str) -> u64 {
         .and_then(|number| number.parse().ok())
         .unwrap_or_else(|| panic!("no peak memory line in {stderr}"))
 }
+
+/// A GPU budget whose plan has an expert pool of about `slots` slots per MoE layer (the plan's
+/// own estimates of the other terms may leave a few more): what every token touches, the KV
+/// cache and compute buffers of `n_ctx` and `n_ubatch`, room to copy the largest dense FFN
+/// layer for a prompt batch, a staging area for the largest layer's experts, and the slots. Without a GPU, llama.cpp computes the "GPU" layers on the CPU, and
+/// so does the pool.
+pub fn expert_pool_budget(inventory: &hypura::model::Inventory, n_ctx: u32, n_ubatch: u32, slots: u64) -> u64 {
+    use hypura::model::Role;
+    let loaded = || inventory.tensors.iter().filter(|tensor| tensor.role != Role::Mtp);
+    let streamable = |tensor: &&hypura::model::TensorEntry| {
+        tensor.layer.is_some() && (tensor.role.is_dense_ffn() || tensor.role.is_expert())
+    };
+    let embedding: u64 = loaded().filter(|tensor| tensor.role == Role::TokenEmbedding).map(|tensor| tensor.bytes).sum();
+    let tied = if loaded().any(|tensor| tensor.role == Role::Output) { 0 } else { embedding };
+    let every_token: u64 =
+        loaded().filter(|tensor| !streamable(tensor)).map(|tensor| tensor.bytes).sum::<u64>() - embedding;
+    let experts: Vec<&hypura::model::TensorEntry> = loaded().filter(|tensor| tensor.role.is_expert()).collect();
+    let per_slot: u64 = experts.iter().map(|tensor| tensor.experts.unwrap().slice_bytes).sum();
+    let staging = (0..inventory.hparams.n_layer as u32)
+        .map(|layer| {
+            experts
+                .iter()
+                .filter(|tensor| tensor.layer == Some(layer))
+                .map(|tensor| tensor.bytes.next_multiple_of(hypura::plan::POOL_ALIGNMENT))
+                .sum::<u64>()
+        })
+        .max()
+        .unwrap_or(0);
+    // The largest dense FFN layer among the MoE layers: room for op offload's copy of it.
+    let dense_layer = (0..inventory.hparams.n_layer as u32)
+        .map(|layer| {
+            loaded()
+                .filter(|tensor| tensor.layer == Some(layer) && tensor.role.is_dense_ffn())
+                .map(|tensor| tensor.bytes)
+                .sum::<u64>()
+        })
+        .max()
+        .unwrap_or(0);
+    every_token
+        + tied
+        + dense_layer
+        + hypura::plan::kv_cache_bytes(inventory, n_ctx)
+        + hypura::plan::compute_buffer_bytes(inventory, n_ctx, n_ubatch)
+        + staging
+        + slots * per_slot
+        + experts.len() as u64 * hypura::plan::POOL_ALIGNMENT
+}

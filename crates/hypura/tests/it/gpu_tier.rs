@@ -252,15 +252,11 @@ fn pooled_experts_are_served_from_slots_and_staging_and_tokens_equal_resident() 
         })
         .max()
         .unwrap();
-    let ffn = layer_ffn(&inventory);
-    let (embedding, tied) = embedding_and_tied_copy(&inventory);
-    let every_token = inventory.tensor_data_bytes() - ffn.iter().sum::<u64>() - embedding;
+    let (embedding, _) = embedding_and_tied_copy(&inventory);
     let compute = plan::compute_buffer_bytes(&inventory, N_CTX, 512);
     // Room for k + 1 slots per layer: a decode's picks fit, the prompt's do not.
     let slots = k + 1;
-    let alignment = expert_tensors.len() as u64 * plan::POOL_ALIGNMENT;
-    let gpu =
-        every_token + tied + plan::kv_cache_bytes(&inventory, N_CTX) + compute + staging + slots * per_slot + alignment;
+    let gpu = common::expert_pool_budget(&inventory, N_CTX, 512, slots);
     let facts = MachineFacts {
         // The host cache holds two layers' experts: the rest of the model streams.
         memory_budget_bytes: embedding + compute + 2 * n_expert * per_slot / hparams.n_layer,
