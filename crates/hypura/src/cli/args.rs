@@ -134,10 +134,11 @@ pub struct PlanArgs {
     /// several).
     #[arg(long)]
     pub gpu_budget: Option<String>,
-    /// How routed experts use the GPU budget: pool (every MoE layer's most recently routed
-    /// experts in device slots, the rest streamed from the host's expert cache and disk, all
-    /// computed on the GPU) or layers (whole layers' experts, the rest computed on the CPU).
-    #[arg(long, default_value = "pool", value_parser = ["pool", "layers"])]
+    /// How routed experts use the GPU budget: layers (whole layers' experts on the GPU, the
+    /// rest streamed through the host's expert cache and computed on the CPU) or pool (every
+    /// MoE layer's most recently routed experts in device slots, the rest in the host's expert
+    /// cache and on disk, all computed on the GPU; measured slower than layers so far).
+    #[arg(long, default_value = "layers", value_parser = ["layers", "pool"])]
     pub gpu_experts: String,
     /// auto, resident, dense-stream or expert-stream.
     #[arg(long, default_value = "auto")]

@@ -207,7 +207,7 @@ fn plan_options(args: &PlanArgs) -> anyhow::Result<PlanOptions> {
             other => anyhow::bail!("unknown --prefetch {other:?}: use auto, on or off"),
         },
         cache_policy,
-        static_gpu_experts: args.gpu_experts == "layers",
+        gpu_expert_pool: args.gpu_experts == "pool",
         ..PlanOptions::default()
     })
 }

@@ -197,9 +197,9 @@ pub(super) fn gpu_tier(
         layer_ffn,
         outside_layers,
         tied_output_bytes,
-        // Pooled experts stream (expert-stream mode): not with static placement asked for, nor
-        // where another mode is forced.
-        pool: (!options.static_gpu_experts
+        // Pooled experts stream (expert-stream mode): only where the pool is asked for and no
+        // other mode is forced.
+        pool: (options.gpu_expert_pool
             && matches!(options.mode, ModeChoice::Auto | ModeChoice::Forced(Mode::ExpertStream)))
         .then(|| PoolCosts::of(inventory, n_layer))
         .flatten(),
@@ -697,14 +697,14 @@ mod tests {
     /// buffers: a staging area for one layer's experts, then as many slots per MoE layer as
     /// fit, every MoE layer's experts streaming (however much of them the host could hold) and
     /// computing on the device. Too small a budget for the router's picks, every expert fitting,
-    /// or static placement asked for: no pool.
+    /// or the pool not asked for: no pool.
     #[test]
     fn the_expert_pool_takes_what_the_gpu_budget_leaves_in_slots_per_moe_layer() {
         let slice = 1 << 20;
         // 8 layers of 64 experts, 3 tensors each: a layer's experts are 192 MiB, an expert
         // across every layer 24 MiB.
         let inventory = moe_inventory(8, 64, 4, slice);
-        let options = auto_window(ModeChoice::Auto);
+        let options = PlanOptions { gpu_expert_pool: true, ..auto_window(ModeChoice::Auto) };
         let every_token = inventory
             .tensors
             .iter()
@@ -736,7 +736,7 @@ mod tests {
             plan(&inventory, &with_gpu(64 << 30, fixed + staging + alignment + 3 * 24 * slice), &options).unwrap();
         assert!(small.gpu.as_ref().unwrap().expert_pool.is_none(), "{}", small.render());
         // Static placement asked for: whole layers, the host holds the rest resident.
-        let layers = PlanOptions { static_gpu_experts: true, ..options.clone() };
+        let layers = PlanOptions { gpu_expert_pool: false, ..options.clone() };
         let static_plan = plan(&inventory, &with_gpu(64 << 30, gpu_budget), &layers).unwrap();
         assert!(static_plan.gpu.as_ref().unwrap().expert_pool.is_none());
         assert_eq!(static_plan.mode, Mode::Resident);

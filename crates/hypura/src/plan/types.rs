@@ -135,9 +135,10 @@ pub struct PlanOptions {
     /// The model's MTP layers draft tokens (speculative decoding): they are loaded, in host
     /// memory, and their bytes come out of the budget first. Otherwise they are unused.
     pub mtp: bool,
-    /// With a GPU tier, whole layers' experts only (llama.cpp's static placement) instead of
-    /// the expert pool (`GpuLayout::expert_pool`).
-    pub static_gpu_experts: bool,
+    /// With a GPU tier, the expert pool (`GpuLayout::expert_pool`) instead of whole layers'
+    /// experts (decision 29: measured slower than whole layers with the forge's routing, so
+    /// asked for with `--gpu-experts pool`).
+    pub gpu_expert_pool: bool,
 }
 
 impl Default for PlanOptions {
@@ -152,7 +153,7 @@ impl Default for PlanOptions {
             expert_prefetch: None,
             cache_policy: None,
             mtp: false,
-            static_gpu_experts: false,
+            gpu_expert_pool: false,
         }
     }
 }

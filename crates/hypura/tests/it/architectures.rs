@@ -137,7 +137,13 @@ fn matrix(preset: &str) {
         gpu_budget_bytes: common::expert_pool_budget(&inventory, 512, 512, hparams.n_expert_used + 1),
         ..MachineFacts::default()
     };
-    let options = PlanOptions { n_ctx: 512, n_ubatch: 512, expert_prefetch: Some(false), ..PlanOptions::default() };
+    let options = PlanOptions {
+        n_ctx: 512,
+        n_ubatch: 512,
+        expert_prefetch: Some(false),
+        gpu_expert_pool: true,
+        ..PlanOptions::default()
+    };
     let plan = plan::plan(&inventory, &facts, &options).unwrap_or_else(|error| panic!("{preset}: {error}"));
     let pool = plan.gpu.as_ref().and_then(|gpu| gpu.expert_pool.clone());
     assert_eq!(pool.is_none(), has_biases, "{preset}: {}", plan.render());

@@ -45,7 +45,6 @@ fn plan_with_budgets(inventory: &Inventory, host_bytes: u64, gpu_bytes: u64) -> 
         n_ubatch: 512,
         window_layers: Some(1),
         expert_prefetch: Some(true),
-        static_gpu_experts: true,
         ..PlanOptions::default()
     };
     plan::plan(inventory, &facts, &options).unwrap()
@@ -264,7 +263,13 @@ fn pooled_experts_are_served_from_slots_and_staging_and_tokens_equal_resident() 
         gpu_budget_bytes: gpu,
         ..MachineFacts::default()
     };
-    let options = PlanOptions { mode: ModeChoice::Auto, n_ctx: N_CTX, n_ubatch: 512, ..PlanOptions::default() };
+    let options = PlanOptions {
+        mode: ModeChoice::Auto,
+        n_ctx: N_CTX,
+        n_ubatch: 512,
+        gpu_expert_pool: true,
+        ..PlanOptions::default()
+    };
     let plan = plan::plan(&inventory, &facts, &options).unwrap();
     let pool = plan.gpu.as_ref().and_then(|gpu| gpu.expert_pool.clone()).unwrap_or_else(|| panic!("{}", plan.render()));
     // At least k + 1 slots (the budget's other terms are the plan's own estimates), fewer
