@@ -240,8 +240,21 @@ impl DeviceCosts<'_> {
             ffn_layers.push(layer as u32);
         }
         ffn_layers.reverse();
+        Some(self.with_every_layers_attention(every_token, ffn_layers, runtime, op_offload, None))
+    }
+
+    /// The layout with every layer's attention on the device, the FFN of `ffn_layers` and the
+    /// expert pool, if any.
+    fn with_every_layers_attention(
+        &self,
+        every_token: u64,
+        ffn_layers: Vec<u32>,
+        runtime: u64,
+        op_offload: bool,
+        expert_pool: Option<ExpertPoolLayout>,
+    ) -> GpuLayout {
         let ffn_bytes: u64 = ffn_layers.iter().map(|&layer| self.layer_ffn[layer as usize]).sum();
-        Some(GpuLayout {
+        GpuLayout {
             budget_bytes: self.budget,
             weight_bytes: every_token + ffn_bytes,
             tied_output_bytes: self.tied_output_bytes,
@@ -251,8 +264,8 @@ impl DeviceCosts<'_> {
             ffn_layers,
             whole_layers: None,
             op_offload,
-            expert_pool: None,
-        })
+            expert_pool,
+        }
     }
 
     /// Every layer's attention, the output and the KV cache, then the layers without routed
@@ -264,11 +277,9 @@ impl DeviceCosts<'_> {
         let staging = pool.layer_bytes.iter().copied().max()?;
         let mut spare = self.budget.checked_sub(base + self.runtime + staging)?;
         let mut ffn_layers = Vec::new();
-        let mut ffn_bytes = 0;
         for (layer, &bytes) in self.layer_ffn.iter().enumerate().rev() {
             if pool.expert_bytes[layer] == 0 && bytes > 0 && bytes <= spare {
                 spare -= bytes;
-                ffn_bytes += bytes;
                 ffn_layers.push(layer as u32);
             }
         }
@@ -288,23 +299,13 @@ impl DeviceCosts<'_> {
         if slots < pool.n_expert_used {
             return None;
         }
-        Some(GpuLayout {
-            budget_bytes: self.budget,
-            weight_bytes: every_token + ffn_bytes,
-            tied_output_bytes: self.tied_output_bytes,
-            kv_cache_bytes: self.kv,
-            compute_buffer_bytes: self.compute,
-            runtime_bytes: self.runtime.max(dense_left),
-            ffn_layers,
-            whole_layers: None,
-            op_offload: true,
-            expert_pool: Some(ExpertPoolLayout {
-                layers,
-                slots: slots as u32,
-                slot_bytes: slots * per_slot + alignment,
-                staging_bytes: staging,
-            }),
-        })
+        let pool = ExpertPoolLayout {
+            layers,
+            slots: slots as u32,
+            slot_bytes: slots * per_slot + alignment,
+            staging_bytes: staging,
+        };
+        Some(self.with_every_layers_attention(every_token, ffn_layers, self.runtime.max(dense_left), true, Some(pool)))
     }
 
     /// llama.cpp's own partial offload, where every layer's attention does not fit: the output

@@ -366,14 +366,6 @@ impl ExpertStream {
         self
     }
 
-    /// The pool's device and slots per layer, where there is a pool.
-    pub fn pool_shape(&self) -> Option<(String, usize)> {
-        self.pool.as_ref().map(|pool| {
-            let pool = pool.locked();
-            (pool.device().to_string(), pool.slots())
-        })
-    }
-
     pub fn residency(&self) -> &Arc<Residency> {
         &self.residency
     }
@@ -612,6 +604,12 @@ impl EvalHook for ExpertStream {
             if let Err(error) = self.serve_pooled(layer, node) {
                 tracing::error!("expert pool at layer {layer}: {error}");
                 self.failure.fail(error);
+                // The decode is aborted, but a device runs the rest of its graph: point every
+                // id at slot 0, which lies inside the tensors wherever they point now.
+                if let Some(rows) = node.input_i32_rows(1) {
+                    let zeros: Vec<Vec<i32>> = rows.iter().map(|row| vec![0; row.len()]).collect();
+                    let _ = node.write_input_i32_rows(1, &zeros);
+                }
             }
             return;
         }

@@ -191,10 +191,6 @@ impl ExpertPool {
         self.pool.device()
     }
 
-    pub fn slots(&self) -> usize {
-        self.slots
-    }
-
     pub fn pooled_layers(&self) -> Vec<bool> {
         self.layers.iter().map(Option::is_some).collect()
     }

@@ -286,22 +286,14 @@ pub fn peak_rss(stderr: &str) -> u64 {
         .unwrap_or_else(|| panic!("no peak memory line in {stderr}"))
 }
 
-/// A GPU budget whose plan has an expert pool of about `slots` slots per MoE layer (the plan's
-/// own estimates of the other terms may leave a few more): what every token touches, the KV
-/// cache and compute buffers of `n_ctx` and `n_ubatch`, room to copy the largest dense FFN
-/// layer for a prompt batch, a staging area for the largest layer's experts, and the slots. Without a GPU, llama.cpp computes the "GPU" layers on the CPU, and
-/// so does the pool.
-pub fn expert_pool_budget(inventory: &hypura::model::Inventory, n_ctx: u32, n_ubatch: u32, slots: u64) -> u64 {
-    use hypura::model::Role;
-    let loaded = || inventory.tensors.iter().filter(|tensor| tensor.role != Role::Mtp);
-    let streamable = |tensor: &&hypura::model::TensorEntry| {
-        tensor.layer.is_some() && (tensor.role.is_dense_ffn() || tensor.role.is_expert())
-    };
-    let embedding: u64 = loaded().filter(|tensor| tensor.role == Role::TokenEmbedding).map(|tensor| tensor.bytes).sum();
-    let tied = if loaded().any(|tensor| tensor.role == Role::Output) { 0 } else { embedding };
-    let every_token: u64 =
-        loaded().filter(|tensor| !streamable(tensor)).map(|tensor| tensor.bytes).sum::<u64>() - embedding;
-    let experts: Vec<&hypura::model::TensorEntry> = loaded().filter(|tensor| tensor.role.is_expert()).collect();
+/// What an expert pool costs per slot (one expert of every MoE layer) and for its staging area
+/// (the largest layer's expert tensors, aligned as the pool lays them out).
+pub fn expert_pool_costs(inventory: &hypura::model::Inventory) -> (u64, u64) {
+    let experts: Vec<&hypura::model::TensorEntry> = inventory
+        .tensors
+        .iter()
+        .filter(|tensor| tensor.role.is_expert() && tensor.role != hypura::model::Role::Mtp)
+        .collect();
     let per_slot: u64 = experts.iter().map(|tensor| tensor.experts.unwrap().slice_bytes).sum();
     let staging = (0..inventory.hparams.n_layer as u32)
         .map(|layer| {
@@ -313,6 +305,26 @@ pub fn expert_pool_budget(inventory: &hypura::model::Inventory, n_ctx: u32, n_ub
         })
         .max()
         .unwrap_or(0);
+    (per_slot, staging)
+}
+
+/// A GPU budget whose plan has an expert pool of about `slots` slots per MoE layer (the plan's
+/// own estimates of the other terms may leave a few more): what every token touches, the KV
+/// cache and compute buffers of `n_ctx` and `n_ubatch`, room to copy the largest dense FFN
+/// layer for a prompt batch, a staging area for the largest layer's experts, and the slots.
+/// Without a GPU, llama.cpp computes the "GPU" layers on the CPU, and so does the pool.
+pub fn expert_pool_budget(inventory: &hypura::model::Inventory, n_ctx: u32, n_ubatch: u32, slots: u64) -> u64 {
+    use hypura::model::Role;
+    let loaded = || inventory.tensors.iter().filter(|tensor| tensor.role != Role::Mtp);
+    let streamable = |tensor: &&hypura::model::TensorEntry| {
+        tensor.layer.is_some() && (tensor.role.is_dense_ffn() || tensor.role.is_expert())
+    };
+    let embedding: u64 = loaded().filter(|tensor| tensor.role == Role::TokenEmbedding).map(|tensor| tensor.bytes).sum();
+    let tied = if loaded().any(|tensor| tensor.role == Role::Output) { 0 } else { embedding };
+    let every_token: u64 =
+        loaded().filter(|tensor| !streamable(tensor)).map(|tensor| tensor.bytes).sum::<u64>() - embedding;
+    let (per_slot, staging) = expert_pool_costs(inventory);
+    let expert_tensors = loaded().filter(|tensor| tensor.role.is_expert()).count() as u64;
     // The largest dense FFN layer among the MoE layers: room for op offload's copy of it.
     let dense_layer = (0..inventory.hparams.n_layer as u32)
         .map(|layer| {
@@ -330,5 +342,5 @@ pub fn expert_pool_budget(inventory: &hypura::model::Inventory, n_ctx: u32, n_ub
         + hypura::plan::compute_buffer_bytes(inventory, n_ctx, n_ubatch)
         + staging
         + slots * per_slot
-        + experts.len() as u64 * hypura::plan::POOL_ALIGNMENT
+        + expert_tensors * hypura::plan::POOL_ALIGNMENT
 }

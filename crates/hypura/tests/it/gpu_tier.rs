@@ -239,18 +239,7 @@ fn pooled_experts_are_served_from_slots_and_staging_and_tokens_equal_resident() 
     let inventory = Inventory::open(&path).unwrap();
     let hparams = &inventory.hparams;
     let (n_expert, k) = (hparams.n_expert, hparams.n_expert_used);
-    let expert_tensors: Vec<_> = inventory.expert_tensors().collect();
-    let per_slot: u64 = expert_tensors.iter().map(|tensor| tensor.experts.unwrap().slice_bytes).sum();
-    let staging = (0..hparams.n_layer as u32)
-        .map(|layer| {
-            expert_tensors
-                .iter()
-                .filter(|tensor| tensor.layer == Some(layer))
-                .map(|tensor| tensor.bytes.next_multiple_of(plan::POOL_ALIGNMENT))
-                .sum::<u64>()
-        })
-        .max()
-        .unwrap();
+    let (per_slot, staging) = common::expert_pool_costs(&inventory);
     let (embedding, _) = embedding_and_tied_copy(&inventory);
     let compute = plan::compute_buffer_bytes(&inventory, N_CTX, 512);
     // Room for k + 1 slots per layer: a decode's picks fit, the prompt's do not.
