@@ -367,6 +367,13 @@ pub struct ServeArgs {
     /// Extra origins allowed by CORS (localhost is always allowed; * allows any).
     #[arg(long = "cors-origin")]
     pub cors_origins: Vec<String>,
+    /// Require `Authorization: Bearer KEY` on every request but `GET /` and `/api/version`
+    /// (401 otherwise), as llama-server's `--api-key` does.
+    #[arg(long, env = "HYPURA_API_KEY", hide_env_values = true, conflicts_with = "api_key_file")]
+    pub api_key: Option<String>,
+    /// The API key, read from this file (its first line).
+    #[arg(long, value_name = "FILE")]
+    pub api_key_file: Option<PathBuf>,
     /// Largest request body, e.g. 16MiB.
     #[arg(long, default_value = "16MiB")]
     pub max_body: String,

@@ -48,12 +48,78 @@ pub struct HttpConfig {
     pub cors_origins: Vec<String>,
     /// Largest request body accepted (413 beyond).
     pub body_limit_bytes: usize,
+    /// Every request but `GET /`, `/api/version` and CORS preflights must carry
+    /// `Authorization: Bearer <key>` (401 otherwise), as llama-server's `--api-key` asks.
+    pub api_key: Option<ApiKey>,
 }
 
 impl Default for HttpConfig {
     fn default() -> Self {
-        HttpConfig { cors_origins: Vec::new(), body_limit_bytes: 16 << 20 }
+        HttpConfig { cors_origins: Vec::new(), body_limit_bytes: 16 << 20, api_key: None }
     }
+}
+
+/// The server's API key, kept as its SHA-256 so that a check compares two digests of one length
+/// in time that does not depend on where they differ.
+#[derive(Clone)]
+pub struct ApiKey {
+    digest: [u8; 32],
+}
+
+impl ApiKey {
+    /// None for an empty key (after trimming whitespace, as a key file's newline).
+    pub fn new(key: &str) -> Option<ApiKey> {
+        let key = key.trim();
+        (!key.is_empty()).then(|| ApiKey { digest: Self::digest(key) })
+    }
+
+    fn digest(key: &str) -> [u8; 32] {
+        use sha2::Digest;
+        sha2::Sha256::digest(key.as_bytes()).into()
+    }
+
+    /// Whether `header` (an `Authorization` value) is `Bearer <this key>`.
+    fn accepts(&self, header: Option<&HeaderValue>) -> bool {
+        let Some(given) = header.and_then(|value| value.to_str().ok()) else { return false };
+        let Some(given) = given.strip_prefix("Bearer ").or_else(|| given.strip_prefix("bearer ")) else { return false };
+        let given = Self::digest(given.trim());
+        given.iter().zip(&self.digest).fold(0u8, |differ, (a, b)| differ | (a ^ b)) == 0
+    }
+}
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str("ApiKey(..)")
+    }
+}
+
+/// The API key's check: open paths and preflights pass; anything else without the key gets a
+/// 401 in the error shape of its API, and a log line that names the request, not the key.
+async fn require_api_key(
+    axum::extract::State(key): axum::extract::State<Option<ApiKey>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let Some(key) = key else { return next.run(request).await };
+    let path = request.uri().path();
+    let open = matches!(path, "/" | "/api/version") && matches!(*request.method(), Method::GET | Method::HEAD);
+    if open
+        || request.method() == Method::OPTIONS
+        || key.accepts(request.headers().get(axum::http::header::AUTHORIZATION))
+    {
+        return next.run(request).await;
+    }
+    let missing = !request.headers().contains_key(axum::http::header::AUTHORIZATION);
+    tracing::warn!("401 for {} {path}: {} API key", request.method(), if missing { "no" } else { "a wrong" });
+    let body = if path.starts_with("/v1/") {
+        serde_json::json!({"error": {"message": "Invalid API Key", "type": "authentication_error", "code": 401}})
+    } else {
+        serde_json::json!({"error": "unauthorized: a missing or wrong API key"})
+    };
+    let mut response = (StatusCode::UNAUTHORIZED, axum::Json(body)).into_response();
+    response.headers_mut().insert(axum::http::header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    response
 }
 
 /// Everything a handler needs. Cheap to clone.
@@ -138,6 +204,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models/{model}", get(openai::model))
         .fallback(|| async { (StatusCode::NOT_FOUND, "404 page not found") })
         .layer(DefaultBodyLimit::max(body_limit))
+        .layer(axum::middleware::from_fn_with_state(state.http.api_key.clone(), require_api_key))
         .layer(cors)
         .with_state(state)
 }

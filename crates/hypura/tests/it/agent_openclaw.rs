@@ -23,9 +23,10 @@ fn openclaw() -> (PathBuf, PathBuf) {
     (node, binary)
 }
 
-/// One agent turn against a server started with `extra` arguments; returns the reply and the
-/// server's log.
-fn agent_turn(extra: &[&str]) -> (String, String) {
+/// One agent turn against a server started with `extra` arguments, OpenClaw's provider given
+/// `api_key` (the server's `--api-key`, where it has one); returns the reply and the server's
+/// log.
+fn agent_turn(extra: &[&str], api_key: &str) -> (String, String) {
     let (node, binary) = openclaw();
     let directory = tempfile::tempdir().unwrap();
     let qwen = common::chat_model_path();
@@ -42,7 +43,7 @@ fn agent_turn(extra: &[&str]) -> (String, String) {
         .unwrap();
     let config = serde_json::json!({
         "models": {"providers": {"ollama": {
-            "baseUrl": server.base, "apiKey": "ollama-local", "api": "ollama",
+            "baseUrl": server.base, "apiKey": api_key, "api": "ollama",
             "models": [{"id": name, "name": name, "input": ["text"], "contextWindow": 16384, "maxTokens": 256, "params": {"temperature": 0, "num_predict": 256}}],
         }}},
         // Changes from OpenClaw's defaults, all for a 0.5B model: greedy sampling, so that the
@@ -107,15 +108,17 @@ fn agent_turn(extra: &[&str]) -> (String, String) {
 #[test]
 fn openclaw_reads_a_file_with_its_tool_at_the_server_defaults() {
     let _machine = common::whole_machine();
-    agent_turn(&[]);
+    agent_turn(&[], "ollama-local");
 }
 
 #[test]
-fn openclaw_reads_a_file_while_the_model_streams() {
+fn openclaw_reads_a_file_while_the_model_streams_behind_an_api_key() {
     let _machine = common::whole_machine();
     // One sequence, and a budget below what the resident model needs with a 16K context (the
     // default context under this budget, and OpenClaw's context window): the plan streams FFN
-    // layers.
-    let (_, log) = agent_turn(&["--parallel", "1", "--memory-budget", "900MiB"]);
+    // layers. The server wants a key, which OpenClaw's provider setting sends as a bearer token.
+    let key = "hypura-openclaw-key-81d2";
+    let (_, log) = agent_turn(&["--parallel", "1", "--memory-budget", "900MiB", "--api-key", key], key);
     assert!(log.contains("dense-stream mode"), "the model did not stream:\n{log}");
+    assert!(!log.contains("401 for"), "OpenClaw was refused:\n{log}");
 }

@@ -125,3 +125,26 @@ fn a_chat_longer_than_the_context_keeps_its_newest_messages() {
     assert!(output.contains("dropped") && output.contains("truncate false"), "{output}");
     assert!(server.log_text().contains("oldest messages were left out"), "{}", server.log_text());
 }
+
+/// `serve --api-key-file`: the `ollama` and `openai` Python clients with the key are answered,
+/// without it or with another they get 401, and the server's log never holds the key.
+#[test]
+fn python_clients_with_the_servers_api_key() {
+    let _machine = common::shared_machine();
+    require_clients();
+    let directory = tempfile::tempdir().unwrap();
+    let model = common::smollm_path();
+    let key = "hypura-test-key-5f1c";
+    let key_file = directory.path().join("api-key");
+    std::fs::write(&key_file, format!("{key}\n")).unwrap();
+    let mut arguments = vec![model.display().to_string()];
+    arguments.extend(strings(&["--context", "512", "--parallel", "1", "--threads", "1", "--api-key-file"]));
+    arguments.push(key_file.display().to_string());
+    let server = Server::start(&arguments, directory.path().join("serve.log"));
+    let stem = model.file_stem().unwrap().to_str().unwrap().to_ascii_lowercase();
+    let output = server.python("api_key.py", &[stem, key.into()]);
+    assert!(output.contains("401 without it"), "{output}");
+    let log = server.log_text();
+    assert!(log.contains("401 for POST /api/chat: no API key"), "{log}");
+    assert!(log.contains("a wrong API key") && !log.contains(key), "{log}");
+}

@@ -80,7 +80,11 @@ fn request(method: Method, uri: &str, body: Option<&str>) -> Request<Body> {
 }
 
 async fn call(app: &Router, method: Method, uri: &str, body: Option<&str>) -> Reply {
-    let response = app.clone().oneshot(request(method, uri, body)).await.unwrap();
+    send(app, request(method, uri, body)).await
+}
+
+async fn send(app: &Router, request: Request<Body>) -> Reply {
+    let response = app.clone().oneshot(request).await.unwrap();
     let status = response.status();
     let content_type =
         response.headers().get("content-type").map(|value| value.to_str().unwrap().to_string()).unwrap_or_default();
@@ -696,4 +700,56 @@ async fn parallel_sequences_share_each_streamed_read() {
     assert!(replies.iter().all(|reply| reply["eval_count"] == 32), "{replies:?}");
     let parallel = streamed().await - before;
     assert!(parallel < single * 3 / 2, "four parallel answers read {parallel} bytes, one answer {single}");
+}
+
+/// With an API key, every request but `GET /`, `/api/version` and CORS preflights needs
+/// `Authorization: Bearer KEY`: without it or with another key, a 401 in its API's error shape;
+/// with it, the usual answer. The log names the request, never a key.
+#[tokio::test]
+async fn an_api_key_guards_every_path_but_the_liveness_checks() {
+    let _machine = common::shared_machine();
+    let directory = tempfile::tempdir().unwrap();
+    let http = HttpConfig { api_key: hypura::server::ApiKey::new("s3cret-key\n"), ..HttpConfig::default() };
+    let app = app_with(vec![tiny(directory.path())], 1, 4, http);
+    let with = |method: Method, uri: &str, authorization: Option<&str>, body: Option<&str>| {
+        let mut request = request(method, uri, body);
+        if let Some(value) = authorization {
+            request.headers_mut().insert("authorization", value.parse().unwrap());
+        }
+        request
+    };
+    for uri in ["/", "/api/version"] {
+        assert_eq!(call(&app, Method::GET, uri, None).await.status, StatusCode::OK, "{uri}");
+    }
+    let preflight = Request::builder()
+        .method(Method::OPTIONS)
+        .uri("/api/chat")
+        .header("origin", "http://localhost:3000")
+        .header("access-control-request-method", "POST")
+        .body(Body::empty())
+        .unwrap();
+    assert_ne!(send(&app, preflight).await.status, StatusCode::UNAUTHORIZED);
+    for authorization in [None, Some("Bearer wrong"), Some("s3cret-key"), Some("Basic s3cret-key")] {
+        let tags = send(&app, with(Method::GET, "/api/tags", authorization, None)).await;
+        assert_eq!(tags.status, StatusCode::UNAUTHORIZED, "{authorization:?}");
+        assert!(tags.error().contains("API key"), "{}", tags.error());
+        let openai = send(&app, with(Method::GET, "/v1/models", authorization, None)).await;
+        assert_eq!(openai.status, StatusCode::UNAUTHORIZED);
+        assert_eq!(openai.json()["error"]["type"], "authentication_error");
+        let chat = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": false});
+        let refused = send(&app, with(Method::POST, "/api/chat", authorization, Some(&chat.to_string()))).await;
+        assert_eq!(refused.status, StatusCode::UNAUTHORIZED);
+    }
+    let tags = send(&app, with(Method::GET, "/api/tags", Some("Bearer s3cret-key"), None)).await;
+    assert_eq!(tags.status, StatusCode::OK);
+    assert_eq!(tags.json()["models"].as_array().unwrap().len(), 1);
+    let models = send(&app, with(Method::GET, "/v1/models", Some("Bearer s3cret-key"), None)).await;
+    assert_eq!(models.status, StatusCode::OK);
+    let body = json!({"model": MODEL, "prompt": "the king", "stream": false, "options": {"num_predict": 2}});
+    let generated =
+        send(&app, with(Method::POST, "/api/generate", Some("Bearer s3cret-key"), Some(&body.to_string()))).await;
+    assert_eq!(generated.status, StatusCode::OK, "{}", String::from_utf8_lossy(&generated.body));
+    assert_eq!(generated.json()["done"], true);
+    // An empty key is no key.
+    assert!(hypura::server::ApiKey::new(" \n").is_none());
 }

@@ -8,7 +8,7 @@ use crate::cli::args::ServeArgs;
 use crate::cli::settings;
 use crate::server::catalog::ModelName;
 use crate::server::wire::KeepAlive;
-use crate::server::{AppState, Catalog, HttpConfig, SchedulerConfig};
+use crate::server::{ApiKey, AppState, Catalog, HttpConfig, SchedulerConfig};
 
 pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     let catalog = catalog(args)?;
@@ -36,15 +36,30 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         run,
         embedding_context: args.embedding_context,
     };
+    let api_key = match (&args.api_key, &args.api_key_file) {
+        (Some(key), _) => Some(ApiKey::new(key).context("--api-key is empty")?),
+        (None, Some(path)) => {
+            let text =
+                std::fs::read_to_string(path).with_context(|| format!("reading --api-key-file {}", path.display()))?;
+            let key = ApiKey::new(text.lines().next().unwrap_or(""))
+                .with_context(|| format!("--api-key-file {} holds no key on its first line", path.display()))?;
+            Some(key)
+        }
+        (None, None) => None,
+    };
     let http = HttpConfig {
         cors_origins: args.cors_origins.clone(),
         body_limit_bytes: usize::try_from(body_limit).unwrap_or(usize::MAX),
+        api_key,
     };
+    let http_key_missing = http.api_key.is_none();
     let state = AppState::new(catalog, scheduler, http);
 
     let host: IpAddr = args.host.parse().with_context(|| format!("--host {:?} is not an IP address", args.host))?;
-    if !host.is_loopback() {
-        eprintln!("hypura: listening on {host}, which other machines can reach; the API has no authentication");
+    if !host.is_loopback() && http_key_missing {
+        eprintln!(
+            "hypura: listening on {host}, which other machines can reach; the API has no authentication (--api-key)"
+        );
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
