@@ -127,6 +127,14 @@ pub(super) fn plan_experts(
         let ubatch = ((cache_units.max(decode_units) as u64 / k) as u32).clamp(1, options.n_ubatch.max(1));
         let compute = compute_buffer_bytes(inventory, options.n_ctx, ubatch);
         cache_units = cache_for(compute);
+        // A cache asked for smaller than one token's picks is the reason, not the budget.
+        if let Some(units) = options.expert_cache_units.filter(|&units| units < decode_units) {
+            return Err(PlanError::ExpertCacheTooSmall {
+                units,
+                picks: decode_units,
+                smallest_bytes: decode_units as u64 * unit_bytes,
+            });
+        }
         if cache_units < decode_units {
             let needed = fixed + kv + compute + decode_units as u64 * unit_bytes;
             return Err(PlanError::BudgetTooSmall {

@@ -206,7 +206,8 @@ impl Search<'_> {
             Ok(plan) => return Ok((n_batch, plan)),
             Err(refusal) => refusal,
         };
-        if !self.ask.grow_batch {
+        // A smaller batch does not help an expert cache asked for below one token's picks.
+        if !self.ask.grow_batch || matches!(refusal, PlanError::ExpertCacheTooSmall { .. }) {
             return Err(refusal);
         }
         let mut smallest = None;

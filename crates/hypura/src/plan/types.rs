@@ -228,6 +228,13 @@ pub enum PlanError {
         format_bytes(*kv), format_bytes(*compute)
     )]
     BudgetTooSmall { budget: u64, needed: u64, resident: u64, window: u64, layers: usize, kv: u64, compute: u64 },
+    /// `--expert-cache` asked for fewer units than one token picks in a layer, all of which
+    /// must be in memory while the layer computes.
+    #[error(
+        "an expert cache of {units} (layer, expert) units is too small: one token picks {picks} experts in a layer, and all of them must be in memory while it computes; the smallest cache that works is --expert-cache {picks} ({})",
+        format_bytes(*smallest_bytes)
+    )]
+    ExpertCacheTooSmall { units: usize, picks: usize, smallest_bytes: u64 },
     #[error("{mode} mode needs {what}, which this model does not have")]
     ModeUnavailable { mode: &'static str, what: &'static str },
     #[error("the model fits in the budget ({} of {}), but {mode} was forced: nothing would stream", format_bytes(*needed), format_bytes(*budget))]

@@ -109,6 +109,30 @@ fn run_rejects_bad_input_clearly() {
     );
     let missing = directory.path().join("absent.gguf");
     assert_fails_with(&hypura(&["run", missing.to_str().unwrap(), "-p", "hi"]), "absent.gguf");
+    // An expert cache smaller than one token's picks (tiny-moe-30b picks 4 of 16 in a layer)
+    // is refused for that reason, with the smallest cache that works, not as a budget.
+    let moe = common::forge("tiny-moe-30b", directory.path());
+    let refused = hypura(&["run", moe.to_str().unwrap(), "-p", "hi", "--mode", "expert-stream", "--expert-cache", "2"]);
+    assert_fails_with(
+        &refused,
+        "an expert cache of 2 (layer, expert) units is too small: one token picks 4 experts in a layer",
+    );
+    assert_fails_with(&refused, "the smallest cache that works is --expert-cache 4");
+    assert!(!stderr(&refused).contains("memory budget"), "{}", stderr(&refused));
+    let works = hypura(&[
+        "run",
+        moe.to_str().unwrap(),
+        "--raw",
+        "-p",
+        "hi",
+        "-n",
+        "2",
+        "--mode",
+        "expert-stream",
+        "--expert-cache",
+        "4",
+    ]);
+    assert!(works.status.success(), "{}", stderr(&works));
 }
 
 #[test]
