@@ -263,9 +263,20 @@ fn print_stats(gpu_free_before: Option<&[(String, u64)]>, disk_rate: Option<f64>
             (wall - io.stall_seconds) / graphs * 1e3,
             io.stall_seconds / graphs * 1e3,
         );
-        if let Some((rate, limit)) = disk_rate.and_then(|rate| stats.decode_limit(rate).map(|limit| (rate, limit))) {
+        // The profile's rate, or this request's while busy where that was faster: a run that
+        // reads faster than the profile says shows the profile low, and a limit it beats is no
+        // limit.
+        let busy = stats.disk_while_busy().map(|disk| disk.bytes_per_sec);
+        let (rate, source) = match (disk_rate, busy) {
+            (Some(profile), Some(busy)) if busy > profile => {
+                (Some(busy), format!("this request's reads, faster than the profile's {:.2} GB/s", profile / 1e9))
+            }
+            (Some(profile), _) => (Some(profile), "the profile's".to_string()),
+            (None, busy) => (busy, "this request's reads".to_string()),
+        };
+        if let Some((rate, limit)) = rate.and_then(|rate| stats.decode_limit(rate).map(|limit| (rate, limit))) {
             eprintln!(
-                "limit {:.2} tok/s (per pass: compute {:.1} ms, reads {:.1} ms at the profile's {:.2} GB/s) -> reached {:.2} of it | disk busy {:.0}% of that rate over the request",
+                "limit {:.2} tok/s (per pass: compute {:.1} ms, reads {:.1} ms at {:.2} GB/s, {source}) -> reached {:.2} of it | disk busy {:.0}% of that rate over the request",
                 limit.tokens_per_sec,
                 limit.compute_seconds * 1e3,
                 limit.read_seconds * 1e3,
