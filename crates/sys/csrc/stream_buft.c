@@ -60,7 +60,9 @@ static enum ggml_status hypura_buffer_init_tensor(ggml_backend_buffer_t buffer, 
     if (offset < 0 || (uint64_t) offset + ggml_nbytes(tensor) > ctx->size) {
         return GGML_STATUS_FAILED;
     }
-    if ((ctx->sink != NULL && !ctx->finalized) && ggml_nbytes(tensor) > ctx->sink_size) {
+    // Before finalize, a sink absorbs the loader's copies: the tensor must fit it.
+    bool sinking = ctx->sink != NULL && !ctx->finalized;
+    if (sinking && ggml_nbytes(tensor) > ctx->sink_size) {
         return GGML_STATUS_FAILED;
     }
     if (ctx->n_records == ctx->records_capacity) {
@@ -75,11 +77,7 @@ static enum ggml_status hypura_buffer_init_tensor(ggml_backend_buffer_t buffer, 
     ctx->records[ctx->n_records].tensor = tensor;
     ctx->records[ctx->n_records].offset = offset;
     ctx->n_records++;
-    if (ctx->finalized || ctx->sink == NULL) {
-        tensor->data = (char *) ctx->base + offset;
-        return GGML_STATUS_SUCCESS;
-    }
-    tensor->data = ctx->sink;
+    tensor->data = sinking ? ctx->sink : (char *) ctx->base + offset;
     return GGML_STATUS_SUCCESS;
 }
 

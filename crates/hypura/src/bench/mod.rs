@@ -464,14 +464,6 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         )
     };
     let measured = totals.graphs > 0 && totals.generated > 0;
-    // The tg runs' rate while a read was in flight, where it beats the profile's: then the
-    // profile is low, and the limit takes the faster rate (no run exceeds its limit).
-    let busy_rate = (totals.disk_busy_seconds > 0.0).then(|| totals.bytes_read as f64 / totals.disk_busy_seconds);
-    let limit_rate = match (options.disk_bytes_per_sec, busy_rate) {
-        (Some(profile), Some(busy)) => Some(profile.max(busy)),
-        (profile, busy) => profile.or(busy),
-    };
-    let limit = limit_rate.filter(|_| measured).and_then(limit_at);
     // The rate the disk delivered in the tg runs while a read was in flight, the limit at it,
     // and every pass of the tg requests (their start token's too) against it, over the same
     // span as the busy time and the bytes.
@@ -487,6 +479,13 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
             )
         })
         .flatten();
+    // Where that rate beats the profile's, the profile is low: the limit takes the faster rate
+    // (no run exceeds its limit).
+    let limit_rate = match (options.disk_bytes_per_sec, busy.map(|disk| disk.bytes_per_sec)) {
+        (Some(profile), Some(busy)) => Some(profile.max(busy)),
+        (profile, busy) => profile.or(busy),
+    };
+    let limit = limit_rate.filter(|_| measured).and_then(limit_at);
     Ok(BenchReport {
         model: path.to_path_buf(),
         model_description: vocab.model_description(),

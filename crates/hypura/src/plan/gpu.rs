@@ -116,11 +116,11 @@ struct DeviceCosts<'a> {
 }
 
 /// An expert pool's costs: per layer, the bytes of one expert's slices (0 for a layer without
-/// routed experts) and of its expert tensors whole, with its tensor count (for alignment).
+/// routed experts) and of its expert tensors whole; and the pooled tensors (for alignment).
 struct PoolCosts {
     expert_bytes: Vec<u64>,
     layer_bytes: Vec<u64>,
-    layer_tensors: Vec<u64>,
+    tensors: u64,
     n_expert: u64,
     n_expert_used: u64,
 }
@@ -138,7 +138,7 @@ impl PoolCosts {
         let mut costs = PoolCosts {
             expert_bytes: vec![0; n_layer],
             layer_bytes: vec![0; n_layer],
-            layer_tensors: vec![0; n_layer],
+            tensors: 0,
             n_expert: hparams.n_expert,
             n_expert_used: hparams.n_expert_used.max(1),
         };
@@ -153,7 +153,7 @@ impl PoolCosts {
             }
             costs.expert_bytes[layer] += slices.slice_bytes;
             costs.layer_bytes[layer] += tensor.bytes.next_multiple_of(POOL_ALIGNMENT);
-            costs.layer_tensors[layer] += 1;
+            costs.tensors += 1;
         }
         costs.expert_bytes.iter().any(|&bytes| bytes > 0).then_some(costs)
     }
@@ -293,7 +293,7 @@ impl DeviceCosts<'_> {
         let layers: Vec<u32> =
             (0..pool.expert_bytes.len() as u32).filter(|&layer| pool.expert_bytes[layer as usize] > 0).collect();
         let per_slot: u64 = pool.expert_bytes.iter().sum();
-        let alignment: u64 = pool.layer_tensors.iter().sum::<u64>() * POOL_ALIGNMENT;
+        let alignment = pool.tensors * POOL_ALIGNMENT;
         let spare = spare.checked_sub(alignment + self.runtime.max(dense_left) - self.runtime)?;
         let slots = (spare / per_slot.max(1)).min(pool.n_expert - 1);
         if slots < pool.n_expert_used {

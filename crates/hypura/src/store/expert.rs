@@ -667,7 +667,7 @@ impl Tiers for HostTier<'_> {
             self.stream.residency.release(victim)?;
         }
         drop(state);
-        self.stream.residency.fill(unit, |region, _| copy(region))?;
+        self.stream.residency.fill(unit, copy)?;
         Ok(())
     }
 

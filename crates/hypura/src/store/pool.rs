@@ -12,8 +12,6 @@
 //!   own positions and the ids stay as they are.
 //!
 //! Either way the device computes every routed expert, from the same bytes as the file's.
-use std::sync::atomic::{AtomicU64, Ordering};
-
 use hypura_sys::{DevicePool, ModelTensor};
 use serde::Serialize;
 
@@ -24,9 +22,9 @@ use crate::plan::POOL_ALIGNMENT;
 /// One pooled expert tensor: where its experts lie in the file (and so in the region), and
 /// where its slots and its staging copy lie in the pool.
 pub struct PooledTensor {
-    pub tensor: ModelTensor,
-    pub file_offset: u64,
-    pub slice_bytes: u64,
+    tensor: ModelTensor,
+    file_offset: u64,
+    slice_bytes: u64,
     slots_at: usize,
     staging_at: usize,
 }
@@ -43,23 +41,13 @@ struct PooledLayer {
     /// Per expert, its slot.
     slot_of: Vec<Option<u32>>,
     /// Per slot, its expert and when it was last used.
-    holds: Vec<Option<usize>>,
+    expert_in: Vec<Option<usize>>,
     last_used: Vec<u64>,
     /// Whether the tensors point at the staging area now.
     staged: bool,
 }
 
 /// What the pool did, counted per (token batch, layer, expert).
-#[derive(Debug, Default)]
-pub struct PoolCounters {
-    hits: AtomicU64,
-    uploads: AtomicU64,
-    evictions: AtomicU64,
-    upload_bytes: AtomicU64,
-    staged_layers: AtomicU64,
-    staged_bytes: AtomicU64,
-}
-
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct PoolSnapshot {
     /// Picks served from a device slot.
@@ -127,13 +115,13 @@ pub struct ExpertPool {
     slots: usize,
     layers: Vec<Option<PooledLayer>>,
     clock: u64,
-    counters: PoolCounters,
+    counters: PoolSnapshot,
 }
 
 impl ExpertPool {
     /// Lay `layers`' tensors out in `pool` (per layer: its tensors' `slots` slots, each tensor
     /// aligned; after every layer, one staging area the size of the largest layer) and place
-    /// them on their slots. The pool must be at least `ExpertPool::bytes` long.
+    /// them on their slots. `pool` must hold that layout (an error says so otherwise).
     pub fn new(
         pool: DevicePool,
         slots: usize,
@@ -166,12 +154,12 @@ impl ExpertPool {
             placed.push(Some(PooledLayer {
                 tensors,
                 slot_of: vec![None; n_expert],
-                holds: vec![None; slots],
+                expert_in: vec![None; slots],
                 last_used: vec![0; slots],
                 staged: false,
             }));
         }
-        Ok(ExpertPool { pool, slots, layers: placed, clock: 0, counters: PoolCounters::default() })
+        Ok(ExpertPool { pool, slots, layers: placed, clock: 0, counters: PoolSnapshot::default() })
     }
 
     /// The slots' and the staging area's bytes for this layout.
@@ -214,7 +202,7 @@ impl ExpertPool {
             return Serving::Staged(picks.iter().copied().filter(|&expert| pooled.slot_of[expert].is_none()).collect());
         }
         let missing: Vec<usize> = picks.iter().copied().filter(|&expert| pooled.slot_of[expert].is_none()).collect();
-        self.counters.hits.fetch_add((picks.len() - missing.len()) as u64, Ordering::Relaxed);
+        self.counters.hits += (picks.len() - missing.len()) as u64;
         Serving::Slots(missing)
     }
 
@@ -261,9 +249,9 @@ impl ExpertPool {
                     }
                 }
                 pooled.staged = true;
-                self.counters.staged_layers.fetch_add(1, Ordering::Relaxed);
-                self.counters.staged_bytes.fetch_add(bytes, Ordering::Relaxed);
-                self.counters.upload_bytes.fetch_add(bytes, Ordering::Relaxed);
+                self.counters.staged_layers += 1;
+                self.counters.staged_bytes += bytes;
+                self.counters.upload_bytes += bytes;
                 Ok(None)
             }
             Serving::Slots(missing) => {
@@ -292,7 +280,7 @@ impl ExpertPool {
                         .ok_or_else(|| {
                             ResidencyError::Pool(format!("layer {layer}: no free slot for expert {expert}"))
                         })?;
-                    if let Some(previous) = pooled.holds[slot].take() {
+                    if let Some(previous) = pooled.expert_in[slot].take() {
                         pooled.slot_of[previous] = None;
                         let tensors = &pooled.tensors;
                         let copy_back = |region: &Region| -> Result<(), String> {
@@ -308,17 +296,17 @@ impl ExpertPool {
                             Ok(())
                         };
                         tiers.evicted(previous, &copy_back)?;
-                        self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+                        self.counters.evictions += 1;
                     }
                     let mut bytes = 0;
                     for tensor in &pooled.tensors {
                         bytes += upload(tensor, region, expert, slot)?;
                     }
-                    pooled.holds[slot] = Some(expert);
+                    pooled.expert_in[slot] = Some(expert);
                     pooled.slot_of[expert] = Some(slot as u32);
                     pooled.last_used[slot] = now;
-                    self.counters.uploads.fetch_add(1, Ordering::Relaxed);
-                    self.counters.upload_bytes.fetch_add(bytes, Ordering::Relaxed);
+                    self.counters.uploads += 1;
+                    self.counters.upload_bytes += bytes;
                     tiers.uploaded(expert)?;
                 }
                 let remapped = rows
@@ -338,15 +326,7 @@ impl ExpertPool {
     }
 
     pub fn snapshot(&self) -> PoolSnapshot {
-        let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
-        PoolSnapshot {
-            hits: load(&self.counters.hits),
-            uploads: load(&self.counters.uploads),
-            evictions: load(&self.counters.evictions),
-            upload_bytes: load(&self.counters.upload_bytes),
-            staged_layers: load(&self.counters.staged_layers),
-            staged_bytes: load(&self.counters.staged_bytes),
-        }
+        self.counters
     }
 }
 

@@ -418,15 +418,11 @@ impl Residency {
     /// Empty `unit`: its pages are parked for the next unit loaded (or given back), and a unit
     /// in a slot keeps them for the next unit of the slot. A unit still loading is waited for
     /// first (a read must never land in pages that move); an empty unit is left alone.
-    /// Fill empty `unit` from memory instead of the file: `fill` writes each of its ranges at
-    /// its region position (the device's expert pool hands an expert it evicts back to the
+    /// Fill empty `unit` from memory instead of the file: `fill` writes the unit's bytes at their
+    /// region positions (the device's expert pool hands an expert it evicts back to the
     /// cache so). Its pages are claimed as a read's are. Returns whether the unit was empty and
     /// is now ready; a unit loading, ready or in a slot is left as it is.
-    pub fn fill(
-        &self,
-        unit: usize,
-        fill: impl FnOnce(&Region, &[Range<u64>]) -> Result<(), String>,
-    ) -> Result<bool, ResidencyError> {
+    pub fn fill(&self, unit: usize, fill: impl FnOnce(&Region) -> Result<(), String>) -> Result<bool, ResidencyError> {
         self.check(unit)?;
         {
             let mut units = self.shared.units.locked();
@@ -440,7 +436,7 @@ impl Residency {
         for range in &self.units[unit].ranges {
             self.shared.parked.adopt(&self.region, range.clone(), &self.stats);
         }
-        let result = fill(&self.region, &self.units[unit].ranges);
+        let result = fill(&self.region);
         let mut units = self.shared.units.locked();
         if result.is_ok() {
             units[unit].state = UnitState::Ready;

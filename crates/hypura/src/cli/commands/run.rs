@@ -266,8 +266,8 @@ fn print_stats(gpu_free_before: Option<&[(String, u64)]>, disk_rate: Option<f64>
         // The profile's rate, or this request's while busy where that was faster: a run that
         // reads faster than the profile says shows the profile low, and a limit it beats is no
         // limit.
-        let busy = stats.disk_while_busy().map(|disk| disk.bytes_per_sec);
-        let (rate, source) = match (disk_rate, busy) {
+        let busy = stats.disk_while_busy();
+        let (rate, source) = match (disk_rate, busy.map(|disk| disk.bytes_per_sec)) {
             (Some(profile), Some(busy)) if busy > profile => {
                 (Some(busy), format!("this request's reads, faster than the profile's {:.2} GB/s", profile / 1e9))
             }
@@ -287,7 +287,7 @@ fn print_stats(gpu_free_before: Option<&[(String, u64)]>, disk_rate: Option<f64>
         }
         // The same limit at the rate the disk delivered in this request: what its reads
         // reached while asked for bytes, whatever a profile measured on other bytes.
-        if let Some(disk) = stats.disk_while_busy() {
+        if let Some(disk) = busy {
             eprintln!(
                 "disk reads in flight {:.0}% of the request at {:.2} GB/s (idle {:.0}%) | limit at that rate {:.2} tok/s -> the request's passes reached {:.2} of it",
                 100.0 * disk.busy,
