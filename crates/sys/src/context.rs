@@ -483,6 +483,31 @@ impl Context {
         Ok(tokens)
     }
 
+    /// Whether the KV cache can move cells to other positions (`shift_sequence`): not for
+    /// recurrent state, nor for multi-dimensional positions.
+    pub fn can_shift(&self) -> bool {
+        // SAFETY: the context is valid, and so is the memory it owns.
+        unsafe { raw::llama_memory_can_shift(raw::llama_get_memory(self.pointer.as_ptr())) }
+    }
+
+    /// Drop positions `keep..keep + discard` of one sequence and move the cells after them
+    /// `discard` positions back (llama.cpp rotates their keys at the next decode), so the
+    /// sequence continues at its length less `discard`. False where the memory refuses.
+    pub fn shift_sequence(&mut self, seq_id: i32, keep: i32, discard: i32) -> bool {
+        if keep < 0 || discard <= 0 || !self.can_shift() {
+            return false;
+        }
+        // SAFETY: the context is valid; -1 means "to the end".
+        unsafe {
+            let memory = raw::llama_get_memory(self.pointer.as_ptr());
+            if !raw::llama_memory_seq_rm(memory, seq_id, keep, keep + discard) {
+                return false;
+            }
+            raw::llama_memory_seq_add(memory, seq_id, keep + discard, -1, -discard);
+        }
+        true
+    }
+
     /// Remove positions `from..` of one sequence from the KV cache.
     pub fn truncate_sequence(&mut self, seq_id: i32, from: i32) -> bool {
         // SAFETY: the context is valid; -1 means "to the end".

@@ -267,6 +267,10 @@ impl Batcher {
         match prepared {
             Ok(((index, tokens, sampler, grammar, (reused, from_disk)), turn, dropped_messages)) => {
                 let limit = self.limit(&request);
+                let shift_keep = request
+                    .shift_keep
+                    .filter(|_| self.context.can_shift())
+                    .map(|keep| (keep as usize).min(tokens.len()));
                 if dropped_messages > 0 {
                     tracing::info!(
                         "sequence {index}: the {dropped_messages} oldest messages were left out to fit {limit} tokens"
@@ -301,9 +305,11 @@ impl Batcher {
                     sampling: Sampling {
                         sampler,
                         grammar,
-                        max_tokens: request.max_tokens,
+                        // Ollama bounds an answer that may shift forever at ten contexts.
+                        max_tokens: request.max_tokens.or(shift_keep.map(|_| limit.saturating_mul(10) as u32)),
                         ignore_eos: request.ignore_eos,
                         limit,
+                        shift_keep,
                     },
                     feed: Feed {
                         next_prompt: reused,
@@ -313,6 +319,7 @@ impl Batcher {
                         queued: Vec::new(),
                         queued_generated: false,
                         logits_row: None,
+                        shifted_after: None,
                     },
                     output: Output {
                         generated: Vec::new(),
@@ -516,6 +523,9 @@ impl Batcher {
     /// Next tokens of generating sequences first (one each, with its draft when speculating),
     /// then prompt chunks.
     fn fill_batch(&mut self) -> bool {
+        for index in 0..self.slots.len() {
+            self.shift_if_full(index);
+        }
         self.batch.clear();
         let capacity = self.batch.capacity();
         let mut drafts = self.make_drafts();
@@ -575,6 +585,29 @@ impl Batcher {
         !self.batch.is_empty()
     }
 
+    /// A sequence whose next token would not fit its share of the context, and that asked for
+    /// shifting, drops half of what follows its kept start (as Ollama and llama.cpp's server
+    /// do): the cells after the dropped ones move back, and generation goes on. One whose start
+    /// leaves nothing to drop ends, `length`.
+    fn shift_if_full(&mut self, index: usize) {
+        let slot = &mut self.slots[index];
+        let Some(active) = slot.active.as_mut() else { return };
+        let (Some(keep), true) = (active.sampling.shift_keep, active.feed.pending.is_some()) else { return };
+        let limit = active.sampling.limit;
+        if slot.cached.len() + 1 < limit {
+            return;
+        }
+        let keep = keep.min(limit.saturating_sub(2));
+        let discard = (slot.cached.len() - keep) / 2;
+        if discard == 0 || !self.context.shift_sequence(slot.seq_id, keep as i32, discard as i32) {
+            return self.finish(index, DoneReason::Length);
+        }
+        slot.cached.drain(keep..keep + discard);
+        active.feed.shifted_after = Some(keep);
+        active.statistics.stats.context_shifts += 1;
+        tracing::debug!("sequence {index}: the context is full; {discard} tokens after the first {keep} dropped");
+    }
+
     /// Drafts for every generating sequence, by slot index (empty where none): at most what the
     /// sequence's context and token limit leave after its pending token.
     fn make_drafts(&mut self) -> Vec<Vec<Token>> {
@@ -585,6 +618,10 @@ impl Batcher {
         for (index, slot) in self.slots.iter().enumerate() {
             let Some(active) = slot.active.as_ref() else { continue };
             let Some(last) = active.feed.pending else { continue };
+            // A shifted sequence's drafters hold cells at the old positions.
+            if active.feed.shifted_after.is_some() {
+                continue;
+            }
             // The pending token and the draft take cells; one more is needed to sample after them.
             let by_context = active.sampling.limit.saturating_sub(slot.cached.len() + 2);
             // A pass yields up to draft + 1 tokens, the pending one already counted.
@@ -749,7 +786,8 @@ impl Batcher {
             self.finish(index, done_reason);
             return None;
         }
-        if active.at_max_tokens() || cached + 1 >= active.sampling.limit {
+        let full = cached + 1 >= active.sampling.limit && active.sampling.shift_keep.is_none();
+        if active.at_max_tokens() || full {
             self.finish(index, DoneReason::Length);
             return None;
         }
@@ -766,6 +804,15 @@ impl Batcher {
     /// slot keeps its KV entries for the next request that shares the prefix.
     fn finish(&mut self, index: usize, done_reason: DoneReason) {
         if let Some(active) = self.slots[index].active.take() {
+            // Past a shift only the kept start is what its tokens alone would give.
+            if let Some(keep) = active.feed.shifted_after {
+                let slot = &mut self.slots[index];
+                slot.cached.truncate(keep);
+                if !self.context.truncate_sequence(slot.seq_id, keep as i32) {
+                    self.context.truncate_sequence(slot.seq_id, 0);
+                    slot.cached.clear();
+                }
+            }
             active.finish(&self.engine, done_reason);
             if let Some(cache) = &self.prompt_cache {
                 let slot = &self.slots[index];

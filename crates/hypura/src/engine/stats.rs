@@ -30,6 +30,8 @@ pub struct GenerationStats {
     /// The conversation's oldest messages left out so that it fits the context (Ollama's
     /// `truncate`).
     pub dropped_messages: u32,
+    /// Times the context filled during the answer and shifted (Ollama's `shift`).
+    pub context_shifts: u32,
     /// Streaming I/O during this request (streaming modes only). Sequences decoded together
     /// share their reads, so each one counts every read made while it was active.
     pub io: Option<IoSnapshot>,

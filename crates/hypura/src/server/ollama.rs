@@ -19,7 +19,7 @@ use serde_json::{json, Map, Value};
 use super::catalog::ModelEntry;
 use super::error::AppError;
 use super::generation::{self, done_reason};
-use super::options::{format_grammar, off_runtime, parse_options};
+use super::options::{format_grammar, off_runtime, parse_options, RequestOptions};
 use super::tools;
 use super::wire::{nanos, ndjson_line, parse_body, rfc3339, stream_response, KeepAlive};
 use super::worker::{EmbedJob, Event};
@@ -146,6 +146,15 @@ struct Common {
     think: Option<Value>,
     /// Drop a conversation's oldest messages to fit the context (default), or refuse it.
     truncate: Option<bool>,
+    /// Shift the context when the answer fills it (default), or end the answer there.
+    shift: Option<bool>,
+}
+
+impl Common {
+    /// Tokens a context shift keeps at the start, where the request shifts (Ollama's default).
+    fn shift_keep(&self, options: &RequestOptions) -> Option<u32> {
+        self.shift.unwrap_or(true).then_some(options.num_keep)
+    }
 }
 
 #[derive(Deserialize)]
@@ -227,6 +236,9 @@ fn final_fields(object: &mut Map<String, Value>, finished: &Finished, with_conte
     object.insert("hypura_prompt_cached".into(), json!(stats.reused_prompt_tokens));
     if stats.dropped_messages > 0 {
         object.insert("hypura_messages_dropped".into(), json!(stats.dropped_messages));
+    }
+    if stats.context_shifts > 0 {
+        object.insert("hypura_context_shifts".into(), json!(stats.context_shifts));
     }
     if stats.prompt_cache_tokens > 0 {
         object.insert("hypura_prompt_cache_loaded".into(), json!(stats.prompt_cache_tokens));
@@ -352,7 +364,12 @@ pub async fn generate(
         messages.push(ChatMessage::new("user", prompt));
         Prompt::Chat(ChatRequest { think, ..ChatRequest::new(messages) })
     };
-    let request = GenerateRequest { context: body.context.unwrap_or_default(), grammar, ..options.request(prompt) };
+    let request = GenerateRequest {
+        context: body.context.unwrap_or_default(),
+        grammar,
+        shift_keep: body.common.shift_keep(&options),
+        ..options.request(prompt)
+    };
     respond(&state, &entry, name, keep_alive, request, body.common.stream.unwrap_or(true), shape).await
 }
 
@@ -392,6 +409,7 @@ pub async fn chat(State(state): State<AppState>, body: Result<Bytes, BytesReject
     let request = GenerateRequest {
         grammar,
         truncate_history: body.common.truncate.unwrap_or(true),
+        shift_keep: body.common.shift_keep(&options),
         ..options.request(Prompt::Chat(request))
     };
     respond(&state, &entry, name, keep_alive, request, body.common.stream.unwrap_or(true), Shape::Chat).await

@@ -23,6 +23,9 @@ pub struct RequestOptions {
     /// Generate past the end-of-generation token, up to `num_predict` (llama.cpp's server
     /// option `ignore_eos`; Ollama has none).
     pub ignore_eos: bool,
+    /// Tokens at the prompt's start that a context shift keeps (`num_keep`, 4 as in Ollama;
+    /// negative: the whole prompt).
+    pub num_keep: u32,
 }
 
 impl RequestOptions {
@@ -48,12 +51,12 @@ impl Default for RequestOptions {
             stop: Vec::new(),
             n_ctx_seq: None,
             ignore_eos: false,
+            num_keep: 4,
         }
     }
 }
 
 const IGNORED: &[&str] = &[
-    "num_keep",
     "typical_p",
     "num_batch",
     "num_gpu",
@@ -101,6 +104,7 @@ pub fn parse_options(options: Option<&Value>) -> Result<RequestOptions, AppError
                 resolved.n_ctx_seq = (n_ctx > 0).then(|| n_ctx.min(u32::MAX as i64) as u32);
             }
             "stop" => resolved.stop = strings(key, value)?,
+            "num_keep" => resolved.num_keep = u32::try_from(integer(key, value)?).unwrap_or(u32::MAX),
             "ignore_eos" => resolved.ignore_eos = value.as_bool().ok_or_else(|| type_error(key, "bool"))?,
             other if IGNORED.contains(&other) => {}
             other => tracing::warn!("ignoring unknown option {other:?}"),

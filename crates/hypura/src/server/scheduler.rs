@@ -166,7 +166,7 @@ impl Lease {
     }
 
     pub fn generate(self, job: GenerateJob) -> Result<(), AppError> {
-        self.submit(Work::Generate(job))
+        self.submit(Work::Generate(Box::new(job)))
     }
 
     pub fn embed(self, job: EmbedJob) -> Result<(), AppError> {

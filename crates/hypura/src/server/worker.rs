@@ -60,7 +60,7 @@ pub struct EmbedOutput {
 }
 
 pub(super) enum Work {
-    Generate(GenerateJob),
+    Generate(Box<GenerateJob>),
     Embed(EmbedJob),
     /// Reply once the model is loaded (an empty prompt only loads).
     Load(oneshot::Sender<Result<Duration, AppError>>),
@@ -297,7 +297,8 @@ fn fail_job(job: Job, error: &AppError) {
 /// its events go to the request's channel, and the lease ends when the sequence does.
 fn admit(batcher: &mut Batcher, job: Job, ready_at: Instant) {
     let Job { work, received, lease } = job;
-    let Work::Generate(GenerateJob { request, events }) = work else { return };
+    let Work::Generate(generate) = work else { return };
+    let GenerateJob { request, events } = *generate;
     let name = batcher
         .engine()
         .inventory()

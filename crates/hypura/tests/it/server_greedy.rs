@@ -120,3 +120,79 @@ fn greedy_text_from_the_server_in_expert_stream_equals_resident() {
     let model = common::forge("tiny-moe-8x", directory.path());
     streaming_equals_resident(&model, Mode::ExpertStream, &["the king of paris", "once upon a time"]);
 }
+
+/// An answer longer than the context goes on past it on Ollama's API, as Ollama's does (`shift`,
+/// on by default): the context keeps its first `num_keep` tokens and drops half of the rest,
+/// and the model keeps counting where it was, the same in dense-stream as resident (the keys'
+/// rotation computes with the streamed weights' hooks in place). `shift: false`, and OpenAI's
+/// API, end the answer at the context, `length`, as llama-server does.
+#[test]
+fn an_answer_past_the_context_shifts_it_and_goes_on() {
+    let _machine = common::whole_machine();
+    let directory = tempfile::tempdir().unwrap();
+    let model = common::smollm_path();
+    let name = model_name(&model);
+    let context = 256;
+    let count = |shift: bool, num_keep: i64| {
+        json!({"model": name, "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "raw": true, "stream": false, "shift": shift,
+            "options": {"temperature": 0, "num_predict": 600, "num_keep": num_keep}})
+    };
+    let numbers = |answer: &Value| -> Vec<u64> {
+        let text = answer["response"].as_str().unwrap();
+        text.split(|c: char| !c.is_ascii_digit())
+            .filter(|part| !part.is_empty())
+            .map(|part| part.parse().unwrap())
+            .collect()
+    };
+    let serve = |extra: &[String]| {
+        let mut arguments = vec![model.display().to_string()];
+        arguments.extend(strings(&[
+            "--context",
+            &context.to_string(),
+            "--parallel",
+            "1",
+            "--threads",
+            "2",
+            "--batch-invariant",
+        ]));
+        arguments.extend_from_slice(extra);
+        Server::start(&arguments, directory.path().join("serve.log"))
+    };
+    let resident = serve(&strings(&["--mode", "resident"]));
+    let mut shifted = Vec::new();
+    for num_keep in [4, -1] {
+        let answer = resident.post("/api/generate", &count(true, num_keep));
+        assert_eq!(
+            (answer["done_reason"].as_str(), answer["eval_count"].as_u64()),
+            (Some("length"), Some(600)),
+            "{answer}"
+        );
+        assert!(answer["hypura_context_shifts"].as_u64().unwrap() >= 2, "{answer}");
+        // With the whole prompt kept the 135M model skips a number after a shift (99, seen
+        // here); with four tokens kept it counts on without a gap.
+        let mut numbers = numbers(&answer);
+        numbers.pop(); // the answer may end inside a number
+        let step_ok = |pair: &[u64]| if num_keep == 4 { pair[1] == pair[0] + 1 } else { pair[1] > pair[0] };
+        assert!(
+            numbers.first() == Some(&11) && numbers.windows(2).all(step_ok) && numbers.len() > 100,
+            "num_keep {num_keep}: the count broke where the context shifted: {answer}"
+        );
+        shifted.push(answer);
+    }
+    let ended = resident.post("/api/generate", &count(false, 4));
+    assert_eq!(ended["done_reason"], "length", "{ended}");
+    assert!(ended["eval_count"].as_u64().unwrap() < context && ended.get("hypura_context_shifts").is_none(), "{ended}");
+    let openai = resident.post(
+        "/v1/completions",
+        &json!({"model": name, "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 600, "temperature": 0}),
+    );
+    assert_eq!(openai["choices"][0]["finish_reason"], "length", "{openai}");
+    assert!(openai["usage"]["completion_tokens"].as_u64().unwrap() < context, "{openai}");
+    drop(resident);
+
+    let budget = streaming_budget(&model, Mode::DenseStream, context as u32);
+    let streamed = serve(&["--mode".into(), "dense-stream".into(), "--memory-budget".into(), budget.to_string()]);
+    let answer = streamed.post("/api/generate", &count(true, 4));
+    assert!(answer["hypura_bytes_read"].as_u64().unwrap() > 0, "dense-stream read nothing: {answer}");
+    assert_eq!(answer["response"], shifted[0]["response"], "a shifted answer in dense-stream differs from resident");
+}

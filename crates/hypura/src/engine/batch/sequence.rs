@@ -35,6 +35,8 @@ pub(super) struct Sampling {
     pub ignore_eos: bool,
     /// Tokens the sequence may hold, prompt and answer.
     pub limit: usize,
+    /// Shift the context when it fills, keeping this many tokens at its start.
+    pub shift_keep: Option<usize>,
 }
 
 /// Tokens on their way into the batch.
@@ -52,6 +54,9 @@ pub(super) struct Feed {
     pub queued_generated: bool,
     /// Row of this sequence's logits in the last decoded batch.
     pub logits_row: Option<i32>,
+    /// Set once the context has shifted: the KV cells from here on no longer hold what a fresh
+    /// evaluation of the tokens would, so they are dropped when the sequence ends.
+    pub shifted_after: Option<usize>,
 }
 
 /// The answer on its way to the requester.
