@@ -88,6 +88,11 @@ impl Gguf {
         Parser::new(reader, file_bytes, PathBuf::from("<stream>")).parse()
     }
 
+    /// `parse`, with errors naming the stream `name` (a URL, say).
+    pub fn parse_named<R: Read>(reader: R, file_bytes: u64, name: &Path) -> Result<Gguf> {
+        Parser::new(reader, file_bytes, name.to_path_buf()).parse()
+    }
+
     fn from_parts(
         version: u32,
         metadata: Vec<(String, Value)>,

@@ -51,7 +51,17 @@ impl ModelFiles {
     /// other splits (found next to it by name). Checks each split's `split.no` and
     /// `split.count`, the total tensor count, and that no tensor name appears twice.
     pub fn open(path: &Path) -> Result<ModelFiles> {
-        let first = Gguf::open(path)?;
+        ModelFiles::open_with(path, |split| if split.is_file() { Gguf::open(split).map(Some) } else { Ok(None) })
+    }
+
+    /// `open`, with each file's index read by `open_split` (None: there is no such file), so
+    /// that the files may be elsewhere than on this disk: `path` and the splits' names next to
+    /// it are only names here (a URL's last segment works as a file name does).
+    pub fn open_with(path: &Path, mut open_split: impl FnMut(&Path) -> Result<Option<Gguf>>) -> Result<ModelFiles> {
+        let first = open_split(path)?.ok_or_else(|| GgufError::Io {
+            path: path.to_path_buf(),
+            source: std::io::Error::from(std::io::ErrorKind::NotFound),
+        })?;
         let count = match first.get(SPLIT_COUNT_KEY) {
             None => 1,
             Some(value) => {
@@ -88,10 +98,9 @@ impl ModelFiles {
         let mut splits = vec![SplitFile { path: path.to_path_buf(), gguf: first }];
         for index in 1..count {
             let split_path = directory.join(split_file_name(prefix, index, count));
-            if !split_path.is_file() {
+            let Some(gguf) = open_split(&split_path)? else {
                 return Err(GgufError::SplitMissing { path: split_path, index, count });
-            }
-            let gguf = Gguf::open(&split_path)?;
+            };
             let found_index = split_no(&gguf, &split_path)?;
             if found_index != index {
                 return Err(GgufError::SplitIndex { path: split_path, expected: index, found: found_index });

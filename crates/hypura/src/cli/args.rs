@@ -75,7 +75,9 @@ pub struct ProfileArgs {
 
 #[derive(Args, Debug)]
 pub struct InspectArgs {
-    /// A GGUF file (the first file of a split model) or the name of a model pulled by Ollama.
+    /// A GGUF file (the first file of a split model), the name of a model pulled by Ollama, or
+    /// a URL (http://, https://, hf://ORG/REPO/FILE.gguf): only its index is fetched, by range
+    /// requests, and it is planned as the same file on this machine would be.
     #[arg(value_name = "MODEL")]
     pub model: Option<String>,
     /// The model, as llama.cpp's -m gives it.

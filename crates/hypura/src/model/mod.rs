@@ -6,6 +6,7 @@
 mod architectures;
 mod inventory;
 mod role;
+pub mod url;
 
 pub use architectures::{ffn_entry_node, KNOWN_ARCHITECTURES};
 pub use inventory::{ExpertSlices, Hparams, Inventory, ModelError, TensorEntry};

@@ -187,3 +187,127 @@ fn a_budget_too_small_for_the_default_batch_takes_a_smaller_one() {
     assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
     assert!(!run.stdout.is_empty());
 }
+
+/// A directory served over HTTP on a free loopback port: `/files/NAME` with range requests
+/// (tower-http's file service), `/whole/NAME` always as the whole file with 200, as a server
+/// without range support answers. Returns the base URL.
+fn serve_over_http(directory: &Path) -> String {
+    use axum::extract::Path as UrlPath;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    listener.set_nonblocking(true).unwrap();
+    let root = directory.to_path_buf();
+    let whole_root = root.clone();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async move {
+            let whole = axum::routing::get(move |UrlPath(name): UrlPath<String>| {
+                let path = whole_root.join(name);
+                async move { tokio::fs::read(path).await.map_err(|_| axum::http::StatusCode::NOT_FOUND) }
+            });
+            let app = axum::Router::new()
+                .nest_service("/files", tower_http::services::ServeDir::new(root))
+                .route("/whole/{name}", whole);
+            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+            axum::serve(listener, app).await.unwrap();
+        });
+    });
+    base
+}
+
+/// `path` rewritten as two split files named as llama.cpp's gguf-split names them, the tensors
+/// shared between them in order; returns the first.
+fn split_in_two(path: &Path, directory: &Path) -> std::path::PathBuf {
+    let source = hypura_gguf::Gguf::open(path).unwrap();
+    let bytes = std::fs::read(path).unwrap();
+    let half = source.tensors.len() / 2;
+    let parts = [&source.tensors[..half], &source.tensors[half..]];
+    for (index, tensors) in parts.iter().enumerate() {
+        let mut writer = GgufWriter::new();
+        if index == 0 {
+            for (key, value) in &source.metadata {
+                writer.add_metadata(key.clone(), value.clone());
+            }
+        }
+        writer
+            .add_metadata("split.no", Value::U16(index as u16))
+            .add_metadata("split.count", Value::U16(2))
+            .add_metadata("split.tensors.count", Value::I32(source.tensors.len() as i32));
+        for tensor in tensors.iter() {
+            writer.add_tensor(tensor.name.clone(), &tensor.dims, tensor.ggml_type);
+        }
+        let target = directory.join(hypura_gguf::split_file_name("split", index as u64, 2));
+        writer
+            .write_file(&target, |at| {
+                let tensor = &tensors[at];
+                let start = (source.data_offset + tensor.offset) as usize;
+                bytes[start..start + tensor.bytes as usize].to_vec()
+            })
+            .unwrap();
+    }
+    directory.join(hypura_gguf::split_file_name("split", 0, 2))
+}
+
+/// `inspect URL` plans a model on a server from its index alone, fetched by range requests: the
+/// same report and plan as the file on this disk, a plain file and a split one, for a small
+/// share of the file's bytes. A server without ranges, a file that is not a GGUF, an index cut
+/// short and a connection that drops each get one clear line and exit 1.
+#[test]
+fn inspect_a_url_plans_from_the_index_alone() {
+    let _machine = common::shared_machine();
+    let directory = tempfile::tempdir().unwrap();
+    let model = common::chat_model_path();
+    std::fs::copy(&model, directory.path().join("model.gguf")).unwrap();
+    let split = split_in_two(&common::smollm_path(), directory.path());
+    std::fs::write(directory.path().join("notes.txt"), "not a model at all").unwrap();
+    let head = std::fs::read(&model).unwrap()[..100_000].to_vec();
+    std::fs::write(directory.path().join("cut.gguf"), head).unwrap();
+    let base = serve_over_http(directory.path());
+
+    let report = |target: &str| -> serde_json::Value {
+        let output = hypura(&["inspect", target, "--json", "--memory-budget", "300MiB", "--context", "2048"]);
+        assert!(output.status.success(), "{target}: {}", String::from_utf8_lossy(&output.stderr));
+        serde_json::from_slice(&output.stdout).unwrap()
+    };
+    for (local, remote) in [
+        (model.display().to_string(), format!("{base}/files/model.gguf")),
+        (split.display().to_string(), format!("{base}/files/{}", split.file_name().unwrap().to_str().unwrap())),
+    ] {
+        let (mut local, mut remote) = (report(&local), report(&remote));
+        let fetched = remote.as_object_mut().unwrap().remove("fetched").expect("a URL's report says what it fetched");
+        let file_bytes = remote["file_bytes"].as_u64().unwrap();
+        let bytes = fetched["bytes"].as_u64().unwrap();
+        let index = fetched["index_bytes"].as_u64().unwrap();
+        // Ranges double from 1 MiB: at most twice the index, or a first range per file.
+        assert!(bytes >= index && bytes <= 2 * index + (2 << 20), "{bytes} bytes fetched for an index of {index}");
+        assert!(bytes * 20 < file_bytes, "{bytes} of {file_bytes} bytes fetched for the index");
+        local.as_object_mut().unwrap().remove("path");
+        remote.as_object_mut().unwrap().remove("path");
+        assert_eq!(local, remote, "the plan from the URL differs from the plan of the file on disk");
+    }
+    let output = hypura(&["inspect", &format!("{base}/files/model.gguf")]);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains("range requests") && stdout.contains("for its index of"), "{stdout}");
+
+    let whole = hypura(&["inspect", &format!("{base}/whole/model.gguf")]);
+    assert_clean_failure(&whole, "does not answer range requests");
+    assert_clean_failure(&hypura(&["inspect", &format!("{base}/files/notes.txt")]), "not a GGUF file");
+    assert_clean_failure(&hypura(&["inspect", &format!("{base}/files/cut.gguf")]), "truncated");
+    assert_clean_failure(&hypura(&["inspect", &format!("{base}/files/missing.gguf")]), "missing.gguf");
+
+    // A server that promises a range and closes the connection partway.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        for stream in listener.incoming().take(1) {
+            let mut stream = stream.unwrap();
+            let mut request = [0u8; 4096];
+            let _ = stream.read(&mut request);
+            let _ = stream.write_all(
+                b"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-1048575/4000000\r\nContent-Length: 1048576\r\n\r\nGGUF\x03\x00",
+            );
+        }
+    });
+    assert_clean_failure(&hypura(&["inspect", &format!("http://{address}/model.gguf")]), "reading bytes 0-");
+}

@@ -6,6 +6,7 @@ use serde::Serialize;
 
 use crate::cli::args::InspectArgs;
 use crate::format::format_bytes;
+use crate::model::url::{self, Fetched};
 use crate::model::{Inventory, Role};
 
 #[derive(Serialize)]
@@ -26,6 +27,9 @@ struct InspectReport<'a> {
     plan: &'a crate::plan::Plan,
     /// The prompt batch the run gets.
     n_batch: u32,
+    /// For a model on a server: the bytes its index took to fetch.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fetched: Option<Fetched>,
 }
 
 #[derive(Serialize)]
@@ -36,8 +40,16 @@ struct QuantRow {
 }
 
 pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
-    let inventory =
-        Inventory::open(&crate::cli::settings::model_path(args.model.as_deref().or(args.model_flag.as_deref()))?)?;
+    let model = args.model.as_deref().or(args.model_flag.as_deref());
+    let (inventory, fetched) = match model.filter(|model| url::is_url(model)) {
+        // Planned as the same file on this machine's disk would be.
+        Some(address) => {
+            let address = url::resolve(address)?;
+            let (files, fetched) = url::open(&address)?;
+            (Inventory::from_files(std::path::Path::new(&address), &files)?, Some(fetched))
+        }
+        None => (Inventory::open(&crate::cli::settings::model_path(model)?)?, None),
+    };
     let spec = crate::cli::settings::run_spec(&args.model_args)?;
     let crate::plan::Choice { n_batch, plan, .. } =
         crate::setup::choose(&inventory, &spec, &crate::setup::machine_facts(&spec, &inventory.path)?)?;
@@ -61,6 +73,7 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
             tensors: args.tensors.then_some(inventory.tensors.as_slice()),
             plan: &plan,
             n_batch,
+            fetched,
         };
         serde_json::to_string_pretty(&report).context("serialising the report")? + "\n"
     } else {
@@ -68,6 +81,16 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
             + "\n"
             + &plan.render()
             + &format!("batch        prompt batches of {n_batch} tokens\n")
+            + &fetched.map_or(String::new(), |fetched| {
+                format!(
+                    "fetched      {} of the {} file in {} range requests ({:.2}%), for its index of {}\n",
+                    format_bytes(fetched.bytes),
+                    format_bytes(inventory.file_bytes),
+                    fetched.requests,
+                    100.0 * fetched.bytes as f64 / inventory.file_bytes.max(1) as f64,
+                    format_bytes(fetched.index_bytes)
+                )
+            })
     };
     print!("{output}");
     Ok(())
