@@ -3,6 +3,7 @@
 //! timings. Ratios measured side by side are what we quote: absolute times on shared machines
 //! drift.
 pub mod peer;
+pub mod picture;
 pub mod simulate;
 
 use std::fmt::Write as _;
@@ -139,7 +140,7 @@ pub struct TestResult {
     pub ratio: Option<f64>,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Default, Serialize)]
 pub struct BenchReport {
     pub model: PathBuf,
     pub model_description: String,

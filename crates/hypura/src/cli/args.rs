@@ -340,6 +340,10 @@ pub struct BenchArgs {
     /// Also write the results as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Also draw the results as an SVG picture: each test's Hypura and llama.cpp side by side,
+    /// mean, standard deviation and every sample.
+    #[arg(long)]
+    pub svg: Option<PathBuf>,
     #[command(flatten)]
     pub model_args: ModelArgs,
 }

@@ -136,11 +136,12 @@ fn run_rejects_bad_input_clearly() {
 }
 
 #[test]
-fn bench_prints_a_table_and_json_against_llama_cpp() {
+fn bench_prints_a_table_json_and_a_picture_against_llama_cpp() {
     let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let model = common::forge("tiny-moe-8x", directory.path());
     let json = directory.path().join("bench.json");
+    let svg = directory.path().join("bench.svg");
     let output = hypura(&[
         "bench",
         model.to_str().unwrap(),
@@ -154,10 +155,16 @@ fn bench_prints_a_table_and_json_against_llama_cpp() {
         "1",
         "--json",
         json.to_str().unwrap(),
+        "--svg",
+        svg.to_str().unwrap(),
     ]);
     assert!(output.status.success(), "{}", stderr(&output));
     let table = String::from_utf8_lossy(&output.stdout);
     assert!(table.contains("| pp32 |") && table.contains("| tg8 |"), "{table}");
+    // The picture: both tests, each run of each side a dot.
+    let picture = std::fs::read_to_string(&svg).unwrap();
+    assert!(picture.starts_with("<svg") && picture.contains("pp32: Hypura") && picture.contains("tg8: Hypura"));
+    assert_eq!(picture.matches("<circle").count(), 8, "{picture}");
     let report: serde_json::Value = serde_json::from_slice(&std::fs::read(json).unwrap()).unwrap();
     assert_eq!(report["results"].as_array().unwrap().len(), 2);
     for result in report["results"].as_array().unwrap() {

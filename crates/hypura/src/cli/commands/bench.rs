@@ -72,5 +72,9 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         std::fs::write(json, serde_json::to_string_pretty(&report)? + "\n")
             .with_context(|| format!("writing {}", json.display()))?;
     }
+    if let Some(svg) = &args.svg {
+        let picture = bench::picture::svg(&report).map_err(|error| anyhow::anyhow!("drawing the picture: {error}"))?;
+        std::fs::write(svg, picture).with_context(|| format!("writing {}", svg.display()))?;
+    }
     Ok(())
 }
