@@ -33,9 +33,9 @@ pub struct GenerateRequest {
     /// on by default there) instead of being refused as too long.
     pub truncate_history: bool,
     /// Some(n): when the context fills during the answer, the sequence keeps its first `n`
-    /// tokens (at most the prompt's), drops half of the rest and goes on (Ollama's `shift`, with `num_keep`); an answer
-    /// without `max_tokens` then ends at ten times the context, as Ollama's does. None: the
-    /// answer ends there, `length` (llama-server's default).
+    /// tokens (at most the prompt's), drops half of the rest and goes on (Ollama's `shift`, with
+    /// `num_keep`); an answer without `max_tokens` then ends at ten times the context, as
+    /// Ollama's does. None: the answer ends there, `length` (llama-server's default).
     pub shift_keep: Option<u32>,
     /// Keep going past end-of-generation tokens (benchmarks).
     pub ignore_eos: bool,

@@ -106,14 +106,7 @@ impl Sampling {
                 return Err(AppError::bad_request("only n = 1 is supported"));
             }
         }
-        Ok(RequestOptions {
-            sampling,
-            max_tokens: max,
-            stop,
-            n_ctx_seq: None,
-            ignore_eos: false,
-            ..RequestOptions::default()
-        })
+        Ok(RequestOptions { sampling, max_tokens: max, stop, ..RequestOptions::default() })
     }
 
     fn include_usage(&self) -> bool {
