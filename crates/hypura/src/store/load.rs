@@ -3,14 +3,19 @@
 //! Resident tensors are read with direct I/O through an aligned bounce buffer, so loading
 //! leaves nothing in the page cache. File ranges of streamed tensors are not read at all: their
 //! bytes arrive later, on demand. (llama.cpp still copies whatever its stdio buffer held into
-//! those tensors; the stream buffer type points them at a small sink during the load.)
+//! those tensors; the stream buffer type points them at a sink during the load, the size of the
+//! largest of them, whose pages this reader gives back as the load goes, so that the sink never
+//! holds more than `SINK_RELEASE_BYTES` of memory.)
 use std::ops::Range;
 use std::sync::Arc;
 
 use super::stats::IoStats;
-use crate::io::{AlignedBuf, DirectFile, PAGE_BYTES};
+use crate::io::{AlignedBuf, DirectFile, Region, PAGE_BYTES};
 
 const BOUNCE_BYTES: usize = 8 << 20;
+/// Skipped bytes after which the sink's pages are given back (glibc copies its stdio buffer
+/// into the sink after each skipped read; the copies land in pages released in between).
+const SINK_RELEASE_BYTES: u64 = 16 << 20;
 
 pub struct StoreLoadReader {
     file: DirectFile,
@@ -21,10 +26,19 @@ pub struct StoreLoadReader {
     bounce_range: Range<u64>,
     stats: Arc<IoStats>,
     skipped_bytes: u64,
+    /// The load-time sink the skipped tensors point at, and the bytes skipped since its pages
+    /// were last given back.
+    sink: Option<Arc<Region>>,
+    skipped_since_release: u64,
 }
 
 impl StoreLoadReader {
-    pub fn new(file: DirectFile, mut streamed: Vec<Range<u64>>, stats: Arc<IoStats>) -> StoreLoadReader {
+    pub fn new(
+        file: DirectFile,
+        mut streamed: Vec<Range<u64>>,
+        sink: Option<Arc<Region>>,
+        stats: Arc<IoStats>,
+    ) -> StoreLoadReader {
         streamed.sort_by_key(|range| range.start);
         StoreLoadReader {
             file,
@@ -33,6 +47,23 @@ impl StoreLoadReader {
             bounce_range: 0..0,
             stats,
             skipped_bytes: 0,
+            sink,
+            skipped_since_release: 0,
+        }
+    }
+
+    /// Give the sink's pages back once enough skipped bytes may have been copied into it: no
+    /// one reads the sink, so its contents can go at any time.
+    fn release_sink(&mut self, skipped: u64) {
+        self.skipped_since_release += skipped;
+        if self.skipped_since_release < SINK_RELEASE_BYTES {
+            return;
+        }
+        self.skipped_since_release = 0;
+        if let Some(sink) = &self.sink {
+            if let Err(error) = sink.release(0..sink.len() as u64) {
+                tracing::debug!("the load's sink kept its pages: {error}");
+            }
         }
     }
 
@@ -82,6 +113,7 @@ impl hypura_sys::LoadReader for StoreLoadReader {
                 // Not read: these bytes come from disk on demand, into the same pages.
                 let count = (streamed.end - position).min(remaining);
                 self.skipped_bytes += count;
+                self.release_sink(count);
                 filled += count as usize;
                 continue;
             }

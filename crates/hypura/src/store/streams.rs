@@ -78,7 +78,7 @@ pub struct StreamLoad<'a> {
     dense: Option<DenseUnits>,
     region: Arc<Region>,
     /// Reserved until `finish`.
-    sink: Option<Region>,
+    sink: Option<Arc<Region>>,
     stats: Arc<IoStats>,
 }
 
@@ -147,7 +147,7 @@ impl<'a> StreamLoad<'a> {
         // llama.cpp copies placeholder bytes into every host tensor at load; a sink the size of the
         // largest streamed tensor absorbs them, so the region is never faulted in by the load.
         let largest = streamed.iter().chain(&mapped).map(|tensor| tensor.bytes).max().unwrap_or(0);
-        let sink = Region::reserve(largest, false)?;
+        let sink = Arc::new(Region::reserve(largest, false)?);
         Ok(StreamLoad {
             path,
             inventory,
@@ -203,7 +203,7 @@ impl<'a> StreamLoad<'a> {
     pub fn load_reader(&self) -> Result<StoreLoadReader, StoreError> {
         let skipped: Vec<Range<u64>> =
             self.in_region().map(|tensor| tensor.file_offset..tensor.file_offset + tensor.bytes).collect();
-        Ok(StoreLoadReader::new(DirectFile::open(self.path)?, skipped, self.stats.clone()))
+        Ok(StoreLoadReader::new(DirectFile::open(self.path)?, skipped, self.sink.clone(), self.stats.clone()))
     }
 
     /// After llama.cpp's load into `buffer_type`: point its tensors at the region, give the sink

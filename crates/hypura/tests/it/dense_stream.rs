@@ -169,14 +169,18 @@ fn too_small_a_budget_is_refused_at_plan_time() {
     assert!(stderr.contains("64.0 MiB is too small") && stderr.contains("resident weights"), "{stderr}");
 }
 
-/// Invariant 3: a dense-stream run's peak resident memory stays under its budget + 5%.
+/// Invariant 3: a dense-stream run's peak resident memory stays under its budget + 5%, the load
+/// included: Qwen2.5-Coder-0.5B's 89 MiB token embedding, left in the file's pages, passes
+/// through the load's sink, which took the peak to 344.5 MiB of a 300 MiB budget before the load
+/// gave the sink's pages back as it went.
 #[test]
 fn peak_memory_stays_under_the_budget() {
     let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let tiny = common::forge("tiny-dense-8b", directory.path());
     let gemma = common::gemma_path();
-    for (path, budget) in [(tiny.as_path(), "140MiB"), (gemma.as_path(), "850MiB")] {
+    let qwen = common::chat_model_path();
+    for (path, budget) in [(tiny.as_path(), "140MiB"), (gemma.as_path(), "850MiB"), (qwen.as_path(), "300MiB")] {
         let output = common::hypura_command()
             .args([
                 "run",

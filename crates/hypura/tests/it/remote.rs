@@ -142,11 +142,10 @@ fn two_workers_hold_the_last_layers_and_the_greedy_text_is_the_resident_text() {
         assert!(peak >= weights, "{}: peak {peak} bytes below its layers' {weights}", worker.endpoint);
         assert!(peak <= lent + (96 << 20), "{}: peak {peak} bytes over the {lent} it lends", worker.endpoint);
     }
-    // The host stays under its budget, but for the process's own ~75 MiB beyond its plan (the
-    // same margin a run without workers needs at this budget).
+    // The host stays under its budget + 5%, the load included (invariant 3).
     let budget = hypura::cli::settings::parse_bytes(HOST_BUDGET).unwrap();
     let peak = common::peak_rss(&stderr);
-    assert!(peak <= budget + (96 << 20), "host peak {peak} bytes over the budget {budget}: {stderr}");
+    assert!(peak as f64 <= budget as f64 * 1.05, "host peak {peak} bytes over the budget {budget}: {stderr}");
 }
 
 #[test]
