@@ -483,8 +483,9 @@ impl Context {
         Ok(tokens)
     }
 
-    /// Whether the KV cache can move cells to other positions (`shift_sequence`): not for
-    /// recurrent state, nor for multi-dimensional positions.
+    /// Whether the KV cache can move cells to other positions (`shift_sequence`): not with
+    /// multi-dimensional positions (M-RoPE), nor sliding windows of another size than the
+    /// cache. A recurrent state says it can, and then refuses to drop a middle range.
     pub fn can_shift(&self) -> bool {
         // SAFETY: the context is valid, and so is the memory it owns.
         unsafe { raw::llama_memory_can_shift(raw::llama_get_memory(self.pointer.as_ptr())) }
@@ -492,7 +493,8 @@ impl Context {
 
     /// Drop positions `keep..keep + discard` of one sequence and move the cells after them
     /// `discard` positions back (llama.cpp rotates their keys at the next decode), so the
-    /// sequence continues at its length less `discard`. False where the memory refuses.
+    /// sequence continues at its length less `discard`. False where the memory refuses, which
+    /// leaves it unchanged (a hybrid model's recurrent part refuses before its KV cache is cut).
     pub fn shift_sequence(&mut self, seq_id: i32, keep: i32, discard: i32) -> bool {
         if keep < 0 || discard <= 0 || !self.can_shift() {
             return false;
