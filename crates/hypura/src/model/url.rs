@@ -17,6 +17,9 @@ use hypura_gguf::{Gguf, GgufError, ModelFiles};
 /// vocabulary makes an index of several MiB).
 const FIRST_CHUNK: u64 = 1 << 20;
 const MAX_CHUNK: u64 = 16 << 20;
+/// The most of one file read for its index: a real index is tens of MiB at most (a 256K-token
+/// vocabulary), so a server that keeps a reader going past this is not serving a model's index.
+const MAX_INDEX_BYTES: u64 = 512 << 20;
 
 /// What reading the index over the network cost.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
@@ -107,6 +110,12 @@ impl<'a> RangeReader<'a> {
 
     /// Fetch the range from `from`; false for a 404.
     fn fetch(&mut self, from: u64) -> Result<bool, String> {
+        if from >= MAX_INDEX_BYTES {
+            return Err(format!(
+                "the index goes on past {} MiB, more than any model's index; this is not a GGUF Hypura plans from a URL",
+                MAX_INDEX_BYTES >> 20
+            ));
+        }
         let last = from.saturating_add(self.chunk).min(self.total) - 1;
         let mut response = self
             .agent
@@ -132,7 +141,8 @@ impl<'a> RangeReader<'a> {
             .ok_or("a partial answer without a Content-Range header")?;
         let (first, end, total) = parse_content_range(content_range)
             .ok_or_else(|| format!("a Content-Range header Hypura cannot read: {content_range:?}"))?;
-        if first != from || end < first || end >= total || (self.total != u64::MAX && total != self.total) {
+        if first != from || end < first || end > last || end >= total || (self.total != u64::MAX && total != self.total)
+        {
             return Err(format!("asked for bytes {from}-{last}, the server sent {content_range:?}"));
         }
         self.total = total;

@@ -295,19 +295,28 @@ fn inspect_a_url_plans_from_the_index_alone() {
     assert_clean_failure(&hypura(&["inspect", &format!("{base}/files/cut.gguf")]), "truncated");
     assert_clean_failure(&hypura(&["inspect", &format!("{base}/files/missing.gguf")]), "missing.gguf");
 
-    // A server that promises a range and closes the connection partway.
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let address = listener.local_addr().unwrap();
-    std::thread::spawn(move || {
-        use std::io::{Read, Write};
-        for stream in listener.incoming().take(1) {
-            let mut stream = stream.unwrap();
-            let mut request = [0u8; 4096];
-            let _ = stream.read(&mut request);
-            let _ = stream.write_all(
-                b"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-1048575/4000000\r\nContent-Length: 1048576\r\n\r\nGGUF\x03\x00",
-            );
-        }
-    });
-    assert_clean_failure(&hypura(&["inspect", &format!("http://{address}/model.gguf")]), "reading bytes 0-");
+    // A server that promises a range and closes the connection partway, and one that answers
+    // with a gigabyte more than was asked.
+    let raw_server = |answer: &'static [u8]| {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap();
+        std::thread::spawn(move || {
+            use std::io::{Read, Write};
+            for stream in listener.incoming().take(1) {
+                let mut stream = stream.unwrap();
+                let mut request = [0u8; 4096];
+                let _ = stream.read(&mut request);
+                let _ = stream.write_all(answer);
+            }
+        });
+        format!("http://{address}/model.gguf")
+    };
+    let dropped = raw_server(
+        b"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-1048575/4000000\r\nContent-Length: 1048576\r\n\r\nGGUF\x03\x00",
+    );
+    assert_clean_failure(&hypura(&["inspect", &dropped]), "reading bytes 0-");
+    let oversized = raw_server(
+        b"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-999999999/2000000000\r\nContent-Length: 1000000000\r\n\r\nGGUF",
+    );
+    assert_clean_failure(&hypura(&["inspect", &oversized]), "the server sent \"bytes 0-999999999/2000000000\"");
 }
