@@ -51,7 +51,15 @@ impl ModelFiles {
     /// other splits (found next to it by name). Checks each split's `split.no` and
     /// `split.count`, the total tensor count, and that no tensor name appears twice.
     pub fn open(path: &Path) -> Result<ModelFiles> {
-        ModelFiles::open_with(path, |split| if split.is_file() { Gguf::open(split).map(Some) } else { Ok(None) })
+        // The first file is opened whatever it is, so that its own error (a directory, no
+        // permission, no such file) is the one reported, as before splits were read by name.
+        ModelFiles::open_with(path, |split| {
+            if split == path || split.is_file() {
+                Gguf::open(split).map(Some)
+            } else {
+                Ok(None)
+            }
+        })
     }
 
     /// `open`, with each file's index read by `open_split` (None: there is no such file), so
