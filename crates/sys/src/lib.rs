@@ -44,7 +44,8 @@ pub use model::{exact_name_pattern, repacking_available, LoadMode, Model, ModelP
 pub use pool::{DevicePool, ModelTensor};
 pub use quantize::{dequantize_rows, ggml_type_block_size, ggml_type_name, ggml_type_size, quantize_rows};
 pub use rpc::{
-    capped_device, connect as rpc_connect, local_device, serve as rpc_serve, DeviceHandle, RPC_PROTOCOL_MAJOR,
+    capped_device, connect as rpc_connect, local_device, ops as ggml_ops, serve as rpc_serve, DeviceHandle,
+    RPC_PROTOCOL_MAJOR,
 };
 pub use sampler::{first_maximum, Sampler, SamplerParams};
 pub use speculative::{DraftRequest, SpeculativeParams, Speculator, SPECULATIVE_TYPES};

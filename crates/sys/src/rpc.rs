@@ -57,6 +57,25 @@ fn rpc_function(name: &std::ffi::CStr) -> Result<*mut std::ffi::c_void, SysError
 /// the pinned ggml): a worker must answer HELLO with this major version.
 pub const RPC_PROTOCOL_MAJOR: u8 = 7;
 
+/// The numbers of the pinned ggml's graph operations that the validating front of `hypura
+/// rpc-server` needs: how many there are, the ones whose parameters name a sub-operation, and
+/// the ones whose parameters carry a function pointer (never accepted from a client).
+pub mod ops {
+    use llama_cpp_sys_2 as raw;
+
+    pub const COUNT: u32 = raw::GGML_OP_COUNT;
+    pub const NONE: u32 = raw::GGML_OP_NONE;
+    pub const UNARY: u32 = raw::GGML_OP_UNARY;
+    pub const UNARY_COUNT: u32 = raw::GGML_UNARY_OP_COUNT;
+    pub const GLU: u32 = raw::GGML_OP_GLU;
+    pub const GLU_COUNT: u32 = raw::GGML_GLU_OP_COUNT;
+    pub const CUSTOM: [u32; 4] =
+        [raw::GGML_OP_MAP_CUSTOM1, raw::GGML_OP_MAP_CUSTOM2, raw::GGML_OP_MAP_CUSTOM3, raw::GGML_OP_CUSTOM];
+    pub const TYPE_COUNT: u32 = raw::GGML_TYPE_COUNT;
+    /// A copy (whose element counts ggml's CPU kernel asserts).
+    pub const DUP: u32 = raw::GGML_OP_DUP;
+}
+
 /// A ggml device handle that lives as long as the process (ggml never frees registered devices,
 /// nor those an RPC registry or `hypura_capped_device` creates).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -29,14 +29,14 @@ pub enum Command {
     /// Serve models over HTTP with Ollama's API and OpenAI's.
     Serve(ServeArgs),
     /// Lend this machine's devices to other Hypura (or llama.cpp) processes over ggml's RPC
-    /// protocol, which has no authentication: bind only to networks you trust.
+    /// protocol, every request checked; with a key, to those that hold it, encrypted.
     RpcServer(RpcServerArgs),
 }
 
 #[derive(Args, Debug)]
 pub struct RpcServerArgs {
-    /// Address to bind. The default serves this machine only; the protocol has no
-    /// authentication, so another address lends this machine to anyone who reaches it.
+    /// Address to bind. The default serves this machine only; another address needs a key
+    /// (or --insecure-no-auth).
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     #[arg(long, default_value_t = 50052)]
@@ -54,6 +54,19 @@ pub struct RpcServerArgs {
     /// CPU threads (default: every core).
     #[arg(long, short = 't')]
     pub threads: Option<usize>,
+    /// Serve only clients that prove this key (64 hexadecimal digits, e.g. from `openssl rand
+    /// -hex 32`), over an encrypted link; clients pass the same file as --rpc-key-file.
+    /// Default: HYPURA_RPC_KEY, else no key (loopback only).
+    #[arg(long, value_name = "FILE")]
+    pub key_file: Option<PathBuf>,
+    /// Bind an address other than loopback without a key: anyone who reaches the port may use
+    /// the lent devices (every request is still checked).
+    #[arg(long)]
+    pub insecure_no_auth: bool,
+    /// Serve one client with ggml's own server, unchecked, on a loopback address (how the
+    /// front starts each client's server; not for direct use).
+    #[arg(long, hide = true)]
+    pub serve_one_client: bool,
 }
 
 #[derive(Args, Debug)]
@@ -67,6 +80,9 @@ pub struct ProfileArgs {
     /// Also measure the links to these RPC workers (round trip and upload rate), comma-separated.
     #[arg(long, value_delimiter = ',', value_name = "HOST:PORT")]
     pub rpc: Vec<String>,
+    /// The key the workers hold (as on `run`).
+    #[arg(long, value_name = "FILE")]
+    pub rpc_key_file: Option<PathBuf>,
     /// A file or directory on the volume to measure (default: the cache directory). A model
     /// file is read, never written.
     #[arg(long)]
@@ -171,9 +187,13 @@ pub struct PlanArgs {
     pub trace: Option<std::path::PathBuf>,
     /// RPC workers (`hypura rpc-server` on other machines, or llama.cpp's `rpc-server`),
     /// comma-separated: their devices may hold the last layers whole, where the plan predicts
-    /// that beats streaming them locally. The protocol has no authentication.
+    /// that beats streaming them locally.
     #[arg(long, value_delimiter = ',', value_name = "HOST:PORT")]
     pub rpc: Vec<String>,
+    /// The key the workers hold (`rpc-server --key-file`): 64 hexadecimal digits; the link is
+    /// then authenticated and encrypted. Default: HYPURA_RPC_KEY, else no key.
+    #[arg(long, value_name = "FILE")]
+    pub rpc_key_file: Option<PathBuf>,
     /// Milliseconds added to every round trip to the RPC workers: an emulated link, for
     /// measuring on one machine what a slower network would cost.
     #[arg(long, value_name = "MS", requires = "rpc")]

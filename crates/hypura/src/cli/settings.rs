@@ -115,11 +115,19 @@ pub fn plan_spec(args: &PlanArgs, context: Option<u32>, threads: Option<i32>) ->
     })
 }
 
+/// Set the key this process's RPC links prove (`--rpc-key-file`, else `HYPURA_RPC_KEY`).
+pub fn use_rpc_key(file: Option<&std::path::Path>) -> anyhow::Result<()> {
+    let key = crate::remote::secure::Key::from_file_or_environment(file).map_err(anyhow::Error::msg)?;
+    crate::remote::secure::use_client_key(key);
+    Ok(())
+}
+
 /// The RPC workers of `--rpc`, checked and connected; None without the flag.
 pub fn remote_workers(args: &PlanArgs) -> anyhow::Result<Option<std::sync::Arc<crate::remote::Workers>>> {
     if args.rpc.is_empty() {
         return Ok(None);
     }
+    use_rpc_key(args.rpc_key_file.as_deref())?;
     let delay = match args.rpc_link_delay {
         Some(ms) if !(0.0..=10_000.0).contains(&ms) => {
             anyhow::bail!("--rpc-link-delay {ms} must be between 0 and 10000 ms")

@@ -4,7 +4,10 @@
 //! (`relay`) and registers the relay's endpoint with ggml's RPC backend, so ggml never talks
 //! to a worker that can vanish under it. The engine asks `Workers::check` after every decode:
 //! a worker that stopped answering fails the request with its name.
+pub mod front;
+pub mod protocol;
 mod relay;
+pub mod secure;
 
 use crate::sync::Lock;
 use std::sync::Arc;
@@ -263,8 +266,14 @@ fn check_worker(worker: &str, pings: usize) -> Result<Vec<Duration>, RemoteError
         Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {}
         _ => return Err(RemoteError::BadEndpoint(worker.to_string())),
     }
-    let (major, count, mut times) = relay::probe(worker, pings)
-        .map_err(|error| RemoteError::Down { worker: worker.to_string(), reason: error.to_string() })?;
+    let (major, count, mut times) = relay::probe(worker, pings).map_err(|error| {
+        let mut reason = error.to_string();
+        // A keyed worker closes a connection that does not prove its key, and answers nothing.
+        if secure::client_key().is_none() && error.kind() == std::io::ErrorKind::UnexpectedEof {
+            reason.push_str(" (a worker started with a key closes connections without it: pass --rpc-key-file)");
+        }
+        RemoteError::Down { worker: worker.to_string(), reason }
+    })?;
     if major != hypura_sys::RPC_PROTOCOL_MAJOR {
         return Err(RemoteError::Version { worker: worker.to_string(), major, ours: hypura_sys::RPC_PROTOCOL_MAJOR });
     }

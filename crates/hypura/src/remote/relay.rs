@@ -26,13 +26,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-const CMD_HELLO: u8 = 14;
-const CMD_FREE_BUFFER: u8 = 4;
-const CMD_GRAPH_COMPUTE: u8 = 10;
-const CMD_GRAPH_RECOMPUTE: u8 = 16;
-const CMD_COUNT: u8 = 19;
-/// `rpc_msg_hello_rsp`: major, minor, patch, padding, then the transport's 24 capability bytes.
-const HELLO_RESPONSE_BYTES: u64 = 4 + 24;
+use super::protocol::{
+    response_bytes, CMD_COUNT, CMD_FREE_BUFFER, CMD_GRAPH_COMPUTE, CMD_GRAPH_RECOMPUTE, CMD_HELLO, HELLO_RESPONSE_BYTES,
+};
+use super::secure::{client_key, Channel};
 /// Bytes copied per read or write of a large payload (a tensor's bytes at load).
 const CHUNK_BYTES: usize = 1 << 20;
 /// How long connecting to a worker may take before it counts as down.
@@ -42,29 +39,6 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 const RESPONSE_TIMEOUT: Duration = Duration::from_secs(600);
 const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
-
-/// The length of the response `cmd` gets, from its request's payload; None for a command
-/// without one.
-fn response_bytes(cmd: u8, payload: &[u8]) -> Option<u64> {
-    Some(match cmd {
-        CMD_HELLO => HELLO_RESPONSE_BYTES,
-        // RPC_CMD_DEVICE_COUNT
-        15 => 4,
-        // RPC_CMD_ALLOC_BUFFER: remote pointer and size; GET_DEVICE_MEMORY: free and total.
-        0 | 11 => 16,
-        // GET_ALIGNMENT, GET_MAX_SIZE, BUFFER_GET_BASE, GET_ALLOC_SIZE
-        1 | 2 | 3 | 13 => 8,
-        // SET_TENSOR_HASH, COPY_TENSOR: a result byte.
-        7 | 9 => 1,
-        // GET_TENSOR: the size the request asks for, its payload's last 8 bytes.
-        8 => {
-            payload.len().checked_sub(8).map_or(0, |at| u64::from_le_bytes(payload[at..].try_into().expect("8 bytes")))
-        }
-        // FREE_BUFFER, BUFFER_CLEAR, SET_TENSOR, INIT_TENSOR, GRAPH_COMPUTE, GRAPH_RECOMPUTE,
-        // MEMSET_TENSOR: none.
-        _ => return None,
-    })
-}
 
 /// Whether a command's payload is worth holding to parse (everything but a tensor's bytes).
 fn holds_payload(cmd: u8) -> bool {
@@ -133,8 +107,9 @@ impl Relay {
     }
 }
 
-/// Connect to a worker's `host:port`, within `CONNECT_TIMEOUT` for each address it resolves to.
-pub(crate) fn connect_worker(worker: &str) -> std::io::Result<TcpStream> {
+/// Connect to a worker's `host:port`, within `CONNECT_TIMEOUT` for each address it resolves to,
+/// and prove this process's key where it has one (`--rpc-key-file`).
+pub(crate) fn connect_worker(worker: &str) -> std::io::Result<Channel> {
     let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, format!("{worker} resolves to no address"));
     let addresses: Vec<SocketAddr> = worker.to_socket_addrs()?.collect();
     for address in addresses {
@@ -147,7 +122,7 @@ pub(crate) fn connect_worker(worker: &str) -> std::io::Result<TcpStream> {
                     socket2::TcpKeepalive::new().with_time(KEEPALIVE_IDLE).with_interval(KEEPALIVE_INTERVAL);
                 socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive)?;
                 stream.set_read_timeout(Some(RESPONSE_TIMEOUT))?;
-                return Ok(stream);
+                return Channel::connect(stream, client_key());
             }
             Err(error) => last = error,
         }
@@ -244,7 +219,7 @@ fn relay_connection(mut client: TcpStream, state: &RelayState) {
         }
     }
     if let Some(stream) = worker {
-        let _ = stream.shutdown(Shutdown::Both);
+        let _ = stream.tcp().shutdown(Shutdown::Both);
     }
 }
 
@@ -263,7 +238,7 @@ enum Side<E> {
 }
 
 fn forward_request(
-    worker: &mut TcpStream,
+    worker: &mut Channel,
     client: &mut TcpStream,
     header: &[u8; 9],
     payload: &[u8],
@@ -287,6 +262,8 @@ fn forward_request(
             left -= take as u64;
         }
     }
+    // A sealed link sends what it holds at the request's end.
+    failed = failed.or_else(|| worker.flush().err());
     match failed {
         Some(error) => Err(Side::Worker(error)),
         None => {
@@ -299,7 +276,7 @@ fn forward_request(
 /// Forward a response of `expected` payload bytes; returns how many bytes of the whole frame
 /// (size and payload) reached the client, with the error where the worker failed.
 fn forward_response(
-    worker: &mut TcpStream,
+    worker: &mut Channel,
     client: &mut TcpStream,
     expected: u64,
     chunk: &mut [u8],
@@ -386,8 +363,9 @@ fn hello_request() -> Vec<u8> {
 /// client holds the worker.
 pub(crate) fn probe(worker: &str, pings: usize) -> std::io::Result<(u8, u32, Vec<Duration>)> {
     let mut stream = connect_worker(worker)?;
-    stream.set_read_timeout(Some(Duration::from_secs(30)))?;
+    stream.tcp().set_read_timeout(Some(Duration::from_secs(30)))?;
     stream.write_all(&hello_request())?;
+    stream.flush()?;
     let mut response = [0u8; 8 + HELLO_RESPONSE_BYTES as usize];
     stream.read_exact(&mut response)?;
     let major = response[8];
@@ -398,12 +376,13 @@ pub(crate) fn probe(worker: &str, pings: usize) -> std::io::Result<(u8, u32, Vec
         let mut request = vec![15u8];
         request.extend_from_slice(&0u64.to_le_bytes());
         stream.write_all(&request)?;
+        stream.flush()?;
         let mut answer = [0u8; 12];
         stream.read_exact(&mut answer)?;
         times.push(started.elapsed());
         count = u32::from_le_bytes(answer[8..].try_into().expect("4 bytes"));
     }
-    let _ = stream.shutdown(Shutdown::Both);
+    let _ = stream.tcp().shutdown(Shutdown::Both);
     Ok((major, count, times))
 }
 

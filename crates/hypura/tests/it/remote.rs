@@ -27,14 +27,21 @@ struct Worker {
 
 impl Worker {
     fn start(lent: &str, cgroup_limit_bytes: u64) -> Worker {
+        Worker::start_with(lent, cgroup_limit_bytes, &[], Stdio::null())
+    }
+
+    /// With more flags (a key), and its log where `stderr` says.
+    fn start_with(lent: &str, cgroup_limit_bytes: u64, flags: &[&str], stderr: Stdio) -> Worker {
         let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let child = common::hypura_command()
             .args(["rpc-server", "--port", &port.to_string(), "--mem", lent, "-t", "1"])
+            .args(flags)
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(stderr)
             .spawn()
             .unwrap();
-        // The worker allocates nothing before a client connects, so moving it in now is in time.
+        // The worker allocates nothing before a client connects, and each client's ggml server
+        // starts in its cgroup, so moving it in now is in time.
         let cgroup = memory_cgroup(&format!("hypura-test-worker-{port}"), cgroup_limit_bytes);
         if let Some(cgroup) = &cgroup {
             std::fs::write(cgroup.join("cgroup.procs"), child.id().to_string()).unwrap();
@@ -45,21 +52,21 @@ impl Worker {
             assert!(Instant::now() < deadline, "the worker on {endpoint} did not start");
             std::thread::sleep(Duration::from_millis(20));
         }
-        // That connection was its one client until it closed; give the server a moment to
-        // take the next.
-        std::thread::sleep(Duration::from_millis(50));
         Worker { child, endpoint, cgroup }
     }
 
-    /// The worker's peak resident memory (VmHWM), in bytes.
-    fn peak_bytes(&self) -> u64 {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
-        status
-            .lines()
-            .find_map(|line| line.strip_prefix("VmHWM:"))
-            .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-            .expect("VmHWM")
-            * 1024
+    /// The peak memory of the worker and the ggml servers it started for its clients, in
+    /// bytes: its cgroup's; None without one.
+    fn peak_bytes(&self) -> Option<u64> {
+        let cgroup = self.cgroup.as_ref()?;
+        ["memory.max_usage_in_bytes", "memory.peak"]
+            .iter()
+            .find_map(|file| std::fs::read_to_string(cgroup.join(file)).ok())
+            .and_then(|text| text.trim().parse().ok())
+    }
+
+    fn alive(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
     }
 
     fn kill(&mut self) {
@@ -137,7 +144,7 @@ fn two_workers_hold_the_last_layers_and_the_greedy_text_is_the_resident_text() {
 
     // Each worker's memory holds its layers' weights, within what it lends.
     for (worker, share) in workers.iter().zip(shares) {
-        let peak = worker.peak_bytes();
+        let Some(peak) = worker.peak_bytes() else { continue };
         let weights = share["weight_bytes"].as_u64().unwrap();
         assert!(peak >= weights, "{}: peak {peak} bytes below its layers' {weights}", worker.endpoint);
         assert!(peak <= lent + (96 << 20), "{}: peak {peak} bytes over the {lent} it lends", worker.endpoint);
@@ -402,4 +409,229 @@ fn a_tied_output_stays_on_the_host() {
         .and_then(|number| number.trim().parse().ok())
         .unwrap_or_else(|| panic!("no links line in {stderr}"));
     assert!(per_token < 98.0, "{per_token} KB a token over the link: {stderr}");
+}
+
+/// A client of ggml's protocol that misbehaves on purpose.
+struct RawClient {
+    stream: std::net::TcpStream,
+}
+
+impl RawClient {
+    /// Connected and past the HELLO.
+    fn connect(endpoint: &str) -> RawClient {
+        let stream = std::net::TcpStream::connect(endpoint).unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let mut client = RawClient { stream };
+        client.send(protocol::CMD_HELLO, &[0; 24]);
+        let hello = client.receive(28);
+        assert_eq!(hello[0], hypura_sys::RPC_PROTOCOL_MAJOR);
+        client
+    }
+
+    fn send(&mut self, cmd: u8, payload: &[u8]) {
+        let mut frame = vec![cmd];
+        frame.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+        frame.extend_from_slice(payload);
+        self.stream.write_all(&frame).unwrap();
+    }
+
+    fn receive(&mut self, bytes: usize) -> Vec<u8> {
+        let mut answer = vec![0u8; 8 + bytes];
+        std::io::Read::read_exact(&mut self.stream, &mut answer).unwrap();
+        assert_eq!(u64::from_le_bytes(answer[..8].try_into().unwrap()), bytes as u64);
+        answer.split_off(8)
+    }
+
+    /// A buffer of `bytes` on device 0: its remote pointer and base address (0, 0 where the
+    /// worker refused it).
+    fn alloc(&mut self, bytes: u64) -> (u64, u64) {
+        let mut request = 0u32.to_le_bytes().to_vec();
+        request.extend_from_slice(&bytes.to_le_bytes());
+        self.send(protocol::CMD_ALLOC_BUFFER, &request);
+        let answer = self.receive(16);
+        let remote = u64::from_le_bytes(answer[..8].try_into().unwrap());
+        if remote == 0 {
+            return (0, 0);
+        }
+        self.send(protocol::CMD_BUFFER_GET_BASE, &remote.to_le_bytes());
+        (remote, u64::from_le_bytes(self.receive(8).try_into().unwrap()))
+    }
+
+    fn graph(&mut self, nodes: &[u64], tensors: &[Vec<u8>]) {
+        self.send(protocol::CMD_GRAPH_COMPUTE, &craft::graph_bytes(nodes, tensors));
+    }
+
+    /// Whether the worker closed the connection (rather than answer a DEVICE_COUNT).
+    fn closed(mut self) -> bool {
+        let _ = self.stream.write_all(&[protocol::CMD_DEVICE_COUNT, 0, 0, 0, 0, 0, 0, 0, 0]);
+        let mut byte = [0u8; 1];
+        matches!(std::io::Read::read(&mut self.stream, &mut byte), Ok(0) | Err(_))
+    }
+}
+
+use hypura::remote::protocol::{self, craft};
+
+/// The hostile clients, each on a connection of its own to a keyless loopback worker,
+/// while a well-behaved client runs a model through the same worker: each hostile connection is
+/// closed with its reason logged, the worker survives them all (a graph that makes ggml abort
+/// included), and the well-behaved client's text is the resident text.
+#[test]
+fn hostile_clients_are_closed_and_the_worker_serves_the_others() {
+    let _machine = common::shared_machine();
+    let model = common::chat_model_path();
+    let directory = tempfile::tempdir().unwrap();
+    let log_path = directory.path().join("worker.log");
+    let lent = hypura::cli::settings::parse_bytes(LENT).unwrap();
+    let mut worker =
+        Worker::start_with(LENT, lent + (160 << 20), &[], Stdio::from(std::fs::File::create(&log_path).unwrap()));
+    let endpoint = worker.endpoint.clone();
+    let well_behaved = {
+        let (model, endpoint) = (model.clone(), endpoint.clone());
+        std::thread::spawn(move || {
+            greedy_run(model.to_str().unwrap(), &["--rpc", &endpoint, "--memory-budget", HOST_BUDGET])
+        })
+    };
+    use hypura_sys::ggml_ops as ops;
+    let f32s = |id: u64, buffer: u64, elements: u32, op: u32, src: &[u64], data: u64| {
+        craft::tensor_bytes(id, buffer, [elements, 1, 1, 1], op, src, (0, 0), data)
+    };
+    // The buffer another client holds, for the "foreign buffer" case.
+    let mut other = RawClient::connect(&endpoint);
+    let (foreign, foreign_base) = other.alloc(4096);
+    assert_ne!(foreign, 0);
+    // Each case: the reason the worker logs, and what the client sends on a connection that
+    // has allocated a 4 KiB buffer (its remote pointer and base).
+    type Case<'a> = Box<dyn Fn(&mut RawClient, u64, u64) + 'a>;
+    let mut cases: Vec<(&str, Case)> = vec![
+        (
+            "past ggml's",
+            Box::new(move |client, buffer, base| client.graph(&[1], &[f32s(1, buffer, 4, ops::COUNT + 7, &[], base)])),
+        ),
+        (
+            "no buffer of this client",
+            Box::new(|client, _, _| client.graph(&[1], &[f32s(1, 0, 4, 0, &[], 0x7fff_dead_0000)])),
+        ),
+        (
+            "not one this client allocated",
+            Box::new(move |client, _, _| client.graph(&[1], &[f32s(1, foreign, 4, 0, &[], foreign_base)])),
+        ),
+        (
+            "runs outside its source",
+            Box::new(|client, buffer, base| {
+                let source = f32s(1, buffer, 4, 0, &[], base);
+                // Inside the buffer, but past its 16-byte source.
+                let view = craft::tensor_bytes(2, buffer, [4, 1, 1, 1], ops::NONE, &[], (1, 1024), base + 1024);
+                client.graph(&[2], &[source, view]);
+            }),
+        ),
+        (
+            "nodes in a",
+            Box::new(|client, buffer, base| {
+                let mut payload = craft::graph_bytes(&[1], &[f32s(1, buffer, 4, 0, &[], base)]);
+                payload[4..8].copy_from_slice(&(1u32 << 31).to_le_bytes());
+                client.send(protocol::CMD_GRAPH_COMPUTE, &payload);
+            }),
+        ),
+        (
+            "past the end of its buffer",
+            Box::new(|client, buffer, base| {
+                let mut payload = f32s(1, buffer, 4, 0, &[], base + 4096 - 16);
+                payload.push(0);
+                payload.extend_from_slice(&0u64.to_le_bytes());
+                payload.extend_from_slice(&[7u8; 64]);
+                client.send(protocol::CMD_SET_TENSOR, &payload);
+            }),
+        ),
+        (
+            "in the middle of a request",
+            Box::new(|client, _, _| {
+                // A truncated frame: a GET_TENSOR header and part of its payload, then the end.
+                let mut frame = vec![protocol::CMD_GET_TENSOR];
+                frame.extend_from_slice(&312u64.to_le_bytes());
+                frame.extend_from_slice(&[0u8; 100]);
+                client.stream.write_all(&frame).unwrap();
+                client.stream.shutdown(std::net::Shutdown::Write).unwrap();
+            }),
+        ),
+        (
+            "its ggml server ended",
+            Box::new(|client, buffer, base| {
+                // A copy every check passes but ggml's kernel asserts on (4 elements into 8): the
+                // worker's ggml server for this client aborts.
+                let source = f32s(1, buffer, 4, 0, &[], base);
+                let copy = f32s(2, buffer, 8, ops::DUP, &[1], base + 64);
+                client.graph(&[2], &[source, copy]);
+            }),
+        ),
+    ];
+    for (reason, case) in cases.drain(..) {
+        let mut client = RawClient::connect(&endpoint);
+        let (buffer, base) = client.alloc(4096);
+        assert_ne!(buffer, 0);
+        case(&mut client, buffer, base);
+        assert!(
+            client.closed(),
+            "the worker kept a connection that should close for {reason:?}: {}",
+            std::fs::read_to_string(&log_path).unwrap()
+        );
+        assert!(worker.alive(), "the worker died of {reason:?}: {}", std::fs::read_to_string(&log_path).unwrap());
+        // The reason is logged as the connection closes.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut log = String::new();
+        while !log.contains(reason) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+            log = std::fs::read_to_string(&log_path).unwrap();
+        }
+        assert!(log.contains(reason), "no {reason:?} in the worker's log: {log}");
+    }
+    // More memory than the worker lends is answered as a failed allocation, and the
+    // connection goes on.
+    let mut greedy = RawClient::connect(&endpoint);
+    assert_eq!(greedy.alloc(lent + 1), (0, 0));
+    assert!(!greedy.closed());
+    // The first client's buffer is still its own, and readable.
+    let mut read = craft::tensor_bytes(1, foreign, [4, 1, 1, 1], 0, &[], (0, 0), foreign_base);
+    read.extend_from_slice(&0u64.to_le_bytes());
+    read.extend_from_slice(&16u64.to_le_bytes());
+    other.send(protocol::CMD_GET_TENSOR, &read);
+    assert_eq!(other.receive(16).len(), 16);
+
+    let (remote_text, stderr) = well_behaved.join().unwrap();
+    assert!(stderr.contains("remote       layers"), "{stderr}");
+    let (resident_text, _) = greedy_run(model.to_str().unwrap(), &["--no-repack"]);
+    assert_eq!(remote_text, resident_text, "the well-behaved client's text changed");
+    assert!(worker.alive());
+}
+
+/// Workers with a key serve clients that hold it, with the resident text; a client without it
+/// is told to pass one, and a worker refuses to lend to the network without a key.
+#[test]
+fn keyed_workers_serve_only_clients_with_the_key() {
+    let _machine = common::shared_machine();
+    let model = common::chat_model_path();
+    let model = model.to_str().unwrap();
+    let directory = tempfile::tempdir().unwrap();
+    let key = directory.path().join("rpc.key");
+    std::fs::write(&key, "5f".repeat(32) + "\n").unwrap();
+    let key_flag = key.to_str().unwrap();
+    let lent = hypura::cli::settings::parse_bytes(LENT).unwrap();
+    let workers =
+        [0, 1].map(|_| Worker::start_with(LENT, lent + (160 << 20), &["--key-file", key_flag], Stdio::null()));
+    let rpc = format!("{},{}", workers[0].endpoint, workers[1].endpoint);
+    let (remote_text, stderr) =
+        greedy_run(model, &["--rpc", &rpc, "--memory-budget", HOST_BUDGET, "--rpc-key-file", key_flag]);
+    assert!(stderr.contains("remote       layers"), "{stderr}");
+    let (resident_text, _) = greedy_run(model, &["--no-repack"]);
+    assert_eq!(remote_text, resident_text);
+
+    let output = hypura(&["run", model, "--rpc", &workers[0].endpoint, "-p", "hi", "-n", "2"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("pass --rpc-key-file"), "{stderr}");
+
+    let output = hypura(&["rpc-server", "--host", "0.0.0.0", "--port", "0"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && stderr.contains("--insecure-no-auth"), "{stderr}");
+    let output = hypura(&["rpc-server", "--key-file", directory.path().to_str().unwrap()]);
+    assert!(String::from_utf8_lossy(&output.stderr).contains("cannot read the RPC key file"));
 }

@@ -59,6 +59,7 @@ pub fn run(args: &ProfileArgs) -> anyhow::Result<()> {
             profile
         }
     };
+    crate::cli::settings::use_rpc_key(args.rpc_key_file.as_deref())?;
     let links = args
         .rpc
         .iter()

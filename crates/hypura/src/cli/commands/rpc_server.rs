@@ -1,18 +1,35 @@
-//! `hypura rpc-server`: ggml's own RPC server in Hypura's binary, so a machine that lends its
-//! devices needs nothing but Hypura. Each device reports the memory this process may use
+//! `hypura rpc-server`: lends this machine's devices over ggml's RPC protocol, so a machine that
+//! lends them needs nothing but Hypura. Each device reports the memory this process may use
 //! (cgroup-aware, or `--mem`), not the machine's, since clients plan layers by that figure.
+//!
+//! The port is served by Hypura's validating front (`remote::front`), which checks every
+//! request and gives each client a ggml server of its own (this command again, with the hidden
+//! `--serve-one-client`, on a private loopback address). With a key, clients must prove it
+//! over an encrypted link; without one, only loopback is served unless `--insecure-no-auth`.
 use anyhow::Context;
 
 use crate::cli::args::RpcServerArgs;
 use crate::cli::settings;
 use crate::format::format_bytes;
+use crate::remote::front::{self, ChildCommand, Front};
+use crate::remote::protocol::Ledger;
+use crate::remote::secure::Key;
 
 pub fn run(args: &RpcServerArgs) -> anyhow::Result<()> {
     let backend = hypura_sys::Backend::get();
     let host: std::net::IpAddr =
         args.host.parse().with_context(|| format!("--host {:?} is not an IP address", args.host))?;
-    if !host.is_loopback() {
-        eprintln!("hypura: lending this machine's devices on {host}:{}: ggml's RPC protocol has no authentication, so anyone who reaches this port can use them", args.port);
+    let key = Key::from_file_or_environment(args.key_file.as_deref()).map_err(anyhow::Error::msg)?;
+    if args.serve_one_client && !host.is_loopback() {
+        anyhow::bail!("--serve-one-client serves a loopback address only");
+    }
+    if !args.serve_one_client && !host.is_loopback() && key.is_none() {
+        if !args.insecure_no_auth {
+            anyhow::bail!(
+                "--host {host} lends this machine to everyone who reaches the port: give a key (--key-file FILE or HYPURA_RPC_KEY, 64 hexadecimal digits from `openssl rand -hex 32`; clients pass --rpc-key-file), or say --insecure-no-auth"
+            );
+        }
+        eprintln!("hypura: lending this machine's devices on {host}:{} without a key (--insecure-no-auth): anyone who reaches this port can use them", args.port);
     }
     let memory = crate::hw::memory_info();
     let available = memory.effective_available_bytes();
@@ -52,8 +69,50 @@ pub fn run(args: &RpcServerArgs) -> anyhow::Result<()> {
         std::fs::create_dir_all(cache).with_context(|| format!("creating the cache directory {}", cache.display()))?;
     }
     let threads = args.threads.unwrap_or_else(|| settings::threads(None) as usize);
-    eprintln!("hypura: lending {} of memory on {}:{} ({} thread(s))", format_bytes(lent), host, args.port, threads);
-    let endpoint = format!("{}:{}", args.host, args.port);
-    hypura_sys::rpc_serve(backend, &endpoint, args.cache.as_deref(), threads, &devices)?;
+    if args.serve_one_client {
+        // ggml's server runs until the process ends; the front holds this process's stdin and
+        // closes it when it is done with it, or when it dies, so no server outlives its front.
+        let endpoint = format!("{}:{}", args.host, args.port);
+        let cache = args.cache.clone();
+        std::thread::spawn(move || {
+            if let Err(error) = hypura_sys::rpc_serve(backend, &endpoint, cache.as_deref(), threads, &devices) {
+                eprintln!("hypura: {error}");
+            }
+            std::process::exit(1);
+        });
+        let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut Vec::new());
+        return Ok(());
+    }
+    // Each client's server lends the same devices and memory; the front counts the host
+    // memory every client holds against what is lent.
+    let mut child_args = vec![
+        "rpc-server".to_string(),
+        "--serve-one-client".into(),
+        "--mem".into(),
+        lent.to_string(),
+        "--threads".into(),
+        threads.to_string(),
+        "--device".into(),
+        names.join(","),
+    ];
+    if let Some(cache) = &args.cache {
+        child_args.extend(["--cache".into(), cache.display().to_string()]);
+    }
+    let child = ChildCommand {
+        program: std::env::current_exe().context("finding this program, to start each client's server")?,
+        args: child_args,
+    };
+    let limits = names.iter().map(|name| name.eq_ignore_ascii_case("CPU").then_some(lent)).collect();
+    let listener =
+        std::net::TcpListener::bind((host, args.port)).with_context(|| format!("binding {host}:{}", args.port))?;
+    eprintln!(
+        "hypura: lending {} of memory on {}:{} ({} thread(s)), {}; every request checked",
+        format_bytes(lent),
+        host,
+        listener.local_addr().map_or(args.port, |address| address.port()),
+        threads,
+        if key.is_some() { "to clients that hold the key, encrypted" } else { "without a key" }
+    );
+    front::serve(listener, Front::new(child, Ledger::new(limits), key))?;
     Ok(())
 }
