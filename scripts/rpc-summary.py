@@ -30,6 +30,8 @@ def main():
     rows = [("hypura-local", "hypura", "-")]
     for delay in delays:
         rows += [(f"hypura-rpc-{delay}", "hypura", delay), (f"llama-rpc-{delay}", "llama_cpp", delay)]
+        if (out / f"hypura-rpc-keyed-{delay}.json").exists():
+            rows.append((f"hypura-rpc-keyed-{delay}", "hypura", delay))
     local = tg(load(out / "hypura-local.json"), "hypura")
     print("| run | link delay (ms) | tg tok/s | vs Hypura local | link KB/token | round trips/token | predicted ms/token | measured ms/token | local peak | worker peaks | status |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
@@ -49,6 +51,11 @@ def main():
             if rate and local
             else f"| {label} | {delay} | - | - | - | - | - | - | {mib(status.get('peak_bytes'))} | {', '.join(mib(peak) for peak in status.get('worker_peak_bytes', []))} | exit {status.get('status')}, {status.get('workers_alive', '?')} workers alive |"
         )
+    for delay in delays:
+        keyless = tg(load(out / f"hypura-rpc-{delay}.json"), "hypura")
+        keyed = tg(load(out / f"hypura-rpc-keyed-{delay}.json"), "hypura")
+        if keyless and keyed:
+            print(f"\nsealed links at {delay} ms: {keyed:.2f} tok/s against {keyless:.2f} keyless, {keyed / keyless:.3f}×")
     print()
     print("| link delay (ms) | planner's choice | predicted ms/token with the workers | streaming locally alone |")
     print("| ---: | --- | ---: | ---: |")

@@ -30,6 +30,8 @@ const START_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long the HELLO may take once connected: ggml's server serves one client at a time, so
 /// one that does not answer is serving someone else.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
+/// The longest ggml's server may take to answer one request (as the relay allows a worker).
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(600);
 /// Bytes copied per read or write of a tensor's bytes.
 const CHUNK_BYTES: usize = 1 << 20;
 
@@ -260,7 +262,10 @@ fn serve_client(stream: TcpStream, front: &Front) -> Result<(), End> {
                 hello[4..].fill(0);
                 let count = started.ask(protocol::CMD_DEVICE_COUNT, &[], 4)?;
                 session.set_devices(u32::from_le_bytes(count[..4].try_into().expect("4 bytes")));
-                started.stream.set_read_timeout(None).map_err(|error| End::Worker(error.to_string()))?;
+                started
+                    .stream
+                    .set_read_timeout(Some(RESPONSE_TIMEOUT))
+                    .map_err(|error| End::Worker(error.to_string()))?;
                 write_client(&mut client, &(hello.len() as u64).to_le_bytes())?;
                 write_client(&mut client, &hello)?;
                 client.flush().map_err(|_| End::ClientGone)?;

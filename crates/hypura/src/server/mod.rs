@@ -8,6 +8,7 @@
 //! with `tower::ServiceExt::oneshot`; `serve` binds it.
 pub mod catalog;
 pub mod error;
+pub mod fuzz;
 pub mod generation;
 pub mod grammar;
 pub mod model_details;
