@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Summarise a scripts/bench-limited run: tok/s of each side, ratios, bytes per token and the
-fraction of the physical limit 1 / max(t_compute, bytes_streamed_per_token / disk_bandwidth)."""
+fraction of the physical limit 1 / max(t_compute, bytes_streamed_per_token / disk_bandwidth).
+Also writes OUT/summary.json (each run's tok/s, exit status and peak memory, the limits), which
+`hypura summary-picture` draws."""
 import glob
 import json
 import os
@@ -55,6 +57,7 @@ for label, rate, status, peak in rows:
     shown = f"{rate:.3f}" if rate else {137: "killed (OOM)", 124: "over the time limit"}.get(status, "-")
     peak_text = f"{peak / 2**30:.2f} GiB" if peak else "-"
     print(f"| {label} | {shown} | {ratio} | {status} | {peak_text} |")
+limit_rate, limit_note = None, None
 if hypura and reference:
     t_compute = 1 / tg(reference, "hypura")
     per_token = hypura.get("bytes_read_per_token") or 0
@@ -64,6 +67,7 @@ if hypura and reference:
     streamed = per_token if hypura.get("expert_hit_rate") is not None else planned
     t_io = streamed / disk if disk else 0
     limit_rate = 1 / max(t_compute, t_io)
+    limit_note = f"compute {t_compute * 1e3:.1f} ms, reads {t_io * 1e3:.1f} ms a token"
     print(f"t_compute {t_compute * 1e3:.0f} ms (resident, same kernels); planned {planned / 1e6:.0f} MB/token streamed, measured {per_token / 1e6:.0f} MB/token")
     print(f"physical limit {limit_rate:.3f} tok/s -> Hypura reaches {ours / limit_rate:.2f} of it" if ours else "physical limit: Hypura did not finish")
     # Expert slices are read one by one (0.5-13 MB): where the disk's rate for such reads is
@@ -84,3 +88,14 @@ for label in ["hypura", "hypura-b"] + peers:
             issued, used, cancelled = prefetch
             line += f"; prefetch {issued} issued, {used} used ({used / issued:.2f}), {cancelled} cancelled"
         print(line)
+
+model_name = (hypura or {}).get("model_description") or os.path.basename(out.rstrip("/"))
+summary = {
+    "title": f"{model_name} ({file_bytes / 2**30:.2f} GiB) in {limit / 2**30:.2f} GiB of memory, cold: tg tok/s and peak memory",
+    "memory_limit_bytes": limit,
+    "limit_tokens_per_sec": limit_rate,
+    "limit_note": limit_note,
+    "runs": [{"label": label, "tokens_per_sec": rate, "status": status, "peak_bytes": peak} for label, rate, status, peak in rows],
+}
+with open(os.path.join(out, "summary.json"), "w") as handle:
+    json.dump(summary, handle, indent=1)

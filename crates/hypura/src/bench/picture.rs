@@ -1,8 +1,11 @@
 //! `bench --svg FILE`: the run's results as one picture, a panel per test (prompt processing and
 //! generation have their own scales). In each, Hypura and llama.cpp side by side: a bar to the
 //! mean, a whisker of one standard deviation, and every sample as a dot, with the ratio in the
-//! panel's caption. Drawn with plotters into SVG.
+//! panel's caption. `summary_svg` draws `scripts/bench-limited`'s table: each run's decode speed
+//! beside the physical limit, and its peak memory beside the memory limit. Drawn with plotters
+//! into SVG.
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use super::{BenchReport, Rate, TestResult};
 
@@ -10,6 +13,7 @@ const WIDTH: u32 = 480;
 const HEIGHT: u32 = 420;
 const HYPURA: RGBColor = RGBColor(0x1f, 0x6f, 0xb4);
 const LLAMA_CPP: RGBColor = RGBColor(0xe0, 0x7b, 0x1a);
+const LIMIT: RGBColor = RGBColor(0xb0, 0x20, 0x20);
 
 /// The SVG text of the report's picture.
 pub fn svg(report: &BenchReport) -> Result<String, String> {
@@ -127,6 +131,154 @@ fn panel<DB: DrawingBackend>(
     Ok(())
 }
 
+/// One run of a `scripts/bench-limited` summary (`summary.json`, written by
+/// `scripts/bench-summary.py`).
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct SummaryRun {
+    pub label: String,
+    /// Decode tokens per second; None where the run did not finish.
+    pub tokens_per_sec: Option<f64>,
+    /// The process's exit status (137: killed by the OOM killer; 124: over the time limit).
+    pub status: Option<i64>,
+    pub peak_bytes: Option<u64>,
+}
+
+/// A `scripts/bench-limited` run as its summary states it.
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct Summary {
+    pub title: String,
+    pub memory_limit_bytes: u64,
+    /// Hypura's physical limit, and how it was taken.
+    pub limit_tokens_per_sec: Option<f64>,
+    pub limit_note: Option<String>,
+    pub runs: Vec<SummaryRun>,
+}
+
+const SUMMARY_PANEL_WIDTH: u32 = 560;
+const ROW_HEIGHT: u32 = 44;
+
+/// The SVG text of a `scripts/bench-limited` summary: two panels of a bar per run, decode speed
+/// with the physical limit marked, and peak memory with the memory limit marked.
+pub fn summary_svg(summary: &Summary) -> Result<String, String> {
+    let rows = summary.runs.len().max(1) as u32;
+    let height = 120 + ROW_HEIGHT * (rows + 1);
+    let mut text = String::new();
+    {
+        let root = SVGBackend::with_string(&mut text, (2 * SUMMARY_PANEL_WIDTH, height)).into_drawing_area();
+        root.fill(&WHITE).map_err(|error| error.to_string())?;
+        let (title, body) = root.split_vertically(56);
+        title
+            .draw_text(&summary.title, &("sans-serif", 18).into_font().color(&BLACK), (16, 10))
+            .map_err(|error| error.to_string())?;
+        let legend = "blue: Hypura · orange: llama.cpp · red line: the limit";
+        title
+            .draw_text(legend, &("sans-serif", 13).into_font().color(&BLACK.mix(0.7)), (16, 34))
+            .map_err(|error| error.to_string())?;
+        let (left, right) = body.split_horizontally(SUMMARY_PANEL_WIDTH);
+        let speed = |run: &SummaryRun| run.tokens_per_sec;
+        let limit_label = summary.limit_tokens_per_sec.map(|limit| {
+            let note = summary.limit_note.as_deref().map(|note| format!(" ({note})")).unwrap_or_default();
+            (limit, format!("physical limit {limit:.1} tok/s{note}"))
+        });
+        bars(&left, &summary.runs, "decode speed", "tokens per second", &speed, limit_label, &|rate| {
+            format!("{rate:.2}")
+        })?;
+        let gib = |bytes: u64| bytes as f64 / f64::from(1u32 << 30);
+        let memory = |run: &SummaryRun| run.peak_bytes.map(gib);
+        let memory_limit = gib(summary.memory_limit_bytes);
+        let limit = Some((memory_limit, format!("memory limit {memory_limit:.2} GiB")));
+        bars(&right, &summary.runs, "peak memory", "GiB", &memory, limit, &|value| format!("{value:.2} GiB"))?;
+        root.present().map_err(|error| error.to_string())?;
+    }
+    Ok(text)
+}
+
+/// A panel of horizontal bars, a run a row (Hypura's blue, llama.cpp's orange), each labelled
+/// with its value or why it has none, and the limit as a vertical line.
+fn bars<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    runs: &[SummaryRun],
+    caption: &str,
+    unit: &str,
+    value: &dyn Fn(&SummaryRun) -> Option<f64>,
+    limit: Option<(f64, String)>,
+    show: &dyn Fn(f64) -> String,
+) -> Result<(), String> {
+    let error = |error: DrawingAreaErrorKind<DB::ErrorType>| error.to_string();
+    let highest = runs.iter().filter_map(value).chain(limit.as_ref().map(|(at, _)| *at)).fold(0.0_f64, f64::max);
+    // Room right of the longest bar for its label.
+    let right = highest.max(1e-9) * 1.35;
+    let count = runs.len().max(1);
+    let labels: Vec<&str> = runs.iter().map(|run| run.label.as_str()).collect();
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption, ("sans-serif", 16))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(150)
+        // A row above the runs for the limit's label.
+        .build_cartesian_2d(0.0..right, 0.0..count as f64 + 1.0)
+        .map_err(error)?;
+    chart
+        .configure_mesh()
+        .disable_y_mesh()
+        .max_light_lines(0)
+        .y_labels(count * 2 + 3)
+        .y_label_formatter(&|y| {
+            // The first run on the top row; the label row above them has none.
+            let index = y.floor() as usize;
+            if (y - index as f64 - 0.5).abs() < 1e-6 && index < count {
+                labels.get(count - 1 - index).map_or_else(String::new, |label| label.to_string())
+            } else {
+                String::new()
+            }
+        })
+        .x_desc(unit)
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .label_style(("sans-serif", 13))
+        .axis_desc_style(("sans-serif", 14))
+        .draw()
+        .map_err(error)?;
+    for (row, run) in runs.iter().enumerate() {
+        let bottom = (count - 1 - row) as f64 + 0.2;
+        let top = bottom + 0.6;
+        let color = if run.label.starts_with("llama") { LLAMA_CPP } else { HYPURA };
+        let label = match value(run) {
+            Some(amount) => {
+                chart
+                    .draw_series([Rectangle::new([(0.0, bottom), (amount, top)], color.mix(0.6).filled())])
+                    .map_err(error)?;
+                (show(amount), amount)
+            }
+            None => {
+                let why = match run.status {
+                    Some(137) => "killed (out of memory)".to_string(),
+                    Some(124) => "over the time limit".to_string(),
+                    Some(status) => format!("no result (exit {status})"),
+                    None => "no result".to_string(),
+                };
+                (why, 0.0)
+            }
+        };
+        chart
+            .draw_series([Text::new(
+                label.0,
+                (label.1 + right * 0.01, bottom + 0.45),
+                ("sans-serif", 13).into_font().color(&BLACK),
+            )])
+            .map_err(error)?;
+    }
+    if let Some((at, text)) = limit {
+        chart
+            .draw_series([PathElement::new(vec![(at, 0.0), (at, count as f64 + 0.5)], LIMIT.stroke_width(2))])
+            .map_err(error)?;
+        // The label on the side of the line with more room, in the strip above the rows.
+        let side = if at > right / 2.0 { HPos::Right } else { HPos::Left };
+        let style = ("sans-serif", 12).into_font().color(&LIMIT).pos(Pos::new(side, VPos::Bottom));
+        chart.draw_series([Text::new(text, (at, count as f64 + 0.55), style)]).map_err(error)?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -160,5 +312,46 @@ mod tests {
         }
         // Every sample is a dot: 2 + 2 + 3 + 3.
         assert_eq!(svg.matches("<circle").count(), 10);
+    }
+
+    #[test]
+    fn a_limited_run_draws_every_run_and_both_limits() {
+        let run = |label: &str, tokens_per_sec: Option<f64>, status: i64, peak: u64| SummaryRun {
+            label: label.into(),
+            tokens_per_sec,
+            status: Some(status),
+            peak_bytes: Some(peak),
+        };
+        let summary = Summary {
+            title: "qwen3.6-35b-a3b in 11.15 GiB, cold".into(),
+            memory_limit_bytes: 11 << 30,
+            limit_tokens_per_sec: Some(37.4),
+            limit_note: Some("the disk at 1.39 GB/s".into()),
+            runs: vec![
+                run("hypura", Some(35.77), 0, 3 << 30),
+                run("llama-fit", Some(52.17), 0, 11 << 30),
+                run("llama-exps-cpu", None, 137, 11 << 30),
+            ],
+        };
+        let svg = summary_svg(&summary).unwrap();
+        let texts: Vec<&str> = svg.split("</text>").filter_map(|part| Some(part.rsplit_once('>')?.1.trim())).collect();
+        for text in [
+            "35.77",
+            "52.17",
+            "killed (out of memory)",
+            "3.00 GiB",
+            "11.00 GiB",
+            "physical limit 37.4 tok/s (the disk at 1.39 GB/s)",
+            "memory limit 11.00 GiB",
+            "hypura",
+            "llama-fit",
+            "llama-exps-cpu",
+            "tokens per second",
+            "GiB",
+        ] {
+            assert!(texts.contains(&text), "{text:?} is not among {texts:?}");
+        }
+        // Two bars a finished run, one for the killed run's memory: 2 + 2 + 1.
+        assert_eq!(svg.matches("<rect").count() - 1, 5, "{svg}");
     }
 }

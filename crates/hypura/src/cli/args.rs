@@ -31,6 +31,18 @@ pub enum Command {
     /// Lend this machine's devices to other Hypura (or llama.cpp) processes over ggml's RPC
     /// protocol, every request checked; with a key, to those that hold it, encrypted.
     RpcServer(RpcServerArgs),
+    /// Draw a `scripts/bench-limited` summary (its summary.json) as an SVG picture.
+    #[command(hide = true)]
+    SummaryPicture(SummaryPictureArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct SummaryPictureArgs {
+    /// The summary.json that scripts/bench-summary.py writes.
+    pub summary: PathBuf,
+    /// Where to write the picture.
+    #[arg(long)]
+    pub svg: PathBuf,
 }
 
 #[derive(Args, Debug)]

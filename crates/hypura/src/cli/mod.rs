@@ -17,5 +17,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Simulate(args) => commands::simulate::run(&args),
         Command::Serve(args) => commands::serve::run(&args),
         Command::RpcServer(args) => commands::rpc_server::run(&args),
+        Command::SummaryPicture(args) => commands::bench::summary_picture(&args),
     }
 }

@@ -78,3 +78,14 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// `hypura summary-picture SUMMARY --svg FILE` (hidden): `scripts/bench-limited`'s picture.
+pub fn summary_picture(args: &crate::cli::args::SummaryPictureArgs) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(&args.summary).with_context(|| format!("reading {}", args.summary.display()))?;
+    let summary: bench::picture::Summary = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a bench-limited summary", args.summary.display()))?;
+    let picture =
+        bench::picture::summary_svg(&summary).map_err(|error| anyhow::anyhow!("drawing the picture: {error}"))?;
+    std::fs::write(&args.svg, picture).with_context(|| format!("writing {}", args.svg.display()))?;
+    Ok(())
+}
