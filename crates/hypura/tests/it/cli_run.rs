@@ -218,3 +218,41 @@ fn run_and_inspect_take_a_model_pulled_by_ollama_by_name_and_llama_cpp_flags() {
     assert!(String::from_utf8_lossy(&output.stdout).contains("plan"), "{}", String::from_utf8_lossy(&output.stdout));
     assert_fails_with(&with_store(&["run", "nothing:here", "-p", "hi"]), "neither a file nor a model pulled by Ollama");
 }
+
+/// `scripts/bench-limited`'s picture: `bench-summary.py` over a recorded run (S6b with skewed
+/// routing: Hypura and three llama.cpp placements) writes a summary that `hypura
+/// summary-picture` draws, every run and the memory limit in it.
+#[test]
+fn a_limited_benchmarks_summary_is_drawn() {
+    let recorded = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../docs/benchmarks/2026-12-03-skewed-routing/s6b-skew8");
+    let directory = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(&recorded).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|extension| extension == "json") && !path.ends_with("summary.json") {
+            std::fs::copy(&path, directory.path().join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/bench-summary.py");
+    let summarised = std::process::Command::new("python3")
+        .arg(&script)
+        .arg(directory.path())
+        .args(["26196200000", "21000814624"])
+        .output()
+        .unwrap();
+    assert!(summarised.status.success(), "{}", stderr(&summarised));
+    let svg = directory.path().join("summary.svg");
+    let drawn = common::hypura(&[
+        "summary-picture",
+        directory.path().join("summary.json").to_str().unwrap(),
+        "--svg",
+        svg.to_str().unwrap(),
+    ]);
+    assert!(drawn.status.success(), "{}", stderr(&drawn));
+    let text = std::fs::read_to_string(&svg).unwrap();
+    for label in
+        ["hypura", "llama-fit", "llama-exps-cpu", "llama-n-cpu-moe-18", "72.86", "79.73", "memory limit 24.40 GiB"]
+    {
+        assert!(text.contains(label), "{label} is not in the picture");
+    }
+}
