@@ -2,8 +2,9 @@
 //! generation have their own scales). In each, Hypura and llama.cpp side by side: a bar to the
 //! mean, a whisker of one standard deviation, and every sample as a dot, with the ratio in the
 //! panel's caption. `summary_svg` draws `scripts/bench-limited`'s table: each run's decode speed
-//! beside the physical limit, and its peak memory beside the memory limit. Drawn with plotters
-//! into SVG.
+//! beside the physical limit, and its peak memory beside the memory limit. `budget_svg` draws
+//! `inspect --svg`: the predicted decode speed and the mode the planner picks at each memory
+//! budget, this machine's marked. Drawn with plotters into SVG.
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
@@ -277,6 +278,114 @@ fn bars<DB: DrawingBackend>(
         chart.draw_series([Text::new(text, (at, count as f64 + 0.55), style)]).map_err(error)?;
     }
     Ok(())
+}
+
+/// The plan at one memory budget, for `inspect --svg`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BudgetPoint {
+    pub budget_bytes: u64,
+    /// The mode the planner picks; None where no plan fits.
+    pub mode: Option<&'static str>,
+    /// Predicted decode tokens per second; None where the plan cannot predict it (no compute
+    /// measured for a plan that streams nothing, or no plan).
+    pub tokens_per_sec: Option<f64>,
+}
+
+const MODE_COLORS: [(&str, RGBColor); 3] =
+    [("resident", RGBColor(0x2a, 0x9d, 0x55)), ("dense-stream", HYPURA), ("expert-stream", RGBColor(0x8e, 0x44, 0xad))];
+
+fn mode_color(mode: &str) -> RGBColor {
+    MODE_COLORS.iter().find(|(name, _)| *name == mode).map_or(LLAMA_CPP, |(_, color)| *color)
+}
+
+/// The SVG text of `inspect --svg`: predicted decode speed against the memory budget, each
+/// point in the color of the mode picked there, a strip of those modes along the budget axis
+/// (where a point has no prediction too), and this machine's budget as a line.
+pub fn budget_svg(title: &str, note: &str, points: &[BudgetPoint], this_machine: u64) -> Result<String, String> {
+    let mut text = String::new();
+    {
+        let canvas = SVGBackend::with_string(&mut text, (900, 560)).into_drawing_area();
+        canvas.fill(&WHITE).map_err(|error| error.to_string())?;
+        let (root, footer) = canvas.split_vertically(520);
+        let error = |error: DrawingAreaErrorKind<std::io::Error>| error.to_string();
+        let gib = |bytes: u64| bytes as f64 / f64::from(1u32 << 30);
+        let widest = points.iter().map(|point| gib(point.budget_bytes)).fold(0.0_f64, f64::max).max(1e-3) * 1.05;
+        let fastest = points.iter().filter_map(|point| point.tokens_per_sec).fold(0.0_f64, f64::max).max(1.0) * 1.2;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 18))
+            .margin(16)
+            .x_label_area_size(48)
+            .y_label_area_size(64)
+            .build_cartesian_2d(0.0..widest, -fastest * 0.08..fastest)
+            .map_err(|error| error.to_string())?;
+        chart
+            .configure_mesh()
+            .max_light_lines(0)
+            .x_desc("memory budget (GiB)")
+            .y_desc("predicted decode tokens per second")
+            .x_label_formatter(&|x| format!("{x:.1}"))
+            .y_label_formatter(&|y| if *y < 0.0 { String::new() } else { format!("{y:.0}") })
+            .label_style(("sans-serif", 13))
+            .axis_desc_style(("sans-serif", 14))
+            .draw()
+            .map_err(|error| error.to_string())?;
+        // The modes along the axis: a strip below zero, each budget's mode up to the next.
+        for (at, point) in points.iter().enumerate() {
+            let Some(mode) = point.mode else { continue };
+            let left = gib(point.budget_bytes);
+            let right = points.get(at + 1).map_or(widest, |next| gib(next.budget_bytes));
+            chart
+                .draw_series([Rectangle::new(
+                    [(left, -fastest * 0.07), (right, -fastest * 0.02)],
+                    mode_color(mode).filled(),
+                )])
+                .map_err(|error| error.to_string())?;
+        }
+        let predicted: Vec<(f64, f64)> = points
+            .iter()
+            .filter_map(|point| point.tokens_per_sec.map(|rate| (gib(point.budget_bytes), rate)))
+            .collect();
+        chart
+            .draw_series([PathElement::new(predicted, BLACK.mix(0.3).stroke_width(1))])
+            .map_err(|error| error.to_string())?;
+        for (name, color) in MODE_COLORS {
+            let dots: Vec<(f64, f64)> = points
+                .iter()
+                .filter(|point| point.mode == Some(name))
+                .filter_map(|point| point.tokens_per_sec.map(|rate| (gib(point.budget_bytes), rate)))
+                .collect();
+            chart
+                .draw_series(dots.into_iter().map(|at| Circle::new(at, 5, color.filled())))
+                .map_err(|error| error.to_string())?
+                .label(name)
+                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], color.filled()));
+        }
+        // This machine's budget: a line where it falls, or at the right edge when it is larger
+        // than every budget drawn.
+        let machine = gib(this_machine);
+        let (at, label) = if machine <= widest {
+            (machine, format!("this machine's budget: {machine:.2} GiB"))
+        } else {
+            (widest * 0.995, format!("this machine's budget: {machine:.2} GiB, right of the axis →"))
+        };
+        chart
+            .draw_series([PathElement::new(vec![(at, 0.0), (at, fastest * 0.95)], LIMIT.stroke_width(2))])
+            .map_err(|error| error.to_string())?;
+        let side = if at > widest / 2.0 { HPos::Right } else { HPos::Left };
+        let style = ("sans-serif", 13).into_font().color(&LIMIT).pos(Pos::new(side, VPos::Bottom));
+        chart.draw_series([Text::new(label, (at, fastest * 0.96), style)]).map_err(|error| error.to_string())?;
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK.mix(0.3))
+            .label_font(("sans-serif", 13))
+            .draw()
+            .map_err(|error| error.to_string())?;
+        footer.draw_text(note, &("sans-serif", 12).into_font().color(&BLACK.mix(0.7)), (16, 12)).map_err(error)?;
+        canvas.present().map_err(|error| error.to_string())?;
+    }
+    Ok(text)
 }
 
 #[cfg(test)]

@@ -117,6 +117,11 @@ pub struct InspectArgs {
     /// Print JSON instead of tables.
     #[arg(long)]
     pub json: bool,
+    /// Also draw the predicted decode speed and the mode the planner picks at memory budgets
+    /// from a sixteenth of the file to twice it, this machine's budget marked, into this SVG
+    /// file.
+    #[arg(long, value_name = "FILE")]
+    pub svg: Option<PathBuf>,
     /// The run's model and context flags: the plan printed is the plan `run` uses with them.
     #[command(flatten)]
     pub model_args: ModelArgs,

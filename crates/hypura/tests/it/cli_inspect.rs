@@ -320,3 +320,30 @@ fn inspect_a_url_plans_from_the_index_alone() {
     );
     assert_clean_failure(&hypura(&["inspect", &oversized]), "the server sent \"bytes 0-999999999/2000000000\"");
 }
+
+/// `inspect --svg`: the plan at budgets from a sixteenth of the file to twice it, drawn; a small
+/// model streams its FFN layers at the low budgets and is resident at the high ones, each point
+/// in its mode's color, and this machine's budget is marked.
+#[test]
+fn inspect_draws_the_plan_at_every_budget() {
+    let model = common::chat_model_path();
+    let directory = tempfile::tempdir().unwrap();
+    let svg = directory.path().join("budgets.svg");
+    let output =
+        common::hypura(&["inspect", model.to_str().unwrap(), "--context", "2048", "--svg", svg.to_str().unwrap()]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let text = std::fs::read_to_string(&svg).unwrap();
+    for words in [
+        "memory budget (GiB)",
+        "predicted decode tokens per second",
+        "this machine&apos;s budget",
+        "dense-stream",
+        "resident",
+    ] {
+        assert!(text.contains(words), "{words:?} is not in the picture");
+    }
+    // Both modes' strips: dense-stream's blue and resident's green rectangles.
+    for color in ["#1F6FB4", "#2A9D55"] {
+        assert!(text.matches(&format!("fill=\"{color}\"")).count() >= 3, "{color} is missing");
+    }
+}

@@ -51,8 +51,12 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
         None => (Inventory::open(&crate::cli::settings::model_path(model)?)?, None),
     };
     let spec = crate::cli::settings::run_spec(&args.model_args)?;
-    let crate::plan::Choice { n_batch, plan, .. } =
-        crate::setup::choose(&inventory, &spec, &crate::setup::machine_facts(&spec, &inventory.path)?)?;
+    let facts = crate::setup::machine_facts(&spec, &inventory.path)?;
+    if let Some(svg) = &args.svg {
+        let picture = budget_picture(&inventory, &spec, &facts)?;
+        std::fs::write(svg, picture).with_context(|| format!("writing {}", svg.display()))?;
+    }
+    let crate::plan::Choice { n_batch, plan, .. } = crate::setup::choose(&inventory, &spec, &facts)?;
     let output = if args.json {
         let report = InspectReport {
             path: &inventory.path,
@@ -94,6 +98,59 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
     };
     print!("{output}");
     Ok(())
+}
+
+/// Budgets `inspect --svg` plans at: geometric from a sixteenth of the file to twice it and
+/// 512 MiB more (where a small model is resident with its compute buffers).
+const PICTURE_BUDGETS: u32 = 32;
+
+/// `inspect --svg`: the plan at each budget (the machine's other facts as they are), its mode
+/// and predicted decode speed.
+fn budget_picture(
+    inventory: &Inventory,
+    spec: &crate::setup::RunSpec,
+    facts: &crate::plan::MachineFacts,
+) -> anyhow::Result<String> {
+    let (low, high) = (inventory.file_bytes as f64 / 16.0, inventory.file_bytes as f64 * 2.0 + f64::from(512u32 << 20));
+    let points: Vec<crate::bench::picture::BudgetPoint> = (0..PICTURE_BUDGETS)
+        .map(|step| {
+            let budget_bytes = (low * (high / low).powf(f64::from(step) / f64::from(PICTURE_BUDGETS - 1))) as u64;
+            let at = crate::plan::MachineFacts { memory_budget_bytes: budget_bytes, ..facts.clone() };
+            match crate::setup::choose(inventory, spec, &at) {
+                Ok(choice) => crate::bench::picture::BudgetPoint {
+                    budget_bytes,
+                    mode: Some(choice.plan.mode.name()),
+                    // No mode decodes faster than the compute an earlier run measured.
+                    tokens_per_sec: choice
+                        .plan
+                        .predicted_seconds_per_token(at.disk_bytes_per_sec)
+                        .map(|seconds| seconds.max(facts.compute_seconds_per_token.unwrap_or(0.0)))
+                        .filter(|seconds| *seconds > 0.0)
+                        .map(|seconds| 1.0 / seconds),
+                },
+                Err(_) => crate::bench::picture::BudgetPoint { budget_bytes, mode: None, tokens_per_sec: None },
+            }
+        })
+        .collect();
+    let title = format!(
+        "{} ({}): predicted decode speed by memory budget",
+        inventory.name.as_deref().unwrap_or(&inventory.arch),
+        format_bytes(inventory.file_bytes)
+    );
+    let note = match (facts.compute_seconds_per_token, facts.disk_bytes_per_sec) {
+        (Some(compute), Some(disk)) => format!(
+            "the slower of {:.1} ms of compute a token (measured by an earlier run) and the streamed bytes at {:.2} GB/s (the profile's); expert-stream as if every pick missed",
+            compute * 1e3,
+            disk / 1e9
+        ),
+        (None, Some(disk)) => format!(
+            "the streamed bytes at {:.2} GB/s (the profile's); no compute measured yet (run the model once), so plans that stream nothing have no point; expert-stream as if every pick missed",
+            disk / 1e9
+        ),
+        _ => "no disk profile yet (`hypura profile`): only the modes are drawn".to_string(),
+    };
+    crate::bench::picture::budget_svg(&title, &note, &points, facts.memory_budget_bytes)
+        .map_err(|error| anyhow::anyhow!("drawing the picture: {error}"))
 }
 
 /// The human report. Percentages are of the tensor data.
