@@ -82,8 +82,9 @@ pub fn serve(listener: TcpListener, front: Arc<Front>) -> std::io::Result<()> {
                 Err(End::ClientGone) => {
                     tracing::warn!(%client, "RPC client closed: its connection ended in the middle of a request")
                 }
-                Err(End::Refused(why)) => tracing::warn!(%client, "RPC client closed: {why}"),
-                Err(End::Worker(why)) => tracing::warn!(%client, "RPC client closed: {why}"),
+                Err(End::Refused(Refusal(why)) | End::Worker(why)) => {
+                    tracing::warn!(%client, "RPC client closed: {why}")
+                }
             }
             serving.clients.fetch_sub(1, Ordering::SeqCst);
         });
