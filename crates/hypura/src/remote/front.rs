@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::protocol::{self, Framing, Ledger, Refusal, Session, Verdict};
-use super::secure::{Channel, Key};
+use super::secure::{Channel, Key, HANDSHAKE_TIMEOUT};
 
 /// Clients served at once; more are closed at once with a logged line.
 const MAX_CLIENTS: usize = 32;
@@ -221,6 +221,9 @@ fn serve_client(stream: TcpStream, front: &Front) -> Result<(), End> {
     let _ = stream.set_nodelay(true);
     let mut client = Channel::accept(stream, front.key.as_ref())
         .map_err(|error| End::Refused(Refusal(format!("no handshake: {error}"))))?;
+    // A client has as long to say HELLO as to complete the key's handshake; after it, a
+    // connection may idle as long as its model is loaded.
+    client.tcp().set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(|error| End::Worker(error.to_string()))?;
     let mut session = Session::new(front.ledger.clone());
     let mut worker: Option<Worker> = None;
     let mut chunk = vec![0u8; CHUNK_BYTES];
@@ -229,6 +232,9 @@ fn serve_client(stream: TcpStream, front: &Front) -> Result<(), End> {
         match client.read_exact(&mut header) {
             Ok(()) => {}
             Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof && header == [0; 9] => return Ok(()),
+            Err(error) if matches!(error.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                return Err(End::Refused(Refusal(format!("no HELLO within {} s", HANDSHAKE_TIMEOUT.as_secs()))));
+            }
             Err(_) => return Err(End::ClientGone),
         }
         let cmd = header[0];
@@ -238,8 +244,13 @@ fn serve_client(stream: TcpStream, front: &Front) -> Result<(), End> {
             Framing::Whole(bytes) => bytes as usize,
             Framing::Header(bytes) => bytes,
         };
-        let mut payload = vec![0u8; held];
-        read_client(&mut client, &mut payload)?;
+        // Held as it arrives: a client that names a large frame and sends little holds
+        // little.
+        let mut payload = Vec::new();
+        (&mut client).take(held as u64).read_to_end(&mut payload).map_err(|_| End::ClientGone)?;
+        if payload.len() != held {
+            return Err(End::ClientGone);
+        }
         match session.check(cmd, &payload, size)? {
             Verdict::Answer(answer) => {
                 write_client(&mut client, &answer)?;
@@ -267,6 +278,7 @@ fn serve_client(stream: TcpStream, front: &Front) -> Result<(), End> {
                     .stream
                     .set_read_timeout(Some(RESPONSE_TIMEOUT))
                     .map_err(|error| End::Worker(error.to_string()))?;
+                client.tcp().set_read_timeout(None).map_err(|error| End::Worker(error.to_string()))?;
                 write_client(&mut client, &(hello.len() as u64).to_le_bytes())?;
                 write_client(&mut client, &hello)?;
                 client.flush().map_err(|_| End::ClientGone)?;

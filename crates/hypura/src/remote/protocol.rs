@@ -48,9 +48,10 @@ pub const HELLO_REQUEST_BYTES: u64 = 24;
 pub const HELLO_RESPONSE_BYTES: u64 = 4 + 24;
 /// SET_TENSOR's payload before the tensor's bytes: the tensor, a cache flag, the offset.
 pub const SET_TENSOR_HEADER: usize = TENSOR_BYTES + 1 + 8;
-/// The most nodes, and the most tensors, one graph may have (llama.cpp's largest graphs have
-/// tens of thousands).
-pub const MAX_GRAPH_ENTRIES: u64 = 1 << 20;
+/// The most nodes, and the most tensors, one graph may have: llama.cpp's graphs have at most
+/// eight nodes a weight tensor (tens of thousands for the largest models), and a frame this
+/// size is at most 20 MB.
+pub const MAX_GRAPH_ENTRIES: u64 = 1 << 16;
 const MAX_DIMS: usize = 4;
 const MAX_SRC: usize = 10;
 
@@ -794,6 +795,8 @@ mod tests {
         assert!(session.framing(CMD_GET_TENSOR, 313).unwrap_err().0.contains("ggml's is 312"));
         assert!(session.framing(CMD_SET_TENSOR, u64::MAX).unwrap_err().0.contains("past every buffer"));
         assert!(session.framing(CMD_GRAPH_COMPUTE, u64::MAX).is_err());
+        // A frame no graph of 2^16 nodes and tensors needs is refused before it is read.
+        assert!(session.framing(CMD_GRAPH_COMPUTE, 100 << 20).unwrap_err().0.contains("GRAPH_COMPUTE of"));
         assert_eq!(
             session.framing(CMD_SET_TENSOR, (SET_TENSOR_HEADER as u64) + SIZE),
             Ok(Framing::Header(SET_TENSOR_HEADER))

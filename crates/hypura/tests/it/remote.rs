@@ -495,6 +495,9 @@ fn hostile_clients_are_closed_and_the_worker_serves_the_others() {
     let f32s = |id: u64, buffer: u64, elements: u32, op: u32, src: &[u64], data: u64| {
         craft::tensor_bytes(id, buffer, [elements, 1, 1, 1], op, src, (0, 0), data)
     };
+    // A connection that never says HELLO, closed after the handshake's time (checked last).
+    let idle = std::net::TcpStream::connect(&endpoint).unwrap();
+    let idle_since = Instant::now();
     // The buffer another client holds, for the "foreign buffer" case.
     let mut other = RawClient::connect(&endpoint);
     let (foreign, foreign_base) = other.alloc(4096);
@@ -595,6 +598,12 @@ fn hostile_clients_are_closed_and_the_worker_serves_the_others() {
     read.extend_from_slice(&16u64.to_le_bytes());
     other.send(protocol::CMD_GET_TENSOR, &read);
     assert_eq!(other.receive(16).len(), 16);
+
+    std::thread::sleep(Duration::from_secs(12).saturating_sub(idle_since.elapsed()));
+    let mut byte = [0u8; 1];
+    idle.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    assert!(matches!(std::io::Read::read(&mut &idle, &mut byte), Ok(0) | Err(_)), "an idle connection stayed open");
+    assert!(std::fs::read_to_string(&log_path).unwrap().contains("no HELLO within 10 s"));
 
     let (remote_text, stderr) = well_behaved.join().unwrap();
     assert!(stderr.contains("remote       layers"), "{stderr}");
