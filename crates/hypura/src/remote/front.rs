@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::protocol::{self, Framing, Ledger, Refusal, Session, Verdict};
+use super::protocol::{self, le_u32, le_u64, Framing, Ledger, Refusal, Session, Verdict};
 use super::secure::{Channel, Key, HANDSHAKE_TIMEOUT};
 
 /// Clients served at once; more are closed at once with a logged line.
@@ -187,7 +187,7 @@ impl Worker {
         self.send(&request)?;
         let mut response = vec![0u8; 8 + answer];
         self.receive(&mut response)?;
-        if u64::from_le_bytes(response[..8].try_into().expect("8 bytes")) != answer as u64 {
+        if le_u64(&response[..8]) != answer as u64 {
             return Err(End::Worker(format!("its ggml server answered command {cmd} with another size")));
         }
         Ok(response.split_off(8))
@@ -238,7 +238,7 @@ fn serve_client(stream: TcpStream, front: &Front) -> Result<(), End> {
             Err(_) => return Err(End::ClientGone),
         }
         let cmd = header[0];
-        let size = u64::from_le_bytes(header[1..].try_into().expect("8 bytes"));
+        let size = le_u64(&header[1..]);
         let framing = session.framing(cmd, size)?;
         let held = match framing {
             Framing::Whole(bytes) => bytes as usize,
@@ -273,7 +273,7 @@ fn serve_client(stream: TcpStream, front: &Front) -> Result<(), End> {
                 )?;
                 hello[4..].fill(0);
                 let count = started.ask(protocol::CMD_DEVICE_COUNT, &[], 4)?;
-                session.set_devices(u32::from_le_bytes(count[..4].try_into().expect("4 bytes")));
+                session.set_devices(le_u32(&count[..4]));
                 started
                     .stream
                     .set_read_timeout(Some(RESPONSE_TIMEOUT))
@@ -305,13 +305,11 @@ fn serve_client(stream: TcpStream, front: &Front) -> Result<(), End> {
             protocol::CMD_ALLOC_BUFFER => {
                 let mut answer = [0u8; 16];
                 worker.receive(&mut answer)?;
-                let remote = u64::from_le_bytes(answer[..8].try_into().expect("8 bytes"));
-                let bytes = u64::from_le_bytes(answer[8..].try_into().expect("8 bytes"));
-                let base = if remote == 0 {
-                    None
-                } else {
-                    let base = worker.ask(protocol::CMD_BUFFER_GET_BASE, &remote.to_le_bytes(), 8)?;
-                    Some(u64::from_le_bytes(base[..8].try_into().expect("8 bytes")))
+                let remote = le_u64(&answer[..8]);
+                let bytes = le_u64(&answer[8..]);
+                let base = match remote {
+                    0 => 0,
+                    _ => le_u64(&worker.ask(protocol::CMD_BUFFER_GET_BASE, &remote.to_le_bytes(), 8)?),
                 };
                 session.allocated(remote, bytes, base);
                 write_client(&mut client, &answer)?;
@@ -319,8 +317,8 @@ fn serve_client(stream: TcpStream, front: &Front) -> Result<(), End> {
             protocol::CMD_GET_DEVICE_MEMORY => {
                 let mut answer = [0u8; 16];
                 worker.receive(&mut answer)?;
-                let device = u32::from_le_bytes(payload[..4].try_into().expect("4 bytes"));
-                let free = u64::from_le_bytes(answer[..8].try_into().expect("8 bytes"));
+                let device = le_u32(&payload[..4]);
+                let free = le_u64(&answer[..8]);
                 answer[..8].copy_from_slice(&session.device_memory(device, free).to_le_bytes());
                 write_client(&mut client, &answer)?;
             }

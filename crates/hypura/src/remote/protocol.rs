@@ -94,11 +94,13 @@ fn request_bytes(cmd: u8) -> Option<u64> {
     })
 }
 
-fn le_u32(bytes: &[u8]) -> u32 {
+/// The little-endian u32 at the start of `bytes` (ggml's wire order).
+pub(crate) fn le_u32(bytes: &[u8]) -> u32 {
     u32::from_le_bytes(bytes[..4].try_into().expect("4 bytes"))
 }
 
-fn le_u64(bytes: &[u8]) -> u64 {
+/// The little-endian u64 at the start of `bytes`.
+pub(crate) fn le_u64(bytes: &[u8]) -> u64 {
     u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"))
 }
 
@@ -421,8 +423,8 @@ impl Session {
         self.devices = Some(count);
     }
 
-    /// An allocation's response: the buffer (None where it failed) and its base address.
-    pub fn allocated(&mut self, remote: u64, size: u64, base: Option<u64>) {
+    /// An allocation's response: the buffer (0 where it failed), its size and its base address.
+    pub fn allocated(&mut self, remote: u64, size: u64, base: u64) {
         let Some((device, reserved)) = self.pending.take() else { return };
         self.ledger.release(device, reserved);
         if remote == 0 {
@@ -433,7 +435,7 @@ impl Session {
         if let Some(held) = self.ledger.held.locked().get_mut(device as usize) {
             *held += size;
         }
-        self.buffers.insert(remote, Buffer { device, base: base.unwrap_or(0), size });
+        self.buffers.insert(remote, Buffer { device, base, size });
     }
 
     /// Free memory as the front reports it: the worker's figure, no more than the device has
@@ -606,7 +608,7 @@ pub fn replay(stream: &[u8], lent: u64) -> Replayed {
         }
         if cmd == CMD_ALLOC_BUFFER && session.pending.is_some() {
             let bytes = le_u64(&payload[4..]);
-            session.allocated(next_buffer, bytes, Some(next_buffer << 40));
+            session.allocated(next_buffer, bytes, next_buffer << 40);
             next_buffer += 1;
         }
         // SET_TENSOR's bytes follow its header; the rest of the stream is the next request.
@@ -692,7 +694,7 @@ mod tests {
         let mut alloc = 0u32.to_le_bytes().to_vec();
         alloc.extend_from_slice(&SIZE.to_le_bytes());
         assert_eq!(session.check(CMD_ALLOC_BUFFER, &alloc, 12), Ok(Verdict::Forward));
-        session.allocated(BUFFER, SIZE, Some(BASE));
+        session.allocated(BUFFER, SIZE, BASE);
         session
     }
 
@@ -950,7 +952,7 @@ mod tests {
             payload
         };
         assert_eq!(first.check(CMD_ALLOC_BUFFER, &alloc(6_000), 12), Ok(Verdict::Forward));
-        first.allocated(0x1, 6_000, Some(0x1000));
+        first.allocated(0x1, 6_000, 0x1000);
         assert_eq!(second.device_memory(0, 1 << 40), 4_000);
         let mut failed = 16u64.to_le_bytes().to_vec();
         failed.extend_from_slice(&[0; 16]);

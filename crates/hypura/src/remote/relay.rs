@@ -27,7 +27,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::protocol::{
-    response_bytes, CMD_COUNT, CMD_FREE_BUFFER, CMD_GRAPH_COMPUTE, CMD_GRAPH_RECOMPUTE, CMD_HELLO, HELLO_RESPONSE_BYTES,
+    le_u32, le_u64, response_bytes, CMD_COUNT, CMD_FREE_BUFFER, CMD_GRAPH_COMPUTE, CMD_GRAPH_RECOMPUTE, CMD_HELLO,
+    HELLO_RESPONSE_BYTES,
 };
 use super::secure::{client_key, Channel};
 /// Bytes copied per read or write of a large payload (a tensor's bytes at load).
@@ -152,7 +153,7 @@ fn relay_connection(mut client: TcpStream, state: &RelayState) {
             break;
         }
         let cmd = header[0];
-        let size = u64::from_le_bytes(header[1..].try_into().expect("8 bytes"));
+        let size = le_u64(&header[1..]);
         if cmd >= CMD_COUNT {
             break;
         }
@@ -171,7 +172,7 @@ fn relay_connection(mut client: TcpStream, state: &RelayState) {
             last_graphs.clear();
         }
         if cmd == CMD_GRAPH_COMPUTE && payload.len() >= 4 {
-            let device = u32::from_le_bytes(payload[..4].try_into().expect("4 bytes"));
+            let device = le_u32(&payload[..4]);
             if last_graphs.get(&device) == Some(&payload) {
                 state.graph_bytes_saved.fetch_add(payload.len() as u64, Ordering::Relaxed);
                 payload.truncate(4);
@@ -380,7 +381,7 @@ pub(crate) fn probe(worker: &str, pings: usize) -> std::io::Result<(u8, u32, Vec
         let mut answer = [0u8; 12];
         stream.read_exact(&mut answer)?;
         times.push(started.elapsed());
-        count = u32::from_le_bytes(answer[8..].try_into().expect("4 bytes"));
+        count = le_u32(&answer[8..]);
     }
     let _ = stream.tcp().shutdown(Shutdown::Both);
     Ok((major, count, times))
