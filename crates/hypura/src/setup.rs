@@ -165,23 +165,56 @@ pub fn prepare(path: &Path, spec: &RunSpec) -> Result<Setup, EngineError> {
     Ok(Setup { inventory, facts, options })
 }
 
-/// Keep the compute time per generated token of a streaming run for the next plan of this
-/// model. Failures to write are logged, never fatal (the record is a hint).
-pub fn record_compute(model: &Path, threads: i32, streamed: bool, seconds: f64, tokens: u64) {
-    if !streamed || tokens < 2 {
-        return;
-    }
-    let result = ModelRecords::new(default_cache_dir())
-        .update(model, |record| record.add_compute(threads.max(1) as u32, seconds * tokens as f64, tokens));
+/// What one run measured about its model, for the next plan of it (`record_run`).
+#[derive(Clone, Debug, Default)]
+pub struct RunMeasurements {
+    pub threads: i32,
+    /// The run streamed (its decode compute is the streaming kernels' and hooks').
+    pub streamed: bool,
+    /// Decode time per generated token not spent waiting on reads, over `decode_tokens`.
+    pub decode_seconds_per_token: Option<f64>,
+    pub decode_tokens: u64,
+    /// Prompt time and tokens evaluated (resident runs only are kept).
+    pub prompt_seconds: f64,
+    pub prompt_tokens: u64,
+    /// The router's reuse depths (expert-stream).
+    pub routing: Option<crate::plan::ReuseDepths>,
+    /// Bytes read and the time a read was in flight (streaming).
+    pub read_bytes: u64,
+    pub busy_seconds: f64,
+}
+
+/// Keep what a run measured for the next plan of this model: a streaming run's decode compute,
+/// routing and disk rate, a resident run's decode and prompt time. Failures to write are
+/// logged, never fatal (the record is a hint).
+pub fn record_run(model: &Path, run: &RunMeasurements) {
+    let threads = run.threads.max(1) as u32;
+    let result = ModelRecords::new(default_cache_dir()).update(model, |record| {
+        if let Some(seconds) = run.decode_seconds_per_token.filter(|_| run.decode_tokens >= 2) {
+            let total = seconds * run.decode_tokens as f64;
+            if run.streamed {
+                record.add_compute(threads, total, run.decode_tokens);
+            } else {
+                record.add_resident(threads, total, run.decode_tokens);
+            }
+        }
+        if !run.streamed {
+            record.add_prompt(threads, run.prompt_seconds, run.prompt_tokens);
+        }
+        if let Some(routing) = &run.routing {
+            record.add_routing(routing);
+        }
+        record.add_reads(run.read_bytes, run.busy_seconds);
+    });
     if let Err(error) = result {
-        tracing::warn!("could not record the measured compute time: {error}");
+        tracing::warn!("could not record the run's measurements: {error}");
     }
 }
 
 /// Reader threads when the spec does not say, and the most a profile's best queue depth gives:
 /// four readers of 4 MiB chunks keep 16 MiB in flight, and more put read-ahead beside the reads
 /// the compute waits for (decision 06).
-const DEFAULT_IO_WORKERS: usize = 4;
+const DEFAULT_IO_WORKERS: usize = crate::hw::STORE_READERS as usize;
 
 /// What the default budget leaves for the rest of the machine: 10% of what is available,
 /// between 128 MiB and 2 GiB. The process itself takes about 75 MiB beyond its plan
@@ -225,14 +258,22 @@ pub fn machine_facts(spec: &RunSpec, model: &Path) -> Result<MachineFacts, Engin
         .or_else(|| disk.as_ref().map(|disk| (disk.best_direct.queue_depth as usize).min(DEFAULT_IO_WORKERS)))
         .unwrap_or(DEFAULT_IO_WORKERS)
         .clamp(1, 64);
-    let compute_seconds_per_token =
-        ModelRecords::new(default_cache_dir()).load(model).compute_seconds_per_token(spec.threads().max(1) as u32);
+    let threads = spec.threads().max(1) as u32;
+    let record = ModelRecords::new(default_cache_dir()).load(model);
+    // Streaming runs of this model read at this rate while busy: where they did, that is the
+    // rate streaming gets here, whatever the profile's short reads said.
+    let from_runs = record.disk_bytes_per_sec();
     Ok(MachineFacts {
         memory_budget_bytes,
-        disk_bytes_per_sec,
+        disk_bytes_per_sec: from_runs.or(disk_bytes_per_sec),
+        disk_rate_from_runs: from_runs.is_some(),
+        profile_disk_bytes_per_sec: disk_bytes_per_sec,
+        resident_seconds_per_token: record.resident_seconds_per_token(threads),
+        prompt_seconds_per_token: record.prompt_seconds_per_token(threads),
+        expert_reuse: record.routing.clone(),
         read_queue_depth: Some(io_workers as u32),
         disk_read_points,
-        compute_seconds_per_token,
+        compute_seconds_per_token: record.compute_seconds_per_token(threads),
         gpu_budget_bytes,
         gpu_runtime_bytes: if gpu_budget_bytes > 0 { GPU_RUNTIME_DEVICE_BYTES } else { 0 },
         remote_devices: spec.remote.as_ref().map(|workers| workers.facts()).unwrap_or_default(),

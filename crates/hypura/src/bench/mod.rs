@@ -197,9 +197,23 @@ pub struct BenchReport {
     /// The same for llama.cpp's own `--rpc` (the baseline with RPC workers).
     pub llama_cpp_link_bytes_per_token: Option<f64>,
     pub llama_cpp_link_round_trips_per_token: Option<f64>,
-    /// The plan's predicted time per token (`Plan::predicted_seconds_per_token`), to set beside
+    /// The plan's predicted time per token (`Prediction::decode_tokens_per_sec`), to set beside
     /// the measured tg.
     pub predicted_seconds_per_token: Option<f64>,
+    /// The plan's prediction with what it was made from (`plan::predict`), made before the run.
+    pub prediction: Option<crate::plan::Prediction>,
+    /// Hypura's pp runs: prompt time and tokens; its tg runs' reuse depths and bytes read
+    /// with the time a read was in flight (what the next plan of the model keeps).
+    #[serde(skip)]
+    pub prompt_seconds: f64,
+    #[serde(skip)]
+    pub prompt_tokens: u64,
+    #[serde(skip)]
+    pub reuse: Option<crate::plan::ReuseDepths>,
+    #[serde(skip)]
+    pub read_bytes: u64,
+    #[serde(skip)]
+    pub busy_seconds: f64,
     pub io_bound_tokens_per_sec: Option<f64>,
     pub threads: i32,
     pub repack: bool,
@@ -249,8 +263,13 @@ fn token_hash(tokens: &[Token]) -> String {
 }
 
 /// Totals over the tg runs of Hypura's side.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 struct TgTotals {
+    /// Prompt runs (pp): their time and tokens.
+    prompt_seconds: f64,
+    prompt_tokens: u64,
+    /// Expert-stream: the reuse depths of the tg runs' picks.
+    reuse: crate::plan::ReuseDepths,
     bytes_read: u64,
     /// Of `bytes_read`, the bytes read into pages reused from released units.
     recycled_bytes: u64,
@@ -297,6 +316,8 @@ impl HypuraSide {
             ..GenerateRequest::new(Prompt::Tokens(prompt.to_vec()))
         };
         let output = self.session.generate(&request, &mut |_| Control::Continue)?;
+        self.totals.prompt_seconds += output.stats.prompt_eval_duration.as_secs_f64();
+        self.totals.prompt_tokens += u64::from(output.stats.prompt_eval_count);
         Ok(output.stats.prompt_tokens_per_sec())
     }
 
@@ -329,6 +350,7 @@ impl HypuraSide {
             self.totals.prefetch[1] += experts.prefetch_used;
             self.totals.prefetch[2] += experts.prefetch_cancelled;
             self.totals.pool = self.totals.pool + experts.device;
+            self.totals.reuse.add(&experts.reuse);
         }
         if let Some(links) = stats.eval_links {
             self.totals.link_bytes += links.bytes();
@@ -446,12 +468,11 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         TestResult { test, hypura, llama_cpp, ratio }
     };
     let inventory = crate::model::Inventory::open(path).map_err(EngineError::from)?;
-    let totals = hypura.as_ref().map_or_else(TgTotals::default, |side| side.totals);
+    let totals = hypura.as_ref().map_or_else(TgTotals::default, |side| side.totals.clone());
     let plan = hypura
         .as_ref()
         .and_then(|side| side.engine.options().plan.clone().filter(|_| side.engine.streaming().is_some()));
     let any_plan = hypura.as_ref().and_then(|side| side.engine.options().plan.clone());
-    let disk_rate = options.disk_bytes_per_sec;
     let tg = result(format!("tg{}", options.n_gen), hypura_tg_samples, peer_tg_samples);
     // The physical limit of the tg runs: their compute per decode, their bytes per pass, and
     // the tokens a decode yielded (one without drafts).
@@ -526,7 +547,16 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         llama_cpp_link_bytes_per_token: (peer_links.1 > 0).then(|| peer_links.0.bytes() as f64 / peer_links.1 as f64),
         llama_cpp_link_round_trips_per_token: (peer_links.1 > 0)
             .then(|| peer_links.0.round_trips as f64 / peer_links.1 as f64),
-        predicted_seconds_per_token: any_plan.as_ref().and_then(|plan| plan.predicted_seconds_per_token(disk_rate)),
+        predicted_seconds_per_token: any_plan
+            .as_ref()
+            .and_then(|plan| plan.prediction.as_ref()?.decode_tokens_per_sec)
+            .map(|rate| 1.0 / rate),
+        prediction: any_plan.as_ref().and_then(|plan| plan.prediction.clone()),
+        prompt_seconds: totals.prompt_seconds,
+        prompt_tokens: totals.prompt_tokens,
+        reuse: (totals.reuse.picks() > 0).then(|| totals.reuse.clone()),
+        read_bytes: totals.bytes_read,
+        busy_seconds: totals.disk_busy_seconds,
         io_bound_tokens_per_sec: plan.as_ref().and_then(|plan| plan.io_bound_tokens_per_sec),
         threads: options.threads,
         repack: hypura.as_ref().map_or(options.engine.repack, |side| side.engine.repacked()),

@@ -20,6 +20,9 @@ use crate::io::{evict_file, evict_from_page_cache, AlignedBuf, DirectFile, IoErr
 
 const MIB: u64 = 1 << 20;
 
+/// The store's reader threads at most (`setup`'s default): the sustained point reads as it does.
+pub const STORE_READERS: u32 = 4;
+
 /// Direct reads must be multiples of this; see `io::DEFAULT_ALIGNMENT_BYTES`.
 const ALIGNMENT_BYTES: u64 = crate::io::DEFAULT_ALIGNMENT_BYTES as u64;
 
@@ -297,8 +300,9 @@ pub fn measure_disk(probe: &Path, options: &DiskOptions, progress: &dyn Fn(u64, 
     done_bytes += buffered_bytes;
     progress(done_bytes, total_bytes);
     // Streaming's pattern, held: each pass over the file from an evicted page cache, the
-    // chunks dealt round-robin to the threads of the best queue depth.
-    let depth = best_direct.queue_depth.max(1);
+    // chunks dealt round-robin to as many threads as the store reads with (the best queue
+    // depth, at most its four readers).
+    let depth = best_direct.queue_depth.clamp(1, STORE_READERS);
     let per_thread = chunks_per_pass.div_ceil(u64::from(depth));
     let mut sustained_read = 0u64;
     let mut sustained_seconds = 0.0;

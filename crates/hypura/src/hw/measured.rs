@@ -25,7 +25,35 @@ pub struct ModelRecord {
     /// take, which is what the window must plan around.
     #[serde(default)]
     pub compute_by_threads: BTreeMap<u32, ComputeMeasurement>,
+    /// Decode time per token of resident runs, by CPU thread count.
+    #[serde(default)]
+    pub resident_by_threads: BTreeMap<u32, ComputeMeasurement>,
+    /// Prompt time per token of resident runs over prompts of at least `PROMPT_MIN_TOKENS`, by
+    /// CPU thread count.
+    #[serde(default)]
+    pub prompt_by_threads: BTreeMap<u32, ComputeMeasurement>,
+    /// How soon the router picked an expert again in streaming runs (expert-stream only).
+    #[serde(default)]
+    pub routing: Option<crate::plan::ReuseDepths>,
+    /// Bytes streaming runs read and the time a read was in flight: the disk's rate as
+    /// streaming finds it, which the next plan uses in place of the profile's.
+    #[serde(default)]
+    pub disk_busy: Option<BusyReads>,
 }
+
+/// Reads of streaming runs, summed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct BusyReads {
+    pub bytes: u64,
+    pub seconds: f64,
+}
+
+/// Prompts shorter than this are not timed for the prompt rate: a handful of tokens runs
+/// below the rate of a batch.
+pub const PROMPT_MIN_TOKENS: u64 = 32;
+
+/// Reads fewer than this many bytes say little about the disk's rate.
+const DISK_MIN_BYTES: u64 = 64 << 20;
 
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ComputeMeasurement {
@@ -34,21 +62,67 @@ pub struct ComputeMeasurement {
     pub tokens: u64,
 }
 
+/// Fold a run's `seconds` over `tokens` into `map`'s entry for `threads`: a running mean over
+/// all measured tokens.
+fn add_to(map: &mut BTreeMap<u32, ComputeMeasurement>, threads: u32, seconds: f64, tokens: u64) {
+    if tokens == 0 || !seconds.is_finite() || seconds <= 0.0 {
+        return;
+    }
+    let entry = map.entry(threads).or_insert(ComputeMeasurement { seconds_per_token: 0.0, tokens: 0 });
+    let total = entry.tokens + tokens;
+    entry.seconds_per_token = (entry.seconds_per_token * entry.tokens as f64 + seconds) / total as f64;
+    entry.tokens = total;
+}
+
 impl ModelRecord {
-    /// Fold in a new run: a running mean over all measured tokens.
+    /// Fold in a streaming run's decode compute.
     pub fn add_compute(&mut self, threads: u32, seconds: f64, tokens: u64) {
-        if tokens == 0 || !seconds.is_finite() || seconds <= 0.0 {
-            return;
+        add_to(&mut self.compute_by_threads, threads, seconds, tokens);
+    }
+
+    /// Fold in a resident run's decode time.
+    pub fn add_resident(&mut self, threads: u32, seconds: f64, tokens: u64) {
+        add_to(&mut self.resident_by_threads, threads, seconds, tokens);
+    }
+
+    /// Fold in a resident run's prompt time (prompts of at least `PROMPT_MIN_TOKENS`).
+    pub fn add_prompt(&mut self, threads: u32, seconds: f64, tokens: u64) {
+        if tokens >= PROMPT_MIN_TOKENS {
+            add_to(&mut self.prompt_by_threads, threads, seconds, tokens);
         }
-        let entry =
-            self.compute_by_threads.entry(threads).or_insert(ComputeMeasurement { seconds_per_token: 0.0, tokens: 0 });
-        let total = entry.tokens + tokens;
-        entry.seconds_per_token = (entry.seconds_per_token * entry.tokens as f64 + seconds) / total as f64;
-        entry.tokens = total;
+    }
+
+    /// Fold in a streaming run's routing.
+    pub fn add_routing(&mut self, depths: &crate::plan::ReuseDepths) {
+        if depths.picks() > 0 {
+            self.routing.get_or_insert_with(Default::default).add(depths);
+        }
+    }
+
+    /// Fold in a streaming run's reads: `bytes` with a read in flight for `seconds`.
+    pub fn add_reads(&mut self, bytes: u64, seconds: f64) {
+        if bytes > 0 && seconds.is_finite() && seconds > 0.0 {
+            let busy = self.disk_busy.get_or_insert_with(BusyReads::default);
+            busy.bytes += bytes;
+            busy.seconds += seconds;
+        }
     }
 
     pub fn compute_seconds_per_token(&self, threads: u32) -> Option<f64> {
         self.compute_by_threads.get(&threads).map(|measurement| measurement.seconds_per_token)
+    }
+
+    pub fn resident_seconds_per_token(&self, threads: u32) -> Option<f64> {
+        self.resident_by_threads.get(&threads).map(|measurement| measurement.seconds_per_token)
+    }
+
+    pub fn prompt_seconds_per_token(&self, threads: u32) -> Option<f64> {
+        self.prompt_by_threads.get(&threads).map(|measurement| measurement.seconds_per_token)
+    }
+
+    /// The rate streaming runs read at while busy, once they read enough to say.
+    pub fn disk_bytes_per_sec(&self) -> Option<f64> {
+        self.disk_busy.filter(|busy| busy.bytes >= DISK_MIN_BYTES).map(|busy| busy.bytes as f64 / busy.seconds)
     }
 }
 
@@ -147,5 +221,29 @@ mod tests {
         assert_eq!(records.load(&model).compute_seconds_per_token(2), None);
         records.update(&model, |record| record.add_compute(2, 0.5, 5)).unwrap();
         assert_eq!(records.load(&model).compute_seconds_per_token(2), Some(0.1));
+    }
+
+    #[test]
+    fn prompts_routing_and_reads_fold_in() {
+        let (_directory, model, records) = fixture();
+        records
+            .update(&model, |record| {
+                record.add_prompt(2, 1.0, 8);
+                record.add_prompt(2, 2.0, 100);
+                record.add_resident(2, 0.5, 10);
+                record.add_reads(32 << 20, 0.1);
+                let mut tracker = crate::plan::ReuseTracker::new(1, 4);
+                tracker.record(0, &[1]);
+                tracker.record(0, &[1]);
+                record.add_routing(tracker.counts());
+            })
+            .unwrap();
+        let record = records.load(&model);
+        assert_eq!(record.prompt_seconds_per_token(2), Some(0.02), "the 8-token prompt is not a rate");
+        assert_eq!(record.resident_seconds_per_token(2), Some(0.05));
+        assert_eq!(record.disk_bytes_per_sec(), None, "32 MiB says too little");
+        assert_eq!(record.routing.as_ref().map(|routing| (routing.first, routing.depths[0])), Some((1, 1)));
+        records.update(&model, |record| record.add_reads(64 << 20, 0.3)).unwrap();
+        assert_eq!(records.load(&model).disk_bytes_per_sec(), Some(f64::from(96u32 << 20) / 0.4));
     }
 }

@@ -28,6 +28,12 @@ pub struct ExpertLayout {
     /// The largest prompt batch whose picks the cache holds at once (`cache_units` ÷ k), where
     /// the cache is smaller than what a batch of the asked size may pick; None where it is not.
     pub max_ubatch: Option<u32>,
+    /// MoE layers whose experts stream (the cache is shared by all of them).
+    pub moe_layers: u64,
+    /// Bytes of every streamed expert, all layers together (what a prompt batch may sweep).
+    pub expert_bytes: u64,
+    /// Bytes of the dense FFN layers among them that stream through a window, read every token.
+    pub dense_streamed_bytes: u64,
 }
 
 /// Expert slices at least this large are backed by huge pages inside (the store advises their
@@ -187,6 +193,9 @@ pub(super) fn plan_experts(
             min_slice_bytes,
             prefetch: options.expert_prefetch.unwrap_or(true),
             max_ubatch,
+            moe_layers,
+            expert_bytes,
+            dense_streamed_bytes: dense_streamed,
         }),
         streamed_bytes_per_token: worst_case,
         io_bound_tokens_per_sec: machine

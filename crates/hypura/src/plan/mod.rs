@@ -15,8 +15,10 @@
 mod dense;
 mod experts;
 mod gpu;
+mod predict;
 mod remote;
 mod render;
+mod reuse;
 mod search;
 mod sizing;
 #[cfg(test)]
@@ -26,7 +28,9 @@ mod types;
 pub use dense::{limit_tokens_per_sec, DenseLayout, READ_CHUNK_BYTES};
 pub use experts::{ExpertLayout, HUGE_SLICE_MIN_BYTES};
 pub use gpu::{ExpertPoolLayout, GpuLayout, POOL_ALIGNMENT};
+pub use predict::{predict, Prediction};
 pub use remote::{RemoteDeviceFacts, RemoteLayout, RemoteShare, REMOTE_RESERVE_BYTES};
+pub use reuse::{uniform_hit_rate, ReuseDepths, ReuseTracker};
 pub use search::{choose, context_for, plan_for, Ask, Choice, DRAFT_UBATCH};
 pub use sizing::{compute_buffer_bytes, context_memory_bytes, kv_cache_bytes};
 pub use types::{
@@ -255,6 +259,7 @@ fn plan_host(
         io_bound_tokens_per_sec: None,
         // The measured compute is that of streaming runs; nothing streams here.
         limit_tokens_per_sec: None,
+        prediction: None,
     };
     if mode == Mode::Resident {
         let why = if gpu.is_some() || remote.is_some() {
@@ -411,6 +416,7 @@ mod tests {
                 } else {
                     Vec::new()
                 },
+                ..MachineFacts::default()
             };
             let mode = if forced { ModeChoice::Forced(Mode::DenseStream) } else { ModeChoice::Auto };
             let options = PlanOptions { window_layers: window, ..options(mode, 1) };

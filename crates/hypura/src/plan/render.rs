@@ -170,6 +170,9 @@ impl Plan {
                 "limit        {limit:.2} tok/s: 1 / max(measured compute per token, streamed bytes / disk bandwidth)"
             );
         }
+        if let Some(prediction) = &self.prediction {
+            let _ = writeln!(out, "predicted    {}", prediction.render());
+        }
         let mut reasons: Vec<(&str, Tier, usize, u64)> = Vec::new();
         for tensor in &self.tensors {
             match reasons.iter_mut().find(|(why, tier, _, _)| *why == tensor.why && *tier == tensor.tier) {

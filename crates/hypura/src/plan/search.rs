@@ -64,6 +64,7 @@ pub fn choose(inventory: &Inventory, facts: &MachineFacts, ask: &Ask) -> Result<
         weigh(&facts, local, remote)?
     };
     choice.plan.budget.set_aside(draft_bytes, |budget| &mut budget.draft_bytes);
+    choice.plan.prediction = Some(super::predict(&choice.plan, &facts, choice.n_batch));
     Ok(choice)
 }
 

@@ -105,6 +105,21 @@ pub struct MachineFacts {
     /// Decode compute time per token of this model with the streaming kernels, measured by an
     /// earlier run on this machine (stall time excluded); None if never measured.
     pub compute_seconds_per_token: Option<f64>,
+    /// Decode time per token of this model resident, measured by an earlier run on this
+    /// machine; None if never measured.
+    pub resident_seconds_per_token: Option<f64>,
+    /// Prompt time per token of this model resident over prompts of at least a few dozen
+    /// tokens, measured by an earlier run; None if never measured.
+    pub prompt_seconds_per_token: Option<f64>,
+    /// How soon the router of this model picks an expert again, recorded by earlier streaming
+    /// runs (the expert cache's hit rate at any size follows from it); None if never recorded.
+    pub expert_reuse: Option<super::reuse::ReuseDepths>,
+    /// `disk_bytes_per_sec` is the rate earlier streaming runs of this model read at while
+    /// busy, not the profile's.
+    pub disk_rate_from_runs: bool,
+    /// The profile's streaming rate, as measured (a run's limit is stated against it, or
+    /// against the run's own rate where that was faster).
+    pub profile_disk_bytes_per_sec: Option<f64>,
     /// Device memory Hypura may use on dedicated GPUs (weights, KV cache, compute buffers);
     /// 0: no GPU tier.
     pub gpu_budget_bytes: u64,
@@ -217,6 +232,9 @@ pub struct Plan {
     pub io_bound_tokens_per_sec: Option<f64>,
     /// The physical limit (ARCHITECTURE.md, "The physical limit"), when the compute time has been measured.
     pub limit_tokens_per_sec: Option<f64>,
+    /// The predicted decode and prompt speed (`plan::predict`), set by `choose`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prediction: Option<super::predict::Prediction>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -271,22 +289,6 @@ impl Plan {
                 (host + gpu.weight_bytes + kv_bytes, gpu.weight_bytes + device_kv)
             }
             None => (host + kv_bytes, 0),
-        }
-    }
-
-    /// The predicted time per generated token: the remote tier's prediction where there is
-    /// one, else the longer of the host's streamed bytes at `disk_bytes_per_sec` and its
-    /// measured compute. None where neither the disk's rate nor the compute is known.
-    pub fn predicted_seconds_per_token(&self, disk_bytes_per_sec: Option<f64>) -> Option<f64> {
-        if let Some(remote) = &self.remote {
-            return Some(remote.predicted_seconds_per_token);
-        }
-        let disk =
-            disk_bytes_per_sec.filter(|rate| *rate > 0.0).map(|rate| self.streamed_bytes_per_token as f64 / rate);
-        let compute = self.limit_tokens_per_sec.map(|limit| 1.0 / limit);
-        match (disk, compute) {
-            (None, None) => None,
-            (disk, compute) => Some(disk.unwrap_or(0.0).max(compute.unwrap_or(0.0))),
         }
     }
 

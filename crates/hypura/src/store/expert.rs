@@ -22,6 +22,7 @@ use serde::Serialize;
 use super::layout::ExpertUnits;
 use super::pool::{ExpertPool, PoolSnapshot, Serving, Tiers};
 use super::residency::{FailureLatch, Residency, ResidencyError, UnitState};
+use crate::plan::{ReuseDepths, ReuseTracker};
 
 const TOP_K_NODE: &str = "ffn_moe_topk-";
 /// The router's weights gathered by its ids (`get_rows(probs, ids)`): the last node that reads
@@ -201,6 +202,10 @@ pub struct ExpertSnapshot {
     /// The device's expert pool: picks served from its slots, uploads, staged prompt layers
     /// (all zero without a pool). `hits` and `misses` above count the host cache's share.
     pub device: PoolSnapshot,
+    /// How soon each decode pick's expert was picked before, by its layer's count of other
+    /// experts since (the next plan's expected hit rate at any cache size follows from it).
+    #[serde(skip)]
+    pub reuse: ReuseDepths,
 }
 
 impl ExpertSnapshot {
@@ -232,6 +237,7 @@ impl std::ops::Sub for ExpertSnapshot {
             prefetch_used: self.prefetch_used - earlier.prefetch_used,
             prefetch_cancelled: self.prefetch_cancelled - earlier.prefetch_cancelled,
             device: self.device - earlier.device,
+            reuse: self.reuse.since(&earlier.reuse),
         }
     }
 }
@@ -251,6 +257,8 @@ struct State {
     /// Units prefetched for each layer and not yet routed: the accuracy count, and what to
     /// cancel when the router picks otherwise.
     prefetched: Vec<Vec<usize>>,
+    /// Reuse depths of decode picks.
+    reuse: ReuseTracker,
 }
 
 /// Every MoE layer's router weights (F32, `[n_expert][n_embd]` row-major), for the stale gate.
@@ -344,6 +352,7 @@ impl ExpertStream {
                 cache: CacheModel::new(policy, units, capacity),
                 pinned: Vec::new(),
                 prefetched: vec![Vec::new(); n_layer],
+                reuse: ReuseTracker::new(n_layer, numbering.n_expert),
             }),
             counters: ExpertCounters {
                 misses_by_layer: (0..n_layer).map(|_| AtomicU64::new(0)).collect(),
@@ -399,6 +408,21 @@ impl ExpertStream {
             prefetch_used: self.prefetch_used.load(Ordering::Relaxed),
             prefetch_cancelled: self.prefetch_cancelled.load(Ordering::Relaxed),
             device: self.pool.as_ref().map(|pool| pool.locked().snapshot()).unwrap_or_default(),
+            reuse: self.state.locked().reuse.counts().clone(),
+        }
+    }
+
+    /// Count a decode batch's picks in `layer` (token by token) for the reuse depths; prompt
+    /// batches are not what decode sees.
+    fn record_reuse(&self, layer: usize, rows: &[Vec<i32>]) {
+        if rows.len() > PREDICT_MAX_TOKENS {
+            return;
+        }
+        let mut state = self.state.locked();
+        for row in rows {
+            let mut experts: Vec<usize> = row.iter().filter_map(|&expert| usize::try_from(expert).ok()).collect();
+            experts.dedup();
+            state.reuse.record(layer, &experts);
         }
     }
 
@@ -448,6 +472,7 @@ impl ExpertStream {
             trace.locked().push(RouteRecord { layer: layer as u32, experts: rows.clone() });
         }
         let picks = self.picks(&rows)?;
+        self.record_reuse(layer, &rows);
         let mut pool = pool.locked();
         let serving = pool.serve(layer, &picks);
         let from_host = match &serving {
@@ -471,6 +496,7 @@ impl ExpertStream {
     /// token), given when the next layer's experts should be predicted.
     fn route(&self, layer: usize, rows: &[Vec<i32>], hidden: Option<&[Vec<f32>]>) -> Result<(), ResidencyError> {
         let chosen = self.picks(rows)?.into_iter().map(|expert| self.numbering.unit(layer, expert)).collect();
+        self.record_reuse(layer, rows);
         self.route_units(layer, chosen, rows, hidden, &|_| false)
     }
 

@@ -53,18 +53,25 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         peer,
         engine,
         threads,
-        disk_bytes_per_sec: facts.disk_bytes_per_sec,
+        disk_bytes_per_sec: facts.profile_disk_bytes_per_sec,
     };
     let report = bench::run(&path, &options, &|stage| tracing::info!("bench: {stage}"))?;
     // A run with remote layers measured other machines and links too: not this machine's
     // compute for the model.
-    if let Some(seconds) = report.compute_seconds_per_token.filter(|_| report.link_bytes_per_token.is_none()) {
-        crate::setup::record_compute(
+    if report.link_bytes_per_token.is_none() && !args.baseline_only {
+        crate::setup::record_run(
             &path,
-            threads,
-            report.bytes_read_per_token.is_some(),
-            seconds,
-            report.generated_tokens,
+            &crate::setup::RunMeasurements {
+                threads,
+                streamed: report.bytes_read_per_token.is_some(),
+                decode_seconds_per_token: report.compute_seconds_per_token,
+                decode_tokens: report.generated_tokens,
+                prompt_seconds: report.prompt_seconds,
+                prompt_tokens: report.prompt_tokens,
+                routing: report.reuse.clone(),
+                read_bytes: report.read_bytes,
+                busy_seconds: report.busy_seconds,
+            },
         );
     }
     print!("{}", bench::render(&report));

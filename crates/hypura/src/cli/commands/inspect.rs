@@ -27,6 +27,9 @@ struct InspectReport<'a> {
     plan: &'a crate::plan::Plan,
     /// The prompt batch the run gets.
     n_batch: u32,
+    /// The plan's predicted speed (`plan.prediction` says what it was made from).
+    predicted_decode_tokens_per_sec: Option<f64>,
+    predicted_prompt_tokens_per_sec: Option<f64>,
     /// For a model on a server: the bytes its index took to fetch.
     #[serde(skip_serializing_if = "Option::is_none")]
     fetched: Option<Fetched>,
@@ -77,6 +80,14 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
             tensors: args.tensors.then_some(inventory.tensors.as_slice()),
             plan: &plan,
             n_batch,
+            predicted_decode_tokens_per_sec: plan
+                .prediction
+                .as_ref()
+                .and_then(|prediction| prediction.decode_tokens_per_sec),
+            predicted_prompt_tokens_per_sec: plan
+                .prediction
+                .as_ref()
+                .and_then(|prediction| prediction.prompt_tokens_per_sec),
             fetched,
         };
         serde_json::to_string_pretty(&report).context("serialising the report")? + "\n"
@@ -120,13 +131,11 @@ fn budget_picture(
                 Ok(choice) => crate::bench::picture::BudgetPoint {
                     budget_bytes,
                     mode: Some(choice.plan.mode.name()),
-                    // No mode decodes faster than the compute an earlier run measured.
                     tokens_per_sec: choice
                         .plan
-                        .predicted_seconds_per_token(at.disk_bytes_per_sec)
-                        .map(|seconds| seconds.max(facts.compute_seconds_per_token.unwrap_or(0.0)))
-                        .filter(|seconds| *seconds > 0.0)
-                        .map(|seconds| 1.0 / seconds),
+                        .prediction
+                        .as_ref()
+                        .and_then(|prediction| prediction.decode_tokens_per_sec),
                 },
                 Err(_) => crate::bench::picture::BudgetPoint { budget_bytes, mode: None, tokens_per_sec: None },
             }
@@ -137,18 +146,20 @@ fn budget_picture(
         inventory.name.as_deref().unwrap_or(&inventory.arch),
         format_bytes(inventory.file_bytes)
     );
-    let note = match (facts.compute_seconds_per_token, facts.disk_bytes_per_sec) {
-        (Some(compute), Some(disk)) => format!(
-            "the slower of {:.1} ms of compute a token (measured by an earlier run) and the streamed bytes at {:.2} GB/s (the profile's); expert-stream as if every pick missed",
-            compute * 1e3,
-            disk / 1e9
-        ),
-        (None, Some(disk)) => format!(
-            "the streamed bytes at {:.2} GB/s (the profile's); no compute measured yet (run the model once), so plans that stream nothing have no point; expert-stream as if every pick missed",
-            disk / 1e9
-        ),
-        _ => "no disk profile yet (`hypura profile`): only the modes are drawn".to_string(),
+    let compute = match (facts.compute_seconds_per_token, facts.resident_seconds_per_token) {
+        (Some(streaming), _) => format!("{:.1} ms of compute a token (streaming runs)", streaming * 1e3),
+        (None, Some(resident)) => format!("{:.1} ms of compute a token (resident runs)", resident * 1e3),
+        (None, None) => "no compute measured yet (run the model once), so no point is drawn".to_string(),
     };
+    let disk = facts.disk_bytes_per_sec.map_or("no disk profile yet (`hypura profile`)".to_string(), |rate| {
+        format!(
+            "the bytes read a token at {:.2} GB/s ({})",
+            rate / 1e9,
+            if facts.disk_rate_from_runs { "streaming runs" } else { "the profile" }
+        )
+    });
+    let routing = if facts.expert_reuse.is_some() { "recorded routing" } else { "uniform routing" };
+    let note = format!("the slower of {compute} and {disk}; expert caches at the hit rate of {routing}");
     crate::bench::picture::budget_svg(&title, &note, &points, facts.memory_budget_bytes)
         .map_err(|error| anyhow::anyhow!("drawing the picture: {error}"))
 }

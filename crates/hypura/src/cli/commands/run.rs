@@ -18,7 +18,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     setup.options.prompt_cache = settings::prompt_cache(&args.prompt_cache)?;
     // Free memory of each GPU before the load, so --stats can say what the model took there.
     let gpu_free_before = args.stats.then(crate::setup::gpu_free_by_name);
-    let disk_rate = setup.facts.disk_bytes_per_sec;
+    let disk_rate = setup.facts.profile_disk_bytes_per_sec;
     let engine =
         Arc::new(Engine::load(setup.inventory, setup.options).with_context(|| format!("loading {}", path.display()))?);
     if args.stats {
@@ -63,14 +63,22 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         print_stats(gpu_free_before.as_deref(), disk_rate, &output);
         // A run with remote layers measured other machines and links too: not this machine's
         // compute for the model.
-        if let Some(seconds) = output.stats.eval_compute_seconds_per_token().filter(|_| output.stats.links.is_none()) {
+        if output.stats.links.is_none() {
             let engine = session.engine();
-            crate::setup::record_compute(
+            let stats = &output.stats;
+            crate::setup::record_run(
                 &path,
-                settings::threads(engine.options().n_threads),
-                engine.streaming().is_some(),
-                seconds,
-                u64::from(output.stats.eval_decodes),
+                &crate::setup::RunMeasurements {
+                    threads: settings::threads(engine.options().n_threads),
+                    streamed: engine.streaming().is_some(),
+                    decode_seconds_per_token: stats.eval_compute_seconds_per_token(),
+                    decode_tokens: u64::from(stats.eval_decodes),
+                    prompt_seconds: stats.prompt_eval_duration.as_secs_f64(),
+                    prompt_tokens: u64::from(stats.prompt_eval_count),
+                    routing: stats.experts.as_ref().map(|experts| experts.reuse.clone()),
+                    read_bytes: stats.io.map_or(0, |io| io.bytes_read),
+                    busy_seconds: stats.io.map_or(0.0, |io| io.busy_seconds),
+                },
             );
         }
         write_trace(&session, args.model_args.plan.trace.as_deref())?;

@@ -1,0 +1,239 @@
+//! The speed a plan is predicted to run at, before it runs: decode and prompt tokens per
+//! second from the bytes each token or prompt batch must read, the disk's rate, and the
+//! compute this machine measured for the model. For expert streaming the bytes follow from
+//! the cache's expected hit rate (`reuse`): the model's recorded routing where a run recorded
+//! it, else uniform routing.
+use serde::Serialize;
+
+use super::reuse::uniform_hit_rate;
+use super::types::{MachineFacts, Mode, Plan};
+use crate::format::{format_bytes, format_bytes_per_sec};
+
+/// What `predict` says, with the figures it used (`inspect` prints them; `--json` carries them).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Prediction {
+    /// Generated tokens per second at decode; None where the compute time is not known (the
+    /// model has not run on this machine) and nothing streams.
+    pub decode_tokens_per_sec: Option<f64>,
+    /// Prompt tokens per second over a prompt of one full batch; None where the prompt's compute
+    /// time is not known.
+    pub prompt_tokens_per_sec: Option<f64>,
+    /// Bytes read from disk per generated token, as expected (the cache's hits taken off).
+    pub bytes_per_token: f64,
+    /// Bytes read from disk per prompt batch.
+    pub bytes_per_prompt_batch: f64,
+    /// The share of expert picks the expert cache (and a GPU pool's slots) is expected to serve.
+    pub expert_hit_rate: Option<f64>,
+    /// Where that share comes from: "recorded routing" (an earlier run of this model) or
+    /// "uniform routing" (no record).
+    pub hit_rate_from: Option<&'static str>,
+    /// The disk's rate used, and where it comes from ("streaming runs", "profile").
+    pub disk_bytes_per_sec: Option<f64>,
+    pub disk_rate_from: Option<&'static str>,
+    /// The decode compute per token used, and where it comes from ("streaming runs",
+    /// "resident runs").
+    pub compute_seconds_per_token: Option<f64>,
+    pub compute_from: Option<&'static str>,
+    /// The prompt compute per token used (resident runs of the model).
+    pub prompt_seconds_per_token: Option<f64>,
+    /// Tokens per prompt batch.
+    pub prompt_batch: u32,
+}
+
+/// Predict `plan`'s decode and prompt speed on `facts` with prompt batches of `n_batch`.
+///
+/// Decode: `1 / max(compute, bytes per token / disk rate)`, the physical limit's form: reads
+/// overlap compute (read-ahead and prefetch), so the longer of the two sets the pace. Prompt:
+/// each batch of `n_batch` tokens reads the streamed bytes it needs once (dense layers all of
+/// them; expert layers the distinct experts its tokens pick, less what the cache holds), and
+/// takes the longer of that read and its compute.
+pub fn predict(plan: &Plan, facts: &MachineFacts, n_batch: u32) -> Prediction {
+    let streams = plan.mode != Mode::Resident;
+    let (compute, compute_from) = if streams {
+        match (facts.compute_seconds_per_token, facts.resident_seconds_per_token) {
+            (Some(seconds), _) => (Some(seconds), Some("streaming runs")),
+            (None, Some(seconds)) => (Some(seconds), Some("resident runs")),
+            (None, None) => (None, None),
+        }
+    } else {
+        match (facts.resident_seconds_per_token, facts.compute_seconds_per_token) {
+            (Some(seconds), _) => (Some(seconds), Some("resident runs")),
+            // A streaming run's compute includes the streaming's own work: at most this.
+            (None, Some(seconds)) => (Some(seconds), Some("streaming runs")),
+            (None, None) => (None, None),
+        }
+    };
+    let disk = facts.disk_bytes_per_sec.filter(|rate| *rate > 0.0);
+    let ubatch =
+        plan.experts.as_ref().and_then(|experts| experts.max_ubatch).unwrap_or(n_batch).clamp(1, n_batch.max(1));
+    let mut prediction = Prediction {
+        compute_seconds_per_token: compute,
+        compute_from,
+        disk_bytes_per_sec: disk,
+        disk_rate_from: disk.map(|_| if facts.disk_rate_from_runs { "streaming runs" } else { "profile" }),
+        prompt_seconds_per_token: facts.prompt_seconds_per_token,
+        prompt_batch: ubatch,
+        ..Prediction::default()
+    };
+    if let Some(remote) = &plan.remote {
+        prediction.decode_tokens_per_sec = Some(1.0 / remote.predicted_seconds_per_token.max(1e-9));
+        return prediction;
+    }
+    let (bytes_per_token, bytes_per_batch) = match &plan.experts {
+        Some(experts) => {
+            let slots = plan
+                .gpu
+                .as_ref()
+                .and_then(|gpu| gpu.expert_pool.as_ref())
+                .map_or(0, |pool| u64::from(pool.slots) * experts.moe_layers);
+            let units = (experts.cache_units as u64 + slots) as f64;
+            let (hit, from) =
+                match facts.expert_reuse.as_ref().and_then(|reuse| reuse.hit_rate(units, experts.moe_layers)) {
+                    Some(hit) => (hit, "recorded routing"),
+                    None => (uniform_hit_rate(units, experts.moe_layers, experts.n_expert), "uniform routing"),
+                };
+            prediction.expert_hit_rate = Some(hit);
+            prediction.hit_rate_from = Some(from);
+            let k = experts.n_expert_used.clamp(1, experts.n_expert.max(1));
+            let per_token = (experts.moe_layers * k * experts.unit_bytes) as f64 * (1.0 - hit);
+            // A batch of u tokens picks n(1 - (1 - k/n)^u) distinct experts of a layer (uniform
+            // routing); the cache's share of the layer's experts is already there.
+            let n = experts.n_expert.max(1) as f64;
+            let distinct = n * (1.0 - (1.0 - k as f64 / n).powf(f64::from(ubatch)));
+            let cached = (units / (experts.moe_layers.max(1) as f64 * n)).min(1.0);
+            let per_batch = experts.expert_bytes as f64 * distinct / n * (1.0 - cached);
+            let dense = experts.dense_streamed_bytes as f64;
+            (per_token + dense, per_batch + dense)
+        }
+        None => (plan.streamed_bytes_per_token as f64, plan.streamed_bytes_per_token as f64),
+    };
+    prediction.bytes_per_token = bytes_per_token;
+    prediction.bytes_per_prompt_batch = bytes_per_batch;
+    let read = |bytes: f64| if bytes <= 0.0 { Some(0.0) } else { disk.map(|rate| bytes / rate) };
+    prediction.decode_tokens_per_sec = match (compute, read(bytes_per_token)) {
+        (Some(compute), Some(read)) => Some(compute.max(read)),
+        // Only the disk is known: a plan that must read is at most that fast, but its compute
+        // is unknown, so no figure is claimed.
+        _ => None,
+    }
+    .filter(|seconds| *seconds > 0.0)
+    .map(|seconds| 1.0 / seconds);
+    prediction.prompt_tokens_per_sec = match (facts.prompt_seconds_per_token, read(bytes_per_batch)) {
+        (Some(per_token), Some(read)) => Some(f64::from(ubatch) / (per_token * f64::from(ubatch)).max(read)),
+        _ => None,
+    }
+    .filter(|rate| rate.is_finite() && *rate > 0.0);
+    prediction
+}
+
+impl Prediction {
+    /// One line for `inspect`: the two speeds, then what they were made from.
+    pub fn render(&self) -> String {
+        let speed = |rate: Option<f64>| rate.map_or("not known".to_string(), |rate| format!("{rate:.2} tok/s"));
+        let mut basis = Vec::new();
+        match (self.compute_seconds_per_token, self.compute_from) {
+            (Some(seconds), Some(from)) => basis.push(format!("compute {:.1} ms a token ({from})", seconds * 1e3)),
+            _ => basis.push("compute not measured yet: a run of this model records it".to_string()),
+        }
+        if self.bytes_per_token > 0.0 {
+            let rate = match (self.disk_bytes_per_sec, self.disk_rate_from) {
+                (Some(rate), Some(from)) => format!(" at {} ({from})", format_bytes_per_sec(rate)),
+                _ => " (no disk profile: `hypura profile`)".to_string(),
+            };
+            basis.push(format!("{} read a token{rate}", format_bytes(self.bytes_per_token as u64)));
+        }
+        if let (Some(hit), Some(from)) = (self.expert_hit_rate, self.hit_rate_from) {
+            basis.push(format!("expert hit rate {hit:.3} ({from})"));
+        }
+        if self.prompt_seconds_per_token.is_none() {
+            basis.push("prompt compute not measured yet: a resident run records it".to_string());
+        } else if self.bytes_per_prompt_batch > 0.0 {
+            basis.push(format!("{} read a prompt batch", format_bytes(self.bytes_per_prompt_batch as u64)));
+        }
+        format!(
+            "decode {}, prompt {} in batches of {}: {}",
+            speed(self.decode_tokens_per_sec),
+            speed(self.prompt_tokens_per_sec),
+            self.prompt_batch,
+            basis.join("; ")
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::test_support::*;
+    use crate::plan::{compute_buffer_bytes, kv_cache_bytes, plan, ModeChoice, PlanOptions, ReuseTracker};
+
+    /// 4 MoE layers of 128 experts of 3 × 1 MiB, 8 picked per token, with room for 256 units.
+    fn expert_plan(facts: &MachineFacts) -> Plan {
+        let inventory = moe_inventory(4, 128, 8, 1 << 20);
+        let fixed =
+            inventory.tensors.iter().filter(|tensor| tensor.experts.is_none()).map(|tensor| tensor.bytes).sum::<u64>();
+        let budget =
+            fixed + kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 512) + 256 * (3 << 20);
+        let options = PlanOptions { mode: ModeChoice::Auto, n_ctx: 1024, n_ubatch: 512, ..PlanOptions::default() };
+        plan(&inventory, &MachineFacts { memory_budget_bytes: budget, ..facts.clone() }, &options).unwrap()
+    }
+
+    #[test]
+    fn decode_is_the_slower_of_compute_and_the_expected_reads() {
+        let facts = MachineFacts {
+            disk_bytes_per_sec: Some(1e9),
+            compute_seconds_per_token: Some(0.01),
+            ..MachineFacts::default()
+        };
+        let plan = expert_plan(&facts);
+        assert_eq!(plan.mode, Mode::ExpertStream);
+        // Uniform routing: the cache holds half of the 512 units, so half of the 4 × 8 picks
+        // of 3 MiB miss, 48 MiB a token, 50 ms at 1 GB/s.
+        let uniform = predict(&plan, &facts, 512);
+        assert_eq!(uniform.hit_rate_from, Some("uniform routing"));
+        assert!((uniform.expert_hit_rate.unwrap() - 0.5).abs() < 1e-9);
+        assert!((uniform.bytes_per_token - f64::from(48u32 << 20)).abs() < 1.0);
+        let expected = 1e9 / f64::from(48u32 << 20);
+        assert!((uniform.decode_tokens_per_sec.unwrap() - expected).abs() < 1e-6, "{uniform:?}");
+        assert_eq!(uniform.prompt_tokens_per_sec, None, "no prompt compute measured");
+
+        // Recorded routing that picks the same 8 experts of each layer every token: every pick
+        // but the first hits, and the compute sets the pace.
+        let mut tracker = ReuseTracker::new(4, 128);
+        for _ in 0..100 {
+            for layer in 0..4 {
+                tracker.record(layer, &[0, 1, 2, 3, 4, 5, 6, 7]);
+            }
+        }
+        let recorded = MachineFacts {
+            expert_reuse: Some(tracker.counts().clone()),
+            prompt_seconds_per_token: Some(0.001),
+            ..facts.clone()
+        };
+        let sticky = predict(&plan, &recorded, 512);
+        assert_eq!(sticky.hit_rate_from, Some("recorded routing"));
+        assert!((sticky.expert_hit_rate.unwrap() - 0.99).abs() < 1e-9);
+        assert!((sticky.decode_tokens_per_sec.unwrap() - 100.0).abs() < 1e-6, "{sticky:?}");
+        // A prompt batch of 512 tokens picks nearly every expert: the half the cache does not
+        // hold is read once (768 MiB at 1 GB/s), against 0.512 s of compute.
+        let read = 0.5 * f64::from(1536u32 << 20) / 1e9;
+        assert!((sticky.prompt_tokens_per_sec.unwrap() - 512.0 / read).abs() < 1.0, "{sticky:?}");
+        assert!(sticky.render().contains("recorded routing"), "{}", sticky.render());
+    }
+
+    #[test]
+    fn a_resident_plan_needs_a_measured_compute() {
+        let inventory = inventory(8, 16 << 20, 32 << 20, 64 << 20);
+        let facts =
+            MachineFacts { memory_budget_bytes: 8 << 30, disk_bytes_per_sec: Some(1e9), ..MachineFacts::default() };
+        let options = PlanOptions::default();
+        let resident = plan(&inventory, &facts, &options).unwrap();
+        assert_eq!(resident.mode, Mode::Resident);
+        assert_eq!(predict(&resident, &facts, 512).decode_tokens_per_sec, None);
+        let measured =
+            MachineFacts { resident_seconds_per_token: Some(0.02), prompt_seconds_per_token: Some(0.004), ..facts };
+        let prediction = predict(&resident, &measured, 512);
+        assert_eq!(prediction.compute_from, Some("resident runs"));
+        assert!((prediction.decode_tokens_per_sec.unwrap() - 50.0).abs() < 1e-9);
+        assert!((prediction.prompt_tokens_per_sec.unwrap() - 250.0).abs() < 1e-9);
+    }
+}
