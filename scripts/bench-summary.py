@@ -89,13 +89,26 @@ for label in ["hypura", "hypura-b"] + peers:
             line += f"; prefetch {issued} issued, {used} used ({used / issued:.2f}), {cancelled} cancelled"
         print(line)
 
+# The plan's prediction, made before each run from what earlier runs of the model recorded.
+predictions = {}
+for label in ["hypura", "hypura-b"]:
+    report = load(label + ".json") or {}
+    prediction = report.get("prediction") or {}
+    predicted, measured = prediction.get("decode_tokens_per_sec"), tg(report, "hypura")
+    if predicted and measured:
+        predictions[label] = predicted
+        basis = ", ".join(
+            f"{what} from {prediction[what + '_from']}" for what in ["compute", "disk_rate", "hit_rate"] if prediction.get(what + "_from")
+        )
+        print(f"{label}: predicted {predicted:.3f} tok/s ({basis}; {prediction.get('bytes_per_token', 0) / 1e6:.1f} MB a token), measured {measured:.3f}: measured / predicted {measured / predicted:.2f}")
+
 model_name = (hypura or {}).get("model_description") or os.path.basename(out.rstrip("/"))
 summary = {
     "title": f"{model_name} ({file_bytes / 2**30:.2f} GiB) in {limit / 2**30:.2f} GiB of memory, cold: tg tok/s and peak memory",
     "memory_limit_bytes": limit,
     "limit_tokens_per_sec": limit_rate,
     "limit_note": limit_note,
-    "runs": [{"label": label, "tokens_per_sec": rate, "status": status, "peak_bytes": peak} for label, rate, status, peak in rows],
+    "runs": [{"label": label, "tokens_per_sec": rate, "predicted_tokens_per_sec": predictions.get(label), "status": status, "peak_bytes": peak} for label, rate, status, peak in rows],
 }
 with open(os.path.join(out, "summary.json"), "w") as handle:
     json.dump(summary, handle, indent=1)

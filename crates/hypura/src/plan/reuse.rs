@@ -1,17 +1,25 @@
 //! How soon the router picks an expert again, and what that makes of an expert cache: the
 //! recorded routing of a model (`ReuseDepths`, counted by the expert stream at every decode
 //! and kept by `hw::measured` for the next plan) turned into the share of picks a cache of a
-//! given size serves (`hit_rate`). Without a record the planner assumes uniform routing, which
-//! is the least a cache of that size can do for a router that is not adversarial.
+//! given size serves (`hit_rate`). Without a record the planner assumes uniform routing.
 use serde::{Deserialize, Serialize};
 
-/// A histogram of per-layer reuse depths: for each pick of an expert, how many other experts
-/// of its layer were picked since its previous pick (Mattson's stack distance, per layer).
+/// At most this many bins: a record stays a few kilobytes however many experts a model has.
+const MAX_BINS: u64 = 1024;
+
+/// A histogram of LRU stack distances over (layer, expert) units: for each decode pick, how
+/// many other units were picked since that unit's previous pick (Mattson's stack distance). An
+/// LRU cache of `C` units serves exactly the picks of distance below `C`, so one recording
+/// answers for every cache size.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ReuseDepths {
-    /// `depths[d]`: picks with `d` other experts of the layer picked since the last one.
+    /// `depths[i]`: picks at a distance in `[i × bin, (i + 1) × bin)`.
     pub depths: Vec<u64>,
-    /// Picks of an expert its layer had not picked before in the run (compulsory misses).
+    /// Units per bin.
+    pub bin: u64,
+    /// Streamed MoE layers the picks came from (distances scale with them).
+    pub layers: u64,
+    /// Picks of a unit not picked before in the run (compulsory misses).
     pub first: u64,
 }
 
@@ -20,13 +28,20 @@ impl ReuseDepths {
         self.depths.iter().sum::<u64>() + self.first
     }
 
-    /// Fold in another run's counts.
+    /// Fold in another record; its distances are scaled to this record's layers and bins.
     pub fn add(&mut self, other: &ReuseDepths) {
-        if self.depths.len() < other.depths.len() {
-            self.depths.resize(other.depths.len(), 0);
+        if self.picks() == 0 {
+            *self = other.clone();
+            return;
         }
-        for (mine, theirs) in self.depths.iter_mut().zip(&other.depths) {
-            *mine += theirs;
+        let scale = self.layers.max(1) as f64 / other.layers.max(1) as f64;
+        for (index, &count) in other.depths.iter().enumerate() {
+            let depth = (index as f64 + 0.5) * other.bin.max(1) as f64 * scale;
+            let target = (depth / self.bin.max(1) as f64) as usize;
+            if self.depths.len() <= target {
+                self.depths.resize(target + 1, 0);
+            }
+            self.depths[target] += count;
         }
         self.first += other.first;
     }
@@ -38,24 +53,23 @@ impl ReuseDepths {
                 .depths
                 .iter()
                 .enumerate()
-                .map(|(depth, count)| count - earlier.depths.get(depth).copied().unwrap_or(0))
+                .map(|(index, count)| count - earlier.depths.get(index).copied().unwrap_or(0))
                 .collect(),
             first: self.first - earlier.first,
+            ..self.clone()
         }
     }
 
-    /// The share of picks an LRU cache of `units` (layer, expert) units spread over `layers`
-    /// streamed MoE layers serves. Every token visits every layer, so between two picks of
-    /// one expert the other layers see about as many distinct experts as its own: the cache
-    /// holds a pick whose layer saw `d` others since when `(d + 1) × layers ≤ units`, that is
-    /// the picks of depth below `units / layers` (the fractional depth counted in proportion).
-    /// None for an empty record.
+    /// The share of picks an LRU cache of `units` (layer, expert) units over `layers` streamed
+    /// MoE layers serves: the picks of distance below `units`, the distances scaled from the
+    /// recorded layers to `layers` (every token visits every layer, so the units picked between
+    /// two picks of one grow with the layers). None for an empty record.
     pub fn hit_rate(&self, units: f64, layers: u64) -> Option<f64> {
         let picks = self.picks();
-        if picks == 0 || layers == 0 {
+        if picks == 0 || layers == 0 || self.layers == 0 {
             return None;
         }
-        let reach = (units / layers as f64).max(0.0);
+        let reach = units.max(0.0) * self.layers as f64 / layers as f64 / self.bin.max(1) as f64;
         let whole = reach.floor() as usize;
         let served: f64 = self.depths.iter().take(whole).map(|&count| count as f64).sum::<f64>()
             + self.depths.get(whole).map_or(0.0, |&count| count as f64 * reach.fract());
@@ -74,36 +88,113 @@ pub fn uniform_hit_rate(units: f64, layers: u64, n_expert: u64) -> f64 {
     }
 }
 
-/// Counts reuse depths as picks arrive: a most-recent-first list of each layer's experts.
+/// Counts stack distances as picks arrive: each unit's last pick time, and a Fenwick tree over
+/// times marking the times that are some unit's last pick, so a distance is one prefix sum.
+/// Times are renumbered when they run out, so memory stays a few times the unit count.
 #[derive(Clone, Debug, Default)]
 pub struct ReuseTracker {
-    recent: Vec<Vec<u32>>,
+    n_expert: usize,
+    /// Per unit, its last pick's time (0: never).
+    last: Vec<usize>,
+    /// Fenwick tree over times 1..tree.len().
+    tree: Vec<i64>,
+    now: usize,
+    layer_seen: Vec<bool>,
     counts: ReuseDepths,
 }
 
 impl ReuseTracker {
     pub fn new(n_layer: usize, n_expert: usize) -> ReuseTracker {
-        ReuseTracker { recent: vec![Vec::new(); n_layer], counts: ReuseDepths { depths: vec![0; n_expert], first: 0 } }
+        let units = n_layer * n_expert;
+        ReuseTracker {
+            n_expert,
+            last: vec![0; units],
+            tree: vec![0; 4 * units + 64],
+            now: 0,
+            layer_seen: vec![false; n_layer],
+            counts: ReuseDepths {
+                depths: Vec::new(),
+                bin: (units as u64).div_ceil(MAX_BINS).max(1),
+                layers: 0,
+                first: 0,
+            },
+        }
     }
 
-    /// One token's picks in `layer` (distinct experts): each one's depth is counted against the
-    /// layer's order before this token, then they all become the most recent.
+    fn mark(&mut self, time: usize, delta: i64) {
+        let mut index = time;
+        while index < self.tree.len() {
+            self.tree[index] += delta;
+            index += index & index.wrapping_neg();
+        }
+    }
+
+    /// Marked times at or before `time`.
+    fn prefix(&self, time: usize) -> i64 {
+        let (mut index, mut sum) = (time, 0);
+        while index > 0 {
+            sum += self.tree[index];
+            index -= index & index.wrapping_neg();
+        }
+        sum
+    }
+
+    /// Renumber the live times 1..=m in their order, when the next time would not fit.
+    fn compact(&mut self) {
+        let mut live: Vec<(usize, usize)> =
+            self.last.iter().enumerate().filter(|(_, &time)| time > 0).map(|(unit, &time)| (time, unit)).collect();
+        live.sort_unstable();
+        self.tree.iter_mut().for_each(|node| *node = 0);
+        for (time, &(_, unit)) in live.iter().enumerate() {
+            self.last[unit] = time + 1;
+            self.mark(time + 1, 1);
+        }
+        self.now = live.len();
+    }
+
+    /// One token's picks in `layer` (distinct experts): their distances are counted against the
+    /// order before this token, then they become the most recent.
     pub fn record(&mut self, layer: usize, experts: &[usize]) {
-        let Some(recent) = self.recent.get_mut(layer) else { return };
-        for &expert in experts {
-            match recent.iter().position(|&seen| seen as usize == expert) {
-                Some(depth) => {
-                    if let Some(count) = self.counts.depths.get_mut(depth) {
-                        *count += 1;
+        if layer >= self.layer_seen.len() {
+            return;
+        }
+        if !self.layer_seen[layer] {
+            self.layer_seen[layer] = true;
+            self.counts.layers += 1;
+        }
+        let units: Vec<usize> = experts
+            .iter()
+            .filter(|&&expert| expert < self.n_expert)
+            .map(|&expert| layer * self.n_expert + expert)
+            .collect();
+        let marked = self.prefix(self.now);
+        for &unit in &units {
+            match self.last[unit] {
+                0 => self.counts.first += 1,
+                time => {
+                    // Units whose last pick came after this one's, less this token's own.
+                    let distance = (marked - self.prefix(time)) as u64;
+                    let bin = (distance / self.counts.bin) as usize;
+                    if self.counts.depths.len() <= bin {
+                        self.counts.depths.resize(bin + 1, 0);
                     }
+                    self.counts.depths[bin] += 1;
                 }
-                None => self.counts.first += 1,
             }
         }
-        recent.retain(|seen| !experts.contains(&(*seen as usize)));
-        let mut front: Vec<u32> = experts.iter().map(|&expert| expert as u32).collect();
-        front.append(recent);
-        *recent = front;
+        if self.now + units.len() + 1 >= self.tree.len() {
+            self.compact();
+        }
+        for unit in units {
+            if self.last[unit] > 0 {
+                let time = self.last[unit];
+                self.mark(time, -1);
+            }
+            self.now += 1;
+            self.last[unit] = self.now;
+            let now = self.now;
+            self.mark(now, 1);
+        }
     }
 
     pub fn counts(&self) -> &ReuseDepths {
@@ -115,52 +206,72 @@ impl ReuseTracker {
 mod tests {
     use super::*;
 
-    #[test]
-    fn depths_count_the_other_experts_picked_since() {
-        let mut tracker = ReuseTracker::new(1, 8);
-        tracker.record(0, &[1, 2]);
-        tracker.record(0, &[3]);
-        tracker.record(0, &[1]);
-        // Since 1 was last picked, only 3 was (2 came with it).
-        assert_eq!(tracker.counts().first, 3);
-        assert_eq!(tracker.counts().depths[..3], [0, 1, 0]);
-        tracker.record(0, &[1]);
-        assert_eq!(tracker.counts().depths[0], 1, "picked again at once: depth 0");
+    /// A plain LRU list of units, for the distances the tracker must give.
+    fn lru_hits(picks: &[(usize, Vec<usize>)], n_expert: usize, capacity: usize) -> f64 {
+        let mut order: Vec<usize> = Vec::new();
+        let (mut hits, mut total) = (0, 0);
+        for (layer, experts) in picks {
+            for &expert in experts {
+                let unit = layer * n_expert + expert;
+                total += 1;
+                if let Some(position) = order.iter().position(|&seen| seen == unit) {
+                    hits += usize::from(position < capacity);
+                    order.remove(position);
+                }
+                order.insert(0, unit);
+            }
+        }
+        hits as f64 / total as f64
+    }
+
+    fn xorshift(state: &mut u64) -> u64 {
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+        *state
     }
 
     #[test]
-    fn uniform_routing_gives_the_caches_share_and_a_hot_set_more() {
-        // Uniform picks over 16 experts of 4 layers: LRU serves the cache's share of the units.
-        let mut tracker = ReuseTracker::new(4, 16);
+    fn distances_count_the_units_picked_since() {
+        let mut tracker = ReuseTracker::new(2, 8);
+        tracker.record(0, &[1, 2]);
+        tracker.record(1, &[3]);
+        tracker.record(0, &[1]);
+        // Since 1 was last picked: 2 (after it in its token) and layer 1's 3.
+        assert_eq!(tracker.counts().first, 3);
+        assert_eq!(tracker.counts().depths, vec![0, 0, 1]);
+        tracker.record(0, &[1]);
+        assert_eq!(tracker.counts().depths[0], 1, "picked again at once: distance 0");
+        assert_eq!(tracker.counts().layers, 2);
+    }
+
+    #[test]
+    fn the_hit_rate_is_an_lru_caches_at_every_size() {
+        // Skewed picks of 2 of 16 experts in 4 layers, over enough tokens to renumber times.
         let mut state = 0x2545_f491_4f6c_dd1du64;
-        for _ in 0..20_000 {
+        let mut picks = Vec::new();
+        for _ in 0..3000 {
             for layer in 0..4 {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                tracker.record(layer, &[(state % 16) as usize]);
+                let first = (xorshift(&mut state) % 16) as usize % (1 + (xorshift(&mut state) % 16) as usize);
+                let second = (first + 1 + (xorshift(&mut state) % 15) as usize) % 16;
+                picks.push((layer, vec![first, second]));
             }
         }
-        let depths = tracker.counts();
-        for units in [8.0, 16.0, 32.0, 48.0] {
-            let hit = depths.hit_rate(units, 4).unwrap();
-            let uniform = uniform_hit_rate(units, 4, 16);
-            assert!((hit - uniform).abs() < 0.02, "{units} units: {hit} against {uniform}");
+        let mut tracker = ReuseTracker::new(4, 16);
+        for (layer, experts) in &picks {
+            tracker.record(*layer, experts);
         }
-        // Two experts of a layer take every pick: a cache of two per layer serves them all.
-        let mut hot = ReuseTracker::new(4, 16);
-        for token in 0..1000 {
-            for layer in 0..4 {
-                hot.record(layer, &[token % 2]);
-            }
+        for capacity in [4, 12, 24, 40, 64] {
+            let predicted = tracker.counts().hit_rate(capacity as f64, 4).unwrap();
+            let simulated = lru_hits(&picks, 16, capacity);
+            assert!((predicted - simulated).abs() < 0.01, "{capacity} units: {predicted} against {simulated}");
         }
-        assert!(hot.counts().hit_rate(8.0, 4).unwrap() > 0.99);
-        assert!(hot.counts().hit_rate(4.0, 4).unwrap() < 0.01, "one per layer: each pick is the other one");
+        assert!(tracker.counts().hit_rate(24.0, 4).unwrap() > uniform_hit_rate(24.0, 4, 16), "skew helps");
         assert_eq!(ReuseDepths::default().hit_rate(8.0, 4), None);
     }
 
     #[test]
-    fn records_add_and_subtract() {
+    fn records_add_subtract_and_scale() {
         let mut tracker = ReuseTracker::new(1, 4);
         tracker.record(0, &[0, 1]);
         let earlier = tracker.counts().clone();
@@ -170,5 +281,10 @@ mod tests {
         let mut total = earlier.clone();
         total.add(&since);
         assert_eq!(&total, tracker.counts());
+        // A record over 2 layers, read for 4: distances double, so a cache twice the size
+        // serves the same share.
+        let record = ReuseDepths { depths: vec![10, 10, 0, 0], bin: 1, layers: 2, first: 0 };
+        assert_eq!(record.hit_rate(1.0, 2), Some(0.5));
+        assert_eq!(record.hit_rate(2.0, 4), Some(0.5));
     }
 }

@@ -15,6 +15,7 @@ mod expert_stream;
 mod floors;
 mod gpu_tier;
 mod inventory;
+mod predictions;
 mod prompt_cache;
 mod real_routing;
 mod remote;
