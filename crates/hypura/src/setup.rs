@@ -182,6 +182,9 @@ pub struct RunMeasurements {
     /// Bytes read and the time a read was in flight (streaming).
     pub read_bytes: u64,
     pub busy_seconds: f64,
+    /// Decode's expert bytes read, and the bytes of the picks an LRU cache of the run's size
+    /// missed (benchmarks' tg runs).
+    pub expert_reads: Option<(f64, f64)>,
 }
 
 /// Keep what a run measured for the next plan of this model: a streaming run's decode compute,
@@ -205,6 +208,9 @@ pub fn record_run(model: &Path, run: &RunMeasurements) {
             record.add_routing(routing);
         }
         record.add_reads(run.read_bytes, run.busy_seconds);
+        if let Some((read, modelled)) = run.expert_reads {
+            record.add_expert_reads(read, modelled);
+        }
     });
     if let Err(error) = result {
         tracing::warn!("could not record the run's measurements: {error}");
@@ -271,6 +277,7 @@ pub fn machine_facts(spec: &RunSpec, model: &Path) -> Result<MachineFacts, Engin
         resident_seconds_per_token: record.resident_seconds_per_token(threads),
         prompt_seconds_per_token: record.prompt_seconds_per_token(threads),
         expert_reuse: record.routing.clone(),
+        expert_read_factor: record.expert_read_factor(),
         read_queue_depth: Some(io_workers as u32),
         disk_read_points,
         compute_seconds_per_token: record.compute_seconds_per_token(threads),

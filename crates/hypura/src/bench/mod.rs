@@ -214,6 +214,10 @@ pub struct BenchReport {
     pub read_bytes: u64,
     #[serde(skip)]
     pub busy_seconds: f64,
+    /// Expert-stream tg runs: bytes read for experts, and the bytes of the picks an LRU cache
+    /// of the plan's size missed by the runs' own stack distances.
+    #[serde(skip)]
+    pub expert_reads: Option<(f64, f64)>,
     pub io_bound_tokens_per_sec: Option<f64>,
     pub threads: i32,
     pub repack: bool,
@@ -557,6 +561,13 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         reuse: (totals.reuse.picks() > 0).then(|| totals.reuse.clone()),
         read_bytes: totals.bytes_read,
         busy_seconds: totals.disk_busy_seconds,
+        expert_reads: plan.as_ref().and_then(|plan| {
+            let experts = plan.experts.as_ref()?;
+            let served = totals.reuse.hit_rate(crate::plan::cached_units(plan), experts.moe_layers)?;
+            let modelled = totals.reuse.picks() as f64 * (1.0 - served) * experts.unit_bytes as f64;
+            let read = totals.bytes_read as f64 - (totals.graphs * experts.dense_streamed_bytes) as f64;
+            Some((read, modelled))
+        }),
         io_bound_tokens_per_sec: plan.as_ref().and_then(|plan| plan.io_bound_tokens_per_sec),
         threads: options.threads,
         repack: hypura.as_ref().map_or(options.engine.repack, |side| side.engine.repacked()),

@@ -39,6 +39,16 @@ pub struct ModelRecord {
     /// streaming finds it, which the next plan uses in place of the profile's.
     #[serde(default)]
     pub disk_busy: Option<BusyReads>,
+    /// Bytes decode read for experts, and the bytes of the picks an LRU cache of the run's
+    /// size missed (`plan::ReuseDepths`), summed over benchmark runs.
+    #[serde(default)]
+    pub expert_reads: Option<ExpertReads>,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ExpertReads {
+    pub read_bytes: f64,
+    pub modelled_bytes: f64,
 }
 
 /// Reads of streaming runs, summed.
@@ -106,6 +116,21 @@ impl ModelRecord {
             busy.bytes += bytes;
             busy.seconds += seconds;
         }
+    }
+
+    /// Fold in a run's expert reads against the LRU model's.
+    pub fn add_expert_reads(&mut self, read_bytes: f64, modelled_bytes: f64) {
+        if read_bytes.is_finite() && modelled_bytes.is_finite() && read_bytes > 0.0 && modelled_bytes > 0.0 {
+            let reads = self.expert_reads.get_or_insert_with(ExpertReads::default);
+            reads.read_bytes += read_bytes;
+            reads.modelled_bytes += modelled_bytes;
+        }
+    }
+
+    /// Expert bytes read ÷ the LRU model's, within 0.5-4 (outside: the model is off, not the
+    /// reads); None without a record.
+    pub fn expert_read_factor(&self) -> Option<f64> {
+        self.expert_reads.map(|reads| (reads.read_bytes / reads.modelled_bytes).clamp(0.5, 4.0))
     }
 
     pub fn compute_seconds_per_token(&self, threads: u32) -> Option<f64> {

@@ -24,6 +24,10 @@ pub struct Prediction {
     pub bytes_per_prompt_batch: f64,
     /// The share of expert picks the expert cache (and a GPU pool's slots) is expected to serve.
     pub expert_hit_rate: Option<f64>,
+    /// Bytes read for experts ÷ the bytes of the picks an LRU cache misses, as earlier runs
+    /// measured it (the prefetch's reads the router did not use, the policy's differences);
+    /// 1 without a record.
+    pub expert_read_factor: f64,
     /// Where that share comes from: "recorded routing" (an earlier run of this model) or
     /// "uniform routing" (no record).
     pub hit_rate_from: Option<&'static str>,
@@ -38,6 +42,17 @@ pub struct Prediction {
     pub prompt_seconds_per_token: Option<f64>,
     /// Tokens per prompt batch.
     pub prompt_batch: u32,
+}
+
+/// Units the experts' tiers hold together: the host's expert cache and a GPU pool's slots.
+pub fn cached_units(plan: &Plan) -> f64 {
+    let Some(experts) = &plan.experts else { return 0.0 };
+    let slots = plan
+        .gpu
+        .as_ref()
+        .and_then(|gpu| gpu.expert_pool.as_ref())
+        .map_or(0, |pool| u64::from(pool.slots) * experts.moe_layers);
+    (experts.cache_units as u64 + slots) as f64
 }
 
 /// Predict `plan`'s decode and prompt speed on `facts` with prompt batches of `n_batch`.
@@ -73,6 +88,7 @@ pub fn predict(plan: &Plan, facts: &MachineFacts, n_batch: u32) -> Prediction {
         disk_rate_from: disk.map(|_| if facts.disk_rate_from_runs { "streaming runs" } else { "profile" }),
         prompt_seconds_per_token: facts.prompt_seconds_per_token,
         prompt_batch: ubatch,
+        expert_read_factor: facts.expert_read_factor.unwrap_or(1.0),
         ..Prediction::default()
     };
     if let Some(remote) = &plan.remote {
@@ -81,12 +97,7 @@ pub fn predict(plan: &Plan, facts: &MachineFacts, n_batch: u32) -> Prediction {
     }
     let (bytes_per_token, bytes_per_batch) = match &plan.experts {
         Some(experts) => {
-            let slots = plan
-                .gpu
-                .as_ref()
-                .and_then(|gpu| gpu.expert_pool.as_ref())
-                .map_or(0, |pool| u64::from(pool.slots) * experts.moe_layers);
-            let units = (experts.cache_units as u64 + slots) as f64;
+            let units = cached_units(plan);
             let (hit, from) =
                 match facts.expert_reuse.as_ref().and_then(|reuse| reuse.hit_rate(units, experts.moe_layers)) {
                     Some(hit) => (hit, "recorded routing"),
@@ -95,7 +106,8 @@ pub fn predict(plan: &Plan, facts: &MachineFacts, n_batch: u32) -> Prediction {
             prediction.expert_hit_rate = Some(hit);
             prediction.hit_rate_from = Some(from);
             let k = experts.n_expert_used.clamp(1, experts.n_expert.max(1));
-            let per_token = (experts.moe_layers * k * experts.unit_bytes) as f64 * (1.0 - hit);
+            let per_token =
+                (experts.moe_layers * k * experts.unit_bytes) as f64 * (1.0 - hit) * prediction.expert_read_factor;
             // A batch of u tokens picks n(1 - (1 - k/n)^u) distinct experts of a layer (uniform
             // routing); the cache's share of the layer's experts is already there.
             let n = experts.n_expert.max(1) as f64;
@@ -144,6 +156,9 @@ impl Prediction {
         }
         if let (Some(hit), Some(from)) = (self.expert_hit_rate, self.hit_rate_from) {
             basis.push(format!("expert hit rate {hit:.3} ({from})"));
+            if self.expert_read_factor != 1.0 {
+                basis.push(format!("{:.2}× the misses' bytes read (earlier runs: prefetch)", self.expert_read_factor));
+            }
         }
         if self.prompt_seconds_per_token.is_none() {
             basis.push("prompt compute not measured yet: a resident run records it".to_string());

@@ -186,15 +186,35 @@ impl ReuseTracker {
             self.compact();
         }
         for unit in units {
-            if self.last[unit] > 0 {
-                let time = self.last[unit];
-                self.mark(time, -1);
-            }
-            self.now += 1;
-            self.last[unit] = self.now;
-            let now = self.now;
-            self.mark(now, 1);
+            self.advance(unit);
         }
+    }
+
+    /// A prompt batch's picks in `layer`: they become the most recent (the cache holds them
+    /// after the batch, as it does), without a distance counted (decode is what is predicted).
+    pub fn touch(&mut self, layer: usize, experts: &[usize]) {
+        if layer >= self.layer_seen.len() {
+            return;
+        }
+        if self.now + experts.len() + 1 >= self.tree.len() {
+            self.compact();
+        }
+        let n_expert = self.n_expert;
+        for &expert in experts.iter().filter(|&&expert| expert < n_expert) {
+            self.advance(layer * n_expert + expert);
+        }
+    }
+
+    /// Make `unit`'s last pick the newest time.
+    fn advance(&mut self, unit: usize) {
+        if self.last[unit] > 0 {
+            let time = self.last[unit];
+            self.mark(time, -1);
+        }
+        self.now += 1;
+        self.last[unit] = self.now;
+        let now = self.now;
+        self.mark(now, 1);
     }
 
     pub fn counts(&self) -> &ReuseDepths {
@@ -243,6 +263,11 @@ mod tests {
         tracker.record(0, &[1]);
         assert_eq!(tracker.counts().depths[0], 1, "picked again at once: distance 0");
         assert_eq!(tracker.counts().layers, 2);
+        // A prompt batch's picks are recent afterwards, but not counted.
+        tracker.touch(1, &[5, 6, 7]);
+        assert_eq!(tracker.counts().picks(), 5);
+        tracker.record(1, &[6]);
+        assert_eq!((tracker.counts().first, tracker.counts().depths[1]), (3, 1), "only 7 came after 6");
     }
 
     #[test]

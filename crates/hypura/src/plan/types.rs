@@ -117,6 +117,10 @@ pub struct MachineFacts {
     /// `disk_bytes_per_sec` is the rate earlier streaming runs of this model read at while
     /// busy, not the profile's.
     pub disk_rate_from_runs: bool,
+    /// Bytes earlier streaming runs read for experts ÷ the bytes of the picks an LRU cache of
+    /// their size missed (prefetch reads the router did not use, the policy's differences);
+    /// None if never measured.
+    pub expert_read_factor: Option<f64>,
     /// The profile's streaming rate, as measured (a run's limit is stated against it, or
     /// against the run's own rate where that was faster).
     pub profile_disk_bytes_per_sec: Option<f64>,

@@ -412,16 +412,17 @@ impl ExpertStream {
         }
     }
 
-    /// Count a decode batch's picks in `layer` (token by token) for the reuse depths; prompt
-    /// batches are not what decode sees.
-    fn record_reuse(&self, layer: usize, rows: &[Vec<i32>]) {
+    /// Count a decode batch's picks in `layer` (token by token) for the reuse distances; a
+    /// prompt batch's picks are made recent without a count (decode is what is predicted, but
+    /// the cache holds what the prompt read).
+    fn record_reuse(&self, layer: usize, rows: &[Vec<i32>], picks: &[usize]) {
+        let mut state = self.state.locked();
         if rows.len() > PREDICT_MAX_TOKENS {
+            state.reuse.touch(layer, picks);
             return;
         }
-        let mut state = self.state.locked();
         for row in rows {
-            let mut experts: Vec<usize> = row.iter().filter_map(|&expert| usize::try_from(expert).ok()).collect();
-            experts.dedup();
+            let experts: Vec<usize> = row.iter().filter_map(|&expert| usize::try_from(expert).ok()).collect();
             state.reuse.record(layer, &experts);
         }
     }
@@ -472,7 +473,7 @@ impl ExpertStream {
             trace.locked().push(RouteRecord { layer: layer as u32, experts: rows.clone() });
         }
         let picks = self.picks(&rows)?;
-        self.record_reuse(layer, &rows);
+        self.record_reuse(layer, &rows, &picks);
         let mut pool = pool.locked();
         let serving = pool.serve(layer, &picks);
         let from_host = match &serving {
@@ -495,8 +496,9 @@ impl ExpertStream {
     /// Make the chosen experts of `layer` ready. `hidden` is the state the router saw (per
     /// token), given when the next layer's experts should be predicted.
     fn route(&self, layer: usize, rows: &[Vec<i32>], hidden: Option<&[Vec<f32>]>) -> Result<(), ResidencyError> {
-        let chosen = self.picks(rows)?.into_iter().map(|expert| self.numbering.unit(layer, expert)).collect();
-        self.record_reuse(layer, rows);
+        let picks = self.picks(rows)?;
+        self.record_reuse(layer, rows, &picks);
+        let chosen = picks.into_iter().map(|expert| self.numbering.unit(layer, expert)).collect();
         self.route_units(layer, chosen, rows, hidden, &|_| false)
     }
 

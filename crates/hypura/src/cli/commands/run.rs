@@ -78,6 +78,9 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
                     routing: stats.experts.as_ref().map(|experts| experts.reuse.clone()),
                     read_bytes: stats.io.map_or(0, |io| io.bytes_read),
                     busy_seconds: stats.io.map_or(0.0, |io| io.busy_seconds),
+                    // A request's reads include its prompt's sweep: only benchmarks' tg runs
+                    // measure decode's reads alone.
+                    expert_reads: None,
                 },
             );
         }
