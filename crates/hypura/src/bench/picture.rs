@@ -298,99 +298,148 @@ fn mode_color(mode: &str) -> RGBColor {
     MODE_COLORS.iter().find(|(name, _)| *name == mode).map_or(LLAMA_CPP, |(_, color)| *color)
 }
 
-/// The SVG text of `inspect --svg`: predicted decode speed against the memory budget, each
+/// One panel of `inspect --svg`: the plans along one budget (the host's memory, or the GPU's
+/// with the host's as it is), and this machine's value of it.
+pub struct BudgetPanel<'a> {
+    /// The axis: "memory budget", "GPU budget".
+    pub axis: &'a str,
+    pub points: &'a [BudgetPoint],
+    pub this_machine: u64,
+}
+
+/// Height of one panel of `inspect --svg`.
+const PANEL_HEIGHT: u32 = 520;
+
+/// The SVG text of `inspect --svg`: per panel, predicted decode speed against a budget, each
 /// point in the color of the mode picked there, a strip of those modes along the budget axis
 /// (where a point has no prediction too), and this machine's budget as a line.
-pub fn budget_svg(title: &str, note: &str, points: &[BudgetPoint], this_machine: u64) -> Result<String, String> {
+pub fn budget_svg(title: &str, note: &str, panels: &[BudgetPanel<'_>]) -> Result<String, String> {
     let mut text = String::new();
     {
-        let canvas = SVGBackend::with_string(&mut text, (900, 560)).into_drawing_area();
+        let height = PANEL_HEIGHT * panels.len().max(1) as u32 + 40;
+        let canvas = SVGBackend::with_string(&mut text, (900, height)).into_drawing_area();
         canvas.fill(&WHITE).map_err(|error| error.to_string())?;
-        let (root, footer) = canvas.split_vertically(520);
+        let (root, footer) = canvas.split_vertically(height - 40);
         let error = |error: DrawingAreaErrorKind<std::io::Error>| error.to_string();
-        let gib = |bytes: u64| bytes as f64 / f64::from(1u32 << 30);
-        let widest = points.iter().map(|point| gib(point.budget_bytes)).fold(0.0_f64, f64::max).max(1e-3) * 1.05;
-        let fastest = points.iter().filter_map(|point| point.tokens_per_sec).fold(0.0_f64, f64::max).max(1.0) * 1.2;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(title, ("sans-serif", 18))
-            .margin(16)
-            .x_label_area_size(48)
-            .y_label_area_size(64)
-            .build_cartesian_2d(0.0..widest, -fastest * 0.08..fastest)
-            .map_err(|error| error.to_string())?;
-        chart
-            .configure_mesh()
-            .max_light_lines(0)
-            .x_desc("memory budget (GiB)")
-            .y_desc("predicted decode tokens per second")
-            .x_label_formatter(&|x| format!("{x:.1}"))
-            .y_label_formatter(&|y| if *y < 0.0 { String::new() } else { format!("{y:.0}") })
-            .label_style(("sans-serif", 13))
-            .axis_desc_style(("sans-serif", 14))
-            .draw()
-            .map_err(|error| error.to_string())?;
-        // The modes along the axis: a strip below zero, each budget's mode up to the next.
-        for (at, point) in points.iter().enumerate() {
-            let Some(mode) = point.mode else { continue };
-            let left = gib(point.budget_bytes);
-            let right = points.get(at + 1).map_or(widest, |next| gib(next.budget_bytes));
-            chart
-                .draw_series([Rectangle::new(
-                    [(left, -fastest * 0.07), (right, -fastest * 0.02)],
-                    mode_color(mode).filled(),
-                )])
-                .map_err(|error| error.to_string())?;
+        let areas = root.split_evenly((panels.len().max(1), 1));
+        for (index, (panel, area)) in panels.iter().zip(&areas).enumerate() {
+            let caption = if index == 0 { title.to_string() } else { format!("the same by {}", panel.axis) };
+            budget_panel(area, &caption, panel)?;
         }
-        let predicted: Vec<(f64, f64)> = points
-            .iter()
-            .filter_map(|point| point.tokens_per_sec.map(|rate| (gib(point.budget_bytes), rate)))
-            .collect();
-        chart
-            .draw_series([PathElement::new(predicted, BLACK.mix(0.3).stroke_width(1))])
-            .map_err(|error| error.to_string())?;
-        for (name, color) in MODE_COLORS {
-            let dots: Vec<(f64, f64)> = points
-                .iter()
-                .filter(|point| point.mode == Some(name))
-                .filter_map(|point| point.tokens_per_sec.map(|rate| (gib(point.budget_bytes), rate)))
-                .collect();
-            chart
-                .draw_series(dots.into_iter().map(|at| Circle::new(at, 5, color.filled())))
-                .map_err(|error| error.to_string())?
-                .label(name)
-                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], color.filled()));
-        }
-        // This machine's budget: a line where it falls, or at the right edge when it is larger
-        // than every budget drawn.
-        let machine = gib(this_machine);
-        let (at, label) = if machine <= widest {
-            (machine, format!("this machine's budget: {machine:.2} GiB"))
-        } else {
-            (widest * 0.995, format!("this machine's budget: {machine:.2} GiB, right of the axis →"))
-        };
-        chart
-            .draw_series([PathElement::new(vec![(at, 0.0), (at, fastest * 0.95)], LIMIT.stroke_width(2))])
-            .map_err(|error| error.to_string())?;
-        let side = if at > widest / 2.0 { HPos::Right } else { HPos::Left };
-        let style = ("sans-serif", 13).into_font().color(&LIMIT).pos(Pos::new(side, VPos::Bottom));
-        chart.draw_series([Text::new(label, (at, fastest * 0.96), style)]).map_err(|error| error.to_string())?;
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK.mix(0.3))
-            .label_font(("sans-serif", 13))
-            .draw()
-            .map_err(|error| error.to_string())?;
         footer.draw_text(note, &("sans-serif", 12).into_font().color(&BLACK.mix(0.7)), (16, 12)).map_err(error)?;
         canvas.present().map_err(|error| error.to_string())?;
     }
     Ok(text)
 }
 
+fn budget_panel(
+    root: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>,
+    caption: &str,
+    panel: &BudgetPanel<'_>,
+) -> Result<(), String> {
+    let points = panel.points;
+    let gib = |bytes: u64| bytes as f64 / f64::from(1u32 << 30);
+    let widest = points.iter().map(|point| gib(point.budget_bytes)).fold(0.0_f64, f64::max).max(1e-3) * 1.05;
+    let fastest = points.iter().filter_map(|point| point.tokens_per_sec).fold(0.0_f64, f64::max).max(1.0) * 1.2;
+    let mut chart = ChartBuilder::on(root)
+        .caption(caption, ("sans-serif", 18))
+        .margin(16)
+        .x_label_area_size(48)
+        .y_label_area_size(64)
+        .build_cartesian_2d(0.0..widest, -fastest * 0.08..fastest)
+        .map_err(|error| error.to_string())?;
+    chart
+        .configure_mesh()
+        .max_light_lines(0)
+        .x_desc(format!("{} (GiB)", panel.axis))
+        .y_desc("predicted decode tokens per second")
+        .x_label_formatter(&|x| format!("{x:.1}"))
+        .y_label_formatter(&|y| if *y < 0.0 { String::new() } else { format!("{y:.0}") })
+        .label_style(("sans-serif", 13))
+        .axis_desc_style(("sans-serif", 14))
+        .draw()
+        .map_err(|error| error.to_string())?;
+    // The modes along the axis: a strip below zero, each budget's mode up to the next.
+    for (at, point) in points.iter().enumerate() {
+        let Some(mode) = point.mode else { continue };
+        let left = gib(point.budget_bytes);
+        let right = points.get(at + 1).map_or(widest, |next| gib(next.budget_bytes));
+        chart
+            .draw_series([Rectangle::new(
+                [(left, -fastest * 0.07), (right, -fastest * 0.02)],
+                mode_color(mode).filled(),
+            )])
+            .map_err(|error| error.to_string())?;
+    }
+    let predicted: Vec<(f64, f64)> =
+        points.iter().filter_map(|point| point.tokens_per_sec.map(|rate| (gib(point.budget_bytes), rate))).collect();
+    chart
+        .draw_series([PathElement::new(predicted, BLACK.mix(0.3).stroke_width(1))])
+        .map_err(|error| error.to_string())?;
+    for (name, color) in MODE_COLORS {
+        let dots: Vec<(f64, f64)> = points
+            .iter()
+            .filter(|point| point.mode == Some(name))
+            .filter_map(|point| point.tokens_per_sec.map(|rate| (gib(point.budget_bytes), rate)))
+            .collect();
+        chart
+            .draw_series(dots.into_iter().map(|at| Circle::new(at, 5, color.filled())))
+            .map_err(|error| error.to_string())?
+            .label(name)
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], color.filled()));
+    }
+    // This machine's budget: a line where it falls, or at the right edge when it is larger
+    // than every budget drawn.
+    let machine = gib(panel.this_machine);
+    let (at, label) = if machine <= widest {
+        (machine, format!("this machine's {}: {machine:.2} GiB", panel.axis))
+    } else {
+        (widest * 0.995, format!("this machine's {}: {machine:.2} GiB, right of the axis →", panel.axis))
+    };
+    chart
+        .draw_series([PathElement::new(vec![(at, 0.0), (at, fastest * 0.95)], LIMIT.stroke_width(2))])
+        .map_err(|error| error.to_string())?;
+    let side = if at > widest / 2.0 { HPos::Right } else { HPos::Left };
+    let style = ("sans-serif", 13).into_font().color(&LIMIT).pos(Pos::new(side, VPos::Bottom));
+    chart.draw_series([Text::new(label, (at, fastest * 0.96), style)]).map_err(|error| error.to_string())?;
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK.mix(0.3))
+        .label_font(("sans-serif", 13))
+        .draw()
+        .map_err(|error| error.to_string())?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_gpu_gets_a_panel_of_its_own() {
+        let point =
+            |gib: u64, mode, rate| BudgetPoint { budget_bytes: gib << 30, mode: Some(mode), tokens_per_sec: rate };
+        let memory = [point(1, "expert-stream", Some(3.0)), point(8, "resident", Some(30.0))];
+        let gpu = [point(0, "expert-stream", Some(3.0)), point(4, "expert-stream", Some(12.5))];
+        let panels = [
+            BudgetPanel { axis: "memory budget", points: &memory, this_machine: 6 << 30 },
+            BudgetPanel { axis: "GPU budget", points: &gpu, this_machine: 2 << 30 },
+        ];
+        let svg = budget_svg("a model", "a note", &panels).unwrap();
+        for words in [
+            "memory budget (GiB)",
+            "GPU budget (GiB)",
+            "the same by GPU budget",
+            "this machine&apos;s GPU budget: 2.00 GiB",
+            "a note",
+        ] {
+            assert!(svg.contains(words), "{words:?} is not in the picture");
+        }
+        let one = budget_svg("a model", "a note", &panels[..1]).unwrap();
+        assert!(!one.contains("GPU budget"));
+    }
 
     #[test]
     fn a_report_draws_both_sides_of_every_test() {

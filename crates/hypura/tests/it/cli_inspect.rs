@@ -336,7 +336,7 @@ fn inspect_draws_the_plan_at_every_budget() {
     for words in [
         "memory budget (GiB)",
         "predicted decode tokens per second",
-        "this machine&apos;s budget",
+        "this machine&apos;s memory budget",
         "dense-stream",
         "resident",
     ] {

@@ -115,32 +115,45 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
 /// 512 MiB more (where a small model is resident with its compute buffers).
 const PICTURE_BUDGETS: u32 = 32;
 
-/// `inspect --svg`: the plan at each budget (the machine's other facts as they are), its mode
-/// and predicted decode speed.
+/// `inspect --svg`: the plan at each memory budget (the machine's other facts as they are),
+/// its mode and predicted decode speed; where there is a GPU, the same at each GPU budget from
+/// none to the file's size with the memory budget as it is.
 fn budget_picture(
     inventory: &Inventory,
     spec: &crate::setup::RunSpec,
     facts: &crate::plan::MachineFacts,
 ) -> anyhow::Result<String> {
+    use crate::bench::picture::{BudgetPanel, BudgetPoint};
+    let point = |budget_bytes: u64, at: crate::plan::MachineFacts| match crate::setup::choose(inventory, spec, &at) {
+        Ok(choice) => BudgetPoint {
+            budget_bytes,
+            mode: Some(choice.plan.mode.name()),
+            tokens_per_sec: choice.plan.prediction.as_ref().and_then(|prediction| prediction.decode_tokens_per_sec),
+        },
+        Err(_) => BudgetPoint { budget_bytes, mode: None, tokens_per_sec: None },
+    };
     let (low, high) = (inventory.file_bytes as f64 / 16.0, inventory.file_bytes as f64 * 2.0 + f64::from(512u32 << 20));
-    let points: Vec<crate::bench::picture::BudgetPoint> = (0..PICTURE_BUDGETS)
+    let memory: Vec<BudgetPoint> = (0..PICTURE_BUDGETS)
         .map(|step| {
             let budget_bytes = (low * (high / low).powf(f64::from(step) / f64::from(PICTURE_BUDGETS - 1))) as u64;
-            let at = crate::plan::MachineFacts { memory_budget_bytes: budget_bytes, ..facts.clone() };
-            match crate::setup::choose(inventory, spec, &at) {
-                Ok(choice) => crate::bench::picture::BudgetPoint {
-                    budget_bytes,
-                    mode: Some(choice.plan.mode.name()),
-                    tokens_per_sec: choice
-                        .plan
-                        .prediction
-                        .as_ref()
-                        .and_then(|prediction| prediction.decode_tokens_per_sec),
-                },
-                Err(_) => crate::bench::picture::BudgetPoint { budget_bytes, mode: None, tokens_per_sec: None },
-            }
+            point(budget_bytes, crate::plan::MachineFacts { memory_budget_bytes: budget_bytes, ..facts.clone() })
         })
         .collect();
+    let gpu: Vec<BudgetPoint> = if facts.gpu_budget_bytes > 0 {
+        (0..PICTURE_BUDGETS)
+            .map(|step| {
+                let budget_bytes = inventory.file_bytes / u64::from(PICTURE_BUDGETS - 1) * u64::from(step);
+                point(budget_bytes, crate::plan::MachineFacts { gpu_budget_bytes: budget_bytes, ..facts.clone() })
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mut panels =
+        vec![BudgetPanel { axis: "memory budget", points: &memory, this_machine: facts.memory_budget_bytes }];
+    if !gpu.is_empty() {
+        panels.push(BudgetPanel { axis: "GPU budget", points: &gpu, this_machine: facts.gpu_budget_bytes });
+    }
     let title = format!(
         "{} ({}): predicted decode speed by memory budget",
         inventory.name.as_deref().unwrap_or(&inventory.arch),
@@ -160,7 +173,7 @@ fn budget_picture(
     });
     let routing = if facts.expert_reuse.is_some() { "recorded routing" } else { "uniform routing" };
     let note = format!("the slower of {compute} and {disk}; expert caches at the hit rate of {routing}");
-    crate::bench::picture::budget_svg(&title, &note, &points, facts.memory_budget_bytes)
+    crate::bench::picture::budget_svg(&title, &note, &panels)
         .map_err(|error| anyhow::anyhow!("drawing the picture: {error}"))
 }
 
