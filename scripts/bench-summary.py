@@ -70,12 +70,6 @@ if hypura and reference:
     limit_note = f"compute {t_compute * 1e3:.1f} ms, reads {t_io * 1e3:.1f} ms a token"
     print(f"t_compute {t_compute * 1e3:.0f} ms (resident, same kernels); planned {planned / 1e6:.0f} MB/token streamed, measured {per_token / 1e6:.0f} MB/token")
     print(f"physical limit {limit_rate:.3f} tok/s -> Hypura reaches {ours / limit_rate:.2f} of it" if ours else "physical limit: Hypura did not finish")
-    # Expert slices are read one by one (0.5-13 MB): where the disk's rate for such reads is
-    # far below its best large-block rate, the limit at that rate says more.
-    random_rate = ((profile.get("disk") or {}).get("random_1mib") or {}).get("bytes_per_sec")
-    if hypura.get("expert_hit_rate") is not None and random_rate and ours:
-        random_limit = 1 / max(t_compute, per_token / random_rate)
-        print(f"at the profile's 1 MiB random-read rate ({random_rate / 1e9:.2f} GB/s; the bound for slices near 1 MiB, larger ones read faster) the limit is {random_limit:.3f} tok/s -> Hypura reaches {ours / random_limit:.2f} of it")
     print(f"load: Hypura {hypura.get('hypura_load_seconds') or float('nan'):.2f} s; stall fraction {hypura.get('stall_fraction') or 0:.2f}")
 for label in ["hypura", "hypura-b"] + peers:
     report = load(label + ".json")
