@@ -182,6 +182,8 @@ pub struct RunMeasurements {
     /// Bytes read and the time a read was in flight (streaming).
     pub read_bytes: u64,
     pub busy_seconds: f64,
+    /// Of a token's weight bytes, the share the run computed on the host's CPU.
+    pub host_share: f64,
     /// Decode's expert bytes read, and the bytes of the picks an LRU cache of the run's size
     /// missed (benchmarks' tg runs).
     pub expert_reads: Option<(f64, f64)>,
@@ -196,13 +198,13 @@ pub fn record_run(model: &Path, run: &RunMeasurements) {
         if let Some(seconds) = run.decode_seconds_per_token.filter(|_| run.decode_tokens >= 2) {
             let total = seconds * run.decode_tokens as f64;
             if run.streamed {
-                record.add_compute(threads, total, run.decode_tokens);
+                record.add_compute(threads, total, run.decode_tokens, run.host_share);
             } else {
-                record.add_resident(threads, total, run.decode_tokens);
+                record.add_resident(threads, total, run.decode_tokens, run.host_share);
             }
         }
         if !run.streamed {
-            record.add_prompt(threads, run.prompt_seconds, run.prompt_tokens);
+            record.add_prompt(threads, run.prompt_seconds, run.prompt_tokens, run.host_share);
         }
         if let Some(routing) = &run.routing {
             record.add_routing(routing);
@@ -274,13 +276,15 @@ pub fn machine_facts(spec: &RunSpec, model: &Path) -> Result<MachineFacts, Engin
         disk_bytes_per_sec: from_runs.or(disk_bytes_per_sec),
         disk_rate_from_runs: from_runs.is_some(),
         profile_disk_bytes_per_sec: disk_bytes_per_sec,
-        resident_seconds_per_token: record.resident_seconds_per_token(threads),
+        resident_seconds_per_token: record.resident(threads).map(|(seconds, _)| seconds),
+        resident_host_share: record.resident(threads).map(|(_, share)| share),
         prompt_seconds_per_token: record.prompt_seconds_per_token(threads),
         expert_reuse: record.routing.clone(),
         expert_read_factor: record.expert_read_factor(),
         read_queue_depth: Some(io_workers as u32),
         disk_read_points,
-        compute_seconds_per_token: record.compute_seconds_per_token(threads),
+        compute_seconds_per_token: record.compute(threads).map(|(seconds, _)| seconds),
+        compute_host_share: record.compute(threads).map(|(_, share)| share),
         gpu_budget_bytes,
         gpu_runtime_bytes: if gpu_budget_bytes > 0 { GPU_RUNTIME_DEVICE_BYTES } else { 0 },
         remote_devices: spec.remote.as_ref().map(|workers| workers.facts()).unwrap_or_default(),

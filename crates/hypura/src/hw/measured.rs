@@ -70,35 +70,46 @@ pub struct ComputeMeasurement {
     pub seconds_per_token: f64,
     /// Tokens the figure averages over.
     pub tokens: u64,
+    /// The share of a token's weight bytes the runs computed on the host's CPU (absent in
+    /// records from before it was kept: all of them).
+    #[serde(default = "all_on_the_host")]
+    pub host_share: f64,
+}
+
+fn all_on_the_host() -> f64 {
+    1.0
 }
 
 /// Fold a run's `seconds` over `tokens` into `map`'s entry for `threads`: a running mean over
 /// all measured tokens.
-fn add_to(map: &mut BTreeMap<u32, ComputeMeasurement>, threads: u32, seconds: f64, tokens: u64) {
+fn add_to(map: &mut BTreeMap<u32, ComputeMeasurement>, threads: u32, seconds: f64, tokens: u64, host_share: f64) {
     if tokens == 0 || !seconds.is_finite() || seconds <= 0.0 {
         return;
     }
-    let entry = map.entry(threads).or_insert(ComputeMeasurement { seconds_per_token: 0.0, tokens: 0 });
+    let entry = map.entry(threads).or_insert(ComputeMeasurement { seconds_per_token: 0.0, tokens: 0, host_share: 0.0 });
     let total = entry.tokens + tokens;
-    entry.seconds_per_token = (entry.seconds_per_token * entry.tokens as f64 + seconds) / total as f64;
+    let mean = |then: f64, now: f64| (then * entry.tokens as f64 + now) / total as f64;
+    entry.seconds_per_token = mean(entry.seconds_per_token, seconds);
+    entry.host_share = mean(entry.host_share, host_share.clamp(0.0, 1.0) * tokens as f64);
     entry.tokens = total;
 }
 
 impl ModelRecord {
     /// Fold in a streaming run's decode compute.
-    pub fn add_compute(&mut self, threads: u32, seconds: f64, tokens: u64) {
-        add_to(&mut self.compute_by_threads, threads, seconds, tokens);
+    /// `host_share`: of a token's weight bytes, the share the run computed on the host.
+    pub fn add_compute(&mut self, threads: u32, seconds: f64, tokens: u64, host_share: f64) {
+        add_to(&mut self.compute_by_threads, threads, seconds, tokens, host_share);
     }
 
     /// Fold in a resident run's decode time.
-    pub fn add_resident(&mut self, threads: u32, seconds: f64, tokens: u64) {
-        add_to(&mut self.resident_by_threads, threads, seconds, tokens);
+    pub fn add_resident(&mut self, threads: u32, seconds: f64, tokens: u64, host_share: f64) {
+        add_to(&mut self.resident_by_threads, threads, seconds, tokens, host_share);
     }
 
     /// Fold in a resident run's prompt time (prompts of at least `PROMPT_MIN_TOKENS`).
-    pub fn add_prompt(&mut self, threads: u32, seconds: f64, tokens: u64) {
+    pub fn add_prompt(&mut self, threads: u32, seconds: f64, tokens: u64, host_share: f64) {
         if tokens >= PROMPT_MIN_TOKENS {
-            add_to(&mut self.prompt_by_threads, threads, seconds, tokens);
+            add_to(&mut self.prompt_by_threads, threads, seconds, tokens, host_share);
         }
     }
 
@@ -137,8 +148,16 @@ impl ModelRecord {
         self.compute_by_threads.get(&threads).map(|measurement| measurement.seconds_per_token)
     }
 
-    pub fn resident_seconds_per_token(&self, threads: u32) -> Option<f64> {
-        self.resident_by_threads.get(&threads).map(|measurement| measurement.seconds_per_token)
+    /// Streaming runs' compute and the share of the weights they computed on the host.
+    pub fn compute(&self, threads: u32) -> Option<(f64, f64)> {
+        self.compute_by_threads.get(&threads).map(|measurement| (measurement.seconds_per_token, measurement.host_share))
+    }
+
+    /// Resident runs' decode time and the share of the weights they computed on the host.
+    pub fn resident(&self, threads: u32) -> Option<(f64, f64)> {
+        self.resident_by_threads
+            .get(&threads)
+            .map(|measurement| (measurement.seconds_per_token, measurement.host_share))
     }
 
     pub fn prompt_seconds_per_token(&self, threads: u32) -> Option<f64> {
@@ -223,9 +242,9 @@ mod tests {
     fn records_round_trip_and_average_over_tokens() {
         let (directory, model, records) = fixture();
         assert_eq!(records.load(&model).compute_seconds_per_token(2), None);
-        records.update(&model, |record| record.add_compute(2, 1.0, 10)).unwrap();
-        records.update(&model, |record| record.add_compute(2, 3.0, 10)).unwrap();
-        records.update(&model, |record| record.add_compute(4, 0.0, 10)).unwrap();
+        records.update(&model, |record| record.add_compute(2, 1.0, 10, 1.0)).unwrap();
+        records.update(&model, |record| record.add_compute(2, 3.0, 10, 1.0)).unwrap();
+        records.update(&model, |record| record.add_compute(4, 0.0, 10, 1.0)).unwrap();
         let record = records.load(&model);
         assert!((record.compute_seconds_per_token(2).unwrap() - 0.2).abs() < 1e-12);
         assert_eq!(record.compute_by_threads[&2].tokens, 20);
@@ -237,14 +256,14 @@ mod tests {
     #[test]
     fn a_changed_file_or_garbage_starts_afresh() {
         let (_directory, model, records) = fixture();
-        records.update(&model, |record| record.add_compute(2, 1.0, 10)).unwrap();
+        records.update(&model, |record| record.add_compute(2, 1.0, 10, 1.0)).unwrap();
         let old_path = records.path_for(&model).unwrap();
         std::fs::write(&model, b"GGUF and more").unwrap();
         assert_ne!(records.path_for(&model).unwrap(), old_path, "another size is another file");
         assert_eq!(records.load(&model).compute_seconds_per_token(2), None);
         std::fs::write(records.path_for(&model).unwrap(), "{ not json").unwrap();
         assert_eq!(records.load(&model).compute_seconds_per_token(2), None);
-        records.update(&model, |record| record.add_compute(2, 0.5, 5)).unwrap();
+        records.update(&model, |record| record.add_compute(2, 0.5, 5, 1.0)).unwrap();
         assert_eq!(records.load(&model).compute_seconds_per_token(2), Some(0.1));
     }
 
@@ -253,9 +272,9 @@ mod tests {
         let (_directory, model, records) = fixture();
         records
             .update(&model, |record| {
-                record.add_prompt(2, 1.0, 8);
-                record.add_prompt(2, 2.0, 100);
-                record.add_resident(2, 0.5, 10);
+                record.add_prompt(2, 1.0, 8, 1.0);
+                record.add_prompt(2, 2.0, 100, 1.0);
+                record.add_resident(2, 0.5, 10, 0.25);
                 record.add_reads(32 << 20, 0.1);
                 let mut tracker = crate::plan::ReuseTracker::new(1, 4);
                 tracker.record(0, &[1]);
@@ -265,7 +284,7 @@ mod tests {
             .unwrap();
         let record = records.load(&model);
         assert_eq!(record.prompt_seconds_per_token(2), Some(0.02), "the 8-token prompt is not a rate");
-        assert_eq!(record.resident_seconds_per_token(2), Some(0.05));
+        assert_eq!(record.resident(2), Some((0.05, 0.25)));
         assert_eq!(record.disk_bytes_per_sec(), None, "32 MiB says too little");
         assert_eq!(record.routing.as_ref().map(|routing| (routing.first, routing.depths[0])), Some((1, 1)));
         records.update(&model, |record| record.add_reads(64 << 20, 0.3)).unwrap();

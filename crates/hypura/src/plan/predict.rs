@@ -6,8 +6,9 @@
 use serde::Serialize;
 
 use super::reuse::uniform_hit_rate;
-use super::types::{MachineFacts, Mode, Plan};
+use super::types::{MachineFacts, Mode, Plan, Tier};
 use crate::format::{format_bytes, format_bytes_per_sec};
+use crate::model::{Inventory, Role};
 
 /// What `predict` says, with the figures it used (`inspect` prints them; `--json` carries them).
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
@@ -35,11 +36,14 @@ pub struct Prediction {
     pub disk_bytes_per_sec: Option<f64>,
     pub disk_rate_from: Option<&'static str>,
     /// The decode compute per token used, and where it comes from ("streaming runs",
-    /// "resident runs").
+    /// "resident runs", either "scaled to this plan's CPU share").
     pub compute_seconds_per_token: Option<f64>,
-    pub compute_from: Option<&'static str>,
+    pub compute_from: Option<String>,
     /// The prompt compute per token used (resident runs of the model).
     pub prompt_seconds_per_token: Option<f64>,
+    /// The share of a token's weight bytes this plan computes on the host's CPU (1 without a
+    /// GPU tier): a measured compute is scaled by it where it was measured at another share.
+    pub host_share: f64,
     /// Tokens per prompt batch.
     pub prompt_batch: u32,
 }
@@ -55,6 +59,47 @@ pub fn cached_units(plan: &Plan) -> f64 {
     (experts.cache_units as u64 + slots) as f64
 }
 
+/// The share of a token's weight bytes `plan` computes on the host: every tensor's bytes (a
+/// routed expert tensor's `k / n` of them, the token embedding's none: one row is read), those
+/// the GPU tier or a remote device holds, or a GPU pool computes, taken off.
+pub fn host_share(inventory: &Inventory, plan: &Plan) -> f64 {
+    let tiers: std::collections::HashMap<&str, Tier> =
+        plan.tensors.iter().map(|tensor| (tensor.name.as_str(), tensor.tier)).collect();
+    let hparams = &inventory.hparams;
+    let routed = hparams.n_expert_used.max(1) as f64 / hparams.n_expert.max(1) as f64;
+    let pooled = plan.gpu.as_ref().is_some_and(|gpu| gpu.expert_pool.is_some());
+    let (mut host, mut total) = (0.0, 0.0);
+    for tensor in inventory.tensors.iter().filter(|tensor| tensor.role != Role::TokenEmbedding) {
+        let touched = tensor.bytes as f64 * if tensor.experts.is_some() { routed } else { 1.0 };
+        let elsewhere = plan.remote.as_ref().is_some_and(|remote| remote.holds(tensor))
+            || (pooled && tensor.experts.is_some())
+            || tiers.get(tensor.name.as_str()) == Some(&Tier::Gpu);
+        total += touched;
+        if !elsewhere {
+            host += touched;
+        }
+    }
+    if total > 0.0 {
+        host / total
+    } else {
+        1.0
+    }
+}
+
+/// A compute time measured at `measured_share` of the weights on the host, for a plan that
+/// computes `share` of them there: as it is within five points, else in proportion (the
+/// host's CPU sets the pace where it computes a fair share); None where one of the two computes
+/// (nearly) nothing on the host, as a GPU-resident run says nothing of a CPU's speed.
+fn at_share(seconds: f64, measured_share: f64, share: f64) -> Option<(f64, bool)> {
+    if (measured_share - share).abs() <= 0.05 {
+        Some((seconds, false))
+    } else if measured_share >= 0.05 && share >= 0.05 {
+        Some((seconds * share / measured_share, true))
+    } else {
+        None
+    }
+}
+
 /// Predict `plan`'s decode and prompt speed on `facts` with prompt batches of `n_batch`.
 ///
 /// Decode: `1 / max(compute, bytes per token / disk rate)`, the physical limit's form: reads
@@ -62,22 +107,22 @@ pub fn cached_units(plan: &Plan) -> f64 {
 /// each batch of `n_batch` tokens reads the streamed bytes it needs once (dense layers all of
 /// them; expert layers the distinct experts its tokens pick, less what the cache holds), and
 /// takes the longer of that read and its compute.
-pub fn predict(plan: &Plan, facts: &MachineFacts, n_batch: u32) -> Prediction {
-    let streams = plan.mode != Mode::Resident;
-    let (compute, compute_from) = if streams {
-        match (facts.compute_seconds_per_token, facts.resident_seconds_per_token) {
-            (Some(seconds), _) => (Some(seconds), Some("streaming runs")),
-            (None, Some(seconds)) => (Some(seconds), Some("resident runs")),
-            (None, None) => (None, None),
-        }
-    } else {
-        match (facts.resident_seconds_per_token, facts.compute_seconds_per_token) {
-            (Some(seconds), _) => (Some(seconds), Some("resident runs")),
-            // A streaming run's compute includes the streaming's own work: at most this.
-            (None, Some(seconds)) => (Some(seconds), Some("streaming runs")),
-            (None, None) => (None, None),
-        }
-    };
+pub fn predict(plan: &Plan, facts: &MachineFacts, n_batch: u32, host_share: f64) -> Prediction {
+    // The record of the plan's own kind first (a streaming run's compute includes the
+    // streaming's own work), at this plan's share of the weights on the host.
+    let streaming =
+        facts.compute_seconds_per_token.map(|seconds| (seconds, facts.compute_host_share, "streaming runs"));
+    let resident =
+        facts.resident_seconds_per_token.map(|seconds| (seconds, facts.resident_host_share, "resident runs"));
+    let order = if plan.mode == Mode::Resident { [resident, streaming] } else { [streaming, resident] };
+    let (compute, compute_from) = order
+        .into_iter()
+        .flatten()
+        .find_map(|(seconds, measured_share, from)| {
+            let (seconds, scaled) = at_share(seconds, measured_share.unwrap_or(1.0), host_share)?;
+            Some((seconds, if scaled { format!("{from}, scaled to this plan's CPU share") } else { from.to_string() }))
+        })
+        .unzip();
     let disk = facts.disk_bytes_per_sec.filter(|rate| *rate > 0.0);
     let ubatch =
         plan.experts.as_ref().and_then(|experts| experts.max_ubatch).unwrap_or(n_batch).clamp(1, n_batch.max(1));
@@ -87,6 +132,7 @@ pub fn predict(plan: &Plan, facts: &MachineFacts, n_batch: u32) -> Prediction {
         disk_bytes_per_sec: disk,
         disk_rate_from: disk.map(|_| if facts.disk_rate_from_runs { "streaming runs" } else { "profile" }),
         prompt_seconds_per_token: facts.prompt_seconds_per_token,
+        host_share,
         prompt_batch: ubatch,
         expert_read_factor: facts.expert_read_factor.unwrap_or(1.0),
         ..Prediction::default()
@@ -143,7 +189,7 @@ impl Prediction {
     pub fn render(&self) -> String {
         let speed = |rate: Option<f64>| rate.map_or("not known".to_string(), |rate| format!("{rate:.2} tok/s"));
         let mut basis = Vec::new();
-        match (self.compute_seconds_per_token, self.compute_from) {
+        match (self.compute_seconds_per_token, &self.compute_from) {
             (Some(seconds), Some(from)) => basis.push(format!("compute {:.1} ms a token ({from})", seconds * 1e3)),
             _ => basis.push("compute not measured yet: a run of this model records it".to_string()),
         }
@@ -203,7 +249,7 @@ mod tests {
         assert_eq!(plan.mode, Mode::ExpertStream);
         // Uniform routing: the cache holds half of the 512 units, so half of the 4 × 8 picks
         // of 3 MiB miss, 48 MiB a token, 50 ms at 1 GB/s.
-        let uniform = predict(&plan, &facts, 512);
+        let uniform = predict(&plan, &facts, 512, 1.0);
         assert_eq!(uniform.hit_rate_from, Some("uniform routing"));
         assert!((uniform.expert_hit_rate.unwrap() - 0.5).abs() < 1e-9);
         assert!((uniform.bytes_per_token - f64::from(48u32 << 20)).abs() < 1.0);
@@ -224,7 +270,7 @@ mod tests {
             prompt_seconds_per_token: Some(0.001),
             ..facts.clone()
         };
-        let sticky = predict(&plan, &recorded, 512);
+        let sticky = predict(&plan, &recorded, 512, 1.0);
         assert_eq!(sticky.hit_rate_from, Some("recorded routing"));
         assert!((sticky.expert_hit_rate.unwrap() - 0.99).abs() < 1e-9);
         assert!((sticky.decode_tokens_per_sec.unwrap() - 100.0).abs() < 1e-6, "{sticky:?}");
@@ -243,11 +289,17 @@ mod tests {
         let options = PlanOptions::default();
         let resident = plan(&inventory, &facts, &options).unwrap();
         assert_eq!(resident.mode, Mode::Resident);
-        assert_eq!(predict(&resident, &facts, 512).decode_tokens_per_sec, None);
+        assert_eq!(predict(&resident, &facts, 512, 1.0).decode_tokens_per_sec, None);
         let measured =
             MachineFacts { resident_seconds_per_token: Some(0.02), prompt_seconds_per_token: Some(0.004), ..facts };
-        let prediction = predict(&resident, &measured, 512);
-        assert_eq!(prediction.compute_from, Some("resident runs"));
+        let prediction = predict(&resident, &measured, 512, 1.0);
+        assert_eq!(prediction.compute_from.as_deref(), Some("resident runs"));
+        // Half the weights on a GPU: the host's half of the time; all of them there: a
+        // CPU-resident run says nothing.
+        let half = predict(&resident, &measured, 512, 0.5);
+        assert!((half.decode_tokens_per_sec.unwrap() - 100.0).abs() < 1e-9, "{half:?}");
+        assert_eq!(half.compute_from.as_deref(), Some("resident runs, scaled to this plan's CPU share"));
+        assert_eq!(predict(&resident, &measured, 512, 0.0).decode_tokens_per_sec, None);
         assert!((prediction.decode_tokens_per_sec.unwrap() - 50.0).abs() < 1e-9);
         assert!((prediction.prompt_tokens_per_sec.unwrap() - 250.0).abs() < 1e-9);
     }

@@ -105,9 +105,12 @@ pub struct MachineFacts {
     /// Decode compute time per token of this model with the streaming kernels, measured by an
     /// earlier run on this machine (stall time excluded); None if never measured.
     pub compute_seconds_per_token: Option<f64>,
+    /// The share of a token's weight bytes those runs computed on the host's CPU (None: all).
+    pub compute_host_share: Option<f64>,
     /// Decode time per token of this model resident, measured by an earlier run on this
     /// machine; None if never measured.
     pub resident_seconds_per_token: Option<f64>,
+    pub resident_host_share: Option<f64>,
     /// Prompt time per token of this model resident over prompts of at least a few dozen
     /// tokens, measured by an earlier run; None if never measured.
     pub prompt_seconds_per_token: Option<f64>,

@@ -71,6 +71,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
                 routing: report.reuse.clone(),
                 read_bytes: report.read_bytes,
                 busy_seconds: report.busy_seconds,
+                host_share: report.prediction.as_ref().map_or(1.0, |prediction| prediction.host_share),
                 expert_reads: report.expert_reads,
             },
         );

@@ -78,6 +78,12 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
                     routing: stats.experts.as_ref().map(|experts| experts.reuse.clone()),
                     read_bytes: stats.io.map_or(0, |io| io.bytes_read),
                     busy_seconds: stats.io.map_or(0.0, |io| io.busy_seconds),
+                    host_share: engine
+                        .options()
+                        .plan
+                        .as_ref()
+                        .and_then(|plan| plan.prediction.as_ref())
+                        .map_or(1.0, |prediction| prediction.host_share),
                     // A request's reads include its prompt's sweep: only benchmarks' tg runs
                     // measure decode's reads alone.
                     expert_reads: None,
