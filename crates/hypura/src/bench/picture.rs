@@ -340,7 +340,8 @@ fn budget_panel(
     let points = panel.points;
     let gib = |bytes: u64| bytes as f64 / f64::from(1u32 << 30);
     let widest = points.iter().map(|point| gib(point.budget_bytes)).fold(0.0_f64, f64::max).max(1e-3) * 1.05;
-    let fastest = points.iter().filter_map(|point| point.tokens_per_sec).fold(0.0_f64, f64::max).max(1.0) * 1.2;
+    // Room above the fastest point for the legend, which sits at the upper left.
+    let fastest = points.iter().filter_map(|point| point.tokens_per_sec).fold(0.0_f64, f64::max).max(1.0) * 1.45;
     let mut chart = ChartBuilder::on(root)
         .caption(caption, ("sans-serif", 18))
         .margin(16)
