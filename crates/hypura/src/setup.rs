@@ -182,8 +182,9 @@ pub struct RunMeasurements {
     /// Bytes read and the time a read was in flight (streaming).
     pub read_bytes: u64,
     pub busy_seconds: f64,
-    /// Of a token's weight bytes, the share the run computed on the host's CPU.
+    /// Of a token's weight bytes, the share the run computed on the host's CPU, and the bytes.
     pub host_share: f64,
+    pub touched_bytes_per_token: Option<f64>,
     /// Decode's expert bytes read, and the bytes of the picks an LRU cache of the run's size
     /// missed (benchmarks' tg runs).
     pub expert_reads: Option<(f64, f64)>,
@@ -210,6 +211,7 @@ pub fn record_run(model: &Path, run: &RunMeasurements) {
             record.add_routing(routing);
         }
         record.add_reads(run.read_bytes, run.busy_seconds);
+        record.touched_bytes_per_token = run.touched_bytes_per_token.or(record.touched_bytes_per_token);
         if let Some((read, modelled)) = run.expert_reads {
             record.add_expert_reads(read, modelled);
         }
@@ -281,6 +283,9 @@ pub fn machine_facts(spec: &RunSpec, model: &Path) -> Result<MachineFacts, Engin
         prompt_seconds_per_token: record.prompt_seconds_per_token(threads),
         expert_reuse: record.routing.clone(),
         expert_read_factor: record.expert_read_factor(),
+        cpu_bytes_per_sec: ModelRecords::new(default_cache_dir())
+            .cpu_bytes_per_sec(threads, model)
+            .map(|(rate, _)| rate),
         read_queue_depth: Some(io_workers as u32),
         disk_read_points,
         compute_seconds_per_token: record.compute(threads).map(|(seconds, _)| seconds),

@@ -43,6 +43,13 @@ pub struct ModelRecord {
     /// size missed (`plan::ReuseDepths`), summed over benchmark runs.
     #[serde(default)]
     pub expert_reads: Option<ExpertReads>,
+    /// Weight bytes a token of this model touches (all tiers): with a resident run's time on
+    /// the CPU alone, this machine's CPU rate for models never run here.
+    #[serde(default)]
+    pub touched_bytes_per_token: Option<f64>,
+    /// The machine the record was made on (`hw::machine_key`).
+    #[serde(default)]
+    pub machine_key: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -164,6 +171,15 @@ impl ModelRecord {
         self.prompt_by_threads.get(&threads).map(|measurement| measurement.seconds_per_token)
     }
 
+    /// Weight bytes per second a resident run on the CPU alone computed at, for `threads`.
+    pub fn cpu_bytes_per_sec(&self, threads: u32) -> Option<f64> {
+        let touched = self.touched_bytes_per_token?;
+        self.resident(threads)
+            .filter(|(_, share)| *share > 0.95)
+            .map(|(seconds, _)| touched / seconds)
+            .filter(|rate| rate.is_finite() && *rate > 0.0)
+    }
+
     /// The rate streaming runs read at while busy, once they read enough to say.
     pub fn disk_bytes_per_sec(&self) -> Option<f64> {
         self.disk_busy.filter(|busy| busy.bytes >= DISK_MIN_BYTES).map(|busy| busy.bytes as f64 / busy.seconds)
@@ -215,12 +231,32 @@ impl ModelRecords {
         }
     }
 
+    /// The median CPU rate (`ModelRecord::cpu_bytes_per_sec`) of this machine's records of
+    /// models other than `except`, and how many there were; None without one.
+    pub fn cpu_bytes_per_sec(&self, threads: u32, except: &Path) -> Option<(f64, usize)> {
+        let except = std::fs::canonicalize(except).unwrap_or_else(|_| except.to_path_buf());
+        let key = machine_key();
+        let mut rates: Vec<f64> = std::fs::read_dir(&self.dir)
+            .ok()?
+            .flatten()
+            .filter_map(|entry| serde_json::from_str::<ModelRecord>(&std::fs::read_to_string(entry.path()).ok()?).ok())
+            .filter(|record| {
+                record.schema_version == RECORD_SCHEMA_VERSION && record.machine_key.as_deref() == Some(key.as_str())
+            })
+            .filter(|record| std::fs::canonicalize(&record.model_path).map_or(true, |path| path != except))
+            .filter_map(|record| record.cpu_bytes_per_sec(threads))
+            .collect();
+        rates.sort_by(f64::total_cmp);
+        (!rates.is_empty()).then(|| (rates[rates.len() / 2], rates.len()))
+    }
+
     /// Load, change and write back the record of `model` (through a temporary file and a
     /// rename, so a reader never sees half a file).
     pub fn update(&self, model: &Path, change: impl FnOnce(&mut ModelRecord)) -> Result<(), HwError> {
         let Some(path) = self.path_for(model) else { return Ok(()) };
         let mut record = self.load(model);
         change(&mut record);
+        record.machine_key = Some(machine_key());
         write_json_atomically(&self.dir, &path, &record)
     }
 }
@@ -265,6 +301,27 @@ mod tests {
         assert_eq!(records.load(&model).compute_seconds_per_token(2), None);
         records.update(&model, |record| record.add_compute(2, 0.5, 5, 1.0)).unwrap();
         assert_eq!(records.load(&model).compute_seconds_per_token(2), Some(0.1));
+    }
+
+    #[test]
+    fn other_models_resident_runs_give_the_machines_cpu_rate() {
+        let (directory, model, records) = fixture();
+        let mut other_models = Vec::new();
+        for (name, seconds, share) in [("a.gguf", 0.1, 1.0), ("b.gguf", 0.05, 1.0), ("c.gguf", 0.01, 0.2)] {
+            let path = directory.path().join(name);
+            std::fs::write(&path, name).unwrap();
+            records
+                .update(&path, |record| {
+                    record.add_resident(2, seconds * 10.0, 10, share);
+                    record.touched_bytes_per_token = Some(1e9);
+                })
+                .unwrap();
+            other_models.push(path);
+        }
+        // a: 10 GB/s, b: 20 GB/s; c computed mostly on a GPU and says nothing of the CPU.
+        assert_eq!(records.cpu_bytes_per_sec(2, &model), Some((20e9, 2)));
+        assert_eq!(records.cpu_bytes_per_sec(2, &other_models[1]), Some((10e9, 1)), "not its own");
+        assert_eq!(records.cpu_bytes_per_sec(4, &model), None);
     }
 
     #[test]

@@ -44,6 +44,8 @@ pub struct Prediction {
     /// The share of a token's weight bytes this plan computes on the host's CPU (1 without a
     /// GPU tier): a measured compute is scaled by it where it was measured at another share.
     pub host_share: f64,
+    /// Weight bytes a token touches (`touched`), all tiers together.
+    pub touched_bytes_per_token: f64,
     /// Tokens per prompt batch.
     pub prompt_batch: u32,
 }
@@ -59,17 +61,19 @@ pub fn cached_units(plan: &Plan) -> f64 {
     (experts.cache_units as u64 + slots) as f64
 }
 
-/// The share of a token's weight bytes `plan` computes on the host: every tensor's bytes (a
-/// routed expert tensor's `k / n` of them, the token embedding's none: one row is read), those
-/// the GPU tier or a remote device holds, or a GPU pool computes, taken off.
-pub fn host_share(inventory: &Inventory, plan: &Plan) -> f64 {
+/// Weight bytes a token touches, and the share of them `plan` computes on the host: every
+/// tensor's bytes (a routed expert tensor's `k / n` of them; the token embedding's none, one row
+/// is read, unless it is also the output), those the GPU tier or a remote device holds, or a GPU
+/// pool computes, taken off the host's.
+pub fn touched(inventory: &Inventory, plan: &Plan) -> (f64, f64) {
     let tiers: std::collections::HashMap<&str, Tier> =
         plan.tensors.iter().map(|tensor| (tensor.name.as_str(), tensor.tier)).collect();
     let hparams = &inventory.hparams;
     let routed = hparams.n_expert_used.max(1) as f64 / hparams.n_expert.max(1) as f64;
     let pooled = plan.gpu.as_ref().is_some_and(|gpu| gpu.expert_pool.is_some());
+    let tied = !inventory.tensors.iter().any(|tensor| tensor.role == Role::Output);
     let (mut host, mut total) = (0.0, 0.0);
-    for tensor in inventory.tensors.iter().filter(|tensor| tensor.role != Role::TokenEmbedding) {
+    for tensor in inventory.tensors.iter().filter(|tensor| tied || tensor.role != Role::TokenEmbedding) {
         let touched = tensor.bytes as f64 * if tensor.experts.is_some() { routed } else { 1.0 };
         let elsewhere = plan.remote.as_ref().is_some_and(|remote| remote.holds(tensor))
             || (pooled && tensor.experts.is_some())
@@ -79,11 +83,7 @@ pub fn host_share(inventory: &Inventory, plan: &Plan) -> f64 {
             host += touched;
         }
     }
-    if total > 0.0 {
-        host / total
-    } else {
-        1.0
-    }
+    (total, if total > 0.0 { host / total } else { 1.0 })
 }
 
 /// A compute time measured at `measured_share` of the weights on the host, for a plan that
@@ -107,7 +107,7 @@ fn at_share(seconds: f64, measured_share: f64, share: f64) -> Option<(f64, bool)
 /// each batch of `n_batch` tokens reads the streamed bytes it needs once (dense layers all of
 /// them; expert layers the distinct experts its tokens pick, less what the cache holds), and
 /// takes the longer of that read and its compute.
-pub fn predict(plan: &Plan, facts: &MachineFacts, n_batch: u32, host_share: f64) -> Prediction {
+pub fn predict(plan: &Plan, facts: &MachineFacts, n_batch: u32, (touched_bytes, host_share): (f64, f64)) -> Prediction {
     // The record of the plan's own kind first (a streaming run's compute includes the
     // streaming's own work), at this plan's share of the weights on the host.
     let streaming =
@@ -122,6 +122,19 @@ pub fn predict(plan: &Plan, facts: &MachineFacts, n_batch: u32, host_share: f64)
             let (seconds, scaled) = at_share(seconds, measured_share.unwrap_or(1.0), host_share)?;
             Some((seconds, if scaled { format!("{from}, scaled to this plan's CPU share") } else { from.to_string() }))
         })
+        // A model never run here: its host's bytes at the rate this machine's CPU computed
+        // other models' (resident, all on the CPU).
+        .or_else(|| {
+            let rate = facts.cpu_bytes_per_sec.filter(|rate| *rate > 0.0 && host_share >= 0.05)?;
+            Some((
+                touched_bytes * host_share / rate,
+                format!(
+                    "estimated: {} a token at the {} other models computed at here",
+                    crate::format::format_bytes((touched_bytes * host_share) as u64),
+                    format_bytes_per_sec(rate)
+                ),
+            ))
+        })
         .unzip();
     let disk = facts.disk_bytes_per_sec.filter(|rate| *rate > 0.0);
     let ubatch =
@@ -133,6 +146,7 @@ pub fn predict(plan: &Plan, facts: &MachineFacts, n_batch: u32, host_share: f64)
         disk_rate_from: disk.map(|_| if facts.disk_rate_from_runs { "streaming runs" } else { "profile" }),
         prompt_seconds_per_token: facts.prompt_seconds_per_token,
         host_share,
+        touched_bytes_per_token: touched_bytes,
         prompt_batch: ubatch,
         expert_read_factor: facts.expert_read_factor.unwrap_or(1.0),
         ..Prediction::default()
@@ -249,7 +263,7 @@ mod tests {
         assert_eq!(plan.mode, Mode::ExpertStream);
         // Uniform routing: the cache holds half of the 512 units, so half of the 4 × 8 picks
         // of 3 MiB miss, 48 MiB a token, 50 ms at 1 GB/s.
-        let uniform = predict(&plan, &facts, 512, 1.0);
+        let uniform = predict(&plan, &facts, 512, (1e9, 1.0));
         assert_eq!(uniform.hit_rate_from, Some("uniform routing"));
         assert!((uniform.expert_hit_rate.unwrap() - 0.5).abs() < 1e-9);
         assert!((uniform.bytes_per_token - f64::from(48u32 << 20)).abs() < 1.0);
@@ -270,7 +284,7 @@ mod tests {
             prompt_seconds_per_token: Some(0.001),
             ..facts.clone()
         };
-        let sticky = predict(&plan, &recorded, 512, 1.0);
+        let sticky = predict(&plan, &recorded, 512, (1e9, 1.0));
         assert_eq!(sticky.hit_rate_from, Some("recorded routing"));
         assert!((sticky.expert_hit_rate.unwrap() - 0.99).abs() < 1e-9);
         assert!((sticky.decode_tokens_per_sec.unwrap() - 100.0).abs() < 1e-6, "{sticky:?}");
@@ -289,17 +303,25 @@ mod tests {
         let options = PlanOptions::default();
         let resident = plan(&inventory, &facts, &options).unwrap();
         assert_eq!(resident.mode, Mode::Resident);
-        assert_eq!(predict(&resident, &facts, 512, 1.0).decode_tokens_per_sec, None);
-        let measured =
-            MachineFacts { resident_seconds_per_token: Some(0.02), prompt_seconds_per_token: Some(0.004), ..facts };
-        let prediction = predict(&resident, &measured, 512, 1.0);
+        assert_eq!(predict(&resident, &facts, 512, (1e9, 1.0)).decode_tokens_per_sec, None);
+        let measured = MachineFacts {
+            resident_seconds_per_token: Some(0.02),
+            prompt_seconds_per_token: Some(0.004),
+            ..facts.clone()
+        };
+        let prediction = predict(&resident, &measured, 512, (1e9, 1.0));
         assert_eq!(prediction.compute_from.as_deref(), Some("resident runs"));
         // Half the weights on a GPU: the host's half of the time; all of them there: a
         // CPU-resident run says nothing.
-        let half = predict(&resident, &measured, 512, 0.5);
+        let half = predict(&resident, &measured, 512, (1e9, 0.5));
         assert!((half.decode_tokens_per_sec.unwrap() - 100.0).abs() < 1e-9, "{half:?}");
         assert_eq!(half.compute_from.as_deref(), Some("resident runs, scaled to this plan's CPU share"));
-        assert_eq!(predict(&resident, &measured, 512, 0.0).decode_tokens_per_sec, None);
+        assert_eq!(predict(&resident, &measured, 512, (1e9, 0.0)).decode_tokens_per_sec, None);
+        // Never run: a gigabyte a token at the 20 GB/s other models ran at here, 50 ms.
+        let elsewhere = MachineFacts { cpu_bytes_per_sec: Some(20e9), ..facts.clone() };
+        let estimated = predict(&resident, &elsewhere, 512, (1e9, 1.0));
+        assert!((estimated.decode_tokens_per_sec.unwrap() - 20.0).abs() < 1e-9, "{estimated:?}");
+        assert!(estimated.compute_from.unwrap().starts_with("estimated"));
         assert!((prediction.decode_tokens_per_sec.unwrap() - 50.0).abs() < 1e-9);
         assert!((prediction.prompt_tokens_per_sec.unwrap() - 250.0).abs() < 1e-9);
     }

@@ -64,8 +64,8 @@ pub fn choose(inventory: &Inventory, facts: &MachineFacts, ask: &Ask) -> Result<
         weigh(&facts, local, remote)?
     };
     choice.plan.budget.set_aside(draft_bytes, |budget| &mut budget.draft_bytes);
-    let host_share = super::predict::host_share(inventory, &choice.plan);
-    choice.plan.prediction = Some(super::predict(&choice.plan, &facts, choice.n_batch, host_share));
+    let touched = super::predict::touched(inventory, &choice.plan);
+    choice.plan.prediction = Some(super::predict(&choice.plan, &facts, choice.n_batch, touched));
     Ok(choice)
 }
 

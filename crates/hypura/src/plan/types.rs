@@ -111,6 +111,9 @@ pub struct MachineFacts {
     /// machine; None if never measured.
     pub resident_seconds_per_token: Option<f64>,
     pub resident_host_share: Option<f64>,
+    /// Weight bytes per second this machine's CPU computed in resident runs of other models,
+    /// all on the CPU (their median): a model never run here is estimated at it.
+    pub cpu_bytes_per_sec: Option<f64>,
     /// Prompt time per token of this model resident over prompts of at least a few dozen
     /// tokens, measured by an earlier run; None if never measured.
     pub prompt_seconds_per_token: Option<f64>,

@@ -77,6 +77,12 @@ fn a_run_records_what_the_next_plan_predicts_from() {
     let resident = prediction(&cache, model, &resident);
     assert_eq!(resident["compute_from"], "resident runs", "{resident}");
     assert!(resident["prompt_tokens_per_sec"].as_f64().is_some_and(|rate| rate > 0.0), "{resident}");
+
+    // Another model, never run here: its bytes at the rate this machine computed the first.
+    let other = common::forge("tiny-moe-8x", directory.path());
+    let estimated = prediction(&cache, other.to_str().unwrap(), &["--mode", "resident"]);
+    assert!(estimated["compute_from"].as_str().is_some_and(|from| from.starts_with("estimated")), "{estimated}");
+    assert!(estimated["decode_tokens_per_sec"].as_f64().is_some_and(|rate| rate > 0.0), "{estimated}");
 }
 
 /// The benchmark cases of `docs/benchmarks/2026-12-04-predictions/`: each Hypura run's report

@@ -72,6 +72,10 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
                 read_bytes: report.read_bytes,
                 busy_seconds: report.busy_seconds,
                 host_share: report.prediction.as_ref().map_or(1.0, |prediction| prediction.host_share),
+                touched_bytes_per_token: report
+                    .prediction
+                    .as_ref()
+                    .map(|prediction| prediction.touched_bytes_per_token),
                 expert_reads: report.expert_reads,
             },
         );

@@ -84,6 +84,12 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
                         .as_ref()
                         .and_then(|plan| plan.prediction.as_ref())
                         .map_or(1.0, |prediction| prediction.host_share),
+                    touched_bytes_per_token: engine
+                        .options()
+                        .plan
+                        .as_ref()
+                        .and_then(|plan| plan.prediction.as_ref())
+                        .map(|prediction| prediction.touched_bytes_per_token),
                     // A request's reads include its prompt's sweep: only benchmarks' tg runs
                     // measure decode's reads alone.
                     expert_reads: None,
