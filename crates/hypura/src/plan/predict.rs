@@ -1,6 +1,7 @@
 //! The speed a plan is predicted to run at, before it runs: decode and prompt tokens per
 //! second from the bytes each token or prompt batch must read, the disk's rate, and the
-//! compute this machine measured for the model. For expert streaming the bytes follow from
+//! compute this machine measured for the model (or, for a model never run here, its weight
+//! bytes at the rate this machine computed others'). For expert streaming the bytes follow from
 //! the cache's expected hit rate (`reuse`): the model's recorded routing where a run recorded
 //! it, else uniform routing.
 use serde::Serialize;
@@ -44,7 +45,7 @@ pub struct Prediction {
     /// The share of a token's weight bytes this plan computes on the host's CPU (1 without a
     /// GPU tier): a measured compute is scaled by it where it was measured at another share.
     pub host_share: f64,
-    /// Weight bytes a token touches (`touched`), all tiers together.
+    /// Weight bytes a token touches, all tiers together (`touched`).
     pub touched_bytes_per_token: f64,
     /// Tokens per prompt batch.
     pub prompt_batch: u32,
@@ -74,6 +75,10 @@ pub fn touched(inventory: &Inventory, plan: &Plan) -> (f64, f64) {
     let tied = !inventory.tensors.iter().any(|tensor| tensor.role == Role::Output);
     let (mut host, mut total) = (0.0, 0.0);
     for tensor in inventory.tensors.iter().filter(|tensor| tied || tensor.role != Role::TokenEmbedding) {
+        // MTP layers that do not draft are never loaded.
+        if tiers.get(tensor.name.as_str()) == Some(&Tier::Unused) {
+            continue;
+        }
         let touched = tensor.bytes as f64 * if tensor.experts.is_some() { routed } else { 1.0 };
         let elsewhere = plan.remote.as_ref().is_some_and(|remote| remote.holds(tensor))
             || (pooled && tensor.experts.is_some())
