@@ -177,7 +177,7 @@ pub struct RunMeasurements {
     /// Prompt time and tokens evaluated (resident runs only are kept).
     pub prompt_seconds: f64,
     pub prompt_tokens: u64,
-    /// The router's reuse depths (expert-stream).
+    /// The router's stack distances (expert-stream).
     pub routing: Option<crate::plan::ReuseDepths>,
     /// Bytes read and the time a read was in flight (streaming).
     pub read_bytes: u64,

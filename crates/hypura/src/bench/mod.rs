@@ -202,7 +202,7 @@ pub struct BenchReport {
     pub predicted_seconds_per_token: Option<f64>,
     /// The plan's prediction with what it was made from (`plan::predict`), made before the run.
     pub prediction: Option<crate::plan::Prediction>,
-    /// Hypura's pp runs: prompt time and tokens; its tg runs' reuse depths and bytes read
+    /// Hypura's pp runs: prompt time and tokens; its tg runs' stack distances and bytes read
     /// with the time a read was in flight (what the next plan of the model keeps).
     #[serde(skip)]
     pub prompt_seconds: f64,
@@ -272,7 +272,7 @@ struct TgTotals {
     /// Prompt runs (pp): their time and tokens.
     prompt_seconds: f64,
     prompt_tokens: u64,
-    /// Expert-stream: the reuse depths of the tg runs' picks.
+    /// Expert-stream: the stack distances of the tg runs' picks.
     reuse: crate::plan::ReuseDepths,
     bytes_read: u64,
     /// Of `bytes_read`, the bytes read into pages reused from released units.

@@ -202,8 +202,8 @@ pub struct ExpertSnapshot {
     /// The device's expert pool: picks served from its slots, uploads, staged prompt layers
     /// (all zero without a pool). `hits` and `misses` above count the host cache's share.
     pub device: PoolSnapshot,
-    /// How soon each decode pick's expert was picked before, by its layer's count of other
-    /// experts since (the next plan's expected hit rate at any cache size follows from it).
+    /// Each decode pick's LRU stack distance: the (layer, expert) units picked since its unit's
+    /// last pick (the next plan's expected hit rate at any cache size follows from it).
     #[serde(skip)]
     pub reuse: ReuseDepths,
 }
@@ -257,7 +257,7 @@ struct State {
     /// Units prefetched for each layer and not yet routed: the accuracy count, and what to
     /// cancel when the router picks otherwise.
     prefetched: Vec<Vec<usize>>,
-    /// Reuse depths of decode picks.
+    /// The stack distances of decode picks.
     reuse: ReuseTracker,
 }
 
@@ -412,7 +412,7 @@ impl ExpertStream {
         }
     }
 
-    /// Count a decode batch's picks in `layer` (token by token) for the reuse distances; a
+    /// Count a decode batch's picks in `layer` (token by token) for the stack distances; a
     /// prompt batch's picks are made recent without a count (decode is what is predicted, but
     /// the cache holds what the prompt read).
     fn record_reuse(&self, layer: usize, rows: &[Vec<i32>], picks: &[usize]) {

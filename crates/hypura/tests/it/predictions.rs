@@ -34,7 +34,7 @@ fn a_run_records_what_the_next_plan_predicts_from() {
     let model = model.to_str().unwrap();
     let cache = directory.path().join("cache");
     // A cache of 24 of the 4 × 16 units (a token picks 16), LRU, no prefetch: the hit rate the
-    // reuse depths model is the one the run has.
+    // stack distances model is the one the run has.
     let plan = ["--mode", "expert-stream", "--expert-cache", "24", "--cache-policy", "lru", "--prefetch", "off"];
     let before = prediction(&cache, model, &plan);
     assert_eq!(before["hit_rate_from"], "uniform routing", "{before}");
