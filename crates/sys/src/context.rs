@@ -510,6 +510,18 @@ impl Context {
         true
     }
 
+    /// The first and last positions one sequence's memory holds (None when it holds none). A
+    /// sliding-window cache reuses the cells of positions that fell out of its window, so
+    /// after a long sequence the first is well past 0.
+    pub fn sequence_positions(&self, seq_id: i32) -> Option<(i32, i32)> {
+        // SAFETY: the context is valid, and so is the memory it owns; -1 means empty.
+        let (first, last) = unsafe {
+            let memory = raw::llama_get_memory(self.pointer.as_ptr());
+            (raw::llama_memory_seq_pos_min(memory, seq_id), raw::llama_memory_seq_pos_max(memory, seq_id))
+        };
+        (first >= 0 && last >= first).then_some((first, last))
+    }
+
     /// Remove positions `from..` of one sequence from the KV cache.
     pub fn truncate_sequence(&mut self, seq_id: i32, from: i32) -> bool {
         // SAFETY: the context is valid; -1 means "to the end".

@@ -37,8 +37,8 @@ use std::time::Instant;
 use hypura_sys::{Batch, Context, DraftRequest, Grammar, Sampler, Speculator, Token};
 
 use self::sequence::{Active, Feed, Output, Sampling, Statistics};
-use super::prompt;
-use super::prompt_cache::{Loaded, PromptCache};
+use super::prompt::{self, Prompt};
+use super::prompt_cache::{Layout, Loaded, PromptCache};
 use super::request::{Control, DoneReason, GenerateOutput, GenerateRequest};
 use super::stats::{Counters, GenerationStats};
 use super::text::{StopMatcher, Utf8Stream};
@@ -147,18 +147,23 @@ impl Batcher {
             }
             None => None,
         };
-        let prompt_cache = match (&engine.options().prompt_cache, engine.model().memory_kind()) {
-            (Some(_), Some(kind)) => {
-                tracing::warn!(
-                    "prompt cache: this model's {kind} cache is not a run of positions; its prompts are not saved"
-                );
-                None
-            }
-            (Some(options), None) => {
+        let prompt_cache = match &engine.options().prompt_cache {
+            Some(options) => {
                 let digest = engine.settings_digest().map_err(EngineError::Setup)?;
-                Some(PromptCache::open(options, digest)?)
+                // Memory that is not a run of positions is kept as whole sequences.
+                let layout = match engine.model().memory_kind() {
+                    Some(kind) => {
+                        tracing::info!(
+                            "prompt cache: this model's {kind} memory is kept as whole sequences, at the end of \
+                             the system prompt and of each answer"
+                        );
+                        Layout::Snapshots
+                    }
+                    None => Layout::Blocks,
+                };
+                Some(PromptCache::open(options, digest, layout)?)
             }
-            (None, _) => None,
+            None => None,
         };
         let n_stream = if params.kv_unified { 1 } else { n_sequences };
         Ok(Batcher {
@@ -267,6 +272,7 @@ impl Batcher {
         match prepared {
             Ok(((index, tokens, sampler, grammar, (reused, from_disk)), turn, dropped_messages)) => {
                 let limit = self.limit(&request);
+                let checkpoint = self.checkpoint(&request, &tokens, reused);
                 let shift_keep = request
                     .shift_keep
                     .filter(|_| self.context.can_shift())
@@ -313,6 +319,7 @@ impl Batcher {
                     },
                     feed: Feed {
                         next_prompt: reused,
+                        checkpoint,
                         prompt: tokens,
                         pending: None,
                         draft: Vec::new(),
@@ -345,6 +352,19 @@ impl Batcher {
             }
             Err(error) => Err((error, sink)),
         }
+    }
+
+    /// Where to stop the prompt's evaluation for a snapshot (`Layout::Snapshots`): the end of a
+    /// conversation's system prompt and tools, where the next session's prompt or the next
+    /// question parts from this one, when that is past what the slot holds and not on disk.
+    fn checkpoint(&self, request: &GenerateRequest, tokens: &[Token], reused: usize) -> Option<usize> {
+        let cache = self.prompt_cache.as_ref().filter(|cache| cache.layout() == Layout::Snapshots)?;
+        let Prompt::Chat(chat) = &request.prompt else { return None };
+        if !request.context.is_empty() {
+            return None;
+        }
+        let at = prompt::stable_prefix(&self.engine, chat, tokens)?;
+        (at > reused && at < tokens.len() && cache.wants_snapshot(&tokens[..at])).then_some(at)
     }
 
     /// Tokens a request may hold: its own `n_ctx_seq`, capped at the sequence's share.
@@ -510,6 +530,12 @@ impl Batcher {
             let Some(active) = slot.active.as_mut() else { continue };
             slot.cached.append(&mut active.feed.queued);
             active.statistics.decodes += u32::from(active.feed.queued_generated);
+            if active.feed.checkpoint == Some(slot.cached.len()) {
+                active.feed.checkpoint = None;
+                if let Some(cache) = &self.prompt_cache {
+                    cache.save(&mut self.context, slot.seq_id, &slot.cached);
+                }
+            }
             if active.feed.logits_row.is_some() {
                 ready.push(index);
             }
@@ -566,7 +592,9 @@ impl Batcher {
             if room == 0 {
                 break;
             }
-            let take = room.min(feed.prompt.len() - feed.next_prompt);
+            // A chunk ends at the checkpoint, so that the sequence is snapshotted there.
+            let end = feed.checkpoint.filter(|&at| at > feed.next_prompt).unwrap_or(feed.prompt.len());
+            let take = room.min(end - feed.next_prompt);
             for offset in 0..take {
                 let position = feed.next_prompt + offset;
                 let is_last = position + 1 == feed.prompt.len();

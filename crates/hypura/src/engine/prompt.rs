@@ -120,6 +120,28 @@ fn fit_history(
     Ok(Some((best.0, best.1, dropped)))
 }
 
+/// How many leading tokens of a conversation's rendering (`tokens`) come from its system
+/// messages and tools alone, whatever follows them: the part an agent's next session, or the
+/// next question under the same system prompt, starts with too. Found without knowing the
+/// template: those messages are rendered with two different one-word user messages, and the
+/// part both renderings share (and `tokens` shares with them) is the answer. None where the
+/// conversation has no system message or tools before its first other message.
+pub fn stable_prefix(engine: &Engine, request: &ChatRequest, tokens: &[Token]) -> Option<usize> {
+    let leading = request.messages.iter().take_while(|message| message.role == "system").count();
+    if leading == 0 && request.tools.is_empty() {
+        return None;
+    }
+    let with_question = |question: &str| -> Option<Vec<Token>> {
+        let mut messages = request.messages[..leading].to_vec();
+        messages.push(ChatMessage::new("user", question));
+        let turn = render_chat(engine, &ChatRequest { messages, ..request.clone() }).ok()?;
+        tokenize_text(engine, &turn.prompt, true).ok()
+    };
+    let (first, second) = (with_question("Alpha")?, with_question("Zulu")?);
+    let shared = |a: &[Token], b: &[Token]| a.iter().zip(b).take_while(|(a, b)| a == b).count();
+    Some(shared(&first, &second).min(shared(&first, tokens)))
+}
+
 /// Every token id within the vocabulary.
 fn check_tokens(engine: &Engine, tokens: &[Token]) -> Result<(), EngineError> {
     let n_vocab = engine.model().vocab().n_tokens();

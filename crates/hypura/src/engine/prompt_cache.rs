@@ -19,13 +19,18 @@
 //! share a directory: names are unique per process until the rename, a rename replaces a block
 //! with an equal one, and a block evicted under a reader is a miss.
 //!
-//! Sliding-window and recurrent caches (Gemma 3, Qwen3.5) have state that is not a run of
-//! positions; their sequences are not a plain KV cache to `hypura_sys::state`, and the cache
-//! says so once and stays off for them.
+//! Sliding-window, recurrent and hybrid memories (Gemma 3, Qwen3.5) hold state that is not a run
+//! of positions: a prefix of it cannot be cut out of a longer sequence. Their sequences are kept
+//! whole instead (`Layout::Snapshots`): llama.cpp's copy of the sequence as it was at that
+//! length, taken where prompts are likely to part (the end of the system prompt and tools,
+//! which the batcher stops the prompt's evaluation at, `prompt::stable_prefix`) and where each
+//! request ends, named by the length and a hash of every token to it. A later prompt loads the
+//! longest snapshot it starts with. Each file repeats the digest and its tokens and ends with a
+//! SHA-256 of itself, as blocks do.
 use std::fs::File;
 use std::io::{BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime};
@@ -42,6 +47,11 @@ pub const BLOCK_TOKENS: usize = 64;
 pub const DEFAULT_MAX_BYTES: u64 = 8 << 30;
 const MAGIC: &[u8; 8] = b"HYPKV\0\0\x01";
 const BLOCK_EXTENSION: &str = "kv";
+const SNAPSHOT_MAGIC: &[u8; 8] = b"HYPSN\0\0\x01";
+const SNAPSHOT_EXTENSION: &str = "snap";
+/// Snapshots copied out of the context and not yet written: more are skipped, so that a slow
+/// disk holds at most this many copies of a sequence in memory.
+const MAX_PENDING_SNAPSHOTS: usize = 2;
 /// Temporary files older than this belong to a process that is gone.
 const STALE_TEMPORARY: Duration = Duration::from_secs(3600);
 
@@ -90,11 +100,30 @@ pub struct Loaded {
     pub bytes: u64,
 }
 
-struct WriteJob {
+/// How a model's sequences are kept on disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// A plain KV cache: blocks of positions cut out of a sequence, shared by every prompt that
+    /// starts with them.
+    Blocks,
+    /// Sliding-window, recurrent or hybrid memory: whole sequences at chosen lengths.
+    Snapshots,
+}
+
+struct BlockJob {
     saved: PathBuf,
     tokens: Vec<Token>,
     chain: Vec<Hash>,
     from_block: usize,
+}
+
+enum WriteJob {
+    Blocks(BlockJob),
+    /// A sequence's state as `Context::sequence_state` copied it, with its tokens.
+    Snapshot {
+        tokens: Vec<Token>,
+        state: Vec<u8>,
+    },
 }
 
 /// The prompt cache of one engine's settings. See the module documentation.
@@ -103,19 +132,25 @@ pub struct PromptCache {
     /// `root/<digest>`: this model's and settings' blocks.
     dir: PathBuf,
     digest: Hash,
+    layout: Layout,
+    /// A snapshot larger than this is no file of ours (`--prompt-cache-size`).
+    max_bytes: u64,
     writer: Option<(mpsc::Sender<WriteJob>, JoinHandle<()>)>,
-    /// Set once a sequence turned out not to be a plain KV cache.
+    /// Set once a sequence turned out not to be what `layout` keeps.
     unsupported: Arc<AtomicBool>,
+    /// Snapshots sent to the writer and not yet written.
+    pending: Arc<AtomicUsize>,
 }
 
 impl PromptCache {
     /// The cache in `options.dir` (which `PromptCacheOptions::check` proved writable at
-    /// startup) for an engine whose settings digest is `digest`.
-    pub fn open(options: &PromptCacheOptions, digest: Hash) -> Result<PromptCache, PromptCacheError> {
+    /// startup) for an engine whose settings digest is `digest`, keeping sequences as `layout`.
+    pub fn open(options: &PromptCacheOptions, digest: Hash, layout: Layout) -> Result<PromptCache, PromptCacheError> {
         let dir = options.dir.join(hex(&digest[..8]));
         std::fs::create_dir_all(&dir).map_err(io_error(&dir))?;
         remove_stale_temporaries(&options.dir);
         let unsupported = Arc::new(AtomicBool::new(false));
+        let pending = Arc::new(AtomicUsize::new(0));
         let (sender, receiver) = mpsc::channel::<WriteJob>();
         let writer = Writer {
             root: options.dir.clone(),
@@ -123,6 +158,7 @@ impl PromptCache {
             digest,
             max_bytes: options.max_bytes,
             unsupported: unsupported.clone(),
+            pending: pending.clone(),
         };
         let handle = std::thread::Builder::new()
             .name("hypura-prompt-cache".into())
@@ -132,7 +168,20 @@ impl PromptCache {
                 }
             })
             .map_err(io_error(&dir))?;
-        Ok(PromptCache { root: options.dir.clone(), dir, digest, writer: Some((sender, handle)), unsupported })
+        Ok(PromptCache {
+            root: options.dir.clone(),
+            dir,
+            digest,
+            layout,
+            max_bytes: options.max_bytes,
+            writer: Some((sender, handle)),
+            unsupported,
+            pending,
+        })
+    }
+
+    pub fn layout(&self) -> Layout {
+        self.layout
     }
 
     /// The chain hash at the end of each whole block of `tokens`.
@@ -151,6 +200,20 @@ impl PromptCache {
         self.dir.join(format!("{}.{BLOCK_EXTENSION}", hex(hash)))
     }
 
+    /// `<dir>/<tokens>-<hash of the digest and every token>.snap`.
+    fn snapshot_path(&self, tokens: &[Token]) -> PathBuf {
+        snapshot_path(&self.dir, &self.digest, tokens)
+    }
+
+    /// Whether a snapshot of a sequence holding `tokens` is worth taking: the layout keeps
+    /// snapshots, none of these tokens is on disk yet, and there are at least a block's worth.
+    pub fn wants_snapshot(&self, tokens: &[Token]) -> bool {
+        self.layout == Layout::Snapshots
+            && tokens.len() >= BLOCK_TOKENS
+            && !self.unsupported.load(Ordering::Relaxed)
+            && !self.snapshot_path(tokens).is_file()
+    }
+
     /// Load the cached prefix of `tokens` into sequence `seq_id` of `context`, whose KV cache
     /// has `n_stream` streams, where more than `beyond` tokens of it are on disk. A block that
     /// fails its checks is removed with a warning and the prefix before it is loaded.
@@ -166,6 +229,9 @@ impl PromptCache {
     ) -> Result<Option<Loaded>, PromptCacheError> {
         if self.unsupported.load(Ordering::Relaxed) {
             return Ok(None);
+        }
+        if self.layout == Layout::Snapshots {
+            return self.load_snapshot(context, seq_id, tokens, beyond);
         }
         let chain = self.chain(tokens);
         if chain.iter().take_while(|hash| self.block_path(hash).is_file()).count() * BLOCK_TOKENS <= beyond {
@@ -223,11 +289,60 @@ impl PromptCache {
         result.map(Some)
     }
 
-    /// Save the blocks of sequence `seq_id` (which holds `tokens`) that are not on disk yet. The
-    /// context writes the sequence to a temporary file here; the writer thread does the rest.
+    /// The longest snapshot that `tokens` starts with and that is longer than `beyond`, into
+    /// sequence `seq_id`. A snapshot that fails its checks is removed with a warning and the
+    /// next shorter one tried.
+    fn load_snapshot(
+        &self,
+        context: &mut Context,
+        seq_id: i32,
+        tokens: &[Token],
+        beyond: usize,
+    ) -> Result<Option<Loaded>, PromptCacheError> {
+        let mut lengths = snapshot_lengths(&self.dir);
+        lengths.retain(|&length| length > beyond && length <= tokens.len());
+        lengths.sort_unstable_by(|a, b| b.cmp(a));
+        lengths.dedup();
+        for length in lengths {
+            let path = self.snapshot_path(&tokens[..length]);
+            if !path.is_file() {
+                continue;
+            }
+            let (bytes, state) = match read_snapshot(&path, &self.digest, &tokens[..length], self.max_bytes) {
+                Ok(read) => read,
+                Err(error) => {
+                    tracing::warn!("{error}; the file is removed");
+                    let _ = std::fs::remove_file(&path);
+                    continue;
+                }
+            };
+            context.set_sequence_state(seq_id, &bytes[state])?;
+            // The sequence must end where the snapshot did, or it is not that snapshot.
+            if context.sequence_positions(seq_id).map(|(_, last)| last) != Some(length as i32 - 1) {
+                context.truncate_sequence(seq_id, 0);
+                return Err(PromptCacheError::Invalid {
+                    path,
+                    reason: format!("llama.cpp restored a sequence that does not end at position {}", length - 1),
+                });
+            }
+            if let Ok(file) = File::options().append(true).open(&path) {
+                let _ = file.set_modified(SystemTime::now());
+            }
+            return Ok(Some(Loaded { tokens: length, bytes: bytes.len() as u64 }));
+        }
+        Ok(None)
+    }
+
+    /// Keep sequence `seq_id`, which holds `tokens`: the blocks of it not on disk yet, or with
+    /// `Layout::Snapshots` the whole sequence at its length. The context copies the sequence
+    /// here (to a temporary file, or for a snapshot into memory); the writer thread does the
+    /// rest.
     pub fn save(&self, context: &mut Context, seq_id: i32, tokens: &[Token]) {
         if self.unsupported.load(Ordering::Relaxed) {
             return;
+        }
+        if self.layout == Layout::Snapshots {
+            return self.snapshot(context, seq_id, tokens);
         }
         let chain = self.chain(tokens);
         let Some(from_block) = chain.iter().position(|hash| !self.block_path(hash).is_file()) else { return };
@@ -238,9 +353,33 @@ impl PromptCache {
             let _ = std::fs::remove_file(&saved);
             return;
         }
-        let job = WriteJob { saved, tokens: tokens[..chain.len() * BLOCK_TOKENS].to_vec(), chain, from_block };
-        if let Err(mpsc::SendError(job)) = sender.send(job) {
+        let job = BlockJob { saved, tokens: tokens[..chain.len() * BLOCK_TOKENS].to_vec(), chain, from_block };
+        if let Err(mpsc::SendError(WriteJob::Blocks(job))) = sender.send(WriteJob::Blocks(job)) {
             let _ = std::fs::remove_file(&job.saved);
+        }
+    }
+
+    fn snapshot(&self, context: &mut Context, seq_id: i32, tokens: &[Token]) {
+        if !self.wants_snapshot(tokens) {
+            return;
+        }
+        let Some((sender, _)) = &self.writer else { return };
+        if self.pending.load(Ordering::Relaxed) >= MAX_PENDING_SNAPSHOTS {
+            tracing::debug!("prompt cache: {MAX_PENDING_SNAPSHOTS} snapshots still being written; this one is skipped");
+            return;
+        }
+        match context.sequence_state(seq_id) {
+            Ok(state) => {
+                self.pending.fetch_add(1, Ordering::Relaxed);
+                if sender.send(WriteJob::Snapshot { tokens: tokens.to_vec(), state }).is_err() {
+                    self.pending.fetch_sub(1, Ordering::Relaxed);
+                }
+            }
+            Err(error) => {
+                if !self.unsupported.swap(true, Ordering::Relaxed) {
+                    tracing::warn!("prompt cache: {error}; this model's prompts are not saved");
+                }
+            }
         }
     }
 }
@@ -262,10 +401,53 @@ struct Writer {
     digest: Hash,
     max_bytes: u64,
     unsupported: Arc<AtomicBool>,
+    pending: Arc<AtomicUsize>,
 }
 
 impl Writer {
     fn write(&self, job: WriteJob) {
+        match job {
+            WriteJob::Blocks(job) => self.write_block_job(job),
+            WriteJob::Snapshot { tokens, state } => {
+                match self.write_snapshot(&tokens, &state) {
+                    Ok(bytes) => {
+                        tracing::debug!("prompt cache: a {bytes}-byte snapshot written for {} tokens", tokens.len());
+                        self.evict();
+                    }
+                    Err(error) => tracing::warn!("{error}; the snapshot is not saved"),
+                }
+                self.pending.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Write a snapshot to a temporary name and rename it; returns its size.
+    fn write_snapshot(&self, tokens: &[Token], state: &[u8]) -> Result<u64, PromptCacheError> {
+        let path = snapshot_path(&self.dir, &self.digest, tokens);
+        let temporary = temporary_path(&self.root, "snapshot");
+        let result = (|| {
+            let mut out = HashingWriter { inner: BufWriter::new(File::create(&temporary)?), hasher: Sha256::new() };
+            out.write_all(&snapshot_header(&self.digest, tokens, state.len() as u64))?;
+            out.write_all(state)?;
+            let hash = out.hasher.finalize();
+            let mut inner = out.inner;
+            inner.write_all(&hash)?;
+            let file = inner.into_inner().map_err(|error| error.into_error())?;
+            file.metadata().map(|metadata| metadata.len())
+        })();
+        match result {
+            Ok(bytes) => {
+                std::fs::rename(&temporary, &path).map_err(io_error(&path))?;
+                Ok(bytes)
+            }
+            Err(source) => {
+                let _ = std::fs::remove_file(&temporary);
+                Err(PromptCacheError::Io { path, source })
+            }
+        }
+    }
+
+    fn write_block_job(&self, job: BlockJob) {
         match self.write_blocks(&job) {
             Ok(written) if written > 0 => {
                 tracing::debug!("prompt cache: {written} bytes written for {} tokens", job.tokens.len());
@@ -285,7 +467,7 @@ impl Writer {
     }
 
     /// Write the job's missing blocks; returns the bytes written.
-    fn write_blocks(&self, job: &WriteJob) -> Result<u64, PromptCacheError> {
+    fn write_blocks(&self, job: &BlockJob) -> Result<u64, PromptCacheError> {
         let file = File::open(&job.saved).map_err(io_error(&job.saved))?;
         let state_error = |source| PromptCacheError::State { path: job.saved.clone(), source };
         let (tokens, section) = state::read_sequence(&file).map_err(state_error)?;
@@ -350,7 +532,8 @@ impl Writer {
         Ok(written)
     }
 
-    /// Remove the least recently used blocks (of every model) beyond the size limit.
+    /// Remove the least recently used blocks and snapshots (of every model) beyond the size
+    /// limit.
     fn evict(&self) {
         let mut blocks: Vec<(SystemTime, u64, PathBuf)> = Vec::new();
         let Ok(dirs) = std::fs::read_dir(&self.root) else { return };
@@ -358,7 +541,10 @@ impl Writer {
             let Ok(files) = std::fs::read_dir(dir.path()) else { continue };
             for file in files.flatten() {
                 let path = file.path();
-                if path.extension().is_some_and(|extension| extension == BLOCK_EXTENSION) {
+                if path
+                    .extension()
+                    .is_some_and(|extension| extension == BLOCK_EXTENSION || extension == SNAPSHOT_EXTENSION)
+                {
                     if let Ok(metadata) = file.metadata() {
                         blocks.push((metadata.modified().unwrap_or(SystemTime::UNIX_EPOCH), metadata.len(), path));
                     }
@@ -458,6 +644,71 @@ fn read_block(
         return Err(invalid("its cells are not its block's positions"));
     }
     Ok(section)
+}
+
+fn snapshot_path(dir: &Path, digest: &Hash, tokens: &[Token]) -> PathBuf {
+    dir.join(format!("{}-{}.{SNAPSHOT_EXTENSION}", tokens.len(), hex(&chain_step(digest, tokens))))
+}
+
+/// The lengths of the snapshots in `dir`, from their names.
+fn snapshot_lengths(dir: &Path) -> Vec<usize> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    entries
+        .flatten()
+        .filter_map(|entry| {
+            let path = entry.path();
+            if path.extension()? != SNAPSHOT_EXTENSION {
+                return None;
+            }
+            let (length, _) = path.file_stem()?.to_str()?.split_once('-')?;
+            length.parse().ok()
+        })
+        .collect()
+}
+
+/// magic, settings digest, token count, the tokens, and the state's length.
+fn snapshot_header(digest: &Hash, tokens: &[Token], state_bytes: u64) -> Vec<u8> {
+    let mut header = Vec::with_capacity(SNAPSHOT_MAGIC.len() + 44 + tokens.len() * 4);
+    header.extend_from_slice(SNAPSHOT_MAGIC);
+    header.extend_from_slice(digest);
+    header.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
+    for token in tokens {
+        header.extend_from_slice(&token.to_le_bytes());
+    }
+    header.extend_from_slice(&state_bytes.to_le_bytes());
+    header
+}
+
+/// Read a snapshot file and check it against what its name promised: returns its bytes and
+/// where the state lies in them.
+fn read_snapshot(
+    path: &Path,
+    digest: &Hash,
+    tokens: &[Token],
+    max_bytes: u64,
+) -> Result<(Vec<u8>, std::ops::Range<usize>), PromptCacheError> {
+    let invalid = |reason: &str| PromptCacheError::Invalid { path: path.to_path_buf(), reason: reason.to_string() };
+    let len = std::fs::metadata(path).map_err(io_error(path))?.len();
+    if len > max_bytes {
+        return Err(invalid("larger than the prompt cache may be"));
+    }
+    let bytes = std::fs::read(path).map_err(io_error(path))?;
+    let header_len = snapshot_header(digest, tokens, 0).len();
+    if bytes.len() < header_len + 32 {
+        return Err(invalid("truncated"));
+    }
+    if bytes[..SNAPSHOT_MAGIC.len()] != SNAPSHOT_MAGIC[..] {
+        return Err(invalid("not a prompt cache snapshot of this build"));
+    }
+    let (body, stored) = bytes.split_at(bytes.len() - 32);
+    if Sha256::digest(body)[..] != *stored {
+        return Err(invalid("its checksum does not match (a corrupt file)"));
+    }
+    let state = header_len..body.len();
+    if body[..header_len] != snapshot_header(digest, tokens, state.len() as u64)[..] {
+        return Err(invalid("made for another model, settings or prompt"));
+    }
+    Ok((bytes, state))
 }
 
 /// A block's modification time when it is used or written at `now`: eviction goes by

@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use hypura::engine::chat::{ChatMessage, ChatRequest};
 use hypura::engine::prompt_cache::{PromptCacheOptions, BLOCK_TOKENS};
 use hypura::engine::{Control, Engine, EngineOptions, GenerateOutput, GenerateRequest, Prompt, SamplerParams, Session};
 use serde_json::{json, Value};
@@ -294,4 +295,109 @@ fn a_reloaded_model_keeps_its_cached_prefix_in_memory() {
     let again = server.post("/api/generate", &request(1024));
     assert!(again["hypura_prompt_cached"].as_u64().unwrap() >= prompt_tokens - 1, "{again}");
     assert_eq!(again["response"], first["response"]);
+}
+
+/// A chat template for Gemma 3 (the test file is a base model and has none): the system
+/// prompt opens the first turn, as Gemma's own template puts it.
+const GEMMA_TEMPLATE: &str = "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'system' %}\
+{{ message['content'] }}\n\n{% else %}<start_of_turn>{{ message['role'] }}\n{{ message['content'] }}<end_of_turn>\n\
+{% endif %}{% endfor %}<start_of_turn>model\n";
+
+fn gemma_engine(cache: Option<&Path>) -> Arc<Engine> {
+    let options = EngineOptions {
+        n_ctx_seq: 4096,
+        n_threads: Some(2),
+        batch_invariant: true,
+        chat_template: Some(GEMMA_TEMPLATE.to_string()),
+        prompt_cache: cache.map(|dir| PromptCacheOptions { dir: dir.to_path_buf(), max_bytes: 1 << 30 }),
+        ..EngineOptions::default()
+    };
+    Arc::new(Engine::open(&common::gemma_path(), options).unwrap())
+}
+
+fn chat_request(system: &str, question: &str) -> GenerateRequest {
+    let messages = vec![ChatMessage::new("system", system), ChatMessage::new("user", question)];
+    GenerateRequest {
+        max_tokens: Some(12),
+        sampling: SamplerParams::greedy(),
+        ignore_eos: true,
+        prompt_logits: true,
+        ..GenerateRequest::new(Prompt::Chat(ChatRequest::new(messages)))
+    }
+}
+
+fn snapshot_files(dir: &Path) -> Vec<(usize, PathBuf)> {
+    let mut files = Vec::new();
+    for model in std::fs::read_dir(dir).unwrap().flatten().filter(|entry| entry.path().is_dir()) {
+        for file in std::fs::read_dir(model.path()).unwrap().flatten() {
+            let path = file.path();
+            if path.extension().is_some_and(|extension| extension == "snap") {
+                let stem = path.file_stem().unwrap().to_str().unwrap().to_string();
+                files.push((stem.split_once('-').unwrap().0.parse().unwrap(), path));
+            }
+        }
+    }
+    files.sort();
+    files
+}
+
+/// Gemma 3's sliding-window cache cannot be cut into blocks: it is kept whole, at the end of
+/// the system prompt (where the prompt's evaluation stops for it) and at the end of each
+/// answer. Another engine answering another question under the same system prompt loads the
+/// first snapshot, and its greedy tokens and prompt logits are a fresh evaluation's bits. A
+/// corrupt or truncated snapshot is removed with a warning and costs only the load.
+#[test]
+fn a_sliding_window_prefix_is_loaded_from_a_snapshot_with_the_same_bits() {
+    let _machine = common::whole_machine();
+    let directory = tempfile::tempdir().unwrap();
+    let cache = directory.path().join("cache");
+    // Longer than Gemma 3's 512-position window.
+    let system = system_prompt(40);
+    let question = chat_request(&system, "How often is shelf 3 checked?");
+    let fresh = Session::new(gemma_engine(None)).unwrap().generate(&question, &mut |_| Control::Continue).unwrap();
+
+    let first = Session::new(gemma_engine(Some(&cache)))
+        .unwrap()
+        .generate(&chat_request(&system, "Which shelf holds item 70?"), &mut |_| Control::Continue)
+        .unwrap();
+    let snapshots = snapshot_files(&cache);
+    assert_eq!(snapshots.len(), 2, "a snapshot at the system prompt's end and one at the answer's: {snapshots:?}");
+    let (at_system, system_file) = snapshots[0].clone();
+    let first_total = first.stats.prompt_eval_count as usize;
+    assert!(
+        at_system > 700 && at_system + 10 < first_total,
+        "the system prompt's snapshot at {at_system} of {first_total}"
+    );
+    assert_eq!(snapshots[1].0, first_total + first.tokens.len() - 1, "the answer's snapshot");
+
+    let load =
+        || Session::new(gemma_engine(Some(&cache))).unwrap().generate(&question, &mut |_| Control::Continue).unwrap();
+    let cached = load();
+    assert_eq!(cached.stats.prompt_cache_tokens as usize, at_system);
+    assert!(cached.stats.prompt_cache_bytes_read > 0);
+    assert!(
+        cached.stats.prompt_cache_tokens * 10 >= cached.stats.prompt_eval_count * 9,
+        "{} of {} prompt tokens from the cache",
+        cached.stats.prompt_cache_tokens,
+        cached.stats.prompt_eval_count
+    );
+    assert_eq!(cached.tokens, fresh.tokens, "greedy tokens changed with the prefix from disk");
+    assert_eq!(cached.prompt_logits, fresh.prompt_logits, "the prompt's logits changed with the prefix from disk");
+
+    // A flipped byte in the snapshot's state: removed, the prompt evaluated, the same tokens.
+    let mut bytes = std::fs::read(&system_file).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x40;
+    std::fs::write(&system_file, &bytes).unwrap();
+    let after_corruption = load();
+    assert_eq!(after_corruption.stats.prompt_cache_tokens, 0);
+    assert_eq!(after_corruption.tokens, fresh.tokens);
+    assert_eq!(after_corruption.prompt_logits, fresh.prompt_logits);
+    // ... and taken again on the way, so the next load finds it; then a truncated one.
+    assert!(system_file.is_file(), "the system prompt's snapshot was not taken again");
+    let length = std::fs::metadata(&system_file).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&system_file).unwrap().set_len(length / 2).unwrap();
+    let after_truncation = load();
+    assert_eq!(after_truncation.stats.prompt_cache_tokens, 0);
+    assert_eq!(after_truncation.tokens, fresh.tokens);
 }

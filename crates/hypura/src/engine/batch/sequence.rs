@@ -44,6 +44,8 @@ pub(super) struct Feed {
     pub prompt: Vec<Token>,
     /// Index of the next prompt token to decode.
     pub next_prompt: usize,
+    /// A prompt length to stop a chunk at and snapshot the sequence (`Batcher::checkpoint`).
+    pub checkpoint: Option<usize>,
     /// A sampled token not yet decoded.
     pub pending: Option<Token>,
     /// Drafted tokens queued after `pending` in the batch being decoded, each with logits.
