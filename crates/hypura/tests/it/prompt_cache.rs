@@ -303,7 +303,7 @@ const GEMMA_TEMPLATE: &str = "{{ bos_token }}{% for message in messages %}{% if 
 {{ message['content'] }}\n\n{% else %}<start_of_turn>{{ message['role'] }}\n{{ message['content'] }}<end_of_turn>\n\
 {% endif %}{% endfor %}<start_of_turn>model\n";
 
-fn gemma_engine(cache: Option<&Path>) -> Arc<Engine> {
+fn chat_engine(path: &Path, cache: Option<&Path>) -> Arc<Engine> {
     let options = EngineOptions {
         n_ctx_seq: 4096,
         n_threads: Some(2),
@@ -312,7 +312,7 @@ fn gemma_engine(cache: Option<&Path>) -> Arc<Engine> {
         prompt_cache: cache.map(|dir| PromptCacheOptions { dir: dir.to_path_buf(), max_bytes: 1 << 30 }),
         ..EngineOptions::default()
     };
-    Arc::new(Engine::open(&common::gemma_path(), options).unwrap())
+    Arc::new(Engine::open(path, options).unwrap())
 }
 
 fn chat_request(system: &str, question: &str) -> GenerateRequest {
@@ -354,9 +354,12 @@ fn a_sliding_window_prefix_is_loaded_from_a_snapshot_with_the_same_bits() {
     // Longer than Gemma 3's 512-position window.
     let system = system_prompt(40);
     let question = chat_request(&system, "How often is shelf 3 checked?");
-    let fresh = Session::new(gemma_engine(None)).unwrap().generate(&question, &mut |_| Control::Continue).unwrap();
+    let fresh = Session::new(chat_engine(&common::gemma_path(), None))
+        .unwrap()
+        .generate(&question, &mut |_| Control::Continue)
+        .unwrap();
 
-    let first = Session::new(gemma_engine(Some(&cache)))
+    let first = Session::new(chat_engine(&common::gemma_path(), Some(&cache)))
         .unwrap()
         .generate(&chat_request(&system, "Which shelf holds item 70?"), &mut |_| Control::Continue)
         .unwrap();
@@ -370,8 +373,12 @@ fn a_sliding_window_prefix_is_loaded_from_a_snapshot_with_the_same_bits() {
     );
     assert_eq!(snapshots[1].0, first_total + first.tokens.len() - 1, "the answer's snapshot");
 
-    let load =
-        || Session::new(gemma_engine(Some(&cache))).unwrap().generate(&question, &mut |_| Control::Continue).unwrap();
+    let load = || {
+        Session::new(chat_engine(&common::gemma_path(), Some(&cache)))
+            .unwrap()
+            .generate(&question, &mut |_| Control::Continue)
+            .unwrap()
+    };
     let cached = load();
     assert_eq!(cached.stats.prompt_cache_tokens as usize, at_system);
     assert!(cached.stats.prompt_cache_bytes_read > 0);
@@ -400,4 +407,28 @@ fn a_sliding_window_prefix_is_loaded_from_a_snapshot_with_the_same_bits() {
     let after_truncation = load();
     assert_eq!(after_truncation.stats.prompt_cache_tokens, 0);
     assert_eq!(after_truncation.tokens, fresh.tokens);
+}
+
+/// A hybrid model (Qwen3.5's recurrent layers beside attention, forged tiny) is kept whole too:
+/// the next session's question under the same system prompt loads it, with a fresh
+/// evaluation's greedy tokens and prompt logits.
+#[test]
+fn a_hybrid_models_prefix_is_loaded_from_a_snapshot_with_the_same_bits() {
+    let _machine = common::shared_machine();
+    let directory = tempfile::tempdir().unwrap();
+    let model = common::forge("tiny-qwen35moe", directory.path());
+    let cache = directory.path().join("cache");
+    let system = system_prompt(30);
+    let question = chat_request(&system, "How often is shelf 3 checked?");
+    let answer = |cache: Option<&Path>, request: &GenerateRequest| {
+        Session::new(chat_engine(&model, cache)).unwrap().generate(request, &mut |_| Control::Continue).unwrap()
+    };
+    let fresh = answer(None, &question);
+    answer(Some(&cache), &chat_request(&system, "Which shelf holds item 70?"));
+    let cached = answer(Some(&cache), &question);
+    let at_system = snapshot_files(&cache)[0].0;
+    assert!(at_system > 500, "the system prompt's snapshot at {at_system}");
+    assert_eq!(cached.stats.prompt_cache_tokens as usize, at_system);
+    assert_eq!(cached.tokens, fresh.tokens, "greedy tokens changed with the prefix from disk");
+    assert_eq!(cached.prompt_logits, fresh.prompt_logits, "the prompt's logits changed with the prefix from disk");
 }
