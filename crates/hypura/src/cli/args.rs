@@ -289,11 +289,12 @@ pub struct SpeculativeArgs {
 pub struct PromptCacheArgs {
     /// Keep prompts' KV caches in this directory, by prefix in blocks of 64 tokens, so that a
     /// prompt that starts like an earlier one (a system prompt, an agent's tools) loads that
-    /// prefix instead of evaluating it, after a restart or a reload too. Off by default: without
-    /// it Hypura writes nothing beside its own small caches.
+    /// prefix instead of evaluating it, after a restart or a reload too (sliding-window and
+    /// recurrent models: whole snapshots at the end of the system prompt and of each answer).
+    /// Off by default: without it Hypura writes nothing beside its own small caches.
     #[arg(long, value_name = "DIR")]
     pub prompt_cache: Option<PathBuf>,
-    /// Most bytes the prompt cache keeps; the least recently used blocks go first.
+    /// Most bytes the prompt cache keeps; the least recently used blocks and snapshots go first.
     #[arg(long, value_name = "SIZE", default_value = "8GiB", requires = "prompt_cache")]
     pub prompt_cache_size: String,
 }
