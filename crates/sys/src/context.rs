@@ -510,9 +510,7 @@ impl Context {
         true
     }
 
-    /// The first and last positions one sequence's memory holds (None when it holds none). A
-    /// sliding-window cache reuses the cells of positions that fell out of its window, so
-    /// after a long sequence the first is well past 0.
+    /// The first and last positions one sequence's memory holds (None when it holds none).
     pub fn sequence_positions(&self, seq_id: i32) -> Option<(i32, i32)> {
         // SAFETY: the context is valid, and so is the memory it owns; -1 means empty.
         let (first, last) = unsafe {
