@@ -425,16 +425,11 @@ impl Writer {
     fn write_snapshot(&self, tokens: &[Token], state: &[u8]) -> Result<u64, PromptCacheError> {
         let path = snapshot_path(&self.dir, &self.digest, tokens);
         let temporary = temporary_path(&self.root, "snapshot");
-        let result = (|| {
-            let mut out = HashingWriter { inner: BufWriter::new(File::create(&temporary)?), hasher: Sha256::new() };
+        let result = write_sealed(&temporary, |out| {
             out.write_all(&snapshot_header(&self.digest, tokens, state.len() as u64))?;
-            out.write_all(state)?;
-            let hash = out.hasher.finalize();
-            let mut inner = out.inner;
-            inner.write_all(&hash)?;
-            let file = inner.into_inner().map_err(|error| error.into_error())?;
-            file.metadata().map(|metadata| metadata.len())
-        })();
+            out.write_all(state)
+        })
+        .and_then(|file| file.metadata().map(|metadata| metadata.len()));
         match result {
             Ok(bytes) => {
                 std::fs::rename(&temporary, &path).map_err(io_error(&path))?;
@@ -507,17 +502,15 @@ impl Writer {
             let previous = if index == 0 { self.digest } else { job.chain[index - 1] };
             let cells = &by_position[range.clone()];
             let temporary = temporary_path(&self.root, "block");
-            let result = (|| {
-                let mut out = HashingWriter { inner: BufWriter::new(File::create(&temporary)?), hasher: Sha256::new() };
+            let result = write_sealed(&temporary, |out| {
                 out.write_all(&block_header(&self.digest, &previous, index, &job.tokens[range.clone()]))?;
-                state::write_section(&mut out, &[Part { file: &file, section: &section, cells }])?;
-                let hash = out.hasher.finalize();
-                let mut inner = out.inner;
-                inner.write_all(&hash)?;
-                let file = inner.into_inner().map_err(|error| error.into_error())?;
+                state::write_section(out, &[Part { file: &file, section: &section, cells }])?;
+                Ok::<(), StateError>(())
+            })
+            .and_then(|file| {
                 file.set_modified(recency(now, index))?;
-                Ok::<u64, StateError>(file.metadata()?.len())
-            })();
+                Ok(file.metadata()?.len())
+            });
             match result {
                 Ok(bytes) => {
                     std::fs::rename(&temporary, &path).map_err(io_error(&path))?;
@@ -565,6 +558,19 @@ impl Writer {
             }
         }
     }
+}
+
+/// Create `path` and write into it what `body` writes, then a SHA-256 of all of it (blocks and
+/// snapshots end so).
+fn write_sealed<E: From<std::io::Error>>(
+    path: &Path,
+    body: impl FnOnce(&mut HashingWriter<BufWriter<File>>) -> Result<(), E>,
+) -> Result<File, E> {
+    let mut out = HashingWriter { inner: BufWriter::new(File::create(path)?), hasher: Sha256::new() };
+    body(&mut out)?;
+    let HashingWriter { mut inner, hasher } = out;
+    inner.write_all(&hasher.finalize())?;
+    Ok(inner.into_inner().map_err(|error| error.into_error())?)
 }
 
 struct HashingWriter<W: Write> {
