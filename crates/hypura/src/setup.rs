@@ -160,6 +160,7 @@ pub fn prepare(path: &Path, spec: &RunSpec) -> Result<Setup, EngineError> {
         }),
         remote: spec.remote.clone(),
         prompt_cache: spec.prompt_cache.clone(),
+        kv: spec.plan.kv,
         ..EngineOptions::default()
     };
     Ok(Setup { inventory, facts, options })

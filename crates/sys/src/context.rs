@@ -34,6 +34,10 @@ pub struct ContextParams {
     /// bits whatever else its batch holds, so a greedy answer repeats whether its prefix was
     /// cached or not and whatever requests share the batch. Costs the tiled kernels' speed.
     pub batch_invariant: bool,
+    /// The KV cache's element types, as ggml type ids (`GGML_TYPE_F16` is llama.cpp's
+    /// default). llama.cpp refuses a quantized V cache without flash attention.
+    pub type_k: u32,
+    pub type_v: u32,
 }
 
 impl std::fmt::Debug for ContextParams {
@@ -47,6 +51,8 @@ impl std::fmt::Debug for ContextParams {
             .field("n_threads", &self.n_threads)
             .field("eval_hook", &self.eval_hook.is_some())
             .field("batch_invariant", &self.batch_invariant)
+            .field("type_k", &self.type_k)
+            .field("type_v", &self.type_v)
             .finish()
     }
 }
@@ -66,6 +72,8 @@ impl Default for ContextParams {
             kv_unified: false,
             eval_hook: None,
             batch_invariant: false,
+            type_k: raw::GGML_TYPE_F16,
+            type_v: raw::GGML_TYPE_F16,
         }
     }
 }
@@ -192,6 +200,8 @@ impl ContextParams {
         raw_params.embeddings = self.embeddings;
         raw_params.op_offload = self.op_offload;
         raw_params.kv_unified = self.kv_unified;
+        raw_params.type_k = self.type_k;
+        raw_params.type_v = self.type_v;
         raw_params.no_perf = true;
         raw_params
     }

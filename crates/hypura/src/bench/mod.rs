@@ -28,6 +28,8 @@ pub struct PeerConfig {
     pub placement: PeerPlacement,
     /// The devices llama.cpp offloads to (its `--rpc` workers' devices); empty: its own GPUs.
     pub devices: Vec<hypura_sys::DeviceHandle>,
+    /// The KV cache's types: Hypura's, so that both sides attend over the same cache.
+    pub kv: crate::plan::KvTypes,
 }
 
 impl Default for PeerConfig {
@@ -38,6 +40,7 @@ impl Default for PeerConfig {
             repack: true,
             placement: PeerPlacement::Default,
             devices: Vec::new(),
+            kv: crate::plan::KvTypes::default(),
         }
     }
 }

@@ -53,7 +53,14 @@ impl PlainLlama {
             devices: config.devices.clone(),
             ..ModelParams::default()
         };
-        let params = ContextParams { n_ctx, n_threads, n_threads_batch: n_threads, ..ContextParams::default() };
+        let params = ContextParams {
+            n_ctx,
+            n_threads,
+            n_threads_batch: n_threads,
+            type_k: config.kv.k.id(),
+            type_v: config.kv.v.id(),
+            ..ContextParams::default()
+        };
         let host_patterns = match &config.placement {
             PeerPlacement::Default => Vec::new(),
             PeerPlacement::ExpertsOnHost => vec![PeerPlacement::EXPERTS_PATTERN.to_string()],

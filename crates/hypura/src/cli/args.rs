@@ -178,6 +178,15 @@ pub struct PlanArgs {
     /// auto, resident, dense-stream or expert-stream.
     #[arg(long, default_value = "auto")]
     pub mode: String,
+    /// The KV cache's type for K: f16, or to fit a longer context in memory q8_0 (half the
+    /// bytes), q4_0, q4_1, q5_0, q5_1, iq4_nl, bf16, f32 (llama.cpp's --cache-type-k). A
+    /// quantized cache changes the logits slightly. Default: OLLAMA_KV_CACHE_TYPE, else f16.
+    #[arg(long, visible_alias = "ctk", env = "OLLAMA_KV_CACHE_TYPE", default_value = "f16", value_name = "TYPE")]
+    pub cache_type_k: String,
+    /// The KV cache's type for V (a quantized V needs flash attention, which llama.cpp turns
+    /// on where the backend has it). Default: OLLAMA_KV_CACHE_TYPE, else f16.
+    #[arg(long, visible_alias = "ctv", env = "OLLAMA_KV_CACHE_TYPE", default_value = "f16", value_name = "TYPE")]
+    pub cache_type_v: String,
     /// Streamed layers read ahead of the computing one (dense-stream; default: sized from the
     /// disk's queue depth and bandwidth and the measured compute time).
     #[arg(long)]

@@ -216,6 +216,10 @@ fn plan_options(args: &PlanArgs) -> anyhow::Result<PlanOptions> {
         },
         cache_policy,
         gpu_expert_pool: args.gpu_experts == "pool",
+        kv: crate::plan::KvTypes {
+            k: crate::plan::KvTypes::parse(&args.cache_type_k).map_err(anyhow::Error::msg).context("--cache-type-k")?,
+            v: crate::plan::KvTypes::parse(&args.cache_type_v).map_err(anyhow::Error::msg).context("--cache-type-v")?,
+        },
         ..PlanOptions::default()
     })
 }

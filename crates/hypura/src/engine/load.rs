@@ -53,6 +53,9 @@ pub struct EngineOptions {
     pub remote: Option<Arc<Workers>>,
     /// Prompt prefixes' KV caches on disk (`--prompt-cache`); None keeps them in memory only.
     pub prompt_cache: Option<super::prompt_cache::PromptCacheOptions>,
+    /// The KV cache's element types (f16 unless asked; a quantized cache needs flash
+    /// attention, which llama.cpp turns on where the backends have it).
+    pub kv: crate::plan::KvTypes,
 }
 
 /// Tokens the n-gram drafters match by default (`Speculation::new`).
@@ -120,6 +123,7 @@ impl Default for EngineOptions {
             speculation: None,
             remote: None,
             prompt_cache: None,
+            kv: crate::plan::KvTypes::default(),
         }
     }
 }
@@ -425,6 +429,8 @@ impl Engine {
             op_offload: !self.options.batch_invariant
                 && self.options.plan.as_ref().is_none_or(|plan| plan.gpu.as_ref().is_some_and(|gpu| gpu.op_offload)),
             batch_invariant: self.options.batch_invariant,
+            type_k: self.options.kv.k.id(),
+            type_v: self.options.kv.v.id(),
             ..defaults
         }
     }

@@ -761,11 +761,13 @@ pub fn settings_digest(engine: &Engine) -> Result<Hash, PromptCacheError> {
     hasher.update(env!("CARGO_PKG_VERSION"));
     let options = engine.options();
     hasher.update(format!(
-        "repacked {} batch_invariant {} n_ubatch {} n_gpu_layers {}\n",
+        "repacked {} batch_invariant {} n_ubatch {} n_gpu_layers {} kv {} {}\n",
         engine.repacked(),
         options.batch_invariant,
         engine.n_ubatch(),
         if options.plan.is_some() { 0 } else { options.n_gpu_layers },
+        options.kv.k,
+        options.kv.v,
     ));
     if let Some(plan) = &options.plan {
         for tensor in &plan.tensors {

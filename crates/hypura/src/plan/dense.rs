@@ -300,7 +300,7 @@ mod tests {
         let inventory = inventory(10, 16 << 20, 32 << 20, 64 << 20);
         let fixed = (64 << 20)
             + 10 * (16 << 20)
-            + kv_cache_bytes(&inventory, 1024)
+            + kv_cache_bytes(&inventory, 1024, Default::default())
             + compute_buffer_bytes(&inventory, 1024, 256);
         // Room for the window (3 layers of 96 MiB) and 2 pinned layers.
         let budget = fixed + 5 * (96 << 20);
@@ -352,7 +352,7 @@ mod tests {
                 .sum::<u64>();
         MachineFacts {
             memory_budget_bytes: fixed
-                + kv_cache_bytes(inventory, 1024)
+                + kv_cache_bytes(inventory, 1024, Default::default())
                 + compute_buffer_bytes(inventory, 1024, 256)
                 + layers * 3 * ffn,
             disk_bytes_per_sec: Some(2e9),

@@ -222,8 +222,10 @@ mod tests {
         let inventory = moe_inventory(4, 128, 8, 1 << 20);
         let fixed =
             inventory.tensors.iter().filter(|tensor| tensor.experts.is_none()).map(|tensor| tensor.bytes).sum::<u64>();
-        let budget =
-            fixed + kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 512) + units * (3 << 20);
+        let budget = fixed
+            + kv_cache_bytes(&inventory, 1024, Default::default())
+            + compute_buffer_bytes(&inventory, 1024, 512)
+            + units * (3 << 20);
         let options = PlanOptions {
             mode: ModeChoice::Auto,
             n_ctx: 1024,
@@ -256,7 +258,7 @@ mod tests {
                 .map(|tensor| tensor.bytes)
                 .sum::<u64>();
             let budget = fixed
-                + kv_cache_bytes(&inventory, 1024)
+                + kv_cache_bytes(&inventory, 1024, Default::default())
                 + compute_buffer_bytes(&inventory, 1024, 512)
                 + 200 * (3 << 20);
             let options = PlanOptions {
@@ -305,7 +307,7 @@ mod tests {
         let inventory = mixed_inventory(4, 10, 64 << 20, 64, 4, 1 << 20);
         let fixed =
             inventory.tensors.iter().filter(|tensor| tensor.experts.is_none()).map(|tensor| tensor.bytes).sum::<u64>();
-        let extra = kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 512);
+        let extra = kv_cache_bytes(&inventory, 1024, Default::default()) + compute_buffer_bytes(&inventory, 1024, 512);
         let options = PlanOptions { mode: ModeChoice::Auto, n_ctx: 1024, n_ubatch: 512, ..PlanOptions::default() };
         let plan_at = |budget: u64| {
             plan(&inventory, &MachineFacts { memory_budget_bytes: budget, ..MachineFacts::default() }, &options)
@@ -348,8 +350,10 @@ mod tests {
         let inventory = moe_inventory(4, 128, 8, 1 << 20);
         let fixed =
             inventory.tensors.iter().filter(|tensor| tensor.experts.is_none()).map(|tensor| tensor.bytes).sum::<u64>();
-        let budget =
-            fixed + kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 1) + 7 * (3 << 20);
+        let budget = fixed
+            + kv_cache_bytes(&inventory, 1024, Default::default())
+            + compute_buffer_bytes(&inventory, 1024, 1)
+            + 7 * (3 << 20);
         let options = PlanOptions { mode: ModeChoice::Auto, n_ctx: 1024, n_ubatch: 512, ..PlanOptions::default() };
         match plan(&inventory, &MachineFacts { memory_budget_bytes: budget, ..MachineFacts::default() }, &options) {
             Err(PlanError::BudgetTooSmall { needed, budget, .. }) => assert!(needed > budget),

@@ -191,7 +191,7 @@ pub(super) fn gpu_tier(
     let costs = DeviceCosts {
         budget: machine.gpu_budget_bytes,
         runtime: machine.gpu_runtime_bytes,
-        kv: context_memory_bytes(inventory, options.n_ctx, options.n_sequences),
+        kv: context_memory_bytes(inventory, options.n_ctx, options.n_sequences, options.kv),
         compute: compute_buffer_bytes(inventory, options.n_ctx, options.n_ubatch),
         layer_attention,
         layer_ffn,
@@ -459,7 +459,7 @@ mod tests {
         let options = auto_window(ModeChoice::Auto);
         let fixed = 8 * (16 << 20)
             + (64 << 20)
-            + kv_cache_bytes(&inventory, 1024)
+            + kv_cache_bytes(&inventory, 1024, Default::default())
             + compute_buffer_bytes(&inventory, 1024, 256);
         // What every token touches, op offload's copy of one host layer's FFN, 3 FFN layers.
         let plan =
@@ -490,7 +490,7 @@ mod tests {
         let inventory = inventory(8, 16 << 20, 32 << 20, 64 << 20);
         let fixed = 8 * (16 << 20)
             + (64 << 20)
-            + kv_cache_bytes(&inventory, 1024)
+            + kv_cache_bytes(&inventory, 1024, Default::default())
             + compute_buffer_bytes(&inventory, 1024, 256);
         let all = plan(&inventory, &with_gpu(8 << 30, fixed + 8 * (96 << 20)), &auto_window(ModeChoice::Auto)).unwrap();
         let gpu = all.gpu.as_ref().unwrap();
@@ -515,7 +515,7 @@ mod tests {
         // two whole layers (160 MiB and 2 MiB of KV cache each) and room to copy a host layer
         // do: llama.cpp's own partial offload.
         let inventory = inventory(8, 64 << 20, 32 << 20, 64 << 20);
-        let kv = kv_cache_bytes(&inventory, 1024);
+        let kv = kv_cache_bytes(&inventory, 1024, Default::default());
         assert_eq!(kv, 16 << 20);
         let compute = compute_buffer_bytes(&inventory, 1024, 256);
         let budget = compute + (64 << 20) + (160 << 20) + 2 * (162 << 20);
@@ -589,7 +589,7 @@ mod tests {
         let inventory = inventory(8, 16 << 20, 32 << 20, 64 << 20);
         let fixed = 8 * (16 << 20)
             + (64 << 20)
-            + kv_cache_bytes(&inventory, 1024)
+            + kv_cache_bytes(&inventory, 1024, Default::default())
             + compute_buffer_bytes(&inventory, 1024, 256);
         let plan = plan_for(&inventory, fixed + (95 << 20));
         let gpu = plan.gpu.as_ref().unwrap();
@@ -649,7 +649,7 @@ mod tests {
         let inventory = inventory(16, 16 << 20, 32 << 20, 64 << 20);
         let gpu_fixed = 16 * (16 << 20)
             + (64 << 20)
-            + kv_cache_bytes(&inventory, 1024)
+            + kv_cache_bytes(&inventory, 1024, Default::default())
             + compute_buffer_bytes(&inventory, 1024, 256);
         let host_fixed = (64 << 20) + compute_buffer_bytes(&inventory, 1024, 256);
         // The GPU holds 4 FFN layers (and room to copy a fifth); the host the window (2 layers)
@@ -713,7 +713,9 @@ mod tests {
             .map(|tensor| tensor.bytes)
             .sum::<u64>()
             + if output_is_tied(&inventory) { 8 << 20 } else { 0 };
-        let fixed = every_token + kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 256);
+        let fixed = every_token
+            + kv_cache_bytes(&inventory, 1024, Default::default())
+            + compute_buffer_bytes(&inventory, 1024, 256);
         let staging = 3 * 64 * slice;
         let alignment = 24 * POOL_ALIGNMENT;
         let gpu_budget = fixed + staging + alignment + 10 * 24 * slice + slice;

@@ -32,7 +32,7 @@ pub use predict::{cached_units, predict, Prediction};
 pub use remote::{RemoteDeviceFacts, RemoteLayout, RemoteShare, REMOTE_RESERVE_BYTES};
 pub use reuse::{uniform_hit_rate, ReuseDepths, ReuseTracker};
 pub use search::{choose, context_for, plan_for, Ask, Choice, DRAFT_UBATCH};
-pub use sizing::{compute_buffer_bytes, context_memory_bytes, kv_cache_bytes};
+pub use sizing::{compute_buffer_bytes, context_memory_bytes, kv_cache_bytes, KvTypes};
 pub use types::{
     BudgetUse, CachePolicy, MachineFacts, Mode, ModeChoice, Plan, PlanError, PlanOptions, TensorPlacement, Tier,
 };
@@ -221,7 +221,7 @@ fn plan_host(
     // layers, and the CPU's compute buffers (the CPU still computes host-resident and streamed
     // layers).
     let weights: u64 = inventory.tensors.iter().filter(|tensor| !off_host(tensor)).map(|tensor| tensor.bytes).sum();
-    let kv = context_memory_bytes(inventory, options.n_ctx, options.n_sequences)
+    let kv = context_memory_bytes(inventory, options.n_ctx, options.n_sequences, options.kv)
         - gpu.as_ref().map_or(0, |gpu| gpu.kv_cache_bytes)
         - remote.as_ref().map_or(0, |remote| remote.host_context_bytes_moved);
     let compute = compute_buffer_bytes(inventory, options.n_ctx, options.n_ubatch);

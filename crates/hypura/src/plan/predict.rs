@@ -251,8 +251,10 @@ mod tests {
         let inventory = moe_inventory(4, 128, 8, 1 << 20);
         let fixed =
             inventory.tensors.iter().filter(|tensor| tensor.experts.is_none()).map(|tensor| tensor.bytes).sum::<u64>();
-        let budget =
-            fixed + kv_cache_bytes(&inventory, 1024) + compute_buffer_bytes(&inventory, 1024, 512) + 256 * (3 << 20);
+        let budget = fixed
+            + kv_cache_bytes(&inventory, 1024, Default::default())
+            + compute_buffer_bytes(&inventory, 1024, 512)
+            + 256 * (3 << 20);
         let options = PlanOptions { mode: ModeChoice::Auto, n_ctx: 1024, n_ubatch: 512, ..PlanOptions::default() };
         plan(&inventory, &MachineFacts { memory_budget_bytes: budget, ..facts.clone() }, &options).unwrap()
     }

@@ -133,7 +133,7 @@ fn layer_bytes(inventory: &Inventory, options: &PlanOptions) -> Vec<(u64, u64)> 
     // attending layer's KV cache and a recurrent layer's state, so no device is under-planned.
     let hparams = &inventory.hparams;
     let sequences = u64::from(options.n_sequences.max(1));
-    let attending = super::kv_cache_bytes(inventory, options.n_ctx) / hparams.n_layer_kv.max(1);
+    let attending = super::kv_cache_bytes(inventory, options.n_ctx, options.kv) / hparams.n_layer_kv.max(1);
     let recurrent_layers = hparams.n_layer.saturating_sub(hparams.n_layer_kv);
     let recurrent = (hparams.recurrent_state_bytes * sequences).checked_div(recurrent_layers).unwrap_or(0);
     weights.into_iter().map(|bytes| (bytes, attending.max(recurrent))).collect()
@@ -147,7 +147,8 @@ fn context_bytes_moved(inventory: &Inventory, options: &PlanOptions, layers: u64
     if hparams.n_layer_kv != hparams.n_layer || hparams.recurrent_state_bytes > 0 {
         return 0;
     }
-    super::context_memory_bytes(inventory, options.n_ctx, options.n_sequences) / hparams.n_layer.max(1) * layers
+    super::context_memory_bytes(inventory, options.n_ctx, options.n_sequences, options.kv) / hparams.n_layer.max(1)
+        * layers
 }
 
 /// The compute buffer of a device that runs layers only (no logits): activations of a prompt
@@ -278,7 +279,7 @@ mod tests {
     /// Room on each device for `layers` layers with their KV cache, compute buffer and reserve.
     fn room_for(layers: u64) -> u64 {
         let inventory = inventory(16, 16 << 20, 32 << 20, 64 << 20);
-        let kv = crate::plan::context_memory_bytes(&inventory, 1024, 1) / 16;
+        let kv = crate::plan::context_memory_bytes(&inventory, 1024, 1, Default::default()) / 16;
         layers * ((112 << 20) + kv) + layer_compute_bytes(&inventory, 256) + REMOTE_RESERVE_BYTES
     }
 
@@ -364,7 +365,7 @@ mod tests {
         hybrid.hparams.n_layer_kv = 4;
         hybrid.hparams.recurrent_state_bytes = 12 << 20;
         let options = auto_window(ModeChoice::Auto);
-        let attending = crate::plan::kv_cache_bytes(&hybrid, 1024) / 4;
+        let attending = crate::plan::kv_cache_bytes(&hybrid, 1024, Default::default()) / 4;
         assert!(attending > (12 << 20) / 12, "the attending layer is the larger here");
         let plan =
             plan(&hybrid, &machine(1536 << 20, vec![device("RPC0", room_for(4) + 4 * attending, 2e-4)]), &options)
@@ -373,7 +374,7 @@ mod tests {
         let share = &remote.shares[0];
         assert_eq!(share.kv_cache_bytes, share.layers.len() as u64 * attending, "{share:?}");
         assert_eq!(remote.host_context_bytes_moved, 0);
-        assert_eq!(plan.budget.kv_cache_bytes, crate::plan::context_memory_bytes(&hybrid, 1024, 1));
+        assert_eq!(plan.budget.kv_cache_bytes, crate::plan::context_memory_bytes(&hybrid, 1024, 1, Default::default()));
     }
 
     #[test]

@@ -115,7 +115,7 @@ fn set_aside_draft(
         ..facts.clone()
     };
     let n_ctx_seq = context_for(inventory, &left, ask);
-    let kv = context_memory_bytes(draft, n_ctx_seq.saturating_mul(n_sequences), n_sequences);
+    let kv = context_memory_bytes(draft, n_ctx_seq.saturating_mul(n_sequences), n_sequences, ask.options.kv);
     left.memory_budget_bytes =
         left.memory_budget_bytes.checked_sub(kv).ok_or_else(|| too_large(weights + compute + kv))?;
     tracing::info!(
@@ -148,7 +148,7 @@ fn plan_at(
     };
     plan_with(inventory, facts, &options, reach).map_err(|error| match error {
         PlanError::BudgetTooSmall { budget, needed, kv, .. } => {
-            let per_token = kv_cache_bytes(inventory, 1).max(1) * u64::from(n_sequences);
+            let per_token = kv_cache_bytes(inventory, 1, options.kv).max(1) * u64::from(n_sequences);
             let rest = needed.saturating_sub(kv);
             if rest >= budget {
                 return PlanError::TooSmallWithoutContext { reason: Box::new(error), needed: rest };
@@ -340,7 +340,7 @@ fn auto_context(inventory: &Inventory, facts: &MachineFacts, ask: &Ask, reach: O
     let fits = |n_ctx_seq: u32| {
         let n_ctx = n_ctx_seq.saturating_mul(n_sequences);
         let options = PlanOptions { n_ctx, n_sequences, n_ubatch, ..ask.options.clone() };
-        kv_cache_bytes(inventory, n_ctx) <= facts.memory_budget_bytes / 4
+        kv_cache_bytes(inventory, n_ctx, options.kv) <= facts.memory_budget_bytes / 4
             && plan_with(inventory, facts, &options, reach).is_ok()
     };
     AUTO_CONTEXTS
@@ -419,7 +419,7 @@ mod tests {
         let with_draft = choose(&inventory, &facts, &Ask { draft: Some(draft.clone()), ..ask(1024, 256) }).unwrap();
         let draft_bytes = draft.tensors.iter().map(|tensor| tensor.bytes).sum::<u64>()
             + compute_buffer_bytes(&draft, 0, DRAFT_UBATCH)
-            + context_memory_bytes(&draft, 1024, 1);
+            + context_memory_bytes(&draft, 1024, 1, Default::default());
         let budget = &with_draft.plan.budget;
         assert_eq!(budget.draft_bytes, draft_bytes);
         assert_eq!(budget.budget_bytes, 2 << 30);
@@ -445,7 +445,7 @@ mod tests {
         .unwrap_err();
         let PlanError::TooSmallWithoutContext { needed, .. } = refusal else { panic!("{refusal}") };
         let facts = MachineFacts {
-            memory_budget_bytes: needed + 1024 * kv_cache_bytes(&inventory, 1),
+            memory_budget_bytes: needed + 1024 * kv_cache_bytes(&inventory, 1, Default::default()),
             ..MachineFacts::default()
         };
         let error = plan_for(&inventory, &facts, &Ask { grow_batch: false, ..ask(1 << 20, 32) }).unwrap_err();

@@ -1,19 +1,80 @@
 //! What a model's tensors cost and which of them the planner may move: the KV cache and CPU
 //! compute buffer estimates, the tensors that may stream (dense FFN weights, routed experts) and
 //! their bytes per layer, and the input tables llama.cpp always keeps in host memory.
+use hypura_gguf::GgmlType;
+
 use crate::model::{Inventory, TensorEntry};
 
-/// KV cache bytes at f16 for `n_ctx` tokens in the layers that keep one (an upper bound for
-/// sliding-window models, whose window layers llama.cpp may size to the full context).
-pub fn kv_cache_bytes(inventory: &Inventory, n_ctx: u32) -> u64 {
+/// The KV cache's element types (llama.cpp's `--cache-type-k` and `--cache-type-v`; Ollama's
+/// `OLLAMA_KV_CACHE_TYPE` sets both). f16 unless the user asks: a quantized cache changes the
+/// logits, so it is never chosen for the user.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct KvTypes {
+    pub k: GgmlType,
+    pub v: GgmlType,
+}
+
+impl Default for KvTypes {
+    fn default() -> Self {
+        KvTypes { k: GgmlType::F16, v: GgmlType::F16 }
+    }
+}
+
+impl KvTypes {
+    /// The types llama.cpp's KV cache takes, in its spelling.
+    pub const ALLOWED: [GgmlType; 9] = [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::IQ4_NL,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+    ];
+
+    /// One of `ALLOWED` by its name (`q8_0`, case-insensitive).
+    pub fn parse(name: &str) -> Result<GgmlType, String> {
+        KvTypes::ALLOWED.into_iter().find(|kind| kind.name().eq_ignore_ascii_case(name.trim())).ok_or_else(|| {
+            format!(
+                "unknown KV cache type {name:?}: use {}",
+                KvTypes::ALLOWED.iter().map(|kind| kind.name()).collect::<Vec<_>>().join(", ")
+            )
+        })
+    }
+
+    /// Whether either half is quantized (llama.cpp then needs flash attention for V).
+    pub fn quantized(&self) -> bool {
+        [self.k, self.v].iter().any(|kind| kind.block_size() > 1)
+    }
+}
+
+impl std::fmt::Display for KvTypes {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(formatter, "K {}, V {}", self.k, self.v)
+    }
+}
+
+/// Bytes of `elements` values of `kind`, whole blocks.
+fn typed_bytes(kind: GgmlType, elements: u64) -> u64 {
+    elements.div_ceil(kind.block_size()) * kind.type_size()
+}
+
+/// KV cache bytes for `n_ctx` tokens in the layers that keep one, at the cache's types (an
+/// upper bound for sliding-window models, whose window layers llama.cpp may size to the full
+/// context).
+pub fn kv_cache_bytes(inventory: &Inventory, n_ctx: u32, kv: KvTypes) -> u64 {
     let hparams = &inventory.hparams;
-    hparams.n_layer_kv * u64::from(n_ctx) * hparams.kv_row_elements * 2
+    let k_elements = (hparams.n_head_kv * hparams.head_dim_k).min(hparams.kv_row_elements);
+    let v_elements = hparams.kv_row_elements - k_elements;
+    hparams.n_layer_kv * u64::from(n_ctx) * (typed_bytes(kv.k, k_elements) + typed_bytes(kv.v, v_elements))
 }
 
 /// The context's memory: the KV cache for `n_ctx` tokens in all, and the recurrent layers'
 /// state for each of `n_sequences`.
-pub fn context_memory_bytes(inventory: &Inventory, n_ctx: u32, n_sequences: u32) -> u64 {
-    kv_cache_bytes(inventory, n_ctx) + inventory.hparams.recurrent_state_bytes * u64::from(n_sequences.max(1))
+pub fn context_memory_bytes(inventory: &Inventory, n_ctx: u32, n_sequences: u32, kv: KvTypes) -> u64 {
+    kv_cache_bytes(inventory, n_ctx, kv) + inventory.hparams.recurrent_state_bytes * u64::from(n_sequences.max(1))
 }
 
 /// llama.cpp's CPU compute buffer, estimated: the logits and a few FFN-wide and model-wide

@@ -164,6 +164,8 @@ pub struct PlanOptions {
     /// experts (decision 29: measured slower than whole layers with the forge's routing, so
     /// asked for with `--gpu-experts pool`).
     pub gpu_expert_pool: bool,
+    /// The KV cache's element types.
+    pub kv: super::KvTypes,
 }
 
 impl Default for PlanOptions {
@@ -179,6 +181,7 @@ impl Default for PlanOptions {
             cache_policy: None,
             mtp: false,
             gpu_expert_pool: false,
+            kv: super::KvTypes::default(),
         }
     }
 }
@@ -325,7 +328,9 @@ mod tests {
         assert_eq!(gpu.weight_bytes, inventory.tensor_data_bytes() - (64 << 20) + (64 << 20));
         assert_eq!(with_tier.memory_use(kv), ((64 << 20) + gpu.weight_bytes + kv, gpu.weight_bytes + kv));
         // Streaming: the host part is the resident weights and the window, not the whole file.
-        let host_fixed = (64 << 20) + compute_buffer_bytes(&inventory, 1024, 256) + kv_cache_bytes(&inventory, 1024);
+        let host_fixed = (64 << 20)
+            + compute_buffer_bytes(&inventory, 1024, 256)
+            + kv_cache_bytes(&inventory, 1024, Default::default());
         let streamed =
             plan(&inventory, &with_gpu(host_fixed + 4 * (96 << 20), 0), &options(ModeChoice::Auto, 1)).unwrap();
         assert_eq!(streamed.mode, Mode::DenseStream, "{}", streamed.render());

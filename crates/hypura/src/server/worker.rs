@@ -357,7 +357,7 @@ fn admit(batcher: &mut Batcher, job: Job, ready_at: Instant) {
 
 fn engine_info(engine: &Engine, batcher: &Batcher) -> EngineInfo {
     let n_ctx_total = (batcher.n_ctx_seq() * batcher.n_sequences()) as u32;
-    let kv = crate::plan::kv_cache_bytes(engine.inventory(), n_ctx_total);
+    let kv = crate::plan::kv_cache_bytes(engine.inventory(), n_ctx_total, engine.options().kv);
     let (size_bytes, vram_bytes) = match &engine.options().plan {
         Some(plan) => plan.memory_use(kv),
         None => (engine.model().size_bytes() + kv, 0),

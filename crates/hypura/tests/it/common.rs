@@ -338,7 +338,7 @@ pub fn expert_pool_budget(inventory: &hypura::model::Inventory, n_ctx: u32, n_ub
     every_token
         + tied
         + dense_layer
-        + hypura::plan::kv_cache_bytes(inventory, n_ctx)
+        + hypura::plan::kv_cache_bytes(inventory, n_ctx, Default::default())
         + hypura::plan::compute_buffer_bytes(inventory, n_ctx, n_ubatch)
         + staging
         + slots * per_slot

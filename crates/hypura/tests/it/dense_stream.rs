@@ -5,14 +5,15 @@ use std::sync::Arc;
 
 use hypura::engine::{Control, Engine, EngineOptions, GenerateRequest, Prompt, SamplerParams, Session};
 use hypura::model::Inventory;
-use hypura::plan::{self, MachineFacts, Mode, ModeChoice, PlanOptions};
+use hypura::plan::{self, KvTypes, MachineFacts, Mode, ModeChoice, PlanOptions};
+use hypura_gguf::GgmlType;
 
 use crate::common;
 
 const N_CTX: u32 = 512;
 
 /// A budget that holds everything but the FFN layers, plus the window and `pinned` layers.
-fn tight_budget(inventory: &Inventory, window: usize, pinned: u64) -> u64 {
+fn tight_budget(inventory: &Inventory, window: usize, pinned: u64, kv: KvTypes) -> u64 {
     let ffn: Vec<u64> = (0..inventory.hparams.n_layer as u32)
         .map(|layer| {
             inventory
@@ -26,16 +27,16 @@ fn tight_budget(inventory: &Inventory, window: usize, pinned: u64) -> u64 {
     let largest = *ffn.iter().max().unwrap();
     let fixed = inventory.tensor_data_bytes() - ffn.iter().sum::<u64>();
     fixed
-        + plan::kv_cache_bytes(inventory, N_CTX)
+        + plan::kv_cache_bytes(inventory, N_CTX, kv)
         + plan::compute_buffer_bytes(inventory, N_CTX, 512)
         + largest * (window as u64 + 1 + pinned)
 }
 
-fn engines(path: &Path, pinned: u64) -> (Arc<Engine>, Arc<Engine>) {
+fn engines(path: &Path, pinned: u64, kv: KvTypes) -> (Arc<Engine>, Arc<Engine>) {
     let inventory = Inventory::open(path).unwrap();
     let window = 2;
     let facts = MachineFacts {
-        memory_budget_bytes: tight_budget(&inventory, window, pinned),
+        memory_budget_bytes: tight_budget(&inventory, window, pinned, kv),
         disk_bytes_per_sec: Some(1e9),
         ..MachineFacts::default()
     };
@@ -44,12 +45,13 @@ fn engines(path: &Path, pinned: u64) -> (Arc<Engine>, Arc<Engine>) {
         n_ctx: N_CTX,
         n_ubatch: 512,
         window_layers: Some(window),
+        kv,
         ..PlanOptions::default()
     };
     let plan = plan::plan(&inventory, &facts, &options).unwrap();
     let dense = plan.dense.as_ref().unwrap();
     assert_eq!(dense.pinned_layers.len() as u64, pinned, "{}", plan.render());
-    let base = EngineOptions { n_ctx_seq: N_CTX, n_threads: Some(1), repack: false, ..EngineOptions::default() };
+    let base = EngineOptions { n_ctx_seq: N_CTX, n_threads: Some(1), repack: false, kv, ..EngineOptions::default() };
     let resident = Arc::new(Engine::open(path, base.clone()).unwrap());
     let streaming = Arc::new(Engine::open(path, EngineOptions { plan: Some(plan), ..base }).unwrap());
     assert_eq!(streaming.mode(), Mode::DenseStream);
@@ -78,8 +80,8 @@ fn streaming_plan_bytes(engine: &Engine) -> u64 {
         .sum()
 }
 
-fn assert_identical(path: &Path, pinned: u64, prompt: &str) {
-    let (resident, streaming) = engines(path, pinned);
+fn assert_identical(path: &Path, pinned: u64, prompt: &str, kv: KvTypes) {
+    let (resident, streaming) = engines(path, pinned, kv);
     let ours = Session::new(streaming.clone()).unwrap().prompt_logits(&Prompt::Raw(prompt.into())).unwrap();
     let theirs = Session::new(resident.clone()).unwrap().prompt_logits(&Prompt::Raw(prompt.into())).unwrap();
     assert!(ours == theirs, "logits differ between dense-stream and resident");
@@ -109,13 +111,30 @@ fn tiny_dense_stream_is_bit_identical_to_resident() {
     let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let path = common::forge("tiny-dense-8b", directory.path());
-    assert_identical(&path, 1, "the king of paris and the queen of the sea");
+    assert_identical(&path, 1, "the king of paris and the queen of the sea", KvTypes::default());
+}
+
+/// With a quantized KV cache (`--cache-type-k q8_0 --cache-type-v q4_0`) streaming still gives
+/// resident's bits at the same types, and those bits are not f16's: the types reached llama.cpp.
+#[test]
+fn a_quantized_kv_cache_streams_with_the_same_bits() {
+    let _machine = common::shared_machine();
+    let directory = tempfile::tempdir().unwrap();
+    let path = common::forge("tiny-dense-8b", directory.path());
+    let prompt = "the king of paris and the queen of the sea";
+    let quantized = KvTypes { k: GgmlType::Q8_0, v: GgmlType::Q4_0 };
+    assert_identical(&path, 1, prompt, quantized);
+    let logits = |kv| {
+        let (resident, _) = engines(&path, 1, kv);
+        Session::new(resident).unwrap().prompt_logits(&Prompt::Raw(prompt.into())).unwrap()
+    };
+    assert!(logits(quantized) != logits(KvTypes::default()), "a q8_0/q4_0 cache gave f16's logits");
 }
 
 #[test]
 fn gemma_dense_stream_is_bit_identical_to_resident() {
     let _machine = common::shared_machine();
-    assert_identical(&common::gemma_path(), 3, "The capital of France is");
+    assert_identical(&common::gemma_path(), 3, "The capital of France is", KvTypes::default());
 }
 
 /// A file truncated after the engine loaded (a disk read error in effect) gives a clear error
@@ -126,7 +145,7 @@ fn a_read_failure_fails_the_request_clearly() {
     let _machine = common::shared_machine();
     let directory = tempfile::tempdir().unwrap();
     let path = common::forge("tiny-dense-8b", directory.path());
-    let (_, streaming) = engines(&path, 0);
+    let (_, streaming) = engines(&path, 0, KvTypes::default());
     let inventory = streaming.inventory();
     // Cut the file inside the last streamed layer's FFN.
     let last = inventory

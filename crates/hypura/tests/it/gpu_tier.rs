@@ -70,7 +70,7 @@ fn plan_with_gpu(inventory: &Inventory, ffn_layers: usize, host_spare: u64) -> P
     let copy = ffn.iter().copied().max().unwrap();
     let gpu = every_token
         + tied
-        + plan::kv_cache_bytes(inventory, N_CTX)
+        + plan::kv_cache_bytes(inventory, N_CTX, Default::default())
         + compute
         + copy
         + ffn.iter().rev().take(ffn_layers).sum::<u64>();
@@ -100,7 +100,7 @@ fn plan_with_whole_layers(inventory: &Inventory, layers: usize, host_spare: u64)
     let ffn = layer_ffn(inventory);
     let (embedding, tied) = embedding_and_tied_copy(inventory);
     let outside = inventory.tensor_data_bytes() - whole.iter().sum::<u64>() - embedding;
-    let kv_layer = plan::kv_cache_bytes(inventory, N_CTX) / n_layer as u64;
+    let kv_layer = plan::kv_cache_bytes(inventory, N_CTX, Default::default()) / n_layer as u64;
     let compute = plan::compute_buffer_bytes(inventory, N_CTX, 512);
     let gpu = outside
         + tied

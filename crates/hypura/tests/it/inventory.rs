@@ -187,7 +187,7 @@ fn context_memory_matches_what_llama_cpp_allocates() {
     let memory = |preset: &str| {
         let inventory = Inventory::open(&common::forge(preset, directory.path())).unwrap();
         (
-            hypura::plan::kv_cache_bytes(&inventory, 1024),
+            hypura::plan::kv_cache_bytes(&inventory, 1024, Default::default()),
             inventory.hparams.recurrent_state_bytes,
             inventory.hparams.n_layer_kv,
         )
@@ -199,4 +199,24 @@ fn context_memory_matches_what_llama_cpp_allocates() {
     assert_eq!((kv, state, layers), (2304 << 10, 0, 4));
     let (kv, state, _) = memory("tiny-kimi-k3");
     assert!(kv + state >= (1152 + 584) << 10, "{kv} + {state}");
+}
+
+/// A quantized KV cache costs what llama.cpp allocates for it (its log for
+/// Qwen2.5-Coder-0.5B at a 4096-token context: K (q8_0) 12.75 MiB, V (q4_0) 6.75 MiB; f16
+/// 48 MiB), and the planner's budget counts it so.
+#[test]
+fn a_quantized_kv_cache_costs_what_llama_cpp_allocates() {
+    use hypura::plan::KvTypes;
+    use hypura_gguf::GgmlType;
+    let inventory = Inventory::open(&common::chat_model_path()).unwrap();
+    let mixed = KvTypes { k: GgmlType::Q8_0, v: GgmlType::Q4_0 };
+    assert_eq!(hypura::plan::kv_cache_bytes(&inventory, 4096, KvTypes::default()), 48 << 20);
+    assert_eq!(hypura::plan::kv_cache_bytes(&inventory, 4096, mixed), (12 << 20) + (3 << 18) + (6 << 20) + (3 << 18));
+    let facts = hypura::plan::MachineFacts { memory_budget_bytes: 4 << 30, ..Default::default() };
+    let options = |kv| hypura::plan::PlanOptions { n_ctx: 4096, kv, ..Default::default() };
+    let f16 = hypura::plan::plan(&inventory, &facts, &options(KvTypes::default())).unwrap();
+    let quantized = hypura::plan::plan(&inventory, &facts, &options(mixed)).unwrap();
+    assert_eq!(f16.budget.kv_cache_bytes - quantized.budget.kv_cache_bytes, (48 << 20) - (19 << 20) - (1 << 19));
+    assert_eq!(KvTypes::parse("Q8_0"), Ok(GgmlType::Q8_0));
+    assert!(KvTypes::parse("q4_K").unwrap_err().contains("q8_0"), "q4_K is not a KV cache type");
 }

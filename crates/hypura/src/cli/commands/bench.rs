@@ -44,6 +44,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         repack: !args.baseline_no_repack,
         placement,
         devices,
+        kv: engine.kv,
     });
     let options = BenchOptions {
         n_prompt: args.n_prompt,
