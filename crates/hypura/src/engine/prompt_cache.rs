@@ -49,9 +49,11 @@ const MAGIC: &[u8; 8] = b"HYPKV\0\0\x01";
 const BLOCK_EXTENSION: &str = "kv";
 const SNAPSHOT_MAGIC: &[u8; 8] = b"HYPSN\0\0\x01";
 const SNAPSHOT_EXTENSION: &str = "snap";
-/// Snapshots copied out of the context and not yet written: more are skipped, so that a slow
-/// disk holds at most this many copies of a sequence in memory.
-const MAX_PENDING_SNAPSHOTS: usize = 2;
+/// Saves copied out of the context and not yet written (a snapshot in memory, or a sequence in
+/// a temporary file that the writer cuts into blocks): more are skipped, so that a slow disk
+/// holds at most this many copies of a sequence. A skipped save costs that sequence's new
+/// blocks only: a later save of a sequence that starts with it writes every block not on disk.
+const MAX_PENDING_SAVES: usize = 2;
 /// Temporary files older than this belong to a process that is gone.
 const STALE_TEMPORARY: Duration = Duration::from_secs(3600);
 
@@ -347,6 +349,10 @@ impl PromptCache {
         let chain = self.chain(tokens);
         let Some(from_block) = chain.iter().position(|hash| !self.block_path(hash).is_file()) else { return };
         let Some((sender, _)) = &self.writer else { return };
+        if self.pending.load(Ordering::Relaxed) >= MAX_PENDING_SAVES {
+            tracing::debug!("prompt cache: {MAX_PENDING_SAVES} saves still being written; this one is skipped");
+            return;
+        }
         let saved = temporary_path(&self.root, "save");
         if let Err(error) = context.save_sequence(seq_id, &saved, tokens) {
             tracing::warn!("prompt cache: {error}; this prompt is not cached");
@@ -354,7 +360,9 @@ impl PromptCache {
             return;
         }
         let job = BlockJob { saved, tokens: tokens[..chain.len() * BLOCK_TOKENS].to_vec(), chain, from_block };
+        self.pending.fetch_add(1, Ordering::Relaxed);
         if let Err(mpsc::SendError(WriteJob::Blocks(job))) = sender.send(WriteJob::Blocks(job)) {
+            self.pending.fetch_sub(1, Ordering::Relaxed);
             let _ = std::fs::remove_file(&job.saved);
         }
     }
@@ -364,8 +372,8 @@ impl PromptCache {
             return;
         }
         let Some((sender, _)) = &self.writer else { return };
-        if self.pending.load(Ordering::Relaxed) >= MAX_PENDING_SNAPSHOTS {
-            tracing::debug!("prompt cache: {MAX_PENDING_SNAPSHOTS} snapshots still being written; this one is skipped");
+        if self.pending.load(Ordering::Relaxed) >= MAX_PENDING_SAVES {
+            tracing::debug!("prompt cache: {MAX_PENDING_SAVES} saves still being written; this snapshot is skipped");
             return;
         }
         match context.sequence_state(seq_id) {
@@ -407,7 +415,10 @@ struct Writer {
 impl Writer {
     fn write(&self, job: WriteJob) {
         match job {
-            WriteJob::Blocks(job) => self.write_block_job(job),
+            WriteJob::Blocks(job) => {
+                self.write_block_job(job);
+                self.pending.fetch_sub(1, Ordering::Relaxed);
+            }
             WriteJob::Snapshot { tokens, state } => {
                 match self.write_snapshot(&tokens, &state) {
                     Ok(bytes) => {
