@@ -43,17 +43,6 @@ impl KvTypes {
             )
         })
     }
-
-    /// Whether either half is quantized (llama.cpp then needs flash attention for V).
-    pub fn quantized(&self) -> bool {
-        [self.k, self.v].iter().any(|kind| kind.block_size() > 1)
-    }
-}
-
-impl std::fmt::Display for KvTypes {
-    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(formatter, "K {}, V {}", self.k, self.v)
-    }
 }
 
 /// Bytes of `elements` values of `kind`, whole blocks.
