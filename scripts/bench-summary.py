@@ -46,17 +46,18 @@ for label, side in [("hypura", "hypura"), ("hypura-b", "hypura")] + [(peer, "lla
     if label != "hypura" and not load(label + ".status.json"):
         continue
     status = load(label + ".status.json") or {}
-    rows.append((label, tg(load(label + ".json"), side), status.get("status"), status.get("peak_bytes")))
+    rows.append((label, tg(load(label + ".json"), side), status.get("status"), status.get("peak_bytes"), status.get("gpu_peak_bytes")))
 
 ours = rows[0][1]
 print(f"limit {limit / 2**30:.2f} GiB for a {file_bytes / 2**30:.2f} GiB file; disk {disk / 1e9 if disk else float('nan'):.2f} GB/s ({disk_source})")
-print("| run | tg tok/s | Hypura ÷ run | exit | peak memory |")
-print("| --- | ---: | ---: | ---: | ---: |")
-for label, rate, status, peak in rows:
+print("| run | tg tok/s | Hypura ÷ run | exit | peak memory | peak device memory |")
+print("| --- | ---: | ---: | ---: | ---: | ---: |")
+for label, rate, status, peak, gpu_peak in rows:
     ratio = f"{ours / rate:.2f}" if ours and rate else "-"
     shown = f"{rate:.3f}" if rate else {137: "killed (OOM)", 124: "over the time limit"}.get(status, "-")
     peak_text = f"{peak / 2**30:.2f} GiB" if peak else "-"
-    print(f"| {label} | {shown} | {ratio} | {status} | {peak_text} |")
+    gpu_text = f"{gpu_peak / 2**30:.2f} GiB" if gpu_peak else "-"
+    print(f"| {label} | {shown} | {ratio} | {status} | {peak_text} | {gpu_text} |")
 limit_rate, limit_note = None, None
 if hypura and reference:
     # The faster of the two compute times measured: resident with the same kernels, and
@@ -104,7 +105,7 @@ summary = {
     "memory_limit_bytes": limit,
     "limit_tokens_per_sec": limit_rate,
     "limit_note": limit_note,
-    "runs": [{"label": label, "tokens_per_sec": rate, "predicted_tokens_per_sec": predictions.get(label), "status": status, "peak_bytes": peak} for label, rate, status, peak in rows],
+    "runs": [{"label": label, "tokens_per_sec": rate, "predicted_tokens_per_sec": predictions.get(label), "status": status, "peak_bytes": peak, "gpu_peak_bytes": gpu_peak} for label, rate, status, peak, gpu_peak in rows],
 }
 with open(os.path.join(out, "summary.json"), "w") as handle:
     json.dump(summary, handle, indent=1)
