@@ -409,11 +409,16 @@ impl Context {
         self.batch_tokens = 0;
     }
 
+    /// Bytes `sequence_state` would copy for `seq_id`, measured without copying.
+    pub fn sequence_state_size(&self, seq_id: i32) -> usize {
+        // SAFETY: the context is valid; the size call only measures.
+        unsafe { raw::llama_state_seq_get_size(self.pointer.as_ptr(), seq_id) }
+    }
+
     /// One sequence's KV cache as llama.cpp serializes it (`llama_state_seq_get_data`), in
     /// host memory.
     pub fn sequence_state(&mut self, seq_id: i32) -> Result<Vec<u8>, SysError> {
-        // SAFETY: the context is valid; the size call only measures.
-        let size = unsafe { raw::llama_state_seq_get_size(self.pointer.as_ptr(), seq_id) };
+        let size = self.sequence_state_size(seq_id);
         let mut state = vec![0u8; size];
         // SAFETY: `state` has room for the `size` bytes llama.cpp just measured for this
         // sequence, and llama.cpp writes at most `size` (it catches its own exceptions, 0).

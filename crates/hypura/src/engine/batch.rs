@@ -217,12 +217,17 @@ impl Batcher {
         let mut parked = Parked { settings: self.engine.settings_digest().ok(), sequences: Vec::new() };
         let mut bytes = 0u64;
         for slot in self.slots.iter().filter(|slot| slot.active.is_none() && !slot.cached.is_empty()) {
+            // Measured before it is copied: the copy is made while the model and its KV cache
+            // still hold their memory, so one past `max_bytes` could take the process over its
+            // budget (a 16K-token prefix is 140 MB at q8_0/q4_0).
+            if bytes + self.context.sequence_state_size(slot.seq_id) as u64 > max_bytes {
+                break;
+            }
             match self.context.sequence_state(slot.seq_id) {
-                Ok(state) if bytes + state.len() as u64 <= max_bytes => {
+                Ok(state) => {
                     bytes += state.len() as u64;
                     parked.sequences.push((slot.cached.clone(), state));
                 }
-                Ok(_) => break,
                 Err(error) => tracing::warn!("the prefix of sequence {} is not kept: {error}", slot.seq_id),
             }
         }
