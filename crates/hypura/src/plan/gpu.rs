@@ -232,7 +232,8 @@ impl DeviceCosts<'_> {
         };
         let mut spare = self.budget - base - runtime;
         let mut ffn_layers = Vec::new();
-        for (layer, &bytes) in self.layer_ffn.iter().enumerate().rev().filter(|_| ffn) {
+        // Layers without FFN bytes (an MTP layer llama.cpp does not load) hold nothing to place.
+        for (layer, &bytes) in self.layer_ffn.iter().enumerate().rev().filter(|&(_, &bytes)| ffn && bytes > 0) {
             if bytes > spare {
                 break;
             }
@@ -601,6 +602,16 @@ mod tests {
 
     fn plan_for(inventory: &Inventory, gpu_budget: u64) -> Plan {
         plan(inventory, &with_gpu(8 << 30, gpu_budget), &auto_window(ModeChoice::Auto)).unwrap()
+    }
+
+    #[test]
+    fn a_layer_without_ffn_bytes_is_not_counted_among_the_gpus_ffn_layers() {
+        // An MTP layer that llama.cpp does not load is planned without its tensors: its FFN is
+        // 0 bytes, and "FFN of N layers" must not count it.
+        let mut inventory = inventory(4, 16 << 20, 32 << 20, 64 << 20);
+        inventory.tensors.retain(|tensor| !(tensor.layer == Some(3) && tensor.role.is_dense_ffn()));
+        let gpu = plan_for(&inventory, 4 << 30).gpu.unwrap();
+        assert_eq!(gpu.ffn_layers, vec![0, 1, 2]);
     }
 
     #[test]
