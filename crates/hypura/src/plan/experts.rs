@@ -223,6 +223,12 @@ mod tests {
     /// 128 experts of 3 × 1 MiB per layer, 8 picked per token; a budget with room for `units`
     /// units beside the rest, at a prompt batch of 512.
     fn planned(units: u64, cache: Option<usize>) -> Result<crate::plan::Plan, PlanError> {
+        planned_with(units, 0, PlanOptions { expert_cache_units: cache, ..PlanOptions::default() })
+    }
+
+    /// `planned`'s model and host budget beside a GPU budget of `gpu` bytes, with `options`'
+    /// other choices.
+    fn planned_with(units: u64, gpu: u64, options: PlanOptions) -> Result<crate::plan::Plan, PlanError> {
         let inventory = moe_inventory(4, 128, 8, 1 << 20);
         let fixed =
             inventory.tensors.iter().filter(|tensor| tensor.experts.is_none()).map(|tensor| tensor.bytes).sum::<u64>();
@@ -230,14 +236,9 @@ mod tests {
             + kv_cache_bytes(&inventory, 1024, Default::default())
             + compute_buffer_bytes(&inventory, 1024, 512)
             + units * (3 << 20);
-        let options = PlanOptions {
-            mode: ModeChoice::Auto,
-            n_ctx: 1024,
-            n_ubatch: 512,
-            expert_cache_units: cache,
-            ..PlanOptions::default()
-        };
-        plan(&inventory, &MachineFacts { memory_budget_bytes: budget, ..MachineFacts::default() }, &options)
+        let options = PlanOptions { mode: ModeChoice::Auto, n_ctx: 1024, n_ubatch: 512, ..options };
+        let machine = MachineFacts { memory_budget_bytes: budget, gpu_budget_bytes: gpu, ..MachineFacts::default() };
+        plan(&inventory, &machine, &options)
     }
 
     #[test]
@@ -255,25 +256,8 @@ mod tests {
         // A host that streams experts (room for 200 units), with and without a GPU budget for
         // what every token touches (and no layer's experts: 384 MiB each).
         let prefetch = |gpu: u64, given: Option<bool>| {
-            let inventory = moe_inventory(4, 128, 8, 1 << 20);
-            let fixed = inventory
-                .tensors
-                .iter()
-                .filter(|tensor| tensor.experts.is_none())
-                .map(|tensor| tensor.bytes)
-                .sum::<u64>();
-            let budget = fixed
-                + kv_cache_bytes(&inventory, 1024, Default::default())
-                + compute_buffer_bytes(&inventory, 1024, 512)
-                + 200 * (3 << 20);
-            let options = PlanOptions {
-                mode: ModeChoice::Auto,
-                n_ctx: 1024,
-                n_ubatch: 512,
-                expert_prefetch: given,
-                ..PlanOptions::default()
-            };
-            let plan = plan(&inventory, &with_gpu(budget, gpu), &options).unwrap();
+            let plan =
+                planned_with(200, gpu, PlanOptions { expert_prefetch: given, ..PlanOptions::default() }).unwrap();
             assert_eq!(plan.mode, Mode::ExpertStream);
             assert_eq!(plan.gpu.is_some(), gpu > 0, "{}", plan.render());
             plan.experts.unwrap().prefetch
@@ -288,29 +272,9 @@ mod tests {
     fn the_cache_policy_follows_the_cache_size_unless_given() {
         // 4 MoE layers × 8 picks: a token touches 32 units.
         let policy = |units: usize, given: Option<CachePolicy>| {
-            let inventory = moe_inventory(4, 128, 8, 1 << 20);
-            let fixed = inventory
-                .tensors
-                .iter()
-                .filter(|tensor| tensor.experts.is_none())
-                .map(|tensor| tensor.bytes)
-                .sum::<u64>();
-            let budget = fixed
-                + kv_cache_bytes(&inventory, 1024, Default::default())
-                + compute_buffer_bytes(&inventory, 1024, 512)
-                + 200 * (3 << 20);
-            let options = PlanOptions {
-                mode: ModeChoice::Auto,
-                n_ctx: 1024,
-                n_ubatch: 512,
-                expert_cache_units: Some(units),
-                cache_policy: given,
-                ..PlanOptions::default()
-            };
-            let plan =
-                plan(&inventory, &MachineFacts { memory_budget_bytes: budget, ..MachineFacts::default() }, &options)
-                    .unwrap();
-            let experts = plan.experts.unwrap();
+            let options =
+                PlanOptions { expert_cache_units: Some(units), cache_policy: given, ..PlanOptions::default() };
+            let experts = planned_with(200, 0, options).unwrap().experts.unwrap();
             assert_eq!(experts.cache_units, units);
             experts.policy
         };
