@@ -205,10 +205,11 @@ pub struct PlanArgs {
     #[arg(long, default_value = "auto")]
     pub cache_policy: String,
     /// Read likely next-layer experts ahead (stale gate: the next layer's router applied to
-    /// this layer's hidden state): auto, on or off. Auto turns it on without a GPU tier (it
-    /// measured a win for slices of 1 MB and of 8–12 MB once reads went into reused pages) and
-    /// off with one, where reading the hidden state back from the device for each layer's
-    /// prediction cost more than the misses it hid.
+    /// this layer's hidden state): auto, on or off. Auto turns it on where the streamed layers
+    /// attend on the CPU (it measured a win for slices of 1 MB and of 8–12 MB once reads went
+    /// into reused pages) and off where every layer's attention is on a GPU, where reading the
+    /// hidden state back from the device for each layer's prediction cost more than the misses
+    /// it hid.
     #[arg(long, default_value = "auto")]
     pub prefetch: String,
     /// Record the router's choices to this file (JSON lines), for `hypura simulate`.

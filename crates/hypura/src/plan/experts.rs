@@ -6,7 +6,7 @@
 use serde::Serialize;
 
 use super::dense::choose_window;
-use super::gpu::place;
+use super::gpu::{place, GpuLayout};
 use super::sizing::compute_buffer_bytes;
 use super::types::{BudgetUse, CachePolicy, MachineFacts, Mode, ModeChoice, Plan, PlanError, PlanOptions, Tier};
 use crate::model::{Inventory, TensorEntry};
@@ -191,11 +191,12 @@ pub(super) fn plan_experts(
                 .cache_policy
                 .unwrap_or_else(|| CachePolicy::automatic(cache_units, (moe_layers * k) as usize)),
             min_slice_bytes,
-            // Auto: on for the CPU, off beside a GPU tier. The prediction reads the layer's
-            // hidden state back from the device and applies the next router on the CPU inside
-            // the hook, while the device waits: on the H200 that took 0.3–0.4 ms a streamed
+            // Auto: on where the streamed layers attend on the CPU, off where every layer's
+            // attention is on a GPU. There the prediction reads the layer's hidden state back
+            // from the device and applies the next router on the CPU inside the hook, while the
+            // device waits: on the H200 that took 0.3–0.4 ms a streamed
             // layer, more than the rare misses it hid (S6a: 40.0 tok/s on, 56.3 off).
-            prefetch: options.expert_prefetch.unwrap_or(base.gpu.is_none()),
+            prefetch: options.expert_prefetch.unwrap_or(!base.gpu.as_ref().is_some_and(GpuLayout::attends_on_device)),
             max_ubatch,
             moe_layers,
             expert_bytes,
@@ -252,9 +253,9 @@ mod tests {
     }
 
     #[test]
-    fn prefetch_is_on_for_the_cpu_and_off_beside_a_gpu_tier_unless_given() {
+    fn prefetch_is_off_only_where_every_layer_attends_on_a_gpu_unless_given() {
         // A host that streams experts (room for 200 units), with and without a GPU budget for
-        // what every token touches (and no layer's experts: 384 MiB each).
+        // what every token touches (every layer's attention; no layer's experts: 384 MiB each).
         let prefetch = |gpu: u64, given: Option<bool>| {
             let plan =
                 planned_with(200, gpu, PlanOptions { expert_prefetch: given, ..PlanOptions::default() }).unwrap();
@@ -266,6 +267,21 @@ mod tests {
         assert!(!prefetch(256 << 20, None));
         assert!(prefetch(256 << 20, Some(true)));
         assert!(!prefetch(0, Some(false)));
+        // llama.cpp's partial offload (a 64K context's KV cache does not fit 400 MiB beside every
+        // layer's attention; the last layer goes whole): the streamed layers attend on the CPU,
+        // their hidden state is in host memory, and the prediction stays on.
+        let inventory = moe_inventory(4, 128, 8, 64 << 10);
+        let options = PlanOptions {
+            mode: ModeChoice::Forced(Mode::ExpertStream),
+            n_ctx: 65536,
+            n_ubatch: 512,
+            ..PlanOptions::default()
+        };
+        let machine =
+            MachineFacts { memory_budget_bytes: 1 << 30, gpu_budget_bytes: 400 << 20, ..MachineFacts::default() };
+        let partial = plan(&inventory, &machine, &options).unwrap();
+        assert_eq!(partial.gpu.as_ref().and_then(|gpu| gpu.whole_layers.clone()), Some(3..4), "{}", partial.render());
+        assert!(partial.experts.unwrap().prefetch);
     }
 
     #[test]

@@ -78,6 +78,12 @@ impl GpuLayout {
             + self.expert_pool.as_ref().map_or(0, ExpertPoolLayout::total_bytes)
     }
 
+    /// Whether every layer's attention, and so every layer's hidden state, is on the device
+    /// (not llama.cpp's partial offload of the last layers whole).
+    pub fn attends_on_device(&self) -> bool {
+        self.whole_layers.is_none()
+    }
+
     pub(super) fn holds(&self, tensor: &TensorEntry) -> bool {
         if is_streamable(tensor) {
             tensor.layer.is_some_and(|layer| self.ffn_layers.contains(&layer))
