@@ -8,7 +8,7 @@ use llama_cpp_sys_2 as raw;
 
 use crate::batch::Batch;
 use crate::error::SysError;
-use crate::eval_hook::{eval_callback, EvalHook};
+use crate::eval_hook::{eval_callback, EvalHook, HookCell};
 use crate::model::Model;
 use crate::vocab::Token;
 
@@ -91,7 +91,7 @@ pub struct Context {
     #[allow(clippy::box_collection)] // llama.cpp points at the Vec itself; the box keeps it in place.
     abort: Box<Vec<Arc<AtomicBool>>>,
     /// The eval hook, boxed so llama.cpp can hold a thin pointer to it.
-    _hook: Option<Box<Arc<dyn EvalHook>>>,
+    hook: Option<Box<HookCell>>,
     /// The CPU threads every graph of this context runs on (shared with a context made
     /// `beside` it); freed after the last context that uses it.
     threadpool: Option<Arc<ThreadPool>>,
@@ -250,10 +250,10 @@ impl Context {
     ) -> Result<Context, SysError> {
         let mut raw_params = params.to_raw();
         raw_params.ctx_type = context_type;
-        let hook = params.eval_hook.clone().map(Box::new);
+        let hook = params.eval_hook.clone().map(|hook| Box::new(HookCell::new(hook)));
         if let Some(hook) = &hook {
             raw_params.cb_eval = Some(eval_callback);
-            raw_params.cb_eval_user_data = &**hook as *const Arc<dyn EvalHook> as *mut c_void;
+            raw_params.cb_eval_user_data = &**hook as *const HookCell as *mut c_void;
         }
         crate::log::clear_last_error();
         // SAFETY: the model pointer is valid and outlives the context (we keep a clone of the
@@ -284,7 +284,7 @@ impl Context {
             batch_tokens: 0,
             params: params.clone(),
             abort,
-            _hook: hook,
+            hook,
             threadpool,
         };
         if params.batch_invariant {
@@ -354,6 +354,9 @@ impl Context {
             return Ok(());
         }
         crate::log::clear_last_error();
+        if let Some(hook) = &self.hook {
+            hook.begin_decode();
+        }
         let threadpool = self.threadpool.clone();
         let _turn = threadpool.as_deref().map(ThreadPool::turn);
         // SAFETY: the context is valid and used by this thread only (&mut self); the batch's

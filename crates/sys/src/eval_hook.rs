@@ -3,8 +3,14 @@
 //! ggml's scheduler asks the callback about every node; each node it answers "yes" for ends a
 //! compute segment and synchronises the device before `observe` runs. So `wants` must say yes
 //! only where a decision is due (one node per layer), never for every node.
+//!
+//! A stop also ends what a backend may fuse: CUDA computes a router's softmax, top-k, weights
+//! and their normalisation as one kernel only where they lie in one segment, and its fused
+//! kernel's last bits differ from the separate ones'. So a hook may *keep* a node it needs
+//! (the router's ids) without stopping there, and stop at a later node, past the fused run,
+//! where `ObservedNode::kept` hands the kept node back.
 use std::ffi::{c_void, CStr};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use llama_cpp_sys_2 as raw;
 
@@ -19,19 +25,57 @@ pub trait EvalHook: Send + Sync {
     /// Whether to stop at this node (by its name, e.g. `ffn_norm-7`). Called for every node of
     /// every graph: it must be cheap.
     fn wants(&self, name: &str) -> bool;
+    /// Where `wants` said no: whether to keep this node for the next stop's `observe`
+    /// (`ObservedNode::kept`). Called for every such node: it must be cheap.
+    fn keeps(&self, _name: &str) -> bool {
+        false
+    }
     /// The node has been computed; the graph continues when this returns.
     fn observe(&self, node: &ObservedNode<'_>);
+}
+
+/// What llama.cpp's callback data points at: the hook, and the nodes it kept since its last
+/// stop (by address; only within the graph being computed, see `HookCell::begin_decode`).
+pub(crate) struct HookCell {
+    hook: Arc<dyn EvalHook>,
+    kept: Mutex<Vec<usize>>,
+}
+
+impl HookCell {
+    pub(crate) fn new(hook: Arc<dyn EvalHook>) -> HookCell {
+        HookCell { hook, kept: Mutex::new(Vec::new()) }
+    }
+
+    /// Forget nodes kept by an earlier decode (one a stop never followed, as where a decode
+    /// was aborted): their graph is gone.
+    pub(crate) fn begin_decode(&self) {
+        self.kept.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clear();
+    }
 }
 
 /// A computed graph node, as the hook sees it.
 pub struct ObservedNode<'a> {
     tensor: &'a raw::ggml_tensor,
     name: &'a str,
+    kept: &'a [usize],
 }
 
 impl ObservedNode<'_> {
     pub fn name(&self) -> &str {
         self.name
+    }
+
+    /// The node named `name` that the hook kept since its last stop (computed: it came
+    /// earlier in this graph), else None.
+    pub fn kept(&self, name: &str) -> Option<ObservedNode<'_>> {
+        self.kept.iter().rev().find_map(|&address| {
+            // SAFETY: kept addresses are nodes of the graph being computed, kept by this
+            // callback since its last stop (`HookCell::begin_decode` drops those of earlier
+            // decodes); ggml frees a graph only after its compute returns.
+            let tensor = unsafe { &*(address as *const raw::ggml_tensor) };
+            let node = ObservedNode { tensor, name: tensor_name(tensor), kept: &[] };
+            (node.name == name).then_some(node)
+        })
     }
 
     /// Element counts per dimension (ggml's `ne`).
@@ -102,7 +146,7 @@ impl ObservedNode<'_> {
     }
 
     /// The F32 rows of input `input` of the node named `ancestor`, found among this node's
-    /// sources at most `max_depth` steps up. From `ffn_moe_topk-L`, ancestor
+    /// sources at most `max_depth` steps up. From `ffn_moe_weights-L`, ancestor
     /// `ffn_moe_logits-L` input 1 is the hidden state the router was applied to (still live:
     /// the expert matmuls read it after this node). None if there is no such node or it is not
     /// an F32 matrix.
@@ -126,12 +170,9 @@ fn find_source<'a>(tensor: &'a raw::ggml_tensor, name: &str, depth: usize) -> Op
         if source.is_null() {
             continue;
         }
-        // SAFETY: the sources of a live graph node are live tensors of the same graph, and
-        // ggml tensor names are NUL-terminated within their fixed array.
+        // SAFETY: the sources of a live graph node are live tensors of the same graph.
         let source = unsafe { &*source };
-        // SAFETY: as above, the name is a NUL-terminated array inside the live tensor.
-        let source_name = unsafe { CStr::from_ptr(source.name.as_ptr()) }.to_str().unwrap_or("");
-        if source_name == name {
+        if tensor_name(source) == name {
             return Some(source);
         }
         if let Some(found) = find_source(source, name, depth - 1) {
@@ -139,6 +180,11 @@ fn find_source<'a>(tensor: &'a raw::ggml_tensor, name: &str, depth: usize) -> Op
         }
     }
     None
+}
+
+fn tensor_name(tensor: &raw::ggml_tensor) -> &str {
+    // SAFETY: ggml tensor names are NUL-terminated within their fixed array.
+    unsafe { CStr::from_ptr(tensor.name.as_ptr()) }.to_str().unwrap_or("")
 }
 
 /// The buffer ggml_backend_tensor_get/set go through (`view_src ? view_src->buffer : buffer`);
@@ -191,15 +237,22 @@ pub(crate) unsafe extern "C" fn eval_callback(
     if tensor.is_null() || user_data.is_null() {
         return !ask;
     }
-    // SAFETY: user_data is the Box<Arc<dyn EvalHook>> owned by the Context that registered
-    // this callback, alive for the context's life; the tensor is a live graph node.
-    let (hook, tensor) = unsafe { (&*(user_data as *const Arc<dyn EvalHook>), &*tensor) };
-    // SAFETY: ggml tensor names are NUL-terminated within their fixed array.
-    let name = unsafe { CStr::from_ptr(tensor.name.as_ptr()) }.to_str().unwrap_or("");
+    // SAFETY: user_data is the boxed HookCell owned by the Context that registered this
+    // callback, alive for the context's life; the tensor is a live graph node.
+    let (cell, tensor) = unsafe { (&*(user_data as *const HookCell), &*tensor) };
+    let name = tensor_name(tensor);
+    let mut kept = cell.kept.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     if ask {
-        hook.wants(name)
+        if cell.hook.wants(name) {
+            return true;
+        }
+        if cell.hook.keeps(name) {
+            kept.push(tensor as *const raw::ggml_tensor as usize);
+        }
+        false
     } else {
-        hook.observe(&ObservedNode { tensor, name });
+        cell.hook.observe(&ObservedNode { tensor, name, kept: &kept });
+        kept.clear();
         true
     }
 }

@@ -13,6 +13,7 @@ use crate::model::Inventory;
 use crate::plan::{Mode, Plan, Tier};
 use crate::remote::Workers;
 use crate::store::{DenseWindow, ExpertStream, IoStats, Residency, ResidencyError, StoreError, StreamLoad};
+use crate::sync::Lock;
 
 /// How to load and run a model. Defaults match llama.cpp's own.
 #[derive(Clone, Debug)]
@@ -136,19 +137,33 @@ pub struct StreamDriver {
     hook: Arc<dyn hypura_sys::EvalHook>,
 }
 
-/// Both drivers on one graph: each stops at its own nodes.
-struct BothHooks(Arc<DenseWindow>, Arc<ExpertStream>);
+/// Both drivers on one graph: each stops at its own nodes, and observes the stops it asked
+/// for (the expert cache's `wants` follows the graph, so it is asked once per node).
+struct BothHooks {
+    dense: Arc<DenseWindow>,
+    experts: Arc<ExpertStream>,
+    /// Which asked for the current stop (dense, experts); compute thread only.
+    asked: std::sync::Mutex<(bool, bool)>,
+}
 
 impl hypura_sys::EvalHook for BothHooks {
     fn wants(&self, name: &str) -> bool {
-        self.0.wants(name) || self.1.wants(name)
+        let asked = (self.dense.wants(name), self.experts.wants(name));
+        *self.asked.locked() = asked;
+        asked.0 || asked.1
+    }
+
+    fn keeps(&self, name: &str) -> bool {
+        self.experts.keeps(name)
     }
 
     fn observe(&self, node: &hypura_sys::ObservedNode<'_>) {
-        if self.1.wants(node.name()) {
-            self.1.observe(node);
-        } else {
-            self.0.observe(node);
+        let (dense, experts) = *self.asked.locked();
+        if dense {
+            self.dense.observe(node);
+        }
+        if experts {
+            self.experts.observe(node);
         }
     }
 }
@@ -156,7 +171,11 @@ impl hypura_sys::EvalHook for BothHooks {
 impl StreamDriver {
     fn new(dense: Option<Arc<DenseWindow>>, experts: Option<Arc<ExpertStream>>) -> StreamDriver {
         let hook: Arc<dyn hypura_sys::EvalHook> = match (&dense, &experts) {
-            (Some(dense), Some(experts)) => Arc::new(BothHooks(dense.clone(), experts.clone())),
+            (Some(dense), Some(experts)) => Arc::new(BothHooks {
+                dense: dense.clone(),
+                experts: experts.clone(),
+                asked: std::sync::Mutex::new((false, false)),
+            }),
             (Some(dense), None) => dense.clone(),
             (None, Some(experts)) => experts.clone(),
             (None, None) => unreachable!("a streaming engine has a driver"),

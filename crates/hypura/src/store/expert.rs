@@ -1,10 +1,13 @@
 //! MoE expert streaming: only the experts the router picks are read, an expert cache serves
 //! repeats, and nothing else of the expert tensors is ever in memory.
 //!
-//! The eval hook stops once per MoE layer, at `ffn_moe_topk-L` (the router's top-k choice),
-//! reads the chosen ids, makes exactly those (layer, expert) units ready — the union over the
-//! batch's tokens — and returns before the expert matmul runs. Units stay cached until the
-//! policy evicts them to make room; the units of the layer about to compute are never evicted.
+//! The eval hook stops once per MoE layer, after the router: it keeps `ffn_moe_weights-L` (the
+//! router's weights gathered by its top-k ids; input 1 is the ids the expert matmuls read) and
+//! stops at the first node after the weights' normalisation, so that a backend that fuses the
+//! router's ops (CUDA's top-k kernel) computes them as it does without the hook. There it reads
+//! the chosen ids, makes exactly those (layer, expert) units ready — the union over the batch's
+//! tokens — and returns before the expert matmul runs. Units stay cached until the policy
+//! evicts them to make room; the units of the layer about to compute are never evicted.
 //!
 //! Prefetch (optional) predicts the next layer's experts by the stale gate: layer L+1's router
 //! applied to the hidden state layer L's router saw (the residual stream changes little from
@@ -13,7 +16,7 @@
 //! and a mispredicted read that has not started by then is cancelled.
 use crate::sync::Lock;
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use hypura_sys::{EvalHook, ObservedNode};
@@ -24,11 +27,17 @@ use super::pool::{ExpertPool, PoolSnapshot, Serving, Tiers};
 use super::residency::{FailureLatch, Residency, ResidencyError, UnitState};
 use crate::plan::{ReuseDepths, ReuseTracker};
 
-const TOP_K_NODE: &str = "ffn_moe_topk-";
-/// The router's weights gathered by its ids (`get_rows(probs, ids)`): the last node that reads
-/// the ids before the expert matmuls (llama.cpp expands it early for its fused top-k kernel),
-/// where a pooled layer's ids are rewritten to slots. Input 1 is the ids.
+/// The router's weights gathered by its ids (`get_rows(probs, ids)`), kept for the stop after
+/// it. Input 1 is the ids the expert matmuls read: where a pooled layer's are rewritten to slots.
 const WEIGHTS_NODE: &str = "ffn_moe_weights-";
+/// The router's weights' own nodes after `ffn_moe_weights-L` (llama.cpp expands them together,
+/// early, for its fused top-k kernel): `ffn_moe_weights-L (reshaped)`, `_softmax-L`, `_sum-L`,
+/// `_sum_clamped-L`, `_norm-L`, `_norm-L (reshaped)`, `_scaled-L`, and a softmax it leaves
+/// unnamed. The first node after them (the FFN input's reshape, before any expert matmul) is
+/// the stop.
+const WEIGHTS_RUN: &str = "ffn_moe_weights";
+/// No layer's router is being passed.
+const NO_LAYER: usize = usize::MAX;
 /// The expert matmuls that read a pooled layer's ids; the last of them ends its layer.
 const EXPERT_MATMULS: [&str; 3] = ["ffn_moe_gate-", "ffn_moe_up-", "ffn_moe_gate_up-"];
 const LAST_EXPERT_MATMUL: &str = "ffn_moe_down-";
@@ -324,6 +333,10 @@ pub struct ExpertStream {
     pooled_layers: Vec<bool>,
     /// Per pooled layer, whether its ids were rewritten in this graph (its matmuls may run).
     served: Vec<AtomicBool>,
+    /// The layer whose router's weights the graph is computing (its `ffn_moe_weights-L` kept),
+    /// and the layer the hook stopped for; NO_LAYER where none. Compute thread only.
+    in_router: AtomicUsize,
+    stopped_for: AtomicUsize,
     /// The first read error and the abort flag it raises.
     pub failure: FailureLatch,
 }
@@ -362,6 +375,8 @@ impl ExpertStream {
             pool: None,
             pooled_layers: vec![false; n_layer],
             served: (0..n_layer).map(|_| AtomicBool::new(false)).collect(),
+            in_router: AtomicUsize::new(NO_LAYER),
+            stopped_for: AtomicUsize::new(NO_LAYER),
             failure: FailureLatch::default(),
         }
     }
@@ -460,18 +475,12 @@ impl ExpertStream {
         Ok(picks)
     }
 
-    /// Serve a pooled layer at `ffn_moe_weights-L`: its picks' experts that no slot holds are
+    /// Serve a pooled layer from its kept `ffn_moe_weights-L`: its picks' experts that no slot holds are
     /// made ready in the host cache, then uploaded; the ids are rewritten to slots (or the
     /// layer staged whole, for a prompt batch of more picks than slots).
-    fn serve_pooled(&self, layer: usize, node: &ObservedNode<'_>) -> Result<(), ResidencyError> {
+    fn serve_pooled(&self, layer: usize, weights: &ObservedNode<'_>) -> Result<(), ResidencyError> {
         let pool = self.pool.as_ref().ok_or_else(|| ResidencyError::Pool(format!("layer {layer} has no pool")))?;
-        let rows = node.input_i32_rows(1).ok_or_else(|| ResidencyError::Read {
-            unit: layer,
-            reason: format!("{}'s ids are not a readable I32 tensor", node.name()),
-        })?;
-        if let Some(trace) = &self.trace {
-            trace.locked().push(RouteRecord { layer: layer as u32, experts: rows.clone() });
-        }
+        let rows = self.routed_ids(layer, weights)?;
         let picks = self.picks(&rows)?;
         self.record_reuse(layer, &rows, &picks);
         let mut pool = pool.locked();
@@ -480,17 +489,65 @@ impl ExpertStream {
             Serving::Slots(experts) | Serving::Staged(experts) => experts,
         };
         let units: Vec<usize> = from_host.iter().map(|&expert| self.numbering.unit(layer, expert)).collect();
-        let predicts = self.routers.is_some() && rows.len() <= PREDICT_MAX_TOKENS && self.streams(layer + 1);
-        let hidden =
-            predicts.then(|| node.ancestor_input_f32_rows(&format!("{ROUTER_LOGITS_NODE}{layer}"), 1, 8)).flatten();
+        let hidden = self.predicting(&rows, layer).then(|| Self::router_input(layer, weights)).flatten();
         let next_pooled = |unit: usize| pool.holds(layer + 1, unit % self.numbering.n_expert);
         self.route_units(layer, units, &rows, hidden.as_deref(), &next_pooled)?;
         let mut tiers = HostTier { stream: self, layer };
         if let Some(remapped) = pool.load(layer, &picks, &serving, self.residency.region(), &rows, &mut tiers)? {
-            node.write_input_i32_rows(1, &remapped).map_err(|error| ResidencyError::Pool(error.to_string()))?;
+            weights.write_input_i32_rows(1, &remapped).map_err(|error| ResidencyError::Pool(error.to_string()))?;
         }
         self.served[layer].store(true, Ordering::Release);
         Ok(())
+    }
+
+    /// Serve a streamed layer from the host cache: `weights` is its kept `ffn_moe_weights-L`,
+    /// whose input 1 holds the router's ids.
+    fn serve_streamed(&self, layer: usize, weights: &ObservedNode<'_>) -> Result<(), ResidencyError> {
+        let rows = self.routed_ids(layer, weights)?;
+        // The hidden state is read (from the device, on a GPU) only when a prediction will use
+        // it: prefetch on, a decode-sized batch, and a next layer that streams.
+        let hidden = self.predicting(&rows, layer).then(|| Self::router_input(layer, weights)).flatten();
+        self.route(layer, &rows, hidden.as_deref())
+    }
+
+    /// The router's ids per token: input 1 of the layer's kept `ffn_moe_weights-L`.
+    fn routed_ids(&self, layer: usize, weights: &ObservedNode<'_>) -> Result<Vec<Vec<i32>>, ResidencyError> {
+        let rows = weights.input_i32_rows(1).ok_or_else(|| ResidencyError::Read {
+            unit: layer,
+            reason: format!("{}'s ids are not a readable I32 tensor", weights.name()),
+        })?;
+        if let Some(trace) = &self.trace {
+            trace.locked().push(RouteRecord { layer: layer as u32, experts: rows.clone() });
+        }
+        Ok(rows)
+    }
+
+    /// Whether the next layer's experts are predicted from this batch.
+    fn predicting(&self, rows: &[Vec<i32>], layer: usize) -> bool {
+        self.routers.is_some() && rows.len() <= PREDICT_MAX_TOKENS && self.streams(layer + 1)
+    }
+
+    /// The hidden state the layer's router saw: input 1 of `ffn_moe_logits-L`, an ancestor of
+    /// the weights.
+    fn router_input(layer: usize, weights: &ObservedNode<'_>) -> Option<Vec<Vec<f32>>> {
+        weights.ancestor_input_f32_rows(&format!("{ROUTER_LOGITS_NODE}{layer}"), 1, 8)
+    }
+
+    /// Whether `name` is one of the router's weights' nodes of `layer` (`WEIGHTS_RUN`).
+    fn in_weights_run(name: &str, layer: usize) -> bool {
+        // ggml names a node llama.cpp left unnamed `node_<index>` (gpt-oss's softmax of the
+        // weights).
+        if name.strip_prefix("node_").is_some_and(|index| index.bytes().all(|byte| byte.is_ascii_digit())) {
+            return true;
+        }
+        let Some(rest) = name.strip_prefix(WEIGHTS_RUN) else { return false };
+        let rest = rest.strip_suffix(" (reshaped)").unwrap_or(rest);
+        rest.rsplit_once('-').and_then(|(_, number)| number.parse().ok()) == Some(layer)
+    }
+
+    /// The layer of an expert matmul node, else None.
+    fn expert_matmul_layer(name: &str) -> Option<usize> {
+        EXPERT_MATMULS.iter().chain([&LAST_EXPERT_MATMUL]).find_map(|node| Self::layer_of(name, node))
     }
 
     /// Make the chosen experts of `layer` ready. `hidden` is the state the router saw (per
@@ -614,11 +671,19 @@ impl ExpertStream {
 
 impl EvalHook for ExpertStream {
     fn wants(&self, name: &str) -> bool {
-        if let Some(layer) = Self::layer_of(name, TOP_K_NODE) {
-            return self.streams(layer) && !self.pooled(layer);
-        }
-        if let Some(layer) = Self::layer_of(name, WEIGHTS_NODE) {
-            return self.pooled(layer);
+        let layer = self.in_router.load(Ordering::Relaxed);
+        if layer != NO_LAYER {
+            if Self::in_weights_run(name, layer) {
+                return false;
+            }
+            self.in_router.store(NO_LAYER, Ordering::Relaxed);
+            if Self::expert_matmul_layer(name) == Some(layer) {
+                // Stopping here would compute the matmul before its experts are ready.
+                self.failure.fail(ResidencyError::Unserved { layer, node: name.to_string() });
+                return false;
+            }
+            self.stopped_for.store(layer, Ordering::Relaxed);
+            return true;
         }
         if self.pool.is_some() && name.starts_with("ffn_moe_") {
             self.check_served(name);
@@ -626,46 +691,39 @@ impl EvalHook for ExpertStream {
         false
     }
 
-    fn observe(&self, node: &ObservedNode<'_>) {
-        if let Some(layer) = Self::layer_of(node.name(), WEIGHTS_NODE) {
-            self.residency.stats().record_observation();
-            if let Err(error) = self.serve_pooled(layer, node) {
-                tracing::error!("expert pool at layer {layer}: {error}");
-                self.failure.fail(error);
-                // The decode is aborted, but a device runs the rest of its graph: point every
-                // id at slot 0, which lies inside the tensors wherever they point now.
-                if let Some(rows) = node.input_i32_rows(1) {
-                    let zeros: Vec<Vec<i32>> = rows.iter().map(|row| vec![0; row.len()]).collect();
-                    let _ = node.write_input_i32_rows(1, &zeros);
-                }
+    fn keeps(&self, name: &str) -> bool {
+        match Self::layer_of(name, WEIGHTS_NODE) {
+            Some(layer) if self.streams(layer) || self.pooled(layer) => {
+                self.in_router.store(layer, Ordering::Relaxed);
+                true
             }
+            _ => false,
+        }
+    }
+
+    fn observe(&self, node: &ObservedNode<'_>) {
+        let layer = self.stopped_for.swap(NO_LAYER, Ordering::Relaxed);
+        if layer == NO_LAYER {
             return;
         }
-        let Some(layer) = Self::layer_of(node.name(), TOP_K_NODE) else {
-            return;
-        };
         self.residency.stats().record_observation();
-        let result = match node.i32_rows() {
-            Some(rows) => {
-                if let Some(trace) = &self.trace {
-                    trace.locked().push(RouteRecord { layer: layer as u32, experts: rows.clone() });
-                }
-                // The hidden state is read (from the device, on a GPU) only when a prediction
-                // will use it: prefetch on, a decode-sized batch, and a next layer that streams.
-                let predicts = self.routers.is_some() && rows.len() <= PREDICT_MAX_TOKENS && self.streams(layer + 1);
-                let hidden = predicts
-                    .then(|| node.ancestor_input_f32_rows(&format!("{ROUTER_LOGITS_NODE}{layer}"), 1, 6))
-                    .flatten();
-                self.route(layer, &rows, hidden.as_deref())
-            }
-            None => Err(ResidencyError::Read {
-                unit: layer,
-                reason: format!("{} is not a readable I32 tensor", node.name()),
-            }),
+        let weights_name = format!("{WEIGHTS_NODE}{layer}");
+        let result = match node.kept(&weights_name) {
+            Some(weights) if self.pooled(layer) => self.serve_pooled(layer, &weights),
+            Some(weights) => self.serve_streamed(layer, &weights),
+            None => Err(ResidencyError::Read { unit: layer, reason: format!("{weights_name} was not kept") }),
         };
         if let Err(error) = result {
             tracing::error!("expert streaming at layer {layer}: {error}");
             self.failure.fail(error);
+            if let Some(weights) = node.kept(&weights_name).filter(|_| self.pooled(layer)) {
+                // The decode is aborted, but a device runs the rest of its graph: point every
+                // id at slot 0, which lies inside the tensors wherever they point now.
+                if let Some(rows) = weights.input_i32_rows(1) {
+                    let zeros: Vec<Vec<i32>> = rows.iter().map(|row| vec![0; row.len()]).collect();
+                    let _ = weights.write_input_i32_rows(1, &zeros);
+                }
+            }
         }
     }
 }
@@ -739,6 +797,46 @@ impl ExpertStream {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The stop after a router's weights, on the node orders llama.cpp gives layer 1 of these
+    /// architectures: the first node past the weights' own (so a fused top-k kernel stays
+    /// whole), never an expert matmul.
+    #[test]
+    fn the_stop_is_the_first_node_after_the_routers_weights() {
+        let orders: [(&str, &[&str], &str); 4] = [
+            ("llama4: no normalisation", &["ffn_moe_weights-1"], "node_64 (reshaped)"),
+            (
+                "gpt-oss: softmax of the picked weights, left unnamed",
+                &["ffn_moe_weights-1", "ffn_moe_weights-1 (reshaped)", "node_97", "ffn_moe_weights_softmax-1"],
+                "attn_post_norm-1 (reshaped)",
+            ),
+            (
+                "glm4moe: normalised and scaled",
+                &[
+                    "ffn_moe_weights-1",
+                    "ffn_moe_weights-1 (reshaped)",
+                    "ffn_moe_weights_sum-1",
+                    "ffn_moe_weights_sum_clamped-1",
+                    "ffn_moe_weights_norm-1",
+                    "ffn_moe_weights_norm-1 (reshaped)",
+                    "ffn_moe_weights_scaled-1",
+                ],
+                "post_attn_norm-1 (reshaped)",
+            ),
+            ("a graph with no node before the matmul", &["ffn_moe_weights-1"], "ffn_moe_gate_up-1"),
+        ];
+        for (case, run, next) in orders {
+            assert!(run.iter().skip(1).all(|name| ExpertStream::in_weights_run(name, 1)), "{case}");
+            assert!(!ExpertStream::in_weights_run(next, 1), "{case}");
+            let is_matmul = ExpertStream::expert_matmul_layer(next) == Some(1);
+            assert_eq!(is_matmul, case.starts_with("a graph with no node"), "{case}");
+        }
+        // Another layer's weights end layer 1's run.
+        assert!(!ExpertStream::in_weights_run("ffn_moe_weights-2", 1));
+        assert!(!ExpertStream::in_weights_run("ffn_moe_weights_norm-11 (reshaped)", 1));
+        assert_eq!(ExpertStream::expert_matmul_layer("ffn_moe_down-3"), Some(3));
+        assert_eq!(ExpertStream::expert_matmul_layer("ffn_moe_down_scaled-3"), None);
+    }
 
     #[test]
     fn the_vector_dot_product_matches_the_ordered_sum_at_every_length() {

@@ -2,8 +2,9 @@
 //! MoE layer's routed expert tensors are placed in device memory that holds `slots` of their
 //! experts; the host's expert cache (the region) is the tier below and the disk the last.
 //!
-//! At `ffn_moe_weights-L`, after the router's ids have been used to gather the expert weights
-//! and before any expert matmul reads them, the expert stream hands the layer's picks here:
+//! After the router's weights of layer L (`ffn_moe_weights-L`, kept for its ids, and their
+//! normalisation) and before any expert matmul reads the ids, the expert stream hands the
+//! layer's picks here:
 //! - where the picks fit the slots, the experts not in a slot are made ready in the host cache,
 //!   uploaded into the least recently used slots that this batch does not use, and the ids are
 //!   rewritten to slot numbers: the kernels read slots only;

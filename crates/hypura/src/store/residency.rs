@@ -118,6 +118,10 @@ pub enum ResidencyError {
     /// graph did not stop at `ffn_moe_weights` first, so the pool cannot serve it.
     #[error("layer {layer}'s expert matmul ran before its experts were placed in the device's pool (no ffn_moe_weights node before it in llama.cpp's graph); use --gpu-experts layers")]
     PoolUnserved { layer: usize },
+    /// The node after a streamed layer's router weights was its expert matmul: the graph left
+    /// no node to stop at before the matmul reads the experts.
+    #[error("layer {layer}'s expert matmul {node} directly follows its router's weights in llama.cpp's graph, so its experts cannot be made ready before it runs; this architecture cannot stream its experts")]
+    Unserved { layer: usize, node: String },
 }
 
 /// The first error of a stream driver's eval hook, and the abort flag it raises. The hook

@@ -298,6 +298,6 @@ fn pooled_experts_are_served_from_slots_and_staging_and_tokens_equal_resident() 
     // Staging uploads at most a layer whole each time; slots took the rest.
     assert!(device.staged_bytes <= device.staged_layers * staging, "{experts:?}");
     assert!(device.upload_bytes > device.staged_bytes, "{experts:?}");
-    // One stop per layer per graph, at ffn_moe_weights.
+    // One stop per layer per graph, after the router's weights.
     assert_eq!(ours.stats.io.expect("io stats").observations, hparams.n_layer * 32);
 }
