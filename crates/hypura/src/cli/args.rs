@@ -170,10 +170,11 @@ pub struct PlanArgs {
     #[arg(long)]
     pub gpu_budget: Option<String>,
     /// How routed experts use the GPU budget: layers (whole layers' experts on the GPU, the
-    /// rest streamed through the host's expert cache and computed on the CPU) or pool (every
-    /// MoE layer's most recently routed experts in device slots, the rest in the host's expert
-    /// cache and on disk, all computed on the GPU; measured slower than layers so far).
-    #[arg(long, default_value = "layers", value_parser = ["layers", "pool"])]
+    /// rest in host memory or streamed through the host's expert cache, computed on the CPU),
+    /// pool (every MoE layer's most recently routed experts in device slots, the rest in the
+    /// host's expert cache and on disk, all computed on the GPU), or auto: the pool where
+    /// whole layers would leave the host streaming experts from disk, else layers.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "layers", "pool"])]
     pub gpu_experts: String,
     /// auto, resident, dense-stream or expert-stream.
     #[arg(long, default_value = "auto")]

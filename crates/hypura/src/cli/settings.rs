@@ -215,7 +215,10 @@ fn plan_options(args: &PlanArgs) -> anyhow::Result<PlanOptions> {
             other => anyhow::bail!("unknown --prefetch {other:?}: use auto, on or off"),
         },
         cache_policy,
-        gpu_expert_pool: args.gpu_experts == "pool",
+        gpu_expert_pool: match args.gpu_experts.as_str() {
+            "auto" => None,
+            choice => Some(choice == "pool"),
+        },
         kv: crate::plan::KvTypes {
             k: crate::plan::KvTypes::parse(&args.cache_type_k).map_err(anyhow::Error::msg).context("--cache-type-k")?,
             v: crate::plan::KvTypes::parse(&args.cache_type_v).map_err(anyhow::Error::msg).context("--cache-type-v")?,

@@ -205,7 +205,7 @@ pub(super) fn gpu_tier(
         tied_output_bytes,
         // Pooled experts stream (expert-stream mode): only where the pool is asked for and no
         // other mode is forced.
-        pool: (options.gpu_expert_pool
+        pool: (options.gpu_expert_pool == Some(true)
             && matches!(options.mode, ModeChoice::Auto | ModeChoice::Forced(Mode::ExpertStream)))
         .then(|| PoolCosts::of(inventory, n_layer))
         .flatten(),
@@ -722,7 +722,7 @@ mod tests {
         // 8 layers of 64 experts, 3 tensors each: a layer's experts are 192 MiB, an expert
         // across every layer 24 MiB.
         let inventory = moe_inventory(8, 64, 4, slice);
-        let options = PlanOptions { gpu_expert_pool: true, ..auto_window(ModeChoice::Auto) };
+        let options = PlanOptions { gpu_expert_pool: Some(true), ..auto_window(ModeChoice::Auto) };
         let every_token = inventory
             .tensors
             .iter()
@@ -755,10 +755,30 @@ mod tests {
         let small =
             plan(&inventory, &with_gpu(64 << 30, fixed + staging + alignment + 3 * 24 * slice), &options).unwrap();
         assert!(small.gpu.as_ref().unwrap().expert_pool.is_none(), "{}", small.render());
-        // Static placement asked for: whole layers, the host holds the rest resident.
-        let layers = PlanOptions { gpu_expert_pool: false, ..options.clone() };
-        let static_plan = plan(&inventory, &with_gpu(64 << 30, gpu_budget), &layers).unwrap();
-        assert!(static_plan.gpu.as_ref().unwrap().expert_pool.is_none());
-        assert_eq!(static_plan.mode, Mode::Resident);
+        // Static placement asked for, or left to the plan where the host holds the rest: whole
+        // layers, the host's share resident.
+        for choice in [Some(false), None] {
+            let layers = PlanOptions { gpu_expert_pool: choice, ..options.clone() };
+            let static_plan = plan(&inventory, &with_gpu(64 << 30, gpu_budget), &layers).unwrap();
+            assert!(static_plan.gpu.as_ref().unwrap().expert_pool.is_none(), "{choice:?}");
+            assert_eq!(static_plan.mode, Mode::Resident, "{choice:?}");
+        }
+        // Left to the plan where whole layers would stream the host's experts from disk: the
+        // pool, as asked for; where the pool does not fit (too small a GPU), whole layers.
+        let host = 1 << 30;
+        let auto = PlanOptions { gpu_expert_pool: None, ..options.clone() };
+        let streaming = plan(&inventory, &with_gpu(host, gpu_budget), &auto).unwrap();
+        let layered = plan(
+            &inventory,
+            &with_gpu(host, gpu_budget),
+            &PlanOptions { gpu_expert_pool: Some(false), ..auto.clone() },
+        )
+        .unwrap();
+        assert_eq!(layered.mode, Mode::ExpertStream, "{}", layered.render());
+        assert_eq!(streaming.gpu, plan(&inventory, &with_gpu(host, gpu_budget), &options).unwrap().gpu);
+        assert!(streaming.gpu.as_ref().unwrap().expert_pool.is_some(), "{}", streaming.render());
+        let small_gpu = fixed + staging + alignment + 3 * 24 * slice;
+        let too_small = plan(&inventory, &with_gpu(host, small_gpu), &auto).unwrap();
+        assert!(too_small.gpu.as_ref().unwrap().expert_pool.is_none(), "{}", too_small.render());
     }
 }

@@ -161,9 +161,10 @@ pub struct PlanOptions {
     /// memory, and their bytes come out of the budget first. Otherwise they are unused.
     pub mtp: bool,
     /// With a GPU tier, the expert pool (`GpuLayout::expert_pool`) instead of whole layers'
-    /// experts (decision 29: measured slower than whole layers with the forge's routing, so
-    /// asked for with `--gpu-experts pool`).
-    pub gpu_expert_pool: bool,
+    /// experts: Some(true) or Some(false) as asked (`--gpu-experts pool|layers`); None chooses
+    /// the pool where whole layers would leave the host streaming experts from disk, and whole
+    /// layers where the host holds the rest (decision 29, by measurement).
+    pub gpu_expert_pool: Option<bool>,
     /// The KV cache's element types.
     pub kv: super::KvTypes,
 }
@@ -180,7 +181,7 @@ impl Default for PlanOptions {
             expert_prefetch: None,
             cache_policy: None,
             mtp: false,
-            gpu_expert_pool: false,
+            gpu_expert_pool: None,
             kv: super::KvTypes::default(),
         }
     }

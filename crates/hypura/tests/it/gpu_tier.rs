@@ -256,7 +256,7 @@ fn pooled_experts_are_served_from_slots_and_staging_and_tokens_equal_resident() 
         mode: ModeChoice::Auto,
         n_ctx: N_CTX,
         n_ubatch: 512,
-        gpu_expert_pool: true,
+        gpu_expert_pool: Some(true),
         ..PlanOptions::default()
     };
     let plan = plan::plan(&inventory, &facts, &options).unwrap();
