@@ -82,6 +82,11 @@ impl CacheModel {
         }
     }
 
+    /// Whether admitting another unit would evict one.
+    pub fn is_full(&self) -> bool {
+        self.resident_count >= self.capacity
+    }
+
     pub fn capacity(&self) -> usize {
         self.capacity
     }
@@ -208,6 +213,9 @@ pub struct ExpertSnapshot {
     pub prefetch_issued: u64,
     pub prefetch_used: u64,
     pub prefetch_cancelled: u64,
+    /// Units read into the host cache's free room while the disk was idle (with a device pool:
+    /// `ExpertStream::warm_step`).
+    pub warm_reads: u64,
     /// The device's expert pool: picks served from its slots, uploads, staged prompt layers
     /// (all zero without a pool). `hits` and `misses` above count the host cache's share.
     pub device: PoolSnapshot,
@@ -245,6 +253,7 @@ impl std::ops::Sub for ExpertSnapshot {
             prefetch_issued: self.prefetch_issued - earlier.prefetch_issued,
             prefetch_used: self.prefetch_used - earlier.prefetch_used,
             prefetch_cancelled: self.prefetch_cancelled - earlier.prefetch_cancelled,
+            warm_reads: self.warm_reads - earlier.warm_reads,
             device: self.device - earlier.device,
             reuse: self.reuse.since(&earlier.reuse),
         }
@@ -269,6 +278,24 @@ struct State {
     /// The stack distances of decode picks.
     reuse: ReuseTracker,
 }
+
+/// The host cache's warm fill: beside a device pool, the disk is idle most of a decode (the
+/// slots serve most picks), while each pick the slots miss and the host cache does not hold is
+/// read at a queue depth of one. So the cache's free room is filled in the background, expert
+/// `e` of every streamed layer before expert `e + 1`, at most `WARM_IN_FLIGHT` reads at once
+/// (the reader threads stay free for the misses), each unit once, never evicting anything: a
+/// cold start's misses become host hits, uploaded over the bus instead of read from disk.
+#[derive(Default)]
+struct WarmFill {
+    /// The next candidate in fill order (`position / n_layer` is the expert, `% n_layer` the
+    /// layer); the fill is done when it reaches the unit count.
+    next: usize,
+    in_flight: Vec<usize>,
+    issued: u64,
+}
+
+/// Warm-fill reads in flight at once.
+const WARM_IN_FLIGHT: usize = 2;
 
 /// Every MoE layer's router weights (F32, `[n_expert][n_embd]` row-major), for the stale gate.
 #[derive(Clone, Debug, Default)]
@@ -337,6 +364,8 @@ pub struct ExpertStream {
     /// and the layer the hook stopped for; NO_LAYER where none. Compute thread only.
     in_router: AtomicUsize,
     stopped_for: AtomicUsize,
+    /// With a device pool: the host cache's free room filled from disk while it is idle.
+    warm: Option<Mutex<WarmFill>>,
     /// The first read error and the abort flag it raises.
     pub failure: FailureLatch,
 }
@@ -377,6 +406,7 @@ impl ExpertStream {
             served: (0..n_layer).map(|_| AtomicBool::new(false)).collect(),
             in_router: AtomicUsize::new(NO_LAYER),
             stopped_for: AtomicUsize::new(NO_LAYER),
+            warm: None,
             failure: FailureLatch::default(),
         }
     }
@@ -387,6 +417,7 @@ impl ExpertStream {
         pooled.resize(self.numbering.n_layer, false);
         self.pooled_layers = pooled;
         self.pool = Some(Mutex::new(pool));
+        self.warm = Some(Mutex::new(WarmFill::default()));
         self
     }
 
@@ -422,6 +453,7 @@ impl ExpertStream {
             prefetch_issued: self.prefetch_issued.load(Ordering::Relaxed),
             prefetch_used: self.prefetch_used.load(Ordering::Relaxed),
             prefetch_cancelled: self.prefetch_cancelled.load(Ordering::Relaxed),
+            warm_reads: self.warm.as_ref().map_or(0, |warm| warm.locked().issued),
             device: self.pool.as_ref().map(|pool| pool.locked().snapshot()).unwrap_or_default(),
             reuse: self.state.locked().reuse.counts().clone(),
         }
@@ -497,6 +529,43 @@ impl ExpertStream {
             weights.write_input_i32_rows(1, &remapped).map_err(|error| ResidencyError::Pool(error.to_string()))?;
         }
         self.served[layer].store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Top up the warm fill (`WarmFill`): forget the reads that finished, then issue the next
+    /// candidates that no slot holds and the cache does not, while there is free room.
+    fn warm_step(&self) -> Result<(), ResidencyError> {
+        let Some(warm) = &self.warm else { return Ok(()) };
+        let mut warm = warm.locked();
+        warm.in_flight.retain(|&unit| matches!(self.residency.state(unit), Some((UnitState::Loading, _))));
+        let ExpertUnits { n_layer, n_expert } = self.numbering;
+        while warm.in_flight.len() < WARM_IN_FLIGHT && warm.next < n_layer * n_expert {
+            let (expert, layer) = (warm.next / n_layer, warm.next % n_layer);
+            if !self.streams(layer) {
+                warm.next += 1;
+                continue;
+            }
+            if self.pool.as_ref().is_some_and(|pool| pool.locked().holds(layer, expert)) {
+                warm.next += 1;
+                continue;
+            }
+            let unit = self.numbering.unit(layer, expert);
+            let mut state = self.state.locked();
+            if state.cache.is_resident(unit) {
+                warm.next += 1;
+                continue;
+            }
+            if state.cache.is_full() {
+                break;
+            }
+            let evicted = state.cache.admit(unit, &[]);
+            debug_assert!(evicted.is_empty());
+            drop(state);
+            warm.next += 1;
+            warm.issued += 1;
+            self.residency.request(unit)?;
+            warm.in_flight.push(unit);
+        }
         Ok(())
     }
 
@@ -712,7 +781,8 @@ impl EvalHook for ExpertStream {
             Some(weights) if self.pooled(layer) => self.serve_pooled(layer, &weights),
             Some(weights) => self.serve_streamed(layer, &weights),
             None => Err(ResidencyError::Read { unit: layer, reason: format!("{weights_name} was not kept") }),
-        };
+        }
+        .and_then(|()| self.warm_step());
         if let Err(error) = result {
             tracing::error!("expert streaming at layer {layer}: {error}");
             self.failure.fail(error);

@@ -33,21 +33,27 @@ fn layer_ffn(inventory: &Inventory) -> Vec<u64> {
 
 /// The plan for these host and GPU budgets (prefetch on, a window of one layer).
 fn plan_with_budgets(inventory: &Inventory, host_bytes: u64, gpu_bytes: u64) -> Plan {
-    let facts = MachineFacts {
-        memory_budget_bytes: host_bytes,
-        disk_bytes_per_sec: Some(1e9),
-        gpu_budget_bytes: gpu_bytes,
-        ..MachineFacts::default()
-    };
     let options = PlanOptions {
         mode: ModeChoice::Auto,
         n_ctx: N_CTX,
         n_ubatch: 512,
         window_layers: Some(1),
         expert_prefetch: Some(true),
+        // Whole layers' experts on the GPU (where the host streams, the plan's own choice is
+        // the pool: `pooled_plan`).
+        gpu_expert_pool: Some(false),
         ..PlanOptions::default()
     };
-    plan::plan(inventory, &facts, &options).unwrap()
+    plan::plan(inventory, &machine(host_bytes, gpu_bytes), &options).unwrap()
+}
+
+fn machine(host_bytes: u64, gpu_bytes: u64) -> MachineFacts {
+    MachineFacts {
+        memory_budget_bytes: host_bytes,
+        disk_bytes_per_sec: Some(1e9),
+        gpu_budget_bytes: gpu_bytes,
+        ..MachineFacts::default()
+    }
 }
 
 /// The token embedding's bytes, and those of its copy on the GPU for a model whose logits use
@@ -226,6 +232,54 @@ fn gemma_last_layers_whole_on_the_gpu_leave_the_dense_window_and_tokens_equal_ll
     gemma_dense_stream_beside_the_gpu(plan_with_whole_layers, 3, 12);
 }
 
+/// The plan with the device's expert pool asked for, at these budgets.
+fn pooled_plan(inventory: &Inventory, gpu_budget: u64, memory_budget: u64) -> Plan {
+    let options = PlanOptions {
+        mode: ModeChoice::Auto,
+        n_ctx: N_CTX,
+        n_ubatch: 512,
+        gpu_expert_pool: Some(true),
+        ..PlanOptions::default()
+    };
+    plan::plan(inventory, &machine(memory_budget, gpu_budget), &options).unwrap()
+}
+
+/// Beside the pool, the host cache's free room is filled from disk in the background (each
+/// unit once, nothing evicted), so that decode's slot misses find their experts in RAM: a
+/// two-token prompt leaves most experts unread, the fill reads them, and the tokens are the
+/// resident model's.
+#[test]
+fn the_host_cache_fills_its_free_room_beside_the_pool() {
+    let _machine = common::shared_machine();
+    let directory = tempfile::tempdir().unwrap();
+    let path = common::forge("tiny-moe-30b", directory.path());
+    let inventory = Inventory::open(&path).unwrap();
+    let hparams = &inventory.hparams;
+    let gpu = common::expert_pool_budget(&inventory, N_CTX, 512, hparams.n_expert_used + 1);
+    // A host budget that holds every expert: the fill never has to stop.
+    let plan = pooled_plan(&inventory, gpu, 1 << 30);
+    assert!(plan.gpu.as_ref().is_some_and(|gpu| gpu.expert_pool.is_some()), "{}", plan.render());
+    let generate = |plan: Option<Plan>| {
+        let options =
+            EngineOptions { n_ctx_seq: N_CTX, n_threads: Some(1), repack: false, plan, ..EngineOptions::default() };
+        let mut session = Session::new(Arc::new(Engine::open(&path, options).unwrap())).unwrap();
+        let request = GenerateRequest {
+            max_tokens: Some(16),
+            sampling: SamplerParams::greedy(),
+            ignore_eos: true,
+            ..GenerateRequest::new(Prompt::Raw("Hi".into()))
+        };
+        session.generate(&request, &mut |_| Control::Continue).unwrap()
+    };
+    let ours = generate(Some(plan));
+    assert_eq!(ours.tokens, generate(None).tokens);
+    let experts = ours.stats.experts.expect("expert stats");
+    assert!(experts.warm_reads > 0, "{experts:?}");
+    // Every read from disk, demanded or not, is of a unit read no time before.
+    let units = hparams.n_layer * hparams.n_expert;
+    assert!(experts.misses + experts.warm_reads <= units, "{experts:?}");
+}
+
 /// The expert pool: every MoE layer's routed experts in `slots` device slots (here the CPU's
 /// memory, where llama.cpp computes "GPU" layers without a GPU), uploaded from the host's
 /// expert cache as the router picks them, the ids rewritten to slots; a prompt batch that picks
@@ -245,21 +299,8 @@ fn pooled_experts_are_served_from_slots_and_staging_and_tokens_equal_resident() 
     // Room for k + 1 slots per layer: a decode's picks fit, the prompt's do not.
     let slots = k + 1;
     let gpu = common::expert_pool_budget(&inventory, N_CTX, 512, slots);
-    let facts = MachineFacts {
-        // The host cache holds two layers' experts: the rest of the model streams.
-        memory_budget_bytes: embedding + compute + 2 * n_expert * per_slot / hparams.n_layer,
-        disk_bytes_per_sec: Some(1e9),
-        gpu_budget_bytes: gpu,
-        ..MachineFacts::default()
-    };
-    let options = PlanOptions {
-        mode: ModeChoice::Auto,
-        n_ctx: N_CTX,
-        n_ubatch: 512,
-        gpu_expert_pool: Some(true),
-        ..PlanOptions::default()
-    };
-    let plan = plan::plan(&inventory, &facts, &options).unwrap();
+    // The host cache holds two layers' experts: the rest of the model streams.
+    let plan = pooled_plan(&inventory, gpu, embedding + compute + 2 * n_expert * per_slot / hparams.n_layer);
     let pool = plan.gpu.as_ref().and_then(|gpu| gpu.expert_pool.clone()).unwrap_or_else(|| panic!("{}", plan.render()));
     // At least k + 1 slots (the budget's other terms are the plan's own estimates), fewer
     // than the experts.

@@ -230,14 +230,15 @@ fn print_stats(gpu_free_before: Option<&[(String, u64)]>, disk_rate: Option<f64>
     }
     if let Some(experts) = &stats.experts {
         eprintln!(
-            "experts {} hits, {} misses over {} router calls: hit rate {:.1}% | prefetch {} issued, {} used, {} cancelled",
+            "experts {} hits, {} misses over {} router calls: hit rate {:.1}% | prefetch {} issued, {} used, {} cancelled | {} read into the cache's free room",
             experts.hits,
             experts.misses,
             experts.layer_visits,
             100.0 * experts.hit_rate(),
             experts.prefetch_issued,
             experts.prefetch_used,
-            experts.prefetch_cancelled
+            experts.prefetch_cancelled,
+            experts.warm_reads
         );
         let device = &experts.device;
         if device.hits + device.uploads + device.staged_layers > 0 {
