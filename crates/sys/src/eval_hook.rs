@@ -32,6 +32,9 @@ pub trait EvalHook: Send + Sync {
     }
     /// The node has been computed; the graph continues when this returns.
     fn observe(&self, node: &ObservedNode<'_>);
+    /// A decode begins: whatever the hook tracked between a kept node and its stop in an
+    /// earlier decode (one aborted between them) is void.
+    fn begin_decode(&self) {}
 }
 
 /// What llama.cpp's callback data points at: the hook, and the nodes it kept since its last
@@ -50,6 +53,7 @@ impl HookCell {
     /// was aborted): their graph is gone.
     pub(crate) fn begin_decode(&self) {
         self.kept.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clear();
+        self.hook.begin_decode();
     }
 }
 

@@ -157,6 +157,10 @@ impl hypura_sys::EvalHook for BothHooks {
         self.experts.keeps(name)
     }
 
+    fn begin_decode(&self) {
+        self.experts.begin_decode();
+    }
+
     fn observe(&self, node: &hypura_sys::ObservedNode<'_>) {
         let (dense, experts) = *self.asked.locked();
         if dense {

@@ -127,8 +127,9 @@ fn plan_local(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptio
     }
     // Left to the plan: whole layers' experts on the GPU, unless the host would then stream
     // experts from disk, where the device's pool serves the hot experts of every layer
-    // (decision 29: with the host streaming, S6a decodes 69 tok/s pooled against 56 with whole
-    // layers; with the host holding every expert, whole layers win, 88 against 82).
+    // (decision 29: with the host streaming, S6a decodes 110 tok/s pooled against 53 with whole
+    // layers, S4 64 against 39; with the host holding every expert, S6b, whole layers keep up:
+    // 87 against 85, 91 with the warm fill in another visit).
     let layers =
         plan_local_placed(inventory, machine, &PlanOptions { gpu_expert_pool: Some(false), ..options.clone() });
     match &layers {

@@ -507,9 +507,9 @@ impl ExpertStream {
         Ok(picks)
     }
 
-    /// Serve a pooled layer from its kept `ffn_moe_weights-L`: its picks' experts that no slot holds are
-    /// made ready in the host cache, then uploaded; the ids are rewritten to slots (or the
-    /// layer staged whole, for a prompt batch of more picks than slots).
+    /// Serve a pooled layer from its kept `ffn_moe_weights-L`: its picks' experts that no slot
+    /// holds are made ready in the host cache, then uploaded; the ids are rewritten to slots (or
+    /// the layer staged whole, for a prompt batch of more picks than slots).
     fn serve_pooled(&self, layer: usize, weights: &ObservedNode<'_>) -> Result<(), ResidencyError> {
         let pool = self.pool.as_ref().ok_or_else(|| ResidencyError::Pool(format!("layer {layer} has no pool")))?;
         let rows = self.routed_ids(layer, weights)?;
@@ -758,6 +758,11 @@ impl EvalHook for ExpertStream {
             self.check_served(name);
         }
         false
+    }
+
+    fn begin_decode(&self) {
+        self.in_router.store(NO_LAYER, Ordering::Relaxed);
+        self.stopped_for.store(NO_LAYER, Ordering::Relaxed);
     }
 
     fn keeps(&self, name: &str) -> bool {

@@ -124,14 +124,25 @@ fn plan_with_whole_layers(inventory: &Inventory, layers: usize, host_spare: u64)
 }
 
 fn greedy(engine: &Arc<Engine>, count: u32) -> hypura::engine::GenerateOutput {
+    greedy_after(engine, PROMPT, count)
+}
+
+fn greedy_after(engine: &Arc<Engine>, prompt: &str, count: u32) -> hypura::engine::GenerateOutput {
     let mut session = Session::new(engine.clone()).unwrap();
     let request = GenerateRequest {
         max_tokens: Some(count),
         sampling: SamplerParams::greedy(),
         ignore_eos: true,
-        ..GenerateRequest::new(Prompt::Raw(PROMPT.into()))
+        ..GenerateRequest::new(Prompt::Raw(prompt.into()))
     };
     session.generate(&request, &mut |_| Control::Continue).unwrap()
+}
+
+/// A tiny model on one thread, as `plan` says (None: resident), without repacking.
+fn open_tiny(path: &Path, plan: Option<Plan>) -> Arc<Engine> {
+    let options =
+        EngineOptions { n_ctx_seq: N_CTX, n_threads: Some(1), repack: false, plan, ..EngineOptions::default() };
+    Arc::new(Engine::open(path, options).unwrap())
 }
 
 /// Hypura with `plan` against llama.cpp loaded with the plan's placement: the same 32 greedy
@@ -259,20 +270,8 @@ fn the_host_cache_fills_its_free_room_beside_the_pool() {
     // A host budget that holds every expert: the fill never has to stop.
     let plan = pooled_plan(&inventory, gpu, 1 << 30);
     assert!(plan.gpu.as_ref().is_some_and(|gpu| gpu.expert_pool.is_some()), "{}", plan.render());
-    let generate = |plan: Option<Plan>| {
-        let options =
-            EngineOptions { n_ctx_seq: N_CTX, n_threads: Some(1), repack: false, plan, ..EngineOptions::default() };
-        let mut session = Session::new(Arc::new(Engine::open(&path, options).unwrap())).unwrap();
-        let request = GenerateRequest {
-            max_tokens: Some(16),
-            sampling: SamplerParams::greedy(),
-            ignore_eos: true,
-            ..GenerateRequest::new(Prompt::Raw("Hi".into()))
-        };
-        session.generate(&request, &mut |_| Control::Continue).unwrap()
-    };
-    let ours = generate(Some(plan));
-    assert_eq!(ours.tokens, generate(None).tokens);
+    let ours = greedy_after(&open_tiny(&path, Some(plan)), "Hi", 16);
+    assert_eq!(ours.tokens, greedy_after(&open_tiny(&path, None), "Hi", 16).tokens);
     let experts = ours.stats.experts.expect("expert stats");
     assert!(experts.warm_reads > 0, "{experts:?}");
     // Every read from disk, demanded or not, is of a unit read no time before.
@@ -313,14 +312,9 @@ fn pooled_experts_are_served_from_slots_and_staging_and_tokens_equal_resident() 
         plan.render()
     );
 
-    let open = |plan: Option<Plan>| {
-        let options =
-            EngineOptions { n_ctx_seq: N_CTX, n_threads: Some(1), repack: false, plan, ..EngineOptions::default() };
-        Arc::new(Engine::open(&path, options).unwrap())
-    };
-    let pooled = open(Some(plan));
+    let pooled = open_tiny(&path, Some(plan));
     let ours = greedy(&pooled, 32);
-    let resident = open(None);
+    let resident = open_tiny(&path, None);
     assert_eq!(resident.mode(), Mode::Resident);
     let theirs = greedy(&resident, 32);
     assert_eq!(ours.tokens, theirs.tokens);
