@@ -247,7 +247,7 @@ impl Streaming {
             return Ok(());
         }
         let node = match (&self.driver.experts, &self.driver.dense) {
-            (Some(_), _) => "ffn_moe_topk-<layer>".to_string(),
+            (Some(_), _) => "ffn_moe_weights-<layer>".to_string(),
             (None, Some(dense)) => format!("{}-<layer>", dense.entry_node()),
             (None, None) => unreachable!("a streaming engine has a driver"),
         };
