@@ -873,6 +873,54 @@ impl ExpertStream {
 mod tests {
     use super::*;
 
+    /// A reader that writes nothing (the hook's tests read no bytes).
+    struct NoBytes;
+
+    impl super::super::residency::UnitReader for NoBytes {
+        fn read(
+            &self,
+            _region: &crate::io::Region,
+            range: std::ops::Range<u64>,
+            _shift: u64,
+        ) -> Result<u64, crate::io::IoError> {
+            Ok(range.end - range.start)
+        }
+    }
+
+    /// An expert stream over `n_layer` × 4 units of a page each, every layer streamed.
+    fn stream(n_layer: usize) -> ExpertStream {
+        let numbering = ExpertUnits { n_layer, n_expert: 4 };
+        let units: Vec<super::super::residency::StreamUnit> = (0..numbering.count() as u64)
+            .map(|unit| super::super::residency::StreamUnit::mirrored(vec![unit * 4096..(unit + 1) * 4096]))
+            .collect();
+        let region = Arc::new(crate::io::Region::reserve(numbering.count() as u64 * 4096, false).unwrap());
+        let stats = Arc::new(super::super::stats::IoStats::default());
+        let residency = Arc::new(Residency::new(region, Arc::new(NoBytes), units, 1, stats));
+        ExpertStream::new(residency, numbering, 8, CachePolicy::Lru, false)
+    }
+
+    /// The hook's walk through a graph: it keeps a streamed layer's `ffn_moe_weights-L`, passes
+    /// the weights' own nodes, stops at the next; a decode that begins forgets a kept layer whose
+    /// stop never came (an aborted decode); an expert matmul right after the weights fails the
+    /// decode instead of being computed on experts not made ready.
+    #[test]
+    fn the_hook_stops_once_after_the_weights_and_a_new_decode_forgets_a_pending_stop() {
+        let stream = stream(4);
+        assert!(!stream.wants("ffn_moe_weights-1") && stream.keeps("ffn_moe_weights-1"));
+        assert!(!stream.wants("ffn_moe_weights_norm-1"));
+        assert!(stream.wants("ffn_norm-1 (reshaped)"));
+        assert!(!stream.wants("ffn_moe_gate-1"), "one stop per layer");
+        assert!(stream.failure.take().is_none());
+
+        assert!(stream.keeps("ffn_moe_weights-2"));
+        stream.begin_decode();
+        assert!(!stream.wants("attn_norm-0"), "the aborted decode's pending stop is void");
+
+        assert!(stream.keeps("ffn_moe_weights-3"));
+        assert!(!stream.wants("ffn_moe_gate_up-3"));
+        assert!(matches!(stream.failure.take(), Some(ResidencyError::Unserved { layer: 3, .. })));
+    }
+
     /// The stop after a router's weights, on the node orders llama.cpp gives layer 1 of these
     /// architectures: the first node past the weights' own (so a fused top-k kernel stays
     /// whole), never an expert matmul.
