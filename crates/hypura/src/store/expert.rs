@@ -891,7 +891,9 @@ mod tests {
     fn stream(n_layer: usize) -> ExpertStream {
         let numbering = ExpertUnits { n_layer, n_expert: 4 };
         let units: Vec<super::super::residency::StreamUnit> = (0..numbering.count() as u64)
-            .map(|unit| super::super::residency::StreamUnit::mirrored(vec![unit * 4096..(unit + 1) * 4096]))
+            .map(|unit| {
+                super::super::residency::StreamUnit::mirrored(std::iter::once(unit * 4096..(unit + 1) * 4096).collect())
+            })
             .collect();
         let region = Arc::new(crate::io::Region::reserve(numbering.count() as u64 * 4096, false).unwrap());
         let stats = Arc::new(super::super::stats::IoStats::default());
