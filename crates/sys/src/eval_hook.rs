@@ -245,16 +245,18 @@ pub(crate) unsafe extern "C" fn eval_callback(
     // callback, alive for the context's life; the tensor is a live graph node.
     let (cell, tensor) = unsafe { (&*(user_data as *const HookCell), &*tensor) };
     let name = tensor_name(tensor);
-    let mut kept = cell.kept.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    // Asked about every node: the list is locked only for a node kept or a stop.
+    let kept = || cell.kept.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     if ask {
         if cell.hook.wants(name) {
             return true;
         }
         if cell.hook.keeps(name) {
-            kept.push(tensor as *const raw::ggml_tensor as usize);
+            kept().push(tensor as *const raw::ggml_tensor as usize);
         }
         false
     } else {
+        let mut kept = kept();
         cell.hook.observe(&ObservedNode { tensor, name, kept: &kept });
         kept.clear();
         true

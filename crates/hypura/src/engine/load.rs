@@ -13,7 +13,6 @@ use crate::model::Inventory;
 use crate::plan::{Mode, Plan, Tier};
 use crate::remote::Workers;
 use crate::store::{DenseWindow, ExpertStream, IoStats, Residency, ResidencyError, StoreError, StreamLoad};
-use crate::sync::Lock;
 
 /// How to load and run a model. Defaults match llama.cpp's own.
 #[derive(Clone, Debug)]
@@ -137,49 +136,34 @@ pub struct StreamDriver {
     hook: Arc<dyn hypura_sys::EvalHook>,
 }
 
-/// Both drivers on one graph: each stops at its own nodes, and observes the stops it asked
-/// for (the expert cache's `wants` follows the graph, so it is asked once per node).
-struct BothHooks {
-    dense: Arc<DenseWindow>,
-    experts: Arc<ExpertStream>,
-    /// Which asked for the current stop (dense, experts); compute thread only.
-    asked: std::sync::Mutex<(bool, bool)>,
-}
+/// Both drivers on one graph: each stops at its own nodes and observes only its own stops (the
+/// dense window by the node's name, the expert cache by the stop it asked for).
+struct BothHooks(Arc<DenseWindow>, Arc<ExpertStream>);
 
 impl hypura_sys::EvalHook for BothHooks {
     fn wants(&self, name: &str) -> bool {
-        let asked = (self.dense.wants(name), self.experts.wants(name));
-        *self.asked.locked() = asked;
-        asked.0 || asked.1
+        // Both are asked about every node: the expert cache's `wants` follows the graph.
+        self.0.wants(name) | self.1.wants(name)
     }
 
     fn keeps(&self, name: &str) -> bool {
-        self.experts.keeps(name)
-    }
-
-    fn begin_decode(&self) {
-        self.experts.begin_decode();
+        self.1.keeps(name)
     }
 
     fn observe(&self, node: &hypura_sys::ObservedNode<'_>) {
-        let (dense, experts) = *self.asked.locked();
-        if dense {
-            self.dense.observe(node);
-        }
-        if experts {
-            self.experts.observe(node);
-        }
+        self.0.observe(node);
+        self.1.observe(node);
+    }
+
+    fn begin_decode(&self) {
+        self.1.begin_decode();
     }
 }
 
 impl StreamDriver {
     fn new(dense: Option<Arc<DenseWindow>>, experts: Option<Arc<ExpertStream>>) -> StreamDriver {
         let hook: Arc<dyn hypura_sys::EvalHook> = match (&dense, &experts) {
-            (Some(dense), Some(experts)) => Arc::new(BothHooks {
-                dense: dense.clone(),
-                experts: experts.clone(),
-                asked: std::sync::Mutex::new((false, false)),
-            }),
+            (Some(dense), Some(experts)) => Arc::new(BothHooks(dense.clone(), experts.clone())),
             (Some(dense), None) => dense.clone(),
             (None, Some(experts)) => experts.clone(),
             (None, None) => unreachable!("a streaming engine has a driver"),

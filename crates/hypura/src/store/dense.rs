@@ -76,8 +76,9 @@ impl DenseWindow {
         (self.window + 1).min(self.streamed_layers.len())
     }
 
+    /// The layer whose FFN entry node `name` is (the stops this window asks for), else None.
     fn layer_of(&self, name: &str) -> Option<usize> {
-        name.strip_prefix(&self.entry_prefix)?.parse().ok()
+        name.strip_prefix(&self.entry_prefix)?.parse().ok().filter(|&layer| layer < self.unit_of_layer.len())
     }
 
     /// The work at the entry of layer `layer`'s FFN.
@@ -114,7 +115,7 @@ impl DenseWindow {
 
 impl EvalHook for DenseWindow {
     fn wants(&self, name: &str) -> bool {
-        self.layer_of(name).is_some_and(|layer| layer < self.unit_of_layer.len())
+        self.layer_of(name).is_some()
     }
 
     fn observe(&self, node: &ObservedNode<'_>) {
