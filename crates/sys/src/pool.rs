@@ -85,6 +85,51 @@ impl DevicePool {
     pub fn alignment(&self) -> usize {
         self.alignment
     }
+
+    /// Copy bytes within the pool, on the device's side: each `(from, to, bytes)` copies
+    /// `bytes` from offset `from` to offset `to`. The spans must lie inside the pool, and a
+    /// copy's source and destination must not overlap; no graph may read the destinations now.
+    pub fn copy_within(&self, copies: &[(usize, usize, usize)]) -> Result<(), SysError> {
+        let inside = |offset: usize, bytes: usize| offset.checked_add(bytes).is_some_and(|end| end <= self.bytes);
+        for &(from, to, bytes) in copies {
+            let apart = from.checked_add(bytes).is_some_and(|end| end <= to) || to.saturating_add(bytes) <= from;
+            if !inside(from, bytes) || !inside(to, bytes) || !apart {
+                return Err(SysError::Allocation("a copy within the expert pool (outside it or overlapping)"));
+            }
+        }
+        if copies.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: the context holds headers only (no_alloc) for two tensors per copy; each
+        // tensor is a byte vector pointed into this pool's live buffer at a span checked above
+        // to lie inside it, so ggml's copy (on the device for a device buffer, memcpy for a
+        // host one) touches pool memory only. The context is freed before returning.
+        unsafe {
+            let context = raw::ggml_init(raw::ggml_init_params {
+                mem_size: 2 * copies.len() * raw::ggml_tensor_overhead(),
+                mem_buffer: std::ptr::null_mut(),
+                no_alloc: true,
+            });
+            if context.is_null() {
+                return Err(SysError::Allocation("a ggml context for copies within the expert pool"));
+            }
+            for &(from, to, bytes) in copies {
+                let source = raw::ggml_new_tensor_1d(context, raw::GGML_TYPE_I8, bytes as i64);
+                let destination = raw::ggml_new_tensor_1d(context, raw::GGML_TYPE_I8, bytes as i64);
+                if source.is_null() || destination.is_null() {
+                    raw::ggml_free(context);
+                    return Err(SysError::Allocation("a ggml context for copies within the expert pool"));
+                }
+                for (tensor, offset) in [(source, from), (destination, to)] {
+                    (*tensor).buffer = self.buffer.as_ptr();
+                    (*tensor).data = (self.base + offset) as *mut c_void;
+                }
+                raw::ggml_backend_tensor_copy(source, destination);
+            }
+            raw::ggml_free(context);
+        }
+        Ok(())
+    }
 }
 
 impl Drop for DevicePool {

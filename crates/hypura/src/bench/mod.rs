@@ -186,6 +186,10 @@ pub struct BenchReport {
     pub profile_disk_bytes_per_sec: Option<f64>,
     pub limit_tokens_per_sec: Option<f64>,
     pub limit_fraction: Option<f64>,
+    /// With a device expert pool, the limit's compute term is the device's: tg's compute per
+    /// token less the host's work at the pool's stops (the device idles through them); beside
+    /// it the bus, the pool's transfers per pass at the rate they ran.
+    pub pool_limit: Option<PoolLimit>,
     /// Share of the tg runs' wall time with a read in flight, the rate the disk delivered
     /// then, and the limit at that rate with the decode's share of it.
     pub disk_busy_fraction: Option<f64>,
@@ -305,6 +309,38 @@ struct TgTotals {
     link_bytes: u64,
     link_round_trips: u64,
     link_decodes: u64,
+}
+
+/// The device's and the bus's terms of a pooled decode's limit (`BenchReport::pool_limit`).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct PoolLimit {
+    /// tg's compute per token less the host's work at the pool's stops.
+    pub device_seconds_per_token: f64,
+    pub host_seconds_per_token: f64,
+    /// The pool's transfers per pass, and the rate they ran at.
+    pub bus_seconds_per_token: f64,
+    pub bus_bytes_per_sec: f64,
+}
+
+impl PoolLimit {
+    /// From tg's totals; None without a pool's stops or a decode. The host's and the bus's
+    /// times are the tg requests' (their start tokens' passes too) per pass.
+    fn from_totals(totals: &TgTotals) -> Option<PoolLimit> {
+        let pool = &totals.pool;
+        if pool.host_seconds <= 0.0 || totals.generated == 0 || totals.graphs == 0 {
+            return None;
+        }
+        let graphs = totals.graphs as f64;
+        let host_seconds_per_token = pool.host_seconds / graphs;
+        let moved = (pool.upload_bytes + pool.copied_back_bytes) as f64;
+        Some(PoolLimit {
+            device_seconds_per_token: (totals.compute_seconds / totals.generated as f64 - host_seconds_per_token)
+                .max(0.0),
+            host_seconds_per_token,
+            bus_seconds_per_token: pool.transfer_seconds / graphs,
+            bus_bytes_per_sec: if pool.transfer_seconds > 0.0 { moved / pool.transfer_seconds } else { 0.0 },
+        })
+    }
 }
 
 /// Hypura's side of a benchmark: one session, with totals for tg runs.
@@ -484,9 +520,13 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
     // The physical limit of the tg runs: their compute per decode, their bytes per pass, and
     // the tokens a decode yielded (one without drafts).
     let tokens_per_pass = if totals.drafted > 0 { totals.tokens as f64 / totals.passes as f64 } else { 1.0 };
+    let pool_limit = PoolLimit::from_totals(&totals);
+    let compute_per_token = pool_limit.map_or(totals.compute_seconds / totals.generated as f64, |pool| {
+        pool.device_seconds_per_token.max(pool.bus_seconds_per_token)
+    });
     let limit_at = |rate: f64| {
         crate::plan::limit_tokens_per_sec(
-            totals.compute_seconds / totals.generated as f64,
+            compute_per_token,
             totals.bytes_read as f64 / totals.graphs as f64,
             rate,
             tokens_per_pass,
@@ -543,6 +583,7 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         profile_disk_bytes_per_sec: options.disk_bytes_per_sec,
         limit_tokens_per_sec: limit,
         limit_fraction: limit.zip(tg.hypura.as_ref()).map(|(limit, rate)| rate.mean / limit),
+        pool_limit,
         disk_busy_fraction: busy.map(|disk| disk.busy),
         busy_read_bytes_per_sec: busy.map(|disk| disk.bytes_per_sec),
         busy_limit_tokens_per_sec: busy.map(|disk| disk.limit_tokens_per_sec),
@@ -659,7 +700,20 @@ pub fn render(report: &BenchReport) -> String {
                 Some(_) => "the profile's".to_string(),
                 None => "tg's reads while busy".to_string(),
             };
-            let _ = writeln!(out, "physical limit {limit:.2} tok/s (this run's compute and reads per pass, the disk at {:.2} GB/s, {source}): tg reached {fraction:.2} of it", rate / 1e9);
+            let compute = report.pool_limit.map_or_else(
+                || "this run's compute".to_string(),
+                |pool| {
+                    format!(
+                        "the GPU's compute, {:.2} ms a token: this run's {:.2} ms less the host's {:.2} ms at the pool's stops; the bus {:.2} ms a token at {:.1} GB/s, this run's transfers;",
+                        pool.device_seconds_per_token * 1e3,
+                        (pool.device_seconds_per_token + pool.host_seconds_per_token) * 1e3,
+                        pool.host_seconds_per_token * 1e3,
+                        pool.bus_seconds_per_token * 1e3,
+                        pool.bus_bytes_per_sec / 1e9
+                    )
+                },
+            );
+            let _ = writeln!(out, "physical limit {limit:.2} tok/s ({compute} reads per pass, the disk at {:.2} GB/s, {source}): tg reached {fraction:.2} of it", rate / 1e9);
         }
         if let (Some(busy), Some(rate), Some(limit), Some(fraction)) = (
             report.disk_busy_fraction,
@@ -730,4 +784,30 @@ pub fn render(report: &BenchReport) -> String {
             writeln!(out, "greedy output after the pp prompt identical to llama.cpp: {same} (sha256 {})", &hash[..16]);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pooled decode's limit: the device's compute is tg's less the host's work at the stops,
+    /// the bus is the transfers' time at the rate they ran; no pool, no such terms.
+    #[test]
+    fn a_pooled_decodes_limit_leaves_the_hosts_work_at_the_stops_out() {
+        let pool = crate::store::PoolSnapshot {
+            upload_bytes: 4_000_000,
+            copied_back_bytes: 1_000_000,
+            transfer_seconds: 0.005,
+            host_seconds: 0.022,
+            ..Default::default()
+        };
+        let totals = TgTotals { graphs: 11, generated: 10, compute_seconds: 0.1, pool, ..Default::default() };
+        let limit = PoolLimit::from_totals(&totals).expect("a pooled run");
+        assert!((limit.host_seconds_per_token - 0.002).abs() < 1e-12, "{limit:?}");
+        assert!((limit.device_seconds_per_token - 0.008).abs() < 1e-12, "{limit:?}");
+        assert!((limit.bus_seconds_per_token - 0.005 / 11.0).abs() < 1e-12, "{limit:?}");
+        assert!((limit.bus_bytes_per_sec - 1e9).abs() < 1.0, "{limit:?}");
+        let unpooled = TgTotals { graphs: 11, generated: 10, compute_seconds: 0.1, ..Default::default() };
+        assert_eq!(PoolLimit::from_totals(&unpooled), None);
+    }
 }

@@ -18,6 +18,7 @@ use crate::sync::Lock;
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use hypura_sys::{EvalHook, ObservedNode};
 use serde::Serialize;
@@ -512,6 +513,7 @@ impl ExpertStream {
     /// the layer staged whole, for a prompt batch of more picks than slots).
     fn serve_pooled(&self, layer: usize, weights: &ObservedNode<'_>) -> Result<(), ResidencyError> {
         let pool = self.pool.as_ref().ok_or_else(|| ResidencyError::Pool(format!("layer {layer} has no pool")))?;
+        let (started, stalled) = (Instant::now(), self.residency.stats().stall_nanos());
         let rows = self.routed_ids(layer, weights)?;
         let picks = self.picks(&rows)?;
         self.record_reuse(layer, &rows, &picks);
@@ -528,6 +530,8 @@ impl ExpertStream {
         if let Some(remapped) = pool.load(layer, &picks, &serving, self.residency.region(), &rows, &mut tiers)? {
             weights.write_input_i32_rows(1, &remapped).map_err(|error| ResidencyError::Pool(error.to_string()))?;
         }
+        let waited = Duration::from_nanos(self.residency.stats().stall_nanos() - stalled);
+        pool.add_host_time(started.elapsed().saturating_sub(waited));
         self.served[layer].store(true, Ordering::Release);
         Ok(())
     }

@@ -9,8 +9,9 @@
 //!   uploaded into the least recently used slots that this batch does not use, and the ids are
 //!   rewritten to slot numbers: the kernels read slots only;
 //! - where a prompt batch picks more experts than the layer has slots, the layer's tensors are
-//!   pointed at the staging area, which holds a layer whole, its picks are uploaded at their
-//!   own positions and the ids stay as they are.
+//!   pointed at the staging area, which holds a layer whole, its picks are put at their own
+//!   positions (copied on the device from the slots that hold them, uploaded from the host
+//!   cache otherwise) and the ids stay as they are.
 //!
 //! Either way the device computes every routed expert, from the same bytes as the file's.
 use hypura_sys::{DevicePool, ModelTensor};
@@ -48,7 +49,7 @@ struct PooledLayer {
     staged: bool,
 }
 
-/// What the pool did, counted per (token batch, layer, expert).
+/// What the pool did, counted per (token batch, layer, expert), and the time it took.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct PoolSnapshot {
     /// Picks served from a device slot.
@@ -59,9 +60,19 @@ pub struct PoolSnapshot {
     pub evictions: u64,
     /// Bytes copied to the device, slots and staging together.
     pub upload_bytes: u64,
-    /// Layers computed from the staging area (prompt batches), and the bytes staged.
+    /// Layers computed from the staging area (prompt batches), the bytes uploaded into it,
+    /// and the bytes copied into it from slots on the device's side.
     pub staged_layers: u64,
     pub staged_bytes: u64,
+    pub staged_on_device_bytes: u64,
+    /// Bytes copied back from the device into the host cache (experts a slot gave up).
+    pub copied_back_bytes: u64,
+    /// Time moving experts between the tiers (uploads, copies back, staging): the bus's share.
+    pub transfer_seconds: f64,
+    /// Time the host spent at the pool's stops, waits for the disk left out: reading the
+    /// router's ids, serving them and writing them back. The device idles meanwhile, so the
+    /// rest of a decode's compute time is the device's (with the stops' launch gaps).
+    pub host_seconds: f64,
 }
 
 impl std::ops::Add for PoolSnapshot {
@@ -75,6 +86,10 @@ impl std::ops::Add for PoolSnapshot {
             upload_bytes: self.upload_bytes + other.upload_bytes,
             staged_layers: self.staged_layers + other.staged_layers,
             staged_bytes: self.staged_bytes + other.staged_bytes,
+            staged_on_device_bytes: self.staged_on_device_bytes + other.staged_on_device_bytes,
+            copied_back_bytes: self.copied_back_bytes + other.copied_back_bytes,
+            transfer_seconds: self.transfer_seconds + other.transfer_seconds,
+            host_seconds: self.host_seconds + other.host_seconds,
         }
     }
 }
@@ -90,6 +105,10 @@ impl std::ops::Sub for PoolSnapshot {
             upload_bytes: self.upload_bytes - earlier.upload_bytes,
             staged_layers: self.staged_layers - earlier.staged_layers,
             staged_bytes: self.staged_bytes - earlier.staged_bytes,
+            staged_on_device_bytes: self.staged_on_device_bytes - earlier.staged_on_device_bytes,
+            copied_back_bytes: self.copied_back_bytes - earlier.copied_back_bytes,
+            transfer_seconds: self.transfer_seconds - earlier.transfer_seconds,
+            host_seconds: self.host_seconds - earlier.host_seconds,
         }
     }
 }
@@ -221,6 +240,27 @@ impl ExpertPool {
         rows: &[Vec<i32>],
         tiers: &mut dyn Tiers,
     ) -> Result<Option<Vec<Vec<i32>>>, ResidencyError> {
+        let started = std::time::Instant::now();
+        let result = self.transfer(layer, picks, serving, region, rows, tiers);
+        self.counters.transfer_seconds += started.elapsed().as_secs_f64();
+        result
+    }
+
+    /// Time the host spent serving a stop (`PoolSnapshot::host_seconds`).
+    pub fn add_host_time(&mut self, elapsed: std::time::Duration) {
+        self.counters.host_seconds += elapsed.as_secs_f64();
+    }
+
+    /// `load`'s moves, untimed.
+    fn transfer(
+        &mut self,
+        layer: usize,
+        picks: &[usize],
+        serving: &Serving,
+        region: &Region,
+        rows: &[Vec<i32>],
+        tiers: &mut dyn Tiers,
+    ) -> Result<Option<Vec<Vec<i32>>>, ResidencyError> {
         let slots = self.slots;
         let Some(pooled) = self.layers.get_mut(layer).and_then(Option::as_mut) else {
             return Err(ResidencyError::Pool(format!("layer {layer} has no expert pool")));
@@ -228,30 +268,31 @@ impl ExpertPool {
         match serving {
             Serving::Staged(from_host) => {
                 let mut bytes = 0u64;
+                // The picks the slots hold are copied on the device's side, from their slot
+                // to their expert's place in the staging area (which lies past every slot).
+                let mut from_slots = Vec::new();
                 for tensor in &pooled.tensors {
-                    // The picks the slots hold, copied out while the tensor points at them.
                     let slice = tensor.slice_bytes as usize;
-                    tensor.tensor.place(&self.pool, tensor.slots_at, slots * slice).map_err(pool_error)?;
-                    let mut from_slots = Vec::new();
                     for &expert in picks {
                         if let Some(slot) = pooled.slot_of[expert] {
-                            let mut copy = vec![0u8; slice];
-                            tensor.tensor.read(slot as usize * slice, &mut copy).map_err(pool_error)?;
-                            from_slots.push((expert, copy));
+                            from_slots.push((
+                                tensor.slots_at + slot as usize * slice,
+                                tensor.staging_at + expert * slice,
+                                slice,
+                            ));
                         }
                     }
                     tensor.tensor.place(&self.pool, tensor.staging_at, tensor.tensor.nbytes()).map_err(pool_error)?;
                     for &expert in from_host {
                         bytes += upload(tensor, region, expert, expert)?;
                     }
-                    for (expert, copy) in from_slots {
-                        tensor.tensor.write(expert * slice, &copy).map_err(pool_error)?;
-                        bytes += copy.len() as u64;
-                    }
                 }
+                self.pool.copy_within(&from_slots).map_err(pool_error)?;
                 pooled.staged = true;
                 self.counters.staged_layers += 1;
                 self.counters.staged_bytes += bytes;
+                self.counters.staged_on_device_bytes +=
+                    from_slots.iter().map(|&(_, _, bytes)| bytes as u64).sum::<u64>();
                 self.counters.upload_bytes += bytes;
                 Ok(None)
             }
@@ -284,8 +325,10 @@ impl ExpertPool {
                     if let Some(previous) = pooled.expert_in[slot].take() {
                         pooled.slot_of[previous] = None;
                         let tensors = &pooled.tensors;
+                        let copied = std::cell::Cell::new(0u64);
                         let copy_back = |region: &Region| -> Result<(), String> {
                             for tensor in tensors {
+                                copied.set(copied.get() + tensor.slice_bytes);
                                 let start = tensor.file_offset + previous as u64 * tensor.slice_bytes;
                                 region.fill(start..start + tensor.slice_bytes, |bytes| {
                                     tensor
@@ -298,6 +341,7 @@ impl ExpertPool {
                         };
                         tiers.evicted(previous, &copy_back)?;
                         self.counters.evictions += 1;
+                        self.counters.copied_back_bytes += copied.get();
                     }
                     let mut bytes = 0;
                     for tensor in &pooled.tensors {

@@ -96,6 +96,12 @@ impl IoStats {
         self.recycled_bytes.fetch_add(bytes, Ordering::Relaxed);
     }
 
+    /// Time compute has waited for bytes so far, in nanoseconds (a stop's own share is the
+    /// difference across it).
+    pub fn stall_nanos(&self) -> u64 {
+        self.stall_nanos.load(Ordering::Relaxed)
+    }
+
     pub fn record_observation(&self) {
         self.observations.fetch_add(1, Ordering::Relaxed);
     }

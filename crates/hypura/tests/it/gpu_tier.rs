@@ -333,6 +333,25 @@ fn pooled_experts_are_served_from_slots_and_staging_and_tokens_equal_resident() 
     // Staging uploads at most a layer whole each time; slots took the rest.
     assert!(device.staged_bytes <= device.staged_layers * staging, "{experts:?}");
     assert!(device.upload_bytes > device.staged_bytes, "{experts:?}");
+    // At most one expert copied back per eviction (none where the host cache still held it);
+    // the moves are timed within the host's work at the stops.
+    assert!(device.copied_back_bytes > 0, "{experts:?}");
+    let largest_expert = (0..hparams.n_layer as u32)
+        .map(|layer| {
+            let slices = inventory.expert_tensors().filter(|tensor| tensor.layer == Some(layer));
+            slices.map(|tensor| tensor.experts.map_or(0, |experts| experts.slice_bytes)).sum::<u64>()
+        })
+        .max()
+        .unwrap_or(0);
+    assert!(device.copied_back_bytes <= device.evictions * largest_expert, "{experts:?}");
+    assert!(device.transfer_seconds > 0.0 && device.host_seconds >= device.transfer_seconds, "{experts:?}");
     // One stop per layer per graph, after the router's weights.
     assert_eq!(ours.stats.io.expect("io stats").observations, hparams.n_layer * 32);
+    // A second prompt after the decodes filled the slots: its staged layers take the picks
+    // the slots hold from them on the device's side, and the tokens still agree.
+    let again = greedy(&pooled, 8);
+    assert_eq!(again.tokens, theirs.tokens[..8]);
+    let device = again.stats.experts.expect("expert stats").device;
+    assert!(device.staged_layers > 0 && device.staged_on_device_bytes > 0, "{device:?}");
+    assert!(device.staged_bytes + device.staged_on_device_bytes <= device.staged_layers * staging, "{device:?}");
 }
