@@ -173,7 +173,8 @@ pub struct PlanArgs {
     /// rest in host memory or streamed through the host's expert cache, computed on the CPU),
     /// pool (every MoE layer's most recently routed experts in device slots, the rest in the
     /// host's expert cache and on disk, all computed on the GPU), or auto: the pool where
-    /// whole layers would leave the host streaming experts from disk, else layers.
+    /// whole layers would leave routed experts with the host (resident or streamed), else
+    /// layers.
     #[arg(long, default_value = "auto", value_parser = ["auto", "layers", "pool"])]
     pub gpu_experts: String,
     /// auto, resident, dense-stream or expert-stream.

@@ -264,10 +264,10 @@ mod tests {
             plan.experts.unwrap().prefetch
         };
         assert!(prefetch(0, None));
-        assert!(!prefetch(256 << 20, None));
-        assert!(prefetch(256 << 20, Some(true)));
+        assert!(!prefetch(320 << 20, None));
+        assert!(prefetch(320 << 20, Some(true)));
         assert!(!prefetch(0, Some(false)));
-        // llama.cpp's partial offload (a 64K context's KV cache does not fit 400 MiB beside every
+        // llama.cpp's partial offload (a 64K context's KV cache does not fit 600 MiB beside every
         // layer's attention; the last layer goes whole): the streamed layers attend on the CPU,
         // their hidden state is in host memory, and the prediction stays on.
         let inventory = moe_inventory(4, 128, 8, 64 << 10);
@@ -278,7 +278,7 @@ mod tests {
             ..PlanOptions::default()
         };
         let machine =
-            MachineFacts { memory_budget_bytes: 1 << 30, gpu_budget_bytes: 400 << 20, ..MachineFacts::default() };
+            MachineFacts { memory_budget_bytes: 1 << 30, gpu_budget_bytes: 600 << 20, ..MachineFacts::default() };
         let partial = plan(&inventory, &machine, &options).unwrap();
         assert_eq!(partial.gpu.as_ref().and_then(|gpu| gpu.whole_layers.clone()), Some(3..4), "{}", partial.render());
         assert!(partial.experts.unwrap().prefetch);

@@ -5,7 +5,7 @@ use serde::Serialize;
 
 use super::remote::RemoteLayout;
 use super::sizing::{
-    compute_buffer_bytes, context_memory_bytes, is_streamable, on_input_layer, output_is_tied, TOKEN_EMBEDDING,
+    context_memory_bytes, device_compute_bytes, is_streamable, on_input_layer, output_is_tied, TOKEN_EMBEDDING,
 };
 use super::types::{MachineFacts, Mode, ModeChoice, Plan, PlanOptions, TensorPlacement, Tier};
 use crate::format::format_bytes;
@@ -198,7 +198,7 @@ pub(super) fn gpu_tier(
         budget: machine.gpu_budget_bytes,
         runtime: machine.gpu_runtime_bytes,
         kv: context_memory_bytes(inventory, options.n_ctx, options.n_sequences, options.kv),
-        compute: compute_buffer_bytes(inventory, options.n_ctx, options.n_ubatch),
+        compute: device_compute_bytes(inventory, options.n_ctx, options.n_ubatch),
         layer_attention,
         layer_ffn,
         outside_layers,
@@ -467,7 +467,7 @@ mod tests {
         let fixed = 8 * (16 << 20)
             + (64 << 20)
             + kv_cache_bytes(&inventory, 1024, Default::default())
-            + compute_buffer_bytes(&inventory, 1024, 256);
+            + device_compute_bytes(&inventory, 1024, 256);
         // What every token touches, op offload's copy of one host layer's FFN, 3 FFN layers.
         let plan =
             plan(&inventory, &with_gpu(8 << 30, fixed + (96 << 20) + 3 * (96 << 20) + (50 << 20)), &options).unwrap();
@@ -498,7 +498,7 @@ mod tests {
         let fixed = 8 * (16 << 20)
             + (64 << 20)
             + kv_cache_bytes(&inventory, 1024, Default::default())
-            + compute_buffer_bytes(&inventory, 1024, 256);
+            + device_compute_bytes(&inventory, 1024, 256);
         let all = plan(&inventory, &with_gpu(8 << 30, fixed + 8 * (96 << 20)), &auto_window(ModeChoice::Auto)).unwrap();
         let gpu = all.gpu.as_ref().unwrap();
         assert_eq!(gpu.ffn_layers.len(), 8, "{}", all.render());
@@ -524,7 +524,7 @@ mod tests {
         let inventory = inventory(8, 64 << 20, 32 << 20, 64 << 20);
         let kv = kv_cache_bytes(&inventory, 1024, Default::default());
         assert_eq!(kv, 16 << 20);
-        let compute = compute_buffer_bytes(&inventory, 1024, 256);
+        let compute = device_compute_bytes(&inventory, 1024, 256);
         let budget = compute + (64 << 20) + (160 << 20) + 2 * (162 << 20);
         let plan = plan_for(&inventory, budget);
         let gpu = plan.gpu.as_ref().unwrap_or_else(|| panic!("{}", plan.render()));
@@ -575,7 +575,7 @@ mod tests {
             };
             inventory.tensors.push(entry);
         }
-        let compute = compute_buffer_bytes(&inventory, 1024, 256);
+        let compute = device_compute_bytes(&inventory, 1024, 256);
         let budget = compute + (97 << 20) + (160 << 20) + 2 * (162 << 20);
         let plan = plan_for(&inventory, budget);
         let gpu = plan.gpu.as_ref().unwrap_or_else(|| panic!("{}", plan.render()));
@@ -597,7 +597,7 @@ mod tests {
         let fixed = 8 * (16 << 20)
             + (64 << 20)
             + kv_cache_bytes(&inventory, 1024, Default::default())
-            + compute_buffer_bytes(&inventory, 1024, 256);
+            + device_compute_bytes(&inventory, 1024, 256);
         let plan = plan_for(&inventory, fixed + (95 << 20));
         let gpu = plan.gpu.as_ref().unwrap();
         assert_eq!((gpu.whole_layers.clone(), gpu.op_offload, gpu.runtime_bytes), (None, false, 0));
@@ -667,8 +667,8 @@ mod tests {
         let gpu_fixed = 16 * (16 << 20)
             + (64 << 20)
             + kv_cache_bytes(&inventory, 1024, Default::default())
-            + compute_buffer_bytes(&inventory, 1024, 256);
-        let host_fixed = (64 << 20) + compute_buffer_bytes(&inventory, 1024, 256);
+            + device_compute_bytes(&inventory, 1024, 256);
+        let host_fixed = (64 << 20) + super::super::sizing::compute_buffer_bytes(&inventory, 1024, 256);
         // The GPU holds 4 FFN layers (and room to copy a fifth); the host the window (2 layers)
         // and 4 pinned.
         let plan = plan(
@@ -732,7 +732,7 @@ mod tests {
             + if output_is_tied(&inventory) { 8 << 20 } else { 0 };
         let fixed = every_token
             + kv_cache_bytes(&inventory, 1024, Default::default())
-            + compute_buffer_bytes(&inventory, 1024, 256);
+            + device_compute_bytes(&inventory, 1024, 256);
         let staging = 3 * 64 * slice;
         let alignment = 24 * POOL_ALIGNMENT;
         let gpu_budget = fixed + staging + alignment + 10 * 24 * slice + slice;
@@ -755,18 +755,19 @@ mod tests {
         let small =
             plan(&inventory, &with_gpu(64 << 30, fixed + staging + alignment + 3 * 24 * slice), &options).unwrap();
         assert!(small.gpu.as_ref().unwrap().expert_pool.is_none(), "{}", small.render());
-        // Static placement asked for, or left to the plan where the host holds the rest: whole
-        // layers, the host's share resident.
-        for choice in [Some(false), None] {
-            let layers = PlanOptions { gpu_expert_pool: choice, ..options.clone() };
-            let static_plan = plan(&inventory, &with_gpu(64 << 30, gpu_budget), &layers).unwrap();
-            assert!(static_plan.gpu.as_ref().unwrap().expert_pool.is_none(), "{choice:?}");
-            assert_eq!(static_plan.mode, Mode::Resident, "{choice:?}");
-        }
-        // Left to the plan where whole layers would stream the host's experts from disk: the
-        // pool, as asked for; where the pool does not fit (too small a GPU), whole layers.
-        let host = 1 << 30;
+        // Static placement asked for: whole layers, the host's share resident.
+        let layers = PlanOptions { gpu_expert_pool: Some(false), ..options.clone() };
+        let static_plan = plan(&inventory, &with_gpu(64 << 30, gpu_budget), &layers).unwrap();
+        assert!(static_plan.gpu.as_ref().unwrap().expert_pool.is_none(), "{}", static_plan.render());
+        assert_eq!(static_plan.mode, Mode::Resident, "{}", static_plan.render());
+        // Left to the plan where whole layers would leave experts with the host, resident (the
+        // CPU would compute them) or streamed from disk: the pool, as asked for; where the pool
+        // does not fit (too small a GPU), whole layers.
         let auto = PlanOptions { gpu_expert_pool: None, ..options.clone() };
+        let roomy = plan(&inventory, &with_gpu(64 << 30, gpu_budget), &auto).unwrap();
+        assert_eq!(roomy.gpu, pooled.gpu, "{}", roomy.render());
+        assert_eq!(roomy.mode, Mode::ExpertStream, "{}", roomy.render());
+        let host = 1 << 30;
         let streaming = plan(&inventory, &with_gpu(host, gpu_budget), &auto).unwrap();
         let layered = plan(
             &inventory,

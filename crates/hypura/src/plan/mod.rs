@@ -32,7 +32,7 @@ pub use predict::{cached_units, predict, Prediction};
 pub use remote::{RemoteDeviceFacts, RemoteLayout, RemoteShare, REMOTE_RESERVE_BYTES};
 pub use reuse::{uniform_hit_rate, ReuseDepths, ReuseTracker};
 pub use search::{choose, context_for, plan_for, Ask, Choice, DRAFT_UBATCH};
-pub use sizing::{compute_buffer_bytes, context_memory_bytes, kv_cache_bytes, KvTypes};
+pub use sizing::{compute_buffer_bytes, context_memory_bytes, device_compute_bytes, kv_cache_bytes, KvTypes};
 pub use types::{
     BudgetUse, CachePolicy, MachineFacts, Mode, ModeChoice, Plan, PlanError, PlanOptions, TensorPlacement, Tier,
 };
@@ -125,15 +125,22 @@ fn plan_local(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptio
     if options.gpu_expert_pool.is_some() || machine.gpu_budget_bytes == 0 {
         return plan_local_placed(inventory, machine, options);
     }
-    // Left to the plan: whole layers' experts on the GPU, unless the host would then stream
-    // experts from disk, where the device's pool serves the hot experts of every layer
+    // Left to the plan: whole layers' experts on the GPU where they all fit there; where some
+    // would stay with the host (streamed, or resident and computed by the CPU), the device's
+    // pool serves the hot experts of every layer and every routed expert computes on the GPU
     // (decision 29: with the host streaming, S6a decodes 110 tok/s pooled against 53 with whole
-    // layers, S4 64 against 39; with the host holding every expert, S6b, whole layers keep up:
-    // 87 against 85, 91 with the warm fill in another visit).
+    // layers, S4 64 against 39; with the host holding every expert, S6b, 90 against 55 in one
+    // visit and 91 (with the warm fill) against 87 in another: the CPU's share of the experts
+    // runs at what the host's cores give, the pool does not depend on them).
     let layers =
         plan_local_placed(inventory, machine, &PlanOptions { gpu_expert_pool: Some(false), ..options.clone() });
+    let experts_on_host = |plan: &Plan| {
+        inventory.tensors.iter().zip(&plan.tensors).any(|(tensor, placed)| {
+            tensor.role.is_expert() && tensor.role != Role::Mtp && !matches!(placed.tier, Tier::Gpu | Tier::Unused)
+        })
+    };
     match &layers {
-        Ok(plan) if plan.mode == Mode::ExpertStream && plan.gpu.is_some() => {
+        Ok(plan) if plan.gpu.is_some() && experts_on_host(plan) => {
             match plan_local_placed(inventory, machine, &PlanOptions { gpu_expert_pool: Some(true), ..options.clone() })
             {
                 Ok(pooled) if pooled.gpu.as_ref().is_some_and(|gpu| gpu.expert_pool.is_some()) => Ok(pooled),

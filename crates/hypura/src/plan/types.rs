@@ -162,8 +162,9 @@ pub struct PlanOptions {
     pub mtp: bool,
     /// With a GPU tier, the expert pool (`GpuLayout::expert_pool`) instead of whole layers'
     /// experts: Some(true) or Some(false) as asked (`--gpu-experts pool|layers`); None chooses
-    /// the pool where whole layers would leave the host streaming experts from disk, and whole
-    /// layers where the host holds the rest (decision 29, by measurement).
+    /// the pool where whole layers would leave routed experts with the host (streamed, or
+    /// resident and computed by the CPU), and whole layers where every expert fits the GPU
+    /// (decision 29, by measurement).
     pub gpu_expert_pool: Option<bool>,
     /// The KV cache's element types.
     pub kv: super::KvTypes,

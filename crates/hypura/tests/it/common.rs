@@ -339,7 +339,7 @@ pub fn expert_pool_budget(inventory: &hypura::model::Inventory, n_ctx: u32, n_ub
         + tied
         + dense_layer
         + hypura::plan::kv_cache_bytes(inventory, n_ctx, Default::default())
-        + hypura::plan::compute_buffer_bytes(inventory, n_ctx, n_ubatch)
+        + hypura::plan::device_compute_bytes(inventory, n_ctx, n_ubatch)
         + staging
         + slots * per_slot
         + expert_tensors * hypura::plan::POOL_ALIGNMENT

@@ -77,7 +77,7 @@ fn plan_with_gpu(inventory: &Inventory, ffn_layers: usize, host_spare: u64) -> P
     let gpu = every_token
         + tied
         + plan::kv_cache_bytes(inventory, N_CTX, Default::default())
-        + compute
+        + plan::device_compute_bytes(inventory, N_CTX, 512)
         + copy
         + ffn.iter().rev().take(ffn_layers).sum::<u64>();
     let plan = plan_with_budgets(inventory, embedding + compute + host_spare, gpu);
@@ -110,7 +110,7 @@ fn plan_with_whole_layers(inventory: &Inventory, layers: usize, host_spare: u64)
     let compute = plan::compute_buffer_bytes(inventory, N_CTX, 512);
     let gpu = outside
         + tied
-        + compute
+        + plan::device_compute_bytes(inventory, N_CTX, 512)
         + whole.iter().max().unwrap()
         + whole.iter().rev().take(layers).map(|bytes| bytes + kv_layer).sum::<u64>();
     let host_layers = n_layer - layers;
