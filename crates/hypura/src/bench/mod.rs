@@ -186,9 +186,11 @@ pub struct BenchReport {
     pub profile_disk_bytes_per_sec: Option<f64>,
     pub limit_tokens_per_sec: Option<f64>,
     pub limit_fraction: Option<f64>,
-    /// With a device expert pool, the limit's compute term is the device's: tg's compute per
-    /// token less the host's work at the pool's stops (the device idles through them); beside
-    /// it the bus, the pool's transfers per pass at the rate they ran.
+    /// With a device expert pool, the limit's compute term is the device's side: tg's compute
+    /// per token less the host's work at the pool's stops (the device idles through them; the
+    /// gaps each stop leaves in the device's queue stay in it, so the model resident on the GPU
+    /// is the tighter limit where it can be measured); beside it the bus, the pool's transfers
+    /// per pass at the rate they ran.
     pub pool_limit: Option<PoolLimit>,
     /// Share of the tg runs' wall time with a read in flight, the rate the disk delivered
     /// then, and the limit at that rate with the decode's share of it.
@@ -704,7 +706,7 @@ pub fn render(report: &BenchReport) -> String {
                 || "this run's compute".to_string(),
                 |pool| {
                     format!(
-                        "the GPU's compute, {:.2} ms a token: this run's {:.2} ms less the host's {:.2} ms at the pool's stops; the bus {:.2} ms a token at {:.1} GB/s, this run's transfers;",
+                        "the GPU's side, {:.2} ms a token: this run's {:.2} ms less the host's {:.2} ms at the pool's stops, the gaps the stops leave on the device still in it; the bus {:.2} ms a token at {:.1} GB/s, this run's transfers;",
                         pool.device_seconds_per_token * 1e3,
                         (pool.device_seconds_per_token + pool.host_seconds_per_token) * 1e3,
                         pool.host_seconds_per_token * 1e3,
