@@ -213,3 +213,22 @@ impl ModelTensor {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Copies within the pool refuse a span past its end or a destination that overlaps its
+    /// source (before any is made); spans inside and apart, or none, are copied.
+    #[test]
+    fn copies_within_the_pool_stay_inside_it_and_apart() {
+        let pool = DevicePool::new(Backend::get(), 4096).unwrap();
+        assert!(pool.copy_within(&[(0, 2048, 2048), (2048, 0, 1024)]).is_ok());
+        assert!(pool.copy_within(&[]).is_ok());
+        assert!(pool.copy_within(&[(0, 3000, 2048)]).is_err());
+        assert!(pool.copy_within(&[(0, 1024, 2048)]).is_err());
+        assert!(pool.copy_within(&[(2048, 1024, 2048)]).is_err());
+        assert!(pool.copy_within(&[(usize::MAX - 1, 0, 2)]).is_err());
+        assert!(pool.copy_within(&[(0, 2048, 16), (0, 8, 16)]).is_err());
+    }
+}

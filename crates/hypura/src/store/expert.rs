@@ -527,11 +527,14 @@ impl ExpertStream {
         let next_pooled = |unit: usize| pool.holds(layer + 1, unit % self.numbering.n_expert);
         self.route_units(layer, units, &rows, hidden.as_deref(), &next_pooled)?;
         let mut tiers = HostTier { stream: self, layer };
-        if let Some(remapped) = pool.load(layer, &picks, &serving, self.residency.region(), &rows, &mut tiers)? {
+        let moving = Instant::now();
+        let remapped = pool.load(layer, &picks, &serving, self.residency.region(), &rows, &mut tiers)?;
+        let moved = moving.elapsed();
+        if let Some(remapped) = remapped {
             weights.write_input_i32_rows(1, &remapped).map_err(|error| ResidencyError::Pool(error.to_string()))?;
         }
         let waited = Duration::from_nanos(self.residency.stats().stall_nanos() - stalled);
-        pool.add_host_time(started.elapsed().saturating_sub(waited));
+        pool.add_times(moved, started.elapsed().saturating_sub(waited));
         self.served[layer].store(true, Ordering::Release);
         Ok(())
     }

@@ -240,27 +240,6 @@ impl ExpertPool {
         rows: &[Vec<i32>],
         tiers: &mut dyn Tiers,
     ) -> Result<Option<Vec<Vec<i32>>>, ResidencyError> {
-        let started = std::time::Instant::now();
-        let result = self.transfer(layer, picks, serving, region, rows, tiers);
-        self.counters.transfer_seconds += started.elapsed().as_secs_f64();
-        result
-    }
-
-    /// Time the host spent serving a stop (`PoolSnapshot::host_seconds`).
-    pub fn add_host_time(&mut self, elapsed: std::time::Duration) {
-        self.counters.host_seconds += elapsed.as_secs_f64();
-    }
-
-    /// `load`'s moves, untimed.
-    fn transfer(
-        &mut self,
-        layer: usize,
-        picks: &[usize],
-        serving: &Serving,
-        region: &Region,
-        rows: &[Vec<i32>],
-        tiers: &mut dyn Tiers,
-    ) -> Result<Option<Vec<Vec<i32>>>, ResidencyError> {
         let slots = self.slots;
         let Some(pooled) = self.layers.get_mut(layer).and_then(Option::as_mut) else {
             return Err(ResidencyError::Pool(format!("layer {layer} has no expert pool")));
@@ -368,6 +347,13 @@ impl ExpertPool {
                 Ok(Some(remapped))
             }
         }
+    }
+
+    /// A stop's times: its `load` (`PoolSnapshot::transfer_seconds`) and the host's work in
+    /// all (`PoolSnapshot::host_seconds`).
+    pub fn add_times(&mut self, transfer: std::time::Duration, host: std::time::Duration) {
+        self.counters.transfer_seconds += transfer.as_secs_f64();
+        self.counters.host_seconds += host.as_secs_f64();
     }
 
     pub fn snapshot(&self) -> PoolSnapshot {
