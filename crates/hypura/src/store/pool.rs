@@ -11,7 +11,8 @@
 //! - where a prompt batch picks more experts than the layer has slots, the layer's tensors are
 //!   pointed at the staging area, which holds a layer whole, its picks are put at their own
 //!   positions (copied on the device from the slots that hold them, uploaded from the host
-//!   cache otherwise) and the ids stay as they are.
+//!   cache otherwise) and the ids stay as they are; empty slots take the batch's most picked
+//!   experts from there.
 //!
 //! Either way the device computes every routed expert, from the same bytes as the file's.
 use hypura_sys::{DevicePool, ModelTensor};
@@ -65,6 +66,8 @@ pub struct PoolSnapshot {
     pub staged_layers: u64,
     pub staged_bytes: u64,
     pub staged_on_device_bytes: u64,
+    /// Experts a staged prompt layer put into empty slots (copied on the device).
+    pub staged_into_slots: u64,
     /// Bytes copied back from the device into the host cache (experts a slot gave up).
     pub copied_back_bytes: u64,
     /// Time moving experts between the tiers (uploads, copies back, staging): the bus's share.
@@ -87,6 +90,7 @@ impl std::ops::Add for PoolSnapshot {
             staged_layers: self.staged_layers + other.staged_layers,
             staged_bytes: self.staged_bytes + other.staged_bytes,
             staged_on_device_bytes: self.staged_on_device_bytes + other.staged_on_device_bytes,
+            staged_into_slots: self.staged_into_slots + other.staged_into_slots,
             copied_back_bytes: self.copied_back_bytes + other.copied_back_bytes,
             transfer_seconds: self.transfer_seconds + other.transfer_seconds,
             host_seconds: self.host_seconds + other.host_seconds,
@@ -106,6 +110,7 @@ impl std::ops::Sub for PoolSnapshot {
             staged_layers: self.staged_layers - earlier.staged_layers,
             staged_bytes: self.staged_bytes - earlier.staged_bytes,
             staged_on_device_bytes: self.staged_on_device_bytes - earlier.staged_on_device_bytes,
+            staged_into_slots: self.staged_into_slots - earlier.staged_into_slots,
             copied_back_bytes: self.copied_back_bytes - earlier.copied_back_bytes,
             transfer_seconds: self.transfer_seconds - earlier.transfer_seconds,
             host_seconds: self.host_seconds - earlier.host_seconds,
@@ -267,6 +272,43 @@ impl ExpertPool {
                     }
                 }
                 self.pool.copy_within(&from_slots).map_err(pool_error)?;
+                // Empty slots take the batch's most picked experts from the staging area, on the
+                // device (no bus, nothing given up): a first long prompt leaves the slots as a
+                // decode after it will want them, not empty.
+                let empty: Vec<usize> = (0..slots).filter(|&slot| pooled.expert_in[slot].is_none()).collect();
+                if !empty.is_empty() {
+                    let mut counts = vec![0u32; pooled.slot_of.len()];
+                    for &expert in rows.iter().flatten() {
+                        if let Some(count) = usize::try_from(expert).ok().and_then(|expert| counts.get_mut(expert)) {
+                            *count += 1;
+                        }
+                    }
+                    let mut candidates: Vec<usize> =
+                        picks.iter().copied().filter(|&expert| pooled.slot_of[expert].is_none()).collect();
+                    candidates.sort_by_key(|&expert| (std::cmp::Reverse(counts[expert]), expert));
+                    let filled: Vec<(usize, usize)> = empty.into_iter().zip(candidates).collect();
+                    let mut into_slots = Vec::new();
+                    for &(slot, expert) in &filled {
+                        for tensor in &pooled.tensors {
+                            let slice = tensor.slice_bytes as usize;
+                            into_slots.push((
+                                tensor.staging_at + expert * slice,
+                                tensor.slots_at + slot * slice,
+                                slice,
+                            ));
+                        }
+                    }
+                    // The slot table names an expert only once its bytes are there.
+                    self.pool.copy_within(&into_slots).map_err(pool_error)?;
+                    self.clock += 1;
+                    for (slot, expert) in filled {
+                        pooled.expert_in[slot] = Some(expert);
+                        pooled.slot_of[expert] = Some(slot as u32);
+                        pooled.last_used[slot] = self.clock;
+                        self.counters.staged_into_slots += 1;
+                        tiers.uploaded(expert)?;
+                    }
+                }
                 pooled.staged = true;
                 self.counters.staged_layers += 1;
                 self.counters.staged_bytes += bytes;

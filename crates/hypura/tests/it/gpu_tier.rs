@@ -330,6 +330,9 @@ fn pooled_experts_are_served_from_slots_and_staging_and_tokens_equal_resident() 
     let decode_picks = 31 * hparams.n_layer * k;
     let prompt_slot_picks = device.hits + device.uploads - decode_picks;
     assert!(prompt_slot_picks <= (hparams.n_layer - device.staged_layers) * pool.slots as u64, "{experts:?}");
+    // The first prompt found every slot empty: each staged layer filled its slots with the
+    // batch's most picked experts, on the device.
+    assert_eq!(device.staged_into_slots, device.staged_layers * pool.slots as u64, "{experts:?}");
     // Staging uploads at most a layer whole each time; slots took the rest.
     assert!(device.staged_bytes <= device.staged_layers * staging, "{experts:?}");
     assert!(device.upload_bytes > device.staged_bytes, "{experts:?}");

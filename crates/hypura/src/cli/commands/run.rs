@@ -243,13 +243,14 @@ fn print_stats(gpu_free_before: Option<&[(String, u64)]>, disk_rate: Option<f64>
         let device = &experts.device;
         if device.hits + device.uploads + device.staged_layers > 0 {
             eprintln!(
-                "gpu experts {} picks from the GPU's slots, {} uploaded into them (hit rate {:.1}%) | {} prompt layers staged whole ({} uploaded, {} from the slots on the GPU) | {} uploaded, {} copied back in {:.3} s | the host's work at the pool's stops {:.3} s",
+                "gpu experts {} picks from the GPU's slots, {} uploaded into them (hit rate {:.1}%) | {} prompt layers staged whole ({} uploaded, {} from the slots on the GPU; {} experts into empty slots) | {} uploaded, {} copied back in {:.3} s | the host's work at the pool's stops {:.3} s",
                 device.hits,
                 device.uploads,
                 100.0 * device.hits as f64 / (device.hits + device.uploads).max(1) as f64,
                 device.staged_layers,
                 crate::format::format_bytes(device.staged_bytes),
                 crate::format::format_bytes(device.staged_on_device_bytes),
+                device.staged_into_slots,
                 crate::format::format_bytes(device.upload_bytes),
                 crate::format::format_bytes(device.copied_back_bytes),
                 device.transfer_seconds,
