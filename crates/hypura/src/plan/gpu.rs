@@ -456,7 +456,7 @@ mod tests {
     use super::*;
     use crate::model::Role;
     use crate::plan::test_support::*;
-    use crate::plan::{kv_cache_bytes, plan, Mode, ModeChoice};
+    use crate::plan::{compute_buffer_bytes, kv_cache_bytes, plan, Mode, ModeChoice};
 
     #[test]
     fn the_gpu_takes_what_every_token_touches_then_whole_ffn_layers_from_the_last() {
@@ -668,7 +668,7 @@ mod tests {
             + (64 << 20)
             + kv_cache_bytes(&inventory, 1024, Default::default())
             + device_compute_bytes(&inventory, 1024, 256);
-        let host_fixed = (64 << 20) + super::super::sizing::compute_buffer_bytes(&inventory, 1024, 256);
+        let host_fixed = (64 << 20) + compute_buffer_bytes(&inventory, 1024, 256);
         // The GPU holds 4 FFN layers (and room to copy a fifth); the host the window (2 layers)
         // and 4 pinned.
         let plan = plan(
