@@ -108,38 +108,23 @@ impl ObservedNode<'_> {
 
     /// Overwrite the node's I32 input `input` with `values`, which must have its shape (one
     /// row per token). Nodes that read that input later in the graph see the new values:
-    /// the store rewrites expert ids to the slots of a device's expert pool so.
+    /// the store rewrites expert ids to the slots of a device's expert pool so. One copy to the
+    /// backend: a strided input's span is read, patched and written whole (the bytes between
+    /// its rows, another view's, written back as they were).
     pub fn write_input_i32_rows(&self, input: usize, values: &[Vec<i32>]) -> Result<(), crate::SysError> {
         let bad = || crate::SysError::State(format!("{}: input {input} is not an I32 matrix of that shape", self.name));
         let tensor = self.input(input).ok_or_else(bad)?;
-        let buffer = buffer_of(tensor);
-        let [columns, rows, third, fourth] = tensor.ne;
-        let [element_stride, row_stride, ..] = tensor.nb;
+        let [columns, rows, ..] = tensor.ne;
         let shaped = values.len() as i64 == rows && values.iter().all(|row| row.len() as i64 == columns);
-        if tensor.type_ != raw::GGML_TYPE_I32
-            || tensor.data.is_null()
-            || buffer.is_null()
-            || third != 1
-            || fourth != 1
-            || element_stride != 4
-            || !shaped
-        {
-            return Err(bad());
-        }
+        let span = Span::of(tensor, raw::GGML_TYPE_I32).filter(|_| shaped).ok_or_else(bad)?;
+        let mut bytes = if span.packed() { vec![0u8; span.bytes] } else { span.read(tensor) };
         for (index, row) in values.iter().enumerate() {
-            let bytes: Vec<u8> = row.iter().flat_map(|value| value.to_ne_bytes()).collect();
-            // SAFETY: the tensor is a computed I32 matrix with a buffer; row `index` < ne[1]
-            // starts `index * nb[1]` bytes in and holds ne[0] four-byte elements, exactly
-            // `bytes.len()`. ggml runs the nodes that read it only after this callback returns.
-            unsafe {
-                raw::ggml_backend_tensor_set(
-                    tensor as *const raw::ggml_tensor as *mut raw::ggml_tensor,
-                    bytes.as_ptr() as *const c_void,
-                    index * row_stride,
-                    bytes.len(),
-                );
+            let at = index * span.row_stride;
+            for (slot, value) in bytes[at..at + span.row_bytes].chunks_exact_mut(4).zip(row) {
+                slot.copy_from_slice(&value.to_ne_bytes());
             }
         }
+        span.write(tensor, &bytes);
         Ok(())
     }
 
@@ -202,35 +187,95 @@ fn buffer_of(tensor: &raw::ggml_tensor) -> raw::ggml_backend_buffer_t {
     }
 }
 
-/// The rows of a 2-D tensor of `ggml_type` with 4-byte elements, read through the backend (so
-/// device memory works as well as host memory), honouring the row stride `nb[1]`.
-fn rows<T>(tensor: &raw::ggml_tensor, ggml_type: raw::ggml_type, decode: fn([u8; 4]) -> T) -> Option<Vec<Vec<T>>> {
-    let has_buffer = !buffer_of(tensor).is_null();
-    if tensor.type_ != ggml_type || tensor.data.is_null() || !has_buffer {
-        return None;
+/// Where a 2-D tensor of 4-byte elements lies in its backend buffer: `rows` rows of
+/// `row_bytes`, `row_stride` bytes apart (ggml's `nb[1]`; the top-k ids are a view whose rows are
+/// farther apart than they are long), `bytes` from the first row's start to the last one's end.
+struct Span {
+    rows: usize,
+    row_bytes: usize,
+    row_stride: usize,
+    bytes: usize,
+}
+
+impl Span {
+    /// The span of `tensor` if it is a computed 2-D tensor of `ggml_type` (4-byte elements)
+    /// with a buffer, else None.
+    fn of(tensor: &raw::ggml_tensor, ggml_type: raw::ggml_type) -> Option<Span> {
+        let has_buffer = !buffer_of(tensor).is_null();
+        if tensor.type_ != ggml_type || tensor.data.is_null() || !has_buffer {
+            return None;
+        }
+        let [columns, rows, third, fourth] = tensor.ne;
+        let [element_stride, row_stride, ..] = tensor.nb;
+        if columns < 0 || rows < 0 || third != 1 || fourth != 1 || element_stride != 4 {
+            return None;
+        }
+        let (rows, row_bytes) = (rows as usize, columns as usize * 4);
+        let bytes = if rows == 0 { 0 } else { (rows - 1) * row_stride + row_bytes };
+        Some(Span { rows, row_bytes, row_stride, bytes })
     }
-    let [columns, rows, third, fourth] = tensor.ne;
-    let [element_stride, row_stride, ..] = tensor.nb;
-    if columns < 0 || rows < 0 || third != 1 || fourth != 1 || element_stride != 4 {
-        return None;
+
+    /// Whether the rows follow each other with nothing between them.
+    fn packed(&self) -> bool {
+        self.rows <= 1 || self.row_stride == self.row_bytes
     }
-    let mut bytes = vec![0u8; columns as usize * 4];
-    let mut out = Vec::with_capacity(rows as usize);
-    for row in 0..rows as usize {
-        // SAFETY: the node is computed and has a buffer; `row * nb[1] + ne[0] * 4` bytes lie
-        // inside the tensor for row < ne[1] (ggml's layout of a 2-D tensor with nb[0] = 4), and
-        // `bytes` holds exactly that many. ggml waits for this callback before reusing memory.
+
+    /// The span's bytes, in one copy from the backend (device memory as well as host memory).
+    fn read(&self, tensor: &raw::ggml_tensor) -> Vec<u8> {
+        let mut bytes = vec![0u8; self.bytes];
+        if self.bytes > 0 {
+            // SAFETY: `Span::of` checked the tensor is computed, has a buffer and is 2-D with
+            // 4-byte elements; its span, `(ne[1] - 1) * nb[1] + ne[0] * 4` bytes from its
+            // start, is ggml_nbytes of such a tensor, so it lies inside it; `bytes` holds
+            // exactly that many. ggml waits for this callback before reusing memory.
+            unsafe {
+                raw::ggml_backend_tensor_get(
+                    tensor as *const raw::ggml_tensor as *mut raw::ggml_tensor,
+                    bytes.as_mut_ptr() as *mut c_void,
+                    0,
+                    bytes.len(),
+                );
+            }
+        }
+        bytes
+    }
+
+    /// Write the span's `bytes` (as `read` returned them, patched) in one copy.
+    fn write(&self, tensor: &raw::ggml_tensor, bytes: &[u8]) {
+        assert_eq!(bytes.len(), self.bytes, "a span is written whole");
+        if bytes.is_empty() {
+            return;
+        }
+        // SAFETY: as in `read`: the span lies inside the computed tensor and `bytes` holds
+        // exactly its length. ggml runs the nodes that read it only after this callback returns.
         unsafe {
-            raw::ggml_backend_tensor_get(
+            raw::ggml_backend_tensor_set(
                 tensor as *const raw::ggml_tensor as *mut raw::ggml_tensor,
-                bytes.as_mut_ptr() as *mut c_void,
-                row * row_stride,
+                bytes.as_ptr() as *const c_void,
+                0,
                 bytes.len(),
             );
         }
-        out.push(bytes.chunks_exact(4).map(|chunk| decode([chunk[0], chunk[1], chunk[2], chunk[3]])).collect());
     }
-    Some(out)
+}
+
+/// The rows of a 2-D tensor of `ggml_type` with 4-byte elements, read through the backend in
+/// one copy (a prompt batch's thousands of rows cost one transfer, not one each), honouring
+/// the row stride `nb[1]`.
+fn rows<T>(tensor: &raw::ggml_tensor, ggml_type: raw::ggml_type, decode: fn([u8; 4]) -> T) -> Option<Vec<Vec<T>>> {
+    let span = Span::of(tensor, ggml_type)?;
+    let bytes = span.read(tensor);
+    Some(
+        (0..span.rows)
+            .map(|row| {
+                let at = row * span.row_stride;
+                bytes[at..at + span.row_bytes]
+                    .chunks_exact(4)
+                    .map(|chunk| decode([chunk[0], chunk[1], chunk[2], chunk[3]]))
+                    .collect()
+            })
+            .collect(),
+    )
 }
 
 pub(crate) unsafe extern "C" fn eval_callback(

@@ -4,6 +4,7 @@
 use serde::Serialize;
 
 use super::remote::RemoteLayout;
+use super::reuse::ReuseDepths;
 use super::sizing::{
     context_memory_bytes, device_compute_bytes, is_streamable, on_input_layer, output_is_tied, TOKEN_EMBEDDING,
 };
@@ -49,8 +50,12 @@ pub struct GpuLayout {
 /// slots.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ExpertPoolLayout {
-    /// The layers whose routed experts are pooled: every MoE layer.
+    /// The layers whose routed experts are pooled: every MoE layer but `whole_layers`.
     pub layers: Vec<u32>,
+    /// MoE layers whose experts are all on the device instead (in `GpuLayout::ffn_layers`),
+    /// from the last layer down: each saves the pool's stop a token, where the recorded routing
+    /// says the slots left to the others serve it as well as more would (`pool_decode_cost`).
+    pub whole_layers: Vec<u32>,
     /// Expert slots per pooled layer.
     pub slots: u32,
     /// The slots' bytes, every pooled layer together.
@@ -62,6 +67,16 @@ pub struct ExpertPoolLayout {
 /// Device memory the pool loses to alignment per pooled tensor: each tensor's slots start at a
 /// device-aligned offset (CUDA wants 256 bytes).
 pub const POOL_ALIGNMENT: u64 = 256;
+
+/// What one pooled layer's stop costs a decoded token, beyond its compute: the graph stops after
+/// the router to rewrite its ids, the device drains its queue, the host serves the picks, and
+/// the rest of the graph is launched again. Measured on the H200 machine (2026-12-04, S6a and
+/// S6b): 3.1 ms a token over 40 stops, the host's 1.3 ms and the device's 1.8 ms.
+pub const POOL_STOP_SECONDS: f64 = 78e-6;
+
+/// The rate the pool's transfers ran at there (uploads into slots and copies back to the host
+/// cache, from pageable memory): 4.1–5.3 GB/s.
+pub const POOL_BUS_BYTES_PER_SEC: f64 = 5.0e9;
 
 impl ExpertPoolLayout {
     pub fn total_bytes(&self) -> u64 {
@@ -119,6 +134,11 @@ struct DeviceCosts<'a> {
     tied_output_bytes: u64,
     /// What an expert pool is sized from; None where the model's experts cannot be pooled.
     pool: Option<PoolCosts>,
+    /// The model's routing as earlier runs recorded it: how few slots serve it, and so which
+    /// MoE layers are worth more whole (`pool_decode_cost`). None: the pool takes every MoE
+    /// layer (uniform routing would make a few slots look worthless, and real routing is
+    /// skewed).
+    reuse: Option<&'a ReuseDepths>,
 }
 
 /// An expert pool's costs: per layer, the bytes of one expert's slices (0 for a layer without
@@ -126,7 +146,7 @@ struct DeviceCosts<'a> {
 struct PoolCosts {
     expert_bytes: Vec<u64>,
     layer_bytes: Vec<u64>,
-    tensors: u64,
+    tensors: Vec<u64>,
     n_expert: u64,
     n_expert_used: u64,
 }
@@ -144,7 +164,7 @@ impl PoolCosts {
         let mut costs = PoolCosts {
             expert_bytes: vec![0; n_layer],
             layer_bytes: vec![0; n_layer],
-            tensors: 0,
+            tensors: vec![0; n_layer],
             n_expert: hparams.n_expert,
             n_expert_used: hparams.n_expert_used.max(1),
         };
@@ -159,7 +179,7 @@ impl PoolCosts {
             }
             costs.expert_bytes[layer] += slices.slice_bytes;
             costs.layer_bytes[layer] += tensor.bytes.next_multiple_of(POOL_ALIGNMENT);
-            costs.tensors += 1;
+            costs.tensors[layer] += 1;
         }
         costs.expert_bytes.iter().any(|&bytes| bytes > 0).then_some(costs)
     }
@@ -209,6 +229,7 @@ pub(super) fn gpu_tier(
             && matches!(options.mode, ModeChoice::Auto | ModeChoice::Forced(Mode::ExpertStream)))
         .then(|| PoolCosts::of(inventory, n_layer))
         .flatten(),
+        reuse: machine.expert_reuse.as_ref(),
     };
     costs.every_layers_attention(ffn).map_or_else(|| costs.whole_last_layers(ffn), |gpu| Ok(Some(gpu)))
 }
@@ -277,8 +298,11 @@ impl DeviceCosts<'_> {
 
     /// Every layer's attention, the output and the KV cache, then the layers without routed
     /// experts' FFN from the last layer down, then an expert pool in what is left: a staging
-    /// area for one layer's experts whole and as many slots per MoE layer as fit. None where
-    /// the pool would hold fewer slots than the router picks per token, or every expert.
+    /// area for one layer's experts whole and as many slots per pooled MoE layer as fit. With a
+    /// recorded routing, the MoE layers whose experts whole are worth more than their stop and
+    /// the slots they would take go on the device whole, from the last layer down: the count
+    /// with the least `pool_decode_cost`. None where the pool would hold fewer slots than the
+    /// router picks per token, or every expert.
     fn with_expert_pool(&self, every_token: u64, base: u64) -> Option<GpuLayout> {
         let pool = self.pool.as_ref()?;
         let staging = pool.layer_bytes.iter().copied().max()?;
@@ -290,29 +314,45 @@ impl DeviceCosts<'_> {
                 ffn_layers.push(layer as u32);
             }
         }
-        ffn_layers.reverse();
         // A layer left without its FFN on the device would be copied there for prompt batches.
         let dense_left = (0..self.layer_ffn.len())
             .filter(|&layer| pool.expert_bytes[layer] == 0 && !ffn_layers.contains(&(layer as u32)))
             .map(|layer| self.layer_ffn[layer])
             .max()
             .unwrap_or(0);
-        let layers: Vec<u32> =
+        let spare = spare.checked_sub(self.runtime.max(dense_left) - self.runtime)?;
+        let moe: Vec<u32> =
             (0..pool.expert_bytes.len() as u32).filter(|&layer| pool.expert_bytes[layer as usize] > 0).collect();
-        let per_slot: u64 = pool.expert_bytes.iter().sum();
-        let alignment = pool.tensors * POOL_ALIGNMENT;
-        let spare = spare.checked_sub(alignment + self.runtime.max(dense_left) - self.runtime)?;
-        let slots = (spare / per_slot.max(1)).min(pool.n_expert - 1);
-        if slots < pool.n_expert_used {
-            return None;
-        }
-        let pool = ExpertPoolLayout {
-            layers,
-            slots: slots as u32,
-            slot_bytes: slots * per_slot + alignment,
-            staging_bytes: staging,
-        };
-        Some(self.with_every_layers_attention(every_token, ffn_layers, self.runtime.max(dense_left), true, Some(pool)))
+        let mut candidates = (0..moe.len()).map_while(|whole| {
+            let (pooled, whole) = moe.split_at(moe.len() - whole);
+            let spare = spare.checked_sub(whole.iter().map(|&layer| self.layer_ffn[layer as usize]).sum())?;
+            let per_slot: u64 = pooled.iter().map(|&layer| pool.expert_bytes[layer as usize]).sum();
+            let alignment = pooled.iter().map(|&layer| pool.tensors[layer as usize]).sum::<u64>() * POOL_ALIGNMENT;
+            let slots = (spare.checked_sub(alignment)? / per_slot.max(1)).min(pool.n_expert - 1);
+            (slots >= pool.n_expert_used).then(|| ExpertPoolLayout {
+                layers: pooled.to_vec(),
+                whole_layers: whole.to_vec(),
+                slots: slots as u32,
+                slot_bytes: slots * per_slot + alignment,
+                staging_bytes: staging,
+            })
+        });
+        let chosen = match self.reuse {
+            Some(reuse) => candidates
+                .map(|layout| (pool_decode_cost(&layout, pool, reuse), layout))
+                .min_by(|(one, _), (other, _)| one.total_cmp(other))
+                .map(|(_, layout)| layout),
+            None => candidates.next(),
+        }?;
+        ffn_layers.extend_from_slice(&chosen.whole_layers);
+        ffn_layers.sort_unstable();
+        Some(self.with_every_layers_attention(
+            every_token,
+            ffn_layers,
+            self.runtime.max(dense_left),
+            true,
+            Some(chosen),
+        ))
     }
 
     /// llama.cpp's own partial offload, where every layer's attention does not fit: the output
@@ -449,6 +489,17 @@ impl Plan {
 /// llama.cpp's tensor-override patterns are regular expressions: this one matches `name` only.
 fn exact_name_pattern(name: &str) -> String {
     format!("^{}$", name.replace('.', "\\."))
+}
+
+/// What a pool layout's pooled layers add to a decoded token, by the recorded routing: a stop
+/// each (`POOL_STOP_SECONDS`), and each pick the slots miss moved over the bus (uploaded, and a
+/// slot's expert copied back). Misses are counted in the steady state (a first pick of an
+/// expert is a miss for any layout). Whole layers add neither.
+fn pool_decode_cost(layout: &ExpertPoolLayout, pool: &PoolCosts, reuse: &ReuseDepths) -> f64 {
+    let layers = layout.layers.len() as u64;
+    let hit = reuse.steady_hit_rate(f64::from(layout.slots) * layers as f64, layers).unwrap_or(0.0);
+    let moved: u64 = layout.layers.iter().map(|&layer| 2 * pool.expert_bytes[layer as usize]).sum();
+    layers as f64 * POOL_STOP_SECONDS + pool.n_expert_used as f64 * (1.0 - hit) * moved as f64 / POOL_BUS_BYTES_PER_SEC
 }
 
 #[cfg(test)]
@@ -711,6 +762,20 @@ mod tests {
         assert_eq!(plan.tensors.iter().find(|tensor| tensor.name == "blk.0.attn_q.weight").unwrap().tier, Tier::Gpu);
     }
 
+    /// What a pooled plan of `auto_window`'s context holds on the device besides the pool: what
+    /// every token touches (the tied output's 8 MiB copy too), the KV cache and the compute
+    /// buffers.
+    fn pool_fixed_bytes(inventory: &Inventory) -> u64 {
+        let every_token = inventory
+            .tensors
+            .iter()
+            .filter(|tensor| !is_streamable(tensor) && !on_input_layer(tensor))
+            .map(|tensor| tensor.bytes)
+            .sum::<u64>()
+            + if output_is_tied(inventory) { 8 << 20 } else { 0 };
+        every_token + kv_cache_bytes(inventory, 1024, Default::default()) + device_compute_bytes(inventory, 1024, 256)
+    }
+
     /// The GPU budget left after what every token touches, the KV cache and the compute
     /// buffers: a staging area for one layer's experts, then as many slots per MoE layer as
     /// fit, every MoE layer's experts streaming (however much of them the host could hold) and
@@ -723,16 +788,7 @@ mod tests {
         // across every layer 24 MiB.
         let inventory = moe_inventory(8, 64, 4, slice);
         let options = PlanOptions { gpu_expert_pool: Some(true), ..auto_window(ModeChoice::Auto) };
-        let every_token = inventory
-            .tensors
-            .iter()
-            .filter(|tensor| !is_streamable(tensor) && !on_input_layer(tensor))
-            .map(|tensor| tensor.bytes)
-            .sum::<u64>()
-            + if output_is_tied(&inventory) { 8 << 20 } else { 0 };
-        let fixed = every_token
-            + kv_cache_bytes(&inventory, 1024, Default::default())
-            + device_compute_bytes(&inventory, 1024, 256);
+        let fixed = pool_fixed_bytes(&inventory);
         let staging = 3 * 64 * slice;
         let alignment = 24 * POOL_ALIGNMENT;
         let gpu_budget = fixed + staging + alignment + 10 * 24 * slice + slice;
@@ -781,5 +837,50 @@ mod tests {
         let small_gpu = fixed + staging + alignment + 3 * 24 * slice;
         let too_small = plan(&inventory, &with_gpu(host, small_gpu), &auto).unwrap();
         assert!(too_small.gpu.as_ref().unwrap().expert_pool.is_none(), "{}", too_small.render());
+    }
+
+    /// With a recorded routing, MoE layers go on the device whole, from the last layer down,
+    /// while the slots left to the others still serve the routing: each saves a stop a token.
+    /// Without a record the pool takes every MoE layer.
+    #[test]
+    fn whole_moe_layers_beside_the_pool_as_far_as_the_recorded_routing_allows() {
+        let slice = 1 << 20;
+        // 8 layers of 64 experts, 3 tensors each: a layer's experts are 192 MiB, a slot in
+        // every layer 24 MiB.
+        let inventory = moe_inventory(8, 64, 4, slice);
+        let options = PlanOptions { gpu_expert_pool: Some(true), ..auto_window(ModeChoice::Auto) };
+        let fixed = pool_fixed_bytes(&inventory);
+        // Room for 30 slots a layer, or 3 layers whole and 9 slots in each of the other 5.
+        let gpu_budget = fixed + 3 * 64 * slice + 24 * POOL_ALIGNMENT + 30 * 24 * slice;
+        let layout = |reuse: Option<ReuseDepths>| {
+            let machine = MachineFacts { expert_reuse: reuse, ..with_gpu(64 << 30, gpu_budget) };
+            let planned = plan(&inventory, &machine, &options).unwrap();
+            let gpu = planned.gpu.clone().unwrap();
+            assert!(gpu.total_bytes() <= gpu_budget, "{}", planned.render());
+            let pool = gpu.expert_pool.clone().unwrap_or_else(|| panic!("{}", planned.render()));
+            assert_eq!(gpu.ffn_layers, pool.whole_layers, "{}", planned.render());
+            for (tensor, placed) in
+                inventory.tensors.iter().zip(&planned.tensors).filter(|(tensor, _)| tensor.role.is_expert())
+            {
+                let whole = pool.whole_layers.contains(&tensor.layer.unwrap());
+                assert_eq!(placed.tier, if whole { Tier::Gpu } else { Tier::Stream }, "{}", planned.render());
+            }
+            (pool, planned.render())
+        };
+        let (pool, _) = layout(None);
+        assert_eq!((pool.slots, pool.layers.len(), pool.whole_layers.len()), (30, 8, 0));
+        // Every expert picked again within a slot's reach: 4 slots would do, so 3 layers whole.
+        let (bin, layers) = (8, 8);
+        let near = ReuseDepths { depths: vec![1000], bin, layers, first: 64 };
+        let (pool, render) = layout(Some(near));
+        assert_eq!(pool.whole_layers, vec![5, 6, 7], "{render}");
+        assert_eq!((pool.slots, pool.layers), (9, (0..5).collect::<Vec<_>>()), "{render}");
+        assert!(render.contains("3 MoE layers whole on the GPU instead"), "{render}");
+        // Picks come back 20 to 21 slots apart (per layer): one layer whole leaves 25 slots
+        // that serve them, two would leave 18 that miss every one.
+        let mut depths = vec![0; 21];
+        depths[20] = 1000;
+        let (pool, render) = layout(Some(ReuseDepths { depths, bin, layers, first: 64 }));
+        assert_eq!((pool.whole_layers, pool.slots), (vec![7], 25), "{render}");
     }
 }

@@ -55,9 +55,16 @@ impl Plan {
                 format_bytes(gpu.runtime_bytes),
             );
             if let Some(pool) = &gpu.expert_pool {
+                let whole = match pool.whole_layers.len() {
+                    0 => String::new(),
+                    count => format!(
+                        "; {count} MoE layer{} whole on the GPU instead, without the pool's stop (the recorded routing needs no more slots)",
+                        if count == 1 { "" } else { "s" }
+                    ),
+                };
                 let _ = writeln!(
                     out,
-                    "expert pool  {} slots in each of {} MoE layers ({}) + a {} staging area for prompt batches that pick more: routed experts compute on the GPU, served from the slots, the host's expert cache, then disk",
+                    "expert pool  {} slots in each of {} MoE layers ({}) + a {} staging area for prompt batches that pick more: routed experts compute on the GPU, served from the slots, the host's expert cache, then disk{whole}",
                     pool.slots,
                     pool.layers.len(),
                     format_bytes(pool.slot_bytes),

@@ -65,15 +65,31 @@ impl ReuseDepths {
     /// recorded layers to `layers` (every token visits every layer, so the units picked between
     /// two picks of one grow with the layers). None for an empty record.
     pub fn hit_rate(&self, units: f64, layers: u64) -> Option<f64> {
-        let picks = self.picks();
-        if picks == 0 || layers == 0 || self.layers == 0 {
+        Some((self.served(units, layers)? / self.picks() as f64).clamp(0.0, 1.0))
+    }
+
+    /// The same share once every expert has been picked: the first picks (a miss for a cache of
+    /// any size) left out. What a long session settles at, and what tells cache sizes apart.
+    /// None for a record of first picks only.
+    pub fn steady_hit_rate(&self, units: f64, layers: u64) -> Option<f64> {
+        let again = self.picks() - self.first;
+        if again == 0 {
+            return None;
+        }
+        Some((self.served(units, layers)? / again as f64).clamp(0.0, 1.0))
+    }
+
+    /// The picks of distance below `units` scaled to `layers` (see `hit_rate`).
+    fn served(&self, units: f64, layers: u64) -> Option<f64> {
+        if self.picks() == 0 || layers == 0 || self.layers == 0 {
             return None;
         }
         let reach = units.max(0.0) * self.layers as f64 / layers as f64 / self.bin.max(1) as f64;
         let whole = reach.floor() as usize;
-        let served: f64 = self.depths.iter().take(whole).map(|&count| count as f64).sum::<f64>()
-            + self.depths.get(whole).map_or(0.0, |&count| count as f64 * reach.fract());
-        Some((served / picks as f64).clamp(0.0, 1.0))
+        Some(
+            self.depths.iter().take(whole).map(|&count| count as f64).sum::<f64>()
+                + self.depths.get(whole).map_or(0.0, |&count| count as f64 * reach.fract()),
+        )
     }
 }
 

@@ -255,6 +255,45 @@ fn pooled_plan(inventory: &Inventory, gpu_budget: u64, memory_budget: u64) -> Pl
     plan::plan(inventory, &machine(memory_budget, gpu_budget), &options).unwrap()
 }
 
+/// With a recorded routing that a few slots serve, the last MoE layers' experts go on the
+/// device whole beside the pool: the graph does not stop at them, it stops at each pooled
+/// layer, and the greedy tokens equal the resident model's.
+#[test]
+fn whole_moe_layers_beside_the_pool_are_not_hooked_and_tokens_equal_resident() {
+    let _machine = common::shared_machine();
+    let directory = tempfile::tempdir().unwrap();
+    let path = common::forge("tiny-moe-30b", directory.path());
+    let inventory = Inventory::open(&path).unwrap();
+    let hparams = &inventory.hparams;
+    let (n_expert, n_layer) = (hparams.n_expert, hparams.n_layer);
+    // Room for half of every layer's experts: a layer whole, and slots for the router's picks
+    // in the others.
+    let gpu = common::expert_pool_budget(&inventory, N_CTX, 512, n_expert / 2);
+    // Every expert picked again before any other: one slot a layer would serve the routing.
+    let reuse = plan::ReuseDepths { depths: vec![1000], bin: 1, layers: n_layer, first: n_expert * n_layer };
+    let facts = MachineFacts { expert_reuse: Some(reuse), ..machine(1 << 30, gpu) };
+    let options = PlanOptions {
+        mode: ModeChoice::Auto,
+        n_ctx: N_CTX,
+        n_ubatch: 512,
+        gpu_expert_pool: Some(true),
+        ..PlanOptions::default()
+    };
+    let plan = plan::plan(&inventory, &facts, &options).unwrap();
+    let pool = plan.gpu.as_ref().and_then(|gpu| gpu.expert_pool.clone()).unwrap_or_else(|| panic!("{}", plan.render()));
+    assert!(!pool.layers.is_empty() && !pool.whole_layers.is_empty(), "{}", plan.render());
+    assert_eq!(pool.whole_layers.last(), Some(&(n_layer as u32 - 1)), "{}", plan.render());
+    assert_eq!(plan.gpu.as_ref().unwrap().ffn_layers, pool.whole_layers, "{}", plan.render());
+
+    let ours = greedy(&open_tiny(&path, Some(plan)), 32);
+    let resident = open_tiny(&path, None);
+    assert_eq!(resident.mode(), Mode::Resident);
+    assert_eq!(ours.tokens, greedy(&resident, 32).tokens);
+    assert_eq!(ours.stats.io.expect("io stats").observations, pool.layers.len() as u64 * 32);
+    let device = ours.stats.experts.expect("expert stats").device;
+    assert!(device.hits > 0, "{device:?}");
+}
+
 /// Beside the pool, the host cache's free room is filled from disk in the background (each
 /// unit once, nothing evicted), so that decode's slot misses find their experts in RAM: a
 /// two-token prompt leaves most experts unread, the fill reads them, and the tokens are the
