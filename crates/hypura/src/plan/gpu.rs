@@ -78,6 +78,13 @@ pub const POOL_STOP_SECONDS: f64 = 78e-6;
 /// cache, from pageable memory): 4.1–5.3 GB/s.
 pub const POOL_BUS_BYTES_PER_SEC: f64 = 5.0e9;
 
+/// The share of a pooled layer's slots whose hits the recorded routing is trusted for. The
+/// record is one LRU over every layer's experts, from runs of a few hundred tokens; the pool is
+/// an LRU per layer. The cost is lowest just where the slots stop serving every pick, so the
+/// choice lands on that knee, where a few slots fewer than the record says cost more misses
+/// than the stops they save: a pooled layer's slots count as four fifths of them.
+const POOL_SLOTS_TRUSTED: f64 = 0.8;
+
 impl ExpertPoolLayout {
     pub fn total_bytes(&self) -> u64 {
         self.slot_bytes + self.staging_bytes
@@ -494,10 +501,12 @@ fn exact_name_pattern(name: &str) -> String {
 /// What a pool layout's pooled layers add to a decoded token, by the recorded routing: a stop
 /// each (`POOL_STOP_SECONDS`), and each pick the slots miss moved over the bus (uploaded, and a
 /// slot's expert copied back). Misses are counted in the steady state (a first pick of an
-/// expert is a miss for any layout). Whole layers add neither.
+/// expert is a miss for any layout), at the slots trusted (`POOL_SLOTS_TRUSTED`). Whole layers
+/// add neither.
 fn pool_decode_cost(layout: &ExpertPoolLayout, pool: &PoolCosts, reuse: &ReuseDepths) -> f64 {
     let layers = layout.layers.len() as u64;
-    let hit = reuse.steady_hit_rate(f64::from(layout.slots) * layers as f64, layers).unwrap_or(0.0);
+    let trusted = f64::from(layout.slots) * POOL_SLOTS_TRUSTED;
+    let hit = reuse.steady_hit_rate(trusted * layers as f64, layers).unwrap_or(0.0);
     let moved: u64 = layout.layers.iter().map(|&layer| 2 * pool.expert_bytes[layer as usize]).sum();
     layers as f64 * POOL_STOP_SECONDS + pool.n_expert_used as f64 * (1.0 - hit) * moved as f64 / POOL_BUS_BYTES_PER_SEC
 }
@@ -876,10 +885,10 @@ mod tests {
         assert_eq!(pool.whole_layers, vec![5, 6, 7], "{render}");
         assert_eq!((pool.slots, pool.layers), (9, (0..5).collect::<Vec<_>>()), "{render}");
         assert!(render.contains("3 MoE layers whole on the GPU instead"), "{render}");
-        // Picks come back 20 to 21 slots apart (per layer): one layer whole leaves 25 slots
-        // that serve them, two would leave 18 that miss every one.
-        let mut depths = vec![0; 21];
-        depths[20] = 1000;
+        // Picks come back 16 to 17 slots apart (per layer): one layer whole leaves 25 slots,
+        // trusted for 20, that serve them; two would leave 18, trusted for 14, that miss them.
+        let mut depths = vec![0; 17];
+        depths[16] = 1000;
         let (pool, render) = layout(Some(ReuseDepths { depths, bin, layers, first: 64 }));
         assert_eq!((pool.whole_layers, pool.slots), (vec![7], 25), "{render}");
     }
