@@ -307,3 +307,79 @@ pub(crate) unsafe extern "C" fn eval_callback(
         true
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// ggml's objects for one test: a context of tensors (no data) and the CPU buffer under them.
+    struct Tensors {
+        context: *mut raw::ggml_context,
+        buffer: raw::ggml_backend_buffer_t,
+    }
+
+    impl Drop for Tensors {
+        fn drop(&mut self) {
+            // SAFETY: both were made by `strided_ids` and are freed once, here.
+            unsafe {
+                raw::ggml_backend_buffer_free(self.buffer);
+                raw::ggml_free(self.context);
+            }
+        }
+    }
+
+    /// A node whose input 1 is the first `columns` of each of `rows` rows of an 8-column I32
+    /// matrix (the router's top-k ids are such a view of its argsort), the matrix holding
+    /// `row * 100 + column`: the tensors, the node and the matrix.
+    fn strided_ids(columns: i64, rows: i64) -> (Tensors, *mut raw::ggml_tensor, *mut raw::ggml_tensor) {
+        // SAFETY: a context without allocation holds tensor headers only; the CPU buffer type
+        // then backs them all; every pointer used is one ggml just returned, checked non-null.
+        unsafe {
+            let context = raw::ggml_init(raw::ggml_init_params {
+                mem_size: 16 * raw::ggml_tensor_overhead(),
+                mem_buffer: std::ptr::null_mut(),
+                no_alloc: true,
+            });
+            assert!(!context.is_null());
+            let matrix = raw::ggml_new_tensor_2d(context, raw::GGML_TYPE_I32, 8, rows);
+            let view = raw::ggml_view_2d(context, matrix, columns, rows, (*matrix).nb[1], 0);
+            let node = raw::ggml_add(context, view, view);
+            let buffer = raw::ggml_backend_alloc_ctx_tensors_from_buft(context, raw::ggml_backend_cpu_buffer_type());
+            assert!(!buffer.is_null());
+            let values: Vec<i32> =
+                (0..rows as i32).flat_map(|row| (0..8).map(move |column| row * 100 + column)).collect();
+            raw::ggml_backend_tensor_set(matrix, values.as_ptr() as *const c_void, 0, values.len() * 4);
+            (Tensors { context, buffer }, node, matrix)
+        }
+    }
+
+    fn matrix_rows(matrix: *mut raw::ggml_tensor) -> Vec<Vec<i32>> {
+        // SAFETY: the matrix is a live, allocated tensor of `strided_ids`.
+        rows(unsafe { &*matrix }, raw::GGML_TYPE_I32, i32::from_ne_bytes).expect("an I32 matrix")
+    }
+
+    /// A strided input is read row by row from one copy of its span, and written back the same
+    /// way: its own columns take the new values, the columns between them keep theirs.
+    #[test]
+    fn strided_ids_are_read_and_written_through_their_span() {
+        for rows in [1, 5] {
+            let (_tensors, node, matrix) = strided_ids(3, rows);
+            // SAFETY: the node is a live tensor of `strided_ids`.
+            let observed = ObservedNode { tensor: unsafe { &*node }, name: "node", kept: &[] };
+            let expected: Vec<Vec<i32>> =
+                (0..rows as i32).map(|row| (0..3).map(|column| row * 100 + column).collect()).collect();
+            assert_eq!(observed.input_i32_rows(1), Some(expected));
+            let slots: Vec<Vec<i32>> = (0..rows as i32).map(|row| vec![-row, 7, 9]).collect();
+            observed.write_input_i32_rows(1, &slots).unwrap();
+            assert_eq!(observed.input_i32_rows(1), Some(slots.clone()));
+            for (row, values) in matrix_rows(matrix).into_iter().enumerate() {
+                let row = row as i32;
+                assert_eq!(values, [vec![-row, 7, 9], (3..8).map(|column| row * 100 + column).collect()].concat());
+            }
+            // A shape other than the input's is refused, and nothing is written.
+            assert!(observed.write_input_i32_rows(1, &slots[..rows as usize - 1]).is_err());
+            assert!(observed.write_input_i32_rows(1, &vec![vec![1, 2]; rows as usize]).is_err());
+            assert_eq!(observed.input_i32_rows(1), Some(slots));
+        }
+    }
+}
