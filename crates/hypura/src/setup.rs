@@ -189,6 +189,8 @@ pub struct RunMeasurements {
     /// Decode's expert bytes read, and the bytes of the picks an LRU cache of the run's size
     /// missed (benchmarks' tg runs).
     pub expert_reads: Option<(f64, f64)>,
+    /// A GPU's expert pool at work (benchmarks' tg runs).
+    pub pool: Option<crate::hw::PoolWork>,
 }
 
 /// Keep what a run measured for the next plan of this model: a streaming run's decode compute,
@@ -215,6 +217,9 @@ pub fn record_run(model: &Path, run: &RunMeasurements) {
         record.touched_bytes_per_token = run.touched_bytes_per_token.or(record.touched_bytes_per_token);
         if let Some((read, modelled)) = run.expert_reads {
             record.add_expert_reads(read, modelled);
+        }
+        if let Some(pool) = &run.pool {
+            record.add_pool(pool);
         }
     });
     if let Err(error) = result {
@@ -284,6 +289,8 @@ pub fn machine_facts(spec: &RunSpec, model: &Path) -> Result<MachineFacts, Engin
         prompt_seconds_per_token: record.prompt_seconds_per_token(threads),
         expert_reuse: record.routing.clone(),
         expert_read_factor: record.expert_read_factor(),
+        pool_bus_bytes_per_sec: record.pool_bus_bytes_per_sec(),
+        pool_stop_host_seconds: record.pool_stop_host_seconds(),
         cpu_bytes_per_sec: ModelRecords::new(default_cache_dir())
             .cpu_bytes_per_sec(threads, model)
             .map(|(rate, _)| rate),

@@ -298,6 +298,8 @@ struct TgTotals {
     /// Expert-stream: cache hits and misses, and prefetches issued, used and cancelled.
     expert_hits: u64,
     expert_misses: u64,
+    /// The expert stream's layer visits: where it has a pool, the pool's stops.
+    layer_visits: u64,
     prefetch: [u64; 3],
     /// The device's expert pool: picks served from its slots, and its uploads.
     pool: crate::store::PoolSnapshot,
@@ -322,6 +324,12 @@ pub struct PoolLimit {
     /// The pool's transfers per pass, and the rate they ran at.
     pub bus_seconds_per_token: f64,
     pub bus_bytes_per_sec: f64,
+    /// The totals they come from: bytes moved both ways and the time it took; the pool's stops
+    /// and the host's time at them (what the next plan's `MachineFacts` are recorded from).
+    pub moved_bytes: u64,
+    pub transfer_seconds: f64,
+    pub stops: u64,
+    pub host_seconds: f64,
 }
 
 impl PoolLimit {
@@ -334,13 +342,17 @@ impl PoolLimit {
         }
         let graphs = totals.graphs as f64;
         let host_seconds_per_token = pool.host_seconds / graphs;
-        let moved = (pool.upload_bytes + pool.copied_back_bytes) as f64;
+        let moved = pool.upload_bytes + pool.copied_back_bytes;
         Some(PoolLimit {
             device_seconds_per_token: (totals.compute_seconds / totals.generated as f64 - host_seconds_per_token)
                 .max(0.0),
             host_seconds_per_token,
             bus_seconds_per_token: pool.transfer_seconds / graphs,
-            bus_bytes_per_sec: if pool.transfer_seconds > 0.0 { moved / pool.transfer_seconds } else { 0.0 },
+            bus_bytes_per_sec: if pool.transfer_seconds > 0.0 { moved as f64 / pool.transfer_seconds } else { 0.0 },
+            moved_bytes: moved,
+            transfer_seconds: pool.transfer_seconds,
+            stops: totals.layer_visits,
+            host_seconds: pool.host_seconds,
         })
     }
 }
@@ -391,6 +403,7 @@ impl HypuraSide {
         if let Some(experts) = &stats.experts {
             self.totals.expert_hits += experts.hits;
             self.totals.expert_misses += experts.misses;
+            self.totals.layer_visits += experts.layer_visits;
             self.totals.prefetch[0] += experts.prefetch_issued;
             self.totals.prefetch[1] += experts.prefetch_used;
             self.totals.prefetch[2] += experts.prefetch_cancelled;
@@ -803,12 +816,14 @@ mod tests {
             host_seconds: 0.022,
             ..Default::default()
         };
-        let totals = TgTotals { graphs: 11, generated: 10, compute_seconds: 0.1, pool, ..Default::default() };
+        let totals =
+            TgTotals { graphs: 11, generated: 10, compute_seconds: 0.1, layer_visits: 44, pool, ..Default::default() };
         let limit = PoolLimit::from_totals(&totals).expect("a pooled run");
         assert!((limit.host_seconds_per_token - 0.002).abs() < 1e-12, "{limit:?}");
         assert!((limit.device_seconds_per_token - 0.008).abs() < 1e-12, "{limit:?}");
         assert!((limit.bus_seconds_per_token - 0.005 / 11.0).abs() < 1e-12, "{limit:?}");
         assert!((limit.bus_bytes_per_sec - 1e9).abs() < 1.0, "{limit:?}");
+        assert_eq!((limit.moved_bytes, limit.stops), (5_000_000, 44), "{limit:?}");
         let unpooled = TgTotals { graphs: 11, generated: 10, compute_seconds: 0.1, ..Default::default() };
         assert_eq!(PoolLimit::from_totals(&unpooled), None);
     }

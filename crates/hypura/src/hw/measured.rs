@@ -47,6 +47,9 @@ pub struct ModelRecord {
     /// the CPU alone, this machine's CPU rate for models never run here.
     #[serde(default)]
     pub touched_bytes_per_token: Option<f64>,
+    /// A GPU's expert pool in benchmark runs, summed (the next plan's stop and bus costs).
+    #[serde(default)]
+    pub pool: Option<PoolWork>,
     /// The machine the record was made on (`hw::machine_key`).
     #[serde(default)]
     pub machine_key: Option<String>,
@@ -57,6 +60,22 @@ pub struct ExpertReads {
     pub read_bytes: f64,
     pub modelled_bytes: f64,
 }
+
+/// A GPU's expert pool at work: bytes moved over the bus (uploads and copies back) and the time
+/// they took; the pool's stops and the host's time at them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PoolWork {
+    pub moved_bytes: u64,
+    pub transfer_seconds: f64,
+    pub stops: u64,
+    pub host_seconds: f64,
+}
+
+/// Fewer moved bytes than this say little about the bus's rate (a few dozen experts).
+const POOL_MIN_MOVED_BYTES: u64 = 64 << 20;
+
+/// Fewer stops than this say little about their cost (a few tokens of a large MoE).
+const POOL_MIN_STOPS: u64 = 1000;
 
 /// Reads of streaming runs, summed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -143,6 +162,30 @@ impl ModelRecord {
             reads.read_bytes += read_bytes;
             reads.modelled_bytes += modelled_bytes;
         }
+    }
+
+    /// Fold in a benchmark's pool work.
+    pub fn add_pool(&mut self, work: &PoolWork) {
+        let finite = work.transfer_seconds.is_finite() && work.host_seconds.is_finite();
+        if finite && work.transfer_seconds >= 0.0 && work.host_seconds >= 0.0 && work.stops > 0 {
+            let total = self.pool.get_or_insert_with(PoolWork::default);
+            total.moved_bytes += work.moved_bytes;
+            total.transfer_seconds += work.transfer_seconds;
+            total.stops += work.stops;
+            total.host_seconds += work.host_seconds;
+        }
+    }
+
+    /// The rate the pool's transfers ran at, once they moved enough to say.
+    pub fn pool_bus_bytes_per_sec(&self) -> Option<f64> {
+        self.pool
+            .filter(|pool| pool.moved_bytes >= POOL_MIN_MOVED_BYTES && pool.transfer_seconds > 0.0)
+            .map(|pool| pool.moved_bytes as f64 / pool.transfer_seconds)
+    }
+
+    /// The host's time at one of the pool's stops, once there were enough to say.
+    pub fn pool_stop_host_seconds(&self) -> Option<f64> {
+        self.pool.filter(|pool| pool.stops >= POOL_MIN_STOPS).map(|pool| pool.host_seconds / pool.stops as f64)
     }
 
     /// Expert bytes read ÷ the LRU model's, within 0.5-4 (outside: the model is off, not the
@@ -287,6 +330,29 @@ mod tests {
         assert_eq!(record.compute_seconds_per_token(4), None, "a zero time is not a measurement");
         // Only the record, no temporary file.
         assert_eq!(std::fs::read_dir(directory.path().join("measured")).unwrap().count(), 1);
+    }
+
+    /// A pool's work adds up across runs and saves through the record; its rate and stop cost
+    /// are given only once enough was moved and stopped, and bad figures are not added.
+    #[test]
+    fn pool_work_adds_up_and_speaks_once_there_is_enough() {
+        let (_directory, model, records) = fixture();
+        let run = PoolWork { moved_bytes: 40 << 20, transfer_seconds: 0.01, stops: 600, host_seconds: 0.03 };
+        records.update(&model, |record| record.add_pool(&run)).unwrap();
+        let record = records.load(&model);
+        assert_eq!((record.pool_bus_bytes_per_sec(), record.pool_stop_host_seconds()), (None, None));
+        records
+            .update(&model, |record| {
+                record.add_pool(&run);
+                record.add_pool(&PoolWork { host_seconds: f64::NAN, ..run });
+                record.add_pool(&PoolWork { stops: 0, ..run });
+            })
+            .unwrap();
+        let record = records.load(&model);
+        let rate = record.pool_bus_bytes_per_sec().expect("80 MiB moved");
+        assert!((rate - (80u64 << 20) as f64 / 0.02).abs() < 1.0, "{rate}");
+        let stop = record.pool_stop_host_seconds().expect("1,200 stops");
+        assert!((stop - 0.06 / 1200.0).abs() < 1e-12, "{stop}");
     }
 
     #[test]

@@ -71,11 +71,15 @@ pub const POOL_ALIGNMENT: u64 = 256;
 /// What one pooled layer's stop costs a decoded token, beyond its compute: the graph stops after
 /// the router to rewrite its ids, the device drains its queue, the host serves the picks, and
 /// the rest of the graph is launched again. Measured on the H200 machine (2026-12-04, S6a and
-/// S6b): 3.1 ms a token over 40 stops, the host's 1.3 ms and the device's 1.8 ms.
-pub const POOL_STOP_SECONDS: f64 = 78e-6;
+/// S6b): 3.1 ms a token over 40 stops, the host's 1.3 ms (32 µs a stop, which benchmark runs
+/// record for the next plan: `MachineFacts::pool_stop_host_seconds`) and the device's 1.8 ms
+/// (46 µs a stop, known only beside the same model resident on the device).
+pub const POOL_STOP_HOST_SECONDS: f64 = 32e-6;
+pub const POOL_STOP_DEVICE_SECONDS: f64 = 46e-6;
 
 /// The rate the pool's transfers ran at there (uploads into slots and copies back to the host
-/// cache, from pageable memory): 4.1–5.3 GB/s.
+/// cache, from pageable memory): 4.1–5.3 GB/s. Benchmark runs record this machine's
+/// (`MachineFacts::pool_bus_bytes_per_sec`).
 pub const POOL_BUS_BYTES_PER_SEC: f64 = 5.0e9;
 
 /// The share of a pooled layer's slots whose hits the recorded routing is trusted for. The
@@ -146,6 +150,10 @@ struct DeviceCosts<'a> {
     /// layer (uniform routing would make a few slots look worthless, and real routing is
     /// skewed).
     reuse: Option<&'a ReuseDepths>,
+    /// What a stop costs a token and the rate a miss moves at: as benchmark runs recorded them
+    /// here, else the H200 machine's.
+    stop_seconds: f64,
+    bus_bytes_per_sec: f64,
 }
 
 /// An expert pool's costs: per layer, the bytes of one expert's slices (0 for a layer without
@@ -237,6 +245,8 @@ pub(super) fn gpu_tier(
         .then(|| PoolCosts::of(inventory, n_layer))
         .flatten(),
         reuse: machine.expert_reuse.as_ref(),
+        stop_seconds: machine.pool_stop_host_seconds.unwrap_or(POOL_STOP_HOST_SECONDS) + POOL_STOP_DEVICE_SECONDS,
+        bus_bytes_per_sec: machine.pool_bus_bytes_per_sec.filter(|rate| *rate > 0.0).unwrap_or(POOL_BUS_BYTES_PER_SEC),
     };
     costs.every_layers_attention(ffn).map_or_else(|| costs.whole_last_layers(ffn), |gpu| Ok(Some(gpu)))
 }
@@ -346,7 +356,7 @@ impl DeviceCosts<'_> {
         });
         let chosen = match self.reuse {
             Some(reuse) => candidates
-                .map(|layout| (pool_decode_cost(&layout, pool, reuse), layout))
+                .map(|layout| (self.pool_decode_cost(&layout, pool, reuse), layout))
                 .min_by(|(one, _), (other, _)| one.total_cmp(other))
                 .map(|(_, layout)| layout),
             None => candidates.next(),
@@ -360,6 +370,20 @@ impl DeviceCosts<'_> {
             true,
             Some(chosen),
         ))
+    }
+
+    /// What a pool layout's pooled layers add to a decoded token, by the recorded routing: a
+    /// stop each, and each pick the slots miss moved over the bus (uploaded, and a slot's
+    /// expert copied back). Misses are counted in the steady state (a first pick of an expert
+    /// is a miss for any layout), at the slots trusted (`POOL_SLOTS_TRUSTED`). Whole layers add
+    /// neither.
+    fn pool_decode_cost(&self, layout: &ExpertPoolLayout, pool: &PoolCosts, reuse: &ReuseDepths) -> f64 {
+        let layers = layout.layers.len() as u64;
+        let trusted = f64::from(layout.slots) * POOL_SLOTS_TRUSTED;
+        let hit = reuse.steady_hit_rate(trusted * layers as f64, layers).unwrap_or(0.0);
+        let moved: u64 = layout.layers.iter().map(|&layer| 2 * pool.expert_bytes[layer as usize]).sum();
+        layers as f64 * self.stop_seconds
+            + pool.n_expert_used as f64 * (1.0 - hit) * moved as f64 / self.bus_bytes_per_sec
     }
 
     /// llama.cpp's own partial offload, where every layer's attention does not fit: the output
@@ -496,19 +520,6 @@ impl Plan {
 /// llama.cpp's tensor-override patterns are regular expressions: this one matches `name` only.
 fn exact_name_pattern(name: &str) -> String {
     format!("^{}$", name.replace('.', "\\."))
-}
-
-/// What a pool layout's pooled layers add to a decoded token, by the recorded routing: a stop
-/// each (`POOL_STOP_SECONDS`), and each pick the slots miss moved over the bus (uploaded, and a
-/// slot's expert copied back). Misses are counted in the steady state (a first pick of an
-/// expert is a miss for any layout), at the slots trusted (`POOL_SLOTS_TRUSTED`). Whole layers
-/// add neither.
-fn pool_decode_cost(layout: &ExpertPoolLayout, pool: &PoolCosts, reuse: &ReuseDepths) -> f64 {
-    let layers = layout.layers.len() as u64;
-    let trusted = f64::from(layout.slots) * POOL_SLOTS_TRUSTED;
-    let hit = reuse.steady_hit_rate(trusted * layers as f64, layers).unwrap_or(0.0);
-    let moved: u64 = layout.layers.iter().map(|&layer| 2 * pool.expert_bytes[layer as usize]).sum();
-    layers as f64 * POOL_STOP_SECONDS + pool.n_expert_used as f64 * (1.0 - hit) * moved as f64 / POOL_BUS_BYTES_PER_SEC
 }
 
 #[cfg(test)]
@@ -861,8 +872,8 @@ mod tests {
         let fixed = pool_fixed_bytes(&inventory);
         // Room for 30 slots a layer, or 3 layers whole and 9 slots in each of the other 5.
         let gpu_budget = fixed + 3 * 64 * slice + 24 * POOL_ALIGNMENT + 30 * 24 * slice;
-        let layout = |reuse: Option<ReuseDepths>| {
-            let machine = MachineFacts { expert_reuse: reuse, ..with_gpu(64 << 30, gpu_budget) };
+        let layout_on = |machine: MachineFacts, reuse: Option<ReuseDepths>| {
+            let machine = MachineFacts { expert_reuse: reuse, ..machine };
             let planned = plan(&inventory, &machine, &options).unwrap();
             let gpu = planned.gpu.clone().unwrap();
             assert!(gpu.total_bytes() <= gpu_budget, "{}", planned.render());
@@ -876,6 +887,7 @@ mod tests {
             }
             (pool, planned.render())
         };
+        let layout = |reuse: Option<ReuseDepths>| layout_on(with_gpu(64 << 30, gpu_budget), reuse);
         let (pool, _) = layout(None);
         assert_eq!((pool.slots, pool.layers.len(), pool.whole_layers.len()), (30, 8, 0));
         // Every expert picked again within a slot's reach: 4 slots would do, so 3 layers whole.
@@ -889,7 +901,17 @@ mod tests {
         // trusted for 20, that serve them; two would leave 18, trusted for 14, that miss them.
         let mut depths = vec![0; 17];
         depths[16] = 1000;
-        let (pool, render) = layout(Some(ReuseDepths { depths, bin, layers, first: 64 }));
+        let far = ReuseDepths { depths, bin, layers, first: 64 };
+        let (pool, render) = layout(Some(far.clone()));
         assert_eq!((pool.whole_layers, pool.slots), (vec![7], 25), "{render}");
+        // Where benchmark runs recorded costly stops and a fast bus, misses cost less than
+        // stops: as many layers whole as leave the router's picks their slots.
+        let recorded = MachineFacts {
+            pool_stop_host_seconds: Some(0.01),
+            pool_bus_bytes_per_sec: Some(1e15),
+            ..with_gpu(64 << 30, gpu_budget)
+        };
+        let (pool, render) = layout_on(recorded, Some(far));
+        assert_eq!((pool.whole_layers, pool.slots), (vec![5, 6, 7], 9), "{render}");
     }
 }

@@ -78,6 +78,12 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
                     .as_ref()
                     .map(|prediction| prediction.touched_bytes_per_token),
                 expert_reads: report.expert_reads,
+                pool: report.pool_limit.map(|pool| crate::hw::PoolWork {
+                    moved_bytes: pool.moved_bytes,
+                    transfer_seconds: pool.transfer_seconds,
+                    stops: pool.stops,
+                    host_seconds: pool.host_seconds,
+                }),
             },
         );
     }

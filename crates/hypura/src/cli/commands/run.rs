@@ -93,6 +93,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
                     // A request's reads include its prompt's sweep: only benchmarks' tg runs
                     // measure decode's reads alone.
                     expert_reads: None,
+                    pool: None,
                 },
             );
         }
