@@ -245,6 +245,10 @@ fn gemma_last_layers_whole_on_the_gpu_leave_the_dense_window_and_tokens_equal_ll
 
 /// The plan with the device's expert pool asked for, at these budgets.
 fn pooled_plan(inventory: &Inventory, gpu_budget: u64, memory_budget: u64) -> Plan {
+    pooled_plan_on(inventory, &machine(memory_budget, gpu_budget))
+}
+
+fn pooled_plan_on(inventory: &Inventory, facts: &MachineFacts) -> Plan {
     let options = PlanOptions {
         mode: ModeChoice::Auto,
         n_ctx: N_CTX,
@@ -252,7 +256,15 @@ fn pooled_plan(inventory: &Inventory, gpu_budget: u64, memory_budget: u64) -> Pl
         gpu_expert_pool: Some(true),
         ..PlanOptions::default()
     };
-    plan::plan(inventory, &machine(memory_budget, gpu_budget), &options).unwrap()
+    plan::plan(inventory, facts, &options).unwrap()
+}
+
+/// The tiny MoE preset, forged into a temporary directory, and its inventory.
+fn tiny_moe() -> (tempfile::TempDir, std::path::PathBuf, Inventory) {
+    let directory = tempfile::tempdir().unwrap();
+    let path = common::forge("tiny-moe-30b", directory.path());
+    let inventory = Inventory::open(&path).unwrap();
+    (directory, path, inventory)
 }
 
 /// With a recorded routing that a few slots serve, the last MoE layers' experts go on the
@@ -261,9 +273,7 @@ fn pooled_plan(inventory: &Inventory, gpu_budget: u64, memory_budget: u64) -> Pl
 #[test]
 fn whole_moe_layers_beside_the_pool_are_not_hooked_and_tokens_equal_resident() {
     let _machine = common::shared_machine();
-    let directory = tempfile::tempdir().unwrap();
-    let path = common::forge("tiny-moe-30b", directory.path());
-    let inventory = Inventory::open(&path).unwrap();
+    let (_directory, path, inventory) = tiny_moe();
     let hparams = &inventory.hparams;
     let (n_expert, n_layer) = (hparams.n_expert, hparams.n_layer);
     // Room for half of every layer's experts: a layer whole, and slots for the router's picks
@@ -271,15 +281,7 @@ fn whole_moe_layers_beside_the_pool_are_not_hooked_and_tokens_equal_resident() {
     let gpu = common::expert_pool_budget(&inventory, N_CTX, 512, n_expert / 2);
     // Every expert picked again before any other: one slot a layer would serve the routing.
     let reuse = plan::ReuseDepths { depths: vec![1000], bin: 1, layers: n_layer, first: n_expert * n_layer };
-    let facts = MachineFacts { expert_reuse: Some(reuse), ..machine(1 << 30, gpu) };
-    let options = PlanOptions {
-        mode: ModeChoice::Auto,
-        n_ctx: N_CTX,
-        n_ubatch: 512,
-        gpu_expert_pool: Some(true),
-        ..PlanOptions::default()
-    };
-    let plan = plan::plan(&inventory, &facts, &options).unwrap();
+    let plan = pooled_plan_on(&inventory, &MachineFacts { expert_reuse: Some(reuse), ..machine(1 << 30, gpu) });
     let pool = plan.gpu.as_ref().and_then(|gpu| gpu.expert_pool.clone()).unwrap_or_else(|| panic!("{}", plan.render()));
     assert!(!pool.layers.is_empty() && !pool.whole_layers.is_empty(), "{}", plan.render());
     assert_eq!(pool.whole_layers.last(), Some(&(n_layer as u32 - 1)), "{}", plan.render());
@@ -301,9 +303,7 @@ fn whole_moe_layers_beside_the_pool_are_not_hooked_and_tokens_equal_resident() {
 #[test]
 fn the_host_cache_fills_its_free_room_beside_the_pool() {
     let _machine = common::shared_machine();
-    let directory = tempfile::tempdir().unwrap();
-    let path = common::forge("tiny-moe-30b", directory.path());
-    let inventory = Inventory::open(&path).unwrap();
+    let (_directory, path, inventory) = tiny_moe();
     let hparams = &inventory.hparams;
     let gpu = common::expert_pool_budget(&inventory, N_CTX, 512, hparams.n_expert_used + 1);
     // A host budget that holds every expert: the fill never has to stop.
@@ -326,9 +326,7 @@ fn the_host_cache_fills_its_free_room_beside_the_pool() {
 #[test]
 fn pooled_experts_are_served_from_slots_and_staging_and_tokens_equal_resident() {
     let _machine = common::shared_machine();
-    let directory = tempfile::tempdir().unwrap();
-    let path = common::forge("tiny-moe-30b", directory.path());
-    let inventory = Inventory::open(&path).unwrap();
+    let (_directory, path, inventory) = tiny_moe();
     let hparams = &inventory.hparams;
     let (n_expert, k) = (hparams.n_expert, hparams.n_expert_used);
     let (per_slot, staging) = common::expert_pool_costs(&inventory);
