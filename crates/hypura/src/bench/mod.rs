@@ -98,6 +98,10 @@ pub struct BenchOptions {
     pub threads: i32,
     /// The profile's streaming rate, for the physical limit; None if not measured.
     pub disk_bytes_per_sec: Option<f64>,
+    /// Decode time per token of this model resident on the device, as an earlier run here
+    /// recorded it (a resident run that computed under 5% of the weights on the host): a pooled
+    /// decode's physical compute term, without the pool's stops. None if never measured.
+    pub device_resident_seconds_per_token: Option<f64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -318,8 +322,12 @@ struct TgTotals {
 /// The device's and the bus's terms of a pooled decode's limit (`BenchReport::pool_limit`).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct PoolLimit {
-    /// tg's compute per token less the host's work at the pool's stops.
+    /// tg's compute per token less the host's work at the pool's stops (the gaps the stops
+    /// leave on the device still in it).
     pub device_seconds_per_token: f64,
+    /// The same model resident on the device, as an earlier run recorded it: the GPU's compute
+    /// without the stops, where known (`BenchOptions::device_resident_seconds_per_token`).
+    pub resident_seconds_per_token: Option<f64>,
     pub host_seconds_per_token: f64,
     /// The pool's transfers per pass, and the rate they ran at.
     pub bus_seconds_per_token: f64,
@@ -333,9 +341,10 @@ pub struct PoolLimit {
 }
 
 impl PoolLimit {
-    /// From tg's totals; None without a pool's stops or a decode. The host's and the bus's
-    /// times are the tg requests' (their start tokens' passes too) per pass.
-    fn from_totals(totals: &TgTotals) -> Option<PoolLimit> {
+    /// From tg's totals and the model's recorded time resident on the device, if any; None
+    /// without a pool's stops or a decode. The host's and the bus's times are the tg requests'
+    /// (their start tokens' passes too) per pass.
+    fn from_totals(totals: &TgTotals, resident: Option<f64>) -> Option<PoolLimit> {
         let pool = &totals.pool;
         if pool.host_seconds <= 0.0 || totals.generated == 0 || totals.graphs == 0 {
             return None;
@@ -347,6 +356,7 @@ impl PoolLimit {
             device_seconds_per_token: (totals.compute_seconds / totals.generated as f64 - host_seconds_per_token)
                 .max(0.0),
             host_seconds_per_token,
+            resident_seconds_per_token: resident.filter(|seconds| seconds.is_finite() && *seconds > 0.0),
             bus_seconds_per_token: pool.transfer_seconds / graphs,
             bus_bytes_per_sec: if pool.transfer_seconds > 0.0 { moved as f64 / pool.transfer_seconds } else { 0.0 },
             moved_bytes: moved,
@@ -354,6 +364,13 @@ impl PoolLimit {
             stops: totals.layer_visits,
             host_seconds: pool.host_seconds,
         })
+    }
+
+    /// The GPU's compute term of the limit: the model resident on the device where a run
+    /// recorded it (never more than this run's own GPU side), else this run's GPU side.
+    pub fn device_compute_seconds_per_token(&self) -> f64 {
+        self.resident_seconds_per_token
+            .map_or(self.device_seconds_per_token, |resident| resident.min(self.device_seconds_per_token))
     }
 }
 
@@ -535,9 +552,9 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
     // The physical limit of the tg runs: their compute per decode, their bytes per pass, and
     // the tokens a decode yielded (one without drafts).
     let tokens_per_pass = if totals.drafted > 0 { totals.tokens as f64 / totals.passes as f64 } else { 1.0 };
-    let pool_limit = PoolLimit::from_totals(&totals);
+    let pool_limit = PoolLimit::from_totals(&totals, options.device_resident_seconds_per_token);
     let compute_per_token = pool_limit.map_or(totals.compute_seconds / totals.generated as f64, |pool| {
-        pool.device_seconds_per_token.max(pool.bus_seconds_per_token)
+        pool.device_compute_seconds_per_token().max(pool.bus_seconds_per_token)
     });
     let limit_at = |rate: f64| {
         crate::plan::limit_tokens_per_sec(
@@ -718,11 +735,22 @@ pub fn render(report: &BenchReport) -> String {
             let compute = report.pool_limit.map_or_else(
                 || "this run's compute".to_string(),
                 |pool| {
+                    let this_run = (pool.device_seconds_per_token + pool.host_seconds_per_token) * 1e3;
+                    let gpu = match pool.resident_seconds_per_token {
+                        Some(_) => format!(
+                            "the GPU's compute, {:.2} ms a token: the model resident on the GPU as an earlier run here measured it (this run's {this_run:.2} ms: the host's {:.2} ms at the pool's stops, the GPU's side {:.2} ms with the gaps the stops leave on the device)",
+                            pool.device_compute_seconds_per_token() * 1e3,
+                            pool.host_seconds_per_token * 1e3,
+                            pool.device_seconds_per_token * 1e3,
+                        ),
+                        None => format!(
+                            "the GPU's side, {:.2} ms a token: this run's {this_run:.2} ms less the host's {:.2} ms at the pool's stops, the gaps the stops leave on the device still in it (a run of the model resident on the GPU would give the GPU's compute alone)",
+                            pool.device_seconds_per_token * 1e3,
+                            pool.host_seconds_per_token * 1e3,
+                        ),
+                    };
                     format!(
-                        "the GPU's side, {:.2} ms a token: this run's {:.2} ms less the host's {:.2} ms at the pool's stops, the gaps the stops leave on the device still in it; the bus {:.2} ms a token at {:.1} GB/s, this run's transfers;",
-                        pool.device_seconds_per_token * 1e3,
-                        (pool.device_seconds_per_token + pool.host_seconds_per_token) * 1e3,
-                        pool.host_seconds_per_token * 1e3,
+                        "{gpu}; the bus {:.2} ms a token at {:.1} GB/s, this run's transfers;",
                         pool.bus_seconds_per_token * 1e3,
                         pool.bus_bytes_per_sec / 1e9
                     )
@@ -818,13 +846,20 @@ mod tests {
         };
         let totals =
             TgTotals { graphs: 11, generated: 10, compute_seconds: 0.1, layer_visits: 44, pool, ..Default::default() };
-        let limit = PoolLimit::from_totals(&totals).expect("a pooled run");
+        let limit = PoolLimit::from_totals(&totals, None).expect("a pooled run");
         assert!((limit.host_seconds_per_token - 0.002).abs() < 1e-12, "{limit:?}");
         assert!((limit.device_seconds_per_token - 0.008).abs() < 1e-12, "{limit:?}");
         assert!((limit.bus_seconds_per_token - 0.005 / 11.0).abs() < 1e-12, "{limit:?}");
         assert!((limit.bus_bytes_per_sec - 1e9).abs() < 1.0, "{limit:?}");
         assert_eq!((limit.moved_bytes, limit.stops), (5_000_000, 44), "{limit:?}");
         let unpooled = TgTotals { graphs: 11, generated: 10, compute_seconds: 0.1, ..Default::default() };
-        assert_eq!(PoolLimit::from_totals(&unpooled), None);
+        assert_eq!(PoolLimit::from_totals(&unpooled, Some(0.005)), None);
+        assert!((limit.device_compute_seconds_per_token() - 0.008).abs() < 1e-12, "{limit:?}");
+        // The model resident on the device, recorded: the GPU's compute without the stops' gaps;
+        // never more than this run's own GPU side (the limit stays a limit).
+        let resident = PoolLimit::from_totals(&totals, Some(0.005)).expect("a pooled run");
+        assert!((resident.device_compute_seconds_per_token() - 0.005).abs() < 1e-12, "{resident:?}");
+        let slower = PoolLimit::from_totals(&totals, Some(0.02)).expect("a pooled run");
+        assert!((slower.device_compute_seconds_per_token() - 0.008).abs() < 1e-12, "{slower:?}");
     }
 }

@@ -55,6 +55,9 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         engine,
         threads,
         disk_bytes_per_sec: facts.profile_disk_bytes_per_sec,
+        device_resident_seconds_per_token: facts
+            .resident_seconds_per_token
+            .filter(|_| facts.resident_host_share.is_some_and(|share| share < 0.05)),
     };
     let report = bench::run(&path, &options, &|stage| tracing::info!("bench: {stage}"))?;
     // A run with remote layers measured other machines and links too: not this machine's
