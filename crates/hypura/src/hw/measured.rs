@@ -62,7 +62,7 @@ pub struct ExpertReads {
 }
 
 /// A GPU's expert pool at work: bytes moved over the bus (uploads and copies back) and the time
-/// they took; the pool's stops and the host's time at them.
+/// they took; the pool's stops and the host's time at them beside the transfers.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct PoolWork {
     pub moved_bytes: u64,

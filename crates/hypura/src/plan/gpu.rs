@@ -68,13 +68,14 @@ pub struct ExpertPoolLayout {
 /// device-aligned offset (CUDA wants 256 bytes).
 pub const POOL_ALIGNMENT: u64 = 256;
 
-/// What one pooled layer's stop costs a decoded token, beyond its compute: the graph stops after
-/// the router to rewrite its ids, the device drains its queue, the host serves the picks, and
-/// the rest of the graph is launched again. Measured on the H200 machine (2026-12-04, S6a and
-/// S6b): 3.1 ms a token over 40 stops, the host's 1.3 ms (32 µs a stop, which benchmark runs
-/// record for the next plan: `MachineFacts::pool_stop_host_seconds`) and the device's 1.8 ms
-/// (46 µs a stop, known only beside the same model resident on the device).
-pub const POOL_STOP_HOST_SECONDS: f64 = 32e-6;
+/// What one pooled layer's stop costs a decoded token, beyond its compute and its misses'
+/// transfers: the graph stops after the router to rewrite its ids, the device drains its queue,
+/// the host serves the picks, and the rest of the graph is launched again. Measured on the H200
+/// machine (2026-12-04, S6a and S6b): the host's 1.29 ms a token at 40 stops less the 0.43 ms its
+/// transfers took, 22 µs a stop (which benchmark runs record for the next plan:
+/// `MachineFacts::pool_stop_host_seconds`), and the device's 7.75 ms a token against the model
+/// resident there, 5.92 ms, 46 µs a stop (known only beside the same model resident on the device).
+pub const POOL_STOP_HOST_SECONDS: f64 = 22e-6;
 pub const POOL_STOP_DEVICE_SECONDS: f64 = 46e-6;
 
 /// The rate the pool's transfers ran at there (uploads into slots and copies back to the host

@@ -128,8 +128,8 @@ pub struct MachineFacts {
     /// None if never measured.
     pub expert_read_factor: Option<f64>,
     /// The rate a GPU's expert pool moved experts at in earlier benchmark runs of this model,
-    /// and the host's time at one of its stops; None if never measured (`plan::gpu` then takes
-    /// the H200 machine's).
+    /// and the host's time at one of its stops beside the transfers; None if never measured
+    /// (`plan::gpu` then takes the H200 machine's).
     pub pool_bus_bytes_per_sec: Option<f64>,
     pub pool_stop_host_seconds: Option<f64>,
     /// The profile's streaming rate, as measured (a run's limit is stated against it, or
