@@ -332,12 +332,10 @@ pub struct PoolLimit {
     /// The pool's transfers per pass, and the rate they ran at.
     pub bus_seconds_per_token: f64,
     pub bus_bytes_per_sec: f64,
-    /// The totals they come from: bytes moved both ways and the time it took; the pool's stops
-    /// and the host's time at them (what the next plan's `MachineFacts` are recorded from).
-    pub moved_bytes: u64,
-    pub transfer_seconds: f64,
-    pub stops: u64,
-    pub host_seconds: f64,
+    /// The totals they come from, as the model's record keeps them for the next plan: bytes
+    /// moved both ways and the time it took, the pool's stops and the host's time at them
+    /// beside the transfers (the plan counts those as the misses' bus time).
+    pub work: crate::hw::PoolWork,
 }
 
 impl PoolLimit {
@@ -359,10 +357,12 @@ impl PoolLimit {
             resident_seconds_per_token: resident.filter(|seconds| seconds.is_finite() && *seconds > 0.0),
             bus_seconds_per_token: pool.transfer_seconds / graphs,
             bus_bytes_per_sec: if pool.transfer_seconds > 0.0 { moved as f64 / pool.transfer_seconds } else { 0.0 },
-            moved_bytes: moved,
-            transfer_seconds: pool.transfer_seconds,
-            stops: totals.layer_visits,
-            host_seconds: pool.host_seconds,
+            work: crate::hw::PoolWork {
+                moved_bytes: moved,
+                transfer_seconds: pool.transfer_seconds,
+                stops: totals.layer_visits,
+                host_seconds: (pool.host_seconds - pool.transfer_seconds).max(0.0),
+            },
         })
     }
 
@@ -851,7 +851,8 @@ mod tests {
         assert!((limit.device_seconds_per_token - 0.008).abs() < 1e-12, "{limit:?}");
         assert!((limit.bus_seconds_per_token - 0.005 / 11.0).abs() < 1e-12, "{limit:?}");
         assert!((limit.bus_bytes_per_sec - 1e9).abs() < 1.0, "{limit:?}");
-        assert_eq!((limit.moved_bytes, limit.stops), (5_000_000, 44), "{limit:?}");
+        assert_eq!((limit.work.moved_bytes, limit.work.stops), (5_000_000, 44), "{limit:?}");
+        assert!((limit.work.host_seconds - 0.017).abs() < 1e-12, "{limit:?}");
         let unpooled = TgTotals { graphs: 11, generated: 10, compute_seconds: 0.1, ..Default::default() };
         assert_eq!(PoolLimit::from_totals(&unpooled, Some(0.005)), None);
         assert!((limit.device_compute_seconds_per_token() - 0.008).abs() < 1e-12, "{limit:?}");

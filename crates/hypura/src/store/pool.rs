@@ -50,6 +50,49 @@ struct PooledLayer {
     staged: bool,
 }
 
+impl PooledLayer {
+    /// `expert` is in `slot` now, used at `now`.
+    fn put(&mut self, slot: usize, expert: usize, now: u64) {
+        self.expert_in[slot] = Some(expert);
+        self.slot_of[expert] = Some(slot as u32);
+        self.last_used[slot] = now;
+    }
+
+    /// Copies on the device of each (slot, expert)'s slices, every tensor's: from the slot to
+    /// the expert's place in the staging area, or back (`to_slots`). As `(from, to, bytes)`
+    /// offsets in the pool.
+    fn staging_copies(&self, pairs: &[(usize, usize)], to_slots: bool) -> Vec<(usize, usize, usize)> {
+        let mut copies = Vec::with_capacity(pairs.len() * self.tensors.len());
+        for &(slot, expert) in pairs {
+            for tensor in &self.tensors {
+                let slice = tensor.slice_bytes as usize;
+                let (in_slot, staged) = (tensor.slots_at + slot * slice, tensor.staging_at + expert * slice);
+                copies.push(if to_slots { (staged, in_slot, slice) } else { (in_slot, staged, slice) });
+            }
+        }
+        copies
+    }
+
+    /// The empty ones of `slots`, each paired with one of the batch's `picks` that no slot
+    /// holds, the most picked in `rows` first.
+    fn empty_slots_fill(&self, slots: usize, picks: &[usize], rows: &[Vec<i32>]) -> Vec<(usize, usize)> {
+        let empty: Vec<usize> = (0..slots).filter(|&slot| self.expert_in[slot].is_none()).collect();
+        if empty.is_empty() {
+            return Vec::new();
+        }
+        let mut counts = vec![0u32; self.slot_of.len()];
+        for &expert in rows.iter().flatten() {
+            if let Some(count) = usize::try_from(expert).ok().and_then(|expert| counts.get_mut(expert)) {
+                *count += 1;
+            }
+        }
+        let mut candidates: Vec<usize> =
+            picks.iter().copied().filter(|&expert| self.slot_of[expert].is_none()).collect();
+        candidates.sort_by_key(|&expert| (std::cmp::Reverse(counts[expert]), expert));
+        empty.into_iter().zip(candidates).collect()
+    }
+}
+
 /// What the pool did, counted per (token batch, layer, expert), and the time it took.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct PoolSnapshot {
@@ -254,18 +297,10 @@ impl ExpertPool {
                 let mut bytes = 0u64;
                 // The picks the slots hold are copied on the device's side, from their slot
                 // to their expert's place in the staging area (which lies past every slot).
-                let mut from_slots = Vec::new();
+                let held: Vec<(usize, usize)> =
+                    picks.iter().filter_map(|&expert| Some((pooled.slot_of[expert]? as usize, expert))).collect();
+                let from_slots = pooled.staging_copies(&held, false);
                 for tensor in &pooled.tensors {
-                    let slice = tensor.slice_bytes as usize;
-                    for &expert in picks {
-                        if let Some(slot) = pooled.slot_of[expert] {
-                            from_slots.push((
-                                tensor.slots_at + slot as usize * slice,
-                                tensor.staging_at + expert * slice,
-                                slice,
-                            ));
-                        }
-                    }
                     tensor.tensor.place(&self.pool, tensor.staging_at, tensor.tensor.nbytes()).map_err(pool_error)?;
                     for &expert in from_host {
                         bytes += upload(tensor, region, expert, expert)?;
@@ -274,40 +309,15 @@ impl ExpertPool {
                 self.pool.copy_within(&from_slots).map_err(pool_error)?;
                 // Empty slots take the batch's most picked experts from the staging area, on the
                 // device (no bus, nothing given up): a first long prompt leaves the slots as a
-                // decode after it will want them, not empty.
-                let empty: Vec<usize> = (0..slots).filter(|&slot| pooled.expert_in[slot].is_none()).collect();
-                if !empty.is_empty() {
-                    let mut counts = vec![0u32; pooled.slot_of.len()];
-                    for &expert in rows.iter().flatten() {
-                        if let Some(count) = usize::try_from(expert).ok().and_then(|expert| counts.get_mut(expert)) {
-                            *count += 1;
-                        }
-                    }
-                    let mut candidates: Vec<usize> =
-                        picks.iter().copied().filter(|&expert| pooled.slot_of[expert].is_none()).collect();
-                    candidates.sort_by_key(|&expert| (std::cmp::Reverse(counts[expert]), expert));
-                    let filled: Vec<(usize, usize)> = empty.into_iter().zip(candidates).collect();
-                    let mut into_slots = Vec::new();
-                    for &(slot, expert) in &filled {
-                        for tensor in &pooled.tensors {
-                            let slice = tensor.slice_bytes as usize;
-                            into_slots.push((
-                                tensor.staging_at + expert * slice,
-                                tensor.slots_at + slot * slice,
-                                slice,
-                            ));
-                        }
-                    }
-                    // The slot table names an expert only once its bytes are there.
-                    self.pool.copy_within(&into_slots).map_err(pool_error)?;
-                    self.clock += 1;
-                    for (slot, expert) in filled {
-                        pooled.expert_in[slot] = Some(expert);
-                        pooled.slot_of[expert] = Some(slot as u32);
-                        pooled.last_used[slot] = self.clock;
-                        self.counters.staged_into_slots += 1;
-                        tiers.uploaded(expert)?;
-                    }
+                // decode after it will want them, not empty. The slot table names an expert
+                // only once its bytes are there.
+                let filled = pooled.empty_slots_fill(slots, picks, rows);
+                self.pool.copy_within(&pooled.staging_copies(&filled, true)).map_err(pool_error)?;
+                self.clock += 1;
+                for (slot, expert) in filled {
+                    pooled.put(slot, expert, self.clock);
+                    self.counters.staged_into_slots += 1;
+                    tiers.uploaded(expert)?;
                 }
                 pooled.staged = true;
                 self.counters.staged_layers += 1;
@@ -368,9 +378,7 @@ impl ExpertPool {
                     for tensor in &pooled.tensors {
                         bytes += upload(tensor, region, expert, slot)?;
                     }
-                    pooled.expert_in[slot] = Some(expert);
-                    pooled.slot_of[expert] = Some(slot as u32);
-                    pooled.last_used[slot] = now;
+                    pooled.put(slot, expert, now);
                     self.counters.uploads += 1;
                     self.counters.upload_bytes += bytes;
                     tiers.uploaded(expert)?;

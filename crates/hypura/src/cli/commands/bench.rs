@@ -81,14 +81,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
                     .as_ref()
                     .map(|prediction| prediction.touched_bytes_per_token),
                 expert_reads: report.expert_reads,
-                pool: report.pool_limit.map(|pool| crate::hw::PoolWork {
-                    moved_bytes: pool.moved_bytes,
-                    transfer_seconds: pool.transfer_seconds,
-                    stops: pool.stops,
-                    // The host's time at the stops holds the transfers; a stop's own cost
-                    // leaves them out (the plan counts them as the misses' bus time).
-                    host_seconds: (pool.host_seconds - pool.transfer_seconds).max(0.0),
-                }),
+                pool: report.pool_limit.map(|pool| pool.work),
             },
         );
     }
