@@ -136,6 +136,44 @@ impl GenerationStats {
             disk_busy: if wall > 0.0 { io.bytes_read as f64 / disk_bytes_per_sec / wall } else { 0.0 },
         })
     }
+    /// The expert hierarchy's figures for the request: picks served by each tier, bytes a pass
+    /// over the weights from the disk and over the bus, and each link's rate while it moved
+    /// them. None in modes that stream nothing.
+    pub fn tiers(&self) -> Option<TierFigures> {
+        let io = self.io.as_ref()?;
+        let passes = f64::from(self.weight_passes().max(1));
+        let experts = self.experts.as_ref();
+        let device = experts.map(|experts| &experts.device);
+        let bus_bytes = device.map_or(0, |device| device.upload_bytes + device.copied_back_bytes);
+        let over = |bytes: u64, seconds: f64| (bytes > 0 && seconds > 0.0).then(|| bytes as f64 / seconds);
+        Some(TierFigures {
+            picks_gpu: device.map_or(0, |device| device.hits),
+            picks_host: experts.map_or(0, |experts| experts.hits),
+            picks_disk: experts.map_or(0, |experts| experts.misses),
+            disk_bytes_per_pass: io.bytes_read as f64 / passes,
+            bus_bytes_per_pass: bus_bytes as f64 / passes,
+            disk_bytes_per_sec: over(io.bytes_read, io.busy_seconds),
+            bus_bytes_per_sec: device.and_then(|device| over(bus_bytes, device.transfer_seconds)),
+        })
+    }
+}
+
+/// Where a request's weights came from (`GenerationStats::tiers`): the expert picks each tier
+/// served (a GPU pool's slots, the host's expert cache, the disk; whole layers on the GPU are
+/// not counted, their experts need no pick), the bytes a pass over the weights moved from the
+/// disk and over the bus between host and GPU (uploads and copies back), and each link's rate
+/// while it was busy.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct TierFigures {
+    pub picks_gpu: u64,
+    pub picks_host: u64,
+    pub picks_disk: u64,
+    pub disk_bytes_per_pass: f64,
+    pub bus_bytes_per_pass: f64,
+    /// Bytes read ÷ time with a read in flight; None without reads.
+    pub disk_bytes_per_sec: Option<f64>,
+    /// Bytes moved ÷ the transfers' time; None without a transfer.
+    pub bus_bytes_per_sec: Option<f64>,
 }
 
 /// The disk as a request found it (`GenerationStats::disk_while_busy`).

@@ -259,6 +259,18 @@ fn final_fields(object: &mut Map<String, Value>, finished: &Finished, with_conte
             object.insert("hypura_gpu_upload_bytes".into(), json!(experts.device.upload_bytes));
         }
     }
+    // Where the weights came from: the expert picks each tier served, the bytes a pass over the
+    // weights moved from disk and over the GPU's bus, and each link's rate while busy.
+    if let Some(tiers) = stats.tiers() {
+        object.insert(
+            "hypura_tiers".into(),
+            json!({
+                "expert_picks": { "gpu": tiers.picks_gpu, "host": tiers.picks_host, "disk": tiers.picks_disk },
+                "bytes_per_pass": { "disk": tiers.disk_bytes_per_pass.round(), "bus": tiers.bus_bytes_per_pass.round() },
+                "bytes_per_sec": { "disk": tiers.disk_bytes_per_sec.map(f64::round), "bus": tiers.bus_bytes_per_sec.map(f64::round) },
+            }),
+        );
+    }
     if let Some(peak) = crate::hw::peak_rss_bytes() {
         object.insert("hypura_peak_memory".into(), json!(peak));
     }

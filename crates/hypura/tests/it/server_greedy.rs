@@ -98,6 +98,22 @@ fn streaming_equals_resident(model: &std::path::Path, mode: Mode, prompts: &[&st
     for ((prompt, resident), streamed) in prompts.iter().zip(&resident).zip(&streamed) {
         assert!(resident.get("hypura_bytes_read").is_none(), "the resident server streamed: {resident}");
         assert!(streamed["hypura_bytes_read"].as_u64().unwrap() > 0, "{} read nothing: {streamed}", mode.name());
+        // The tiers' figures: the disk's bytes a pass (a share of the request's reads) and its
+        // rate; expert picks from the host's cache or disk in expert-stream, none without
+        // experts; nothing over a GPU's bus on this CPU machine.
+        assert!(resident.get("hypura_tiers").is_none(), "{resident}");
+        let tiers = &streamed["hypura_tiers"];
+        let per_pass = tiers["bytes_per_pass"]["disk"].as_f64().unwrap();
+        assert!(per_pass > 0.0 && per_pass <= streamed["hypura_bytes_read"].as_f64().unwrap(), "{tiers}");
+        assert!(tiers["bytes_per_sec"]["disk"].as_f64().unwrap() > 0.0, "{tiers}");
+        assert_eq!(
+            (tiers["bytes_per_pass"]["bus"].as_f64(), tiers["bytes_per_sec"]["bus"].as_f64()),
+            (Some(0.0), None)
+        );
+        let picks = &tiers["expert_picks"];
+        let host_and_disk = picks["host"].as_u64().unwrap() + picks["disk"].as_u64().unwrap();
+        assert_eq!(picks["gpu"].as_u64(), Some(0), "{tiers}");
+        assert_eq!(host_and_disk > 0, mode == Mode::ExpertStream, "{tiers}");
         assert_eq!(streamed["response"], resident["response"], "{prompt:?} in {}", mode.name());
         assert_eq!(streamed["eval_count"], 24);
     }
