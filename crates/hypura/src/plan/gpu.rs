@@ -62,6 +62,10 @@ pub struct ExpertPoolLayout {
     pub slot_bytes: u64,
     /// The largest pooled layer's expert tensors, whole.
     pub staging_bytes: u64,
+    /// What the pooled layers add to a decoded token beside the model's compute on the device,
+    /// by the recorded routing (`pool_decode_cost`): their stops and the misses' transfers.
+    /// None without a record.
+    pub decode_overhead_seconds: Option<f64>,
 }
 
 /// Device memory the pool loses to alignment per pooled tensor: each tensor's slots start at a
@@ -353,13 +357,14 @@ impl DeviceCosts<'_> {
                 slots: slots as u32,
                 slot_bytes: slots * per_slot + alignment,
                 staging_bytes: staging,
+                decode_overhead_seconds: None,
             })
         });
         let chosen = match self.reuse {
             Some(reuse) => candidates
                 .map(|layout| (self.pool_decode_cost(&layout, pool, reuse), layout))
                 .min_by(|(one, _), (other, _)| one.total_cmp(other))
-                .map(|(_, layout)| layout),
+                .map(|(cost, layout)| ExpertPoolLayout { decode_overhead_seconds: Some(cost), ..layout }),
             None => candidates.next(),
         }?;
         ffn_layers.extend_from_slice(&chosen.whole_layers);
@@ -891,13 +896,36 @@ mod tests {
         let layout = |reuse: Option<ReuseDepths>| layout_on(with_gpu(64 << 30, gpu_budget), reuse);
         let (pool, _) = layout(None);
         assert_eq!((pool.slots, pool.layers.len(), pool.whole_layers.len()), (30, 8, 0));
+        assert_eq!(pool.decode_overhead_seconds, None, "no record, no figure");
         // Every expert picked again within a slot's reach: 4 slots would do, so 3 layers whole.
         let (bin, layers) = (8, 8);
         let near = ReuseDepths { depths: vec![1000], bin, layers, first: 64 };
-        let (pool, render) = layout(Some(near));
+        let (pool, render) = layout(Some(near.clone()));
         assert_eq!(pool.whole_layers, vec![5, 6, 7], "{render}");
         assert_eq!((pool.slots, pool.layers), (9, (0..5).collect::<Vec<_>>()), "{render}");
         assert!(render.contains("3 MoE layers whole on the GPU instead"), "{render}");
+        // Its slots serve every pick: the five pooled layers add their stops alone.
+        let stop = POOL_STOP_HOST_SECONDS + POOL_STOP_DEVICE_SECONDS;
+        assert!((pool.decode_overhead_seconds.unwrap() - 5.0 * stop).abs() < 1e-12, "{render}");
+        // The plan's predicted decode: the model resident on the GPU, as a run here measured
+        // it, and the pooled layers' stops; a resident record that computed on the host's CPU
+        // says nothing of the device alone, and the other records speak instead.
+        let predicted = |resident_host_share: f64| {
+            let machine = MachineFacts {
+                expert_reuse: Some(near.clone()),
+                resident_seconds_per_token: Some(0.005),
+                resident_host_share: Some(resident_host_share),
+                ..with_gpu(64 << 30, gpu_budget)
+            };
+            let planned = plan(&inventory, &machine, &options).unwrap();
+            crate::plan::predict(&planned, &machine, 256, crate::plan::predict::touched(&inventory, &planned))
+        };
+        let on_device = predicted(0.01);
+        assert!((on_device.compute_seconds_per_token.unwrap() - (0.005 + 5.0 * stop)).abs() < 1e-12, "{on_device:?}");
+        assert!(on_device.render().contains("resident on the GPU 5.0 ms"), "{}", on_device.render());
+        let mixed = predicted(0.5);
+        assert!(!mixed.render().contains("resident on the GPU"), "{}", mixed.render());
+        assert_ne!(mixed.compute_seconds_per_token, on_device.compute_seconds_per_token);
         // Picks come back 16 to 17 slots apart (per layer): one layer whole leaves 25 slots,
         // trusted for 20, that serve them; two would leave 18, trusted for 14, that miss them.
         let mut depths = vec![0; 17];

@@ -105,6 +105,27 @@ fn at_share(seconds: f64, measured_share: f64, share: f64) -> Option<(f64, bool)
     }
 }
 
+/// A GPU expert pool's decode: the model's compute on the device, as a run of it resident on
+/// the GPU here measured (its host share under 5%), and what the pooled layers add by the
+/// recorded routing (`ExpertPoolLayout::decode_overhead_seconds`: their stops and the misses'
+/// transfers). A pooled run's own record holds the stops of its layout, which another layout
+/// (more layers whole) does not have, so this comes first where both are known.
+fn pooled_on_device(plan: &Plan, facts: &MachineFacts) -> Option<(f64, String)> {
+    let pool = plan.gpu.as_ref()?.expert_pool.as_ref()?;
+    let overhead = pool.decode_overhead_seconds?;
+    let device =
+        facts.resident_seconds_per_token.filter(|_| facts.resident_host_share.is_some_and(|share| share < 0.05))?;
+    Some((
+        device + overhead,
+        format!(
+            "the model resident on the GPU {:.1} ms (resident runs) + the pool's {} stops and misses' transfers {:.1} ms (recorded routing)",
+            device * 1e3,
+            pool.layers.len(),
+            overhead * 1e3
+        ),
+    ))
+}
+
 /// Predict `plan`'s decode and prompt speed on `facts` with prompt batches of `n_batch`.
 ///
 /// Decode: `1 / max(compute, bytes per token / disk rate)`, the physical limit's form: reads
@@ -120,12 +141,15 @@ pub fn predict(plan: &Plan, facts: &MachineFacts, n_batch: u32, (touched_bytes, 
     let resident =
         facts.resident_seconds_per_token.map(|seconds| (seconds, facts.resident_host_share, "resident runs"));
     let order = if plan.mode == Mode::Resident { [resident, streaming] } else { [streaming, resident] };
-    let (compute, compute_from) = order
-        .into_iter()
-        .flatten()
-        .find_map(|(seconds, measured_share, from)| {
-            let (seconds, scaled) = at_share(seconds, measured_share.unwrap_or(1.0), host_share)?;
-            Some((seconds, if scaled { format!("{from}, scaled to this plan's CPU share") } else { from.to_string() }))
+    let (compute, compute_from) = pooled_on_device(plan, facts)
+        .or_else(|| {
+            order.into_iter().flatten().find_map(|(seconds, measured_share, from)| {
+                let (seconds, scaled) = at_share(seconds, measured_share.unwrap_or(1.0), host_share)?;
+                Some((
+                    seconds,
+                    if scaled { format!("{from}, scaled to this plan's CPU share") } else { from.to_string() },
+                ))
+            })
         })
         // A model never run here: its host's bytes at the rate this machine's CPU computed
         // other models' (resident, all on the CPU).
