@@ -136,6 +136,7 @@ impl GenerationStats {
             disk_busy: if wall > 0.0 { io.bytes_read as f64 / disk_bytes_per_sec / wall } else { 0.0 },
         })
     }
+
     /// The expert hierarchy's figures for the request: picks served by each tier, bytes a pass
     /// over the weights from the disk and over the bus, and each link's rate while it moved
     /// them. None in modes that stream nothing.
