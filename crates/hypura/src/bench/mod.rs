@@ -162,6 +162,9 @@ pub struct BenchReport {
     /// Streaming: share of the bytes read that landed in pages reused from released units
     /// (no page fault, no zeroing).
     pub recycled_fraction: Option<f64>,
+    /// Streaming beside a device pool: the host cache's warm fill per token, within
+    /// `bytes_read_per_token` (no token asked for it; the limit leaves it out).
+    pub warm_bytes_per_token: Option<f64>,
     /// Peak resident memory of the process (both sides when they run in one process).
     pub peak_memory_bytes: Option<u64>,
     /// Hypura's tg time per token not spent waiting on reads (the compute term of the limit),
@@ -290,6 +293,9 @@ struct TgTotals {
     bytes_read: u64,
     /// Of `bytes_read`, the bytes read into pages reused from released units.
     recycled_bytes: u64,
+    /// Of `bytes_read`, the host cache's warm fill (`ExpertSnapshot::warm_bytes`): no token
+    /// asked for them, so the limit leaves them out.
+    warm_bytes: u64,
     stall_seconds: f64,
     /// Wall time with a read in flight.
     disk_busy_seconds: f64,
@@ -421,6 +427,7 @@ impl HypuraSide {
             self.totals.expert_hits += experts.hits;
             self.totals.expert_misses += experts.misses;
             self.totals.layer_visits += experts.layer_visits;
+            self.totals.warm_bytes += experts.warm_bytes;
             self.totals.prefetch[0] += experts.prefetch_issued;
             self.totals.prefetch[1] += experts.prefetch_used;
             self.totals.prefetch[2] += experts.prefetch_cancelled;
@@ -559,7 +566,7 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
     let limit_at = |rate: f64| {
         crate::plan::limit_tokens_per_sec(
             compute_per_token,
-            totals.bytes_read as f64 / totals.graphs as f64,
+            totals.bytes_read.saturating_sub(totals.warm_bytes) as f64 / totals.graphs as f64,
             rate,
             tokens_per_pass,
         )
@@ -596,6 +603,8 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         bytes_read_per_token: (totals.graphs > 0).then(|| totals.bytes_read as f64 / totals.graphs as f64),
         stall_fraction: (totals.wall_seconds > 0.0).then(|| totals.stall_seconds / totals.wall_seconds),
         recycled_fraction: (totals.bytes_read > 0).then(|| totals.recycled_bytes as f64 / totals.bytes_read as f64),
+        warm_bytes_per_token: (totals.graphs > 0 && totals.warm_bytes > 0)
+            .then(|| totals.warm_bytes as f64 / totals.graphs as f64),
         peak_memory_bytes: crate::hw::peak_rss_bytes(),
         compute_seconds_per_token: (totals.generated > 0).then(|| totals.compute_seconds / totals.generated as f64),
         generated_tokens: totals.generated,
@@ -641,7 +650,8 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
             let experts = plan.experts.as_ref()?;
             let served = totals.reuse.hit_rate(crate::plan::cached_units(plan), experts.moe_layers)?;
             let modelled = totals.reuse.picks() as f64 * (1.0 - served) * experts.unit_bytes as f64;
-            let read = totals.bytes_read as f64 - (totals.graphs * experts.dense_streamed_bytes) as f64;
+            let read = totals.bytes_read.saturating_sub(totals.warm_bytes) as f64
+                - (totals.graphs * experts.dense_streamed_bytes) as f64;
             Some((read, modelled))
         }),
         io_bound_tokens_per_sec: plan.as_ref().and_then(|plan| plan.io_bound_tokens_per_sec),
@@ -701,7 +711,7 @@ pub fn render(report: &BenchReport) -> String {
     if let Some(bytes) = report.bytes_read_per_token {
         let _ = writeln!(
             out,
-            "\nstreaming: {:.1} MB read per token (plan: {:.1} MB{}), compute waited for I/O {:.0}% of the time{}",
+            "\nstreaming: {:.1} MB read per token (plan: {:.1} MB{}{}), compute waited for I/O {:.0}% of the time{}",
             bytes / 1e6,
             report.planned_bytes_per_token.unwrap_or(0) as f64 / 1e6,
             // Dense layers in slots reuse their pages without moving any, so only a share of
@@ -710,6 +720,10 @@ pub fn render(report: &BenchReport) -> String {
                 .recycled_fraction
                 .filter(|&share| share > 0.0)
                 .map_or_else(String::new, |share| format!(", {:.0}% into pages of evicted units", 100.0 * share)),
+            report.warm_bytes_per_token.map_or_else(String::new, |warm| format!(
+                "; {:.1} MB of it the host cache's warm fill, which no token asked for and the limit leaves out",
+                warm / 1e6
+            )),
             100.0 * report.stall_fraction.unwrap_or(0.0),
             report.io_bound_tokens_per_sec.map_or_else(String::new, |bound| format!("; disk bound {bound:.2} tok/s"))
         );

@@ -103,6 +103,14 @@ impl GenerationStats {
         )
     }
 
+    /// The bytes the request's passes read for themselves: all it read less the host cache's
+    /// warm fill (`ExpertSnapshot::warm_bytes`), which fills idle time and free room with
+    /// units no token asked for. None without reads.
+    pub fn demand_bytes_read(&self) -> Option<u64> {
+        let warm = self.experts.as_ref().map_or(0, |experts| experts.warm_bytes);
+        Some(self.io.as_ref()?.bytes_read.saturating_sub(warm))
+    }
+
     /// Tokens each pass over the weights yielded: 1 without drafts.
     fn tokens_per_weight_pass(&self) -> f64 {
         if self.draft_tokens > 0 {
@@ -119,7 +127,7 @@ impl GenerationStats {
     pub fn decode_limit(&self, disk_bytes_per_sec: f64) -> Option<DecodeLimit> {
         let io = self.io.as_ref()?;
         let compute_seconds = self.eval_compute_seconds_per_token()?;
-        let bytes_per_pass = io.bytes_read as f64 / f64::from(self.weight_passes().max(1));
+        let bytes_per_pass = self.demand_bytes_read()? as f64 / f64::from(self.weight_passes().max(1));
         let tokens_per_sec = crate::plan::limit_tokens_per_sec(
             compute_seconds,
             bytes_per_pass,
@@ -345,6 +353,22 @@ mod tests {
         // No busy time recorded (nothing read): no figure.
         stats.io.as_mut().unwrap().busy_seconds = 0.0;
         assert!(stats.disk_while_busy().is_none());
+    }
+
+    #[test]
+    fn the_warm_fill_is_not_a_pass_s_reads() {
+        // Beside a device pool the disk reads 100 MB a pass for 100 ms, busy the whole request,
+        // but 95 MB of it is the host cache's warm fill: the passes need 5 MB (5 ms at 1 GB/s),
+        // so compute (60 ms) is the limit and a pass every 100 ms reaches 0.6 of it, not 1.
+        let mut stats = streaming_run(20, 60, 40, 100_000_000);
+        stats.io.as_mut().unwrap().busy_seconds = 2.1;
+        stats.experts = Some(ExpertSnapshot { warm_bytes: 21 * 95_000_000, ..ExpertSnapshot::default() });
+        assert_eq!(stats.demand_bytes_read(), Some(21 * 5_000_000));
+        let limit = stats.decode_limit(1e9).unwrap();
+        assert!((limit.read_seconds - 0.005).abs() < 1e-9, "{limit:?}");
+        assert!((limit.tokens_per_sec - 1.0 / 0.06).abs() < 1e-6 && (limit.fraction - 0.6).abs() < 1e-6, "{limit:?}");
+        let disk = stats.disk_while_busy().unwrap();
+        assert!((disk.bytes_per_sec - 1e9).abs() < 1.0 && (disk.fraction - 0.6).abs() < 1e-6, "{disk:?}");
     }
 
     #[test]

@@ -217,6 +217,9 @@ pub struct ExpertSnapshot {
     /// Units read into the host cache's free room while the disk was idle (with a device pool:
     /// `ExpertStream::warm_step`).
     pub warm_reads: u64,
+    /// Their bytes: read from disk, though no token asked for them (a decode's limit leaves
+    /// them out).
+    pub warm_bytes: u64,
     /// The device's expert pool: picks served from its slots, uploads, staged prompt layers
     /// (all zero without a pool). `hits` and `misses` above count the host cache's share.
     pub device: PoolSnapshot,
@@ -255,6 +258,7 @@ impl std::ops::Sub for ExpertSnapshot {
             prefetch_used: self.prefetch_used - earlier.prefetch_used,
             prefetch_cancelled: self.prefetch_cancelled - earlier.prefetch_cancelled,
             warm_reads: self.warm_reads - earlier.warm_reads,
+            warm_bytes: self.warm_bytes - earlier.warm_bytes,
             device: self.device - earlier.device,
             reuse: self.reuse.since(&earlier.reuse),
         }
@@ -293,6 +297,8 @@ struct WarmFill {
     next: usize,
     in_flight: Vec<usize>,
     issued: u64,
+    /// The bytes of the units issued.
+    bytes: u64,
 }
 
 /// Warm-fill reads in flight at once.
@@ -455,6 +461,7 @@ impl ExpertStream {
             prefetch_used: self.prefetch_used.load(Ordering::Relaxed),
             prefetch_cancelled: self.prefetch_cancelled.load(Ordering::Relaxed),
             warm_reads: self.warm.as_ref().map_or(0, |warm| warm.locked().issued),
+            warm_bytes: self.warm.as_ref().map_or(0, |warm| warm.locked().bytes),
             device: self.pool.as_ref().map(|pool| pool.locked().snapshot()).unwrap_or_default(),
             reuse: self.state.locked().reuse.counts().clone(),
         }
@@ -570,6 +577,7 @@ impl ExpertStream {
             drop(state);
             warm.next += 1;
             warm.issued += 1;
+            warm.bytes += self.residency.units()[unit].bytes();
             self.residency.request(unit)?;
             warm.in_flight.push(unit);
         }

@@ -311,11 +311,15 @@ fn the_host_cache_fills_its_free_room_beside_the_pool() {
     assert!(plan.gpu.as_ref().is_some_and(|gpu| gpu.expert_pool.is_some()), "{}", plan.render());
     let ours = greedy_after(&open_tiny(&path, Some(plan)), "Hi", 16);
     assert_eq!(ours.tokens, greedy_after(&open_tiny(&path, None), "Hi", 16).tokens);
-    let experts = ours.stats.experts.expect("expert stats");
+    let experts = ours.stats.experts.clone().expect("expert stats");
     assert!(experts.warm_reads > 0, "{experts:?}");
     // Every read from disk, demanded or not, is of a unit read no time before.
     let units = hparams.n_layer * hparams.n_expert;
     assert!(experts.misses + experts.warm_reads <= units, "{experts:?}");
+    // The fill's bytes are within the request's reads, and a decode's limit leaves them out.
+    let read = ours.stats.io.expect("io stats").bytes_read;
+    assert!(experts.warm_bytes > 0 && experts.warm_bytes < read, "{experts:?}, {read} bytes read");
+    assert_eq!(ours.stats.demand_bytes_read(), Some(read - experts.warm_bytes));
 }
 
 /// The expert pool: every MoE layer's routed experts in `slots` device slots (here the CPU's
