@@ -63,7 +63,8 @@ if hypura and reference:
     # The faster of the two compute times measured: resident with the same kernels, and
     # Hypura's own while streaming (stall excluded); a limit a run could beat is no limit.
     t_compute = min(1 / tg(reference, "hypura"), hypura.get("compute_seconds_per_token") or float("inf"))
-    per_token = hypura.get("bytes_read_per_token") or 0
+    # The host cache's warm fill beside a device pool reads for no token: not a pass's bytes.
+    per_token = (hypura.get("bytes_read_per_token") or 0) - (hypura.get("warm_bytes_per_token") or 0)
     planned = hypura.get("planned_bytes_per_token") or 0
     # Expert-stream plans the worst case (every pick a miss); what streams is what the cache
     # missed, so the limit uses the bytes read.

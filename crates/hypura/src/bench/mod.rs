@@ -709,10 +709,14 @@ pub fn render(report: &BenchReport) -> String {
         );
     }
     if let Some(bytes) = report.bytes_read_per_token {
+        let experts = report.expert_hit_rate.is_some();
         let _ = writeln!(
             out,
-            "\nstreaming: {:.1} MB read per token (plan: {:.1} MB{}{}), compute waited for I/O {:.0}% of the time{}",
+            "\nstreaming: {:.1} MB read per token (plan: {}{:.1} MB{}{}), compute waited for I/O {:.0}% of the time{}",
             bytes / 1e6,
+            // An expert plan streams its worst case, every pick a miss; what a token reads is
+            // what the caches miss.
+            if experts { "at most " } else { "" },
             report.planned_bytes_per_token.unwrap_or(0) as f64 / 1e6,
             // Dense layers in slots reuse their pages without moving any, so only a share of
             // moved pages is worth a word.
@@ -725,7 +729,11 @@ pub fn render(report: &BenchReport) -> String {
                 warm / 1e6
             )),
             100.0 * report.stall_fraction.unwrap_or(0.0),
-            report.io_bound_tokens_per_sec.map_or_else(String::new, |bound| format!("; disk bound {bound:.2} tok/s"))
+            report.io_bound_tokens_per_sec.map_or_else(String::new, |bound| if experts {
+                format!("; at least {bound:.2} tok/s from the disk were every pick a miss")
+            } else {
+                format!("; disk bound {bound:.2} tok/s")
+            })
         );
         if let (Some(hits), Some(uploads)) = (report.gpu_expert_hit_rate, report.gpu_upload_bytes_per_token) {
             let _ = writeln!(

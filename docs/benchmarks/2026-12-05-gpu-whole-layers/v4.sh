@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# A short call: S6b with the routing recorded (a short pooled bench records it), Hypura beside
+# llama.cpp's --n-cpu-moe 17 (its placement nearest --fit's), then --fit, as time allows.
+R=$OUT
+cd "$(dirname "$0")"
+eval "$(./cuda-smoke env)"
+( bin/hypura-forge qwen3.6-35b-a3b --router-skew 8 -o /tmp/q36s8.gguf > $R/forge.log 2>&1; echo "forged $?" >> $R/forge.log ) &
+./cuda-smoke build 90 > $R/build.txt 2>&1 || { tail -30 $R/build.txt; exit 1; }
+wait
+echo "built and forged at $SECONDS s" >> $R/forge.log
+bin/hypura bench /tmp/q36s8.gguf --no-baseline -p 16 -n 32 -r 1 -t 16 --context 1024 --gpu-budget 12GiB > $R/record.txt 2>&1
+bin/hypura inspect /tmp/q36s8.gguf --gpu-budget 12GiB --memory-budget 22GiB --context 1024 2>/dev/null | grep -E "^(gpu|expert pool|predict)" > $R/inspect.txt
+common="HYPURA=bin/hypura THREADS=16 RUN_TIMEOUT=100 SKIP_REFERENCE=1 CONTEXT=1024"
+env $common OUT=$R/s6b PEERS=n-cpu-moe:17 N_CPU_MOE=17 HYPURA_ARGS="--gpu-budget 12GiB" \
+  scripts/bench-limited /tmp/q36s8.gguf 1.2474 128 1 > $R/s6b.txt 2>&1
+echo "s6b at $SECONDS s" >> $R/forge.log
+[ $SECONDS -lt 330 ] && env $common OUT=$R/s6b SKIP_HYPURA=1 PEERS=fit HYPURA_ARGS="--gpu-budget 12GiB" \
+  scripts/bench-limited /tmp/q36s8.gguf 1.2474 128 1 > $R/s6b-fit.txt 2>&1
+rm -rf $R/s6b
