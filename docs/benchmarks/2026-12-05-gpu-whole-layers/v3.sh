@@ -4,14 +4,7 @@
 # second time (whole MoE layers beside the pool) with llama.cpp's --fit after it; S6a tg128 beside
 # llama.cpp's --n-cpu-moe 26; then tiny presets pooled against resident, as time allows, each at
 # the first budget (scanned) where a pool forms and then where a layer goes whole beside it.
-R=$OUT
-cd "$(dirname "$0")"
-eval "$(./cuda-smoke env)"
-( bin/hypura-forge qwen3.6-35b-a3b --router-skew 8 -o /tmp/q36s8.gguf > $R/forge.log 2>&1; echo "forged $?" >> $R/forge.log ) &
-./cuda-smoke build 90 > $R/build.txt 2>&1 || { tail -30 $R/build.txt; exit 1; }
-wait
-bin/hypura bench /tmp/q36s8.gguf --no-baseline --mode resident --no-repack --no-mmap -p 16 -n 128 -r 1 -t 16 \
-  --context 1024 > $R/resident.txt 2>&1
+. "$(dirname "$0")/vsetup.sh"
 common="HYPURA=bin/hypura THREADS=16 RUN_TIMEOUT=100 SKIP_REFERENCE=1 CONTEXT=1024"
 env $common OUT=$R/s6b-1 PEERS=0 HYPURA_ARGS="--gpu-budget 12GiB" \
   scripts/bench-limited /tmp/q36s8.gguf 1.2474 128 1 > $R/s6b-1.txt 2>&1

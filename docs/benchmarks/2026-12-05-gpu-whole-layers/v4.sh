@@ -4,15 +4,7 @@
 # with the routing recorded (a short pooled bench records it), Hypura beside llama.cpp's
 # --n-cpu-moe 17 (its placement nearest --fit's), then --fit, as time allows. Eight files at most
 # come back from a call: this writes eight.
-R=$OUT
-cd "$(dirname "$0")"
-eval "$(./cuda-smoke env)"
-( bin/hypura-forge qwen3.6-35b-a3b --router-skew 8 -o /tmp/q36s8.gguf > $R/forge.log 2>&1; echo "forged $?" >> $R/forge.log ) &
-./cuda-smoke build 90 > $R/build.txt 2>&1 || { tail -30 $R/build.txt; exit 1; }
-wait
-echo "built and forged at $SECONDS s" >> $R/forge.log
-bin/hypura bench /tmp/q36s8.gguf --no-baseline --mode resident --no-repack --no-mmap -p 16 -n 128 -r 1 -t 16 \
-  --context 1024 > $R/resident.txt 2>&1
+. "$(dirname "$0")/vsetup.sh"
 bin/hypura bench /tmp/q36s8.gguf --no-baseline -p 16 -n 32 -r 1 -t 16 --context 1024 --gpu-budget 12GiB > $R/record.txt 2>&1
 bin/hypura inspect /tmp/q36s8.gguf --gpu-budget 12GiB --memory-budget 22GiB --context 1024 2>/dev/null | grep -E "^(gpu|expert pool|predict)" > $R/inspect.txt
 common="HYPURA=bin/hypura THREADS=16 RUN_TIMEOUT=100 SKIP_REFERENCE=1 CONTEXT=1024"
