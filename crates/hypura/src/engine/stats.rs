@@ -160,6 +160,7 @@ impl GenerationStats {
             picks_host: experts.map_or(0, |experts| experts.hits),
             picks_disk: experts.map_or(0, |experts| experts.misses),
             disk_bytes_per_pass: io.bytes_read as f64 / passes,
+            warm_bytes_per_pass: experts.map_or(0, |experts| experts.warm_bytes) as f64 / passes,
             bus_bytes_per_pass: bus_bytes as f64 / passes,
             disk_bytes_per_sec: over(io.bytes_read, io.busy_seconds),
             bus_bytes_per_sec: device.and_then(|device| over(bus_bytes, device.transfer_seconds)),
@@ -178,6 +179,9 @@ pub struct TierFigures {
     pub picks_host: u64,
     pub picks_disk: u64,
     pub disk_bytes_per_pass: f64,
+    /// Of `disk_bytes_per_pass`, the host cache's warm fill beside a GPU pool (read while the
+    /// disk idled, for no token: `ExpertSnapshot::warm_bytes`).
+    pub warm_bytes_per_pass: f64,
     pub bus_bytes_per_pass: f64,
     /// Bytes read ÷ time with a read in flight; None without reads.
     pub disk_bytes_per_sec: Option<f64>,

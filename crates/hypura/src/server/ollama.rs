@@ -77,9 +77,27 @@ pub async fn ps(State(state): State<AppState>) -> Result<Json<Value>, AppError> 
             "hypura_mode": info.mode,
             "hypura_active_requests": model.active_requests(),
             "hypura_bytes_streamed": info.io.as_ref().map(|io| io.snapshot().bytes_read),
+            "hypura_tiers": load_tiers(&info),
         }));
     }
     Ok(Json(json!({ "models": models })))
+}
+
+/// The expert hierarchy since the load, for `/api/ps`: the picks each tier served (a GPU pool's
+/// slots, the host's expert cache, the disk) and the bytes read from disk (the host cache's warm
+/// fill among them) and moved over the GPU's bus. None in modes that stream nothing.
+fn load_tiers(info: &super::scheduler::EngineInfo) -> Option<Value> {
+    let io = info.io.as_ref()?.snapshot();
+    let experts = info.experts.as_ref().map(|experts| experts.snapshot()).unwrap_or_default();
+    let device = &experts.device;
+    Some(json!({
+        "expert_picks": { "gpu": device.hits, "host": experts.hits, "disk": experts.misses },
+        "bytes": {
+            "disk": io.bytes_read,
+            "warm_fill": experts.warm_bytes,
+            "bus": device.upload_bytes + device.copied_back_bytes,
+        },
+    }))
 }
 
 #[derive(Deserialize)]
@@ -266,7 +284,11 @@ fn final_fields(object: &mut Map<String, Value>, finished: &Finished, with_conte
             "hypura_tiers".into(),
             json!({
                 "expert_picks": { "gpu": tiers.picks_gpu, "host": tiers.picks_host, "disk": tiers.picks_disk },
-                "bytes_per_pass": { "disk": tiers.disk_bytes_per_pass.round(), "bus": tiers.bus_bytes_per_pass.round() },
+                "bytes_per_pass": {
+                    "disk": tiers.disk_bytes_per_pass.round(),
+                    "warm_fill": tiers.warm_bytes_per_pass.round(),
+                    "bus": tiers.bus_bytes_per_pass.round(),
+                },
                 "bytes_per_sec": { "disk": tiers.disk_bytes_per_sec.map(f64::round), "bus": tiers.bus_bytes_per_sec.map(f64::round) },
             }),
         );

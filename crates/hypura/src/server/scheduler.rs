@@ -56,6 +56,8 @@ pub struct EngineInfo {
     pub mode: &'static str,
     /// Streaming I/O counters (streaming modes).
     pub io: Option<Arc<crate::store::IoStats>>,
+    /// The expert hierarchy's counters (expert-stream).
+    pub experts: Option<Arc<crate::store::ExpertStream>>,
 }
 
 #[derive(Clone, Debug)]

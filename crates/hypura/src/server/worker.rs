@@ -363,6 +363,7 @@ fn engine_info(engine: &Engine, batcher: &Batcher) -> EngineInfo {
         None => (engine.model().size_bytes() + kv, 0),
     };
     let io = engine.streaming().map(|streaming| streaming.stats.clone());
+    let experts = engine.streaming().and_then(|streaming| streaming.driver.experts.clone());
     EngineInfo {
         size_bytes,
         vram_bytes,
@@ -370,5 +371,6 @@ fn engine_info(engine: &Engine, batcher: &Batcher) -> EngineInfo {
         trained_context: engine.inventory().hparams.n_ctx_train,
         mode: engine.mode().name(),
         io,
+        experts,
     }
 }

@@ -377,6 +377,12 @@ pub struct ExpertStream {
     pub failure: FailureLatch,
 }
 
+impl std::fmt::Debug for ExpertStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExpertStream").field("numbering", &self.numbering).finish_non_exhaustive()
+    }
+}
+
 impl ExpertStream {
     /// Units are numbered as `numbering` says; `capacity` is how many the cache holds (at least
     /// what one graph's batch picks in a layer, which the plan sees to).
@@ -447,6 +453,10 @@ impl ExpertStream {
     }
 
     pub fn snapshot(&self) -> ExpertSnapshot {
+        let (warm_reads, warm_bytes) = self.warm.as_ref().map_or((0, 0), |warm| {
+            let warm = warm.locked();
+            (warm.issued, warm.bytes)
+        });
         ExpertSnapshot {
             hits: self.counters.hits.load(Ordering::Relaxed),
             misses: self.counters.misses.load(Ordering::Relaxed),
@@ -460,8 +470,8 @@ impl ExpertStream {
             prefetch_issued: self.prefetch_issued.load(Ordering::Relaxed),
             prefetch_used: self.prefetch_used.load(Ordering::Relaxed),
             prefetch_cancelled: self.prefetch_cancelled.load(Ordering::Relaxed),
-            warm_reads: self.warm.as_ref().map_or(0, |warm| warm.locked().issued),
-            warm_bytes: self.warm.as_ref().map_or(0, |warm| warm.locked().bytes),
+            warm_reads,
+            warm_bytes,
             device: self.pool.as_ref().map(|pool| pool.locked().snapshot()).unwrap_or_default(),
             reuse: self.state.locked().reuse.counts().clone(),
         }

@@ -78,16 +78,21 @@ fn streaming_equals_resident(model: &std::path::Path, mode: Mode, prompts: &[&st
         "2",
         "--batch-invariant",
     ]);
-    let answers = |extra: Vec<String>| -> Vec<Value> {
+    // Each prompt's answer, then `/api/ps`.
+    let answers = |extra: Vec<String>| -> (Vec<Value>, Value) {
         let mut arguments = vec![model.display().to_string()];
         arguments.extend(common_arguments.clone());
         arguments.extend(extra);
         let server = Server::start(&arguments, directory.path().join("serve.log"));
-        prompts.iter().map(|prompt| server.post("/api/generate", &greedy(&model_name(model), prompt, 24))).collect()
+        let answers = prompts
+            .iter()
+            .map(|prompt| server.post("/api/generate", &greedy(&model_name(model), prompt, 24)))
+            .collect();
+        (answers, server.get("/api/ps"))
     };
-    let resident = answers(strings(&["--mode", "resident"]));
+    let (resident, resident_ps) = answers(strings(&["--mode", "resident"]));
     let budget = streaming_budget(model, mode, context * parallel);
-    let streamed = answers(vec![
+    let (streamed, streamed_ps) = answers(vec![
         "--mode".into(),
         mode.name().into(),
         "--window".into(),
@@ -117,6 +122,18 @@ fn streaming_equals_resident(model: &std::path::Path, mode: Mode, prompts: &[&st
         assert_eq!(streamed["response"], resident["response"], "{prompt:?} in {}", mode.name());
         assert_eq!(streamed["eval_count"], 24);
     }
+    // `/api/ps`: the tiers since the load hold every request's.
+    assert!(resident_ps["models"][0]["hypura_tiers"].is_null(), "{resident_ps}");
+    let since_load = &streamed_ps["models"][0]["hypura_tiers"];
+    let sum = |field: &str| {
+        streamed.iter().map(|reply| reply["hypura_tiers"]["expert_picks"][field].as_u64().unwrap()).sum::<u64>()
+    };
+    for tier in ["gpu", "host", "disk"] {
+        assert!(since_load["expert_picks"][tier].as_u64().unwrap() >= sum(tier), "{tier}: {since_load}");
+    }
+    let read: u64 = streamed.iter().map(|reply| reply["hypura_bytes_read"].as_u64().unwrap()).sum();
+    assert!(since_load["bytes"]["disk"].as_u64().unwrap() >= read, "{since_load}");
+    assert_eq!(since_load["bytes"]["bus"].as_u64(), Some(0), "{since_load}");
 }
 
 #[test]

@@ -262,12 +262,17 @@ fn print_stats(gpu_free_before: Option<&[(String, u64)]>, disk_rate: Option<f64>
     if let Some(tiers) = stats.tiers() {
         let rate = |rate: Option<f64>| rate.map_or("-".to_string(), |rate| format!("{:.2} GB/s", rate / 1e9));
         eprintln!(
-            "tiers expert picks: {} from the GPU's slots, {} from the host's cache, {} from disk | per pass: {:.2} MB from disk ({} while reading), {:.2} MB over the bus ({} while moving)",
+            "tiers expert picks: {} from the GPU's slots, {} from the host's cache, {} from disk | per pass: {:.2} MB from disk ({} while reading{}), {:.2} MB over the bus ({} while moving)",
             tiers.picks_gpu,
             tiers.picks_host,
             tiers.picks_disk,
             tiers.disk_bytes_per_pass / 1e6,
             rate(tiers.disk_bytes_per_sec),
+            if tiers.warm_bytes_per_pass > 0.0 {
+                format!("; {:.2} MB of it the host cache's warm fill", tiers.warm_bytes_per_pass / 1e6)
+            } else {
+                String::new()
+            },
             tiers.bus_bytes_per_pass / 1e6,
             rate(tiers.bus_bytes_per_sec),
         );
