@@ -76,7 +76,7 @@ fn main() -> anyhow::Result<()> {
     let decode = experts.snapshot() - at_first_token.context("no token generated")?;
     let (device, generated) = (decode.device, output.stats.eval_count.max(1) as f64);
     println!(
-        "prompt {} tokens; decode {} tokens: {pooled_layers} stops a token; slot hits {}, uploads {} ({:.3}% of the slots' picks), {:.2} MB uploaded a token; host cache misses {}",
+        "prompt {} tokens; decode {} tokens: {pooled_layers} stops a token; slot hits {}, uploads {} ({:.3}% of the slots' picks), {:.2} MB uploaded a token; host cache misses {}; the host's work {:.1} µs a stop, {:.1} µs of it moving bytes",
         output.stats.prompt_eval_count,
         output.stats.eval_count,
         device.hits,
@@ -84,6 +84,8 @@ fn main() -> anyhow::Result<()> {
         100.0 * device.uploads as f64 / (device.hits + device.uploads).max(1) as f64,
         device.upload_bytes as f64 / 1e6 / generated,
         decode.misses,
+        1e6 * device.host_seconds / (generated * pooled_layers.max(1) as f64),
+        1e6 * device.transfer_seconds / (generated * pooled_layers.max(1) as f64),
     );
     Ok(())
 }
