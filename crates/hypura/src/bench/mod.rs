@@ -356,11 +356,15 @@ impl PoolLimit {
         let graphs = totals.graphs as f64;
         let host_seconds_per_token = pool.host_seconds / graphs;
         let moved = pool.upload_bytes + pool.copied_back_bytes;
+        let device_seconds_per_token =
+            (totals.compute_seconds / totals.generated as f64 - host_seconds_per_token).max(0.0);
+        let resident = resident.filter(|seconds| seconds.is_finite() && *seconds > 0.0);
+        // Beside the resident time, what the stops cost the device: its side beyond it.
+        let gap = resident.map(|resident| (device_seconds_per_token - resident).max(0.0) * graphs);
         Some(PoolLimit {
-            device_seconds_per_token: (totals.compute_seconds / totals.generated as f64 - host_seconds_per_token)
-                .max(0.0),
+            device_seconds_per_token,
             host_seconds_per_token,
-            resident_seconds_per_token: resident.filter(|seconds| seconds.is_finite() && *seconds > 0.0),
+            resident_seconds_per_token: resident,
             bus_seconds_per_token: pool.transfer_seconds / graphs,
             bus_bytes_per_sec: if pool.transfer_seconds > 0.0 { moved as f64 / pool.transfer_seconds } else { 0.0 },
             work: crate::hw::PoolWork {
@@ -368,6 +372,8 @@ impl PoolLimit {
                 transfer_seconds: pool.transfer_seconds,
                 stops: totals.layer_visits,
                 host_seconds: (pool.host_seconds - pool.transfer_seconds).max(0.0),
+                gap_stops: if gap.is_some() { totals.layer_visits } else { 0 },
+                device_gap_seconds: gap.unwrap_or(0.0),
             },
         })
     }
@@ -884,5 +890,11 @@ mod tests {
         assert!((resident.device_compute_seconds_per_token() - 0.005).abs() < 1e-12, "{resident:?}");
         let slower = PoolLimit::from_totals(&totals, Some(0.02)).expect("a pooled run");
         assert!((slower.device_compute_seconds_per_token() - 0.008).abs() < 1e-12, "{slower:?}");
+        // What the stops cost the device, for the next plan: its side beyond the resident time
+        // (3 ms a pass over 11 passes, at 44 stops), none without that time, none below it.
+        assert_eq!((limit.work.gap_stops, limit.work.device_gap_seconds), (0, 0.0), "{limit:?}");
+        assert_eq!(resident.work.gap_stops, 44, "{resident:?}");
+        assert!((resident.work.device_gap_seconds - 0.033).abs() < 1e-12, "{resident:?}");
+        assert_eq!((slower.work.gap_stops, slower.work.device_gap_seconds), (44, 0.0), "{slower:?}");
     }
 }

@@ -69,6 +69,12 @@ pub struct PoolWork {
     pub transfer_seconds: f64,
     pub stops: u64,
     pub host_seconds: f64,
+    /// Of runs with the same model's resident time on the device recorded: their stops, and
+    /// what the device's side took beyond that resident time (the gaps the stops leave there).
+    #[serde(default)]
+    pub gap_stops: u64,
+    #[serde(default)]
+    pub device_gap_seconds: f64,
 }
 
 /// Fewer moved bytes than this say little about the bus's rate (a few dozen experts).
@@ -173,6 +179,10 @@ impl ModelRecord {
             total.transfer_seconds += work.transfer_seconds;
             total.stops += work.stops;
             total.host_seconds += work.host_seconds;
+            if work.device_gap_seconds.is_finite() && work.device_gap_seconds >= 0.0 && work.gap_stops > 0 {
+                total.gap_stops += work.gap_stops;
+                total.device_gap_seconds += work.device_gap_seconds;
+            }
         }
     }
 
@@ -186,6 +196,14 @@ impl ModelRecord {
     /// The host's time at one of the pool's stops, once there were enough to say.
     pub fn pool_stop_host_seconds(&self) -> Option<f64> {
         self.pool.filter(|pool| pool.stops >= POOL_MIN_STOPS).map(|pool| pool.host_seconds / pool.stops as f64)
+    }
+
+    /// The device's time at one of the pool's stops (its gaps beyond the model resident there),
+    /// once runs beside a resident record made enough stops to say.
+    pub fn pool_stop_device_seconds(&self) -> Option<f64> {
+        self.pool
+            .filter(|pool| pool.gap_stops >= POOL_MIN_STOPS)
+            .map(|pool| pool.device_gap_seconds / pool.gap_stops as f64)
     }
 
     /// Expert bytes read ÷ the LRU model's, within 0.5-4 (outside: the model is off, not the
@@ -337,22 +355,35 @@ mod tests {
     #[test]
     fn pool_work_adds_up_and_speaks_once_there_is_enough() {
         let (_directory, model, records) = fixture();
-        let run = PoolWork { moved_bytes: 40 << 20, transfer_seconds: 0.01, stops: 600, host_seconds: 0.03 };
+        let run = PoolWork {
+            moved_bytes: 40 << 20,
+            transfer_seconds: 0.01,
+            stops: 600,
+            host_seconds: 0.03,
+            gap_stops: 600,
+            device_gap_seconds: 0.024,
+        };
         records.update(&model, |record| record.add_pool(&run)).unwrap();
         let record = records.load(&model);
         assert_eq!((record.pool_bus_bytes_per_sec(), record.pool_stop_host_seconds()), (None, None));
+        assert_eq!(record.pool_stop_device_seconds(), None);
         records
             .update(&model, |record| {
                 record.add_pool(&run);
                 record.add_pool(&PoolWork { host_seconds: f64::NAN, ..run });
                 record.add_pool(&PoolWork { stops: 0, ..run });
+                // A run without the model's resident time adds no device gap, nor does a bad one.
+                record.add_pool(&PoolWork { gap_stops: 0, device_gap_seconds: 0.0, ..run });
+                record.add_pool(&PoolWork { device_gap_seconds: f64::INFINITY, ..run });
             })
             .unwrap();
         let record = records.load(&model);
         let rate = record.pool_bus_bytes_per_sec().expect("80 MiB moved");
         assert!((rate - (80u64 << 20) as f64 / 0.02).abs() < 1.0, "{rate}");
-        let stop = record.pool_stop_host_seconds().expect("1,200 stops");
-        assert!((stop - 0.06 / 1200.0).abs() < 1e-12, "{stop}");
+        let stop = record.pool_stop_host_seconds().expect("2,400 stops");
+        assert!((stop - 0.12 / 2400.0).abs() < 1e-12, "{stop}");
+        let device = record.pool_stop_device_seconds().expect("1,200 stops beside a resident time");
+        assert!((device - 0.048 / 1200.0).abs() < 1e-12, "{device}");
     }
 
     #[test]

@@ -78,7 +78,8 @@ pub const POOL_ALIGNMENT: u64 = 256;
 /// machine (2026-12-04, S6a and S6b): the host's 1.29 ms a token at 40 stops less the 0.43 ms its
 /// transfers took, 22 µs a stop (which benchmark runs record for the next plan:
 /// `MachineFacts::pool_stop_host_seconds`), and the device's 7.75 ms a token against the model
-/// resident there, 5.92 ms, 46 µs a stop (known only beside the same model resident on the device).
+/// resident there, 5.92 ms, 46 µs a stop (benchmark runs beside a record of the same model
+/// resident on the device record it: `MachineFacts::pool_stop_device_seconds`).
 pub const POOL_STOP_HOST_SECONDS: f64 = 22e-6;
 pub const POOL_STOP_DEVICE_SECONDS: f64 = 46e-6;
 
@@ -250,7 +251,8 @@ pub(super) fn gpu_tier(
         .then(|| PoolCosts::of(inventory, n_layer))
         .flatten(),
         reuse: machine.expert_reuse.as_ref(),
-        stop_seconds: machine.pool_stop_host_seconds.unwrap_or(POOL_STOP_HOST_SECONDS) + POOL_STOP_DEVICE_SECONDS,
+        stop_seconds: machine.pool_stop_host_seconds.unwrap_or(POOL_STOP_HOST_SECONDS)
+            + machine.pool_stop_device_seconds.unwrap_or(POOL_STOP_DEVICE_SECONDS),
         bus_bytes_per_sec: machine.pool_bus_bytes_per_sec.filter(|rate| *rate > 0.0).unwrap_or(POOL_BUS_BYTES_PER_SEC),
     };
     costs.every_layers_attention(ffn).map_or_else(|| costs.whole_last_layers(ffn), |gpu| Ok(Some(gpu)))
@@ -937,6 +939,14 @@ mod tests {
         // stops: as many layers whole as leave the router's picks their slots.
         let recorded = MachineFacts {
             pool_stop_host_seconds: Some(0.01),
+            pool_bus_bytes_per_sec: Some(1e15),
+            ..with_gpu(64 << 30, gpu_budget)
+        };
+        let (pool, render) = layout_on(recorded, Some(far.clone()));
+        assert_eq!((pool.whole_layers, pool.slots), (vec![5, 6, 7], 9), "{render}");
+        // The same where the device's side of a stop was recorded costly.
+        let recorded = MachineFacts {
+            pool_stop_device_seconds: Some(0.01),
             pool_bus_bytes_per_sec: Some(1e15),
             ..with_gpu(64 << 30, gpu_budget)
         };

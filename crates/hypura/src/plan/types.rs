@@ -132,6 +132,9 @@ pub struct MachineFacts {
     /// (`plan::gpu` then takes the H200 machine's).
     pub pool_bus_bytes_per_sec: Option<f64>,
     pub pool_stop_host_seconds: Option<f64>,
+    /// The device's time at one of those stops, where runs beside the model resident on the
+    /// device measured it; None otherwise (`plan::gpu` then takes the H200 machine's).
+    pub pool_stop_device_seconds: Option<f64>,
     /// The profile's streaming rate, as measured (a run's limit is stated against it, or
     /// against the run's own rate where that was faster).
     pub profile_disk_bytes_per_sec: Option<f64>,
