@@ -325,6 +325,13 @@ struct TgTotals {
     link_decodes: u64,
 }
 
+impl TgTotals {
+    /// The bytes the tg runs' passes read for themselves: the warm fill left out.
+    fn demand_bytes(&self) -> u64 {
+        self.bytes_read.saturating_sub(self.warm_bytes)
+    }
+}
+
 /// The device's and the bus's terms of a pooled decode's limit (`BenchReport::pool_limit`).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct PoolLimit {
@@ -355,7 +362,7 @@ impl PoolLimit {
         }
         let graphs = totals.graphs as f64;
         let host_seconds_per_token = pool.host_seconds / graphs;
-        let moved = pool.upload_bytes + pool.copied_back_bytes;
+        let moved = pool.bus_bytes();
         let device_seconds_per_token =
             (totals.compute_seconds / totals.generated as f64 - host_seconds_per_token).max(0.0);
         let resident = resident.filter(|seconds| seconds.is_finite() && *seconds > 0.0);
@@ -572,7 +579,7 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
     let limit_at = |rate: f64| {
         crate::plan::limit_tokens_per_sec(
             compute_per_token,
-            totals.bytes_read.saturating_sub(totals.warm_bytes) as f64 / totals.graphs as f64,
+            totals.demand_bytes() as f64 / totals.graphs as f64,
             rate,
             tokens_per_pass,
         )
@@ -656,8 +663,7 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
             let experts = plan.experts.as_ref()?;
             let served = totals.reuse.hit_rate(crate::plan::cached_units(plan), experts.moe_layers)?;
             let modelled = totals.reuse.picks() as f64 * (1.0 - served) * experts.unit_bytes as f64;
-            let read = totals.bytes_read.saturating_sub(totals.warm_bytes) as f64
-                - (totals.graphs * experts.dense_streamed_bytes) as f64;
+            let read = totals.demand_bytes() as f64 - (totals.graphs * experts.dense_streamed_bytes) as f64;
             Some((read, modelled))
         }),
         io_bound_tokens_per_sec: plan.as_ref().and_then(|plan| plan.io_bound_tokens_per_sec),

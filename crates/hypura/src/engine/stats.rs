@@ -3,7 +3,7 @@
 //! all read these numbers.
 use std::time::Duration;
 
-use crate::store::{ExpertSnapshot, IoSnapshot};
+use crate::store::{ExpertSnapshot, IoSnapshot, PoolSnapshot};
 
 use super::Engine;
 use crate::remote::Traffic;
@@ -153,7 +153,7 @@ impl GenerationStats {
         let passes = f64::from(self.weight_passes().max(1));
         let experts = self.experts.as_ref();
         let device = experts.map(|experts| &experts.device);
-        let bus_bytes = device.map_or(0, |device| device.upload_bytes + device.copied_back_bytes);
+        let bus_bytes = device.map_or(0, PoolSnapshot::bus_bytes);
         let over = |bytes: u64, seconds: f64| (bytes > 0 && seconds > 0.0).then(|| bytes as f64 / seconds);
         Some(TierFigures {
             picks_gpu: device.map_or(0, |device| device.hits),

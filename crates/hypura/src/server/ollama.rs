@@ -95,7 +95,7 @@ fn load_tiers(info: &super::scheduler::EngineInfo) -> Option<Value> {
         "bytes": {
             "disk": io.bytes_read,
             "warm_fill": experts.warm_bytes,
-            "bus": device.upload_bytes + device.copied_back_bytes,
+            "bus": device.bus_bytes(),
         },
     }))
 }

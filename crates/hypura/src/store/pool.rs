@@ -121,6 +121,13 @@ pub struct PoolSnapshot {
     pub host_seconds: f64,
 }
 
+impl PoolSnapshot {
+    /// Bytes moved over the bus between host and device: uploads and copies back.
+    pub fn bus_bytes(&self) -> u64 {
+        self.upload_bytes + self.copied_back_bytes
+    }
+}
+
 impl std::ops::Add for PoolSnapshot {
     type Output = PoolSnapshot;
 
