@@ -349,6 +349,38 @@ pub struct PoolLimit {
     /// moved both ways and the time it took, the pool's stops and the host's time at them
     /// beside the transfers (the plan counts those as the misses' bus time).
     pub work: crate::hw::PoolWork,
+    /// Where a stop's time goes, per stop.
+    pub stop: StopSplit,
+}
+
+/// A pool's stop in a decode, on average (`PoolSnapshot`'s stop times per stop): what the
+/// device waits for at each, beside its compute.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct StopSplit {
+    pub stops_per_token: f64,
+    /// The host's work, and of it the router's ids read and the slots' written back, and the
+    /// experts moved between the tiers.
+    pub host_seconds: f64,
+    pub ids_seconds: f64,
+    pub transfer_seconds: f64,
+    /// The eval callback's questions about the nodes since the stop before (the device idle).
+    pub asks_seconds: f64,
+    /// The segment before the stop: launched, computed and synchronised.
+    pub segment_seconds: f64,
+}
+
+impl StopSplit {
+    fn of(pool: &crate::store::PoolSnapshot, graphs: f64) -> StopSplit {
+        let stops = pool.stops.max(1) as f64;
+        StopSplit {
+            stops_per_token: pool.stops as f64 / graphs,
+            host_seconds: pool.host_seconds / stops,
+            ids_seconds: pool.ids_seconds / stops,
+            transfer_seconds: pool.transfer_seconds / stops,
+            asks_seconds: if pool.asked_stops > 0 { pool.asks_seconds / pool.asked_stops as f64 } else { 0.0 },
+            segment_seconds: pool.segment_seconds / stops,
+        }
+    }
 }
 
 impl PoolLimit {
@@ -382,6 +414,7 @@ impl PoolLimit {
                 gap_stops: if gap.is_some() { totals.layer_visits } else { 0 },
                 device_gap_seconds: gap.unwrap_or(0.0),
             },
+            stop: StopSplit::of(pool, graphs),
         })
     }
 
@@ -754,6 +787,19 @@ pub fn render(report: &BenchReport) -> String {
                 100.0 * hits,
                 100.0 * (1.0 - hits) * report.expert_hit_rate.unwrap_or(0.0),
                 uploads / 1e6
+            );
+        }
+        if let Some(stop) = report.pool_limit.map(|pool| pool.stop).filter(|stop| stop.stops_per_token > 0.0) {
+            let micros = |seconds: f64| seconds * 1e6;
+            let _ = writeln!(
+                out,
+                "pool stops: {:.1} a token, each {:.1} us of the host's (the ids read and written {:.1} us, experts moved {:.1} us), after the callback's questions about the nodes since the stop before {:.1} us and its segment launched, computed and synchronised {:.1} us",
+                stop.stops_per_token,
+                micros(stop.host_seconds),
+                micros(stop.ids_seconds),
+                micros(stop.transfer_seconds),
+                micros(stop.asks_seconds),
+                micros(stop.segment_seconds)
             );
         }
         if let (Some(limit), Some(fraction), Some(rate)) =

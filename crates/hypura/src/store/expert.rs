@@ -24,7 +24,7 @@ use hypura_sys::{EvalHook, ObservedNode};
 use serde::Serialize;
 
 use super::layout::ExpertUnits;
-use super::pool::{ExpertPool, PoolSnapshot, Serving, Tiers};
+use super::pool::{ExpertPool, PoolSnapshot, Serving, StopTimes, Tiers};
 use super::residency::{FailureLatch, Residency, ResidencyError, UnitState};
 use crate::plan::{ReuseDepths, ReuseTracker};
 
@@ -348,6 +348,16 @@ fn dot(row: &[f32], hidden: &[f32]) -> f32 {
 /// Predict only for batches this small (decode); a prefill batch loads the union anyway.
 const PREDICT_MAX_TOKENS: usize = 4;
 
+/// Within the graph being computed: when the hook asked for its stop, and how long the eval
+/// callback's questions took since the stop before ended (ggml asks about each node of the
+/// next segment before launching it, the device idle meanwhile), and when that stop ended.
+#[derive(Debug, Default)]
+struct StopClock {
+    asked: Option<Instant>,
+    asks: Option<Duration>,
+    ended: Option<Instant>,
+}
+
 /// Drives expert residency from the router's choices.
 pub struct ExpertStream {
     residency: Arc<Residency>,
@@ -371,6 +381,8 @@ pub struct ExpertStream {
     /// and the layer the hook stopped for; NO_LAYER where none. Compute thread only.
     in_router: AtomicUsize,
     stopped_for: AtomicUsize,
+    /// When the hook asked for its stop and finished the one before (`StopClock`).
+    clock: Mutex<StopClock>,
     /// With a device pool: the host cache's free room filled from disk while it is idle.
     warm: Option<Mutex<WarmFill>>,
     /// The first read error and the abort flag it raises.
@@ -419,6 +431,7 @@ impl ExpertStream {
             served: (0..n_layer).map(|_| AtomicBool::new(false)).collect(),
             in_router: AtomicUsize::new(NO_LAYER),
             stopped_for: AtomicUsize::new(NO_LAYER),
+            clock: Mutex::new(StopClock::default()),
             warm: None,
             failure: FailureLatch::default(),
         }
@@ -528,10 +541,17 @@ impl ExpertStream {
     /// Serve a pooled layer from its kept `ffn_moe_weights-L`: its picks' experts that no slot
     /// holds are made ready in the host cache, then uploaded; the ids are rewritten to slots (or
     /// the layer staged whole, for a prompt batch of more picks than slots).
-    fn serve_pooled(&self, layer: usize, weights: &ObservedNode<'_>) -> Result<(), ResidencyError> {
+    /// `times` brings the stop's asks and segment (`StopClock`).
+    fn serve_pooled(
+        &self,
+        layer: usize,
+        weights: &ObservedNode<'_>,
+        mut times: StopTimes,
+    ) -> Result<(), ResidencyError> {
         let pool = self.pool.as_ref().ok_or_else(|| ResidencyError::Pool(format!("layer {layer} has no pool")))?;
         let (started, stalled) = (Instant::now(), self.residency.stats().stall_nanos());
         let rows = self.routed_ids(layer, weights)?;
+        times.ids = started.elapsed();
         let picks = self.picks(&rows)?;
         self.record_reuse(layer, &rows, &picks);
         let mut pool = pool.locked();
@@ -546,12 +566,15 @@ impl ExpertStream {
         let mut tiers = HostTier { stream: self, layer };
         let moving = Instant::now();
         let remapped = pool.load(layer, &picks, &serving, self.residency.region(), &rows, &mut tiers)?;
-        let moved = moving.elapsed();
+        times.transfer = moving.elapsed();
         if let Some(remapped) = remapped {
+            let writing = Instant::now();
             weights.write_input_i32_rows(1, &remapped).map_err(|error| ResidencyError::Pool(error.to_string()))?;
+            times.ids += writing.elapsed();
         }
         let waited = Duration::from_nanos(self.residency.stats().stall_nanos() - stalled);
-        pool.add_times(moved, started.elapsed().saturating_sub(waited));
+        times.host = started.elapsed().saturating_sub(waited);
+        pool.add_times(&times);
         self.served[layer].store(true, Ordering::Release);
         Ok(())
     }
@@ -777,6 +800,10 @@ impl EvalHook for ExpertStream {
                 return false;
             }
             self.stopped_for.store(layer, Ordering::Relaxed);
+            let mut clock = self.clock.locked();
+            let now = Instant::now();
+            clock.asks = clock.ended.map(|ended| now - ended);
+            clock.asked = Some(now);
             return true;
         }
         if self.pool.is_some() && name.starts_with("ffn_moe_") {
@@ -788,6 +815,7 @@ impl EvalHook for ExpertStream {
     fn begin_decode(&self) {
         self.in_router.store(NO_LAYER, Ordering::Relaxed);
         self.stopped_for.store(NO_LAYER, Ordering::Relaxed);
+        *self.clock.locked() = StopClock::default();
     }
 
     fn keeps(&self, name: &str) -> bool {
@@ -806,9 +834,14 @@ impl EvalHook for ExpertStream {
             return;
         }
         self.residency.stats().record_observation();
+        let (asks, segment) = {
+            let clock = self.clock.locked();
+            (clock.asks, clock.asked.map_or(Duration::ZERO, |asked| asked.elapsed()))
+        };
+        let times = StopTimes { asks, segment, ..StopTimes::default() };
         let weights_name = format!("{WEIGHTS_NODE}{layer}");
         let result = match node.kept(&weights_name) {
-            Some(weights) if self.pooled(layer) => self.serve_pooled(layer, &weights),
+            Some(weights) if self.pooled(layer) => self.serve_pooled(layer, &weights, times),
             Some(weights) => self.serve_streamed(layer, &weights),
             None => Err(ResidencyError::Read { unit: layer, reason: format!("{weights_name} was not kept") }),
         }
@@ -825,6 +858,8 @@ impl EvalHook for ExpertStream {
                 }
             }
         }
+        let mut clock = self.clock.locked();
+        *clock = StopClock { ended: Some(Instant::now()), ..StopClock::default() };
     }
 }
 

@@ -23,7 +23,7 @@ pub mod streams;
 pub use dense::DenseWindow;
 pub use expert::{CacheModel, CachePolicy, ExpertSnapshot, ExpertStream, RouteRecord, RouterWeights};
 pub use layout::{ExpertUnits, StreamedTensor};
-pub use pool::{ExpertPool, PoolSnapshot, PooledTensor};
+pub use pool::{ExpertPool, PoolSnapshot, PooledTensor, StopTimes};
 pub use residency::{FailureLatch, Residency, ResidencyError, StreamUnit, UnitReader, UnitState, CHUNK_BYTES};
 pub use stats::{IoSnapshot, IoStats};
 pub use streams::{StoreError, StreamLoad, Streams};

@@ -119,6 +119,16 @@ pub struct PoolSnapshot {
     /// router's ids, serving them and writing them back. The device idles meanwhile, so the
     /// rest of a decode's compute time is the device's (with the stops' launch gaps).
     pub host_seconds: f64,
+    /// The stops, and where a stop's time goes beside the host's work (`StopTimes`): reading the
+    /// router's ids and writing the slots' back (within `host_seconds`), the eval callback's
+    /// questions about the nodes since the stop before in the same graph (`asked_stops` of
+    /// them: the first stop of a graph has none), and the segment up to the stop launched,
+    /// computed and synchronised.
+    pub stops: u64,
+    pub ids_seconds: f64,
+    pub asked_stops: u64,
+    pub asks_seconds: f64,
+    pub segment_seconds: f64,
 }
 
 impl PoolSnapshot {
@@ -144,6 +154,11 @@ impl std::ops::Add for PoolSnapshot {
             copied_back_bytes: self.copied_back_bytes + other.copied_back_bytes,
             transfer_seconds: self.transfer_seconds + other.transfer_seconds,
             host_seconds: self.host_seconds + other.host_seconds,
+            stops: self.stops + other.stops,
+            ids_seconds: self.ids_seconds + other.ids_seconds,
+            asked_stops: self.asked_stops + other.asked_stops,
+            asks_seconds: self.asks_seconds + other.asks_seconds,
+            segment_seconds: self.segment_seconds + other.segment_seconds,
         }
     }
 }
@@ -164,8 +179,29 @@ impl std::ops::Sub for PoolSnapshot {
             copied_back_bytes: self.copied_back_bytes - earlier.copied_back_bytes,
             transfer_seconds: self.transfer_seconds - earlier.transfer_seconds,
             host_seconds: self.host_seconds - earlier.host_seconds,
+            stops: self.stops - earlier.stops,
+            ids_seconds: self.ids_seconds - earlier.ids_seconds,
+            asked_stops: self.asked_stops - earlier.asked_stops,
+            asks_seconds: self.asks_seconds - earlier.asks_seconds,
+            segment_seconds: self.segment_seconds - earlier.segment_seconds,
         }
     }
+}
+
+/// Where one of the pool's stops spent its time (`ExpertPool::add_times`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StopTimes {
+    /// Moving experts between the tiers (the pool's `load`).
+    pub transfer: std::time::Duration,
+    /// The host's work at the stop in all, waits for the disk left out.
+    pub host: std::time::Duration,
+    /// Of that, reading the router's ids from the device and writing the slots' ids back.
+    pub ids: std::time::Duration,
+    /// The eval callback's questions since the graph's stop before, if there was one.
+    pub asks: Option<std::time::Duration>,
+    /// From the hook's asking for the stop to its call: the segment launched, computed and
+    /// synchronised.
+    pub segment: std::time::Duration,
 }
 
 /// The tier below the pool (the host's expert cache), told what moves between them.
@@ -406,11 +442,18 @@ impl ExpertPool {
         }
     }
 
-    /// A stop's times: its `load` (`PoolSnapshot::transfer_seconds`) and the host's work in
-    /// all (`PoolSnapshot::host_seconds`).
-    pub fn add_times(&mut self, transfer: std::time::Duration, host: std::time::Duration) {
-        self.counters.transfer_seconds += transfer.as_secs_f64();
-        self.counters.host_seconds += host.as_secs_f64();
+    /// A stop's times (`PoolSnapshot`).
+    pub fn add_times(&mut self, times: &StopTimes) {
+        let counters = &mut self.counters;
+        counters.stops += 1;
+        counters.transfer_seconds += times.transfer.as_secs_f64();
+        counters.host_seconds += times.host.as_secs_f64();
+        counters.ids_seconds += times.ids.as_secs_f64();
+        if let Some(asks) = times.asks {
+            counters.asked_stops += 1;
+            counters.asks_seconds += asks.as_secs_f64();
+        }
+        counters.segment_seconds += times.segment.as_secs_f64();
     }
 
     pub fn snapshot(&self) -> PoolSnapshot {
