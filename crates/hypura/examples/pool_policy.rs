@@ -89,8 +89,9 @@ fn main() -> anyhow::Result<()> {
     );
     let per_stop = |seconds: f64, stops: u64| 1e6 * seconds / stops.max(1) as f64;
     println!(
-        "a stop: the ids read and written {:.1} µs; the callback's questions about the nodes since the stop before {:.1} µs; its segment launched, computed and synchronised {:.1} µs",
+        "a stop: the ids read and written {:.1} µs; the callback's questions about the {:.0} nodes since the stop before {:.1} µs; its segment launched, computed and synchronised {:.1} µs",
         per_stop(device.ids_seconds, device.stops),
+        device.asked_nodes as f64 / device.asked_stops.max(1) as f64,
         per_stop(device.asks_seconds, device.asked_stops),
         per_stop(device.segment_seconds, device.stops),
     );

@@ -363,8 +363,10 @@ pub struct StopSplit {
     pub host_seconds: f64,
     pub ids_seconds: f64,
     pub transfer_seconds: f64,
-    /// The eval callback's questions about the nodes since the stop before (the device idle).
+    /// The eval callback's questions about the nodes since the stop before (the device idle),
+    /// and how many nodes that was.
     pub asks_seconds: f64,
+    pub asked_nodes: f64,
     /// The segment before the stop: launched, computed and synchronised.
     pub segment_seconds: f64,
 }
@@ -378,6 +380,7 @@ impl StopSplit {
             ids_seconds: pool.ids_seconds / stops,
             transfer_seconds: pool.transfer_seconds / stops,
             asks_seconds: if pool.asked_stops > 0 { pool.asks_seconds / pool.asked_stops as f64 } else { 0.0 },
+            asked_nodes: if pool.asked_stops > 0 { pool.asked_nodes as f64 / pool.asked_stops as f64 } else { 0.0 },
             segment_seconds: pool.segment_seconds / stops,
         }
     }
@@ -793,11 +796,12 @@ pub fn render(report: &BenchReport) -> String {
             let micros = |seconds: f64| seconds * 1e6;
             let _ = writeln!(
                 out,
-                "pool stops: {:.1} a token, each {:.1} us of the host's (the ids read and written {:.1} us, experts moved {:.1} us), after the callback's questions about the nodes since the stop before {:.1} us and its segment launched, computed and synchronised {:.1} us",
+                "pool stops: {:.1} a token, each {:.1} us of the host's (the ids read and written {:.1} us, experts moved {:.1} us), after the callback's questions about the {:.0} nodes since the stop before {:.1} us and its segment launched, computed and synchronised {:.1} us",
                 stop.stops_per_token,
                 micros(stop.host_seconds),
                 micros(stop.ids_seconds),
                 micros(stop.transfer_seconds),
+                stop.asked_nodes,
                 micros(stop.asks_seconds),
                 micros(stop.segment_seconds)
             );

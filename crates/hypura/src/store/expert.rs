@@ -354,8 +354,9 @@ const PREDICT_MAX_TOKENS: usize = 4;
 #[derive(Debug, Default)]
 struct StopClock {
     asked: Option<Instant>,
-    asks: Option<Duration>,
-    ended: Option<Instant>,
+    /// The questions' time and how many nodes they were about.
+    asks: Option<(Duration, u64)>,
+    ended: Option<(Instant, u64)>,
 }
 
 /// Drives expert residency from the router's choices.
@@ -381,8 +382,10 @@ pub struct ExpertStream {
     /// and the layer the hook stopped for; NO_LAYER where none. Compute thread only.
     in_router: AtomicUsize,
     stopped_for: AtomicUsize,
-    /// When the hook asked for its stop and finished the one before (`StopClock`).
+    /// When the hook asked for its stop and finished the one before (`StopClock`), and the
+    /// nodes `wants` was asked about.
     clock: Mutex<StopClock>,
+    nodes_asked: AtomicU64,
     /// With a device pool: the host cache's free room filled from disk while it is idle.
     warm: Option<Mutex<WarmFill>>,
     /// The first read error and the abort flag it raises.
@@ -432,6 +435,7 @@ impl ExpertStream {
             in_router: AtomicUsize::new(NO_LAYER),
             stopped_for: AtomicUsize::new(NO_LAYER),
             clock: Mutex::new(StopClock::default()),
+            nodes_asked: AtomicU64::new(0),
             warm: None,
             failure: FailureLatch::default(),
         }
@@ -788,6 +792,7 @@ impl ExpertStream {
 
 impl EvalHook for ExpertStream {
     fn wants(&self, name: &str) -> bool {
+        let asked = self.nodes_asked.fetch_add(1, Ordering::Relaxed) + 1;
         let layer = self.in_router.load(Ordering::Relaxed);
         if layer != NO_LAYER {
             if Self::in_weights_run(name, layer) {
@@ -802,7 +807,7 @@ impl EvalHook for ExpertStream {
             self.stopped_for.store(layer, Ordering::Relaxed);
             let mut clock = self.clock.locked();
             let now = Instant::now();
-            clock.asks = clock.ended.map(|ended| now - ended);
+            clock.asks = clock.ended.map(|(ended, nodes)| (now - ended, asked - nodes));
             clock.asked = Some(now);
             return true;
         }
@@ -859,7 +864,10 @@ impl EvalHook for ExpertStream {
             }
         }
         let mut clock = self.clock.locked();
-        *clock = StopClock { ended: Some(Instant::now()), ..StopClock::default() };
+        *clock = StopClock {
+            ended: Some((Instant::now(), self.nodes_asked.load(Ordering::Relaxed))),
+            ..StopClock::default()
+        };
     }
 }
 

@@ -128,6 +128,7 @@ pub struct PoolSnapshot {
     pub ids_seconds: f64,
     pub asked_stops: u64,
     pub asks_seconds: f64,
+    pub asked_nodes: u64,
     pub segment_seconds: f64,
 }
 
@@ -158,6 +159,7 @@ impl std::ops::Add for PoolSnapshot {
             ids_seconds: self.ids_seconds + other.ids_seconds,
             asked_stops: self.asked_stops + other.asked_stops,
             asks_seconds: self.asks_seconds + other.asks_seconds,
+            asked_nodes: self.asked_nodes + other.asked_nodes,
             segment_seconds: self.segment_seconds + other.segment_seconds,
         }
     }
@@ -183,6 +185,7 @@ impl std::ops::Sub for PoolSnapshot {
             ids_seconds: self.ids_seconds - earlier.ids_seconds,
             asked_stops: self.asked_stops - earlier.asked_stops,
             asks_seconds: self.asks_seconds - earlier.asks_seconds,
+            asked_nodes: self.asked_nodes - earlier.asked_nodes,
             segment_seconds: self.segment_seconds - earlier.segment_seconds,
         }
     }
@@ -197,8 +200,9 @@ pub struct StopTimes {
     pub host: std::time::Duration,
     /// Of that, reading the router's ids from the device and writing the slots' ids back.
     pub ids: std::time::Duration,
-    /// The eval callback's questions since the graph's stop before, if there was one.
-    pub asks: Option<std::time::Duration>,
+    /// The eval callback's questions since the graph's stop before, if there was one, and
+    /// how many nodes they were about.
+    pub asks: Option<(std::time::Duration, u64)>,
     /// From the hook's asking for the stop to its call: the segment launched, computed and
     /// synchronised.
     pub segment: std::time::Duration,
@@ -448,9 +452,10 @@ impl ExpertPool {
         counters.transfer_seconds += times.transfer.as_secs_f64();
         counters.host_seconds += times.host.as_secs_f64();
         counters.ids_seconds += times.ids.as_secs_f64();
-        if let Some(asks) = times.asks {
+        if let Some((asks, nodes)) = times.asks {
             counters.asked_stops += 1;
             counters.asks_seconds += asks.as_secs_f64();
+            counters.asked_nodes += nodes;
         }
         counters.segment_seconds += times.segment.as_secs_f64();
     }

@@ -391,6 +391,13 @@ fn pooled_experts_are_served_from_slots_and_staging_and_tokens_equal_resident() 
     assert!(device.transfer_seconds > 0.0 && device.host_seconds >= device.transfer_seconds, "{experts:?}");
     // One stop per layer per graph, after the router's weights.
     assert_eq!(ours.stats.io.expect("io stats").observations, hparams.n_layer * 32);
+    // Each stop is timed apart: its ids within the host's work, its segment, and (but for a
+    // graph's first stop) the callback's questions about the nodes since the stop before.
+    assert_eq!(device.stops, hparams.n_layer * 32, "{experts:?}");
+    assert_eq!(device.asked_stops, (hparams.n_layer - 1) * 32, "{experts:?}");
+    assert!(device.asked_nodes >= device.asked_stops * 4 && device.asks_seconds > 0.0, "{experts:?}");
+    assert!(device.ids_seconds > 0.0 && device.ids_seconds < device.host_seconds, "{experts:?}");
+    assert!(device.segment_seconds > 0.0, "{experts:?}");
     // A second prompt after the decodes filled the slots: its staged layers take the picks
     // the slots hold from them on the device's side, and the tokens still agree.
     let again = greedy(&pooled, 8);
