@@ -12,7 +12,7 @@ use llama_cpp_sys_2 as raw;
 use crate::batch::Batch;
 use crate::context::ThreadPool;
 use crate::error::SysError;
-use crate::eval_hook::{eval_callback, EvalHook};
+use crate::eval_hook::{eval_callback, EvalHook, HookCell};
 use crate::model::Model;
 use crate::vocab::Token;
 
@@ -25,7 +25,7 @@ pub struct EmbeddingContext {
     n_vocab: i32,
     batch: Batch,
     /// The eval hook (streaming models), boxed so llama.cpp can hold a thin pointer to it.
-    _hook: Option<Box<Arc<dyn EvalHook>>>,
+    hook: Option<Box<HookCell>>,
     /// Its CPU threads (`context::ThreadPool`), freed after the context.
     threadpool: Option<ThreadPool>,
 }
@@ -43,7 +43,7 @@ impl EmbeddingContext {
         eval_hook: Option<Arc<dyn EvalHook>>,
     ) -> Result<EmbeddingContext, SysError> {
         let n_ctx = n_ctx.max(8);
-        let hook = eval_hook.map(Box::new);
+        let hook = eval_hook.map(|hook| Box::new(HookCell::new(hook)));
         let create = |pooling: raw::llama_pooling_type| -> Result<NonNull<raw::llama_context>, SysError> {
             // SAFETY: returns a plain struct by value.
             let mut params = unsafe { raw::llama_context_default_params() };
@@ -58,7 +58,7 @@ impl EmbeddingContext {
             params.no_perf = true;
             if let Some(hook) = &hook {
                 params.cb_eval = Some(eval_callback);
-                params.cb_eval_user_data = &**hook as *const Arc<dyn EvalHook> as *mut c_void;
+                params.cb_eval_user_data = &**hook as *const HookCell as *mut c_void;
             }
             crate::log::clear_last_error();
             // SAFETY: the model pointer is valid and outlives the context (we keep a clone of
@@ -97,7 +97,7 @@ impl EmbeddingContext {
             n_embd,
             n_vocab: model.vocab().n_tokens(),
             batch: Batch::new(n_ctx as usize, 1),
-            _hook: hook,
+            hook,
             threadpool,
         })
     }
@@ -133,6 +133,9 @@ impl EmbeddingContext {
         for (position, &token) in tokens.iter().enumerate() {
             // Pooling needs every token as an output.
             self.batch.push(token, position as i32, &[0], true)?;
+        }
+        if let Some(hook) = &self.hook {
+            hook.begin_decode();
         }
         crate::log::clear_last_error();
         // SAFETY: the context is valid and used by this thread only (&mut self); the batch holds

@@ -187,3 +187,25 @@ fn prefetch_changes_no_token() {
 fn inventory_k(path: &Path) -> u64 {
     Inventory::open(path).unwrap().hparams.n_expert_used
 }
+
+/// An embedding of a streaming MoE model goes through the same eval hook as a decode (its
+/// context carries the hook's cell, which keeps the router's weights node until the stop) and
+/// equals the resident model's.
+#[test]
+fn embeddings_of_a_streaming_moe_equal_resident() {
+    let _machine = common::shared_machine();
+    let directory = tempfile::tempdir().unwrap();
+    let path = common::forge("tiny-moe-30b", directory.path());
+    let n_expert = Inventory::open(&path).unwrap().hparams.n_expert as usize;
+    let embed = |engine: &Arc<Engine>| {
+        let mut embedder = hypura::engine::Embedder::new(engine.clone(), 64).unwrap();
+        let tokens = embedder.tokenize("the king of paris and the queen of the sea").unwrap();
+        embedder.embed(&tokens).unwrap().vector
+    };
+    let resident = embed(&engine(&path, Mode::Resident, 0, CachePolicy::Lru));
+    let streaming = engine(&path, Mode::ExpertStream, n_expert, CachePolicy::Lru);
+    let before = streaming.hooked_streaming().expect("a hooked stream").observations();
+    let streamed = embed(&streaming);
+    assert!(streaming.hooked_streaming().unwrap().observations() > before, "the hook stopped in the embedding");
+    assert!(!resident.is_empty() && streamed == resident, "the streaming model's embedding differs");
+}
