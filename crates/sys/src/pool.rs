@@ -11,7 +11,6 @@
 use std::ffi::{c_void, CStr};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
 
 use llama_cpp_sys_2 as raw;
 
@@ -26,25 +25,7 @@ pub struct DevicePool {
     alignment: usize,
     device: String,
     host: bool,
-    /// Where the device has a host buffer type (CUDA's page-locked memory), a bounce buffer
-    /// of it that copies to and from the pool go through: the bus moves page-locked memory
-    /// at its own rate, where the driver copies pageable memory through smaller staging of
-    /// its own (4.7 GB/s for the pool's uploads on the H200 machine).
-    bounce: Option<Mutex<Bounce>>,
 }
-
-/// Page-locked host memory of `BOUNCE_BYTES` from the device's host buffer type.
-struct Bounce {
-    buffer: NonNull<raw::ggml_backend_buffer>,
-    base: NonNull<u8>,
-}
-
-/// The bounce buffer's size: an expert's slice of one tensor at the models' sizes (about
-/// 0.6 MiB for Qwen3.6-35B-A3B, 4.4 MiB for gpt-oss-120b) in one or two pieces.
-const BOUNCE_BYTES: usize = 4 << 20;
-
-// SAFETY: the bounce buffer is host memory owned by the pool, used under its Mutex only.
-unsafe impl Send for Bounce {}
 
 // SAFETY: the buffer is a plain device allocation; ggml's buffer calls used here (set through
 // tensors, free) are safe from any thread, and the pool is never resized.
@@ -75,48 +56,15 @@ impl DevicePool {
             let buffer = NonNull::new(raw::ggml_backend_buft_alloc_buffer(buffer_type, bytes.max(1)))
                 .ok_or(SysError::Allocation("an expert pool in device memory"))?;
             raw::ggml_backend_buffer_set_usage(buffer.as_ptr(), raw::GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-            let host = raw::ggml_backend_buft_is_host(buffer_type);
             Ok(DevicePool {
                 buffer,
                 base: raw::ggml_backend_buffer_get_base(buffer.as_ptr()) as usize,
                 bytes,
                 alignment: raw::ggml_backend_buft_get_alignment(buffer_type).max(1),
                 device: c_string(raw::ggml_backend_dev_name(device)),
-                host,
-                bounce: if host { None } else { Bounce::new(device).map(Mutex::new) },
+                host: raw::ggml_backend_buft_is_host(buffer_type),
             })
         }
-    }
-
-    /// Copy `bytes` into `tensor` (placed in this pool) at `offset`: an upload on a GPU, through
-    /// the bounce buffer where there is one.
-    pub fn write(&self, tensor: &ModelTensor, offset: usize, bytes: &[u8]) -> Result<(), SysError> {
-        let Some(bounce) = &self.bounce else { return tensor.write(offset, bytes) };
-        let mut bounce = bounce.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        for (index, piece) in bytes.chunks(BOUNCE_BYTES).enumerate() {
-            let staged = bounce.staged(piece.len());
-            staged.copy_from_slice(piece);
-            tensor.write(offset + index * BOUNCE_BYTES, staged)?;
-        }
-        Ok(())
-    }
-
-    /// Copy `tensor`'s bytes at `offset` (placed in this pool) into `bytes`: a download on a
-    /// GPU, through the bounce buffer where there is one.
-    pub fn read(&self, tensor: &ModelTensor, offset: usize, bytes: &mut [u8]) -> Result<(), SysError> {
-        let Some(bounce) = &self.bounce else { return tensor.read(offset, bytes) };
-        let mut bounce = bounce.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        for (index, piece) in bytes.chunks_mut(BOUNCE_BYTES).enumerate() {
-            let staged = bounce.staged(piece.len());
-            tensor.read(offset + index * BOUNCE_BYTES, staged)?;
-            piece.copy_from_slice(staged);
-        }
-        Ok(())
-    }
-
-    /// Whether copies to and from the pool go through page-locked host memory.
-    pub fn bounces(&self) -> bool {
-        self.bounce.is_some()
     }
 
     /// The device's name as ggml gives it (`CUDA0`, `CPU`).
@@ -181,50 +129,6 @@ impl DevicePool {
             raw::ggml_free(context);
         }
         Ok(())
-    }
-}
-
-impl Bounce {
-    /// `BOUNCE_BYTES` of `device`'s host buffer type, if it has one (None: copies go from
-    /// pageable memory, as they would without it).
-    fn new(device: raw::ggml_backend_dev_t) -> Option<Bounce> {
-        // SAFETY: a live device of the registry.
-        Bounce::of_type(unsafe { raw::ggml_backend_dev_host_buffer_type(device) })
-    }
-
-    /// `BOUNCE_BYTES` of `buffer_type` (null: none), if it is host memory.
-    fn of_type(buffer_type: raw::ggml_backend_buffer_type_t) -> Option<Bounce> {
-        if buffer_type.is_null() {
-            return None;
-        }
-        // SAFETY: a live buffer type; a null buffer is checked, and a buffer that is not host
-        // memory (no base to write through) is freed and refused.
-        unsafe {
-            let buffer = NonNull::new(raw::ggml_backend_buft_alloc_buffer(buffer_type, BOUNCE_BYTES))?;
-            let base = NonNull::new(raw::ggml_backend_buffer_get_base(buffer.as_ptr()).cast::<u8>());
-            match base {
-                Some(base) if raw::ggml_backend_buffer_is_host(buffer.as_ptr()) => Some(Bounce { buffer, base }),
-                _ => {
-                    raw::ggml_backend_buffer_free(buffer.as_ptr());
-                    None
-                }
-            }
-        }
-    }
-
-    /// The first `bytes` (at most `BOUNCE_BYTES`) of the buffer.
-    fn staged(&mut self, bytes: usize) -> &mut [u8] {
-        assert!(bytes <= BOUNCE_BYTES, "a bounce is at most the buffer");
-        // SAFETY: the buffer is `BOUNCE_BYTES` of host memory owned by this Bounce, which the
-        // pool's Mutex lets one caller use at a time; the slice borrows `self` mutably.
-        unsafe { std::slice::from_raw_parts_mut(self.base.as_ptr(), bytes) }
-    }
-}
-
-impl Drop for Bounce {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `Bounce::new`, freed once here.
-        unsafe { raw::ggml_backend_buffer_free(self.buffer.as_ptr()) };
     }
 }
 
@@ -326,50 +230,5 @@ mod tests {
         assert!(pool.copy_within(&[(2048, 1024, 2048)]).is_err());
         assert!(pool.copy_within(&[(usize::MAX - 1, 0, 2)]).is_err());
         assert!(pool.copy_within(&[(0, 2048, 16), (0, 8, 16)]).is_err());
-    }
-
-    /// Copies through the bounce buffer arrive whole and in place, in pieces where they are
-    /// longer than it: a write then a read give back the bytes, and a write at an offset
-    /// changes only its span. (A CPU buffer stands in for page-locked memory.)
-    #[test]
-    fn copies_through_the_bounce_buffer_arrive_whole_and_in_place() {
-        let length = 2 * BOUNCE_BYTES + 12_345;
-        let mut pool = DevicePool::new(Backend::get(), length).unwrap();
-        // SAFETY: the CPU device and its buffer type live for the process.
-        let cpu = unsafe {
-            raw::ggml_backend_dev_buffer_type(raw::ggml_backend_dev_by_type(raw::GGML_BACKEND_DEVICE_TYPE_CPU))
-        };
-        pool.bounce = Bounce::of_type(cpu).map(Mutex::new);
-        assert!(pool.bounces());
-        // SAFETY: a context of one tensor header (no data), freed at the end; the tensor is
-        // placed in the pool, which outlives its use here.
-        let context = unsafe {
-            raw::ggml_init(raw::ggml_init_params {
-                mem_size: raw::ggml_tensor_overhead(),
-                mem_buffer: std::ptr::null_mut(),
-                no_alloc: true,
-            })
-        };
-        // SAFETY: the context was made just above with room for this one header.
-        let header = unsafe { raw::ggml_new_tensor_1d(context, raw::GGML_TYPE_I8, length as i64) };
-        let tensor = ModelTensor::new(NonNull::new(header).unwrap());
-        tensor.place(&pool, 0, length).unwrap();
-        let bytes: Vec<u8> = (0..length).map(|index| (index * 7 % 251) as u8).collect();
-        pool.write(&tensor, 0, &bytes).unwrap();
-        let mut back = vec![0u8; length];
-        pool.read(&tensor, 0, &mut back).unwrap();
-        assert!(back == bytes, "the bytes came back changed");
-        let patch = vec![0xAB; BOUNCE_BYTES + 10];
-        pool.write(&tensor, 1000, &patch).unwrap();
-        pool.read(&tensor, 0, &mut back).unwrap();
-        assert!(back[..1000] == bytes[..1000] && back[1000..1000 + patch.len()] == patch[..]);
-        assert!(back[1000 + patch.len()..] == bytes[1000 + patch.len()..]);
-        let mut piece = vec![0u8; BOUNCE_BYTES + 10];
-        pool.read(&tensor, 1000, &mut piece).unwrap();
-        assert!(piece == patch);
-        assert!(pool.write(&tensor, length - 4, &[0; 8]).is_err(), "a write past the span is refused");
-        drop(pool);
-        // SAFETY: made above; the tensor is not used again.
-        unsafe { raw::ggml_free(context) };
     }
 }

@@ -350,7 +350,7 @@ impl ExpertPool {
                 for tensor in &pooled.tensors {
                     tensor.tensor.place(&self.pool, tensor.staging_at, tensor.tensor.nbytes()).map_err(pool_error)?;
                     for &expert in from_host {
-                        bytes += upload(&self.pool, tensor, region, expert, expert)?;
+                        bytes += upload(tensor, region, expert, expert)?;
                     }
                 }
                 self.pool.copy_within(&from_slots).map_err(pool_error)?;
@@ -402,15 +402,16 @@ impl ExpertPool {
                         })?;
                     if let Some(previous) = pooled.expert_in[slot].take() {
                         pooled.slot_of[previous] = None;
-                        let (tensors, device) = (&pooled.tensors, &self.pool);
+                        let tensors = &pooled.tensors;
                         let copied = std::cell::Cell::new(0u64);
                         let copy_back = |region: &Region| -> Result<(), String> {
                             for tensor in tensors {
                                 copied.set(copied.get() + tensor.slice_bytes);
                                 let start = tensor.file_offset + previous as u64 * tensor.slice_bytes;
                                 region.fill(start..start + tensor.slice_bytes, |bytes| {
-                                    device
-                                        .read(&tensor.tensor, slot * tensor.slice_bytes as usize, bytes)
+                                    tensor
+                                        .tensor
+                                        .read(slot * tensor.slice_bytes as usize, bytes)
                                         .map_err(|error| error.to_string())
                                 })?;
                             }
@@ -422,7 +423,7 @@ impl ExpertPool {
                     }
                     let mut bytes = 0;
                     for tensor in &pooled.tensors {
-                        bytes += upload(&self.pool, tensor, region, expert, slot)?;
+                        bytes += upload(tensor, region, expert, slot)?;
                     }
                     pooled.put(slot, expert, now);
                     self.counters.uploads += 1;
@@ -467,16 +468,10 @@ impl ExpertPool {
 
 /// Copy expert `expert`'s slice of `tensor` from the region into position `at` of the tensor's
 /// device memory; the bytes copied.
-fn upload(
-    device: &DevicePool,
-    tensor: &PooledTensor,
-    region: &Region,
-    expert: usize,
-    at: usize,
-) -> Result<u64, ResidencyError> {
+fn upload(tensor: &PooledTensor, region: &Region, expert: usize, at: usize) -> Result<u64, ResidencyError> {
     let start = tensor.file_offset + expert as u64 * tensor.slice_bytes;
     let bytes = region.bytes(start..start + tensor.slice_bytes);
-    device.write(&tensor.tensor, at * tensor.slice_bytes as usize, bytes).map_err(pool_error)?;
+    tensor.tensor.write(at * tensor.slice_bytes as usize, bytes).map_err(pool_error)?;
     Ok(tensor.slice_bytes)
 }
 
