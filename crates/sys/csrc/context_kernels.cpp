@@ -36,3 +36,22 @@ extern "C" int hypura_context_set_reference_kernels(struct llama_context * ctx, 
     }
     return changed;
 }
+
+// The context's backends (its scheduler's), at most `max` of them into `out`; the count, or -1.
+// The eval hook writes the router's rewritten ids through the backend that computes them, in
+// that backend's own queue (ggml_backend_tensor_set_async), instead of a copy it waits for.
+extern "C" int hypura_context_backends(struct llama_context * ctx, ggml_backend_t * out, int max) {
+    if (ctx == nullptr || out == nullptr || max < 0) {
+        return -1;
+    }
+    ggml_backend_sched_t sched = ctx->get_sched();
+    if (sched == nullptr) {
+        return -1;
+    }
+    const int n_backends = ggml_backend_sched_get_n_backends(sched);
+    int count = 0;
+    for (int i = 0; i < n_backends && count < max; i++) {
+        out[count++] = ggml_backend_sched_get_backend(sched, i);
+    }
+    return count;
+}

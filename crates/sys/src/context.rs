@@ -277,6 +277,9 @@ impl Context {
         if let Some(pool) = &threadpool {
             pool.attach(pointer);
         }
+        if let Some(hook) = &hook {
+            hook.attach(pointer.as_ptr());
+        }
         let context = Context {
             pointer,
             model: model.clone(),

@@ -90,6 +90,9 @@ impl EmbeddingContext {
         if let Some(pool) = &threadpool {
             pool.attach(pointer);
         }
+        if let Some(hook) = &hook {
+            hook.attach(pointer.as_ptr());
+        }
         Ok(EmbeddingContext {
             pointer,
             _model: model.clone(),

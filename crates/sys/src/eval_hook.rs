@@ -10,7 +10,7 @@
 //! (the router's ids) without stopping there, and stop at a later node, past the fused run,
 //! where `ObservedNode::kept` hands the kept node back.
 use std::ffi::{c_void, CStr};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use llama_cpp_sys_2 as raw;
 
@@ -42,11 +42,57 @@ pub trait EvalHook: Send + Sync {
 pub(crate) struct HookCell {
     hook: Arc<dyn EvalHook>,
     kept: Mutex<Vec<usize>>,
+    /// The context's backends (by address, set once it exists): an input the hook rewrites is
+    /// written through the backend whose buffers hold it, in that backend's own queue, ahead
+    /// of the nodes that read it, instead of in a copy the host waits for (`Span::write`).
+    backends: OnceLock<Vec<usize>>,
+    /// The bytes of the last write queued on a backend, kept until the next stop: ggml's
+    /// scheduler synchronises the backend before it calls the hook again.
+    queued: Mutex<Vec<u8>>,
+}
+
+unsafe extern "C" {
+    fn hypura_context_backends(
+        context: *mut raw::llama_context,
+        out: *mut raw::ggml_backend_t,
+        max: std::ffi::c_int,
+    ) -> std::ffi::c_int;
 }
 
 impl HookCell {
     pub(crate) fn new(hook: Arc<dyn EvalHook>) -> HookCell {
-        HookCell { hook, kept: Mutex::new(Vec::new()) }
+        HookCell { hook, kept: Mutex::new(Vec::new()), backends: OnceLock::new(), queued: Mutex::new(Vec::new()) }
+    }
+
+    /// Learn `context`'s backends (once, before its first decode; a context without a
+    /// scheduler leaves writes synchronous).
+    pub(crate) fn attach(&self, context: *mut raw::llama_context) {
+        let mut backends: Vec<raw::ggml_backend_t> = vec![std::ptr::null_mut(); 16];
+        // SAFETY: the context is live (just created by the caller); the shim writes at most
+        // `backends.len()` pointers into the vector.
+        let count =
+            unsafe { hypura_context_backends(context, backends.as_mut_ptr(), backends.len() as std::ffi::c_int) };
+        let found = backends.into_iter().take(count.max(0) as usize).filter(|backend| !backend.is_null());
+        let _ = self.backends.set(found.map(|backend| backend as usize).collect());
+    }
+
+    /// The backend whose default buffer type holds `tensor`'s buffer, if the context has one
+    /// (the one that computes it; its asynchronous writes accept that buffer).
+    fn backend_for(&self, tensor: &raw::ggml_tensor) -> Option<raw::ggml_backend_t> {
+        let buffer = buffer_of(tensor);
+        if buffer.is_null() {
+            return None;
+        }
+        // SAFETY: a live tensor's buffer; the backends are the live context's (the cell lives
+        // no longer than the context that attached it).
+        unsafe {
+            let buffer_type = raw::ggml_backend_buffer_get_type(buffer);
+            self.backends
+                .get()?
+                .iter()
+                .map(|&backend| backend as raw::ggml_backend_t)
+                .find(|&backend| raw::ggml_backend_get_default_buffer_type(backend) == buffer_type)
+        }
     }
 
     /// Forget nodes kept by an earlier decode (one a stop never followed, as where a decode
@@ -62,6 +108,8 @@ pub struct ObservedNode<'a> {
     tensor: &'a raw::ggml_tensor,
     name: &'a str,
     kept: &'a [usize],
+    /// The callback's cell (None in tests that make nodes by hand): its backends take writes.
+    cell: Option<&'a HookCell>,
 }
 
 impl ObservedNode<'_> {
@@ -77,7 +125,7 @@ impl ObservedNode<'_> {
             // callback since its last stop (`HookCell::begin_decode` drops those of earlier
             // decodes); ggml frees a graph only after its compute returns.
             let tensor = unsafe { &*(address as *const raw::ggml_tensor) };
-            let node = ObservedNode { tensor, name: tensor_name(tensor), kept: &[] };
+            let node = ObservedNode { tensor, name: tensor_name(tensor), kept: &[], cell: self.cell };
             (node.name == name).then_some(node)
         })
     }
@@ -124,7 +172,14 @@ impl ObservedNode<'_> {
                 slot.copy_from_slice(&value.to_ne_bytes());
             }
         }
-        span.write(tensor, &bytes);
+        match self.cell.and_then(|cell| Some((cell.backend_for(tensor)?, cell))) {
+            Some((backend, cell)) => {
+                let mut queued = cell.queued.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                *queued = bytes;
+                span.write_queued(tensor, &queued, backend);
+            }
+            None => span.write(tensor, &bytes),
+        }
         Ok(())
     }
 
@@ -240,6 +295,28 @@ impl Span {
         bytes
     }
 
+    /// Write the span's `bytes` in one copy queued on `backend` (the one whose buffer type
+    /// holds the tensor, `HookCell::backend_for`); `bytes` must stay until it synchronises.
+    fn write_queued(&self, tensor: &raw::ggml_tensor, bytes: &[u8], backend: raw::ggml_backend_t) {
+        assert_eq!(bytes.len(), self.bytes, "a span is written whole");
+        if bytes.is_empty() {
+            return;
+        }
+        // SAFETY: as in `write`; the backend's default buffer type is the tensor's buffer's
+        // (what its asynchronous write asserts), and the caller keeps `bytes` (the cell's
+        // queued write) until the scheduler synchronises the backend at the next stop or at
+        // the graph's end, before the nodes after this stop are computed by anything else.
+        unsafe {
+            raw::ggml_backend_tensor_set_async(
+                backend,
+                tensor as *const raw::ggml_tensor as *mut raw::ggml_tensor,
+                bytes.as_ptr() as *const c_void,
+                0,
+                bytes.len(),
+            );
+        }
+    }
+
     /// Write the span's `bytes` (as `read` returned them, patched) in one copy.
     fn write(&self, tensor: &raw::ggml_tensor, bytes: &[u8]) {
         assert_eq!(bytes.len(), self.bytes, "a span is written whole");
@@ -302,7 +379,7 @@ pub(crate) unsafe extern "C" fn eval_callback(
         false
     } else {
         let mut kept = kept();
-        cell.hook.observe(&ObservedNode { tensor, name, kept: &kept });
+        cell.hook.observe(&ObservedNode { tensor, name, kept: &kept, cell: Some(cell) });
         kept.clear();
         true
     }
@@ -365,7 +442,7 @@ mod tests {
         for rows in [1, 5] {
             let (_tensors, node, matrix) = strided_ids(3, rows);
             // SAFETY: the node is a live tensor of `strided_ids`.
-            let observed = ObservedNode { tensor: unsafe { &*node }, name: "node", kept: &[] };
+            let observed = ObservedNode { tensor: unsafe { &*node }, name: "node", kept: &[], cell: None };
             let expected: Vec<Vec<i32>> =
                 (0..rows as i32).map(|row| (0..3).map(|column| row * 100 + column).collect()).collect();
             assert_eq!(observed.input_i32_rows(1), Some(expected));
