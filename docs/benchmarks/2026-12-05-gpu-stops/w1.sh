@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
 # One call on a fresh machine: where a pool's stop spends its time. Build with the S6 model
 # forged beside it, the model resident on the GPU (recorded); S6a tg128 cold with the stops'
-# split (`bench`'s "pool stops" line); the pool and the resident model with ggml's CUDA graphs
-# off and on, warm (does a segment between stops replay a graph?); then S6b with the routing
-# recorded beside llama.cpp's --n-cpu-moe 17 and --fit, as time allows. At most 8 files.
+# split (`bench`'s "pool stops" line), first with bin/hypura-a (the build before the bounce
+# buffer, carried beside it) then bin/hypura; the pool and the resident model with ggml's CUDA
+# graphs on and off, warm (does a segment between stops replay a graph?); then S6b with the
+# routing recorded beside llama.cpp's --n-cpu-moe 17 and --fit, as time allows. At most 8 files.
 . "$(dirname "$0")/vsetup.sh"
 tail -3 $R/build.txt >> $R/forge.log; rm -f $R/build.txt
 common="HYPURA=bin/hypura THREADS=16 RUN_TIMEOUT=100 SKIP_REFERENCE=1 CONTEXT=1024"
-env $common OUT=$R/s6a PEERS=0 HYPURA_ARGS="--gpu-budget 8GiB" \
-  scripts/bench-limited /tmp/q36s8.gguf 0.5701 128 1 > $R/s6a.txt 2>&1
-echo "s6a at $SECONDS s" >> $R/forge.log
-warm() { bin/hypura bench /tmp/q36s8.gguf --no-baseline -p 16 -n 64 -r 1 -t 16 --context 1024 "$@" 2>&1 | grep -E "tg64|pool stops|physical limit|expert tiers"; }
+for side in a b; do
+  binary=bin/hypura; [ $side = a ] && binary=bin/hypura-a
+  env $common HYPURA=$binary OUT=$R/s6a PEERS=0 HYPURA_ARGS="--gpu-budget 8GiB" \
+    scripts/bench-limited /tmp/q36s8.gguf 0.5701 128 1 > $R/s6a-$side.txt 2>&1
+  echo "s6a $side at $SECONDS s" >> $R/forge.log
+done
+warm() { bin/hypura bench /tmp/q36s8.gguf --no-baseline -p 16 -n 32 -r 1 -t 16 --context 1024 "$@" 2>&1 | grep -E "tg32|pool stops|physical limit|expert tiers"; }
 for graphs in on off; do
   [ $graphs = off ] && export GGML_CUDA_DISABLE_GRAPHS=1
   echo "== CUDA graphs $graphs: the pool at 8 GiB, then resident" >> $R/graphs.txt

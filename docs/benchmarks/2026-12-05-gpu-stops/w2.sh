@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One call on a fresh machine: the router's ids written in the GPU's own queue (bin/hypura)
+# against waiting for each copy (bin/hypura-a, the commit before, carried beside it). Build with
+# the S6 model forged beside it, the model resident on the GPU (recorded); tiny-moe-30b pooled
+# against resident (the same greedy tokens?); S6a tg128 cold, A B B A; S6b with bin/hypura.
+# At most 8 files come back: build.log goes.
+. "$(dirname "$0")/vsetup.sh"
+rm -f $R/build.log
+prompt="The history of the lighthouse begins with fires lit on hills to guide ships home, and over the centuries keepers, lenses and lamps changed how far the light could reach across the sea"
+p=tiny-moe-30b
+bin/hypura-forge $p -o /tmp/$p.gguf > /dev/null 2>&1
+run() { bin/hypura run /tmp/$p.gguf --raw -p "$prompt" -n 32 --temperature 0 --context 512 "$@"; }
+pool() { bin/hypura inspect /tmp/$p.gguf --gpu-experts pool --gpu-budget ${1}MiB --memory-budget 48MiB --context 512 2>/dev/null | grep "^expert pool"; }
+run --gpu-budget 100GiB --no-repack > $R/resident-tiny.txt 2> /dev/null
+for m in $(seq 380 6 560); do pool $m | grep -q "slots" && { mib=$m; break; }; done
+{
+  echo "pool at ${mib} MiB: $(pool $mib)"
+  for binary in hypura hypura-a; do
+    bin/$binary run /tmp/$p.gguf --raw -p "$prompt" -n 32 --temperature 0 --context 512 --gpu-experts pool --gpu-budget ${mib}MiB --memory-budget 48MiB --stats > /tmp/pool-$binary.txt 2> /tmp/pool-$binary.log
+    cmp -s /tmp/pool-$binary.txt $R/resident-tiny.txt && verdict="the same 32 tokens as resident" || verdict=DIFFERS
+    echo "$binary: $verdict; $(grep -o 'gpu experts[^|]*' /tmp/pool-$binary.log | head -1)"
+  done
+} > $R/agree.txt 2>&1
+rm -f $R/resident-tiny.txt
+echo "agreement at $SECONDS s" >> $R/forge.log
+common="THREADS=16 RUN_TIMEOUT=100 SKIP_REFERENCE=1 CONTEXT=1024"
+for side in a1 b1 b2 a2; do
+  binary=bin/hypura; case $side in a*) binary=bin/hypura-a;; esac
+  env $common HYPURA=$binary OUT=$R/s6a PEERS=0 HYPURA_ARGS="--gpu-budget 8GiB" \
+    scripts/bench-limited /tmp/q36s8.gguf 0.5701 128 1 > $R/s6a-$side.txt 2>&1
+  echo "s6a $side at $SECONDS s" >> $R/forge.log
+done
+[ $SECONDS -lt 540 ] && env $common HYPURA=bin/hypura OUT=$R/s6b PEERS=0 HYPURA_ARGS="--gpu-budget 12GiB" \
+  scripts/bench-limited /tmp/q36s8.gguf 1.2474 128 1 > $R/s6b.txt 2>&1
+echo "done at $SECONDS s" >> $R/forge.log
+rm -rf $R/s6a $R/s6b
