@@ -5,7 +5,7 @@
 # against resident (the same greedy tokens?); S6a tg128 cold, A B B A; S6b with bin/hypura.
 # At most 8 files come back: build.log goes.
 . "$(dirname "$0")/vsetup.sh"
-rm -f $R/build.log
+tail -3 $R/build.txt >> $R/forge.log; rm -f $R/build.log $R/build.txt
 prompt="The history of the lighthouse begins with fires lit on hills to guide ships home, and over the centuries keepers, lenses and lamps changed how far the light could reach across the sea"
 p=tiny-moe-30b
 bin/hypura-forge $p -o /tmp/$p.gguf > /dev/null 2>&1
