@@ -158,7 +158,9 @@ impl ObservedNode<'_> {
     /// row per token). Nodes that read that input later in the graph see the new values:
     /// the store rewrites expert ids to the slots of a device's expert pool so. One copy to the
     /// backend: a strided input's span is read, patched and written whole (the bytes between
-    /// its rows, another view's, written back as they were).
+    /// its rows, another view's, written back as they were). The copy is queued on the
+    /// context's backend that computes the input (`HookCell::backend_for`), ahead of the nodes
+    /// that read it, where there is one; else the host waits for it.
     pub fn write_input_i32_rows(&self, input: usize, values: &[Vec<i32>]) -> Result<(), crate::SysError> {
         let bad = || crate::SysError::State(format!("{}: input {input} is not an I32 matrix of that shape", self.name));
         let tensor = self.input(input).ok_or_else(bad)?;
