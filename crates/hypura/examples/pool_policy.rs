@@ -14,6 +14,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context;
+use hypura::bench::StopSplit;
 use hypura::engine::{Control, Engine, EngineOptions, GenerateRequest, Prompt, SamplerParams, Session};
 use hypura::model::Inventory;
 use hypura::plan::{self, MachineFacts, ModeChoice, PlanOptions};
@@ -75,6 +76,7 @@ fn main() -> anyhow::Result<()> {
     })?;
     let decode = experts.snapshot() - at_first_token.context("no token generated")?;
     let (device, generated) = (decode.device, output.stats.eval_count.max(1) as f64);
+    let stop = StopSplit::of(&device, generated);
     println!(
         "prompt {} tokens; decode {} tokens: {pooled_layers} stops a token; slot hits {}, uploads {} ({:.3}% of the slots' picks), {:.2} MB uploaded a token; host cache misses {}; the host's work {:.1} µs a stop, {:.1} µs of it moving bytes",
         output.stats.prompt_eval_count,
@@ -84,16 +86,15 @@ fn main() -> anyhow::Result<()> {
         100.0 * device.uploads as f64 / (device.hits + device.uploads).max(1) as f64,
         device.upload_bytes as f64 / 1e6 / generated,
         decode.misses,
-        1e6 * device.host_seconds / (generated * pooled_layers.max(1) as f64),
-        1e6 * device.transfer_seconds / (generated * pooled_layers.max(1) as f64),
+        1e6 * stop.host_seconds,
+        1e6 * stop.transfer_seconds,
     );
-    let per_stop = |seconds: f64, stops: u64| 1e6 * seconds / stops.max(1) as f64;
     println!(
         "a stop: the ids read and written {:.1} µs; the callback's questions about the {:.0} nodes since the stop before {:.1} µs; its segment launched, computed and synchronised {:.1} µs",
-        per_stop(device.ids_seconds, device.stops),
-        device.asked_nodes as f64 / device.asked_stops.max(1) as f64,
-        per_stop(device.asks_seconds, device.asked_stops),
-        per_stop(device.segment_seconds, device.stops),
+        1e6 * stop.ids_seconds,
+        stop.asked_nodes,
+        1e6 * stop.asks_seconds,
+        1e6 * stop.segment_seconds,
     );
     Ok(())
 }

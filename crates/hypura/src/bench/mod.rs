@@ -372,16 +372,17 @@ pub struct StopSplit {
 }
 
 impl StopSplit {
-    fn of(pool: &crate::store::PoolSnapshot, graphs: f64) -> StopSplit {
-        let stops = pool.stops.max(1) as f64;
+    /// The pool's stops in `graphs` decode graphs (tokens), each part per stop.
+    pub fn of(pool: &crate::store::PoolSnapshot, graphs: f64) -> StopSplit {
+        let per = |total: f64, count: u64| total / count.max(1) as f64;
         StopSplit {
             stops_per_token: pool.stops as f64 / graphs,
-            host_seconds: pool.host_seconds / stops,
-            ids_seconds: pool.ids_seconds / stops,
-            transfer_seconds: pool.transfer_seconds / stops,
-            asks_seconds: if pool.asked_stops > 0 { pool.asks_seconds / pool.asked_stops as f64 } else { 0.0 },
-            asked_nodes: if pool.asked_stops > 0 { pool.asked_nodes as f64 / pool.asked_stops as f64 } else { 0.0 },
-            segment_seconds: pool.segment_seconds / stops,
+            host_seconds: per(pool.host_seconds, pool.stops),
+            ids_seconds: per(pool.ids_seconds, pool.stops),
+            transfer_seconds: per(pool.transfer_seconds, pool.stops),
+            asks_seconds: per(pool.asks_seconds, pool.asked_stops),
+            asked_nodes: per(pool.asked_nodes as f64, pool.asked_stops),
+            segment_seconds: per(pool.segment_seconds, pool.stops),
         }
     }
 }
@@ -952,5 +953,33 @@ mod tests {
         assert_eq!(resident.work.gap_stops, 44, "{resident:?}");
         assert!((resident.work.device_gap_seconds - 0.033).abs() < 1e-12, "{resident:?}");
         assert_eq!((slower.work.gap_stops, slower.work.device_gap_seconds), (44, 0.0), "{slower:?}");
+    }
+
+    /// A stop's split is each total over the stops it belongs to: the callback's questions
+    /// over the stops that had a stop before them in their graph; no stops, all zero.
+    #[test]
+    fn a_stops_split_divides_each_part_by_its_own_stops() {
+        let pool = crate::store::PoolSnapshot {
+            stops: 40,
+            host_seconds: 0.004,
+            ids_seconds: 0.002,
+            transfer_seconds: 0.001,
+            asked_stops: 30,
+            asks_seconds: 0.0003,
+            asked_nodes: 2_880,
+            segment_seconds: 0.008,
+            ..Default::default()
+        };
+        let split = StopSplit::of(&pool, 10.0);
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        assert!(close(split.stops_per_token, 4.0) && close(split.host_seconds, 1e-4), "{split:?}");
+        assert!(close(split.ids_seconds, 5e-5) && close(split.transfer_seconds, 2.5e-5), "{split:?}");
+        assert!(close(split.asks_seconds, 1e-5) && close(split.asked_nodes, 96.0), "{split:?}");
+        assert!(close(split.segment_seconds, 2e-4), "{split:?}");
+        let none = StopSplit::of(&crate::store::PoolSnapshot::default(), 10.0);
+        assert_eq!(
+            (none.stops_per_token, none.host_seconds, none.asks_seconds, none.asked_nodes),
+            (0.0, 0.0, 0.0, 0.0)
+        );
     }
 }
