@@ -75,6 +75,10 @@ pub struct RpcServerArgs {
     /// the lent devices (every request is still checked).
     #[arg(long)]
     pub insecure_no_auth: bool,
+    /// On SIGTERM or Ctrl-C, how long connected clients may go on before the server exits (new
+    /// connections are closed meanwhile; a second signal exits at once), e.g. 10s, 1m.
+    #[arg(long, default_value = "10s", value_name = "DURATION")]
+    pub shutdown_timeout: String,
     /// Serve one client with ggml's own server, unchecked, on a loopback address (how the
     /// front starts each client's server; not for direct use).
     #[arg(long, hide = true)]
@@ -439,6 +443,13 @@ pub struct ServeArgs {
     /// Longest embedding input in tokens.
     #[arg(long, default_value_t = 512)]
     pub embedding_context: u32,
+    /// On SIGTERM or Ctrl-C, how long running answers may go on before they are cancelled
+    /// (new requests get 503 meanwhile; a second signal exits at once), e.g. 10s, 1m.
+    #[arg(long, default_value = "10s", value_name = "DURATION")]
+    pub shutdown_timeout: String,
+    /// Serve Prometheus metrics at `GET /metrics` (llama-server's names where one exists).
+    #[arg(long)]
+    pub metrics: bool,
     #[command(flatten)]
     pub model_args: ModelArgs,
     #[command(flatten)]

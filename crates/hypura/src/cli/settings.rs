@@ -138,6 +138,15 @@ pub fn remote_workers(args: &PlanArgs) -> anyhow::Result<Option<std::sync::Arc<c
     Ok(Some(crate::remote::Workers::connect(&args.rpc, delay, true)?))
 }
 
+/// A duration flag in Ollama's forms (`10s`, `1m30s`, or seconds), not negative.
+pub fn duration(text: &str) -> anyhow::Result<std::time::Duration> {
+    match crate::server::wire::KeepAlive::parse(&serde_json::Value::String(text.to_string())) {
+        Ok(crate::server::wire::KeepAlive::For(duration)) => Ok(duration),
+        Ok(crate::server::wire::KeepAlive::Forever) => anyhow::bail!("{text:?} is negative"),
+        Err(error) => anyhow::bail!("{error}"),
+    }
+}
+
 /// The flags' plan, for this machine: facts read once, plan, engine options.
 pub fn setup(args: &ModelArgs, model: &std::path::Path) -> anyhow::Result<Setup> {
     Ok(crate::setup::prepare(model, &run_spec(args)?)?)

@@ -19,6 +19,13 @@
 //! share a directory: names are unique per process until the rename, a rename replaces a block
 //! with an equal one, and a block evicted under a reader is a miss.
 //!
+//! Every temporary file is locked (`flock`) by the process writing it for as long as it lives
+//! (`Temporary`). The kernel drops the lock with the process, so a start removes every
+//! temporary that no live process holds: what a `kill -9` cut short costs that write and is
+//! cleaned by the next start, and a file cut short is never loaded (a block or snapshot exists
+//! under its name only once it was written whole and renamed). Everything in the directory,
+//! temporaries included, counts against `--prompt-cache-size`.
+//!
 //! Sliding-window, recurrent and hybrid memories (Gemma 3, Qwen3.5) hold state that is not a run
 //! of positions: a prefix of it cannot be cut out of a longer sequence. Their sequences are kept
 //! whole instead (`Layout::Snapshots`): llama.cpp's copy of the sequence as it was at that
@@ -54,8 +61,6 @@ const SNAPSHOT_EXTENSION: &str = "snap";
 /// holds at most this many copies of a sequence. A skipped save costs that sequence's new
 /// blocks only: a later save of a sequence that starts with it writes every block not on disk.
 const MAX_PENDING_SAVES: usize = 2;
-/// Temporary files older than this belong to a process that is gone.
-const STALE_TEMPORARY: Duration = Duration::from_secs(3600);
 
 type Hash = [u8; 32];
 
@@ -87,9 +92,8 @@ impl PromptCacheOptions {
     /// startup rather than a warning per request.
     pub fn check(&self) -> Result<(), PromptCacheError> {
         std::fs::create_dir_all(&self.dir).map_err(io_error(&self.dir))?;
-        let probe = temporary_path(&self.dir, "probe");
-        std::fs::write(&probe, b"hypura").map_err(io_error(&self.dir))?;
-        std::fs::remove_file(&probe).map_err(io_error(&probe))?;
+        let probe = Temporary::create(&self.dir, "probe").map_err(io_error(&self.dir))?;
+        (&probe.file).write_all(b"hypura").map_err(io_error(&probe.path))?;
         Ok(())
     }
 }
@@ -113,7 +117,7 @@ pub enum Layout {
 }
 
 struct BlockJob {
-    saved: PathBuf,
+    saved: Temporary,
     tokens: Vec<Token>,
     chain: Vec<Hash>,
     from_block: usize,
@@ -150,7 +154,10 @@ impl PromptCache {
     pub fn open(options: &PromptCacheOptions, digest: Hash, layout: Layout) -> Result<PromptCache, PromptCacheError> {
         let dir = options.dir.join(hex(&digest[..8]));
         std::fs::create_dir_all(&dir).map_err(io_error(&dir))?;
-        remove_stale_temporaries(&options.dir);
+        let removed = remove_stale_temporaries(&options.dir);
+        if removed > 0 {
+            tracing::info!("prompt cache: {removed} temporary file(s) that no running process writes removed");
+        }
         let unsupported = Arc::new(AtomicBool::new(false));
         let pending = Arc::new(AtomicUsize::new(0));
         let (sender, receiver) = mpsc::channel::<WriteJob>();
@@ -162,6 +169,9 @@ impl PromptCache {
             unsupported: unsupported.clone(),
             pending: pending.clone(),
         };
+        // A directory over its size (a smaller --prompt-cache-size than last time) is trimmed
+        // before the first save.
+        writer.evict();
         let handle = std::thread::Builder::new()
             .name("hypura-prompt-cache".into())
             .spawn(move || {
@@ -264,26 +274,26 @@ impl PromptCache {
         let parts: Vec<Part<'_>> = blocks.iter().map(|(file, section)| Part { file, section, cells: &all }).collect();
         let bytes_read =
             blocks.iter().filter_map(|(file, _)| file.metadata().ok()).map(|metadata| metadata.len()).sum();
-        let joined = temporary_path(&self.root, "load");
+        let joined = Temporary::create(&self.root, "load").map_err(io_error(&self.root))?;
         let written = (|| {
-            let mut out = BufWriter::new(File::create(&joined)?);
+            let mut out = BufWriter::new(&joined.file);
             let written = state::write_sequence(&mut out, &tokens[..n_tokens], n_stream, &parts)?;
             out.flush()?;
             Ok::<u64, StateError>(written)
         })();
         let result =
-            written.map_err(|source| PromptCacheError::State { path: joined.clone(), source }).and_then(|_| {
-                let loaded = context.load_sequence(seq_id, &joined, n_tokens)?;
+            written.map_err(|source| PromptCacheError::State { path: joined.path.clone(), source }).and_then(|_| {
+                let loaded = context.load_sequence(seq_id, &joined.path, n_tokens)?;
                 if loaded != tokens[..n_tokens] {
                     context.truncate_sequence(seq_id, 0);
                     return Err(PromptCacheError::Invalid {
-                        path: joined.clone(),
+                        path: joined.path.clone(),
                         reason: "llama.cpp read back other tokens than were written".into(),
                     });
                 }
                 Ok(Loaded { tokens: n_tokens, bytes: bytes_read })
             });
-        let _ = std::fs::remove_file(&joined);
+        drop(joined);
         let now = SystemTime::now();
         for (index, (file, _)) in blocks.iter().enumerate() {
             let _ = file.set_modified(recency(now, index));
@@ -353,17 +363,23 @@ impl PromptCache {
             tracing::debug!("prompt cache: {MAX_PENDING_SAVES} saves still being written; this one is skipped");
             return;
         }
-        let saved = temporary_path(&self.root, "save");
-        if let Err(error) = context.save_sequence(seq_id, &saved, tokens) {
+        let saved = match Temporary::create(&self.root, "save") {
+            Ok(saved) => saved,
+            Err(error) => {
+                tracing::warn!("prompt cache {}: {error}; this prompt is not cached", self.root.display());
+                return;
+            }
+        };
+        // llama.cpp opens the file by its name; this process's lock on it holds meanwhile.
+        if let Err(error) = context.save_sequence(seq_id, &saved.path, tokens) {
             tracing::warn!("prompt cache: {error}; this prompt is not cached");
-            let _ = std::fs::remove_file(&saved);
             return;
         }
         let job = BlockJob { saved, tokens: tokens[..chain.len() * BLOCK_TOKENS].to_vec(), chain, from_block };
         self.pending.fetch_add(1, Ordering::Relaxed);
-        if let Err(mpsc::SendError(WriteJob::Blocks(job))) = sender.send(WriteJob::Blocks(job)) {
+        if sender.send(WriteJob::Blocks(job)).is_err() {
+            // The job, and with it the temporary file, is dropped with the error.
             self.pending.fetch_sub(1, Ordering::Relaxed);
-            let _ = std::fs::remove_file(&job.saved);
         }
     }
 
@@ -435,28 +451,29 @@ impl Writer {
     /// Write a snapshot to a temporary name and rename it; returns its size.
     fn write_snapshot(&self, tokens: &[Token], state: &[u8]) -> Result<u64, PromptCacheError> {
         let path = snapshot_path(&self.dir, &self.digest, tokens);
-        let temporary = temporary_path(&self.root, "snapshot");
-        let result = write_sealed(&temporary, |out| {
+        let temporary = Temporary::create(&self.root, "snapshot").map_err(io_error(&self.root))?;
+        let result = write_sealed(&temporary.file, |out| {
             out.write_all(&snapshot_header(&self.digest, tokens, state.len() as u64))?;
             out.write_all(state)
         })
-        .and_then(|file| file.metadata().map(|metadata| metadata.len()));
+        .and_then(|()| temporary.file.metadata().map(|metadata| metadata.len()));
         match result {
             Ok(bytes) => {
-                std::fs::rename(&temporary, &path).map_err(io_error(&path))?;
+                temporary.persist(&path).map_err(io_error(&path))?;
                 Ok(bytes)
             }
-            Err(source) => {
-                let _ = std::fs::remove_file(&temporary);
-                Err(PromptCacheError::Io { path, source })
-            }
+            Err(source) => Err(PromptCacheError::Io { path, source }),
         }
     }
 
     fn write_block_job(&self, job: BlockJob) {
-        match self.write_blocks(&job) {
+        let written = self.write_blocks(&job);
+        let tokens = job.tokens.len();
+        // The sequence's copy goes before the eviction, which counts everything on disk.
+        drop(job);
+        match written {
             Ok(written) if written > 0 => {
-                tracing::debug!("prompt cache: {written} bytes written for {} tokens", job.tokens.len());
+                tracing::debug!("prompt cache: {written} bytes written for {tokens} tokens");
                 self.evict();
             }
             Ok(_) => {}
@@ -469,17 +486,16 @@ impl Writer {
             }
             Err(error) => tracing::warn!("{error}; the prompt's blocks are not all saved"),
         }
-        let _ = std::fs::remove_file(&job.saved);
     }
 
     /// Write the job's missing blocks; returns the bytes written.
     fn write_blocks(&self, job: &BlockJob) -> Result<u64, PromptCacheError> {
-        let file = File::open(&job.saved).map_err(io_error(&job.saved))?;
-        let state_error = |source| PromptCacheError::State { path: job.saved.clone(), source };
+        let file = File::open(&job.saved.path).map_err(io_error(&job.saved.path))?;
+        let state_error = |source| PromptCacheError::State { path: job.saved.path.clone(), source };
         let (tokens, section) = state::read_sequence(&file).map_err(state_error)?;
         if !tokens.starts_with(&job.tokens) {
             return Err(PromptCacheError::Invalid {
-                path: job.saved.clone(),
+                path: job.saved.path.clone(),
                 reason: "the saved sequence holds other tokens".into(),
             });
         }
@@ -489,7 +505,7 @@ impl Writer {
             if let Some(slot) = usize::try_from(position).ok().and_then(|position| by_position.get_mut(position)) {
                 if *slot != usize::MAX {
                     return Err(PromptCacheError::Invalid {
-                        path: job.saved.clone(),
+                        path: job.saved.path.clone(),
                         reason: format!("position {position} is held twice"),
                     });
                 }
@@ -498,7 +514,7 @@ impl Writer {
         }
         if by_position.contains(&usize::MAX) {
             return Err(PromptCacheError::Invalid {
-                path: job.saved.clone(),
+                path: job.saved.path.clone(),
                 reason: "the sequence does not hold every position of its prompt".into(),
             });
         }
@@ -512,50 +528,51 @@ impl Writer {
             let range = index * BLOCK_TOKENS..(index + 1) * BLOCK_TOKENS;
             let previous = if index == 0 { self.digest } else { job.chain[index - 1] };
             let cells = &by_position[range.clone()];
-            let temporary = temporary_path(&self.root, "block");
-            let result = write_sealed(&temporary, |out| {
+            let temporary = Temporary::create(&self.root, "block").map_err(io_error(&self.root))?;
+            let result = write_sealed(&temporary.file, |out| {
                 out.write_all(&block_header(&self.digest, &previous, index, &job.tokens[range.clone()]))?;
                 state::write_section(out, &[Part { file: &file, section: &section, cells }])?;
                 Ok::<(), StateError>(())
             })
-            .and_then(|file| {
-                file.set_modified(recency(now, index))?;
-                Ok(file.metadata()?.len())
+            .and_then(|()| {
+                temporary.file.set_modified(recency(now, index))?;
+                Ok(temporary.file.metadata()?.len())
             });
             match result {
                 Ok(bytes) => {
-                    std::fs::rename(&temporary, &path).map_err(io_error(&path))?;
+                    temporary.persist(&path).map_err(io_error(&path))?;
                     written += bytes;
                 }
-                Err(source) => {
-                    let _ = std::fs::remove_file(&temporary);
-                    return Err(PromptCacheError::State { path, source });
-                }
+                Err(source) => return Err(PromptCacheError::State { path, source }),
             }
         }
         Ok(written)
     }
 
-    /// Remove the least recently used blocks and snapshots (of every model) beyond the size
-    /// limit.
+    /// Remove the least recently used blocks and snapshots (of every model) until everything in
+    /// the directory, temporaries and foreign files included, is within the size limit.
     fn evict(&self) {
+        let mut total = 0;
         let mut blocks: Vec<(SystemTime, u64, PathBuf)> = Vec::new();
-        let Ok(dirs) = std::fs::read_dir(&self.root) else { return };
-        for dir in dirs.flatten().filter(|entry| entry.file_type().is_ok_and(|kind| kind.is_dir())) {
-            let Ok(files) = std::fs::read_dir(dir.path()) else { continue };
-            for file in files.flatten() {
-                let path = file.path();
+        let mut directories = vec![self.root.clone()];
+        while let Some(directory) = directories.pop() {
+            let Ok(entries) = std::fs::read_dir(&directory) else { continue };
+            for entry in entries.flatten() {
+                let Ok(metadata) = entry.metadata() else { continue };
+                let path = entry.path();
+                if metadata.is_dir() {
+                    directories.push(path);
+                    continue;
+                }
+                total += metadata.len();
                 if path
                     .extension()
                     .is_some_and(|extension| extension == BLOCK_EXTENSION || extension == SNAPSHOT_EXTENSION)
                 {
-                    if let Ok(metadata) = file.metadata() {
-                        blocks.push((metadata.modified().unwrap_or(SystemTime::UNIX_EPOCH), metadata.len(), path));
-                    }
+                    blocks.push((metadata.modified().unwrap_or(SystemTime::UNIX_EPOCH), metadata.len(), path));
                 }
             }
         }
-        let mut total: u64 = blocks.iter().map(|(_, bytes, _)| bytes).sum();
         if total <= self.max_bytes {
             return;
         }
@@ -571,17 +588,18 @@ impl Writer {
     }
 }
 
-/// Create `path` and write into it what `body` writes, then a SHA-256 of all of it (blocks and
-/// snapshots end so).
+/// Write into `file` (new and empty) what `body` writes, then a SHA-256 of all of it (blocks
+/// and snapshots end so).
 fn write_sealed<E: From<std::io::Error>>(
-    path: &Path,
-    body: impl FnOnce(&mut HashingWriter<BufWriter<File>>) -> Result<(), E>,
-) -> Result<File, E> {
-    let mut out = HashingWriter { inner: BufWriter::new(File::create(path)?), hasher: Sha256::new() };
+    file: &File,
+    body: impl FnOnce(&mut HashingWriter<BufWriter<&File>>) -> Result<(), E>,
+) -> Result<(), E> {
+    let mut out = HashingWriter { inner: BufWriter::new(file), hasher: Sha256::new() };
     body(&mut out)?;
     let HashingWriter { mut inner, hasher } = out;
     inner.write_all(&hasher.finalize())?;
-    Ok(inner.into_inner().map_err(|error| error.into_error())?)
+    inner.flush()?;
+    Ok(())
 }
 
 struct HashingWriter<W: Write> {
@@ -803,20 +821,68 @@ static TEMPORARY_COUNTER: AtomicU64 = AtomicU64::new(0);
 /// A name no other process or call uses: `<dir>/.tmp-<what>-<pid>-<n>`.
 fn temporary_path(dir: &Path, what: &str) -> PathBuf {
     let n = TEMPORARY_COUNTER.fetch_add(1, Ordering::Relaxed);
-    dir.join(format!(".tmp-{what}-{}-{n}", std::process::id()))
+    dir.join(format!("{TEMPORARY_PREFIX}{what}-{}-{n}", std::process::id()))
 }
 
-fn remove_stale_temporaries(root: &Path) {
-    let Ok(entries) = std::fs::read_dir(root) else { return };
-    for entry in entries.flatten() {
-        let stale = entry
-            .metadata()
-            .ok()
-            .and_then(|metadata| metadata.modified().ok())
-            .and_then(|modified| modified.elapsed().ok())
-            .is_some_and(|age| age > STALE_TEMPORARY);
-        if stale && entry.file_name().to_string_lossy().starts_with(".tmp-") {
-            let _ = std::fs::remove_file(entry.path());
+const TEMPORARY_PREFIX: &str = ".tmp-";
+
+/// A temporary file of this process's, locked (`flock`) for as long as it lives and removed
+/// when dropped, unless `persist` renamed it into place. The lock tells a start that a live
+/// process is writing the file; the kernel drops it with the process, however it ends.
+#[derive(Debug)]
+struct Temporary {
+    path: PathBuf,
+    file: File,
+}
+
+impl Temporary {
+    fn create(dir: &Path, what: &str) -> std::io::Result<Temporary> {
+        use std::os::unix::fs::MetadataExt;
+        loop {
+            let path = temporary_path(dir, what);
+            let file = File::options().read(true).write(true).create_new(true).open(&path)?;
+            file.lock()?;
+            // A start's sweep may have taken the file between its creation and the lock: then
+            // the name is gone (or another file's), and a new name is tried.
+            let (ours, named) = (file.metadata()?, std::fs::metadata(&path));
+            if named.is_ok_and(|named| named.ino() == ours.ino() && named.dev() == ours.dev()) {
+                return Ok(Temporary { path, file });
+            }
         }
     }
+
+    /// Rename the file to `path`; it is no longer removed when dropped.
+    fn persist(mut self, path: &Path) -> std::io::Result<()> {
+        std::fs::rename(&self.path, path)?;
+        // The name is gone: nothing is left to remove, and the lock goes with the file.
+        self.path = PathBuf::new();
+        Ok(())
+    }
+}
+
+impl Drop for Temporary {
+    fn drop(&mut self) {
+        if !self.path.as_os_str().is_empty() {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// Remove the temporary files in `root` that no live process holds (see `Temporary`); returns
+/// how many.
+fn remove_stale_temporaries(root: &Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(root) else { return 0 };
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        if !entry.file_name().to_string_lossy().starts_with(TEMPORARY_PREFIX) {
+            continue;
+        }
+        let Ok(file) = File::open(entry.path()) else { continue };
+        // Held: its writer lives. Taken: nobody writes it, and holding the lock while removing
+        // it keeps a writer that just created the name from believing it still has it.
+        if file.try_lock().is_ok() && std::fs::remove_file(entry.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
 }

@@ -15,7 +15,7 @@ use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -49,11 +49,23 @@ pub struct Front {
     pub ledger: Arc<Ledger>,
     pub key: Option<Key>,
     clients: AtomicUsize,
+    /// Set by a stop: connections accepted from then on are closed at once.
+    stopping: AtomicBool,
 }
 
 impl Front {
     pub fn new(child: ChildCommand, ledger: Arc<Ledger>, key: Option<Key>) -> Arc<Front> {
-        Arc::new(Front { child, ledger, key, clients: AtomicUsize::new(0) })
+        Arc::new(Front { child, ledger, key, clients: AtomicUsize::new(0), stopping: AtomicBool::new(false) })
+    }
+
+    /// Take no more clients; the connected ones go on.
+    pub fn stop(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+    }
+
+    /// Clients being served now.
+    pub fn clients(&self) -> usize {
+        self.clients.load(Ordering::SeqCst)
     }
 }
 
@@ -69,6 +81,10 @@ pub fn serve(listener: TcpListener, front: Arc<Front>) -> std::io::Result<()> {
             }
         };
         let peer = stream.peer_addr().map_or_else(|_| "an unknown peer".to_string(), |peer| peer.to_string());
+        if front.stopping.load(Ordering::SeqCst) {
+            tracing::info!(client = %peer, "RPC client closed: the server is stopping");
+            continue;
+        }
         if front.clients.fetch_add(1, Ordering::SeqCst) >= MAX_CLIENTS {
             front.clients.fetch_sub(1, Ordering::SeqCst);
             tracing::warn!(client = %peer, "RPC client closed: {MAX_CLIENTS} clients are already served");

@@ -40,6 +40,11 @@ impl AppError {
         )
     }
 
+    /// A request that came after the server began to stop.
+    pub fn shutting_down() -> AppError {
+        AppError::new(StatusCode::SERVICE_UNAVAILABLE, "the server is shutting down; try again later")
+    }
+
     /// The status for an engine error: what the request asked for is a 400, the rest a 500.
     pub fn from_engine(error: &EngineError) -> AppError {
         use crate::engine::SysError;

@@ -15,6 +15,7 @@ use tokio::sync::mpsc;
 
 use super::catalog::ModelEntry;
 use super::error::AppError;
+use super::metrics::Recorder;
 use super::scheduler::Scheduler;
 use super::wire::KeepAlive;
 use super::worker::{Event, GenerateJob};
@@ -35,6 +36,8 @@ pub struct Generation {
     events: mpsc::UnboundedReceiver<Event>,
     /// Held, not read: dropping the generation cancels it.
     _cancel: CancelOnDrop,
+    /// Counts the generation's tokens when it ends (`--metrics`).
+    recorder: Option<Recorder>,
 }
 
 /// The outcome of a whole generation, for non-streaming answers.
@@ -45,24 +48,29 @@ pub struct Collected {
 }
 
 /// Hand the request to its model's worker and wait until it is admitted. The request's cancel
-/// flag becomes the generation's: dropping the generation sets it.
+/// flag becomes the generation's: dropping the generation sets it, and so does a stop whose
+/// bound has passed (`Scheduler::cancel_all`).
 pub async fn start(
     scheduler: &Scheduler,
     entry: &ModelEntry,
     keep_alive: Option<KeepAlive>,
     mut request: GenerateRequest,
+    recorder: Option<Recorder>,
 ) -> Result<Generation, AppError> {
     // A `num_ctx` longer than the loaded context reloads the model with it.
     let lease = scheduler.acquire_with_context(entry, keep_alive, request.n_ctx_seq)?;
     let flag = Arc::new(AtomicBool::new(false));
+    scheduler.track(&flag);
     let cancel = CancelOnDrop(flag.clone());
     request.cancel = Some(flag);
     let (sender, mut events) = mpsc::unbounded_channel();
     lease.generate(GenerateJob { request, events: sender })?;
     match events.recv().await {
         Some(Event::Failed(error)) => Err(error),
-        Some(Event::Started) => Ok(Generation { first: None, events, _cancel: cancel }),
-        Some(first) => Ok(Generation { first: Some(first), events, _cancel: cancel }),
+        Some(Event::Started) => Ok(Generation { first: None, events, _cancel: cancel, recorder }),
+        Some(first) => Ok(Generation { first: Some(first), events, _cancel: cancel, recorder }),
+        // A stop cancels requests still queued; they are told to come back.
+        None if scheduler.draining() => Err(AppError::shutting_down()),
         None => Err(AppError::internal("the model's worker stopped before answering")),
     }
 }
@@ -81,15 +89,19 @@ impl Generation {
 
     /// The next event after the admission (which `start` already waited for).
     async fn next(&mut self) -> Option<Event> {
-        if let Some(event) = self.first.take() {
-            return Some(event);
+        let event = match self.first.take() {
+            Some(event) => event,
+            None => loop {
+                match self.events.recv().await? {
+                    Event::Started => continue,
+                    event => break event,
+                }
+            },
+        };
+        if let (Event::Done(finished), Some(recorder)) = (&event, &self.recorder) {
+            recorder.finished(&finished.output.stats);
         }
-        loop {
-            match self.events.recv().await? {
-                Event::Started => continue,
-                event => return Some(event),
-            }
-        }
+        Some(event)
     }
 
     /// Wait for the end, joining the text.

@@ -11,6 +11,7 @@ pub mod error;
 pub mod fuzz;
 pub mod generation;
 pub mod grammar;
+pub mod metrics;
 pub mod model_details;
 pub mod ollama;
 pub mod openai;
@@ -52,11 +53,13 @@ pub struct HttpConfig {
     /// Every request but `GET /`, `/api/version` and CORS preflights must carry
     /// `Authorization: Bearer <key>` (401 otherwise), as llama-server's `--api-key` asks.
     pub api_key: Option<ApiKey>,
+    /// Serve `GET /metrics` (`--metrics`).
+    pub metrics: bool,
 }
 
 impl Default for HttpConfig {
     fn default() -> Self {
-        HttpConfig { cors_origins: Vec::new(), body_limit_bytes: 16 << 20, api_key: None }
+        HttpConfig { cors_origins: Vec::new(), body_limit_bytes: 16 << 20, api_key: None, metrics: false }
     }
 }
 
@@ -104,7 +107,8 @@ async fn require_api_key(
     use axum::response::IntoResponse;
     let Some(key) = key else { return next.run(request).await };
     let path = request.uri().path();
-    let open = matches!(path, "/" | "/api/version") && matches!(*request.method(), Method::GET | Method::HEAD);
+    let open = matches!(path, "/" | "/api/version" | "/health" | "/v1/health")
+        && matches!(*request.method(), Method::GET | Method::HEAD);
     if open
         || request.method() == Method::OPTIONS
         || key.accepts(request.headers().get(axum::http::header::AUTHORIZATION))
@@ -129,18 +133,22 @@ pub struct AppState {
     pub catalog: Arc<Catalog>,
     pub scheduler: Scheduler,
     pub http: HttpConfig,
+    /// The counters `/metrics` serves (`--metrics`; None: nothing is counted).
+    pub metrics: Option<Arc<metrics::Metrics>>,
     /// `details` by file, keyed by its modification time, so listings do not re-read indexes.
     details_cache: Arc<Mutex<HashMap<PathBuf, (SystemTime, Details)>>>,
 }
 
 impl AppState {
     pub fn new(catalog: Catalog, scheduler: SchedulerConfig, http: HttpConfig) -> AppState {
-        AppState {
-            catalog: Arc::new(catalog),
-            scheduler: Scheduler::new(scheduler),
-            http,
-            details_cache: Arc::default(),
-        }
+        let scheduler = Scheduler::new(scheduler);
+        let metrics = http.metrics.then(|| Arc::new(metrics::Metrics::new(scheduler.clone())));
+        AppState { catalog: Arc::new(catalog), scheduler, http, metrics, details_cache: Arc::default() }
+    }
+
+    /// Where a generation on `endpoint` for `entry` counts its tokens (with `--metrics`).
+    pub fn recorder(&self, endpoint: &'static str, entry: &ModelEntry) -> Option<metrics::Recorder> {
+        self.metrics.as_ref().map(|metrics| metrics.recorder(endpoint, &entry.name))
     }
 
     /// Scan the catalog off the async runtime (it reads directories).
@@ -184,12 +192,16 @@ impl AppState {
     }
 }
 
-/// The whole service: both APIs, CORS and the body limit.
+/// The whole service: both APIs, health and metrics, CORS and the body limit.
 pub fn router(state: AppState) -> Router {
     let cors = cors_layer(&state.http.cors_origins);
     let body_limit = state.http.body_limit_bytes;
+    let counted = state.metrics.clone();
     Router::new()
         .route("/", get(ollama::root))
+        .route("/health", get(metrics::health))
+        .route("/v1/health", get(metrics::health))
+        .route("/metrics", get(metrics::metrics))
         .route("/api/version", get(ollama::version))
         .route("/api/tags", get(ollama::tags))
         .route("/api/ps", get(ollama::ps))
@@ -203,6 +215,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/embeddings", post(openai::embeddings))
         .route("/v1/models", get(openai::models))
         .route("/v1/models/{model}", get(openai::model))
+        .route_layer(axum::middleware::from_fn_with_state(counted, metrics::count))
         .fallback(|| async { (StatusCode::NOT_FOUND, "404 page not found") })
         .layer(DefaultBodyLimit::max(body_limit))
         .layer(axum::middleware::from_fn_with_state(state.http.api_key.clone(), require_api_key))
@@ -235,11 +248,19 @@ fn is_local_origin(origin: &str) -> bool {
     matches!(host.as_str(), "localhost" | "127.0.0.1" | "0.0.0.0" | "[::1]")
 }
 
-/// Serve on `listener` until `shutdown` resolves, unloading models whose `keep_alive` lapses.
+/// After a stop's bound, how long cancelled answers get to end and connections to close before
+/// the server stops waiting for them.
+const CLOSE_GRACE: Duration = Duration::from_secs(5);
+
+/// Serve on `listener`, unloading models whose `keep_alive` lapses, until `stop` resolves (the
+/// first SIGTERM or Ctrl-C). Then drain: new requests get 503 and `/health` 503, running
+/// answers go on for at most `timeout` and are then cancelled, and once the connections have
+/// closed every model is unloaded, its prompt cache finishing the writes it holds.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: AppState,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+    timeout: Duration,
 ) -> std::io::Result<()> {
     let scheduler = state.scheduler.clone();
     let reaper = tokio::spawn(async move {
@@ -250,8 +271,36 @@ pub async fn serve(
         }
     });
     let scheduler = state.scheduler.clone();
+    let drained = Arc::new(tokio::sync::Notify::new());
+    let drain = {
+        let (scheduler, drained) = (scheduler.clone(), drained.clone());
+        async move {
+            stop.await;
+            scheduler.drain();
+            let running = scheduler.active_requests();
+            tracing::info!("stopping: {running} request(s) running get {} s; new ones get 503", timeout.as_secs_f64());
+            let finished = wait_idle(&scheduler, timeout).await;
+            if !finished {
+                let cancelled = scheduler.cancel_all();
+                tracing::warn!(
+                    "stopping: {cancelled} answer(s) still running after {} s cancelled",
+                    timeout.as_secs_f64()
+                );
+                wait_idle(&scheduler, CLOSE_GRACE).await;
+            }
+            drained.notify_one();
+        }
+    };
     let app = router(state).into_make_service_with_connect_info::<SocketAddr>();
-    let result = axum::serve(listener, app).with_graceful_shutdown(shutdown).await;
+    let server = axum::serve(listener, app).with_graceful_shutdown(drain);
+    // A client that keeps its connection after its answer was cancelled does not hold the stop.
+    let result = tokio::select! {
+        result = server => result,
+        () = async { drained.notified().await; tokio::time::sleep(CLOSE_GRACE).await } => {
+            tracing::warn!("stopping: connections still open {} s after the drain are closed", CLOSE_GRACE.as_secs());
+            Ok(())
+        }
+    };
     reaper.abort();
     scheduler.unload_all();
     // Let the workers drop their engines (and finish writing their prompt caches).
@@ -260,6 +309,18 @@ pub async fn serve(
         tracing::warn!("a model was still busy at shutdown");
     }
     result
+}
+
+/// Wait until no request holds a model, at most `limit`; returns whether none does.
+async fn wait_idle(scheduler: &Scheduler, limit: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + limit;
+    while scheduler.active_requests() > 0 {
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    true
 }
 
 /// Whether `path` is a GGUF file (by extension), for the command line.

@@ -475,7 +475,12 @@ async fn respond(
     stream: bool,
     shape: Shape,
 ) -> Result<Response, AppError> {
-    let generation = generation::start(&state.scheduler, entry, keep_alive, request).await?;
+    let endpoint = match shape {
+        Shape::Generate { .. } => "/api/generate",
+        Shape::Chat => "/api/chat",
+    };
+    let recorder = state.recorder(endpoint, entry);
+    let generation = generation::start(&state.scheduler, entry, keep_alive, request, recorder).await?;
     if !stream {
         let collected = generation.collect().await?;
         let message = collected.finished.output.message.as_ref();

@@ -358,7 +358,12 @@ async fn respond(
     stream: bool,
     include_usage: bool,
 ) -> OpenAiResult<Response> {
-    let generation = generation::start(&state.scheduler, entry, None, request).await?;
+    let endpoint = match envelope.kind {
+        Kind::Chat => "/v1/chat/completions",
+        Kind::Text => "/v1/completions",
+    };
+    let recorder = state.recorder(endpoint, entry);
+    let generation = generation::start(&state.scheduler, entry, None, request, recorder).await?;
     if !stream {
         let collected = generation.collect().await?;
         let (text, thinking) = match &collected.finished.output.message {

@@ -15,10 +15,14 @@
 //! plans and loads with the longer context once the old one has dropped its engine (one load
 //! gate per file, so two copies never share the budget). A shorter `num_ctx` is served by the
 //! loaded context, capped per request.
+//!
+//! A stop (`drain`) refuses new leases with 503 while the running ones finish; `cancel_all`
+//! sets the cancel flag of every generation still running (each registered by `track`), so a
+//! bounded stop ends them within a token.
 use crate::sync::Lock;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant, SystemTime};
@@ -206,6 +210,10 @@ struct Inner {
     /// gone, so a reload waits for the copy it replaces.
     gates: Mutex<HashMap<PathBuf, Arc<Mutex<()>>>>,
     parked: super::worker::ParkedPrefixes,
+    /// Set when the server stops: no new lease is given.
+    draining: AtomicBool,
+    /// The cancel flags of generations started and not yet dropped.
+    running: Mutex<Vec<Weak<AtomicBool>>>,
 }
 
 impl Inner {
@@ -240,6 +248,8 @@ impl Scheduler {
                 models: Mutex::new(HashMap::new()),
                 gates: Mutex::new(HashMap::new()),
                 parked: Default::default(),
+                draining: AtomicBool::new(false),
+                running: Mutex::new(Vec::new()),
             }),
         }
     }
@@ -262,6 +272,9 @@ impl Scheduler {
         n_ctx: Option<u32>,
     ) -> Result<Lease, AppError> {
         let config = &self.inner.config;
+        if self.draining() {
+            return Err(AppError::shutting_down());
+        }
         let mut models = self.inner.models.locked();
         if let Some(n_ctx) = n_ctx {
             if models.get(&entry.path).is_some_and(|model| model.too_short_for(n_ctx)) {
@@ -375,6 +388,38 @@ impl Scheduler {
         for (path, keep_alive) in expired {
             self.inner.unload_if_idle(&path, keep_alive);
         }
+    }
+
+    /// Refuse new requests from now on (503): the server is stopping.
+    pub fn drain(&self) {
+        self.inner.draining.store(true, Ordering::Release);
+    }
+
+    pub fn draining(&self) -> bool {
+        self.inner.draining.load(Ordering::Acquire)
+    }
+
+    /// Whether a model is loading now (`/health` answers 503 meanwhile).
+    pub fn loading(&self) -> bool {
+        self.inner.models.locked().values().any(|model| matches!(*model.status.locked(), Status::Loading))
+    }
+
+    /// Requests holding any model: generating, embedding or queued.
+    pub fn active_requests(&self) -> usize {
+        self.inner.models.locked().values().map(|model| model.active_requests()).sum()
+    }
+
+    /// Keep a generation's cancel flag, for `cancel_all`.
+    pub fn track(&self, cancel: &Arc<AtomicBool>) {
+        let mut running = self.inner.running.locked();
+        running.retain(|flag| flag.strong_count() > 0);
+        running.push(Arc::downgrade(cancel));
+    }
+
+    /// Cancel every generation still running (a stop whose bound has passed); returns how many.
+    pub fn cancel_all(&self) -> usize {
+        let running = std::mem::take(&mut *self.inner.running.locked());
+        running.iter().filter_map(Weak::upgrade).filter(|flag| !flag.swap(true, Ordering::Relaxed)).count()
     }
 
     /// Unload everything idle (shutdown).

@@ -216,9 +216,39 @@ impl Server {
 
     /// GET a JSON reply.
     pub fn get(&self, path: &str) -> serde_json::Value {
-        let (status, payload) = self.exchange(&format!("GET {path} HTTP/1.1\r\n"), "");
+        let (status, payload) = self.get_status(path);
         assert_eq!(status, 200, "{path}: {payload}");
         serde_json::from_str(&payload).unwrap_or_else(|error| panic!("{path}: {error}: {payload:?}"))
+    }
+
+    /// GET: the status and the body, whatever the status.
+    pub fn get_status(&self, path: &str) -> (u16, String) {
+        self.exchange(&format!("GET {path} HTTP/1.1\r\n"), "")
+    }
+
+    /// Send the server a signal (`TERM`, `INT`, `KILL`).
+    pub fn signal(&self, signal: &str) {
+        let pid = self.child.id().to_string();
+        assert!(Command::new("kill").args([&format!("-{signal}"), &pid]).status().unwrap().success());
+    }
+
+    /// Wait at most `limit` for the server to exit; its status, or a panic with its log.
+    pub fn wait_exit(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "serve did not exit within {limit:?}: {}", self.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Stop the server as a supervisor does (SIGTERM), and check that it drained and exited 0.
+    pub fn terminate(mut self) {
+        self.signal("TERM");
+        let status = self.wait_exit(Duration::from_secs(60));
+        assert!(status.success(), "serve exited with {status} after SIGTERM: {}", self.log_text());
     }
 
     fn exchange(&self, head: &str, body: &str) -> (u16, String) {

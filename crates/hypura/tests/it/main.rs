@@ -22,5 +22,6 @@ mod remote;
 mod server_clients;
 mod server_greedy;
 mod server_router;
+mod server_service;
 mod server_tools;
 mod speculation;

@@ -254,6 +254,10 @@ fn the_prompt_cache_keeps_to_its_size() {
     assert!(sizes.len() >= 6);
     std::fs::remove_dir_all(&cache).unwrap();
     let limit = total / 2;
+    // Everything in the directory counts: a foreign file takes half of the limit.
+    std::fs::create_dir_all(&cache).unwrap();
+    let foreign = limit / 2;
+    std::fs::write(cache.join("notes.bin"), vec![0u8; foreign as usize]).unwrap();
     let options = EngineOptions {
         n_ctx_seq: 1024,
         n_threads: Some(1),
@@ -264,7 +268,129 @@ fn the_prompt_cache_keeps_to_its_size() {
     let limited = Arc::new(Engine::open(&model, options).unwrap());
     answer(&limited, &prompt);
     let kept: u64 = block_files(&cache).iter().map(|path| std::fs::metadata(path).unwrap().len()).sum();
-    assert!(kept <= limit && kept > 0, "{kept} bytes kept under a limit of {limit}");
+    assert!(kept + foreign <= limit && kept > 0, "{kept} bytes kept beside {foreign} foreign under a limit of {limit}");
+}
+
+/// The temporary files in the cache's directory (`.tmp-*`).
+fn temporaries(dir: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    entries
+        .flatten()
+        .map(|entry| entry.path())
+        .filter(|path| path.file_name().unwrap().to_string_lossy().starts_with(".tmp-"))
+        .collect()
+}
+
+/// A start removes the temporary files no live process holds (one a killed process left) and
+/// keeps the ones a live process is writing (locked).
+#[test]
+fn a_start_removes_the_temporaries_of_processes_that_are_gone() {
+    let _machine = common::shared_machine();
+    let directory = tempfile::tempdir().unwrap();
+    let cache = directory.path().join("cache");
+    std::fs::create_dir_all(&cache).unwrap();
+    let stale = cache.join(".tmp-save-4194303-0");
+    std::fs::write(&stale, vec![7u8; 1 << 20]).unwrap();
+    let held = cache.join(".tmp-block-4194302-3");
+    let writer = std::fs::File::create(&held).unwrap();
+    writer.lock().unwrap();
+    let engine = engine(&common::smollm_path(), Some(&cache));
+    let _session = Session::new(engine).unwrap();
+    assert!(!stale.exists(), "a temporary nobody writes was kept");
+    assert!(held.exists(), "a temporary a live process holds was removed");
+    drop(writer);
+}
+
+/// The test: SIGTERM half a second after an answer, as a supervisor stops a service, and
+/// a restart: the prompt comes from disk and the greedy answer is the same; nothing temporary
+/// is left behind.
+#[test]
+fn sigterm_after_an_answer_keeps_its_prompt_for_the_restart() {
+    let _machine = common::whole_machine();
+    let directory = tempfile::tempdir().unwrap();
+    let cache = directory.path().join("prompt-cache");
+    let model_path = common::smollm_path();
+    let model = model_path.file_stem().unwrap().to_str().unwrap().to_ascii_lowercase();
+    let mut arguments = vec![model_path.display().to_string()];
+    arguments.extend(["--context", "4096", "--parallel", "1", "--threads", "2", "--batch-invariant"].map(String::from));
+    arguments.extend(["--prompt-cache".to_string(), cache.display().to_string()]);
+    let question = chat(&model, &system_prompt(60), "Which shelf holds item 140?");
+
+    let first = Server::start(&arguments, directory.path().join("first.log"));
+    let answered = first.post("/api/chat", &question);
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    first.terminate();
+    assert_eq!(temporaries(&cache), Vec::<PathBuf>::new(), "temporary files left after SIGTERM");
+
+    let restarted = Server::start(&arguments, directory.path().join("restarted.log"));
+    let again = restarted.post("/api/chat", &question);
+    let total = again["prompt_eval_count"].as_u64().unwrap();
+    let loaded = again["hypura_prompt_cache_loaded"].as_u64().unwrap();
+    assert!(loaded * 10 >= total * 9, "{loaded} of {total} prompt tokens came from disk: {again}");
+    assert_eq!(again["message"], answered["message"], "the answer changed with its prompt from disk");
+    restarted.terminate();
+}
+
+/// `kill -9` while the cache is being written costs that write only: the next start removes
+/// what it left, loads only whole files (no check fails), and answers as a fresh server does.
+#[test]
+fn a_kill_during_a_save_costs_that_save_and_the_next_start_loads_whole_files_only() {
+    let _machine = common::whole_machine();
+    let directory = tempfile::tempdir().unwrap();
+    let cache = directory.path().join("prompt-cache");
+    let model_path = common::smollm_path();
+    let model = model_path.file_stem().unwrap().to_str().unwrap().to_ascii_lowercase();
+    let arguments = |with_cache: bool| {
+        let mut arguments = vec![model_path.display().to_string()];
+        arguments
+            .extend(["--context", "4096", "--parallel", "1", "--threads", "2", "--batch-invariant"].map(String::from));
+        if with_cache {
+            arguments.extend(["--prompt-cache".to_string(), cache.display().to_string()]);
+        }
+        arguments
+    };
+    let question = chat(&model, &system_prompt(100), "How often is shelf 5 checked?");
+
+    // Killed while the writer cuts the saved sequence into blocks: some blocks are whole and
+    // renamed into place, one is a temporary cut short, and the sequence's copy is left too.
+    let mut killed = Server::start(&arguments(true), directory.path().join("killed.log"));
+    let caught = std::thread::scope(|scope| {
+        let server = &killed;
+        // The answer's connection dies with the server: its result is not needed.
+        scope.spawn(|| std::panic::catch_unwind(|| server.post_status("/api/chat", &question)));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+        while std::time::Instant::now() < deadline {
+            if temporaries(&cache).iter().any(|path| path.to_string_lossy().contains(".tmp-block-")) {
+                server.signal("KILL");
+                return true;
+            }
+            std::thread::yield_now();
+        }
+        false
+    });
+    assert!(caught, "no block was seen being written: {}", killed.log_text());
+    killed.wait_exit(std::time::Duration::from_secs(10));
+    let left = temporaries(&cache);
+    assert!(!left.is_empty(), "the kill left nothing to clean");
+    let whole = block_files(&cache).len();
+
+    let restarted = Server::start(&arguments(true), directory.path().join("restarted.log"));
+    let cached = restarted.post("/api/chat", &question);
+    let log = restarted.log_text();
+    restarted.terminate();
+    assert_eq!(temporaries(&cache), Vec::<PathBuf>::new(), "temporaries left after the restart");
+    for failed in ["truncated", "checksum", "corrupt", "removed and the prompt evaluated"] {
+        assert!(!log.contains(failed), "a file that was cut short was read: {log}");
+    }
+    let fresh = Server::start(&arguments(false), directory.path().join("fresh.log"));
+    let evaluated = fresh.post("/api/chat", &question);
+    assert_eq!(cached["message"], evaluated["message"], "{cached}");
+    // The blocks written whole before the kill are loaded, as a run from the first.
+    let loaded = cached["hypura_prompt_cache_loaded"].as_u64().unwrap_or(0);
+    assert_eq!(loaded % BLOCK_TOKENS as u64, 0, "{cached}");
+    assert!(loaded <= (whole * BLOCK_TOKENS) as u64, "{loaded} tokens loaded from {whole} whole blocks");
+    assert!(whole == 0 || loaded > 0, "none of {whole} whole blocks was loaded: {cached}");
+    assert!(log.contains("temporary file(s) that no running process writes removed"), "{log}");
 }
 
 /// Without `--prompt-cache`, a reload for a longer `num_ctx` and a load after an unload start

@@ -6,6 +6,9 @@
 //! request and gives each client a ggml server of its own (this command again, with the hidden
 //! `--serve-one-client`, on a private loopback address). With a key, clients must prove it
 //! over an encrypted link; without one, only loopback is served unless `--insecure-no-auth`.
+//!
+//! SIGTERM or Ctrl-C stops it: connections that arrive are closed, the connected clients get
+//! `--shutdown-timeout` to finish, and the process exits 0; a second signal exits at once.
 use anyhow::Context;
 
 use crate::cli::args::RpcServerArgs;
@@ -102,6 +105,7 @@ pub fn run(args: &RpcServerArgs) -> anyhow::Result<()> {
         program: std::env::current_exe().context("finding this program, to start each client's server")?,
         args: child_args,
     };
+    let shutdown_timeout = settings::duration(&args.shutdown_timeout).context("--shutdown-timeout")?;
     let limits = names.iter().map(|name| name.eq_ignore_ascii_case("CPU").then_some(lent)).collect();
     let listener =
         std::net::TcpListener::bind((host, args.port)).with_context(|| format!("binding {host}:{}", args.port))?;
@@ -113,6 +117,49 @@ pub fn run(args: &RpcServerArgs) -> anyhow::Result<()> {
         threads,
         if key.is_some() { "to clients that hold the key, encrypted" } else { "without a key" }
     );
-    front::serve(listener, Front::new(child, Ledger::new(limits), key))?;
+    let front = Front::new(child, Ledger::new(limits), key);
+    stop_on_signals(front.clone(), shutdown_timeout)?;
+    front::serve(listener, front)?;
+    Ok(())
+}
+
+/// On the first SIGTERM or Ctrl-C, close new connections and exit 0 once the connected
+/// clients are gone or `timeout` has passed (their ggml servers end with this process); on a
+/// second, exit at once.
+fn stop_on_signals(front: std::sync::Arc<Front>, timeout: std::time::Duration) -> anyhow::Result<()> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT]).context("listening for SIGTERM")?;
+    let name = |signal: i32| if signal == SIGTERM { "SIGTERM" } else { "SIGINT" };
+    std::thread::Builder::new().name("rpc-stop".into()).spawn(move || {
+        let mut received = signals.forever();
+        let Some(signal) = received.next() else { return };
+        front.stop();
+        eprintln!(
+            "hypura: {}: stopping ({} client(s) connected get {} s; a second signal exits at once)",
+            name(signal),
+            front.clients(),
+            timeout.as_secs_f64()
+        );
+        let draining = front.clone();
+        let _ = std::thread::Builder::new().name("rpc-drain".into()).spawn(move || {
+            let deadline = std::time::Instant::now() + timeout;
+            while draining.clients() > 0 && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            if draining.clients() > 0 {
+                eprintln!(
+                    "hypura: {} client(s) still connected after {} s are closed",
+                    draining.clients(),
+                    timeout.as_secs_f64()
+                );
+            }
+            eprintln!("hypura: stopped");
+            std::process::exit(0);
+        });
+        if let Some(signal) = received.next() {
+            eprintln!("hypura: {} again: exiting now", name(signal));
+            std::process::exit(1);
+        }
+    })?;
     Ok(())
 }

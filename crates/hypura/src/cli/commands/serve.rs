@@ -1,4 +1,5 @@
-//! `hypura serve`: resolve the models to serve, then run the HTTP server until Ctrl-C.
+//! `hypura serve`: resolve the models to serve, then run the HTTP server until SIGTERM or
+//! Ctrl-C, which drain it (`server::serve`); a second signal exits at once.
 use std::net::IpAddr;
 use std::path::PathBuf;
 
@@ -19,6 +20,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     let keep_alive = KeepAlive::parse(&serde_json::Value::String(args.keep_alive.clone()))
         .map_err(|error| anyhow::anyhow!("--keep-alive: {error}"))?;
     let body_limit = settings::parse_bytes(&args.max_body).context("--max-body")?;
+    let shutdown_timeout = settings::duration(&args.shutdown_timeout).context("--shutdown-timeout")?;
     let parallel = args.parallel.clamp(1, 64);
     // The plan reserves KV cache for every parallel sequence; each sequence gets --context. The
     // server's kernels are batch-invariant unless asked otherwise: it is where prefixes are
@@ -51,6 +53,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         cors_origins: args.cors_origins.clone(),
         body_limit_bytes: usize::try_from(body_limit).unwrap_or(usize::MAX),
         api_key,
+        metrics: args.metrics,
     };
     let http_key_missing = http.api_key.is_none();
     let state = AppState::new(catalog, scheduler, http);
@@ -78,12 +81,42 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         for model in &models {
             eprintln!("  {}  {}", model.name, model.path.display());
         }
-        let shutdown = async {
-            let _ = tokio::signal::ctrl_c().await;
-            eprintln!("hypura: shutting down");
+        let mut signals = StopSignals::new().context("listening for SIGTERM")?;
+        let stop = async move {
+            let signal = signals.next().await;
+            eprintln!(
+                "hypura: {signal}: stopping (running answers get {} s; a second signal exits at once)",
+                shutdown_timeout.as_secs_f64()
+            );
+            tokio::spawn(async move {
+                let signal = signals.next().await;
+                eprintln!("hypura: {signal} again: exiting now");
+                std::process::exit(1);
+            });
         };
-        crate::server::serve(listener, state, shutdown).await.context("serving HTTP")
+        crate::server::serve(listener, state, stop, shutdown_timeout).await.context("serving HTTP")?;
+        eprintln!("hypura: stopped");
+        Ok(())
     })
+}
+
+/// SIGTERM (how systemd, Docker and most supervisors stop a service) and Ctrl-C, one stream.
+struct StopSignals {
+    terminate: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    fn new() -> std::io::Result<StopSignals> {
+        Ok(StopSignals { terminate: tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())? })
+    }
+
+    /// The next stop signal's name.
+    async fn next(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.terminate.recv() => "SIGTERM",
+            _ = tokio::signal::ctrl_c() => "SIGINT",
+        }
+    }
 }
 
 /// Models from the command line: files, directories (of GGUF files, or an Ollama store), and
