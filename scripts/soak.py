@@ -47,7 +47,7 @@ class Server:
         command = [self.args.binary, "serve", self.args.model, "--host", "127.0.0.1", "--port", str(self.args.port),
                    "--context", str(self.args.context), "--parallel", str(self.args.parallel),
                    "--threads", str(self.args.threads), "--max-queue", str(self.args.clients * 2),
-                   "--keep-alive", "-1", "--prompt-cache", self.cache, "--metrics", *self.args.serve_flags]
+                   "--keep-alive=-1", "--prompt-cache", self.cache, "--metrics", *self.args.serve_flags]
         environment = dict(os.environ, HYPURA_LOG=os.environ.get("HYPURA_LOG", "hypura=info"))
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=environment)
         deadline = time.time() + 120
@@ -187,6 +187,9 @@ def main():
             try:
                 status = one(kind, index, model, args.port)
                 tally.add(kind, status)
+                if status == 503:
+                    # Full, or draining: come back later, as a client that reads Retry-After does.
+                    time.sleep(1.0)
             except OSError as error:
                 # Refused or reset while the server restarts: that is the stop, not an error.
                 if restarting.is_set() or server.process.poll() is not None:

@@ -11,6 +11,7 @@ pub mod bench;
 pub mod cli;
 pub mod engine;
 pub mod format;
+pub mod hub;
 pub mod hw;
 pub mod io;
 pub mod model;

@@ -31,9 +31,40 @@ pub enum Command {
     /// Lend this machine's devices to other Hypura (or llama.cpp) processes over ggml's RPC
     /// protocol, every request checked; with a key, to those that hold it, encrypted.
     RpcServer(RpcServerArgs),
+    /// Download a model from the hub by name (hf.co/ORG/REPO[:QUANT], hf://ORG/REPO/FILE.gguf
+    /// or an https:// URL), after showing the plan it would get here.
+    Pull(PullArgs),
+    /// List the models pulled.
+    #[command(alias = "ls")]
+    List,
+    /// Remove pulled models.
+    #[command(alias = "remove")]
+    Rm(RemoveArgs),
     /// Draw a `scripts/bench-limited` summary (its summary.json) as an SVG picture.
     #[command(hide = true)]
     SummaryPicture(SummaryPictureArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct PullArgs {
+    /// hf.co/ORG/REPO[:QUANT] (the repository's GGUF with that quantization, Q4_K_M by
+    /// default; split files together), hf://ORG/REPO/FILE.gguf, or an https:// URL. The hub is
+    /// HF_ENDPOINT (or huggingface.co), HF_TOKEN its token; files land in HYPURA_MODELS (or
+    /// ~/.cache/hypura/models).
+    pub model: String,
+    /// Pull without asking, even where the model would not run on this machine.
+    #[arg(short = 'y', long)]
+    pub yes: bool,
+    /// The plan shown before the download is the one `run` gives with these flags.
+    #[command(flatten)]
+    pub model_args: ModelArgs,
+}
+
+#[derive(Args, Debug)]
+pub struct RemoveArgs {
+    /// Names as `hypura list` shows them.
+    #[arg(required = true)]
+    pub models: Vec<String>,
 }
 
 #[derive(Args, Debug)]

@@ -17,6 +17,9 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Simulate(args) => commands::simulate::run(&args),
         Command::Serve(args) => commands::serve::run(&args),
         Command::RpcServer(args) => commands::rpc_server::run(&args),
+        Command::Pull(args) => commands::pull::run(&args),
+        Command::List => commands::pull::list(),
+        Command::Rm(args) => commands::pull::remove(&args),
         Command::SummaryPicture(args) => commands::bench::summary_picture(&args),
     }
 }

@@ -31,6 +31,9 @@ pub fn model_path(model: Option<&str>) -> anyhow::Result<PathBuf> {
     if path.exists() {
         return Ok(path);
     }
+    if let Some(path) = crate::cli::commands::pull::local_path(model)? {
+        return Ok(path);
+    }
     let catalog = crate::server::Catalog {
         ollama_stores: crate::server::Catalog::default_ollama_store().into_iter().collect(),
         ..crate::server::Catalog::default()

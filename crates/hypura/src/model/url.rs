@@ -36,13 +36,15 @@ pub fn is_url(model: &str) -> bool {
 }
 
 /// The HTTP(S) address of `model`: itself, or for `hf://ORG/REPO/FILE` the file on the
-/// repository's main branch.
+/// repository's main branch, on the hub `HF_ENDPOINT` names (a mirror), else huggingface.co.
 pub fn resolve(model: &str) -> Result<String, GgufError> {
     let Some(rest) = model.strip_prefix("hf://") else { return Ok(model.to_string()) };
     let mut parts = rest.splitn(3, '/');
+    let endpoint = std::env::var("HF_ENDPOINT").ok().filter(|endpoint| !endpoint.trim().is_empty());
+    let endpoint = endpoint.as_deref().unwrap_or("https://huggingface.co").trim().trim_end_matches('/');
     match (parts.next(), parts.next(), parts.next()) {
         (Some(org), Some(repo), Some(file)) if !org.is_empty() && !repo.is_empty() && !file.is_empty() => {
-            Ok(format!("https://huggingface.co/{org}/{repo}/resolve/main/{file}"))
+            Ok(format!("{endpoint}/{org}/{repo}/resolve/main/{file}"))
         }
         _ => Err(io_error(model, "an hf:// address is hf://ORG/REPO/FILE.gguf".into())),
     }

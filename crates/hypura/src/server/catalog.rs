@@ -44,6 +44,9 @@ pub struct Catalog {
     pub directories: Vec<PathBuf>,
     /// Ollama model stores (each holding `manifests/` and `blobs/`).
     pub ollama_stores: Vec<PathBuf>,
+    /// Models pulled from the hub (`hypura pull`, `/api/pull`), by the names they were pulled
+    /// as (`hf.co/ORG/REPO:QUANT`; a file or URL pulled is named after its file).
+    pub hub: Option<crate::hub::Hub>,
 }
 
 /// A parsed model name.
@@ -133,6 +136,9 @@ impl Catalog {
         for store in &self.ollama_stores {
             entries.extend(ollama_entries(store));
         }
+        if let Some(hub) = &self.hub {
+            entries.extend(hub.list().iter().filter_map(|manifest| pulled_entry(hub, manifest)));
+        }
         let mut seen = std::collections::HashSet::new();
         entries.retain(|entry| seen.insert(entry.key.clone()));
         entries.sort_by(|left, right| left.name.cmp(&right.name));
@@ -188,6 +194,27 @@ fn file_entry(path: &Path) -> Option<ModelEntry> {
         modified,
         digest: hex(&Sha256::digest(identity.as_bytes())),
         owner: parsed.namespace.clone(),
+    })
+}
+
+/// A model pulled from the hub whose files are all there.
+fn pulled_entry(hub: &crate::hub::Hub, manifest: &crate::hub::Manifest) -> Option<ModelEntry> {
+    let path = hub.path_of(manifest);
+    if !manifest.files.iter().all(|file| hub.models.join(&file.path).is_file()) {
+        return None;
+    }
+    let Some(Ok(crate::hub::Source::Repo { .. })) = crate::hub::Source::parse(&manifest.name) else {
+        return file_entry(&path);
+    };
+    let parsed = ModelName::parse(&manifest.name)?;
+    Some(ModelEntry {
+        name: parsed.display(),
+        key: parsed.key(),
+        size: manifest.bytes(),
+        modified: SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(manifest.pulled_at),
+        digest: manifest.files[0].sha256.clone(),
+        owner: parsed.namespace.clone(),
+        path,
     })
 }
 

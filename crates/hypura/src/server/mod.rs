@@ -16,6 +16,7 @@ pub mod model_details;
 pub mod ollama;
 pub mod openai;
 pub mod options;
+pub mod pull;
 pub mod scheduler;
 pub mod tools;
 pub mod wire;
@@ -206,6 +207,8 @@ pub fn router(state: AppState) -> Router {
         .route("/api/tags", get(ollama::tags))
         .route("/api/ps", get(ollama::ps))
         .route("/api/show", post(ollama::show))
+        .route("/api/pull", post(pull::pull))
+        .route("/api/delete", axum::routing::delete(pull::delete))
         .route("/api/generate", post(ollama::generate))
         .route("/api/chat", post(ollama::chat))
         .route("/api/embed", post(ollama::embed))

@@ -217,7 +217,7 @@ fn serve_over_http(directory: &Path) -> String {
 
 /// `path` rewritten as two split files named as llama.cpp's gguf-split names them, the tensors
 /// shared between them in order; returns the first.
-fn split_in_two(path: &Path, directory: &Path) -> std::path::PathBuf {
+pub fn split_in_two(path: &Path, directory: &Path) -> std::path::PathBuf {
     let source = hypura_gguf::Gguf::open(path).unwrap();
     let bytes = std::fs::read(path).unwrap();
     let half = source.tensors.len() / 2;

@@ -137,9 +137,15 @@ pub struct Server {
 
 impl Server {
     pub fn start(arguments: &[String], log: PathBuf) -> Server {
+        Server::start_with(arguments, log, &[])
+    }
+
+    /// With more environment variables.
+    pub fn start_with(arguments: &[String], log: PathBuf, environment: &[(&str, &str)]) -> Server {
         let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let log_file = std::fs::File::create(&log).unwrap();
         let child = hypura_command()
+            .envs(environment.iter().copied())
             .arg("serve")
             .args(arguments)
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])

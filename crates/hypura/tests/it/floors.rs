@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use crate::common;
 
 /// The floor of each top-level module of `crates/hypura/src`.
-const FLOORS: [(&str, u32); 13] = [
+const FLOORS: [(&str, u32); 14] = [
     ("io", 0),
     ("format", 0),
     ("sync", 0),
@@ -17,6 +17,7 @@ const FLOORS: [(&str, u32); 13] = [
     ("store", 3),
     ("remote", 3),
     ("hw", 3),
+    ("hub", 3),
     ("engine", 4),
     ("setup", 5),
     ("server", 6),

@@ -14,6 +14,7 @@ mod engine_vs_llama;
 mod expert_stream;
 mod floors;
 mod gpu_tier;
+mod hub;
 mod inventory;
 mod predictions;
 mod prompt_cache;

@@ -44,6 +44,21 @@ struct QuantRow {
 
 pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
     let model = args.model.as_deref().or(args.model_flag.as_deref());
+    // A hub name not yet pulled is planned from its first file's index on the hub.
+    let hub_address = match model.and_then(crate::hub::Source::parse).transpose()? {
+        Some(source @ crate::hub::Source::Repo { .. }) => {
+            let hub = super::pull::hub();
+            match hub.pulled(&source) {
+                Some(_) => None,
+                None => Some(hub.resolve(&source)?.remove(0).url),
+            }
+        }
+        _ => None,
+    };
+    let model = match &hub_address {
+        Some(address) => Some(address.as_str()),
+        None => model,
+    };
     let (inventory, fetched) = match model.filter(|model| url::is_url(model)) {
         // Planned as the same file on this machine's disk would be.
         Some(address) => {
