@@ -89,9 +89,10 @@ fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> PromptCacheError + '_
 
 impl PromptCacheOptions {
     /// Create the directory and prove it writable, so that a bad `--prompt-cache` is an error at
-    /// startup rather than a warning per request.
+    /// startup rather than a warning per request; remove the temporaries no live process holds.
     pub fn check(&self) -> Result<(), PromptCacheError> {
         std::fs::create_dir_all(&self.dir).map_err(io_error(&self.dir))?;
+        sweep(&self.dir);
         let probe = Temporary::create(&self.dir, "probe").map_err(io_error(&self.dir))?;
         (&probe.file).write_all(b"hypura").map_err(io_error(&probe.path))?;
         Ok(())
@@ -154,10 +155,7 @@ impl PromptCache {
     pub fn open(options: &PromptCacheOptions, digest: Hash, layout: Layout) -> Result<PromptCache, PromptCacheError> {
         let dir = options.dir.join(hex(&digest[..8]));
         std::fs::create_dir_all(&dir).map_err(io_error(&dir))?;
-        let removed = remove_stale_temporaries(&options.dir);
-        if removed > 0 {
-            tracing::info!("prompt cache: {removed} temporary file(s) that no running process writes removed");
-        }
+        sweep(&options.dir);
         let unsupported = Arc::new(AtomicBool::new(false));
         let pending = Arc::new(AtomicUsize::new(0));
         let (sender, receiver) = mpsc::channel::<WriteJob>();
@@ -865,6 +863,14 @@ impl Drop for Temporary {
         if !self.path.as_os_str().is_empty() {
             let _ = std::fs::remove_file(&self.path);
         }
+    }
+}
+
+/// Remove the temporary files in `root` that no live process holds, and say so.
+fn sweep(root: &Path) {
+    let removed = remove_stale_temporaries(root);
+    if removed > 0 {
+        tracing::info!("prompt cache: {removed} temporary file(s) that no running process writes removed");
     }
 }
 

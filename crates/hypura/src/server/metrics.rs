@@ -65,28 +65,19 @@ impl std::fmt::Debug for Metrics {
 impl Metrics {
     pub fn new(scheduler: Scheduler) -> Metrics {
         let mut registry = Registry::default();
-        let mut family = |name: &str, help: &str| {
-            let family = Family::<GenerationLabels, Counter>::default();
-            registry.register(name, help, family.clone());
-            family
-        };
-        let prompt_tokens = family("llamacpp:prompt_tokens", "Prompt tokens evaluated (a prefix reused is not).");
-        let predicted_tokens = family("llamacpp:tokens_predicted", "Tokens generated.");
+        let into = &mut registry;
+        let prompt_tokens = family(into, "llamacpp:prompt_tokens", "Prompt tokens evaluated (a prefix reused is not).");
+        let prompt_seconds = family(into, "llamacpp:prompt_seconds", "Time spent evaluating prompts.");
+        let predicted_tokens = family(into, "llamacpp:tokens_predicted", "Tokens generated.");
+        let predicted_seconds = family(into, "llamacpp:tokens_predicted_seconds", "Time spent generating tokens.");
         let reused_tokens =
-            family("hypura_prompt_tokens_reused", "Prompt tokens whose KV cache was reused, not evaluated.");
+            family(into, "hypura_prompt_tokens_reused", "Prompt tokens whose KV cache was reused, not evaluated.");
         let prompt_cache_hits =
-            family("hypura_prompt_cache_hits", "Generations that loaded a prefix from the prompt cache on disk.");
-        let prompt_cache_tokens = family("hypura_prompt_cache_loaded_tokens", "Tokens loaded from the prompt cache.");
-        let prompt_cache_bytes = family("hypura_prompt_cache_read_bytes", "Bytes read from the prompt cache.");
-        let mut seconds = |name: &str, help: &str| {
-            let family = Family::<GenerationLabels, Seconds>::default();
-            registry.register(name, help, family.clone());
-            family
-        };
-        let prompt_seconds = seconds("llamacpp:prompt_seconds", "Time spent evaluating prompts.");
-        let predicted_seconds = seconds("llamacpp:tokens_predicted_seconds", "Time spent generating tokens.");
-        let requests = Family::<RequestLabels, Counter>::default();
-        registry.register("hypura_requests", "HTTP requests answered, by endpoint and status.", requests.clone());
+            family(into, "hypura_prompt_cache_hits", "Generations that loaded a prefix from the prompt cache on disk.");
+        let prompt_cache_tokens =
+            family(into, "hypura_prompt_cache_loaded_tokens", "Tokens loaded from the prompt cache.");
+        let prompt_cache_bytes = family(into, "hypura_prompt_cache_read_bytes", "Bytes read from the prompt cache.");
+        let requests = family(into, "hypura_requests", "HTTP requests answered, by endpoint and status.");
         registry.register_collector(Box::new(Live { scheduler }));
         Metrics {
             registry,
@@ -113,6 +104,17 @@ impl Metrics {
         prometheus_client::encoding::text::encode(&mut text, &self.registry)?;
         Ok(text)
     }
+}
+
+/// A labelled metric, registered under `name`.
+fn family<L, M>(registry: &mut Registry, name: &str, help: &str) -> Family<L, M>
+where
+    L: Clone + std::fmt::Debug + std::hash::Hash + Eq + EncodeLabelSet + Send + Sync + 'static,
+    M: Default + EncodeMetric + prometheus_client::metrics::TypedMetric + std::fmt::Debug + Send + Sync + 'static,
+{
+    let family = Family::<L, M>::default();
+    registry.register(name, help, family.clone());
+    family
 }
 
 /// Where one generation's figures go.

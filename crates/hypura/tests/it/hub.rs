@@ -161,6 +161,14 @@ fn hub(directory: &Path) -> (Hub, String) {
     (hub, base)
 }
 
+/// A directory, the hub in it, its address, and the models directory to pull into.
+fn setup() -> (tempfile::TempDir, Hub, String, PathBuf) {
+    let directory = tempfile::tempdir().unwrap();
+    let (hub, base) = hub(directory.path());
+    let models = directory.path().join("models");
+    (directory, hub, base, models)
+}
+
 fn pull(base: &str, models: &Path, arguments: &[&str], environment: &[(&str, &str)]) -> std::process::Output {
     common::hypura_command()
         .args(arguments)
@@ -184,9 +192,7 @@ fn sha256_of(path: &Path) -> String {
 #[test]
 fn pull_shows_the_plan_and_its_progress_picks_the_quant_and_lists_and_removes() {
     let _machine = common::shared_machine();
-    let directory = tempfile::tempdir().unwrap();
-    let (hub, base) = hub(directory.path());
-    let models = directory.path().join("models");
+    let (_directory, hub, base, models) = setup();
 
     let output = pull(&base, &models, &["pull", "hf.co/org/models:Q8_0", "--context", "512"], &[]);
     let (stdout, stderr) = (text(&output.stdout), text(&output.stderr));
@@ -222,9 +228,7 @@ fn pull_shows_the_plan_and_its_progress_picks_the_quant_and_lists_and_removes() 
 #[test]
 fn a_pull_cut_off_resumes_and_a_wrong_hash_deletes_the_file() {
     let _machine = common::shared_machine();
-    let directory = tempfile::tempdir().unwrap();
-    let (hub, base) = hub(directory.path());
-    let models = directory.path().join("models");
+    let (_directory, hub, base, models) = setup();
     let size = std::fs::metadata(hub.root.join("org/models/m-Q4_K_M.gguf")).unwrap().len();
 
     hub.cut_once.lock().unwrap().push("m-Q4_K_M.gguf".into());
@@ -256,9 +260,7 @@ fn a_pull_cut_off_resumes_and_a_wrong_hash_deletes_the_file() {
 #[test]
 fn a_missing_repository_a_refused_token_and_no_space_are_each_one_line() {
     let _machine = common::shared_machine();
-    let directory = tempfile::tempdir().unwrap();
-    let (hub, base) = hub(directory.path());
-    let models = directory.path().join("models");
+    let (_directory, hub, base, models) = setup();
     // The error is the last line, and no other line names the failure.
     let error_lines = |output: &std::process::Output, mark: &str| -> Vec<String> {
         let stderr = text(&output.stderr);
@@ -290,9 +292,7 @@ fn a_missing_repository_a_refused_token_and_no_space_are_each_one_line() {
 #[test]
 fn run_pulls_a_name_on_first_use() {
     let _machine = common::shared_machine();
-    let directory = tempfile::tempdir().unwrap();
-    let (_hub, base) = hub(directory.path());
-    let models = directory.path().join("models");
+    let (_directory, _hub, base, models) = setup();
     let run = |name: &str| {
         pull(
             &base,
@@ -313,9 +313,7 @@ fn run_pulls_a_name_on_first_use() {
 #[test]
 fn api_pull_streams_progress_to_the_ollama_client_and_api_delete_removes() {
     let _machine = common::shared_machine();
-    let directory = tempfile::tempdir().unwrap();
-    let (hub, base) = hub(directory.path());
-    let models = directory.path().join("models");
+    let (directory, hub, base, models) = setup();
     let models_text = models.display().to_string();
     let server = Server::start_with(
         &["--models-dir".to_string(), directory.path().display().to_string()],

@@ -35,6 +35,17 @@ fn chat(model: &str, system: &str, question: &str) -> Value {
     })
 }
 
+/// `serve`'s flags for these tests: one sequence of 4,096 tokens, two threads, batch-invariant
+/// kernels, and the prompt cache in `cache` where given.
+fn serve_arguments(model: &Path, cache: Option<&Path>) -> Vec<String> {
+    let mut arguments = vec![model.display().to_string()];
+    arguments.extend(["--context", "4096", "--parallel", "1", "--threads", "2", "--batch-invariant"].map(String::from));
+    if let Some(cache) = cache {
+        arguments.extend(["--prompt-cache".to_string(), cache.display().to_string()]);
+    }
+    arguments
+}
+
 /// Stop a server as a user does (Ctrl-C), so that it finishes its writes, and wait for it.
 fn interrupt(mut server: Server) {
     let pid = server.child.id().to_string();
@@ -55,15 +66,7 @@ fn a_restarted_server_loads_a_shared_system_prompt_from_disk() {
     let model_path = common::smollm_path();
     let model = model_path.file_stem().unwrap().to_str().unwrap().to_ascii_lowercase();
     let system = system_prompt(107);
-    let arguments = |with_cache: bool| {
-        let mut arguments = vec![model_path.display().to_string()];
-        arguments
-            .extend(["--context", "4096", "--parallel", "1", "--threads", "2", "--batch-invariant"].map(String::from));
-        if with_cache {
-            arguments.extend(["--prompt-cache".to_string(), cache.display().to_string()]);
-        }
-        arguments
-    };
+    let arguments = |with_cache: bool| serve_arguments(&model_path, with_cache.then_some(cache.as_path()));
 
     let first = Server::start(&arguments(true), directory.path().join("first.log"));
     let answer = first.post("/api/chat", &chat(&model, &system, "Which shelf holds item 70?"));
@@ -311,9 +314,7 @@ fn sigterm_after_an_answer_keeps_its_prompt_for_the_restart() {
     let cache = directory.path().join("prompt-cache");
     let model_path = common::smollm_path();
     let model = model_path.file_stem().unwrap().to_str().unwrap().to_ascii_lowercase();
-    let mut arguments = vec![model_path.display().to_string()];
-    arguments.extend(["--context", "4096", "--parallel", "1", "--threads", "2", "--batch-invariant"].map(String::from));
-    arguments.extend(["--prompt-cache".to_string(), cache.display().to_string()]);
+    let arguments = serve_arguments(&model_path, Some(&cache));
     let question = chat(&model, &system_prompt(60), "Which shelf holds item 140?");
 
     let first = Server::start(&arguments, directory.path().join("first.log"));
@@ -340,15 +341,7 @@ fn a_kill_during_a_save_costs_that_save_and_the_next_start_loads_whole_files_onl
     let cache = directory.path().join("prompt-cache");
     let model_path = common::smollm_path();
     let model = model_path.file_stem().unwrap().to_str().unwrap().to_ascii_lowercase();
-    let arguments = |with_cache: bool| {
-        let mut arguments = vec![model_path.display().to_string()];
-        arguments
-            .extend(["--context", "4096", "--parallel", "1", "--threads", "2", "--batch-invariant"].map(String::from));
-        if with_cache {
-            arguments.extend(["--prompt-cache".to_string(), cache.display().to_string()]);
-        }
-        arguments
-    };
+    let arguments = |with_cache: bool| serve_arguments(&model_path, with_cache.then_some(cache.as_path()));
     let question = chat(&model, &system_prompt(100), "How often is shelf 5 checked?");
 
     // Killed while the writer cuts the saved sequence into blocks: some blocks are whole and
@@ -375,6 +368,8 @@ fn a_kill_during_a_save_costs_that_save_and_the_next_start_loads_whole_files_onl
     let whole = block_files(&cache).len();
 
     let restarted = Server::start(&arguments(true), directory.path().join("restarted.log"));
+    // The start cleaned what the kill left, before any request.
+    assert_eq!(temporaries(&cache), Vec::<PathBuf>::new(), "{left:?} were kept at the start");
     let cached = restarted.post("/api/chat", &question);
     let log = restarted.log_text();
     restarted.terminate();
