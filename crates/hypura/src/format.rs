@@ -4,6 +4,11 @@
 
 const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
 
+/// Bytes as lower-case hexadecimal (digests, in names and manifests).
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+}
+
 /// "512 B", "4.00 KiB", "236.0 MiB", "1.50 GiB": two decimals below 10, one above.
 pub fn format_bytes(bytes: u64) -> String {
     if bytes < 1024 {

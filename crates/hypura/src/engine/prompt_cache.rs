@@ -47,6 +47,7 @@ use hypura_sys::{Context, Token};
 use sha2::{Digest, Sha256};
 
 use super::Engine;
+use crate::format::hex;
 
 /// Tokens per block: a 2,500-token system prompt is cached but for the last partial block.
 pub const BLOCK_TOKENS: usize = 64;
@@ -808,10 +809,6 @@ pub fn settings_digest(engine: &Engine) -> Result<Hash, PromptCacheError> {
         }
     }
     Ok(hasher.finalize().into())
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
 }
 
 static TEMPORARY_COUNTER: AtomicU64 = AtomicU64::new(0);

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use sha2::{Digest, Sha256};
 
 use super::{check_status, io_error, is_sha256, Hub, HubError, PulledFile, RemoteFile};
-use crate::format::format_bytes;
+use crate::format::{format_bytes, hex};
 
 /// What a pull is doing, for a progress bar or Ollama's `/api/pull` lines.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -84,10 +84,6 @@ fn hash_file(path: &Path, hasher: &mut Sha256) -> Result<u64, HubError> {
         hasher.update(&buffer[..read]);
         total += read as u64;
     }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
 }
 
 /// Download `file` (file `index` of `count`) into the models directory.

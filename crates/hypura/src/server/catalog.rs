@@ -13,6 +13,7 @@ use std::time::SystemTime;
 use sha2::{Digest, Sha256};
 
 use super::error::AppError;
+use crate::format::hex;
 
 const DEFAULT_HOST: &str = "registry.ollama.ai";
 const DEFAULT_NAMESPACE: &str = "library";
@@ -281,10 +282,6 @@ fn manifest_entry(store: &Path, manifest_path: &Path, name: &ModelName) -> Optio
         digest: hex(&Sha256::digest(&bytes)),
         owner: name.namespace.clone(),
     })
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
 }
 
 #[cfg(test)]

@@ -4,7 +4,6 @@ use std::io::{IsTerminal, Write};
 use std::time::{Instant, SystemTime};
 
 use anyhow::Context;
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::cli::args::{PullArgs, RemoveArgs};
 use crate::format::format_bytes;
@@ -81,15 +80,7 @@ fn confirm(question: &str) -> anyhow::Result<bool> {
 /// Pull `files` with a progress bar on a terminal, or a line every tenth in a pipe.
 pub fn pull_with_progress(hub: &Hub, source: &Source, files: &[crate::hub::RemoteFile]) -> anyhow::Result<Manifest> {
     let terminal = std::io::stderr().is_terminal();
-    let bar = ProgressBar::new(0);
-    if !terminal {
-        bar.set_draw_target(ProgressDrawTarget::hidden());
-    }
-    if let Ok(style) =
-        ProgressStyle::with_template("{msg} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta} {wide_bar}")
-    {
-        bar.set_style(style);
-    }
+    let bar = crate::cli::progress::bytes_bar("pulling");
     let started = Instant::now();
     let mut last_tenth = None;
     let mut report = |progress: Progress| match progress {
