@@ -45,16 +45,27 @@ struct Args {
     /// Quantization mix: q4_k_m, q8_0 or f16.
     #[arg(long, default_value = "q4_k_m")]
     quant: String,
-    /// Router skew (0 = uniform routing).
-    #[arg(long, default_value_t = 0.0)]
-    router_skew: f32,
-    /// Router temporal locality (0 = independent per token).
-    #[arg(long, default_value_t = 0.0)]
-    router_locality: f32,
+    /// Router skew (0 = uniform popularity). Default: the preset's (an MoE preset's routing is
+    /// calibrated to real models': `spec::RoutingDefaults::real`).
+    #[arg(long)]
+    router_skew: Option<f32>,
+    /// Router temporal locality (0 = independent per token). Default: the preset's.
+    #[arg(long)]
+    router_locality: Option<f32>,
     /// Scale of each layer's update to the residual stream (1 = unit variance; real models add
-    /// little per layer, e.g. 0.1).
-    #[arg(long, default_value_t = 1.0)]
-    residual_scale: f32,
+    /// little per layer). Default: the preset's.
+    #[arg(long)]
+    residual_scale: Option<f32>,
+    /// With varied text, how strongly each token's embedding carries its place's topic (0:
+    /// none), and over how many tokens the topic drifts. Default: the preset's.
+    #[arg(long)]
+    topic_strength: Option<f32>,
+    #[arg(long)]
+    topic_span: Option<f32>,
+    /// Greedy text from a random output matrix (it falls into short loops), instead of the
+    /// walk through the vocabulary that an MoE preset's default makes (`ForgeSpec::varied_text`).
+    #[arg(long)]
+    looping_text: bool,
     /// Override the architecture (its `general.architecture` name, e.g. llama, qwen3moe).
     #[arg(long)]
     arch: Option<String>,
@@ -87,9 +98,12 @@ fn main() -> anyhow::Result<()> {
         bail!("unknown preset {name:?}; presets: {}", presets().join(", "));
     };
     spec.seed = args.seed;
-    spec.router_skew = args.router_skew;
-    spec.router_locality = args.router_locality;
-    spec.residual_scale = args.residual_scale;
+    spec.router_skew = args.router_skew.unwrap_or(spec.router_skew);
+    spec.router_locality = args.router_locality.unwrap_or(spec.router_locality);
+    spec.residual_scale = args.residual_scale.unwrap_or(spec.residual_scale);
+    spec.varied_text &= !args.looping_text;
+    spec.topic_strength = args.topic_strength.unwrap_or(spec.topic_strength);
+    spec.topic_span = args.topic_span.unwrap_or(spec.topic_span);
     spec.quant = QuantMix::parse(&args.quant).with_context(|| format!("unknown quantization {:?}", args.quant))?;
     if let Some(arch) = &args.arch {
         spec.arch = Arch::parse(arch).with_context(|| format!("unknown architecture {arch:?}"))?;

@@ -166,6 +166,18 @@ pub struct ForgeSpec {
     /// variance; real models add little per layer, so their hidden state (and routing) drifts
     /// slowly from layer to layer, which is what makes the stale gate predict.
     pub residual_scale: f32,
+    /// The output matrix makes greedy text walk the vocabulary: each ordinary token's logits
+    /// peak at its successor in one long cycle through the ordinary tokens (row j of
+    /// `output.weight` is the embedding of the token before j). A random output matrix makes
+    /// greedy text fall into short loops, and a loop repeats its routing, which no real model's
+    /// text does. Where the model has no output matrix (tied to the embedding) it does nothing.
+    pub varied_text: bool,
+    /// With varied text, how strongly a token's embedding carries the topic of its place in
+    /// the text (0: none), and over how many tokens that topic drifts (`write::topic_rows`):
+    /// the temporal locality of routing, which real text has and the forge's other settings
+    /// lack (consecutive tokens pick many of the same experts).
+    pub topic_strength: f32,
+    pub topic_span: f32,
     /// `tokenizer.chat_template`: the Qwen3 presets carry a Qwen3-style template with a
     /// reasoning section (`<think>`), the others none (base models).
     pub chat_template: Option<String>,
@@ -223,6 +235,31 @@ pub fn presets() -> Vec<&'static str> {
     names
 }
 
+/// The routing settings an MoE preset gets by default, calibrated so that greedy text (128
+/// tokens after each of four short prompts, `hypura run --trace`, then `hypura simulate`)
+/// routes as Qwen3-30B-A3B's recorded picks do (`data/routing/`: the top tenth of a layer's
+/// experts take 0.27 of picks, a token picks 0.42 of the last one's experts again, an LRU of a
+/// quarter of a layer's experts hits 0.75), on narrow models of the presets' layers, experts and
+/// top-k (docs/benchmarks/2026-12-06-real-routing/): `moe-30b`'s 128 experts gave 0.26, 0.43 and
+/// 0.74; `qwen3.6-35b-a3b`'s 256 (sparser: a token picks 8) 0.31, 0.41 and 0.74.
+pub struct RoutingDefaults {
+    pub router_skew: f32,
+    pub residual_scale: f32,
+    pub topic_strength: f32,
+    pub topic_span: f32,
+}
+
+impl RoutingDefaults {
+    /// The calibrated settings nearest a model of `n_expert` experts.
+    pub fn real(n_expert: u64) -> RoutingDefaults {
+        if n_expert >= 192 {
+            RoutingDefaults { router_skew: 0.2, residual_scale: 0.1, topic_strength: 1.4, topic_span: 12.0 }
+        } else {
+            RoutingDefaults { router_skew: 0.6, residual_scale: 0.1, topic_strength: 1.1, topic_span: 10.0 }
+        }
+    }
+}
+
 /// A named preset. `tiny-dense`, `tiny-moe` and `tiny-moe30b` are aliases.
 pub fn preset(name: &str) -> Option<ForgeSpec> {
     let canonical = match name {
@@ -241,15 +278,20 @@ pub fn preset(name: &str) -> Option<ForgeSpec> {
         })?,
     };
     let chat_template = matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe).then(|| QWEN3_TEMPLATE.to_string());
+    let moe = shape.n_expert > 0;
+    let routing = RoutingDefaults::real(shape.n_expert);
     Some(ForgeSpec {
         name: name.to_string(),
         arch,
         shape,
         quant: QuantMix::Q4KM,
         seed: 42,
-        router_skew: 0.0,
+        router_skew: if moe { routing.router_skew } else { 0.0 },
         router_locality: 0.0,
-        residual_scale: 1.0,
+        residual_scale: if moe { routing.residual_scale } else { 1.0 },
+        varied_text: moe,
+        topic_strength: if moe { routing.topic_strength } else { 0.0 },
+        topic_span: routing.topic_span,
         chat_template,
     })
 }
@@ -326,6 +368,9 @@ pub enum Init {
     Residual { fan_in: u64 },
     /// Token embeddings, with the shared locality direction.
     Embedding,
+    /// `output.weight` under `ForgeSpec::varied_text`: row j is the embedding of j's
+    /// predecessor in the cycle through the ordinary tokens, at unit norm.
+    Successor,
     /// Router rows, scaled per expert by the skew.
     Router { fan_in: u64 },
     /// Uniform in `low..high`: biases, recurrent-state parameters, sinks.

@@ -58,6 +58,11 @@ impl Vocabulary {
         vocabulary
     }
 
+    /// Whether `token` is an ordinary text token (not a control or byte-fallback token).
+    pub fn is_ordinary(&self, token: usize) -> bool {
+        self.types.get(token) == Some(&TYPE_NORMAL)
+    }
+
     pub fn len(&self) -> u64 {
         self.tokens.len() as u64
     }

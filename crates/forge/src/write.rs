@@ -48,6 +48,9 @@ pub fn metadata(spec: &ForgeSpec, vocabulary: &Vocabulary) -> Vec<(String, Value
     meta.set_key("hypura.forge.router_skew", Value::F32(spec.router_skew));
     meta.set_key("hypura.forge.router_locality", Value::F32(spec.router_locality));
     meta.set_key("hypura.forge.residual_scale", Value::F32(spec.residual_scale));
+    meta.set_key("hypura.forge.varied_text", Value::Bool(spec.varied_text));
+    meta.set_key("hypura.forge.topic_strength", Value::F32(spec.topic_strength));
+    meta.set_key("hypura.forge.topic_span", Value::F32(spec.topic_span));
     meta.u32("context_length", shape.n_ctx_train);
     meta.u32("embedding_length", shape.n_embd);
     meta.u32("block_count", shape.n_layer);
@@ -98,11 +101,16 @@ pub fn write_model(
     let total = layout.file_bytes;
     let done = AtomicU64::new(layout.header.len() as u64);
     let locality_direction = unit_direction(spec.seed, spec.shape.n_embd);
+    let cycle = text_cycle(spec);
+    let topics = topic_rows(spec, &cycle);
+    let mut shared = Shared { locality_direction: &locality_direction, topics: topics.as_deref(), successors: None };
+    let successors = successor_rows(spec, &plans, &pieces, &shared, &cycle);
+    shared.successors = successors.as_deref();
     pieces.par_iter().try_for_each(|piece| -> Result<(), ForgeError> {
         let plan = &plans[piece.tensor];
         let row_elements = plan.dims[0];
         let row_bytes = plan.ggml_type.row_bytes(row_elements).expect("validated by layout");
-        let bytes = piece_bytes(spec, plan, piece, &locality_direction)?;
+        let bytes = piece_bytes(spec, plan, piece, &shared)?;
         let offset = layout.tensor_offsets[piece.tensor] + piece.first_row * row_bytes;
         file.write_all_at(&bytes, offset).map_err(io_error)?;
         let now = done.fetch_add(bytes.len() as u64, Ordering::Relaxed) + bytes.len() as u64;
@@ -202,7 +210,91 @@ fn unit_direction(seed: u64, width: u64) -> Vec<f32> {
     direction
 }
 
-fn generate_rows(spec: &ForgeSpec, plan: &TensorPlan, piece: &Piece, locality_direction: &[f32]) -> Vec<f32> {
+/// What every piece's rows may draw on beside its own generator.
+struct Shared<'a> {
+    locality_direction: &'a [f32],
+    /// Per token, the topic its embedding carries (`ForgeSpec::topic_strength`); None without.
+    topics: Option<&'a [f32]>,
+    /// `Init::Successor`'s rows, every token's (None unless the spec has an output matrix to
+    /// make them for).
+    successors: Option<&'a [f32]>,
+}
+
+/// The order greedy text walks the ordinary tokens in under `ForgeSpec::varied_text`: one
+/// cycle through them, drawn from the seed. Empty without varied text.
+fn text_cycle(spec: &ForgeSpec) -> Vec<usize> {
+    if !spec.varied_text {
+        return Vec::new();
+    }
+    let vocabulary = Vocabulary::build();
+    let mut cycle: Vec<usize> = (0..vocabulary.len() as usize).filter(|&token| vocabulary.is_ordinary(token)).collect();
+    let mut rng = piece_rng(spec.seed ^ 0x6379_636c, usize::MAX, 0);
+    for index in (1..cycle.len()).rev() {
+        cycle.swap(index, rng.gen_range(0..=index));
+    }
+    cycle
+}
+
+/// Per token (rows of `n_embd`), the topic its embedding carries: along the text cycle, a
+/// vector that drifts (each step keeps `exp(-1 / topic_span)` of the last one and draws the
+/// rest), at unit variance a component, times `topic_strength`; zero off the cycle. Tokens
+/// that follow each other in text share most of their topic, as words of one passage do, so
+/// the router picks much of the same experts for them, and less the farther apart they are.
+fn topic_rows(spec: &ForgeSpec, cycle: &[usize]) -> Option<Vec<f32>> {
+    if cycle.is_empty() || spec.topic_strength <= 0.0 {
+        return None;
+    }
+    let width = spec.shape.n_embd as usize;
+    let n_vocab = Vocabulary::build().len() as usize;
+    let keep = (-1.0 / spec.topic_span.max(f32::MIN_POSITIVE)).exp();
+    let fresh = (1.0 - keep * keep).sqrt();
+    let mut rng = piece_rng(spec.seed ^ 0x746f_7069, usize::MAX, 1);
+    let draw = |rng: &mut ChaCha8Rng| rng.gen_range(-1.0f32..1.0) * 3f32.sqrt();
+    let mut topic: Vec<f32> = (0..width).map(|_| draw(&mut rng)).collect();
+    let mut rows = vec![0f32; n_vocab * width];
+    for &token in cycle {
+        for value in topic.iter_mut() {
+            *value = keep * *value + fresh * draw(&mut rng);
+        }
+        for (out, value) in rows[token * width..(token + 1) * width].iter_mut().zip(&topic) {
+            *out = spec.topic_strength * value;
+        }
+    }
+    Some(rows)
+}
+
+/// The output matrix of `ForgeSpec::varied_text`, whole: the token embedding's rows (as its
+/// pieces draw them), each ordinary token's row the unit-norm embedding of its predecessor in
+/// the text cycle, other rows zero.
+fn successor_rows(
+    spec: &ForgeSpec,
+    plans: &[TensorPlan],
+    pieces: &[Piece],
+    shared: &Shared<'_>,
+    cycle: &[usize],
+) -> Option<Vec<f32>> {
+    plans.iter().find(|plan| plan.init == Init::Successor)?;
+    let embedding = plans.iter().position(|plan| plan.init == Init::Embedding)?;
+    let width = plans[embedding].dims[0] as usize;
+    let rows: Vec<f32> = pieces
+        .iter()
+        .filter(|piece| piece.tensor == embedding)
+        .flat_map(|piece| generate_rows(spec, &plans[embedding], piece, shared))
+        .collect();
+    let mut output = vec![0f32; rows.len()];
+    for (position, &token) in cycle.iter().enumerate() {
+        let before = cycle[(position + cycle.len() - 1) % cycle.len()];
+        let source = &rows[before * width..(before + 1) * width];
+        let norm = source.iter().map(|value| value * value).sum::<f32>().sqrt().max(f32::MIN_POSITIVE);
+        for (value, from) in output[token * width..(token + 1) * width].iter_mut().zip(source) {
+            *value = from / norm;
+        }
+    }
+    Some(output)
+}
+
+fn generate_rows(spec: &ForgeSpec, plan: &TensorPlan, piece: &Piece, shared: &Shared<'_>) -> Vec<f32> {
+    let locality_direction = shared.locality_direction;
     let row_elements = plan.dims[0] as usize;
     let mut rng = piece_rng(spec.seed, piece.tensor, piece.first_row);
     let mut values = vec![0f32; row_elements * piece.row_count as usize];
@@ -219,11 +311,21 @@ fn generate_rows(spec: &ForgeSpec, plan: &TensorPlan, piece: &Piece, locality_di
         }
         Init::Embedding => {
             let sqrt_width = (row_elements as f32).sqrt();
-            for row in values.chunks_mut(row_elements) {
-                for (value, shared) in row.iter_mut().zip(locality_direction) {
-                    *value = rng.gen_range(-1.0f32..1.0) + spec.router_locality * shared * sqrt_width;
+            for (offset, row) in values.chunks_mut(row_elements).enumerate() {
+                let token = piece.first_row as usize + offset;
+                let topic = shared.topics.map(|topics| &topics[token * row_elements..(token + 1) * row_elements]);
+                for (index, (value, shared)) in row.iter_mut().zip(locality_direction).enumerate() {
+                    *value = rng.gen_range(-1.0f32..1.0)
+                        + spec.router_locality * shared * sqrt_width
+                        + topic.map_or(0.0, |topic| topic[index]);
                 }
             }
+        }
+        Init::Successor => {
+            let successors = shared.successors.expect("successor rows are made before the pieces");
+            let start = (piece.first_row * row_elements as u64) as usize;
+            let count = values.len();
+            values.copy_from_slice(&successors[start..start + count]);
         }
         Init::Uniform { low, high } => values.iter_mut().for_each(|value| *value = rng.gen_range(low..high)),
         Init::ExpertIds { n_expert } => {
@@ -255,12 +357,7 @@ fn generate_rows(spec: &ForgeSpec, plan: &TensorPlan, piece: &Piece, locality_di
 }
 
 /// The encoded bytes of one piece, pooled where quantizing every block would be too slow.
-fn piece_bytes(
-    spec: &ForgeSpec,
-    plan: &TensorPlan,
-    piece: &Piece,
-    locality_direction: &[f32],
-) -> Result<Vec<u8>, ForgeError> {
+fn piece_bytes(spec: &ForgeSpec, plan: &TensorPlan, piece: &Piece, shared: &Shared<'_>) -> Result<Vec<u8>, ForgeError> {
     let ggml_type = plan.ggml_type;
     let row_elements = plan.dims[0];
     let block_elements = ggml_type.block_size();
@@ -270,13 +367,13 @@ fn piece_bytes(
         && matches!(plan.init, Init::Projection { .. } | Init::Residual { .. })
         && blocks > 4 * BLOCK_POOL;
     if !pooled {
-        let values = generate_rows(spec, plan, piece, locality_direction);
+        let values = generate_rows(spec, plan, piece, shared);
         return encode(ggml_type, &values, row_elements);
     }
     // The pool: BLOCK_POOL one-block rows drawn like the tensor's own rows.
     let pool_plan = TensorPlan { dims: vec![block_elements, BLOCK_POOL], ..plan.clone() };
     let pool_piece = Piece { tensor: piece.tensor, first_row: piece.first_row, row_count: BLOCK_POOL };
-    let pool_values = generate_rows(spec, &pool_plan, &pool_piece, locality_direction);
+    let pool_values = generate_rows(spec, &pool_plan, &pool_piece, shared);
     let pool = encode(ggml_type, &pool_values, block_elements)?;
     let block_bytes = ggml_type.type_size() as usize;
     let mut rng = piece_rng(spec.seed ^ 0x706f_6f6c, piece.tensor, piece.first_row);
@@ -293,5 +390,52 @@ fn encode(ggml_type: GgmlType, values: &[f32], row_elements: u64) -> Result<Vec<
         GgmlType::F32 => Ok(values.iter().flat_map(|value| value.to_le_bytes()).collect()),
         GgmlType::I32 => Ok(values.iter().flat_map(|value| (*value as i32).to_le_bytes()).collect()),
         other => Ok(hypura_sys::quantize_rows(other.id(), values, row_elements as usize)?),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Under varied text, the output matrix makes each ordinary token's logits, with the last
+    /// hidden state at its own embedding, peak at its successor in one cycle through every
+    /// ordinary token: greedy text walks the whole vocabulary before it repeats.
+    #[test]
+    fn varied_text_peaks_at_each_tokens_successor_in_one_cycle() {
+        let spec = crate::spec::preset("tiny-moe-30b").expect("a preset");
+        assert!(spec.varied_text && spec.topic_strength > 0.0, "an MoE preset's default");
+        let (plans, _, _) = layout(&spec).unwrap();
+        let pieces = pieces(&plans);
+        let direction = unit_direction(spec.seed, spec.shape.n_embd);
+        let cycle = text_cycle(&spec);
+        let topics = topic_rows(&spec, &cycle);
+        let shared = Shared { locality_direction: &direction, topics: topics.as_deref(), successors: None };
+        let output = successor_rows(&spec, &plans, &pieces, &shared, &cycle).expect("an output matrix");
+        let embedding = plans.iter().position(|plan| plan.init == Init::Embedding).unwrap();
+        let width = spec.shape.n_embd as usize;
+        let rows: Vec<f32> = pieces
+            .iter()
+            .filter(|piece| piece.tensor == embedding)
+            .flat_map(|piece| generate_rows(&spec, &plans[embedding], piece, &shared))
+            .collect();
+        let vocabulary = Vocabulary::build();
+        assert_eq!(cycle.len(), (0..vocabulary.len() as usize).filter(|&token| vocabulary.is_ordinary(token)).count());
+        for (position, &token) in cycle.iter().enumerate() {
+            let hidden = &rows[token * width..(token + 1) * width];
+            let logit = |candidate: usize| -> f32 {
+                output[candidate * width..(candidate + 1) * width].iter().zip(hidden).map(|(a, b)| a * b).sum()
+            };
+            let best = (0..vocabulary.len() as usize).max_by(|&a, &b| logit(a).total_cmp(&logit(b))).unwrap();
+            assert_eq!(best, cycle[(position + 1) % cycle.len()], "token {token} at {position}");
+        }
+        // Consecutive tokens of the cycle share their topic; tokens far apart do not.
+        let topics = topics.unwrap();
+        let correlation = |a: usize, b: usize| -> f32 {
+            let (a, b) = (&topics[a * width..(a + 1) * width], &topics[b * width..(b + 1) * width]);
+            let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+            dot / (a.iter().map(|x| x * x).sum::<f32>() * b.iter().map(|y| y * y).sum::<f32>()).sqrt()
+        };
+        assert!(correlation(cycle[10], cycle[11]) > 0.7);
+        assert!(correlation(cycle[10], cycle[110]).abs() < 0.3);
     }
 }

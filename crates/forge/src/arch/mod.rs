@@ -241,7 +241,8 @@ impl Tensors<'_> {
         let n_embd = self.shape().n_embd;
         self.norm("output_norm.weight", &[n_embd]);
         let ggml_type = self.quant(GgmlType::Q6_K, false, n_embd);
-        self.add("output.weight", &[n_embd, self.n_vocab], ggml_type, Init::Projection { fan_in: n_embd });
+        let init = if self.spec.varied_text { Init::Successor } else { Init::Projection { fan_in: n_embd } };
+        self.add("output.weight", &[n_embd, self.n_vocab], ggml_type, init);
     }
 
     /// Separate q, k, v and output projections of grouped-query attention, with widths from

@@ -4,6 +4,7 @@
 //! drift.
 pub mod peer;
 pub mod picture;
+pub mod routing;
 pub mod simulate;
 
 use std::fmt::Write as _;
@@ -102,6 +103,10 @@ pub struct BenchOptions {
     /// recorded it (a resident run that computed under 5% of the weights on the host): a pooled
     /// decode's physical compute term, without the pool's stops. None if never measured.
     pub device_resident_seconds_per_token: Option<f64>,
+    /// The weight bytes a second this machine's CPU computed in resident runs (`MachineFacts::
+    /// cpu_bytes_per_sec`): where a pooled decode's misses could have been computed instead of
+    /// moved (the limit's misses term). None if never measured.
+    pub cpu_bytes_per_sec: Option<f64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -345,6 +350,12 @@ pub struct PoolLimit {
     /// The pool's transfers per pass, and the rate they ran at.
     pub bus_seconds_per_token: f64,
     pub bus_bytes_per_sec: f64,
+    /// The bytes of the decode's picks that no slot held, per pass (uploaded or computed by
+    /// the CPU), and the CPU's rate beside the bus's: the least time those misses take is
+    /// their bytes over both (`miss_seconds_per_token`). Copies back and staging are this
+    /// run's own way of moving them, not part of it.
+    pub miss_bytes_per_token: f64,
+    pub cpu_bytes_per_sec: Option<f64>,
     /// The totals they come from, as the model's record keeps them for the next plan: bytes
     /// moved both ways and the time it took, the pool's stops and the host's time at them
     /// beside the transfers (the plan counts those as the misses' bus time).
@@ -391,7 +402,7 @@ impl PoolLimit {
     /// From tg's totals and the model's recorded time resident on the device, if any; None
     /// without a pool's stops or a decode. The host's and the bus's times are the tg requests'
     /// (their start tokens' passes too) per pass.
-    fn from_totals(totals: &TgTotals, resident: Option<f64>) -> Option<PoolLimit> {
+    fn from_totals(totals: &TgTotals, resident: Option<f64>, cpu_bytes_per_sec: Option<f64>) -> Option<PoolLimit> {
         let pool = &totals.pool;
         if pool.host_seconds <= 0.0 || totals.generated == 0 || totals.graphs == 0 {
             return None;
@@ -410,6 +421,8 @@ impl PoolLimit {
             resident_seconds_per_token: resident,
             bus_seconds_per_token: pool.transfer_seconds / graphs,
             bus_bytes_per_sec: if pool.transfer_seconds > 0.0 { moved as f64 / pool.transfer_seconds } else { 0.0 },
+            miss_bytes_per_token: pool.miss_bytes() as f64 / graphs,
+            cpu_bytes_per_sec: cpu_bytes_per_sec.filter(|rate| *rate > 0.0),
             work: crate::hw::PoolWork {
                 moved_bytes: moved,
                 transfer_seconds: pool.transfer_seconds,
@@ -420,6 +433,17 @@ impl PoolLimit {
             },
             stop: StopSplit::of(pool, graphs),
         })
+    }
+
+    /// The least time a pass's misses take: their bytes moved over the bus and computed by the
+    /// CPU at once, each at its rate (the bus's as this run measured it).
+    pub fn miss_seconds_per_token(&self) -> f64 {
+        let rate = self.bus_bytes_per_sec + self.cpu_bytes_per_sec.unwrap_or(0.0);
+        if rate > 0.0 {
+            self.miss_bytes_per_token / rate
+        } else {
+            self.bus_seconds_per_token
+        }
     }
 
     /// The GPU's compute term of the limit: the model resident on the device where a run
@@ -609,9 +633,10 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
     // The physical limit of the tg runs: their compute per decode, their bytes per pass, and
     // the tokens a decode yielded (one without drafts).
     let tokens_per_pass = if totals.drafted > 0 { totals.tokens as f64 / totals.passes as f64 } else { 1.0 };
-    let pool_limit = PoolLimit::from_totals(&totals, options.device_resident_seconds_per_token);
+    let pool_limit =
+        PoolLimit::from_totals(&totals, options.device_resident_seconds_per_token, options.cpu_bytes_per_sec);
     let compute_per_token = pool_limit.map_or(totals.compute_seconds / totals.generated as f64, |pool| {
-        pool.device_compute_seconds_per_token().max(pool.bus_seconds_per_token)
+        pool.device_compute_seconds_per_token().max(pool.miss_seconds_per_token())
     });
     let limit_at = |rate: f64| {
         crate::plan::limit_tokens_per_sec(
@@ -834,10 +859,16 @@ pub fn render(report: &BenchReport) -> String {
                             pool.host_seconds_per_token * 1e3,
                         ),
                     };
+                    let cpu = pool.cpu_bytes_per_sec.map_or_else(
+                        || "no CPU rate recorded here yet".to_string(),
+                        |rate| format!("the CPU at {:.1} GB/s", rate / 1e9),
+                    );
                     format!(
-                        "{gpu}; the bus {:.2} ms a token at {:.1} GB/s, this run's transfers;",
+                        "{gpu}; the slots' misses {:.2} ms a token: {:.1} MB over the bus at {:.1} GB/s and {cpu} together (this run's transfers took {:.2} ms);",
+                        pool.miss_seconds_per_token() * 1e3,
+                        pool.miss_bytes_per_token / 1e6,
+                        pool.bus_bytes_per_sec / 1e9,
                         pool.bus_seconds_per_token * 1e3,
-                        pool.bus_bytes_per_sec / 1e9
                     )
                 },
             );
@@ -931,7 +962,7 @@ mod tests {
         };
         let totals =
             TgTotals { graphs: 11, generated: 10, compute_seconds: 0.1, layer_visits: 44, pool, ..Default::default() };
-        let limit = PoolLimit::from_totals(&totals, None).expect("a pooled run");
+        let limit = PoolLimit::from_totals(&totals, None, None).expect("a pooled run");
         assert!((limit.host_seconds_per_token - 0.002).abs() < 1e-12, "{limit:?}");
         assert!((limit.device_seconds_per_token - 0.008).abs() < 1e-12, "{limit:?}");
         assert!((limit.bus_seconds_per_token - 0.005 / 11.0).abs() < 1e-12, "{limit:?}");
@@ -939,13 +970,13 @@ mod tests {
         assert_eq!((limit.work.moved_bytes, limit.work.stops), (5_000_000, 44), "{limit:?}");
         assert!((limit.work.host_seconds - 0.017).abs() < 1e-12, "{limit:?}");
         let unpooled = TgTotals { graphs: 11, generated: 10, compute_seconds: 0.1, ..Default::default() };
-        assert_eq!(PoolLimit::from_totals(&unpooled, Some(0.005)), None);
+        assert_eq!(PoolLimit::from_totals(&unpooled, Some(0.005), None), None);
         assert!((limit.device_compute_seconds_per_token() - 0.008).abs() < 1e-12, "{limit:?}");
         // The model resident on the device, recorded: the GPU's compute without the stops' gaps;
         // never more than this run's own GPU side (the limit stays a limit).
-        let resident = PoolLimit::from_totals(&totals, Some(0.005)).expect("a pooled run");
+        let resident = PoolLimit::from_totals(&totals, Some(0.005), None).expect("a pooled run");
         assert!((resident.device_compute_seconds_per_token() - 0.005).abs() < 1e-12, "{resident:?}");
-        let slower = PoolLimit::from_totals(&totals, Some(0.02)).expect("a pooled run");
+        let slower = PoolLimit::from_totals(&totals, Some(0.02), None).expect("a pooled run");
         assert!((slower.device_compute_seconds_per_token() - 0.008).abs() < 1e-12, "{slower:?}");
         // What the stops cost the device, for the next plan: its side beyond the resident time
         // (3 ms a pass over 11 passes, at 44 stops), none without that time, none below it.

@@ -207,9 +207,10 @@ pub struct PlanArgs {
     /// How routed experts use the GPU budget: layers (whole layers' experts on the GPU, the
     /// rest in host memory or streamed through the host's expert cache, computed on the CPU),
     /// pool (every MoE layer's most recently routed experts in device slots, the rest in the
-    /// host's expert cache and on disk, all computed on the GPU), or auto: the pool where
-    /// whole layers would leave routed experts with the host (resident or streamed), else
-    /// layers.
+    /// host's expert cache and on disk, all computed on the GPU), or auto: where whole layers
+    /// would leave routed experts with the host (resident or streamed), both predicted for this
+    /// machine and the model's routing (its record, else real models') and the faster taken
+    /// (`inspect` shows both), else layers.
     #[arg(long, default_value = "auto", value_parser = ["auto", "layers", "pool"])]
     pub gpu_experts: String,
     /// auto, resident, dense-stream or expert-stream.
@@ -489,11 +490,17 @@ pub struct ServeArgs {
 
 #[derive(Args, Debug)]
 pub struct SimulateArgs {
-    /// A trace written by `hypura run --trace`.
-    pub trace: PathBuf,
-    /// The model the trace came from (for its layer and expert counts).
+    /// Traces written by `hypura run --trace`, or recorded real routing (one JSON object a
+    /// token and layer, `{"pos", "layer", "experts"}`, gzipped or not); each is replayed cold.
+    #[arg(required = true)]
+    pub trace: Vec<PathBuf>,
+    /// The model the traces came from, for its layer and expert counts (default: what the
+    /// traces name).
     #[arg(long)]
-    pub model: PathBuf,
+    pub model: Option<PathBuf>,
+    /// Experts a layer, where no model is given and the traces may not name the last one.
+    #[arg(long, conflicts_with = "model")]
+    pub n_expert: Option<usize>,
     /// Cache sizes in (layer, expert) units, comma-separated (default: 5 sizes from one layer's
     /// experts to half of all units).
     #[arg(long, value_delimiter = ',')]

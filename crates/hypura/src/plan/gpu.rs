@@ -42,6 +42,19 @@ pub struct GpuLayout {
     /// The expert pool: the routed experts of every MoE layer stream from the host cache into
     /// device slots and compute on the device (decision 29). None: whole layers' FFN only.
     pub expert_pool: Option<ExpertPoolLayout>,
+    /// What `--gpu-experts auto` weighed, with each option's predicted decode speed; empty where
+    /// the choice was asked for or there was none.
+    pub experts_options: Vec<GpuExpertsOption>,
+}
+
+/// One way the GPU may hold a MoE model's routed experts, as `--gpu-experts auto` predicted it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct GpuExpertsOption {
+    /// `--gpu-experts`' name for it: "pool" or "layers".
+    pub name: &'static str,
+    /// None where the plan could not be predicted.
+    pub decode_tokens_per_sec: Option<f64>,
+    pub chosen: bool,
 }
 
 /// The device's expert pool: `slots` experts of each pooled layer in device memory (the most
@@ -151,11 +164,9 @@ struct DeviceCosts<'a> {
     tied_output_bytes: u64,
     /// What an expert pool is sized from; None where the model's experts cannot be pooled.
     pool: Option<PoolCosts>,
-    /// The model's routing as earlier runs recorded it: how few slots serve it, and so which
-    /// MoE layers are worth more whole (`pool_decode_cost`). None: the pool takes every MoE
-    /// layer (uniform routing would make a few slots look worthless, and real routing is
-    /// skewed).
-    reuse: Option<&'a ReuseDepths>,
+    /// The model's routing as earlier runs recorded it, else real models' routing: how few
+    /// slots serve it, and so which MoE layers are worth more whole (`pool_decode_cost`).
+    reuse: &'a ReuseDepths,
     /// What a stop costs a token and the rate a miss moves at: as benchmark runs recorded them
     /// here, else the H200 machine's.
     stop_seconds: f64,
@@ -235,6 +246,10 @@ pub(super) fn gpu_tier(
     } else {
         0
     };
+    // A model without a record of its own routing is planned for real models' (never uniform).
+    let moe_layers: std::collections::BTreeSet<u32> =
+        inventory.expert_tensors().filter_map(|tensor| tensor.layer).collect();
+    let real_routing = ReuseDepths::real_routing(moe_layers.len() as u64, inventory.hparams.n_expert);
     let costs = DeviceCosts {
         budget: machine.gpu_budget_bytes,
         runtime: machine.gpu_runtime_bytes,
@@ -250,7 +265,7 @@ pub(super) fn gpu_tier(
             && matches!(options.mode, ModeChoice::Auto | ModeChoice::Forced(Mode::ExpertStream)))
         .then(|| PoolCosts::of(inventory, n_layer))
         .flatten(),
-        reuse: machine.expert_reuse.as_ref(),
+        reuse: machine.expert_reuse.as_ref().unwrap_or(&real_routing),
         stop_seconds: machine.pool_stop_host_seconds.unwrap_or(POOL_STOP_HOST_SECONDS)
             + machine.pool_stop_device_seconds.unwrap_or(POOL_STOP_DEVICE_SECONDS),
         bus_bytes_per_sec: machine.pool_bus_bytes_per_sec.filter(|rate| *rate > 0.0).unwrap_or(POOL_BUS_BYTES_PER_SEC),
@@ -317,6 +332,7 @@ impl DeviceCosts<'_> {
             whole_layers: None,
             op_offload,
             expert_pool,
+            experts_options: Vec::new(),
         }
     }
 
@@ -347,7 +363,7 @@ impl DeviceCosts<'_> {
         let spare = spare.checked_sub(self.runtime.max(dense_left) - self.runtime)?;
         let moe: Vec<u32> =
             (0..pool.expert_bytes.len() as u32).filter(|&layer| pool.expert_bytes[layer as usize] > 0).collect();
-        let mut candidates = (0..moe.len()).map_while(|whole| {
+        let candidates = (0..moe.len()).map_while(|whole| {
             let (pooled, whole) = moe.split_at(moe.len() - whole);
             let spare = spare.checked_sub(whole.iter().map(|&layer| self.layer_ffn[layer as usize]).sum())?;
             let per_slot: u64 = pooled.iter().map(|&layer| pool.expert_bytes[layer as usize]).sum();
@@ -362,13 +378,10 @@ impl DeviceCosts<'_> {
                 decode_overhead_seconds: None,
             })
         });
-        let chosen = match self.reuse {
-            Some(reuse) => candidates
-                .map(|layout| (self.pool_decode_cost(&layout, pool, reuse), layout))
-                .min_by(|(one, _), (other, _)| one.total_cmp(other))
-                .map(|(cost, layout)| ExpertPoolLayout { decode_overhead_seconds: Some(cost), ..layout }),
-            None => candidates.next(),
-        }?;
+        let chosen = candidates
+            .map(|layout| (self.pool_decode_cost(&layout, pool, self.reuse), layout))
+            .min_by(|(one, _), (other, _)| one.total_cmp(other))
+            .map(|(cost, layout)| ExpertPoolLayout { decode_overhead_seconds: Some(cost), ..layout })?;
         ffn_layers.extend_from_slice(&chosen.whole_layers);
         ffn_layers.sort_unstable();
         Some(self.with_every_layers_attention(
@@ -438,6 +451,7 @@ impl DeviceCosts<'_> {
             whole_layers: Some(layers),
             op_offload: true,
             expert_pool: None,
+            experts_options: Vec::new(),
         }))
     }
 }
@@ -845,14 +859,32 @@ mod tests {
         assert!(static_plan.gpu.as_ref().unwrap().expert_pool.is_none(), "{}", static_plan.render());
         assert_eq!(static_plan.mode, Mode::Resident, "{}", static_plan.render());
         // Left to the plan where whole layers would leave experts with the host, resident (the
-        // CPU would compute them) or streamed from disk: the pool, as asked for; where the pool
-        // does not fit (too small a GPU), whole layers.
+        // CPU would compute them) or streamed from disk: both are predicted and the faster is
+        // taken, both listed with their predictions. A slow CPU makes the pool the faster; a
+        // fast one whole layers (the CPU computes the host's experts, nothing crosses the bus).
         let auto = PlanOptions { gpu_expert_pool: None, ..options.clone() };
-        let roomy = plan(&inventory, &with_gpu(64 << 30, gpu_budget), &auto).unwrap();
-        assert_eq!(roomy.gpu, pooled.gpu, "{}", roomy.render());
-        assert_eq!(roomy.mode, Mode::ExpertStream, "{}", roomy.render());
+        let cpu_at = |rate: f64, host: u64| MachineFacts {
+            cpu_bytes_per_sec: Some(rate),
+            disk_bytes_per_sec: Some(2e9),
+            ..with_gpu(host, gpu_budget)
+        };
+        for (rate, pool_wins) in [(1e8, true), (1e13, false)] {
+            let chosen = plan(&inventory, &cpu_at(rate, 64 << 30), &auto).unwrap();
+            let gpu = chosen.gpu.as_ref().unwrap();
+            let listed: Vec<(&str, bool)> =
+                gpu.experts_options.iter().map(|option| (option.name, option.chosen)).collect();
+            assert_eq!(listed, [("pool", pool_wins), ("layers", !pool_wins)], "{}", chosen.render());
+            let rates: Vec<f64> =
+                gpu.experts_options.iter().map(|option| option.decode_tokens_per_sec.unwrap()).collect();
+            assert_eq!(rates[0] > rates[1], pool_wins, "{rates:?}");
+            assert_eq!(gpu.expert_pool.is_some(), pool_wins, "{}", chosen.render());
+            let asked = PlanOptions { gpu_expert_pool: Some(pool_wins), ..auto.clone() };
+            let same = plan(&inventory, &cpu_at(rate, 64 << 30), &asked).unwrap();
+            assert_eq!(same.gpu.as_ref().unwrap().expert_pool, gpu.expert_pool, "{}", same.render());
+            assert!(same.gpu.as_ref().unwrap().experts_options.is_empty(), "asked for: nothing weighed");
+        }
         let host = 1 << 30;
-        let streaming = plan(&inventory, &with_gpu(host, gpu_budget), &auto).unwrap();
+        let streaming = plan(&inventory, &cpu_at(1e8, host), &auto).unwrap();
         let layered = plan(
             &inventory,
             &with_gpu(host, gpu_budget),
@@ -860,7 +892,6 @@ mod tests {
         )
         .unwrap();
         assert_eq!(layered.mode, Mode::ExpertStream, "{}", layered.render());
-        assert_eq!(streaming.gpu, plan(&inventory, &with_gpu(host, gpu_budget), &options).unwrap().gpu);
         assert!(streaming.gpu.as_ref().unwrap().expert_pool.is_some(), "{}", streaming.render());
         let small_gpu = fixed + staging + alignment + 3 * 24 * slice;
         let too_small = plan(&inventory, &with_gpu(host, small_gpu), &auto).unwrap();
@@ -869,7 +900,7 @@ mod tests {
 
     /// With a recorded routing, MoE layers go on the device whole, from the last layer down,
     /// while the slots left to the others still serve the routing: each saves a stop a token.
-    /// Without a record the pool takes every MoE layer.
+    /// Without a record, real models' routing stands in for it.
     #[test]
     fn whole_moe_layers_beside_the_pool_as_far_as_the_recorded_routing_allows() {
         let slice = 1 << 20;
@@ -896,9 +927,12 @@ mod tests {
             (pool, planned.render())
         };
         let layout = |reuse: Option<ReuseDepths>| layout_on(with_gpu(64 << 30, gpu_budget), reuse);
-        let (pool, _) = layout(None);
-        assert_eq!((pool.slots, pool.layers.len(), pool.whole_layers.len()), (30, 8, 0));
-        assert_eq!(pool.decode_overhead_seconds, None, "no record, no figure");
+        // No record: planned for real models' routing (`ReuseDepths::real_routing`), with a figure.
+        let (pool, render) = layout(None);
+        let real = ReuseDepths::real_routing(8, 64);
+        let (unrecorded, _) = layout(Some(real));
+        assert_eq!(pool, unrecorded, "{render}");
+        assert!(pool.decode_overhead_seconds.is_some(), "{render}");
         // Every expert picked again within a slot's reach: 4 slots would do, so 3 layers whole.
         let (bin, layers) = (8, 8);
         let near = ReuseDepths { depths: vec![1000], bin, layers, first: 64 };
@@ -924,9 +958,9 @@ mod tests {
         };
         let on_device = predicted(0.01);
         assert!((on_device.compute_seconds_per_token.unwrap() - (0.005 + 5.0 * stop)).abs() < 1e-12, "{on_device:?}");
-        assert!(on_device.render().contains("resident on the GPU 5.0 ms"), "{}", on_device.render());
+        assert!(on_device.render().contains("on the GPU 5.0 ms (resident runs)"), "{}", on_device.render());
         let mixed = predicted(0.5);
-        assert!(!mixed.render().contains("resident on the GPU"), "{}", mixed.render());
+        assert!(!mixed.render().contains("(resident runs)"), "{}", mixed.render());
         assert_ne!(mixed.compute_seconds_per_token, on_device.compute_seconds_per_token);
         // Picks come back 16 to 17 slots apart (per layer): one layer whole leaves 25 slots,
         // trusted for 20, that serve them; two would leave 18, trusted for 14, that miss them.

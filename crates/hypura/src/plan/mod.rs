@@ -27,10 +27,10 @@ mod types;
 
 pub use dense::{limit_tokens_per_sec, DenseLayout, READ_CHUNK_BYTES};
 pub use experts::{ExpertLayout, HUGE_SLICE_MIN_BYTES};
-pub use gpu::{ExpertPoolLayout, GpuLayout, POOL_ALIGNMENT};
+pub use gpu::{ExpertPoolLayout, GpuExpertsOption, GpuLayout, POOL_ALIGNMENT};
 pub use predict::{cached_units, predict, Prediction};
 pub use remote::{RemoteDeviceFacts, RemoteLayout, RemoteShare, REMOTE_RESERVE_BYTES};
-pub use reuse::{uniform_hit_rate, ReuseDepths, ReuseTracker};
+pub use reuse::{uniform_hit_rate, ReuseDepths, ReuseTracker, REAL_ROUTING_BELOW, REAL_ROUTING_FIRST};
 pub use search::{choose, context_for, plan_for, Ask, Choice, DRAFT_UBATCH};
 pub use sizing::{compute_buffer_bytes, context_memory_bytes, device_compute_bytes, kv_cache_bytes, KvTypes};
 pub use types::{
@@ -121,17 +121,16 @@ pub(crate) fn plan_reaching(
 
 /// The host's plan with its GPU tier, if any. Forced streaming (tests, benchmarks) streams
 /// every FFN layer the host cannot hold: none of them goes to the GPU.
+///
+/// Left to the plan (`--gpu-experts auto`): where whole layers' experts all fit the GPU, that;
+/// where some would stay with the host (streamed, or resident and computed by the CPU), the
+/// device's expert pool is planned too and each is predicted for this machine and this routing
+/// (the model's record, else real models' routing: `plan::predict`); the faster is taken, and
+/// the GPU tier lists both with their predictions (`GpuLayout::experts_options`).
 fn plan_local(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions) -> Result<Plan, PlanError> {
     if options.gpu_expert_pool.is_some() || machine.gpu_budget_bytes == 0 {
         return plan_local_placed(inventory, machine, options);
     }
-    // Left to the plan: whole layers' experts on the GPU where they all fit there; where some
-    // would stay with the host (streamed, or resident and computed by the CPU), the device's
-    // pool serves the hot experts of every layer and every routed expert computes on the GPU
-    // (decision 29: with the host streaming, S6a decodes 110 tok/s pooled against 53 with whole
-    // layers, S4 64 against 39; with the host holding every expert, S6b, 90 against 55 in one
-    // visit and 91 (with the warm fill) against 87 in another: the CPU's share of the experts
-    // runs at what the host's cores give, the pool does not depend on them).
     let layers =
         plan_local_placed(inventory, machine, &PlanOptions { gpu_expert_pool: Some(false), ..options.clone() });
     let experts_on_host = |plan: &Plan| {
@@ -139,16 +138,39 @@ fn plan_local(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptio
             tensor.role.is_expert() && tensor.role != Role::Mtp && !matches!(placed.tier, Tier::Gpu | Tier::Unused)
         })
     };
-    match &layers {
-        Ok(plan) if plan.gpu.is_some() && experts_on_host(plan) => {
-            match plan_local_placed(inventory, machine, &PlanOptions { gpu_expert_pool: Some(true), ..options.clone() })
-            {
-                Ok(pooled) if pooled.gpu.as_ref().is_some_and(|gpu| gpu.expert_pool.is_some()) => Ok(pooled),
-                _ => layers,
-            }
-        }
-        _ => layers,
+    let Ok(layers) = layers else { return layers };
+    if layers.gpu.is_none() || !experts_on_host(&layers) {
+        return Ok(layers);
     }
+    let pooled = plan_local_placed(inventory, machine, &PlanOptions { gpu_expert_pool: Some(true), ..options.clone() });
+    let Ok(pooled) = pooled.map_err(|_| ()).and_then(|pooled| {
+        if pooled.gpu.as_ref().is_some_and(|gpu| gpu.expert_pool.is_some()) {
+            Ok(pooled)
+        } else {
+            Err(())
+        }
+    }) else {
+        return Ok(layers);
+    };
+    let decode = |plan: &Plan| {
+        predict::predict(plan, machine, options.n_ubatch, predict::touched(inventory, plan)).decode_tokens_per_sec
+    };
+    let (layers_rate, pool_rate) = (decode(&layers), decode(&pooled));
+    // Unpredictable (no disk profile for a plan that reads): the pool, which needs no CPU.
+    let pool_wins = match (pool_rate, layers_rate) {
+        (Some(pool), Some(layers)) => pool > layers,
+        (_, None) => true,
+        (None, Some(_)) => false,
+    };
+    let options_listed = vec![
+        gpu::GpuExpertsOption { name: "pool", decode_tokens_per_sec: pool_rate, chosen: pool_wins },
+        gpu::GpuExpertsOption { name: "layers", decode_tokens_per_sec: layers_rate, chosen: !pool_wins },
+    ];
+    let mut chosen = if pool_wins { pooled } else { layers };
+    if let Some(gpu) = chosen.gpu.as_mut() {
+        gpu.experts_options = options_listed;
+    }
+    Ok(chosen)
 }
 
 fn plan_local_placed(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions) -> Result<Plan, PlanError> {

@@ -3,13 +3,27 @@
 //! compute this machine measured for the model (or, for a model never run here, its weight
 //! bytes at the rate this machine computed others'). For expert streaming the bytes follow from
 //! the cache's expected hit rate (`reuse`): the model's recorded routing where a run recorded
-//! it, else uniform routing.
+//! it, else real models' routing (`ReuseDepths::real_routing`).
 use serde::Serialize;
 
-use super::reuse::uniform_hit_rate;
+use super::reuse::{uniform_hit_rate, ReuseDepths};
 use super::types::{MachineFacts, Mode, Plan, Tier};
 use crate::format::{format_bytes, format_bytes_per_sec};
 use crate::model::{Inventory, Role};
+
+/// Where a hit rate comes from for a model no run recorded: real models' routing, never
+/// uniform routing (`ReuseDepths::real_routing`).
+pub const REAL_ROUTING_FROM: &str = "real models' routing: no run of this model recorded its own";
+
+/// A GPU's decode rate over the weight bytes a token touches there, for a plan no run on this
+/// machine measured: the H200 machine's, the forged Qwen3.6-35B-A3B resident on the device at
+/// 5.92 ms a token (2026-12-04; `plan::gpu::POOL_STOP_DEVICE_SECONDS` has the same source).
+pub const GPU_DECODE_BYTES_PER_SEC: f64 = 3.0e11;
+
+/// The host's CPU rate over the weight bytes it computes, for a GPU plan on a machine whose CPU
+/// never ran a model resident: so that `--gpu-experts auto` can weigh the CPU's share of
+/// whole layers against the pool. Records replace it after one resident run of any model.
+pub const CPU_BYTES_PER_SEC_UNMEASURED: f64 = 2.0e10;
 
 /// What `predict` says, with the figures it used (`inspect` prints them; `--json` carries them).
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
@@ -31,7 +45,7 @@ pub struct Prediction {
     /// 1 without a record.
     pub expert_read_factor: f64,
     /// Where that share comes from: "recorded routing" (an earlier run of this model) or
-    /// "uniform routing" (no record).
+    /// `REAL_ROUTING_FROM` (no record).
     pub hit_rate_from: Option<&'static str>,
     /// The disk's rate used, and where it comes from ("streaming runs", "profile").
     pub disk_bytes_per_sec: Option<f64>,
@@ -110,15 +124,21 @@ fn at_share(seconds: f64, measured_share: f64, share: f64) -> Option<(f64, bool)
 /// recorded routing (`ExpertPoolLayout::decode_overhead_seconds`: their stops and the misses'
 /// transfers). A pooled run's own record holds the stops of its layout, which another layout
 /// (more layers whole) does not have, so this comes first where both are known.
-fn pooled_on_device(plan: &Plan, facts: &MachineFacts) -> Option<(f64, String)> {
+fn pooled_on_device(plan: &Plan, facts: &MachineFacts, touched_bytes: f64) -> Option<(f64, String)> {
     let pool = plan.gpu.as_ref()?.expert_pool.as_ref()?;
     let overhead = pool.decode_overhead_seconds?;
-    let device =
-        facts.resident_seconds_per_token.filter(|_| facts.resident_host_share.is_some_and(|share| share < 0.05))?;
+    let (device, device_from) = match facts
+        .resident_seconds_per_token
+        .filter(|_| facts.resident_host_share.is_some_and(|share| share < 0.05))
+    {
+        Some(seconds) => (seconds, "resident runs"),
+        None => (touched_bytes / GPU_DECODE_BYTES_PER_SEC, "estimated at the H200 machine's rate"),
+    };
+    let routing = if facts.expert_reuse.is_some() { "recorded routing" } else { "real models' routing" };
     Some((
         device + overhead,
         format!(
-            "the model resident on the GPU {:.1} ms (resident runs) + the pool's {} stops and misses' transfers {:.1} ms (recorded routing)",
+            "the model on the GPU {:.1} ms ({device_from}) + the pool's {} stops and misses' transfers {:.1} ms ({routing})",
             device * 1e3,
             pool.layers.len(),
             overhead * 1e3
@@ -141,7 +161,7 @@ pub fn predict(plan: &Plan, facts: &MachineFacts, n_batch: u32, (touched_bytes, 
     let resident =
         facts.resident_seconds_per_token.map(|seconds| (seconds, facts.resident_host_share, "resident runs"));
     let order = if plan.mode == Mode::Resident { [resident, streaming] } else { [streaming, resident] };
-    let (compute, compute_from) = pooled_on_device(plan, facts)
+    let (compute, compute_from) = pooled_on_device(plan, facts, touched_bytes)
         .or_else(|| {
             order.into_iter().flatten().find_map(|(seconds, measured_share, from)| {
                 let (seconds, scaled) = at_share(seconds, measured_share.unwrap_or(1.0), host_share)?;
@@ -153,14 +173,26 @@ pub fn predict(plan: &Plan, facts: &MachineFacts, n_batch: u32, (touched_bytes, 
         })
         // A model never run here: its host's bytes at the rate this machine's CPU computed
         // other models' (resident, all on the CPU).
+        // A GPU plan is always predicted (`--gpu-experts auto` weighs its options): a CPU that
+        // never ran a model at an assumed rate, and the device's share at the H200 machine's.
         .or_else(|| {
-            let rate = facts.cpu_bytes_per_sec.filter(|rate| *rate > 0.0 && host_share >= 0.05)?;
+            let gpu = plan.gpu.is_some();
+            let (rate, rate_from) = match facts.cpu_bytes_per_sec.filter(|rate| *rate > 0.0) {
+                Some(rate) => (rate, "other models computed at here"),
+                None if gpu => (CPU_BYTES_PER_SEC_UNMEASURED, "assumed: no model ran on this CPU yet"),
+                None => return None,
+            };
+            if host_share < 0.05 && !gpu {
+                return None;
+            }
+            let device = if gpu { touched_bytes * (1.0 - host_share) / GPU_DECODE_BYTES_PER_SEC } else { 0.0 };
             Some((
-                touched_bytes * host_share / rate,
+                touched_bytes * host_share / rate + device,
                 format!(
-                    "estimated: {} a token at the {} other models computed at here",
+                    "estimated: {} a token on the CPU at {} ({rate_from}){}",
                     crate::format::format_bytes((touched_bytes * host_share) as u64),
-                    format_bytes_per_sec(rate)
+                    format_bytes_per_sec(rate),
+                    if gpu { ", the rest on the GPU at the H200 machine's rate" } else { "" }
                 ),
             ))
         })
@@ -190,7 +222,12 @@ pub fn predict(plan: &Plan, facts: &MachineFacts, n_batch: u32, (touched_bytes, 
             let (hit, from) =
                 match facts.expert_reuse.as_ref().and_then(|reuse| reuse.hit_rate(units, experts.moe_layers)) {
                     Some(hit) => (hit, "recorded routing"),
-                    None => (uniform_hit_rate(units, experts.moe_layers, experts.n_expert), "uniform routing"),
+                    None => (
+                        ReuseDepths::real_routing(experts.moe_layers, experts.n_expert)
+                            .hit_rate(units, experts.moe_layers)
+                            .unwrap_or_else(|| uniform_hit_rate(units, experts.moe_layers, experts.n_expert)),
+                        REAL_ROUTING_FROM,
+                    ),
                 };
             prediction.expert_hit_rate = Some(hit);
             prediction.hit_rate_from = Some(from);
@@ -292,15 +329,18 @@ mod tests {
         };
         let plan = expert_plan(&facts);
         assert_eq!(plan.mode, Mode::ExpertStream);
-        // Uniform routing: the cache holds half of the 512 units, so half of the 4 × 8 picks
-        // of 3 MiB miss, 48 MiB a token, 50 ms at 1 GB/s.
-        let uniform = predict(&plan, &facts, 512, (1e9, 1.0));
-        assert_eq!(uniform.hit_rate_from, Some("uniform routing"));
-        assert!((uniform.expert_hit_rate.unwrap() - 0.5).abs() < 1e-9);
-        assert!((uniform.bytes_per_token - f64::from(48u32 << 20)).abs() < 1.0);
-        let expected = 1e9 / f64::from(48u32 << 20);
-        assert!((uniform.decode_tokens_per_sec.unwrap() - expected).abs() < 1e-6, "{uniform:?}");
-        assert_eq!(uniform.prompt_tokens_per_sec, None, "no prompt compute measured");
+        // No record: real models' routing. The cache holds half of the 512 units, which serves
+        // the recorded real picks' share below half of the units (never uniform routing's 0.5);
+        // the rest of the 4 × 8 picks of 3 MiB miss, read at 1 GB/s.
+        let unrecorded = predict(&plan, &facts, 512, (1e9, 1.0));
+        assert_eq!(unrecorded.hit_rate_from, Some(REAL_ROUTING_FROM));
+        let hit = unrecorded.expert_hit_rate.unwrap();
+        assert!((hit - crate::plan::REAL_ROUTING_BELOW[64]).abs() < 1e-3, "{unrecorded:?}");
+        let missed = 32.0 * f64::from(3u32 << 20) * (1.0 - hit);
+        assert!((unrecorded.bytes_per_token - missed).abs() < 1.0, "{unrecorded:?}");
+        let expected = 1.0 / (missed / 1e9).max(0.01);
+        assert!((unrecorded.decode_tokens_per_sec.unwrap() - expected).abs() < 1e-6, "{unrecorded:?}");
+        assert_eq!(unrecorded.prompt_tokens_per_sec, None, "no prompt compute measured");
 
         // Recorded routing that picks the same 8 experts of each layer every token: every pick
         // but the first hits, and the compute sets the pace.

@@ -78,6 +78,19 @@ impl Plan {
                 };
                 let _ = writeln!(out, "             host-memory weights and streamed layers compute on the CPU at decode (copying them costs more than computing them); {prompts}");
             }
+            if !gpu.experts_options.is_empty() {
+                let options: Vec<String> = gpu
+                    .experts_options
+                    .iter()
+                    .map(|option| {
+                        let rate = option
+                            .decode_tokens_per_sec
+                            .map_or("not predictable".to_string(), |rate| format!("{rate:.2} tok/s"));
+                        format!("{} {rate}{}", option.name, if option.chosen { " (chosen)" } else { "" })
+                    })
+                    .collect();
+                let _ = writeln!(out, "gpu experts  --gpu-experts auto predicted decode: {}", options.join(", "));
+            }
         }
         if let Some(why) = &self.gpu_unused {
             let _ = writeln!(out, "gpu          unused: {why}");

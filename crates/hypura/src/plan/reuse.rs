@@ -1,7 +1,8 @@
 //! How soon the router picks an expert again, and what that makes of an expert cache: the
 //! recorded routing of a model (`ReuseDepths`, counted by the expert stream at every decode
 //! and kept by `hw::measured` for the next plan) turned into the share of picks a cache of a
-//! given size serves (`hit_rate`). Without a record the planner assumes uniform routing.
+//! given size serves (`hit_rate`). Without a record the planner assumes real models' routing
+//! (`ReuseDepths::real_routing`), never uniform routing.
 use serde::{Deserialize, Serialize};
 
 /// At most this many bins: a record stays a few kilobytes however many experts a model has.
@@ -90,6 +91,51 @@ impl ReuseDepths {
             self.depths.iter().take(whole).map(|&count| count as f64).sum::<f64>()
                 + self.depths.get(whole).map_or(0.0, |&count| count as f64 * reach.fract()),
         )
+    }
+}
+
+/// Real routing, for a model without a record of its own: the stack distances of
+/// Qwen3-30B-A3B's recorded picks (ten prompts of about 140 tokens each, every prompt replayed
+/// cold over its 48 layers × 128 experts; `data/routing/`), as the share of picks whose distance
+/// is below each 128th of the units, and the share that are an expert's first pick.
+/// `bench::routing`'s test recomputes both from the traces.
+pub const REAL_ROUTING_BELOW: [f64; 129] = [
+    0.0000, 0.0747, 0.0752, 0.0752, 0.0752, 0.0752, 0.0752, 0.0752, 0.4486, 0.4488, 0.4491, 0.4518, 0.4706, 0.5034,
+    0.5323, 0.5470, 0.5621, 0.5770, 0.5928, 0.6072, 0.6198, 0.6317, 0.6413, 0.6519, 0.6621, 0.6729, 0.6825, 0.6934,
+    0.7044, 0.7164, 0.7276, 0.7401, 0.7514, 0.7627, 0.7738, 0.7843, 0.7940, 0.8043, 0.8147, 0.8219, 0.8298, 0.8384,
+    0.8465, 0.8527, 0.8597, 0.8649, 0.8704, 0.8750, 0.8795, 0.8840, 0.8875, 0.8908, 0.8944, 0.8976, 0.9005, 0.9032,
+    0.9058, 0.9082, 0.9109, 0.9128, 0.9142, 0.9158, 0.9174, 0.9187, 0.9200, 0.9211, 0.9223, 0.9235, 0.9245, 0.9252,
+    0.9261, 0.9271, 0.9279, 0.9284, 0.9288, 0.9292, 0.9295, 0.9297, 0.9299, 0.9301, 0.9302, 0.9304, 0.9305, 0.9305,
+    0.9306, 0.9306, 0.9306, 0.9307, 0.9307, 0.9307, 0.9307, 0.9307, 0.9307, 0.9307, 0.9307, 0.9307, 0.9307, 0.9307,
+    0.9307, 0.9307, 0.9307, 0.9307, 0.9307, 0.9307, 0.9307, 0.9307, 0.9307, 0.9307, 0.9307, 0.9307, 0.9307, 0.9307,
+    0.9307, 0.9307, 0.9307, 0.9307, 0.9307, 0.9307, 0.9307, 0.9307, 0.9307, 0.9307, 0.9307, 0.9307, 0.9307, 0.9307,
+    0.9307, 0.9307, 0.9307,
+];
+pub const REAL_ROUTING_FIRST: f64 = 0.0693;
+
+impl ReuseDepths {
+    /// A record of real routing (`REAL_ROUTING_BELOW`) for a model of `layers` MoE layers of
+    /// `n_expert` experts: the distances scaled to its units. What a plan assumes until a run of
+    /// the model records its own; never uniform routing, which no trained router has.
+    pub fn real_routing(layers: u64, n_expert: u64) -> ReuseDepths {
+        const PICKS: f64 = 1e6;
+        let steps = REAL_ROUTING_BELOW.len() as u64 - 1;
+        ReuseDepths {
+            depths: REAL_ROUTING_BELOW.windows(2).map(|pair| ((pair[1] - pair[0]) * PICKS).round() as u64).collect(),
+            bin: (layers * n_expert).div_ceil(steps).max(1),
+            layers: layers.max(1),
+            first: (REAL_ROUTING_FIRST * PICKS).round() as u64,
+        }
+    }
+
+    /// The share of picks whose distance is below each `1/steps` of `units` (0 to `steps`
+    /// steps), and the share of first picks: the table `REAL_ROUTING_BELOW` is.
+    pub fn shares_below(&self, units: u64, steps: u64) -> (Vec<f64>, f64) {
+        let picks = self.picks().max(1) as f64;
+        let below = (0..=steps)
+            .map(|step| self.served((units * step) as f64 / steps as f64, self.layers).unwrap_or(0.0) / picks)
+            .collect();
+        (below, self.first as f64 / picks)
     }
 }
 

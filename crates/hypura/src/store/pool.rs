@@ -137,6 +137,12 @@ impl PoolSnapshot {
     pub fn bus_bytes(&self) -> u64 {
         self.upload_bytes + self.copied_back_bytes
     }
+
+    /// Bytes of the picks no slot held, outside staged prompt layers: each was uploaded into a
+    /// slot (or, split, computed by the CPU from the host cache).
+    pub fn miss_bytes(&self) -> u64 {
+        self.upload_bytes.saturating_sub(self.staged_bytes)
+    }
 }
 
 impl std::ops::Add for PoolSnapshot {

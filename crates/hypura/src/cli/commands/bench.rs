@@ -58,6 +58,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         device_resident_seconds_per_token: facts
             .resident_seconds_per_token
             .filter(|_| facts.resident_host_share.is_some_and(|share| share < 0.05)),
+        cpu_bytes_per_sec: facts.cpu_bytes_per_sec,
     };
     let report = bench::run(&path, &options, &|stage| tracing::info!("bench: {stage}"))?;
     // A run with remote layers measured other machines and links too: not this machine's

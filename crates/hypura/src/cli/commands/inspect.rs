@@ -186,7 +186,7 @@ fn budget_picture(
             if facts.disk_rate_from_runs { "streaming runs" } else { "the profile" }
         )
     });
-    let routing = if facts.expert_reuse.is_some() { "recorded routing" } else { "uniform routing" };
+    let routing = if facts.expert_reuse.is_some() { "recorded routing" } else { "real models' routing" };
     let note = format!("the slower of {compute} and {disk}; expert caches at the hit rate of {routing}");
     crate::bench::picture::budget_svg(&title, &note, &panels)
         .map_err(|error| anyhow::anyhow!("drawing the picture: {error}"))

@@ -1,26 +1,28 @@
-//! `hypura simulate TRACE --model MODEL`: expert-cache policies compared on a recorded trace.
+//! `hypura simulate TRACE...`: the routing's statistics, and expert-cache policies compared on
+//! the recorded picks.
 use anyhow::Context;
 
-use crate::bench::simulate::{render, simulate, token_by_token};
+use crate::bench::routing::{read_trace, trace_shape, RoutingStats};
+use crate::bench::simulate::{render, simulate, token_by_token, SimulationResult};
 use crate::cli::args::SimulateArgs;
 use crate::model::Inventory;
-use crate::store::{CachePolicy, RouteRecord};
+use crate::store::CachePolicy;
 
 pub fn run(args: &SimulateArgs) -> anyhow::Result<()> {
-    let inventory = Inventory::open(&args.model)?;
-    let n_layer = inventory.hparams.n_layer as usize;
-    let n_expert = inventory.hparams.n_expert as usize;
-    anyhow::ensure!(n_expert > 0, "{} has no experts", args.model.display());
-    let text = std::fs::read_to_string(&args.trace).with_context(|| format!("reading {}", args.trace.display()))?;
-    let records: Vec<RouteRecord> = text
-        .lines()
-        .enumerate()
-        .filter(|(_, line)| !line.trim().is_empty())
-        .map(|(number, line)| {
-            serde_json::from_str(line).with_context(|| format!("{} line {}", args.trace.display(), number + 1))
-        })
-        .collect::<anyhow::Result<_>>()?;
-    let records = if args.token_by_token { token_by_token(&records) } else { records };
+    let traces = args.trace.iter().map(|path| read_trace(path)).collect::<anyhow::Result<Vec<_>>>()?;
+    let traces: Vec<_> =
+        if args.token_by_token { traces.iter().map(|trace| token_by_token(trace)).collect() } else { traces };
+    let (n_layer, n_expert) = match &args.model {
+        Some(model) => {
+            let inventory = Inventory::open(model)?;
+            (inventory.hparams.n_layer as usize, inventory.hparams.n_expert as usize)
+        }
+        None => {
+            let (layers, experts) = trace_shape(&traces);
+            (layers, args.n_expert.unwrap_or(experts).max(experts))
+        }
+    };
+    anyhow::ensure!(n_expert > 0 && n_layer > 0, "the traces name no expert");
     let policies: Vec<CachePolicy> = args
         .policy
         .iter()
@@ -32,16 +34,38 @@ pub fn run(args: &SimulateArgs) -> anyhow::Result<()> {
     } else {
         args.capacity.clone()
     };
-    let results: Vec<_> = capacities
+    // Each trace replayed cold; the hits and misses of one size and policy summed over them.
+    let results: Vec<SimulationResult> = capacities
         .iter()
         .flat_map(|&capacity| policies.iter().map(move |&policy| (capacity, policy)))
-        .map(|(capacity, policy)| simulate(&records, n_layer, n_expert, policy, capacity))
+        .map(|(capacity, policy)| {
+            let runs: Vec<_> =
+                traces.iter().map(|trace| simulate(trace, n_layer, n_expert, policy, capacity)).collect();
+            let (hits, misses) = runs.iter().fold((0, 0), |(hits, misses), run| (hits + run.hits, misses + run.misses));
+            SimulationResult {
+                policy,
+                capacity_units: runs.first().map_or(capacity, |run| run.capacity_units),
+                hits,
+                misses,
+                hit_rate: hits as f64 / (hits + misses).max(1) as f64,
+            }
+        })
         .collect();
+    let stats = RoutingStats::of(&traces, n_expert);
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&results)?);
-    } else {
-        println!("{} router calls, {} layers × {} experts", records.len(), n_layer, n_expert);
-        print!("{}", render(&results));
+        let json = serde_json::json!({ "routing": stats, "caches": results });
+        println!("{}", serde_json::to_string_pretty(&json)?);
+        return Ok(());
     }
+    let records: usize = traces.iter().map(Vec::len).sum();
+    println!("{records} router calls in {} traces, {n_layer} layers × {n_expert} experts", traces.len());
+    match stats {
+        Some(stats) => println!(
+            "routing, the median layer over {} decoded tokens: top tenth of the experts take {:.2} of picks, the next token picks {:.2} of a token's again, an LRU of a quarter of the experts hits {:.2} (real models, Qwen3-30B-A3B: 0.27, 0.42, 0.75)",
+            stats.tokens, stats.top_tenth_share, stats.next_token_reuse, stats.lru_quarter_hit
+        ),
+        None => println!("routing: no decoded tokens (prompt batches only; --token-by-token reads them as decoded)"),
+    }
+    print!("{}", render(&results));
     Ok(())
 }
