@@ -28,7 +28,7 @@ mod types;
 pub use dense::{limit_tokens_per_sec, DenseLayout, READ_CHUNK_BYTES};
 pub use experts::{ExpertLayout, HUGE_SLICE_MIN_BYTES};
 pub use gpu::{ExpertPoolLayout, GpuExpertsOption, GpuLayout, POOL_ALIGNMENT};
-pub use predict::{cached_units, predict, Prediction};
+pub use predict::{cached_units, predict, Prediction, REAL_ROUTING_FROM};
 pub use remote::{RemoteDeviceFacts, RemoteLayout, RemoteShare, REMOTE_RESERVE_BYTES};
 pub use reuse::{uniform_hit_rate, ReuseDepths, ReuseTracker, REAL_ROUTING_BELOW, REAL_ROUTING_FIRST};
 pub use search::{choose, context_for, plan_for, Ask, Choice, DRAFT_UBATCH};

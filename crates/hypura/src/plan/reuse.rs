@@ -119,10 +119,23 @@ impl ReuseDepths {
     /// the model records its own; never uniform routing, which no trained router has.
     pub fn real_routing(layers: u64, n_expert: u64) -> ReuseDepths {
         const PICKS: f64 = 1e6;
-        let steps = REAL_ROUTING_BELOW.len() as u64 - 1;
+        let units = (layers * n_expert).max(1);
+        let bin = units.div_ceil(MAX_BINS).max(1);
+        // The table's share below a fraction of the units, between its steps linearly.
+        let below = |fraction: f64| {
+            let at = fraction.clamp(0.0, 1.0) * (REAL_ROUTING_BELOW.len() - 1) as f64;
+            let (step, part) = (at.floor() as usize, at.fract());
+            let next = REAL_ROUTING_BELOW.get(step + 1).copied().unwrap_or(REAL_ROUTING_BELOW[step]);
+            REAL_ROUTING_BELOW[step] * (1.0 - part) + next * part
+        };
         ReuseDepths {
-            depths: REAL_ROUTING_BELOW.windows(2).map(|pair| ((pair[1] - pair[0]) * PICKS).round() as u64).collect(),
-            bin: (layers * n_expert).div_ceil(steps).max(1),
+            depths: (0..units.div_ceil(bin))
+                .map(|index| {
+                    let (from, to) = (index * bin, ((index + 1) * bin).min(units));
+                    ((below(to as f64 / units as f64) - below(from as f64 / units as f64)) * PICKS).round() as u64
+                })
+                .collect(),
+            bin,
             layers: layers.max(1),
             first: (REAL_ROUTING_FIRST * PICKS).round() as u64,
         }
