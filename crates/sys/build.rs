@@ -11,6 +11,12 @@ fn main() {
         .include(ggml.join("src"))
         .warnings(true)
         .compile("hypura_stream_buft");
+    println!("cargo:rerun-if-changed=csrc/expert_ffn.c");
+    cc::Build::new()
+        .file("csrc/expert_ffn.c")
+        .include(ggml.join("include"))
+        .warnings(true)
+        .compile("hypura_expert_ffn");
     println!("cargo:rerun-if-changed=csrc/rpc_device.c");
     cc::Build::new()
         .file("csrc/rpc_device.c")

@@ -164,14 +164,33 @@ impl ObservedNode<'_> {
     pub fn write_input_i32_rows(&self, input: usize, values: &[Vec<i32>]) -> Result<(), crate::SysError> {
         let bad = || crate::SysError::State(format!("{}: input {input} is not an I32 matrix of that shape", self.name));
         let tensor = self.input(input).ok_or_else(bad)?;
+        self.write_rows(tensor, raw::GGML_TYPE_I32, values, i32::to_ne_bytes).ok_or_else(bad)
+    }
+
+    /// Overwrite this node's own F32 rows with `values` (its shape: one row per token), as
+    /// `write_input_i32_rows` writes an input: the nodes after this stop read the new values.
+    pub fn write_f32_rows(&self, values: &[Vec<f32>]) -> Result<(), crate::SysError> {
+        self.write_rows(self.tensor, raw::GGML_TYPE_F32, values, f32::to_ne_bytes)
+            .ok_or_else(|| crate::SysError::State(format!("{} is not an F32 matrix of that shape", self.name)))
+    }
+
+    /// `values` into `tensor`'s rows, where it is a computed 2-D tensor of `ggml_type` of
+    /// their shape (else None, nothing written).
+    fn write_rows<T: Copy>(
+        &self,
+        tensor: &raw::ggml_tensor,
+        ggml_type: raw::ggml_type,
+        values: &[Vec<T>],
+        encode: fn(T) -> [u8; 4],
+    ) -> Option<()> {
         let [columns, rows, ..] = tensor.ne;
         let shaped = values.len() as i64 == rows && values.iter().all(|row| row.len() as i64 == columns);
-        let span = Span::of(tensor, raw::GGML_TYPE_I32).filter(|_| shaped).ok_or_else(bad)?;
+        let span = Span::of(tensor, ggml_type).filter(|_| shaped)?;
         let mut bytes = if span.packed() { vec![0u8; span.bytes] } else { span.read(tensor) };
         for (index, row) in values.iter().enumerate() {
             let at = index * span.row_stride;
-            for (slot, value) in bytes[at..at + span.row_bytes].chunks_exact_mut(4).zip(row) {
-                slot.copy_from_slice(&value.to_ne_bytes());
+            for (slot, &value) in bytes[at..at + span.row_bytes].chunks_exact_mut(4).zip(row) {
+                slot.copy_from_slice(&encode(value));
             }
         }
         match self.cell.and_then(|cell| Some((cell.backend_for(tensor)?, cell))) {
@@ -182,7 +201,38 @@ impl ObservedNode<'_> {
             }
             None => span.write(tensor, &bytes),
         }
-        Ok(())
+        Some(())
+    }
+
+    /// The context's CPU backend (the one that computes host layers, with the context's
+    /// threads), where the callback's cell knows the context's backends.
+    fn cpu_backend(&self) -> Option<raw::ggml_backend_t> {
+        let backends = self.cell?.backends.get()?;
+        backends.iter().map(|&backend| backend as raw::ggml_backend_t).find(|&backend| {
+            // SAFETY: the context's live backends (`HookCell::attach`).
+            unsafe {
+                let device = raw::ggml_backend_get_device(backend);
+                !device.is_null() && raw::ggml_backend_dev_type(device) == raw::GGML_BACKEND_DEVICE_TYPE_CPU
+            }
+        })
+    }
+
+    /// Routed experts computed on the context's CPU backend, beside a device that computes the
+    /// others: for each job, `weight × down(silu(gate·x) ⊙ (up·x))` of its token's row of `x`,
+    /// summed per token into the returned rows (zero where a token has no job). The slices are
+    /// the experts' bytes in host memory, of `shape`'s types and widths.
+    pub fn compute_experts_on_cpu(
+        &self,
+        shape: &ExpertShape,
+        x: &[Vec<f32>],
+        jobs: &[HostExpert<'_>],
+    ) -> Result<Vec<Vec<f32>>, crate::SysError> {
+        let backend = self
+            .cpu_backend()
+            .ok_or_else(|| crate::SysError::State(format!("{}: the context has no CPU backend", self.name)))?;
+        // SAFETY: the context's live CPU backend, idle while its graph stops in this callback
+        // (the callback runs on the thread that computes the graph).
+        unsafe { experts_on(backend, shape, x, jobs) }
     }
 
     fn input(&self, input: usize) -> Option<&raw::ggml_tensor> {
@@ -205,6 +255,132 @@ impl ObservedNode<'_> {
         // SAFETY: a non-null source of a live graph node is a live tensor of the same graph.
         rows(unsafe { &*source }, raw::GGML_TYPE_F32, f32::from_ne_bytes)
     }
+}
+
+/// The routed experts' tensors of a layer as the CPU computes them: their ggml types and the
+/// FFN's widths (`ObservedNode::compute_experts_on_cpu`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertShape {
+    pub gate_type: i32,
+    pub up_type: i32,
+    pub down_type: i32,
+    pub n_embd: usize,
+    pub n_ff: usize,
+}
+
+impl ExpertShape {
+    /// One expert's bytes of gate, up and down; None for a type ggml does not know.
+    pub fn slice_bytes(&self) -> Option<[usize; 3]> {
+        let row = |ggml_type: i32, width: usize| -> Option<usize> {
+            let count = u32::try_from(ggml_type).ok().filter(|&value| value < raw::GGML_TYPE_COUNT)?;
+            // SAFETY: a type below GGML_TYPE_COUNT is one of ggml's; the call only reads its
+            // traits table.
+            let block = unsafe { raw::ggml_blck_size(count as raw::ggml_type) };
+            if block <= 0 || width as i64 % block != 0 {
+                return None;
+            }
+            // SAFETY: as above.
+            Some(unsafe { raw::ggml_row_size(count as raw::ggml_type, width as i64) })
+        };
+        Some([
+            row(self.gate_type, self.n_embd)? * self.n_ff,
+            row(self.up_type, self.n_embd)? * self.n_ff,
+            row(self.down_type, self.n_ff)? * self.n_embd,
+        ])
+    }
+}
+
+/// One token's one expert for the CPU: its slices in host memory and its router weight.
+pub struct HostExpert<'a> {
+    pub gate: &'a [u8],
+    pub up: &'a [u8],
+    pub down: &'a [u8],
+    pub token: usize,
+    pub weight: f32,
+}
+
+/// `struct hypura_expert_job` of `csrc/expert_ffn.c`.
+#[repr(C)]
+struct RawExpertJob {
+    gate: *const c_void,
+    up: *const c_void,
+    down: *const c_void,
+    token: i32,
+    weight: f32,
+}
+
+unsafe extern "C" {
+    fn hypura_expert_ffn(
+        cpu: raw::ggml_backend_t,
+        gate_type: i32,
+        up_type: i32,
+        down_type: i32,
+        n_embd: i64,
+        n_ff: i64,
+        x: *const f32,
+        n_tokens: i64,
+        jobs: *const RawExpertJob,
+        n_jobs: i32,
+        out: *mut f32,
+    ) -> std::ffi::c_int;
+}
+
+/// `ObservedNode::compute_experts_on_cpu` on `backend`.
+///
+/// # Safety
+/// `backend` is a live CPU backend that computes nothing else during the call.
+unsafe fn experts_on(
+    backend: raw::ggml_backend_t,
+    shape: &ExpertShape,
+    x: &[Vec<f32>],
+    jobs: &[HostExpert<'_>],
+) -> Result<Vec<Vec<f32>>, crate::SysError> {
+    let n_embd = shape.n_embd;
+    let mut out = vec![0f32; n_embd * x.len()];
+    let bad = |why: &str| crate::SysError::State(format!("experts on the CPU: {why}"));
+    if n_embd == 0 || x.iter().any(|row| row.len() != n_embd) {
+        return Err(bad("an input row is not n_embd wide"));
+    }
+    if jobs.is_empty() {
+        return Ok(out.chunks(n_embd).map(<[f32]>::to_vec).collect());
+    }
+    let sizes = shape.slice_bytes().ok_or_else(|| bad("unknown tensor types"))?;
+    let mut raw_jobs = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        if job.token >= x.len() || [job.gate.len(), job.up.len(), job.down.len()] != sizes {
+            return Err(bad("a job's token or slices do not fit the shape"));
+        }
+        raw_jobs.push(RawExpertJob {
+            gate: job.gate.as_ptr().cast(),
+            up: job.up.as_ptr().cast(),
+            down: job.down.as_ptr().cast(),
+            token: job.token as i32,
+            weight: job.weight,
+        });
+    }
+    let input: Vec<f32> = x.concat();
+    // SAFETY: the caller's backend; every job's slices were checked to hold their tensors' bytes
+    // and its token to be a row of `input`; `input` and `out` hold `n_embd × rows` floats; the
+    // shim reads the slices and writes `out` only during the call.
+    let status = unsafe {
+        hypura_expert_ffn(
+            backend,
+            shape.gate_type,
+            shape.up_type,
+            shape.down_type,
+            n_embd as i64,
+            shape.n_ff as i64,
+            input.as_ptr(),
+            x.len() as i64,
+            raw_jobs.as_ptr(),
+            raw_jobs.len() as i32,
+            out.as_mut_ptr(),
+        )
+    };
+    if status != 0 {
+        return Err(bad(&format!("ggml's CPU backend failed ({status})")));
+    }
+    Ok(out.chunks(n_embd).map(<[f32]>::to_vec).collect())
 }
 
 /// Depth-first search of `tensor`'s sources for a node named `name`.
@@ -435,6 +611,67 @@ mod tests {
     fn matrix_rows(matrix: *mut raw::ggml_tensor) -> Vec<Vec<i32>> {
         // SAFETY: the matrix is a live, allocated tensor of `strided_ids`.
         rows(unsafe { &*matrix }, raw::GGML_TYPE_I32, i32::from_ne_bytes).expect("an I32 matrix")
+    }
+
+    /// Experts computed by the CPU backend: each job's `weight × down(silu(gate·x) ⊙ (up·x))`
+    /// summed per token, as a naive computation of the same F32 weights gives it; a token
+    /// without a job gets zeros; slices of the wrong size are refused.
+    #[test]
+    fn experts_on_the_cpu_sum_each_tokens_weighted_swiglu() {
+        let (n_embd, n_ff) = (8usize, 4usize);
+        let value = |seed: usize| ((seed * 7919 % 113) as f32 - 56.0) / 64.0;
+        let matrix = |seed: usize, rows: usize, columns: usize| -> Vec<f32> {
+            (0..rows * columns).map(|index| value(seed * 1000 + index)).collect()
+        };
+        let bytes = |values: &[f32]| -> Vec<u8> { values.iter().flat_map(|v| v.to_ne_bytes()).collect() };
+        // Two experts: gate and up are n_ff rows of n_embd, down n_embd rows of n_ff.
+        let experts: Vec<[Vec<f32>; 3]> = (1..=2)
+            .map(|e| [matrix(3 * e, n_ff, n_embd), matrix(3 * e + 1, n_ff, n_embd), matrix(3 * e + 2, n_embd, n_ff)])
+            .collect();
+        let slices: Vec<[Vec<u8>; 3]> = experts.iter().map(|[g, u, d]| [bytes(g), bytes(u), bytes(d)]).collect();
+        let x: Vec<Vec<f32>> = (0..3).map(|t| (0..n_embd).map(|i| value(50 + 10 * t + i)).collect()).collect();
+        let jobs = [(0usize, 0usize, 0.75f32), (0, 1, 0.25), (2, 1, 1.5)];
+        let host: Vec<HostExpert<'_>> = jobs
+            .iter()
+            .map(|&(token, expert, weight)| HostExpert {
+                gate: &slices[expert][0],
+                up: &slices[expert][1],
+                down: &slices[expert][2],
+                token,
+                weight,
+            })
+            .collect();
+        let f32_type = raw::GGML_TYPE_F32 as i32;
+        let shape = ExpertShape { gate_type: f32_type, up_type: f32_type, down_type: f32_type, n_embd, n_ff };
+        // SAFETY: a CPU backend of its own, freed below, computing nothing else.
+        let backend = unsafe { raw::ggml_backend_init_by_type(raw::GGML_BACKEND_DEVICE_TYPE_CPU, std::ptr::null()) };
+        assert!(!backend.is_null());
+        // SAFETY: as above.
+        let out = unsafe { experts_on(backend, &shape, &x, &host) }.unwrap();
+        let short =
+            [HostExpert { gate: &slices[0][0][..4], up: &slices[0][1], down: &slices[0][2], token: 0, weight: 1.0 }];
+        // SAFETY: as above.
+        assert!(unsafe { experts_on(backend, &shape, &x, &short) }.is_err());
+        // SAFETY: made above, freed once.
+        unsafe { raw::ggml_backend_free(backend) };
+        let mut expected = vec![vec![0f32; n_embd]; 3];
+        for &(token, expert, weight) in &jobs {
+            let [gate, up, down] = &experts[expert];
+            let dot = |row: &[f32], v: &[f32]| row.iter().zip(v).map(|(a, b)| a * b).sum::<f32>();
+            let hidden: Vec<f32> = (0..n_ff)
+                .map(|j| {
+                    let g = dot(&gate[j * n_embd..(j + 1) * n_embd], &x[token]);
+                    g / (1.0 + (-g).exp()) * dot(&up[j * n_embd..(j + 1) * n_embd], &x[token])
+                })
+                .collect();
+            for i in 0..n_embd {
+                expected[token][i] += weight * dot(&down[i * n_ff..(i + 1) * n_ff], &hidden);
+            }
+        }
+        for (got, want) in out.iter().flatten().zip(expected.iter().flatten()) {
+            assert!((got - want).abs() < 1e-4, "{out:?} against {expected:?}");
+        }
+        assert!(out[1].iter().all(|&v| v == 0.0), "a token without a job");
     }
 
     /// A strided input is read row by row from one copy of its span, and written back the same
