@@ -134,9 +134,15 @@ fn a_trace_of_real_routing_changes_from_token_to_token_and_simulates() {
     assert!(simulate.status.success(), "hypura simulate: {}", String::from_utf8_lossy(&simulate.stderr));
     let results: serde_json::Value = serde_json::from_slice(&simulate.stdout).unwrap();
     let rates: Vec<f64> =
-        results.as_array().unwrap().iter().map(|result| result["hit_rate"].as_f64().unwrap()).collect();
+        results["caches"].as_array().unwrap().iter().map(|result| result["hit_rate"].as_f64().unwrap()).collect();
     assert_eq!(rates.len(), 4, "{results}");
     assert!(rates.iter().all(|rate| (0.0..1.0).contains(rate)), "{results}");
+    // The routing's statistics, from the decoded tokens: the next token's reuse is what the
+    // trace's own count of new picks says.
+    let reuse = results["routing"]["next_token_reuse"].as_f64().unwrap();
+    assert!((0.0..1.0).contains(&reuse), "{results}");
+    let top = results["routing"]["top_tenth_share"].as_f64().unwrap();
+    assert!(top > 0.0 && top <= 1.0, "{results}");
 }
 
 #[test]
