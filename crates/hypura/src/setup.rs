@@ -191,6 +191,12 @@ pub struct RunMeasurements {
     pub expert_reads: Option<(f64, f64)>,
     /// A GPU's expert pool at work (benchmarks' tg runs).
     pub pool: Option<crate::hw::PoolWork>,
+    /// The run's plan had a GPU expert pool: its decode time is the device's and the pool's
+    /// stops and transfers, not a CPU's share of the weights, so it is kept as the pool's work
+    /// only (mixed into the streaming compute record, a share scaled from it predicted whole
+    /// layers several times too slow: S6b's `auto` then took the pool, 19.96 tok/s where
+    /// llama.cpp made 89.2).
+    pub pooled: bool,
 }
 
 /// Keep what a run measured for the next plan of this model: a streaming run's decode compute,
@@ -198,13 +204,21 @@ pub struct RunMeasurements {
 /// logged, never fatal (the record is a hint).
 pub fn record_run(model: &Path, run: &RunMeasurements) {
     let threads = run.threads.max(1) as u32;
-    let result = ModelRecords::new(default_cache_dir()).update(model, |record| {
+    let result = ModelRecords::new(default_cache_dir()).update(model, |record| fold_run(record, threads, run));
+    if let Err(error) = result {
+        tracing::warn!("could not record the run's measurements: {error}");
+    }
+}
+
+/// `run`'s measurements into the model's `record`.
+fn fold_run(record: &mut crate::hw::ModelRecord, threads: u32, run: &RunMeasurements) {
+    {
         if let Some(seconds) = run.decode_seconds_per_token.filter(|_| run.decode_tokens >= 2) {
             let total = seconds * run.decode_tokens as f64;
-            if run.streamed {
-                record.add_compute(threads, total, run.decode_tokens, run.host_share);
-            } else {
-                record.add_resident(threads, total, run.decode_tokens, run.host_share);
+            match (run.streamed, run.pooled) {
+                (_, true) => {}
+                (true, false) => record.add_compute(threads, total, run.decode_tokens, run.host_share),
+                (false, false) => record.add_resident(threads, total, run.decode_tokens, run.host_share),
             }
         }
         if !run.streamed {
@@ -221,9 +235,6 @@ pub fn record_run(model: &Path, run: &RunMeasurements) {
         if let Some(pool) = &run.pool {
             record.add_pool(pool);
         }
-    });
-    if let Err(error) = result {
-        tracing::warn!("could not record the run's measurements: {error}");
     }
 }
 
@@ -378,6 +389,32 @@ pub fn default_gpu_budget(gpu_free: &[u64]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A pooled run's decode time is the pool's (stops, transfers), not a CPU's share: it never
+    /// enters the compute records a whole-layer plan is predicted from.
+    #[test]
+    fn a_pooled_run_leaves_the_compute_records_alone() {
+        let layers = RunMeasurements {
+            threads: 16,
+            streamed: true,
+            decode_seconds_per_token: Some(0.02),
+            decode_tokens: 100,
+            host_share: 0.6,
+            ..RunMeasurements::default()
+        };
+        let pooled =
+            RunMeasurements { decode_seconds_per_token: Some(0.09), host_share: 0.01, pooled: true, ..layers.clone() };
+        let mut record = crate::hw::ModelRecord::default();
+        fold_run(&mut record, 16, &layers);
+        let before = record.compute(16);
+        assert_eq!(before, Some((0.02, 0.6)));
+        fold_run(&mut record, 16, &pooled);
+        assert_eq!(record.compute(16), before);
+        assert_eq!(record.resident(16), None);
+        // A run without a pool is folded in.
+        fold_run(&mut record, 16, &RunMeasurements { decode_seconds_per_token: Some(0.04), ..layers });
+        assert!((record.compute(16).unwrap().0 - 0.03).abs() < 1e-12);
+    }
 
     #[test]
     fn headroom_is_a_tenth_within_limits() {

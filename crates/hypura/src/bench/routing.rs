@@ -274,8 +274,7 @@ mod tests {
         assert!((stats.lru_quarter_hit - 38.0 / 40.0).abs() < 1e-9);
         // Every token two new experts, cycling through all 40: nothing reused, an even spread,
         // and a cache of 10 never holds the next pick.
-        let rotating: Vec<RouteRecord> =
-            (0..40).map(|step| token(0, &[2 * step % 40, (2 * step + 1) % 40])).collect();
+        let rotating: Vec<RouteRecord> = (0..40).map(|step| token(0, &[2 * step % 40, (2 * step + 1) % 40])).collect();
         let stats = RoutingStats::of(&[rotating], 40).unwrap();
         assert_eq!(stats.next_token_reuse, 0.0);
         assert!((stats.top_tenth_share - 0.1).abs() < 1e-9);

@@ -83,6 +83,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
                     .map(|prediction| prediction.touched_bytes_per_token),
                 expert_reads: report.expert_reads,
                 pool: report.pool_limit.map(|pool| pool.work),
+                pooled: report.pool_limit.is_some(),
             },
         );
     }

@@ -93,6 +93,12 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
                     // A request's reads include its prompt's sweep: only benchmarks' tg runs
                     // measure decode's reads alone.
                     expert_reads: None,
+                    pooled: engine
+                        .options()
+                        .plan
+                        .as_ref()
+                        .and_then(|plan| plan.gpu.as_ref())
+                        .is_some_and(|gpu| gpu.expert_pool.is_some()),
                     pool: None,
                 },
             );
