@@ -45,7 +45,7 @@ if [ "${1:-1}" = 1 ]; then
       | grep -E "^(plan|gpu|expert pool|predict)" >> $R/inspect.txt
   done
   echo "inspected at $SECONDS s" >> $R/time.log
-  env $common OUT=$R/s6a PEERS=0 HYPURA_ARGS="--gpu-budget 8GiB" HYPURA_B_ARGS="--gpu-budget 8GiB --gpu-experts layers" \
+  env $common OUT=$R/s6a PEERS=0 HYPURA_ARGS="--gpu-budget 8GiB" HYPURA_B_ARGS="--gpu-experts layers" \
     scripts/bench-limited /tmp/q36.gguf 0.5701 128 1 > $R/s6a.txt 2>&1
   echo "s6a at $SECONDS s" >> $R/time.log
   [ $SECONDS -lt 470 ] && env $common OUT=$R/s6a-pool PEERS=0 HYPURA_ARGS="--gpu-budget 8GiB --gpu-experts pool" \
@@ -56,7 +56,7 @@ else
     scripts/bench-limited /tmp/q36.gguf 0.5701 128 1 > $R/s6a-peers.txt 2>&1
   echo "s6a peers at $SECONDS s" >> $R/time.log
   [ $SECONDS -lt 420 ] && env $common OUT=$R/s6b PEERS=n-cpu-moe:17 N_CPU_MOE=17 HYPURA_ARGS="--gpu-budget 12GiB" \
-    HYPURA_B_ARGS="--gpu-budget 12GiB --gpu-experts layers" scripts/bench-limited /tmp/q36.gguf 1.2474 128 1 > $R/s6b.txt 2>&1
+    HYPURA_B_ARGS="--gpu-experts layers" scripts/bench-limited /tmp/q36.gguf 1.2474 128 1 > $R/s6b.txt 2>&1
   echo "s6b at $SECONDS s" >> $R/time.log
 fi
 cd $R && tar czf results.tgz s6* 2>/dev/null; rm -rf s6a s6a-pool s6a-peers s6b
