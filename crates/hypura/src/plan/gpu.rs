@@ -882,6 +882,18 @@ mod tests {
             let same = plan(&inventory, &cpu_at(rate, 64 << 30), &asked).unwrap();
             assert_eq!(same.gpu.as_ref().unwrap().expert_pool, gpu.expert_pool, "{}", same.render());
             assert!(same.gpu.as_ref().unwrap().experts_options.is_empty(), "asked for: nothing weighed");
+            // Beside the pool the host cache's reads add to the token's time (its stop waits for
+            // them); beside whole layers they overlap the CPU's compute.
+            let prediction = crate::plan::predict(
+                &chosen,
+                &cpu_at(rate, 64 << 30),
+                256,
+                crate::plan::predict::touched(&inventory, &chosen),
+            );
+            let (compute, read) = (prediction.compute_seconds_per_token.unwrap(), prediction.bytes_per_token / 2e9);
+            let seconds = if pool_wins { compute + read } else { compute.max(read) };
+            assert!((1.0 / prediction.decode_tokens_per_sec.unwrap() - seconds).abs() < 1e-12, "{prediction:?}");
+            assert!(!pool_wins || read > 0.0, "the pooled plan reads its misses: {prediction:?}");
         }
         let host = 1 << 30;
         let streaming = plan(&inventory, &cpu_at(1e8, host), &auto).unwrap();

@@ -149,7 +149,8 @@ fn pooled_on_device(plan: &Plan, facts: &MachineFacts, touched_bytes: f64) -> Op
 /// Predict `plan`'s decode and prompt speed on `facts` with prompt batches of `n_batch`.
 ///
 /// Decode: `1 / max(compute, bytes per token / disk rate)`, the physical limit's form: reads
-/// overlap compute (read-ahead and prefetch), so the longer of the two sets the pace. Prompt:
+/// overlap compute (read-ahead and prefetch), so the longer of the two sets the pace; beside a
+/// GPU pool the two add (its stop waits for the host cache's misses). Prompt:
 /// each batch of `n_batch` tokens reads the streamed bytes it needs once (dense layers all of
 /// them; expert layers the distinct experts its tokens pick, less what the cache holds), and
 /// takes the longer of that read and its compute.
@@ -248,7 +249,11 @@ pub fn predict(plan: &Plan, facts: &MachineFacts, n_batch: u32, (touched_bytes, 
     prediction.bytes_per_token = bytes_per_token;
     prediction.bytes_per_prompt_batch = bytes_per_batch;
     let read = |bytes: f64| if bytes <= 0.0 { Some(0.0) } else { disk.map(|rate| bytes / rate) };
+    // A GPU pool's stop waits for the host cache's misses to be read before it uploads them:
+    // its reads add to the token's time. Elsewhere reads overlap compute (read-ahead, prefetch).
+    let pooled = plan.gpu.as_ref().is_some_and(|gpu| gpu.expert_pool.is_some());
     prediction.decode_tokens_per_sec = match (compute, read(bytes_per_token)) {
+        (Some(compute), Some(read)) if pooled => Some(compute + read),
         (Some(compute), Some(read)) => Some(compute.max(read)),
         // Only the disk is known: a plan that must read is at most that fast, but its compute
         // is unknown, so no figure is claimed.
