@@ -6,7 +6,7 @@
 //     out[token] += weight * down(silu(gate . x[token]) * (up . x[token]))
 //
 // The expert slices are the file's bytes where they lie in host memory; ggml's own kernels
-// (mul_mat, swiglu, scale, add) compute them through the context's CPU backend, so the CPU's
+// (mul_mat, swiglu, scale, add) compute them through a CPU backend of the caller's, so the CPU's
 // share is computed as the CPU backend computes a resident layer.
 #include "ggml.h"
 #include "ggml-alloc.h"

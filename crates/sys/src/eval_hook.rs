@@ -204,35 +204,39 @@ impl ObservedNode<'_> {
         Some(())
     }
 
-    /// The context's CPU backend (the one that computes host layers, with the context's
-    /// threads), where the callback's cell knows the context's backends.
-    fn cpu_backend(&self) -> Option<raw::ggml_backend_t> {
-        let backends = self.cell?.backends.get()?;
-        backends.iter().map(|&backend| backend as raw::ggml_backend_t).find(|&backend| {
-            // SAFETY: the context's live backends (`HookCell::attach`).
+    /// The node's F32 values in memory order, where it is a computed contiguous F32 tensor of
+    /// any shape (the router's final weights are `[1, n_expert_used, n_tokens]`), else None.
+    pub fn f32_values(&self) -> Option<Vec<f32>> {
+        let tensor = self.tensor;
+        // SAFETY: a live graph node; ggml_is_contiguous only reads its header.
+        let contiguous = unsafe { raw::ggml_is_contiguous(tensor) };
+        if tensor.type_ != raw::GGML_TYPE_F32 || tensor.data.is_null() || buffer_of(tensor).is_null() || !contiguous {
+            return None;
+        }
+        // SAFETY: as above.
+        let count = unsafe { raw::ggml_nelements(tensor) }.max(0) as usize;
+        let mut values = vec![0f32; count];
+        if count > 0 {
+            // SAFETY: a computed contiguous F32 tensor with a buffer holds `count` floats from its
+            // data; `values` holds as many. ggml waits for this callback before reusing memory.
             unsafe {
-                let device = raw::ggml_backend_get_device(backend);
-                !device.is_null() && raw::ggml_backend_dev_type(device) == raw::GGML_BACKEND_DEVICE_TYPE_CPU
+                raw::ggml_backend_tensor_get(
+                    tensor as *const raw::ggml_tensor as *mut raw::ggml_tensor,
+                    values.as_mut_ptr() as *mut c_void,
+                    0,
+                    count * 4,
+                );
             }
-        })
+        }
+        Some(values)
     }
 
-    /// Routed experts computed on the context's CPU backend, beside a device that computes the
-    /// others: for each job, `weight × down(silu(gate·x) ⊙ (up·x))` of its token's row of `x`,
-    /// summed per token into the returned rows (zero where a token has no job). The slices are
-    /// the experts' bytes in host memory, of `shape`'s types and widths.
-    pub fn compute_experts_on_cpu(
-        &self,
-        shape: &ExpertShape,
-        x: &[Vec<f32>],
-        jobs: &[HostExpert<'_>],
-    ) -> Result<Vec<Vec<f32>>, crate::SysError> {
-        let backend = self
-            .cpu_backend()
-            .ok_or_else(|| crate::SysError::State(format!("{}: the context has no CPU backend", self.name)))?;
-        // SAFETY: the context's live CPU backend, idle while its graph stops in this callback
-        // (the callback runs on the thread that computes the graph).
-        unsafe { experts_on(backend, shape, x, jobs) }
+    /// The node the hook kept last since its last stop, else None.
+    pub fn last_kept(&self) -> Option<ObservedNode<'_>> {
+        let &address = self.kept.last()?;
+        // SAFETY: as in `kept`.
+        let tensor = unsafe { &*(address as *const raw::ggml_tensor) };
+        Some(ObservedNode { tensor, name: tensor_name(tensor), kept: &[], cell: self.cell })
     }
 
     fn input(&self, input: usize) -> Option<&raw::ggml_tensor> {
@@ -258,7 +262,7 @@ impl ObservedNode<'_> {
 }
 
 /// The routed experts' tensors of a layer as the CPU computes them: their ggml types and the
-/// FFN's widths (`ObservedNode::compute_experts_on_cpu`).
+/// FFN's widths (`CpuExperts::compute`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ExpertShape {
     pub gate_type: i32,
@@ -325,7 +329,49 @@ unsafe extern "C" {
     ) -> std::ffi::c_int;
 }
 
-/// `ObservedNode::compute_experts_on_cpu` on `backend`.
+/// A CPU backend of its own (ggml's kernels, its own threads) that computes routed experts
+/// from their bytes in host memory, beside a device that computes the others: the split of a
+/// pooled MoE layer. It runs on a thread of its own, while the context's graph computes.
+pub struct CpuExperts {
+    backend: std::ptr::NonNull<raw::ggml_backend>,
+}
+
+// SAFETY: the backend is owned by this value and used by one thread at a time (`&mut self`).
+unsafe impl Send for CpuExperts {}
+
+impl CpuExperts {
+    /// A CPU backend computing with `threads` threads.
+    pub fn new(threads: usize) -> Result<CpuExperts, crate::SysError> {
+        // SAFETY: ggml's CPU device is always registered; a null return is checked.
+        let backend = unsafe { raw::ggml_backend_init_by_type(raw::GGML_BACKEND_DEVICE_TYPE_CPU, std::ptr::null()) };
+        let backend = std::ptr::NonNull::new(backend).ok_or(crate::SysError::Allocation("a CPU backend"))?;
+        // SAFETY: a live CPU backend, just made.
+        unsafe { raw::ggml_backend_cpu_set_n_threads(backend.as_ptr(), threads.max(1) as std::ffi::c_int) };
+        Ok(CpuExperts { backend })
+    }
+
+    /// For each job, `weight × down(silu(gate·x) ⊙ (up·x))` of its token's row of `x`, summed
+    /// per token into the returned rows (zero where a token has no job). The slices are the
+    /// experts' bytes in host memory, of `shape`'s types and widths.
+    pub fn compute(
+        &mut self,
+        shape: &ExpertShape,
+        x: &[Vec<f32>],
+        jobs: &[HostExpert<'_>],
+    ) -> Result<Vec<Vec<f32>>, crate::SysError> {
+        // SAFETY: this value's own live CPU backend, used by this call alone (`&mut self`).
+        unsafe { experts_on(self.backend.as_ptr(), shape, x, jobs) }
+    }
+}
+
+impl Drop for CpuExperts {
+    fn drop(&mut self) {
+        // SAFETY: made in `new`, freed once, here.
+        unsafe { raw::ggml_backend_free(self.backend.as_ptr()) };
+    }
+}
+
+/// `CpuExperts::compute` on `backend`.
 ///
 /// # Safety
 /// `backend` is a live CPU backend that computes nothing else during the call.
@@ -643,17 +689,11 @@ mod tests {
             .collect();
         let f32_type = raw::GGML_TYPE_F32 as i32;
         let shape = ExpertShape { gate_type: f32_type, up_type: f32_type, down_type: f32_type, n_embd, n_ff };
-        // SAFETY: a CPU backend of its own, freed below, computing nothing else.
-        let backend = unsafe { raw::ggml_backend_init_by_type(raw::GGML_BACKEND_DEVICE_TYPE_CPU, std::ptr::null()) };
-        assert!(!backend.is_null());
-        // SAFETY: as above.
-        let out = unsafe { experts_on(backend, &shape, &x, &host) }.unwrap();
+        let mut cpu = CpuExperts::new(2).unwrap();
+        let out = cpu.compute(&shape, &x, &host).unwrap();
         let short =
             [HostExpert { gate: &slices[0][0][..4], up: &slices[0][1], down: &slices[0][2], token: 0, weight: 1.0 }];
-        // SAFETY: as above.
-        assert!(unsafe { experts_on(backend, &shape, &x, &short) }.is_err());
-        // SAFETY: made above, freed once.
-        unsafe { raw::ggml_backend_free(backend) };
+        assert!(cpu.compute(&shape, &x, &short).is_err());
         let mut expected = vec![vec![0f32; n_embd]; 3];
         for &(token, expert, weight) in &jobs {
             let [gate, up, down] = &experts[expert];

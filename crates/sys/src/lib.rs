@@ -35,7 +35,7 @@ pub use chat::{ChatTemplates, RenderedChat};
 pub use context::{Context, ContextParams};
 pub use embedding::EmbeddingContext;
 pub use error::SysError;
-pub use eval_hook::{EvalHook, ExpertShape, HostExpert, ObservedNode};
+pub use eval_hook::{CpuExperts, EvalHook, ExpertShape, HostExpert, ObservedNode};
 pub use fit::{fit_placement, FitPlacement};
 pub use grammar::Grammar;
 pub use json_schema::{check_json_schema, json_schema_to_grammar};

@@ -206,12 +206,13 @@ pub struct PlanArgs {
     pub gpu_budget: Option<String>,
     /// How routed experts use the GPU budget: layers (whole layers' experts on the GPU, the
     /// rest in host memory or streamed through the host's expert cache, computed on the CPU),
-    /// pool (every MoE layer's most recently routed experts in device slots, the rest in the
-    /// host's expert cache and on disk, all computed on the GPU), or auto: where whole layers
-    /// would leave routed experts with the host (resident or streamed), both predicted for this
-    /// machine and the model's routing (its record, else real models') and the faster taken
-    /// (`inspect` shows both), else layers.
-    #[arg(long, default_value = "auto", value_parser = ["auto", "layers", "pool"])]
+    /// pool (every MoE layer's most used experts in device slots, the rest in the host's expert
+    /// cache and on disk, all computed on the GPU, a miss uploaded first), split (the pool, but
+    /// at decode the CPU computes the picks no slot holds while the GPU computes the slots';
+    /// an expert is uploaded only once picked often), or auto: where whole layers would leave
+    /// routed experts with the host, each predicted for this machine and the model's routing
+    /// (its record, else real models') and the fastest taken (`inspect` shows them), else layers.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "layers", "pool", "split"])]
     pub gpu_experts: String,
     /// auto, resident, dense-stream or expert-stream.
     #[arg(long, default_value = "auto")]

@@ -227,9 +227,12 @@ fn plan_options(args: &PlanArgs) -> anyhow::Result<PlanOptions> {
             other => anyhow::bail!("unknown --prefetch {other:?}: use auto, on or off"),
         },
         cache_policy,
-        gpu_expert_pool: match args.gpu_experts.as_str() {
+        gpu_experts: match args.gpu_experts.as_str() {
             "auto" => None,
-            choice => Some(choice == "pool"),
+            "layers" => Some(crate::plan::GpuExperts::Layers),
+            "pool" => Some(crate::plan::GpuExperts::Pool),
+            "split" => Some(crate::plan::GpuExperts::Split),
+            other => anyhow::bail!("unknown --gpu-experts {other:?}: use auto, split, pool or layers"),
         },
         kv: crate::plan::KvTypes {
             k: crate::plan::KvTypes::parse(&args.cache_type_k).map_err(anyhow::Error::msg).context("--cache-type-k")?,

@@ -563,7 +563,11 @@ fn load_streaming(
         load_mtp: loads_mtp(options),
     };
     let model = Model::load_placed(backend, path, &params, placement)?;
-    let streams = load.finish(&buffer_type, options.io_workers, options.trace_routing)?;
+    let cpu_threads = options.n_threads.map_or_else(
+        || std::thread::available_parallelism().map_or(4, std::num::NonZero::get),
+        |threads| threads.max(1) as usize,
+    );
+    let streams = load.finish(&buffer_type, options.io_workers, cpu_threads, options.trace_routing)?;
     Ok((
         model,
         Streaming {

@@ -8,7 +8,7 @@ use super::reuse::ReuseDepths;
 use super::sizing::{
     context_memory_bytes, device_compute_bytes, is_streamable, on_input_layer, output_is_tied, TOKEN_EMBEDDING,
 };
-use super::types::{MachineFacts, Mode, ModeChoice, Plan, PlanOptions, TensorPlacement, Tier};
+use super::types::{GpuExperts, MachineFacts, Mode, ModeChoice, Plan, PlanOptions, TensorPlacement, Tier};
 use crate::format::format_bytes;
 use crate::model::{Inventory, TensorEntry};
 
@@ -50,7 +50,7 @@ pub struct GpuLayout {
 /// One way the GPU may hold a MoE model's routed experts, as `--gpu-experts auto` predicted it.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct GpuExpertsOption {
-    /// `--gpu-experts`' name for it: "pool" or "layers".
+    /// `--gpu-experts`' name for it: "split", "pool" or "layers".
     pub name: &'static str,
     /// None where the plan could not be predicted.
     pub decode_tokens_per_sec: Option<f64>,
@@ -69,8 +69,11 @@ pub struct ExpertPoolLayout {
     /// from the last layer down: each saves the pool's stop a token, where the recorded routing
     /// says the slots left to the others serve it as well as more would (`pool_decode_cost`).
     pub whole_layers: Vec<u32>,
-    /// Expert slots per pooled layer.
+    /// Expert slots per pooled layer (a split pool's zero slot among them).
     pub slots: u32,
+    /// Split (decision 33): at decode the CPU computes the picks no slot holds, from the host
+    /// cache, beside the device; each layer's last slot holds zeros, where their ids point.
+    pub split: bool,
     /// The slots' bytes, every pooled layer together.
     pub slot_bytes: u64,
     /// The largest pooled layer's expert tensors, whole.
@@ -171,6 +174,10 @@ struct DeviceCosts<'a> {
     /// here, else the H200 machine's.
     stop_seconds: f64,
     bus_bytes_per_sec: f64,
+    /// A split pool (`ExpertPoolLayout::split`), and the rate the CPU computes its misses at: as
+    /// runs recorded it here, else `predict::CPU_BYTES_PER_SEC_UNMEASURED`.
+    split: bool,
+    cpu_bytes_per_sec: f64,
 }
 
 /// An expert pool's costs: per layer, the bytes of one expert's slices (0 for a layer without
@@ -217,6 +224,18 @@ impl PoolCosts {
     }
 }
 
+/// Whether a pool of this model's routed experts may split: separate gate, up and down experts
+/// without biases (what the CPU computes; the graph's node names are checked again at run time).
+pub(super) fn splits(inventory: &Inventory) -> bool {
+    use crate::model::Role;
+    let has = |role: Role| inventory.tensors.iter().any(|tensor| tensor.role == role);
+    has(Role::ExpertGate)
+        && has(Role::ExpertUp)
+        && has(Role::ExpertDown)
+        && !has(Role::ExpertGateUp)
+        && !has(Role::ExpertBias)
+}
+
 /// The GPU tier for `budget` bytes of device memory: Ok(None) without a budget, Err(why) when
 /// the budget cannot hold even one whole layer. With `ffn`, whole layers' FFN fill what is left
 /// after what every token touches, from the last layer down; where every layer's attention and
@@ -261,7 +280,7 @@ pub(super) fn gpu_tier(
         tied_output_bytes,
         // Pooled experts stream (expert-stream mode): only where the pool is asked for and no
         // other mode is forced.
-        pool: (options.gpu_expert_pool == Some(true)
+        pool: (options.gpu_experts.is_some_and(GpuExperts::pooled)
             && matches!(options.mode, ModeChoice::Auto | ModeChoice::Forced(Mode::ExpertStream)))
         .then(|| PoolCosts::of(inventory, n_layer))
         .flatten(),
@@ -269,6 +288,11 @@ pub(super) fn gpu_tier(
         stop_seconds: machine.pool_stop_host_seconds.unwrap_or(POOL_STOP_HOST_SECONDS)
             + machine.pool_stop_device_seconds.unwrap_or(POOL_STOP_DEVICE_SECONDS),
         bus_bytes_per_sec: machine.pool_bus_bytes_per_sec.filter(|rate| *rate > 0.0).unwrap_or(POOL_BUS_BYTES_PER_SEC),
+        split: options.gpu_experts == Some(GpuExperts::Split) && splits(inventory),
+        cpu_bytes_per_sec: machine
+            .cpu_bytes_per_sec
+            .filter(|rate| *rate > 0.0)
+            .unwrap_or(super::predict::CPU_BYTES_PER_SEC_UNMEASURED),
     };
     costs.every_layers_attention(ffn).map_or_else(|| costs.whole_last_layers(ffn), |gpu| Ok(Some(gpu)))
 }
@@ -368,11 +392,14 @@ impl DeviceCosts<'_> {
             let spare = spare.checked_sub(whole.iter().map(|&layer| self.layer_ffn[layer as usize]).sum())?;
             let per_slot: u64 = pooled.iter().map(|&layer| pool.expert_bytes[layer as usize]).sum();
             let alignment = pooled.iter().map(|&layer| pool.tensors[layer as usize]).sum::<u64>() * POOL_ALIGNMENT;
-            let slots = (spare.checked_sub(alignment)? / per_slot.max(1)).min(pool.n_expert - 1);
-            (slots >= pool.n_expert_used).then(|| ExpertPoolLayout {
+            // A split pool's zero slot is one more.
+            let zero = u64::from(self.split);
+            let slots = (spare.checked_sub(alignment)? / per_slot.max(1)).min(pool.n_expert - 1 + zero);
+            (slots >= pool.n_expert_used + zero).then(|| ExpertPoolLayout {
                 layers: pooled.to_vec(),
                 whole_layers: whole.to_vec(),
                 slots: slots as u32,
+                split: self.split,
                 slot_bytes: slots * per_slot + alignment,
                 staging_bytes: staging,
                 decode_overhead_seconds: None,
@@ -398,13 +425,20 @@ impl DeviceCosts<'_> {
     /// expert copied back). Misses are counted in the steady state (a first pick of an expert
     /// is a miss for any layout), at the slots trusted (`POOL_SLOTS_TRUSTED`). Whole layers add
     /// neither.
+    ///
+    /// Split, a miss is computed by the CPU from the host cache instead (at the CPU's rate, not
+    /// counted as hidden behind the device's compute), and a layer with misses stops twice.
     fn pool_decode_cost(&self, layout: &ExpertPoolLayout, pool: &PoolCosts, reuse: &ReuseDepths) -> f64 {
         let layers = layout.layers.len() as u64;
-        let trusted = f64::from(layout.slots) * POOL_SLOTS_TRUSTED;
+        let usable = layout.slots - u32::from(layout.split);
+        let trusted = f64::from(usable) * POOL_SLOTS_TRUSTED;
         let hit = reuse.steady_hit_rate(trusted * layers as f64, layers).unwrap_or(0.0);
-        let moved: u64 = layout.layers.iter().map(|&layer| 2 * pool.expert_bytes[layer as usize]).sum();
-        layers as f64 * self.stop_seconds
-            + pool.n_expert_used as f64 * (1.0 - hit) * moved as f64 / self.bus_bytes_per_sec
+        let experts: u64 = layout.layers.iter().map(|&layer| pool.expert_bytes[layer as usize]).sum();
+        let misses = pool.n_expert_used as f64 * (1.0 - hit);
+        if layout.split {
+            return 2.0 * layers as f64 * self.stop_seconds + misses * experts as f64 / self.cpu_bytes_per_sec;
+        }
+        layers as f64 * self.stop_seconds + misses * 2.0 * experts as f64 / self.bus_bytes_per_sec
     }
 
     /// llama.cpp's own partial offload, where every layer's attention does not fit: the output
@@ -829,7 +863,7 @@ mod tests {
         // 8 layers of 64 experts, 3 tensors each: a layer's experts are 192 MiB, an expert
         // across every layer 24 MiB.
         let inventory = moe_inventory(8, 64, 4, slice);
-        let options = PlanOptions { gpu_expert_pool: Some(true), ..auto_window(ModeChoice::Auto) };
+        let options = PlanOptions { gpu_experts: Some(GpuExperts::Pool), ..auto_window(ModeChoice::Auto) };
         let fixed = pool_fixed_bytes(&inventory);
         let staging = 3 * 64 * slice;
         let alignment = 24 * POOL_ALIGNMENT;
@@ -854,7 +888,7 @@ mod tests {
             plan(&inventory, &with_gpu(64 << 30, fixed + staging + alignment + 3 * 24 * slice), &options).unwrap();
         assert!(small.gpu.as_ref().unwrap().expert_pool.is_none(), "{}", small.render());
         // Static placement asked for: whole layers, the host's share resident.
-        let layers = PlanOptions { gpu_expert_pool: Some(false), ..options.clone() };
+        let layers = PlanOptions { gpu_experts: Some(GpuExperts::Layers), ..options.clone() };
         let static_plan = plan(&inventory, &with_gpu(64 << 30, gpu_budget), &layers).unwrap();
         assert!(static_plan.gpu.as_ref().unwrap().expert_pool.is_none(), "{}", static_plan.render());
         assert_eq!(static_plan.mode, Mode::Resident, "{}", static_plan.render());
@@ -862,7 +896,7 @@ mod tests {
         // CPU would compute them) or streamed from disk: both are predicted and the faster is
         // taken, both listed with their predictions. A slow CPU makes the pool the faster; a
         // fast one whole layers (the CPU computes the host's experts, nothing crosses the bus).
-        let auto = PlanOptions { gpu_expert_pool: None, ..options.clone() };
+        let auto = PlanOptions { gpu_experts: None, ..options.clone() };
         let cpu_at = |rate: f64, host: u64| MachineFacts {
             cpu_bytes_per_sec: Some(rate),
             disk_bytes_per_sec: Some(2e9),
@@ -873,12 +907,18 @@ mod tests {
             let gpu = chosen.gpu.as_ref().unwrap();
             let listed: Vec<(&str, bool)> =
                 gpu.experts_options.iter().map(|option| (option.name, option.chosen)).collect();
-            assert_eq!(listed, [("pool", pool_wins), ("layers", !pool_wins)], "{}", chosen.render());
+            // The split is weighed too: a slow CPU computes its misses slower than the bus moves
+            // them, a fast one's whole layers need no stops.
+            assert_eq!(listed, [("split", false), ("pool", pool_wins), ("layers", !pool_wins)], "{}", chosen.render());
             let rates: Vec<f64> =
                 gpu.experts_options.iter().map(|option| option.decode_tokens_per_sec.unwrap()).collect();
-            assert_eq!(rates[0] > rates[1], pool_wins, "{rates:?}");
+            assert_eq!(rates[1] > rates[2], pool_wins, "{rates:?}");
+            assert!(rates[0] < rates[1].max(rates[2]), "{rates:?}");
             assert_eq!(gpu.expert_pool.is_some(), pool_wins, "{}", chosen.render());
-            let asked = PlanOptions { gpu_expert_pool: Some(pool_wins), ..auto.clone() };
+            let asked = PlanOptions {
+                gpu_experts: Some(if pool_wins { GpuExperts::Pool } else { GpuExperts::Layers }),
+                ..auto.clone()
+            };
             let same = plan(&inventory, &cpu_at(rate, 64 << 30), &asked).unwrap();
             assert_eq!(same.gpu.as_ref().unwrap().expert_pool, gpu.expert_pool, "{}", same.render());
             assert!(same.gpu.as_ref().unwrap().experts_options.is_empty(), "asked for: nothing weighed");
@@ -900,7 +940,7 @@ mod tests {
         let layered = plan(
             &inventory,
             &with_gpu(host, gpu_budget),
-            &PlanOptions { gpu_expert_pool: Some(false), ..auto.clone() },
+            &PlanOptions { gpu_experts: Some(GpuExperts::Layers), ..auto.clone() },
         )
         .unwrap();
         assert_eq!(layered.mode, Mode::ExpertStream, "{}", layered.render());
@@ -919,7 +959,7 @@ mod tests {
         // 8 layers of 64 experts, 3 tensors each: a layer's experts are 192 MiB, a slot in
         // every layer 24 MiB.
         let inventory = moe_inventory(8, 64, 4, slice);
-        let options = PlanOptions { gpu_expert_pool: Some(true), ..auto_window(ModeChoice::Auto) };
+        let options = PlanOptions { gpu_experts: Some(GpuExperts::Pool), ..auto_window(ModeChoice::Auto) };
         let fixed = pool_fixed_bytes(&inventory);
         // Room for 30 slots a layer, or 3 layers whole and 9 slots in each of the other 5.
         let gpu_budget = fixed + 3 * 64 * slice + 24 * POOL_ALIGNMENT + 30 * 24 * slice;

@@ -34,7 +34,8 @@ pub use reuse::{uniform_hit_rate, ReuseDepths, ReuseTracker, REAL_ROUTING_BELOW,
 pub use search::{choose, context_for, plan_for, Ask, Choice, DRAFT_UBATCH};
 pub use sizing::{compute_buffer_bytes, context_memory_bytes, device_compute_bytes, kv_cache_bytes, KvTypes};
 pub use types::{
-    BudgetUse, CachePolicy, MachineFacts, Mode, ModeChoice, Plan, PlanError, PlanOptions, TensorPlacement, Tier,
+    BudgetUse, CachePolicy, GpuExperts, MachineFacts, Mode, ModeChoice, Plan, PlanError, PlanOptions, TensorPlacement,
+    Tier,
 };
 
 use crate::model::{Inventory, Role, TensorEntry};
@@ -124,15 +125,16 @@ pub(crate) fn plan_reaching(
 ///
 /// Left to the plan (`--gpu-experts auto`): where whole layers' experts all fit the GPU, that;
 /// where some would stay with the host (streamed, or resident and computed by the CPU), the
-/// device's expert pool is planned too and each is predicted for this machine and this routing
-/// (the model's record, else real models' routing: `plan::predict`); the faster is taken, and
-/// the GPU tier lists both with their predictions (`GpuLayout::experts_options`).
+/// device's expert pool is planned too, split where the model's experts allow it and unsplit,
+/// and each is predicted for this machine and this routing (the model's record, else real
+/// models' routing: `plan::predict`); the fastest is taken, and the GPU tier lists every one
+/// with its prediction (`GpuLayout::experts_options`).
 fn plan_local(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptions) -> Result<Plan, PlanError> {
-    if options.gpu_expert_pool.is_some() || machine.gpu_budget_bytes == 0 {
+    if options.gpu_experts.is_some() || machine.gpu_budget_bytes == 0 {
         return plan_local_placed(inventory, machine, options);
     }
-    let layers =
-        plan_local_placed(inventory, machine, &PlanOptions { gpu_expert_pool: Some(false), ..options.clone() });
+    let asked = |choice: GpuExperts| PlanOptions { gpu_experts: Some(choice), ..options.clone() };
+    let layers = plan_local_placed(inventory, machine, &asked(GpuExperts::Layers));
     let experts_on_host = |plan: &Plan| {
         inventory.tensors.iter().zip(&plan.tensors).any(|(tensor, placed)| {
             tensor.role.is_expert() && tensor.role != Role::Mtp && !matches!(placed.tier, Tier::Gpu | Tier::Unused)
@@ -142,33 +144,47 @@ fn plan_local(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptio
     if layers.gpu.is_none() || !experts_on_host(&layers) {
         return Ok(layers);
     }
-    let pooled = plan_local_placed(inventory, machine, &PlanOptions { gpu_expert_pool: Some(true), ..options.clone() });
-    let Ok(pooled) = pooled.map_err(|_| ()).and_then(|pooled| {
-        if pooled.gpu.as_ref().is_some_and(|gpu| gpu.expert_pool.is_some()) {
-            Ok(pooled)
-        } else {
-            Err(())
-        }
-    }) else {
-        return Ok(layers);
+    let pooled = |choice: GpuExperts| {
+        plan_local_placed(inventory, machine, &asked(choice)).ok().filter(|plan| {
+            plan.gpu
+                .as_ref()
+                .and_then(|gpu| gpu.expert_pool.as_ref())
+                .is_some_and(|pool| pool.split == (choice == GpuExperts::Split))
+        })
     };
     let decode = |plan: &Plan| {
         predict::predict(plan, machine, options.n_ubatch, predict::touched(inventory, plan)).decode_tokens_per_sec
     };
-    let (layers_rate, pool_rate) = (decode(&layers), decode(&pooled));
-    // Unpredictable (no disk profile for a plan that reads): the pool, which needs no CPU.
-    let pool_wins = match (pool_rate, layers_rate) {
-        (Some(pool), Some(layers)) => pool > layers,
-        (_, None) => true,
-        (None, Some(_)) => false,
-    };
-    let options_listed = vec![
-        gpu::GpuExpertsOption { name: "pool", decode_tokens_per_sec: pool_rate, chosen: pool_wins },
-        gpu::GpuExpertsOption { name: "layers", decode_tokens_per_sec: layers_rate, chosen: !pool_wins },
-    ];
-    let mut chosen = if pool_wins { pooled } else { layers };
+    let mut weighed: Vec<(GpuExperts, Plan, Option<f64>)> = [GpuExperts::Split, GpuExperts::Pool]
+        .into_iter()
+        .filter_map(|choice| pooled(choice).map(|plan| (choice, plan)))
+        .chain(std::iter::once((GpuExperts::Layers, layers)))
+        .map(|(choice, plan)| {
+            let rate = decode(&plan);
+            (choice, plan, rate)
+        })
+        .collect();
+    // The fastest predicted; one unpredictable (no disk profile for a plan that reads) loses to
+    // any predicted, and among the unpredictable the first listed (a pool needs no CPU) wins.
+    let best = (0..weighed.len())
+        .reduce(|best, next| match (weighed[best].2, weighed[next].2) {
+            (Some(rate), Some(other)) if other > rate => next,
+            (None, Some(_)) => next,
+            _ => best,
+        })
+        .unwrap_or(0);
+    let listed: Vec<gpu::GpuExpertsOption> = weighed
+        .iter()
+        .enumerate()
+        .map(|(index, (choice, _, rate))| gpu::GpuExpertsOption {
+            name: choice.name(),
+            decode_tokens_per_sec: *rate,
+            chosen: index == best,
+        })
+        .collect();
+    let mut chosen = weighed.swap_remove(best).1;
     if let Some(gpu) = chosen.gpu.as_mut() {
-        gpu.experts_options = options_listed;
+        gpu.experts_options = listed;
     }
     Ok(chosen)
 }

@@ -62,9 +62,14 @@ impl Plan {
                         if count == 1 { "" } else { "s" }
                     ),
                 };
+                let served = if pool.split {
+                    "split: the CPU computes a decode's picks that no slot holds from the host's expert cache (or disk) beside the GPU, which computes the slots' (one slot a layer holds zeros for them); an expert is uploaded once picked often; prompt batches compute on the GPU"
+                } else {
+                    "routed experts compute on the GPU, served from the slots, the host's expert cache, then disk"
+                };
                 let _ = writeln!(
                     out,
-                    "expert pool  {} slots in each of {} MoE layers ({}) + a {} staging area for prompt batches that pick more: routed experts compute on the GPU, served from the slots, the host's expert cache, then disk{whole}",
+                    "expert pool  {} slots in each of {} MoE layers ({}) + a {} staging area for prompt batches that pick more: {served}{whole}",
                     pool.slots,
                     pool.layers.len(),
                     format_bytes(pool.slot_bytes),

@@ -148,6 +148,35 @@ pub struct MachineFacts {
     pub remote_devices: Vec<RemoteDeviceFacts>,
 }
 
+/// What the GPU tier does with routed experts it cannot hold whole (`--gpu-experts`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GpuExperts {
+    /// Whole layers' experts on the device, the rest computed by the CPU (llama.cpp's way).
+    Layers,
+    /// The expert pool (decision 29): every pick computed by the device, from its slots, a miss
+    /// uploaded first.
+    Pool,
+    /// The pool split (decision 33): at decode the CPU computes the picks no slot holds, from the
+    /// host cache, while the device computes the slots'; an expert earns a slot by its picks.
+    Split,
+}
+
+impl GpuExperts {
+    pub fn name(self) -> &'static str {
+        match self {
+            GpuExperts::Layers => "layers",
+            GpuExperts::Pool => "pool",
+            GpuExperts::Split => "split",
+        }
+    }
+
+    /// Whether the device's expert pool is laid out.
+    pub fn pooled(self) -> bool {
+        self != GpuExperts::Layers
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct PlanOptions {
     pub mode: ModeChoice,
@@ -168,12 +197,10 @@ pub struct PlanOptions {
     /// The model's MTP layers draft tokens (speculative decoding): they are loaded, in host
     /// memory, and their bytes come out of the budget first. Otherwise they are unused.
     pub mtp: bool,
-    /// With a GPU tier, the expert pool (`GpuLayout::expert_pool`) instead of whole layers'
-    /// experts: Some(true) or Some(false) as asked (`--gpu-experts pool|layers`); None chooses
-    /// the pool where whole layers would leave routed experts with the host (streamed, or
-    /// resident and computed by the CPU), and whole layers where every expert fits the GPU
-    /// (decision 29, by measurement).
-    pub gpu_expert_pool: Option<bool>,
+    /// With a GPU tier, where the routed experts the device does not hold whole go
+    /// (`--gpu-experts`): None predicts each choice for this machine and routing and takes the
+    /// fastest (`plan::plan_local`).
+    pub gpu_experts: Option<GpuExperts>,
     /// The KV cache's element types.
     pub kv: super::KvTypes,
 }
@@ -190,7 +217,7 @@ impl Default for PlanOptions {
             expert_prefetch: None,
             cache_policy: None,
             mtp: false,
-            gpu_expert_pool: None,
+            gpu_experts: None,
             kv: super::KvTypes::default(),
         }
     }

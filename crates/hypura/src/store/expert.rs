@@ -26,6 +26,7 @@ use serde::Serialize;
 use super::layout::ExpertUnits;
 use super::pool::{ExpertPool, PoolSnapshot, Serving, StopTimes, Tiers};
 use super::residency::{FailureLatch, Residency, ResidencyError, UnitState};
+use super::split::{CpuJob, PlainCheck, SplitLayer, SplitWorker, MOE_OUT_NODE};
 use crate::plan::{ReuseDepths, ReuseTracker};
 
 /// The router's weights gathered by its ids (`get_rows(probs, ids)`), kept for the stop after
@@ -359,6 +360,13 @@ struct StopClock {
     ended: Option<(Instant, u64)>,
 }
 
+/// A split pool's CPU side (`store::split`).
+struct SplitSide {
+    worker: SplitWorker,
+    layers: Arc<Vec<Option<SplitLayer>>>,
+    plain: PlainCheck,
+}
+
 /// Drives expert residency from the router's choices.
 pub struct ExpertStream {
     residency: Arc<Residency>,
@@ -388,6 +396,12 @@ pub struct ExpertStream {
     nodes_asked: AtomicU64,
     /// With a device pool: the host cache's free room filled from disk while it is idle.
     warm: Option<Mutex<WarmFill>>,
+    /// A split pool's CPU side (`store::split`): the worker, which layers' graphs compute plain
+    /// SwiGLU experts, the layer whose CPU share is computing, and the layer the hook stopped
+    /// at the sum of (NO_LAYER where none).
+    split: Option<SplitSide>,
+    split_pending: AtomicUsize,
+    stopped_at_sum: AtomicUsize,
     /// The first read error and the abort flag it raises.
     pub failure: FailureLatch,
 }
@@ -437,6 +451,9 @@ impl ExpertStream {
             clock: Mutex::new(StopClock::default()),
             nodes_asked: AtomicU64::new(0),
             warm: None,
+            split: None,
+            split_pending: AtomicUsize::new(NO_LAYER),
+            stopped_at_sum: AtomicUsize::new(NO_LAYER),
             failure: FailureLatch::default(),
         }
     }
@@ -449,6 +466,19 @@ impl ExpertStream {
         self.pool = Some(Mutex::new(pool));
         self.warm = Some(Mutex::new(WarmFill::default()));
         self
+    }
+
+    /// Compute a split pool's misses on the CPU with `threads` threads, for the layers that
+    /// `layers` describes (after `with_pool`).
+    pub fn with_split(
+        mut self,
+        layers: Vec<Option<SplitLayer>>,
+        threads: usize,
+    ) -> Result<ExpertStream, ResidencyError> {
+        let layers = Arc::new(layers);
+        let worker = SplitWorker::start(self.residency.clone(), layers.clone(), threads)?;
+        self.split = Some(SplitSide { worker, layers, plain: PlainCheck::new(self.numbering.n_layer) });
+        Ok(self)
     }
 
     pub fn residency(&self) -> &Arc<Residency> {
@@ -549,6 +579,7 @@ impl ExpertStream {
     fn serve_pooled(
         &self,
         layer: usize,
+        stop: &ObservedNode<'_>,
         weights: &ObservedNode<'_>,
         mut times: StopTimes,
     ) -> Result<(), ResidencyError> {
@@ -559,11 +590,9 @@ impl ExpertStream {
         let picks = self.picks(&rows)?;
         self.record_reuse(layer, &rows, &picks);
         let mut pool = pool.locked();
-        let serving = pool.serve(layer, &picks);
-        let from_host = match &serving {
-            Serving::Slots(experts) | Serving::Staged(experts) => experts,
-        };
-        let units: Vec<usize> = from_host.iter().map(|&expert| self.numbering.unit(layer, expert)).collect();
+        let serving = pool.serve(layer, &picks, self.splits(layer));
+        let units: Vec<usize> =
+            serving.from_host().into_iter().map(|expert| self.numbering.unit(layer, expert)).collect();
         let hidden = self.predicting(&rows, layer).then(|| Self::router_input(layer, weights)).flatten();
         let next_pooled = |unit: usize| pool.holds(layer + 1, unit % self.numbering.n_expert);
         self.route_units(layer, units, &rows, hidden.as_deref(), &next_pooled)?;
@@ -576,11 +605,97 @@ impl ExpertStream {
             weights.write_input_i32_rows(1, &remapped).map_err(|error| ResidencyError::Pool(error.to_string()))?;
             times.ids += writing.elapsed();
         }
+        if let Serving::Split { cpu, .. } = &serving {
+            if !cpu.is_empty() {
+                let bytes = self.submit_cpu_share(layer, stop, weights, &rows, cpu)?;
+                pool.add_cpu_bytes(bytes);
+            }
+        }
         let waited = Duration::from_nanos(self.residency.stats().stall_nanos() - stalled);
         times.host = started.elapsed().saturating_sub(waited);
         pool.add_times(&times);
         self.served[layer].store(true, Ordering::Release);
         Ok(())
+    }
+
+    /// Whether `layer`'s misses may be computed by the CPU: a split pool, and a graph of the
+    /// layer seen computing plain SwiGLU experts.
+    fn splits(&self, layer: usize) -> bool {
+        self.split
+            .as_ref()
+            .is_some_and(|split| split.layers.get(layer).is_some_and(Option::is_some) && split.plain.plain(layer))
+    }
+
+    /// Hand the CPU `layer`'s picks of `cpu` (their ids now at the zero slot): the FFN's input
+    /// rows (the router's), and each pick's token and final weight (the weights' run's last
+    /// node, kept up to `stop`). The sum is added at the layer's `ffn_moe_out` stop. The bytes
+    /// of the picks computed.
+    fn submit_cpu_share(
+        &self,
+        layer: usize,
+        stop: &ObservedNode<'_>,
+        weights: &ObservedNode<'_>,
+        rows: &[Vec<i32>],
+        cpu: &[usize],
+    ) -> Result<u64, ResidencyError> {
+        let split = self.split.as_ref().ok_or_else(|| ResidencyError::Pool(format!("layer {layer} does not split")))?;
+        let unreadable = |what: &str| ResidencyError::Pool(format!("layer {layer}'s split: {what} could not be read"));
+        let x = Self::router_input(layer, weights).ok_or_else(|| unreadable("the FFN's input"))?;
+        let final_weights =
+            stop.last_kept().and_then(|node| node.f32_values()).ok_or_else(|| unreadable("the router's weights"))?;
+        let width = rows.first().map_or(0, Vec::len);
+        if x.len() != rows.len() || final_weights.len() != width * rows.len() {
+            return Err(unreadable("the router's weights in the ids' shape"));
+        }
+        let mut picks = Vec::new();
+        for (token, row) in rows.iter().enumerate() {
+            for (k, &expert) in row.iter().enumerate() {
+                let expert = expert as usize;
+                if cpu.contains(&expert) {
+                    picks.push((token, expert, final_weights[token * width + k]));
+                }
+            }
+        }
+        let bytes = split.layers[layer].map_or(0, |shape| shape.expert_bytes()) * picks.len() as u64;
+        split.worker.submit(CpuJob { layer, x, picks })?;
+        self.split_pending.store(layer, Ordering::Release);
+        Ok(bytes)
+    }
+
+    /// At `layer`'s `ffn_moe_out` (`node`): wait for the CPU's share and add it.
+    fn add_cpu_share(&self, layer: usize, node: &ObservedNode<'_>) -> Result<(), ResidencyError> {
+        let split = self.split.as_ref().ok_or_else(|| ResidencyError::Pool(format!("layer {layer} does not split")))?;
+        let waiting = Instant::now();
+        let done = split.worker.take()?;
+        let waited = waiting.elapsed();
+        let mut rows = node.f32_rows().ok_or_else(|| {
+            ResidencyError::Pool(format!("layer {layer}'s split: {} is not an F32 matrix", node.name()))
+        })?;
+        if rows.len() != done.sums.len() {
+            return Err(ResidencyError::Pool(format!(
+                "layer {layer}'s split: the CPU's sums are not the layer's tokens"
+            )));
+        }
+        for (row, sum) in rows.iter_mut().zip(&done.sums) {
+            for (value, add) in row.iter_mut().zip(sum) {
+                *value += add;
+            }
+        }
+        node.write_f32_rows(&rows).map_err(|error| ResidencyError::Pool(error.to_string()))?;
+        if let Some(pool) = &self.pool {
+            pool.locked().add_cpu_times(done.seconds, waited.as_secs_f64());
+        }
+        Ok(())
+    }
+
+    /// Take a CPU share that no stop will add (a decode aborted before the layer's sum), so that
+    /// the worker is idle and its experts free to evict.
+    fn drain_cpu_share(&self) {
+        if self.split_pending.swap(NO_LAYER, Ordering::AcqRel) != NO_LAYER {
+            if let Some(split) = &self.split {
+                let _ = split.worker.take();
+            }
+        }
     }
 
     /// Top up the warm fill (`WarmFill`): forget the reads that finished, then issue the next
@@ -813,6 +928,14 @@ impl EvalHook for ExpertStream {
         }
         if self.pool.is_some() && name.starts_with("ffn_moe_") {
             self.check_served(name);
+            if let Some(split) = &self.split {
+                split.plain.watch(name);
+                let pending = self.split_pending.load(Ordering::Acquire);
+                if pending != NO_LAYER && Self::layer_of(name, MOE_OUT_NODE) == Some(pending) {
+                    self.stopped_at_sum.store(pending, Ordering::Relaxed);
+                    return true;
+                }
+            }
         }
         false
     }
@@ -820,6 +943,8 @@ impl EvalHook for ExpertStream {
     fn begin_decode(&self) {
         self.in_router.store(NO_LAYER, Ordering::Relaxed);
         self.stopped_for.store(NO_LAYER, Ordering::Relaxed);
+        self.stopped_at_sum.store(NO_LAYER, Ordering::Relaxed);
+        self.drain_cpu_share();
         *self.clock.locked() = StopClock::default();
     }
 
@@ -829,11 +954,26 @@ impl EvalHook for ExpertStream {
                 self.in_router.store(layer, Ordering::Relaxed);
                 true
             }
-            _ => false,
+            // A split keeps the weights' run too: its last node is the weights the experts'
+            // outputs are scaled by (`submit_cpu_share`).
+            _ => {
+                let layer = self.in_router.load(Ordering::Relaxed);
+                layer != NO_LAYER && self.split.is_some() && Self::in_weights_run(name, layer)
+            }
         }
     }
 
     fn observe(&self, node: &ObservedNode<'_>) {
+        let summed = self.stopped_at_sum.swap(NO_LAYER, Ordering::Relaxed);
+        if summed != NO_LAYER {
+            self.residency.stats().record_observation();
+            self.split_pending.store(NO_LAYER, Ordering::Release);
+            if let Err(error) = self.add_cpu_share(summed, node) {
+                tracing::error!("the split at layer {summed}: {error}");
+                self.failure.fail(error);
+            }
+            return;
+        }
         let layer = self.stopped_for.swap(NO_LAYER, Ordering::Relaxed);
         if layer == NO_LAYER {
             return;
@@ -846,7 +986,7 @@ impl EvalHook for ExpertStream {
         let times = StopTimes { asks, segment, ..StopTimes::default() };
         let weights_name = format!("{WEIGHTS_NODE}{layer}");
         let result = match node.kept(&weights_name) {
-            Some(weights) if self.pooled(layer) => self.serve_pooled(layer, &weights, times),
+            Some(weights) if self.pooled(layer) => self.serve_pooled(layer, node, &weights, times),
             Some(weights) => self.serve_streamed(layer, &weights),
             None => Err(ResidencyError::Read { unit: layer, reason: format!("{weights_name} was not kept") }),
         }

@@ -17,6 +17,7 @@ pub mod load;
 mod parked;
 pub mod pool;
 pub mod residency;
+mod split;
 pub mod stats;
 pub mod streams;
 
@@ -25,5 +26,6 @@ pub use expert::{CacheModel, CachePolicy, ExpertSnapshot, ExpertStream, RouteRec
 pub use layout::{ExpertUnits, StreamedTensor};
 pub use pool::{ExpertPool, PoolSnapshot, PooledTensor, StopTimes};
 pub use residency::{FailureLatch, Residency, ResidencyError, StreamUnit, UnitReader, UnitState, CHUNK_BYTES};
+pub use split::SplitLayer;
 pub use stats::{IoSnapshot, IoStats};
 pub use streams::{StoreError, StreamLoad, Streams};

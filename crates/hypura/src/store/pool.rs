@@ -14,7 +14,12 @@
 //!   cache otherwise) and the ids stay as they are; empty slots take the batch's most picked
 //!   experts from there.
 //!
-//! Either way the device computes every routed expert, from the same bytes as the file's.
+//! Either way the device computes every routed expert, from the same bytes as the file's, unless
+//! the pool splits (decision 33): then, at decode, a pick no slot holds is computed by the CPU
+//! from the host cache while the device computes the slots' picks, its id pointing at the
+//! layer's zero slot (zero bytes decode to zero weights in every ggml type, so that expert adds
+//! nothing), and an expert is uploaded into a slot only once its recent picks outweigh those of
+//! the slot's expert by `SPLIT_UPLOAD_MARGIN` (`Popularity`).
 use hypura_sys::{DevicePool, ModelTensor};
 use serde::Serialize;
 
@@ -38,6 +43,42 @@ impl PooledTensor {
     }
 }
 
+/// Picks, decayed by half every `SPLIT_HALF_LIFE` decode batches of the layer: how often each
+/// expert has been picked lately (the split's measure of what earns a slot).
+const SPLIT_HALF_LIFE: f64 = 128.0;
+/// How many more recent picks a missed expert needs than a slot's expert to take its slot. An
+/// upload is on the decode's path (the device waits for it), where the CPU computes a miss beside
+/// the device's own work: only an expert that will be picked much more often than the one it
+/// replaces is worth moving.
+pub const SPLIT_UPLOAD_MARGIN: f64 = 8.0;
+
+/// Each expert's recent picks in one layer (`SPLIT_HALF_LIFE`), decayed lazily.
+struct Popularity {
+    score: Vec<f64>,
+    stamp: Vec<u64>,
+    now: u64,
+}
+
+impl Popularity {
+    fn new(n_expert: usize) -> Popularity {
+        Popularity { score: vec![0.0; n_expert], stamp: vec![0; n_expert], now: 0 }
+    }
+
+    fn value(&self, expert: usize) -> f64 {
+        let age = self.now.saturating_sub(self.stamp[expert]) as f64;
+        self.score[expert] * (-age * std::f64::consts::LN_2 / SPLIT_HALF_LIFE).exp()
+    }
+
+    /// A decode batch of the layer picked `picks`.
+    fn pick(&mut self, picks: &[usize]) {
+        self.now += 1;
+        for &expert in picks {
+            self.score[expert] = self.value(expert) + 1.0;
+            self.stamp[expert] = self.now;
+        }
+    }
+}
+
 /// One pooled layer's tensors and slot table.
 struct PooledLayer {
     tensors: Vec<PooledTensor>,
@@ -48,6 +89,8 @@ struct PooledLayer {
     last_used: Vec<u64>,
     /// Whether the tensors point at the staging area now.
     staged: bool,
+    /// Split pools: each expert's recent picks.
+    popularity: Popularity,
 }
 
 impl PooledLayer {
@@ -71,6 +114,34 @@ impl PooledLayer {
             }
         }
         copies
+    }
+
+    /// Split: which of `missing` (picks no slot holds) earn a slot, and which the CPU computes.
+    /// The most popular first, each takes the empty slot or the slot of the least popular
+    /// expert this batch does not pick, where it is `SPLIT_UPLOAD_MARGIN` picks more popular.
+    fn earned(&self, missing: &[usize], picks: &[usize]) -> (Vec<usize>, Vec<usize>) {
+        let popular = |expert: usize| self.popularity.value(expert);
+        let mut order = missing.to_vec();
+        order.sort_by(|&a, &b| popular(b).total_cmp(&popular(a)).then(a.cmp(&b)));
+        let mut free: Vec<(f64, usize)> = (0..self.expert_in.len())
+            .filter_map(|slot| match self.expert_in[slot] {
+                None => Some((0.0, slot)),
+                Some(expert) if !picks.contains(&expert) => Some((popular(expert), slot)),
+                Some(_) => None,
+            })
+            .collect();
+        free.sort_by(|a, b| b.0.total_cmp(&a.0).then(b.1.cmp(&a.1)));
+        let (mut upload, mut cpu) = (Vec::new(), Vec::new());
+        for expert in order {
+            match free.last() {
+                Some(&(held, _)) if popular(expert) >= held + SPLIT_UPLOAD_MARGIN => {
+                    free.pop();
+                    upload.push(expert);
+                }
+                _ => cpu.push(expert),
+            }
+        }
+        (upload, cpu)
     }
 
     /// The empty ones of `slots`, each paired with one of the batch's `picks` that no slot
@@ -113,6 +184,13 @@ pub struct PoolSnapshot {
     pub staged_into_slots: u64,
     /// Bytes copied back from the device into the host cache (experts a slot gave up).
     pub copied_back_bytes: u64,
+    /// Split pools: picks the CPU computed from the host cache (their ids at the zero slot),
+    /// their bytes, and the time the CPU took for them (beside the device's compute) and the
+    /// time the decode then waited for it at the layer's end.
+    pub cpu_picks: u64,
+    pub cpu_bytes: u64,
+    pub cpu_seconds: f64,
+    pub cpu_wait_seconds: f64,
     /// Time moving experts between the tiers (uploads, copies back, staging): the bus's share.
     pub transfer_seconds: f64,
     /// Time the host spent at the pool's stops, waits for the disk left out: reading the
@@ -139,9 +217,9 @@ impl PoolSnapshot {
     }
 
     /// Bytes of the picks no slot held, outside staged prompt layers: each was uploaded into a
-    /// slot (or, split, computed by the CPU from the host cache).
+    /// slot or, split, computed by the CPU from the host cache.
     pub fn miss_bytes(&self) -> u64 {
-        self.upload_bytes.saturating_sub(self.staged_bytes)
+        self.upload_bytes.saturating_sub(self.staged_bytes) + self.cpu_bytes
     }
 }
 
@@ -159,6 +237,10 @@ impl std::ops::Add for PoolSnapshot {
             staged_on_device_bytes: self.staged_on_device_bytes + other.staged_on_device_bytes,
             staged_into_slots: self.staged_into_slots + other.staged_into_slots,
             copied_back_bytes: self.copied_back_bytes + other.copied_back_bytes,
+            cpu_picks: self.cpu_picks + other.cpu_picks,
+            cpu_bytes: self.cpu_bytes + other.cpu_bytes,
+            cpu_seconds: self.cpu_seconds + other.cpu_seconds,
+            cpu_wait_seconds: self.cpu_wait_seconds + other.cpu_wait_seconds,
             transfer_seconds: self.transfer_seconds + other.transfer_seconds,
             host_seconds: self.host_seconds + other.host_seconds,
             stops: self.stops + other.stops,
@@ -185,6 +267,10 @@ impl std::ops::Sub for PoolSnapshot {
             staged_on_device_bytes: self.staged_on_device_bytes - earlier.staged_on_device_bytes,
             staged_into_slots: self.staged_into_slots - earlier.staged_into_slots,
             copied_back_bytes: self.copied_back_bytes - earlier.copied_back_bytes,
+            cpu_picks: self.cpu_picks - earlier.cpu_picks,
+            cpu_bytes: self.cpu_bytes - earlier.cpu_bytes,
+            cpu_seconds: self.cpu_seconds - earlier.cpu_seconds,
+            cpu_wait_seconds: self.cpu_wait_seconds - earlier.cpu_wait_seconds,
             transfer_seconds: self.transfer_seconds - earlier.transfer_seconds,
             host_seconds: self.host_seconds - earlier.host_seconds,
             stops: self.stops - earlier.stops,
@@ -226,14 +312,28 @@ pub trait Tiers {
 pub enum Serving {
     /// The picks fit the slots: these experts need uploading.
     Slots(Vec<usize>),
+    /// Split: `upload` earned a slot, the CPU computes `cpu` (their ids at the zero slot).
+    Split { upload: Vec<usize>, cpu: Vec<usize> },
     /// A prompt batch: every pick is staged, these from the host cache (the others from
     /// their slots).
     Staged(Vec<usize>),
 }
 
+impl Serving {
+    /// The experts the host cache must hold before `ExpertPool::load`.
+    pub fn from_host(&self) -> Vec<usize> {
+        match self {
+            Serving::Slots(experts) | Serving::Staged(experts) => experts.clone(),
+            Serving::Split { upload, cpu } => upload.iter().chain(cpu).copied().collect(),
+        }
+    }
+}
+
 pub struct ExpertPool {
     pool: DevicePool,
+    /// Slots that hold experts; a split pool has one more per layer, of zeros, past them.
     slots: usize,
+    split: bool,
     layers: Vec<Option<PooledLayer>>,
     clock: u64,
     counters: PoolSnapshot,
@@ -242,15 +342,18 @@ pub struct ExpertPool {
 impl ExpertPool {
     /// Lay `layers`' tensors out in `pool` (per layer: its tensors' `slots` slots, each tensor
     /// aligned; after every layer, one staging area the size of the largest layer) and place
-    /// them on their slots. `pool` must hold that layout (an error says so otherwise).
+    /// them on their slots. `pool` must hold that layout (an error says so otherwise). A `split`
+    /// pool keeps the last slot of each layer as its zero slot.
     pub fn new(
         pool: DevicePool,
         slots: usize,
         n_expert: usize,
         layers: Vec<Option<Vec<PooledTensor>>>,
+        split: bool,
     ) -> Result<ExpertPool, ResidencyError> {
         let (slot_bytes, staging_bytes) = Self::layout(slots, &layers);
-        if slot_bytes + staging_bytes > pool.bytes() as u64 || slots == 0 {
+        let usable = if split { slots.saturating_sub(1) } else { slots };
+        if slot_bytes + staging_bytes > pool.bytes() as u64 || usable == 0 {
             return Err(ResidencyError::Pool(format!(
                 "{} of device memory holds no {slots} expert slots per layer and a staging area ({} needed)",
                 crate::format::format_bytes(pool.bytes() as u64),
@@ -272,15 +375,27 @@ impl ExpertPool {
                 at = (at + slots * tensor.slice_bytes as usize).next_multiple_of(POOL_ALIGNMENT as usize);
                 staged_at = (staged_at + tensor.tensor.nbytes()).next_multiple_of(POOL_ALIGNMENT as usize);
             }
+            if split {
+                for tensor in &tensors {
+                    let slice = tensor.slice_bytes as usize;
+                    tensor.tensor.write(usable * slice, &vec![0u8; slice]).map_err(pool_error)?;
+                }
+            }
             placed.push(Some(PooledLayer {
                 tensors,
                 slot_of: vec![None; n_expert],
-                expert_in: vec![None; slots],
-                last_used: vec![0; slots],
+                expert_in: vec![None; usable],
+                last_used: vec![0; usable],
                 staged: false,
+                popularity: Popularity::new(n_expert),
             }));
         }
-        Ok(ExpertPool { pool, slots, layers: placed, clock: 0, counters: PoolSnapshot::default() })
+        Ok(ExpertPool { pool, slots: usable, split, layers: placed, clock: 0, counters: PoolSnapshot::default() })
+    }
+
+    /// Whether a pick no slot holds is computed by the CPU at decode.
+    pub fn splits(&self) -> bool {
+        self.split
     }
 
     /// The slots' and the staging area's bytes for this layout.
@@ -314,7 +429,9 @@ impl ExpertPool {
 
     /// How `picks` (the batch's distinct experts of `layer`) will be served. Slot hits count
     /// here; the caller makes the returned experts ready in the host cache, then calls `load`.
-    pub fn serve(&mut self, layer: usize, picks: &[usize]) -> Serving {
+    /// `split`: the layer may split (a split pool, and the layer's graph computes plain SwiGLU
+    /// experts, which the CPU computes alike).
+    pub fn serve(&mut self, layer: usize, picks: &[usize], split: bool) -> Serving {
         let Some(pooled) = self.layers.get(layer).and_then(Option::as_ref) else {
             return Serving::Staged(picks.to_vec());
         };
@@ -324,7 +441,16 @@ impl ExpertPool {
         }
         let missing: Vec<usize> = picks.iter().copied().filter(|&expert| pooled.slot_of[expert].is_none()).collect();
         self.counters.hits += (picks.len() - missing.len()) as u64;
-        Serving::Slots(missing)
+        if !(self.split && split) {
+            return Serving::Slots(missing);
+        }
+        let Some(pooled) = self.layers.get_mut(layer).and_then(Option::as_mut) else {
+            return Serving::Slots(missing);
+        };
+        pooled.popularity.pick(picks);
+        let (upload, cpu) = pooled.earned(&missing, picks);
+        self.counters.cpu_picks += cpu.len() as u64;
+        Serving::Split { upload, cpu }
     }
 
     /// Carry out `serving` for `layer`'s `picks`, reading the experts' bytes from `region`
@@ -342,6 +468,7 @@ impl ExpertPool {
         tiers: &mut dyn Tiers,
     ) -> Result<Option<Vec<Vec<i32>>>, ResidencyError> {
         let slots = self.slots;
+        let placed_slots = slots + usize::from(self.split);
         let Some(pooled) = self.layers.get_mut(layer).and_then(Option::as_mut) else {
             return Err(ResidencyError::Pool(format!("layer {layer} has no expert pool")));
         };
@@ -380,12 +507,16 @@ impl ExpertPool {
                 self.counters.upload_bytes += bytes;
                 Ok(None)
             }
-            Serving::Slots(missing) => {
+            Serving::Slots(missing) | Serving::Split { upload: missing, .. } => {
+                let on_cpu: &[usize] = match serving {
+                    Serving::Split { cpu, .. } => cpu,
+                    _ => &[],
+                };
                 if pooled.staged {
                     for tensor in &pooled.tensors {
                         tensor
                             .tensor
-                            .place(&self.pool, tensor.slots_at, slots * tensor.slice_bytes as usize)
+                            .place(&self.pool, tensor.slots_at, placed_slots * tensor.slice_bytes as usize)
                             .map_err(pool_error)?;
                     }
                     pooled.staged = false;
@@ -399,13 +530,17 @@ impl ExpertPool {
                 }
                 for &expert in missing {
                     // The least recently used slot that this batch does not use (one exists:
-                    // the picks are no more than the slots, and each used slot is stamped now).
-                    let slot = (0..slots)
-                        .filter(|&slot| pooled.last_used[slot] != now)
-                        .min_by_key(|&slot| pooled.last_used[slot])
-                        .ok_or_else(|| {
-                            ResidencyError::Pool(format!("layer {layer}: no free slot for expert {expert}"))
-                        })?;
+                    // the picks are no more than the slots, and each used slot is stamped now);
+                    // split, an empty one or the least popular one's (`PooledLayer::earned`).
+                    let unused = (0..slots).filter(|&slot| pooled.last_used[slot] != now);
+                    let slot = if !matches!(serving, Serving::Split { .. }) {
+                        unused.min_by_key(|&slot| pooled.last_used[slot])
+                    } else {
+                        let popular =
+                            |slot: usize| pooled.expert_in[slot].map_or(-1.0, |held| pooled.popularity.value(held));
+                        unused.min_by(|&a, &b| popular(a).total_cmp(&popular(b)).then(a.cmp(&b)))
+                    }
+                    .ok_or_else(|| ResidencyError::Pool(format!("layer {layer}: no free slot for expert {expert}")))?;
                     if let Some(previous) = pooled.expert_in[slot].take() {
                         pooled.slot_of[previous] = None;
                         let tensors = &pooled.tensors;
@@ -436,11 +571,17 @@ impl ExpertPool {
                     self.counters.upload_bytes += bytes;
                     tiers.uploaded(expert)?;
                 }
+                // The CPU's picks read the zero slot, past the others.
+                let zero_slot = slots as i32;
                 let remapped = rows
                     .iter()
                     .map(|row| {
                         row.iter()
-                            .map(|&expert| pooled.slot_of[expert as usize].map_or(-1, |slot| slot as i32))
+                            .map(|&expert| match pooled.slot_of[expert as usize] {
+                                Some(slot) => slot as i32,
+                                None if on_cpu.contains(&(expert as usize)) => zero_slot,
+                                None => -1,
+                            })
                             .collect::<Vec<i32>>()
                     })
                     .collect::<Vec<_>>();
@@ -450,6 +591,17 @@ impl ExpertPool {
                 Ok(Some(remapped))
             }
         }
+    }
+
+    /// A split layer's CPU share: its picks' bytes, handed to the CPU.
+    pub fn add_cpu_bytes(&mut self, bytes: u64) {
+        self.counters.cpu_bytes += bytes;
+    }
+
+    /// A split layer's CPU share was added: the CPU's time for it, and the decode's wait for it.
+    pub fn add_cpu_times(&mut self, cpu: f64, waited: f64) {
+        self.counters.cpu_seconds += cpu;
+        self.counters.cpu_wait_seconds += waited;
     }
 
     /// A stop's times (`PoolSnapshot`).

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use super::layout::{advise_huge_slices, dense_units, place_in_slots, ExpertUnits, StreamedTensor};
 use super::load::StoreLoadReader;
 use super::residency::{Residency, ResidencyError, StreamUnit};
-use super::{DenseWindow, ExpertPool, ExpertStream, IoStats, PooledTensor, RouterWeights};
+use super::{DenseWindow, ExpertPool, ExpertStream, IoStats, PooledTensor, RouterWeights, SplitLayer};
 use crate::io::{DirectFile, IoError, Region};
 use crate::model::{ExpertSlices, Inventory, TensorEntry};
 use crate::plan::{Plan, Tier};
@@ -209,12 +209,14 @@ impl<'a> StreamLoad<'a> {
     /// After llama.cpp's load into `buffer_type`: point its tensors at the region, give the sink
     /// back, map the tables left in the file's pages, and build the drivers, each with its
     /// residency over the one region and `io_workers` reader threads, and the device's expert
-    /// pool where the plan has one. `trace_routing` records the router's choices. The region
+    /// pool where the plan has one (split: its misses computed with `cpu_threads` threads).
+    /// `trace_routing` records the router's choices. The region
     /// stays held here too until this load is dropped.
     pub fn finish(
         &mut self,
         buffer_type: &hypura_sys::StreamBufferType,
         io_workers: usize,
+        cpu_threads: usize,
         trace_routing: bool,
     ) -> Result<Streams, StoreError> {
         let placed = buffer_type.finalize();
@@ -253,6 +255,9 @@ impl<'a> StreamLoad<'a> {
                 }
                 if let Some(pool) = plan.gpu.as_ref().and_then(|gpu| gpu.expert_pool.as_ref()) {
                     driver = driver.with_pool(expert_pool(inventory, plan, pool, buffer_type)?);
+                    if pool.split {
+                        driver = driver.with_split(split_layers(inventory, pool), cpu_threads)?;
+                    }
                 }
                 Some(Arc::new(driver))
             }
@@ -313,7 +318,8 @@ fn expert_pool(
     }
     let device = hypura_sys::DevicePool::new(hypura_sys::Backend::get(), layout.total_bytes() as usize)
         .map_err(|error| ResidencyError::Pool(error.to_string()))?;
-    let pool = ExpertPool::new(device, layout.slots as usize, inventory.hparams.n_expert as usize, layers)?;
+    let pool =
+        ExpertPool::new(device, layout.slots as usize, inventory.hparams.n_expert as usize, layers, layout.split)?;
     tracing::info!(
         "expert pool on {}: {} slots in each of {} layers, {} with the staging area",
         pool.device(),
@@ -322,6 +328,40 @@ fn expert_pool(
         crate::format::format_bytes(layout.total_bytes())
     );
     Ok(pool)
+}
+
+/// Each pooled layer's routed experts as a split pool's CPU computes them: their types and
+/// widths, and where expert 0's gate, up and down slices lie. None for a layer without all three.
+fn split_layers(inventory: &Inventory, layout: &crate::plan::ExpertPoolLayout) -> Vec<Option<SplitLayer>> {
+    use crate::model::Role;
+    let n_layer = inventory.hparams.n_layer as usize;
+    (0..n_layer as u32)
+        .map(|layer| {
+            if !layout.layers.contains(&layer) {
+                return None;
+            }
+            let find = |role: Role| {
+                inventory
+                    .tensors
+                    .iter()
+                    .find(|tensor| tensor.layer == Some(layer) && tensor.role == role && tensor.experts.is_some())
+            };
+            let (gate, up, down) = (find(Role::ExpertGate)?, find(Role::ExpertUp)?, find(Role::ExpertDown)?);
+            let (&n_embd, &n_ff) = (gate.dims.first()?, gate.dims.get(1)?);
+            let slice =
+                |tensor: &TensorEntry| (tensor.file_offset, tensor.experts.map_or(0, |experts| experts.slice_bytes));
+            Some(SplitLayer {
+                shape: hypura_sys::ExpertShape {
+                    gate_type: gate.ggml_type.id() as i32,
+                    up_type: up.ggml_type.id() as i32,
+                    down_type: down.ggml_type.id() as i32,
+                    n_embd: n_embd as usize,
+                    n_ff: n_ff as usize,
+                },
+                slices: [slice(gate), slice(up), slice(down)],
+            })
+        })
+        .collect()
 }
 
 /// Every layer's F32 router weights, read from the file (read-only) for the stale gate.

@@ -141,7 +141,7 @@ fn matrix(preset: &str) {
         n_ctx: 512,
         n_ubatch: 512,
         expert_prefetch: Some(false),
-        gpu_expert_pool: Some(true),
+        gpu_experts: Some(hypura::plan::GpuExperts::Pool),
         ..PlanOptions::default()
     };
     let plan = plan::plan(&inventory, &facts, &options).unwrap_or_else(|error| panic!("{preset}: {error}"));

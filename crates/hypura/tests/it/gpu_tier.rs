@@ -10,7 +10,7 @@ use hypura::bench::peer::PlainLlama;
 use hypura::bench::{PeerConfig, PeerPlacement};
 use hypura::engine::{Control, Engine, EngineOptions, GenerateRequest, Prompt, SamplerParams, Session};
 use hypura::model::{Inventory, Role};
-use hypura::plan::{self, MachineFacts, Mode, ModeChoice, Plan, PlanOptions, Tier};
+use hypura::plan::{self, GpuExperts, MachineFacts, Mode, ModeChoice, Plan, PlanOptions, Tier};
 
 use crate::common;
 
@@ -41,7 +41,7 @@ fn plan_with_budgets(inventory: &Inventory, host_bytes: u64, gpu_bytes: u64) -> 
         expert_prefetch: Some(true),
         // Whole layers' experts on the GPU (where the host streams, the plan's own choice is
         // the pool: `pooled_plan`).
-        gpu_expert_pool: Some(false),
+        gpu_experts: Some(GpuExperts::Layers),
         ..PlanOptions::default()
     };
     plan::plan(inventory, &machine(host_bytes, gpu_bytes), &options).unwrap()
@@ -249,11 +249,15 @@ fn pooled_plan(inventory: &Inventory, gpu_budget: u64, memory_budget: u64) -> Pl
 }
 
 fn pooled_plan_on(inventory: &Inventory, facts: &MachineFacts) -> Plan {
+    plan_asking(inventory, facts, GpuExperts::Pool)
+}
+
+fn plan_asking(inventory: &Inventory, facts: &MachineFacts, experts: GpuExperts) -> Plan {
     let options = PlanOptions {
         mode: ModeChoice::Auto,
         n_ctx: N_CTX,
         n_ubatch: 512,
-        gpu_expert_pool: Some(true),
+        gpu_experts: Some(experts),
         ..PlanOptions::default()
     };
     plan::plan(inventory, facts, &options).unwrap()
@@ -405,4 +409,83 @@ fn pooled_experts_are_served_from_slots_and_staging_and_tokens_equal_resident() 
     let device = again.stats.experts.expect("expert stats").device;
     assert!(device.staged_layers > 0 && device.staged_on_device_bytes > 0, "{device:?}");
     assert!(device.staged_bytes + device.staged_on_device_bytes <= device.staged_layers * staging, "{device:?}");
+}
+
+/// The split pool (decision 33): at decode a pick no slot holds is computed by the CPU from the
+/// host cache (its id at the layer's zero slot) while the device computes the slots' picks, and
+/// the CPU's sum is added at the layer's `ffn_moe_out`; an expert is uploaded only once its picks
+/// earn it a slot. The prompt's graph, staged, shows the layers compute plain SwiGLU experts
+/// first. The same kernels, summed in another order: the greedy tokens equal the resident
+/// model's.
+#[test]
+fn a_split_pool_computes_misses_on_the_cpu_and_tokens_equal_resident() {
+    let _machine = common::shared_machine();
+    let (_directory, path, inventory) = tiny_moe();
+    let hparams = &inventory.hparams;
+    let (n_expert, k, n_layer) = (hparams.n_expert, hparams.n_expert_used, hparams.n_layer);
+    let (per_slot, _) = common::expert_pool_costs(&inventory);
+    let (embedding, _) = embedding_and_tied_copy(&inventory);
+    let compute = plan::compute_buffer_bytes(&inventory, N_CTX, 512);
+    // About 2k slots that hold experts, and the zero slot (the plan may take a layer whole).
+    let gpu = common::expert_pool_budget(&inventory, N_CTX, 512, 2 * k + 1);
+    let facts = machine(embedding + compute + 2 * n_expert * per_slot / n_layer, gpu);
+    let plan = plan_asking(&inventory, &facts, GpuExperts::Split);
+    let pool = plan.gpu.as_ref().and_then(|gpu| gpu.expert_pool.clone()).unwrap_or_else(|| panic!("{}", plan.render()));
+    assert!(pool.split && (k + 2..n_expert).contains(&(pool.slots as u64)), "{}", plan.render());
+    assert!(plan.render().contains("split: the CPU computes"), "{}", plan.render());
+
+    let split = open_tiny(&path, Some(plan.clone()));
+    let ours = greedy(&split, 32);
+    let resident = open_tiny(&path, None);
+    let theirs = greedy(&resident, 32);
+    assert_eq!(ours.tokens, theirs.tokens);
+    let experts = ours.stats.experts.expect("expert stats");
+    let device = &experts.device;
+    // The decodes' misses went to the CPU: their bytes, the CPU's time for them, and a stop at
+    // each such layer's sum beside the one after its router.
+    assert!(device.cpu_picks > 0 && device.hits > 0, "{experts:?}");
+    let largest_expert = per_slot / n_layer;
+    assert!(device.cpu_bytes > 0 && device.cpu_bytes <= device.cpu_picks * 31 * largest_expert, "{experts:?}");
+    assert!(device.cpu_seconds > 0.0, "{experts:?}");
+    let pooled_layers = pool.layers.len() as u64;
+    let observations = ours.stats.io.expect("io stats").observations;
+    assert!(
+        observations > pooled_layers * 32 && observations <= 2 * pooled_layers * 32,
+        "{observations} stops, {experts:?}"
+    );
+    // Each decode batch of a layer picks k experts: the slots served some, the CPU some, and the
+    // rest were uploaded; far fewer uploads than misses.
+    let decode_picks = 31 * pooled_layers * k;
+    assert!(device.uploads < device.cpu_picks, "{experts:?}");
+    assert!(device.hits + device.cpu_picks + device.uploads >= decode_picks, "{experts:?}");
+    // A prompt evaluated a token a graph is served like decodes (its misses computed by the
+    // CPU, but for its first token's graph, before the layers' names were seen): its logits are
+    // the resident model's but for the order of the sums. Without the CPU's share they would
+    // lack some experts' outputs.
+    let token_a_graph = |plan: Option<Plan>| {
+        let options = EngineOptions {
+            n_ctx_seq: N_CTX,
+            n_ubatch: 1,
+            n_threads: Some(1),
+            repack: false,
+            plan,
+            ..EngineOptions::default()
+        };
+        Arc::new(Engine::open(&path, options).unwrap())
+    };
+    let (one_by_one, resident_one_by_one) = (token_a_graph(Some(plan)), token_a_graph(None));
+    let prompt = Prompt::Raw(PROMPT.into());
+    let logits = Session::new(one_by_one.clone()).unwrap().prompt_logits(&prompt).unwrap();
+    let reference = Session::new(resident_one_by_one).unwrap().prompt_logits(&prompt).unwrap();
+    let scale = reference.iter().fold(0f32, |most, value| most.max(value.abs()));
+    let apart = logits.iter().zip(&reference).fold(0f32, |most, (a, b)| most.max((a - b).abs()));
+    assert!(apart <= 1e-4 * scale, "logits {apart} apart at a scale of {scale}");
+    let stream = one_by_one.streaming().and_then(|streaming| streaming.driver.experts.clone()).expect("experts");
+    let device = stream.snapshot().device;
+    assert!(device.cpu_picks > 0 && device.staged_layers == 0, "{device:?}");
+    // The unsplit pool on the same budget uploads every miss instead.
+    let pooled = greedy(&open_tiny(&path, Some(pooled_plan_on(&inventory, &facts))), 32);
+    assert_eq!(pooled.tokens, theirs.tokens);
+    let unsplit = pooled.stats.experts.expect("expert stats").device;
+    assert!(unsplit.cpu_picks == 0 && unsplit.uploads > experts.device.uploads, "{unsplit:?} against {experts:?}");
 }

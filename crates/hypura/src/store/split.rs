@@ -1,0 +1,248 @@
+//! The split of a pooled MoE layer (decision 33): at decode, the picks no device slot holds are
+//! computed by the CPU from the host cache while the device computes the slots' picks, and the
+//! CPU's sum is added to the layer's `ffn_moe_out-L` at a stop there.
+//!
+//! - `SplitLayer`: where a layer's experts' gate, up and down slices lie in the file (and so in
+//!   the region), and their types and widths.
+//! - `PlainCheck`: a layer splits only once a graph was seen computing its experts as the CPU
+//!   computes them: separate gate and up matmuls, SwiGLU, down, then the router's weights, with
+//!   no biases, scales or clamps between (the nodes' names say so). Until then its misses are
+//!   uploaded, as an unsplit pool's are.
+//! - `SplitWorker`: a thread with a CPU backend of its own that computes one layer's CPU share
+//!   while the device computes the rest of the layer.
+use std::ops::Range;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use hypura_sys::{CpuExperts, ExpertShape, HostExpert};
+
+use super::residency::{Residency, ResidencyError};
+use crate::sync::Lock;
+
+/// The node that sums a layer's routed experts: the split's second stop.
+pub const MOE_OUT_NODE: &str = "ffn_moe_out-";
+
+/// One split layer's routed experts: their shape, and per tensor (gate, up, down) the file
+/// offset of expert 0's slice and a slice's bytes.
+#[derive(Clone, Copy, Debug)]
+pub struct SplitLayer {
+    pub shape: ExpertShape,
+    pub slices: [(u64, u64); 3],
+}
+
+impl SplitLayer {
+    /// Expert `expert`'s gate, up and down slices as file ranges.
+    fn ranges(&self, expert: usize) -> [Range<u64>; 3] {
+        self.slices.map(|(offset, bytes)| {
+            let start = offset + expert as u64 * bytes;
+            start..start + bytes
+        })
+    }
+
+    /// One expert's bytes, every tensor's slice.
+    pub fn expert_bytes(&self) -> u64 {
+        self.slices.iter().map(|&(_, bytes)| bytes).sum()
+    }
+}
+
+/// What the names of a layer's MoE nodes showed (bits of `PlainCheck`'s per-layer state).
+const SAW_SWIGLU: u8 = 1;
+const SAW_DOWN: u8 = 2;
+const NOT_PLAIN: u8 = 4;
+const PLAIN: u8 = 8;
+
+/// Per layer, whether its graph computes routed experts as `CpuExperts` does, learnt from the
+/// nodes' names as the scheduler asks about them (`PlainCheck::watch`, compute thread only).
+pub struct PlainCheck {
+    layers: Vec<AtomicU8>,
+}
+
+impl PlainCheck {
+    pub fn new(n_layer: usize) -> PlainCheck {
+        PlainCheck { layers: (0..n_layer).map(|_| AtomicU8::new(0)).collect() }
+    }
+
+    /// Whether a graph of `layer` was seen computing plain SwiGLU experts, and none otherwise.
+    pub fn plain(&self, layer: usize) -> bool {
+        self.layers.get(layer).is_some_and(|state| state.load(Ordering::Relaxed) & (PLAIN | NOT_PLAIN) == PLAIN)
+    }
+
+    /// A node named `name` (an `ffn_moe_` one) is about to be computed.
+    pub fn watch(&self, name: &str) {
+        let Some((base, layer)) = name.rsplit_once('-') else { return };
+        let Some(state) = layer.parse::<usize>().ok().and_then(|layer| self.layers.get(layer)) else { return };
+        let seen = state.load(Ordering::Relaxed);
+        let add = match base {
+            "ffn_moe_up" | "ffn_moe_gate" => 0,
+            "ffn_moe_swiglu" => SAW_SWIGLU,
+            "ffn_moe_down" => SAW_DOWN,
+            // The router's weights applied before the down matmul (llama4's weights before the
+            // FFN) are not what the CPU computes.
+            "ffn_moe_weighted" if seen & SAW_DOWN == 0 => NOT_PLAIN,
+            "ffn_moe_out" if seen & (SAW_SWIGLU | SAW_DOWN) == SAW_SWIGLU | SAW_DOWN => PLAIN,
+            _ if EXPERT_PARTS.iter().any(|part| base.starts_with(part)) => NOT_PLAIN,
+            _ => 0,
+        };
+        if add != 0 {
+            state.fetch_or(add, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Prefixes of the nodes that compute routed experts; any of them but the plain four
+/// (`PlainCheck::watch`) is a bias, scale, clamp, fused gate and up, or another activation.
+const EXPERT_PARTS: [&str; 9] = [
+    "ffn_moe_up",
+    "ffn_moe_gate",
+    "ffn_moe_down",
+    "ffn_moe_silu",
+    "ffn_moe_swiglu",
+    "ffn_moe_geglu",
+    "ffn_moe_reglu",
+    "ffn_moe_relu",
+    "ffn_moe_gelu",
+];
+
+/// One layer's CPU share: the FFN's input rows, and per pick its token, expert and weight.
+pub struct CpuJob {
+    pub layer: usize,
+    pub x: Vec<Vec<f32>>,
+    pub picks: Vec<(usize, usize, f32)>,
+}
+
+/// What the worker computed: the sums per token, and the time the CPU took.
+pub struct CpuDone {
+    pub sums: Vec<Vec<f32>>,
+    pub seconds: f64,
+}
+
+/// The thread that computes split layers' CPU shares, one layer at a time.
+pub struct SplitWorker {
+    jobs: Option<mpsc::Sender<CpuJob>>,
+    done: Mutex<mpsc::Receiver<Result<CpuDone, ResidencyError>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl SplitWorker {
+    /// A worker computing with `threads` CPU threads, reading experts from `residency`'s region
+    /// (the caller keeps a job's experts ready and unevicted until its result is taken).
+    pub fn start(
+        residency: Arc<Residency>,
+        layers: Arc<Vec<Option<SplitLayer>>>,
+        threads: usize,
+    ) -> Result<SplitWorker, ResidencyError> {
+        let mut cpu = CpuExperts::new(threads).map_err(|error| ResidencyError::Pool(error.to_string()))?;
+        let (jobs, inbox) = mpsc::channel::<CpuJob>();
+        let (outbox, done) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("hypura-split".into())
+            .spawn(move || {
+                for job in inbox {
+                    let started = Instant::now();
+                    let result = compute(&mut cpu, &residency, &layers, &job)
+                        .map(|sums| CpuDone { sums, seconds: started.elapsed().as_secs_f64() });
+                    if outbox.send(result).is_err() {
+                        break;
+                    }
+                }
+            })
+            .map_err(|error| ResidencyError::Pool(format!("the split's CPU thread: {error}")))?;
+        Ok(SplitWorker { jobs: Some(jobs), done: Mutex::new(done), thread: Some(thread) })
+    }
+
+    pub fn submit(&self, job: CpuJob) -> Result<(), ResidencyError> {
+        let gone = || ResidencyError::Pool("the split's CPU thread has stopped".into());
+        self.jobs.as_ref().ok_or_else(gone)?.send(job).map_err(|_| gone())
+    }
+
+    /// The result of the job submitted last (waiting for it).
+    pub fn take(&self) -> Result<CpuDone, ResidencyError> {
+        self.done.locked().recv().map_err(|_| ResidencyError::Pool("the split's CPU thread has stopped".into()))?
+    }
+}
+
+impl Drop for SplitWorker {
+    fn drop(&mut self) {
+        drop(self.jobs.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// A job's sums: each pick's expert from the region, through the CPU backend.
+fn compute(
+    cpu: &mut CpuExperts,
+    residency: &Residency,
+    layers: &[Option<SplitLayer>],
+    job: &CpuJob,
+) -> Result<Vec<Vec<f32>>, ResidencyError> {
+    let split = layers
+        .get(job.layer)
+        .copied()
+        .flatten()
+        .ok_or_else(|| ResidencyError::Pool(format!("layer {} does not split", job.layer)))?;
+    let region = residency.region();
+    let host: Vec<HostExpert<'_>> = job
+        .picks
+        .iter()
+        .map(|&(token, expert, weight)| {
+            let [gate, up, down] = split.ranges(expert).map(|range| region.bytes(range));
+            HostExpert { gate, up, down, token, weight }
+        })
+        .collect();
+    cpu.compute(&split.shape, &job.x, &host)
+        .map_err(|error| ResidencyError::Pool(format!("layer {}'s experts on the CPU: {error}", job.layer)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn walk(check: &PlainCheck, names: &[&str]) {
+        for name in names {
+            check.watch(name);
+        }
+    }
+
+    /// A layer splits once its graph showed separate gate and up matmuls, SwiGLU, down and the
+    /// weights after it, up to its `ffn_moe_out`; a bias, a fused gate and up, another
+    /// activation or the weights before the FFN keep it from splitting for good.
+    #[test]
+    fn only_plain_swiglu_experts_split() {
+        let plain = ["ffn_moe_up-1", "ffn_moe_gate-1", "ffn_moe_swiglu-1", "ffn_moe_down-1", "ffn_moe_weighted-1"];
+        let check = PlainCheck::new(4);
+        walk(&check, &plain);
+        assert!(!check.plain(1), "not before the layer's sum");
+        walk(&check, &["ffn_moe_out-1"]);
+        assert!(check.plain(1) && !check.plain(0) && !check.plain(9));
+
+        let cases: [(&str, &[&str]); 4] = [
+            (
+                "gpt-oss: fused gate and up, biases",
+                &["ffn_moe_gate_up-2", "ffn_moe_gate_up_biased-2", "ffn_moe_swiglu_oai-2"],
+            ),
+            ("a clamp", &["ffn_moe_up-2", "ffn_moe_up_clamped-2", "ffn_moe_silu-2", "ffn_moe_down-2"]),
+            (
+                "llama4: weights before the FFN",
+                &["ffn_moe_weighted-2", "ffn_moe_up-2", "ffn_moe_swiglu-2", "ffn_moe_down-2"],
+            ),
+            ("a down bias", &["ffn_moe_up-2", "ffn_moe_swiglu-2", "ffn_moe_down-2", "ffn_moe_down_biased-2"]),
+        ];
+        for (case, names) in cases {
+            let check = PlainCheck::new(4);
+            walk(&check, names);
+            walk(&check, &plain.map(|name| name.replace("-1", "-2")).iter().map(String::as_str).collect::<Vec<_>>());
+            walk(&check, &["ffn_moe_out-2"]);
+            assert!(!check.plain(2), "{case}");
+        }
+        // The router's own nodes are not the experts'.
+        let check = PlainCheck::new(2);
+        walk(&check, &["ffn_moe_logits-0", "ffn_moe_probs-0", "ffn_moe_weights_scaled-0", "ffn_moe_logits_biased-0"]);
+        walk(&check, &plain.map(|name| name.replace("-1", "-0")).iter().map(String::as_str).collect::<Vec<_>>());
+        walk(&check, &["ffn_moe_out-0"]);
+        assert!(check.plain(0));
+    }
+}
