@@ -139,3 +139,19 @@ done:
     if (weights != NULL) ggml_free(weights);
     return status;
 }
+
+// Set a CPU backend's threads through its registry (the CPU backend may be a library loaded at
+// run time, whose own functions are not linked): 0 on success, -1 where it has no such setter.
+int hypura_backend_set_threads(ggml_backend_t backend, int n_threads) {
+    if (backend == NULL || n_threads <= 0) {
+        return -1;
+    }
+    ggml_backend_dev_t device = ggml_backend_get_device(backend);
+    ggml_backend_reg_t reg = device ? ggml_backend_dev_backend_reg(device) : NULL;
+    ggml_backend_set_n_threads_t set = reg ? (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads") : NULL;
+    if (set == NULL) {
+        return -1;
+    }
+    set(backend, n_threads);
+    return 0;
+}

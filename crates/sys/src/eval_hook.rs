@@ -314,6 +314,7 @@ struct RawExpertJob {
 }
 
 unsafe extern "C" {
+    fn hypura_backend_set_threads(backend: raw::ggml_backend_t, n_threads: std::ffi::c_int) -> std::ffi::c_int;
     fn hypura_expert_ffn(
         cpu: raw::ggml_backend_t,
         gate_type: i32,
@@ -345,9 +346,13 @@ impl CpuExperts {
         // SAFETY: ggml's CPU device is always registered; a null return is checked.
         let backend = unsafe { raw::ggml_backend_init_by_type(raw::GGML_BACKEND_DEVICE_TYPE_CPU, std::ptr::null()) };
         let backend = std::ptr::NonNull::new(backend).ok_or(crate::SysError::Allocation("a CPU backend"))?;
-        // SAFETY: a live CPU backend, just made.
-        unsafe { raw::ggml_backend_cpu_set_n_threads(backend.as_ptr(), threads.max(1) as std::ffi::c_int) };
-        Ok(CpuExperts { backend })
+        let experts = CpuExperts { backend };
+        // SAFETY: a live CPU backend, just made (freed by `experts` if this fails).
+        let set = unsafe { hypura_backend_set_threads(experts.backend.as_ptr(), threads.max(1) as std::ffi::c_int) };
+        if set != 0 {
+            return Err(crate::SysError::State("the CPU backend takes no thread count".into()));
+        }
+        Ok(experts)
     }
 
     /// For each job, `weight × down(silu(gate·x) ⊙ (up·x))` of its token's row of `x`, summed

@@ -159,6 +159,7 @@ impl GenerationStats {
             picks_gpu: device.map_or(0, |device| device.hits),
             picks_host: experts.map_or(0, |experts| experts.hits),
             picks_disk: experts.map_or(0, |experts| experts.misses),
+            picks_cpu: device.map_or(0, |device| device.cpu_picks),
             disk_bytes_per_pass: io.bytes_read as f64 / passes,
             warm_bytes_per_pass: experts.map_or(0, |experts| experts.warm_bytes) as f64 / passes,
             bus_bytes_per_pass: bus_bytes as f64 / passes,
@@ -178,6 +179,9 @@ pub struct TierFigures {
     pub picks_gpu: u64,
     pub picks_host: u64,
     pub picks_disk: u64,
+    /// Of the host's and the disk's picks, those a split pool's CPU computed (the others were
+    /// uploaded to the GPU).
+    pub picks_cpu: u64,
     pub disk_bytes_per_pass: f64,
     /// Of `disk_bytes_per_pass`, the host cache's warm fill beside a GPU pool (read while the
     /// disk idled, for no token: `ExpertSnapshot::warm_bytes`).

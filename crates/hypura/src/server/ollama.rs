@@ -283,7 +283,7 @@ fn final_fields(object: &mut Map<String, Value>, finished: &Finished, with_conte
         object.insert(
             "hypura_tiers".into(),
             json!({
-                "expert_picks": { "gpu": tiers.picks_gpu, "host": tiers.picks_host, "disk": tiers.picks_disk },
+                "expert_picks": { "gpu": tiers.picks_gpu, "host": tiers.picks_host, "disk": tiers.picks_disk, "cpu": tiers.picks_cpu },
                 "bytes_per_pass": {
                     "disk": tiers.disk_bytes_per_pass.round(),
                     "warm_fill": tiers.warm_bytes_per_pass.round(),

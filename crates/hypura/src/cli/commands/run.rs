@@ -263,15 +263,25 @@ fn print_stats(gpu_free_before: Option<&[(String, u64)]>, disk_rate: Option<f64>
                 device.transfer_seconds,
                 device.host_seconds
             );
+            if device.cpu_picks > 0 {
+                eprintln!(
+                    "split {} picks no slot held computed by the CPU ({} in {:.3} s beside the GPU; the GPU waited {:.3} s for them at the layers' sums)",
+                    device.cpu_picks,
+                    crate::format::format_bytes(device.cpu_bytes),
+                    device.cpu_seconds,
+                    device.cpu_wait_seconds
+                );
+            }
         }
     }
     if let Some(tiers) = stats.tiers() {
         let rate = |rate: Option<f64>| rate.map_or("-".to_string(), |rate| format!("{:.2} GB/s", rate / 1e9));
         eprintln!(
-            "tiers expert picks: {} from the GPU's slots, {} from the host's cache, {} from disk | per pass: {:.2} MB from disk ({} while reading{}), {:.2} MB over the bus ({} while moving)",
+            "tiers expert picks: {} from the GPU's slots, {} from the host's cache, {} from disk ({} of these computed by the CPU) | per pass: {:.2} MB from disk ({} while reading{}), {:.2} MB over the bus ({} while moving)",
             tiers.picks_gpu,
             tiers.picks_host,
             tiers.picks_disk,
+            tiers.picks_cpu,
             tiers.disk_bytes_per_pass / 1e6,
             rate(tiers.disk_bytes_per_sec),
             if tiers.warm_bytes_per_pass > 0.0 {

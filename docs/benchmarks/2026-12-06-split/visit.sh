@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# S6 with the split pool, in two calls on one H100/H200 machine (each under 10 minutes), run from a
+# `scripts/cuda-bundle` directory with this file copied into it:
+#
+#   ./visit.sh 1   ggml's CUDA library built (kept in /tmp for call 2) while the forge writes S6's
+#                  model with its default routing (real models' statistics); a dense model resident
+#                  on the CPU (this machine's CPU rate) and S6's model resident on the GPU (the
+#                  device's time), which `auto` predicts from; `inspect`'s three predictions for S6a
+#                  and S6b; S6a tg128, cold, under the memory cgroup: Hypura's default (auto) beside
+#                  `--gpu-experts layers`, then `split` and `pool` as time allows.
+#   ./visit.sh 2   llama.cpp's placements on S6a in the same machine (--fit, --n-cpu-moe 24 and 26; -ot exps=CPU took over 100 s there before),
+#                  then S6b: Hypura's auto and split against llama.cpp's --n-cpu-moe 17.
+set -uo pipefail
+cd "$(dirname "$0")"
+R=$OUT
+eval "$(./cuda-smoke env)"
+[ -f /tmp/libggml-cuda.so ] && cp /tmp/libggml-cuda.so lib/
+( [ -f /tmp/q36.gguf ] || bin/hypura-forge qwen3.6-35b-a3b -o /tmp/q36.gguf > $R/forge.log 2>&1
+  [ -f /tmp/d1.gguf ] || bin/hypura-forge dense-1b -o /tmp/d1.gguf >> $R/forge.log 2>&1 ) &
+[ -f lib/libggml-cuda.so ] || { ./cuda-smoke build 90 > $R/build.txt 2>&1 || { tail -30 $R/build.txt; exit 1; }; }
+cp lib/libggml-cuda.so /tmp/
+wait
+echo "built and forged at $SECONDS s" >> $R/time.log
+common="HYPURA=bin/hypura THREADS=16 RUN_TIMEOUT=100 SKIP_REFERENCE=1 CONTEXT=1024"
+s6a() { # NAME "HYPURA ARGS" [more env]
+  local name=$1 args=$2; shift 2
+  env $common OUT=$R/$name PEERS=0 HYPURA_ARGS="--gpu-budget 8GiB $args" "$@" \
+    scripts/bench-limited /tmp/q36.gguf 0.5701 128 1 > $R/$name.txt 2>&1
+  echo "$name at $SECONDS s" >> $R/time.log
+}
+if [ "${1:-1}" = 1 ]; then
+  bin/hypura bench /tmp/d1.gguf --no-baseline --mode resident --gpu-budget 0 -p 16 -n 32 -r 1 -t 16 > $R/cpu.txt 2>&1
+  bin/hypura bench /tmp/q36.gguf --no-baseline --mode resident --no-repack --no-mmap -p 16 -n 128 -r 1 -t 16 \
+    --context 1024 > $R/resident.txt 2>&1
+  echo "recorded at $SECONDS s" >> $R/time.log
+  for budget in "8GiB 11GiB" "12GiB 22GiB"; do
+    set -- $budget
+    echo "== gpu $1 host $2 ctx 1024" >> $R/inspect.txt
+    bin/hypura inspect /tmp/q36.gguf --gpu-budget $1 --memory-budget $2 --context 1024 2>/dev/null \
+      | grep -E "^(plan|gpu|expert pool|predict)" >> $R/inspect.txt
+  done
+  s6a s6a "" HYPURA_B_ARGS="--gpu-experts layers"
+  [ $SECONDS -lt 450 ] && s6a s6a-split "--gpu-experts split"
+  [ $SECONDS -lt 480 ] && s6a s6a-pool "--gpu-experts pool"
+else
+  env $common OUT=$R/s6a-peers SKIP_HYPURA=1 PEERS="fit n-cpu-moe:24 n-cpu-moe:26" N_CPU_MOE="24 26" HYPURA_ARGS="--gpu-budget 8GiB" \
+    scripts/bench-limited /tmp/q36.gguf 0.5701 128 1 > $R/s6a-peers.txt 2>&1
+  echo "s6a peers at $SECONDS s" >> $R/time.log
+  [ $SECONDS -lt 400 ] && env $common OUT=$R/s6b PEERS=n-cpu-moe:17 N_CPU_MOE=17 HYPURA_ARGS="--gpu-budget 12GiB" \
+    HYPURA_B_ARGS="--gpu-experts split" scripts/bench-limited /tmp/q36.gguf 1.2474 128 1 > $R/s6b.txt 2>&1
+  echo "s6b at $SECONDS s" >> $R/time.log
+fi
+cd $R && tar czf results.tgz s6* 2>/dev/null; rm -rf s6a s6a-split s6a-pool s6a-peers s6b
