@@ -184,6 +184,9 @@ pub struct BenchReport {
     /// (the host cache's `expert_hit_rate` is of the rest), and bytes uploaded per pass.
     pub gpu_expert_hit_rate: Option<f64>,
     pub gpu_upload_bytes_per_token: Option<f64>,
+    /// A split pool, over tg runs: the share of all router picks the CPU computed, the CPU's
+    /// time for them per token (beside the device's), and the decode's wait for it per token.
+    pub split_cpu_share_seconds_wait: Option<[f64; 3]>,
     /// Speculative decoding, over tg runs: share of drafted tokens accepted, generated tokens
     /// per decode (pass over the weights), and bytes read per generated token.
     pub draft_acceptance: Option<f64>,
@@ -691,6 +694,11 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         }),
         gpu_upload_bytes_per_token: (totals.pool.upload_bytes > 0 && totals.graphs > 0)
             .then(|| totals.pool.upload_bytes as f64 / totals.graphs as f64),
+        split_cpu_share_seconds_wait: (totals.pool.cpu_picks > 0 && totals.generated > 0).then(|| {
+            let picks = (totals.pool.hits + totals.expert_hits + totals.expert_misses).max(1) as f64;
+            let tokens = totals.generated as f64;
+            [totals.pool.cpu_picks as f64 / picks, totals.pool.cpu_seconds / tokens, totals.pool.cpu_wait_seconds / tokens]
+        }),
         draft_acceptance: (totals.drafted > 0).then(|| totals.accepted as f64 / totals.drafted as f64),
         tokens_per_pass: (totals.drafted > 0 && totals.passes > 0).then(|| totals.tokens as f64 / totals.passes as f64),
         bytes_read_per_generated_token: (totals.drafted > 0 && totals.tokens > 0 && totals.graphs > 0)
@@ -816,6 +824,15 @@ pub fn render(report: &BenchReport) -> String {
                 100.0 * hits,
                 100.0 * (1.0 - hits) * report.expert_hit_rate.unwrap_or(0.0),
                 uploads / 1e6
+            );
+        }
+        if let Some([share, cpu, wait]) = report.split_cpu_share_seconds_wait {
+            let _ = writeln!(
+                out,
+                "split: {:.1}% of picks computed by the CPU beside the GPU, {:.2} ms a token, of which the GPU waited {:.2} ms at the layers' sums",
+                100.0 * share,
+                cpu * 1e3,
+                wait * 1e3
             );
         }
         if let Some(stop) = report.pool_limit.map(|pool| pool.stop).filter(|stop| stop.stops_per_token > 0.0) {
