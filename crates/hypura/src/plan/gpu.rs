@@ -78,6 +78,11 @@ pub struct ExpertPoolLayout {
     pub slot_bytes: u64,
     /// The largest pooled layer's expert tensors, whole.
     pub staging_bytes: u64,
+    /// The (layer, expert) units the recorded routing picked most, most first (pooled layers'
+    /// units only): each layer's slots start with its first ones, and the host cache's warm fill
+    /// reads the rest in this order. Empty without a record of picks. Not printed.
+    #[serde(skip)]
+    pub warm_order: Vec<(u32, u32)>,
     /// What the pooled layers add to a decoded token beside the model's compute on the device,
     /// by the recorded routing (`pool_decode_cost`): their stops and the misses' transfers.
     /// None without a record.
@@ -400,6 +405,7 @@ impl DeviceCosts<'_> {
                 whole_layers: whole.to_vec(),
                 slots: slots as u32,
                 split: self.split,
+                warm_order: Vec::new(),
                 slot_bytes: slots * per_slot + alignment,
                 staging_bytes: staging,
                 decode_overhead_seconds: None,
@@ -408,7 +414,11 @@ impl DeviceCosts<'_> {
         let chosen = candidates
             .map(|layout| (self.pool_decode_cost(&layout, pool, self.reuse), layout))
             .min_by(|(one, _), (other, _)| one.total_cmp(other))
-            .map(|(cost, layout)| ExpertPoolLayout { decode_overhead_seconds: Some(cost), ..layout })?;
+            .map(|(cost, layout)| ExpertPoolLayout {
+                decode_overhead_seconds: Some(cost),
+                warm_order: self.warm_order(&layout.layers, pool.n_expert as usize),
+                ..layout
+            })?;
         ffn_layers.extend_from_slice(&chosen.whole_layers);
         ffn_layers.sort_unstable();
         Some(self.with_every_layers_attention(
@@ -418,6 +428,21 @@ impl DeviceCosts<'_> {
             true,
             Some(chosen),
         ))
+    }
+
+    /// `layers`' units by the recorded decode picks, most picked first (`warm_order`).
+    fn warm_order(&self, layers: &[u32], n_expert: usize) -> Vec<(u32, u32)> {
+        let picks = &self.reuse.unit_picks;
+        if picks.len() != self.layer_ffn.len() * n_expert {
+            return Vec::new();
+        }
+        let mut units: Vec<(u32, u32)> = layers
+            .iter()
+            .flat_map(|&layer| (0..n_expert as u32).map(move |expert| (layer, expert)))
+            .filter(|&(layer, expert)| picks[layer as usize * n_expert + expert as usize] > 0)
+            .collect();
+        units.sort_by_key(|&(layer, expert)| std::cmp::Reverse(picks[layer as usize * n_expert + expert as usize]));
+        units
     }
 
     /// What a pool layout's pooled layers add to a decoded token, by the recorded routing: a
@@ -987,7 +1012,7 @@ mod tests {
         assert!(pool.decode_overhead_seconds.is_some(), "{render}");
         // Every expert picked again within a slot's reach: 4 slots would do, so 3 layers whole.
         let (bin, layers) = (8, 8);
-        let near = ReuseDepths { depths: vec![1000], bin, layers, first: 64 };
+        let near = ReuseDepths { depths: vec![1000], bin, layers, first: 64, ..Default::default() };
         let (pool, render) = layout(Some(near.clone()));
         assert_eq!(pool.whole_layers, vec![5, 6, 7], "{render}");
         assert_eq!((pool.slots, pool.layers), (9, (0..5).collect::<Vec<_>>()), "{render}");
@@ -1018,7 +1043,7 @@ mod tests {
         // trusted for 20, that serve them; two would leave 18, trusted for 14, that miss them.
         let mut depths = vec![0; 17];
         depths[16] = 1000;
-        let far = ReuseDepths { depths, bin, layers, first: 64 };
+        let far = ReuseDepths { depths, bin, layers, first: 64, ..Default::default() };
         let (pool, render) = layout(Some(far.clone()));
         assert_eq!((pool.whole_layers, pool.slots), (vec![7], 25), "{render}");
         // Where benchmark runs recorded costly stops and a fast bus, misses cost less than

@@ -22,6 +22,11 @@ pub struct ReuseDepths {
     pub layers: u64,
     /// Picks of a unit not picked before in the run (compulsory misses).
     pub first: u64,
+    /// Decode picks per (layer, expert) unit, layer by layer (`layer × n_expert + expert`):
+    /// which experts the pool's slots and the host cache start with (`plan::gpu`'s warm order).
+    /// Empty where not recorded.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unit_picks: Vec<u64>,
 }
 
 impl ReuseDepths {
@@ -45,6 +50,11 @@ impl ReuseDepths {
             self.depths[target] += count;
         }
         self.first += other.first;
+        if self.unit_picks.len() == other.unit_picks.len() {
+            self.unit_picks.iter_mut().zip(&other.unit_picks).for_each(|(mine, theirs)| *mine += theirs);
+        } else if !other.unit_picks.is_empty() {
+            self.unit_picks.clone_from(&other.unit_picks);
+        }
     }
 
     /// The counts since `earlier` (a snapshot of the same tracker).
@@ -57,8 +67,23 @@ impl ReuseDepths {
                 .map(|(index, count)| count - earlier.depths.get(index).copied().unwrap_or(0))
                 .collect(),
             first: self.first - earlier.first,
+            unit_picks: self
+                .unit_picks
+                .iter()
+                .enumerate()
+                .map(|(unit, count)| count - earlier.unit_picks.get(unit).copied().unwrap_or(0))
+                .collect(),
             ..self.clone()
         }
+    }
+
+    /// The units of `layer` (of `n_expert` experts) by recorded decode picks, most picked
+    /// first; those never picked left out. Empty without a record of picks for this shape.
+    pub fn most_picked(&self, layer: usize, n_expert: usize) -> Vec<usize> {
+        let Some(counts) = self.unit_picks.get(layer * n_expert..(layer + 1) * n_expert) else { return Vec::new() };
+        let mut experts: Vec<usize> = (0..n_expert).filter(|&expert| counts[expert] > 0).collect();
+        experts.sort_by_key(|&expert| (std::cmp::Reverse(counts[expert]), expert));
+        experts
     }
 
     /// The share of picks an LRU cache of `units` (layer, expert) units over `layers` streamed
@@ -138,6 +163,8 @@ impl ReuseDepths {
             bin,
             layers: layers.max(1),
             first: (REAL_ROUTING_FIRST * PICKS).round() as u64,
+            // Which experts are popular is the model's own: nothing to assume.
+            unit_picks: Vec::new(),
         }
     }
 
@@ -192,6 +219,7 @@ impl ReuseTracker {
                 bin: (units as u64).div_ceil(MAX_BINS).max(1),
                 layers: 0,
                 first: 0,
+                unit_picks: vec![0; units],
             },
         }
     }
@@ -244,6 +272,7 @@ impl ReuseTracker {
             .collect();
         let marked = self.prefix(self.now);
         for &unit in &units {
+            self.counts.unit_picks[unit] += 1;
             match self.last[unit] {
                 0 => self.counts.first += 1,
                 time => {
@@ -383,7 +412,7 @@ mod tests {
         assert_eq!(&total, tracker.counts());
         // A record over 2 layers, read for 4: distances double, so a cache twice the size
         // serves the same share.
-        let record = ReuseDepths { depths: vec![10, 10, 0, 0], bin: 1, layers: 2, first: 0 };
+        let record = ReuseDepths { depths: vec![10, 10, 0, 0], bin: 1, layers: 2, first: 0, ..Default::default() };
         assert_eq!(record.hit_rate(1.0, 2), Some(0.5));
         assert_eq!(record.hit_rate(2.0, 4), Some(0.5));
     }

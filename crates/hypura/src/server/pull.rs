@@ -61,9 +61,10 @@ fn progress_line(progress: &Progress) -> serde_json::Value {
                 "status": match sha256 { Some(sha256) => format!("pulling {}", &sha256[..12]), None => format!("pulling {name}") },
                 "completed": completed,
             });
-            if let Some(sha256) = sha256 {
-                line["digest"] = json!(format!("sha256:{sha256}"));
-            }
+            // Every progress line has a digest, as Ollama's do: clients (Open WebUI) read a line
+            // with one as progress and any other as a message to show. Without the hub's hash,
+            // the file's name.
+            line["digest"] = json!(sha256.as_ref().map_or_else(|| name.clone(), |sha256| format!("sha256:{sha256}")));
             if let Some(total) = total {
                 line["total"] = json!(total);
             }

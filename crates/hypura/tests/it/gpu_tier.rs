@@ -284,7 +284,8 @@ fn whole_moe_layers_beside_the_pool_are_not_hooked_and_tokens_equal_resident() {
     // in the others.
     let gpu = common::expert_pool_budget(&inventory, N_CTX, 512, n_expert / 2);
     // Every expert picked again before any other: one slot a layer would serve the routing.
-    let reuse = plan::ReuseDepths { depths: vec![1000], bin: 1, layers: n_layer, first: n_expert * n_layer };
+    let reuse =
+        plan::ReuseDepths { depths: vec![1000], bin: 1, layers: n_layer, first: n_expert * n_layer, ..Default::default() };
     let plan = pooled_plan_on(&inventory, &MachineFacts { expert_reuse: Some(reuse), ..machine(1 << 30, gpu) });
     let pool = plan.gpu.as_ref().and_then(|gpu| gpu.expert_pool.clone()).unwrap_or_else(|| panic!("{}", plan.render()));
     assert!(!pool.layers.is_empty() && !pool.whole_layers.is_empty(), "{}", plan.render());
