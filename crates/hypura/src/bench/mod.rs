@@ -697,7 +697,11 @@ pub fn run(path: &Path, options: &BenchOptions, progress: &dyn Fn(&str)) -> Resu
         split_cpu_share_seconds_wait: (totals.pool.cpu_picks > 0 && totals.generated > 0).then(|| {
             let picks = (totals.pool.hits + totals.expert_hits + totals.expert_misses).max(1) as f64;
             let tokens = totals.generated as f64;
-            [totals.pool.cpu_picks as f64 / picks, totals.pool.cpu_seconds / tokens, totals.pool.cpu_wait_seconds / tokens]
+            [
+                totals.pool.cpu_picks as f64 / picks,
+                totals.pool.cpu_seconds / tokens,
+                totals.pool.cpu_wait_seconds / tokens,
+            ]
         }),
         draft_acceptance: (totals.drafted > 0).then(|| totals.accepted as f64 / totals.drafted as f64),
         tokens_per_pass: (totals.drafted > 0 && totals.passes > 0).then(|| totals.tokens as f64 / totals.passes as f64),

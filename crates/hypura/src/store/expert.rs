@@ -293,8 +293,10 @@ struct State {
 /// cold start's misses become host hits, uploaded over the bus instead of read from disk.
 #[derive(Default)]
 struct WarmFill {
-    /// The next candidate in fill order (`position / n_layer` is the expert, `% n_layer` the
-    /// layer); the fill is done when it reaches the unit count.
+    /// Units to fill first, the recorded routing's most picked first (`with_warm_order`).
+    order: Vec<usize>,
+    /// The next candidate: `order`'s, then every unit in fill order (`position / n_layer` is the
+    /// expert, `% n_layer` the layer); the fill is done when it reaches the end of both.
     next: usize,
     in_flight: Vec<usize>,
     issued: u64,
@@ -479,6 +481,20 @@ impl ExpertStream {
         let worker = SplitWorker::start(self.residency.clone(), layers.clone(), threads)?;
         self.split = Some(SplitSide { worker, layers, plain: PlainCheck::new(self.numbering.n_layer) });
         Ok(self)
+    }
+
+    /// Fill the host cache's free room beside the pool with these units first (the recorded
+    /// routing's most picked, after those the slots took), then in the usual order.
+    pub fn with_warm_order(self, order: Vec<usize>) -> ExpertStream {
+        if let Some(warm) = &self.warm {
+            warm.locked().order = order;
+        }
+        self
+    }
+
+    /// Whether the device's pool holds expert `expert` of `layer` in a slot now.
+    pub fn slot_holds(&self, layer: usize, expert: usize) -> bool {
+        self.pool.as_ref().is_some_and(|pool| pool.locked().holds(layer, expert))
     }
 
     pub fn residency(&self) -> &Arc<Residency> {
@@ -705,8 +721,14 @@ impl ExpertStream {
         let mut warm = warm.locked();
         warm.in_flight.retain(|&unit| matches!(self.residency.state(unit), Some((UnitState::Loading, _))));
         let ExpertUnits { n_layer, n_expert } = self.numbering;
-        while warm.in_flight.len() < WARM_IN_FLIGHT && warm.next < n_layer * n_expert {
-            let (expert, layer) = (warm.next / n_layer, warm.next % n_layer);
+        while warm.in_flight.len() < WARM_IN_FLIGHT && warm.next < warm.order.len() + n_layer * n_expert {
+            let (expert, layer) = match warm.order.get(warm.next) {
+                Some(&unit) => (unit % n_expert, unit / n_expert),
+                None => {
+                    let position = warm.next - warm.order.len();
+                    (position / n_layer, position % n_layer)
+                }
+            };
             if !self.streams(layer) {
                 warm.next += 1;
                 continue;

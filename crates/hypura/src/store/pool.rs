@@ -184,6 +184,10 @@ pub struct PoolSnapshot {
     pub staged_into_slots: u64,
     /// Bytes copied back from the device into the host cache (experts a slot gave up).
     pub copied_back_bytes: u64,
+    /// Experts put into slots at load, the model's most picked by its recorded routing, and
+    /// their bytes (read from disk before the first graph).
+    pub preloaded: u64,
+    pub preloaded_bytes: u64,
     /// Split pools: picks the CPU computed from the host cache (their ids at the zero slot),
     /// their bytes, and the time the CPU took for them (beside the device's compute) and the
     /// time the decode then waited for it at the layer's end.
@@ -237,6 +241,8 @@ impl std::ops::Add for PoolSnapshot {
             staged_on_device_bytes: self.staged_on_device_bytes + other.staged_on_device_bytes,
             staged_into_slots: self.staged_into_slots + other.staged_into_slots,
             copied_back_bytes: self.copied_back_bytes + other.copied_back_bytes,
+            preloaded: self.preloaded + other.preloaded,
+            preloaded_bytes: self.preloaded_bytes + other.preloaded_bytes,
             cpu_picks: self.cpu_picks + other.cpu_picks,
             cpu_bytes: self.cpu_bytes + other.cpu_bytes,
             cpu_seconds: self.cpu_seconds + other.cpu_seconds,
@@ -267,6 +273,8 @@ impl std::ops::Sub for PoolSnapshot {
             staged_on_device_bytes: self.staged_on_device_bytes - earlier.staged_on_device_bytes,
             staged_into_slots: self.staged_into_slots - earlier.staged_into_slots,
             copied_back_bytes: self.copied_back_bytes - earlier.copied_back_bytes,
+            preloaded: self.preloaded - earlier.preloaded,
+            preloaded_bytes: self.preloaded_bytes - earlier.preloaded_bytes,
             cpu_picks: self.cpu_picks - earlier.cpu_picks,
             cpu_bytes: self.cpu_bytes - earlier.cpu_bytes,
             cpu_seconds: self.cpu_seconds - earlier.cpu_seconds,
@@ -417,6 +425,31 @@ impl ExpertPool {
 
     pub fn pooled_layers(&self) -> Vec<bool> {
         self.layers.iter().map(Option::is_some).collect()
+    }
+
+    /// Put `expert` of `layer` into an empty slot before the first graph (the pool's warm
+    /// start), each tensor's slice read by `read` (its file offset and bytes). False where the
+    /// layer has no empty slot left, is not pooled, or holds the expert already.
+    pub fn preload(
+        &mut self,
+        layer: usize,
+        expert: usize,
+        read: &mut dyn FnMut(u64, u64) -> Result<Vec<u8>, ResidencyError>,
+    ) -> Result<bool, ResidencyError> {
+        let Some(pooled) = self.layers.get_mut(layer).and_then(Option::as_mut) else { return Ok(false) };
+        let empty = (0..pooled.expert_in.len()).find(|&slot| pooled.expert_in[slot].is_none());
+        let (Some(slot), None) = (empty, pooled.slot_of.get(expert).copied().flatten()) else { return Ok(false) };
+        if expert >= pooled.slot_of.len() {
+            return Ok(false);
+        }
+        for tensor in &pooled.tensors {
+            let bytes = read(tensor.file_offset + expert as u64 * tensor.slice_bytes, tensor.slice_bytes)?;
+            tensor.tensor.write(slot * tensor.slice_bytes as usize, &bytes).map_err(pool_error)?;
+            self.counters.preloaded_bytes += tensor.slice_bytes;
+        }
+        pooled.put(slot, expert, 0);
+        self.counters.preloaded += 1;
+        Ok(true)
     }
 
     /// Whether expert `expert` of `layer` is in a slot.

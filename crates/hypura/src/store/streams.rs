@@ -254,7 +254,11 @@ impl<'a> StreamLoad<'a> {
                     driver = driver.with_prefetch(read_router_weights(path, inventory)?);
                 }
                 if let Some(pool) = plan.gpu.as_ref().and_then(|gpu| gpu.expert_pool.as_ref()) {
-                    driver = driver.with_pool(expert_pool(inventory, plan, pool, buffer_type)?);
+                    let mut device = expert_pool(inventory, plan, pool, buffer_type)?;
+                    preload(&mut device, &file, &pool.warm_order)?;
+                    let order =
+                        pool.warm_order.iter().map(|&(layer, expert)| numbering.unit(layer as usize, expert as usize));
+                    driver = driver.with_pool(device).with_warm_order(order.collect());
                     if pool.split {
                         driver = driver.with_split(split_layers(inventory, pool), cpu_threads)?;
                     }
@@ -328,6 +332,42 @@ fn expert_pool(
         crate::format::format_bytes(layout.total_bytes())
     );
     Ok(pool)
+}
+
+/// The pool's warm start: each pooled layer's slots take its experts in `order` (the recorded
+/// routing's most picked first) until they are full, read from the file before the first graph.
+fn preload(pool: &mut ExpertPool, file: &DirectFile, order: &[(u32, u32)]) -> Result<(), StoreError> {
+    if order.is_empty() {
+        return Ok(());
+    }
+    let started = std::time::Instant::now();
+    let align = file.alignment_bytes().max(1);
+    let mut read = |offset: u64, bytes: u64| -> Result<Vec<u8>, ResidencyError> {
+        // A direct read of whole aligned blocks around the slice.
+        let start = offset / align * align;
+        let end = (offset + bytes).next_multiple_of(align);
+        let mut buffer = crate::io::AlignedBuf::with_alignment((end - start) as usize, align as usize)
+            .map_err(|error| ResidencyError::Pool(error.to_string()))?;
+        let got = file
+            .read_at(buffer.as_mut_slice(), start)
+            .map_err(|error| ResidencyError::Pool(format!("the pool's warm start: {error}")))?;
+        let (from, to) = ((offset - start) as usize, (offset - start + bytes) as usize);
+        if got < to {
+            return Err(ResidencyError::Pool(format!("the pool's warm start: a short read at {offset}")));
+        }
+        Ok(buffer.as_slice()[from..to].to_vec())
+    };
+    for &(layer, expert) in order {
+        pool.preload(layer as usize, expert as usize, &mut read)?;
+    }
+    let done = pool.snapshot();
+    tracing::info!(
+        "expert pool warm: {} experts the recorded routing picks most put into slots ({} in {:.1} s)",
+        done.preloaded,
+        crate::format::format_bytes(done.preloaded_bytes),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 /// Each pooled layer's routed experts as a split pool's CPU computes them: their types and

@@ -284,8 +284,13 @@ fn whole_moe_layers_beside_the_pool_are_not_hooked_and_tokens_equal_resident() {
     // in the others.
     let gpu = common::expert_pool_budget(&inventory, N_CTX, 512, n_expert / 2);
     // Every expert picked again before any other: one slot a layer would serve the routing.
-    let reuse =
-        plan::ReuseDepths { depths: vec![1000], bin: 1, layers: n_layer, first: n_expert * n_layer, ..Default::default() };
+    let reuse = plan::ReuseDepths {
+        depths: vec![1000],
+        bin: 1,
+        layers: n_layer,
+        first: n_expert * n_layer,
+        ..Default::default()
+    };
     let plan = pooled_plan_on(&inventory, &MachineFacts { expert_reuse: Some(reuse), ..machine(1 << 30, gpu) });
     let pool = plan.gpu.as_ref().and_then(|gpu| gpu.expert_pool.clone()).unwrap_or_else(|| panic!("{}", plan.render()));
     assert!(!pool.layers.is_empty() && !pool.whole_layers.is_empty(), "{}", plan.render());
@@ -489,4 +494,44 @@ fn a_split_pool_computes_misses_on_the_cpu_and_tokens_equal_resident() {
     assert_eq!(pooled.tokens, theirs.tokens);
     let unsplit = pooled.stats.experts.expect("expert stats").device;
     assert!(unsplit.cpu_picks == 0 && unsplit.uploads > experts.device.uploads, "{unsplit:?} against {experts:?}");
+}
+
+/// The pool starts warm: with a recorded routing that counts which experts decode picked, each
+/// pooled layer's slots hold its most picked experts at load, read before the first graph, and a
+/// first decode finds them there; the greedy tokens still equal the resident model's.
+#[test]
+fn the_pool_starts_with_the_recorded_routings_most_picked_experts() {
+    let _machine = common::shared_machine();
+    let (_directory, path, inventory) = tiny_moe();
+    let hparams = &inventory.hparams;
+    let (n_expert, k, n_layer) = (hparams.n_expert, hparams.n_expert_used, hparams.n_layer);
+    let gpu = common::expert_pool_budget(&inventory, N_CTX, 512, k + 1);
+    // Decode picked the even experts, the lower the more; never an odd one.
+    let unit_picks: Vec<u64> = (0..n_layer * n_expert)
+        .map(|unit| unit % n_expert)
+        .map(|expert| if expert % 2 == 0 { 100 - expert } else { 0 })
+        .collect();
+    let reuse =
+        plan::ReuseDepths { depths: vec![10, 10, 10], bin: 4, layers: n_layer, first: n_expert * n_layer, unit_picks };
+    let plan = pooled_plan_on(&inventory, &MachineFacts { expert_reuse: Some(reuse), ..machine(1 << 30, gpu) });
+    let pool = plan.gpu.as_ref().and_then(|gpu| gpu.expert_pool.clone()).unwrap_or_else(|| panic!("{}", plan.render()));
+    assert!(
+        !pool.layers.is_empty() && pool.warm_order.len() as u64 == pool.layers.len() as u64 * n_expert / 2,
+        "{pool:?}"
+    );
+
+    let engine = open_tiny(&path, Some(plan));
+    let stream = engine.streaming().and_then(|streaming| streaming.driver.experts.clone()).expect("experts");
+    let slots = u64::from(pool.slots);
+    for &layer in &pool.layers {
+        for expert in 0..n_expert {
+            let expected = expert % 2 == 0 && expert / 2 < slots;
+            assert_eq!(stream.slot_holds(layer as usize, expert as usize), expected, "layer {layer}, expert {expert}");
+        }
+    }
+    let loaded = stream.snapshot().device;
+    assert_eq!(loaded.preloaded, pool.layers.len() as u64 * slots, "{loaded:?}");
+    assert!(loaded.preloaded_bytes > 0 && loaded.hits == 0, "{loaded:?}");
+    let ours = greedy(&engine, 8);
+    assert_eq!(ours.tokens, greedy(&open_tiny(&path, None), 8).tokens);
 }
