@@ -4,8 +4,9 @@
 #
 #   ./visit.sh 1   ggml's CUDA library built (kept in /tmp for call 2) while the forge writes S6's
 #                  model with its default routing (real models' statistics); a dense model resident
-#                  on the CPU (this machine's CPU rate) and S6's model resident on the GPU (the
-#                  device's time), which `auto` predicts from; `inspect`'s three predictions for S6a
+#                  on the CPU (this machine's CPU rate), S6's model resident on the GPU (the
+#                  device's time) and a short split run (the model's routing: which experts the
+#                  pool starts with), which `auto` predicts from; `inspect`'s three predictions for S6a
 #                  and S6b; S6a tg128, cold, under the memory cgroup: Hypura's default (auto) beside
 #                  `--gpu-experts layers`, then `split` and `pool` as time allows.
 #   ./visit.sh 2   llama.cpp's placements on S6a in the same machine (--fit, --n-cpu-moe 24 and 26; -ot exps=CPU took over 100 s there before),
@@ -32,6 +33,10 @@ if [ "${1:-1}" = 1 ]; then
   bin/hypura bench /tmp/d1.gguf --no-baseline --mode resident --gpu-budget 0 -p 16 -n 32 -r 1 -t 16 > $R/cpu.txt 2>&1
   bin/hypura bench /tmp/q36.gguf --no-baseline --mode resident --no-repack --no-mmap -p 16 -n 128 -r 1 -t 16 \
     --context 1024 > $R/resident.txt 2>&1
+  # A short streaming run records the model's routing (its reuse and which experts decode picks
+  # most): the plans below predict from it, and the pool starts warm with it.
+  timeout 90 bin/hypura run /tmp/q36.gguf --gpu-budget 8GiB --gpu-experts split --raw --stats \
+    -p "Write a story about the sea." -n 128 --temperature 0 --context 1024 > $R/routing-run.txt 2>&1
   echo "recorded at $SECONDS s" >> $R/time.log
   for budget in "8GiB 11GiB" "12GiB 22GiB"; do
     set -- $budget
