@@ -11,21 +11,19 @@
 //! `streams` is the door the engine loads through: it prepares the region, the tensors' offsets
 //! and the load reader before llama.cpp's load, and builds the drivers after it.
 pub mod dense;
-pub mod expert;
+pub mod experts;
 pub mod layout;
 pub mod load;
 mod parked;
-pub mod pool;
 pub mod residency;
-mod split;
 pub mod stats;
 pub mod streams;
 
 pub use dense::DenseWindow;
-pub use expert::{CacheModel, CachePolicy, ExpertSnapshot, ExpertStream, RouteRecord, RouterWeights};
+pub use experts::pool::{ExpertPool, PoolSnapshot, PooledTensor, StopTimes};
+pub use experts::split::SplitLayer;
+pub use experts::{CacheModel, CachePolicy, ExpertSnapshot, ExpertStream, RouteRecord, RouterWeights};
 pub use layout::{ExpertUnits, StreamedTensor};
-pub use pool::{ExpertPool, PoolSnapshot, PooledTensor, StopTimes};
 pub use residency::{FailureLatch, Residency, ResidencyError, StreamUnit, UnitReader, UnitState, CHUNK_BYTES};
-pub use split::SplitLayer;
 pub use stats::{IoSnapshot, IoStats};
 pub use streams::{StoreError, StreamLoad, Streams};

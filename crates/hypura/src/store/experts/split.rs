@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use hypura_sys::{CpuExperts, ExpertShape, HostExpert};
 
-use super::residency::{Residency, ResidencyError};
+use crate::store::residency::{Residency, ResidencyError};
 use crate::sync::Lock;
 
 /// The node that sums a layer's routed experts: the split's second stop.

@@ -23,9 +23,9 @@
 use hypura_sys::{DevicePool, ModelTensor};
 use serde::Serialize;
 
-use super::residency::ResidencyError;
 use crate::io::Region;
 use crate::plan::POOL_ALIGNMENT;
+use crate::store::residency::ResidencyError;
 
 /// One pooled expert tensor: where its experts lie in the file (and so in the region), and
 /// where its slots and its staging copy lie in the pool.

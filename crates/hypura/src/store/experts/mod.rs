@@ -14,8 +14,14 @@
 //! one layer to the next). Predicted units are queued behind this layer's misses, only into
 //! cache room that evicts nothing protected, are kept from eviction until their layer runs,
 //! and a mispredicted read that has not started by then is cancelled.
+//!
+//! The rooms, one per tier of the expert hierarchy and what serves it: this module holds the
+//! hook (its node walk and stops) and routing into the host cache; `cache` the cache's
+//! replacement bookkeeping; `prefetch` the stale gate; `warm` the host cache's warm fill beside
+//! a device pool; `pool` the device's slots and staging area (decision 29) with their counters;
+//! `serve` a pooled layer's stop (the pool's serving, the host cache as the tier below it);
+//! `split` the CPU's share of a split pool (decision 33).
 use crate::sync::Lock;
-use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -23,11 +29,24 @@ use std::time::{Duration, Instant};
 use hypura_sys::{EvalHook, ObservedNode};
 use serde::Serialize;
 
+mod cache;
+pub mod pool;
+mod prefetch;
+mod serve;
+pub mod split;
+mod warm;
+
+pub use cache::{CacheModel, CachePolicy};
+pub use prefetch::RouterWeights;
+
 use super::layout::ExpertUnits;
-use super::pool::{ExpertPool, PoolSnapshot, Serving, StopTimes, Tiers};
 use super::residency::{FailureLatch, Residency, ResidencyError, UnitState};
-use super::split::{CpuJob, PlainCheck, SplitLayer, SplitWorker, MOE_OUT_NODE};
 use crate::plan::{ReuseDepths, ReuseTracker};
+use pool::{ExpertPool, PoolSnapshot, StopTimes};
+use prefetch::PREDICT_MAX_TOKENS;
+use serve::SplitSide;
+use split::{PlainCheck, SplitLayer, SplitWorker, MOE_OUT_NODE};
+use warm::WarmFill;
 
 /// The router's weights gathered by its ids (`get_rows(probs, ids)`), kept for the stop after
 /// it. Input 1 is the ids the expert matmuls read: where a pooled layer's are rewritten to slots.
@@ -45,152 +64,6 @@ const EXPERT_MATMULS: [&str; 3] = ["ffn_moe_gate-", "ffn_moe_up-", "ffn_moe_gate
 const LAST_EXPERT_MATMUL: &str = "ffn_moe_down-";
 /// The router's matmul (`gate_inp × hidden`); its input 1 is the hidden state.
 const ROUTER_LOGITS_NODE: &str = "ffn_moe_logits-";
-
-/// The plan chooses the policy; the cache below carries it out.
-pub use crate::plan::CachePolicy;
-
-/// Replacement bookkeeping, independent of I/O so the trace simulator can replay it. Resident
-/// units are kept ordered by last use in two sets (SLRU's probationary and protected segments;
-/// LRU uses the first alone), so finding a victim costs O(log units) however many experts the
-/// model has: tens of thousands of units (Qwen3-Next: 48 layers × 512) cost no more per token
-/// than eight.
-#[derive(Clone, Debug)]
-pub struct CacheModel {
-    policy: CachePolicy,
-    capacity: usize,
-    resident: Vec<bool>,
-    protected_segment: Vec<bool>,
-    last_used: Vec<u64>,
-    /// Resident units outside the protected segment, by (last use, unit).
-    probation: BTreeSet<(u64, usize)>,
-    /// Resident units in SLRU's protected segment, by (last use, unit).
-    protected: BTreeSet<(u64, usize)>,
-    resident_count: usize,
-    clock: u64,
-}
-
-impl CacheModel {
-    pub fn new(policy: CachePolicy, units: usize, capacity: usize) -> CacheModel {
-        CacheModel {
-            policy,
-            capacity: capacity.max(1),
-            resident: vec![false; units],
-            protected_segment: vec![false; units],
-            last_used: vec![0; units],
-            probation: BTreeSet::new(),
-            protected: BTreeSet::new(),
-            resident_count: 0,
-            clock: 0,
-        }
-    }
-
-    /// Whether admitting another unit would evict one.
-    pub fn is_full(&self) -> bool {
-        self.resident_count >= self.capacity
-    }
-
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
-
-    pub fn is_resident(&self, unit: usize) -> bool {
-        self.resident[unit]
-    }
-
-    /// The segment resident `unit` is in.
-    fn segment(&mut self, unit: usize) -> &mut BTreeSet<(u64, usize)> {
-        if self.protected_segment[unit] {
-            &mut self.protected
-        } else {
-            &mut self.probation
-        }
-    }
-
-    /// Stamp resident `unit` as used now, in `protect`ed segment or not.
-    fn stamp(&mut self, unit: usize, protect: bool) {
-        let key = (self.last_used[unit], unit);
-        self.segment(unit).remove(&key);
-        self.clock += 1;
-        self.last_used[unit] = self.clock;
-        self.protected_segment[unit] = protect;
-        let key = (self.clock, unit);
-        self.segment(unit).insert(key);
-    }
-
-    /// Record a use of resident `unit`.
-    pub fn touch(&mut self, unit: usize) {
-        let promote = self.policy == CachePolicy::Slru;
-        let newly = promote && !self.protected_segment[unit];
-        self.stamp(unit, promote || self.protected_segment[unit]);
-        // Keep the protected segment at most 80% of the cache: demote its LRU.
-        if newly && self.protected.len() > self.capacity * 4 / 5 {
-            if let Some(&(used, victim)) = self.protected.iter().find(|(_, candidate)| *candidate != unit) {
-                self.protected.remove(&(used, victim));
-                self.protected_segment[victim] = false;
-                self.probation.insert((used, victim));
-            }
-        }
-    }
-
-    /// Admit `unit` (a miss), returning the units to evict first so that it fits. `pinned`
-    /// units (the layer about to compute) are never chosen.
-    pub fn admit(&mut self, unit: usize, pinned: &[usize]) -> Vec<usize> {
-        let mut evicted = Vec::new();
-        while self.resident_count >= self.capacity {
-            // The least recent unpinned unit: probationary first (for LRU, the only segment).
-            let oldest = |segment: &BTreeSet<(u64, usize)>| {
-                segment.iter().map(|&(_, candidate)| candidate).find(|candidate| !pinned.contains(candidate))
-            };
-            let Some(victim) = oldest(&self.probation).or_else(|| oldest(&self.protected)) else { break };
-            self.remove(victim);
-            evicted.push(victim);
-        }
-        self.remove(unit);
-        self.resident[unit] = true;
-        self.resident_count += 1;
-        self.stamp(unit, false);
-        evicted
-    }
-
-    /// Admit `unit` only if that needs no eviction of a `protected` unit and keeps the cache
-    /// within its capacity (for prefetches, which must never overfill it); None otherwise.
-    pub fn try_admit(&mut self, unit: usize, protected: &[usize]) -> Option<Vec<usize>> {
-        if self.resident_count >= self.capacity {
-            // Only a full cache needs victims: count the unprotected ones then.
-            let mut shielded = protected.to_vec();
-            shielded.sort_unstable();
-            shielded.dedup();
-            let evictable =
-                self.resident_count - shielded.iter().filter(|&&candidate| self.resident[candidate]).count();
-            if self.resident_count + 1 - self.capacity > evictable {
-                return None;
-            }
-        }
-        Some(self.admit(unit, protected))
-    }
-
-    /// Mark resident `unit` as recently used without counting it as a use (no promotion to
-    /// SLRU's protected segment): a prediction, not a hit.
-    pub fn refresh(&mut self, unit: usize) {
-        let protect = self.protected_segment[unit];
-        self.stamp(unit, protect);
-    }
-
-    /// Drop a unit that is no longer in memory (a cancelled read).
-    pub fn forget(&mut self, unit: usize) {
-        self.remove(unit);
-    }
-
-    fn remove(&mut self, unit: usize) {
-        if self.resident[unit] {
-            let key = (self.last_used[unit], unit);
-            self.segment(unit).remove(&key);
-            self.resident[unit] = false;
-            self.resident_count -= 1;
-        }
-        self.protected_segment[unit] = false;
-    }
-}
 
 /// Counts per (token, layer, expert) — never per graph node.
 #[derive(Debug, Default)]
@@ -285,72 +158,6 @@ struct State {
     reuse: ReuseTracker,
 }
 
-/// The host cache's warm fill: beside a device pool, the disk is idle most of a decode (the
-/// slots serve most picks), while each pick the slots miss and the host cache does not hold is
-/// read at a queue depth of one. So the cache's free room is filled in the background, expert
-/// `e` of every streamed layer before expert `e + 1`, at most `WARM_IN_FLIGHT` reads at once
-/// (the reader threads stay free for the misses), each unit once, never evicting anything: a
-/// cold start's misses become host hits, uploaded over the bus instead of read from disk.
-#[derive(Default)]
-struct WarmFill {
-    /// Units to fill first, the recorded routing's most picked first (`with_warm_order`).
-    order: Vec<usize>,
-    /// The next candidate: `order`'s, then every unit in fill order (`position / n_layer` is the
-    /// expert, `% n_layer` the layer); the fill is done when it reaches the end of both.
-    next: usize,
-    in_flight: Vec<usize>,
-    issued: u64,
-    /// The bytes of the units issued.
-    bytes: u64,
-}
-
-/// Warm-fill reads in flight at once.
-const WARM_IN_FLIGHT: usize = 2;
-
-/// Every MoE layer's router weights (F32, `[n_expert][n_embd]` row-major), for the stale gate.
-#[derive(Clone, Debug, Default)]
-pub struct RouterWeights {
-    pub n_embd: usize,
-    /// None for a layer without a router (or one not stored as F32).
-    pub layers: Vec<Option<Vec<f32>>>,
-}
-
-impl RouterWeights {
-    /// The `k` experts layer `layer`'s router scores highest for `hidden`.
-    pub fn top_k(&self, layer: usize, hidden: &[f32], k: usize) -> Option<Vec<usize>> {
-        let weights = self.layers.get(layer)?.as_ref()?;
-        if hidden.len() != self.n_embd || self.n_embd == 0 {
-            return None;
-        }
-        let scores: Vec<f32> = weights.chunks_exact(self.n_embd).map(|row| dot(row, hidden)).collect();
-        let mut order: Vec<usize> = (0..scores.len()).collect();
-        order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]));
-        order.truncate(k);
-        Some(order)
-    }
-}
-
-/// A dot product the compiler turns into vector instructions: sixteen partial sums (a plain
-/// sum of f32 products must add in order, one at a time). The prediction runs on the compute
-/// thread at every streamed layer, so its speed is decode time: on moe-30b (128 experts of
-/// 2048 inputs, 47 predicted layers) the ordered sum took about a tenth of a token's compute.
-fn dot(row: &[f32], hidden: &[f32]) -> f32 {
-    const LANES: usize = 16;
-    let mut sums = [0f32; LANES];
-    let (row_body, row_rest) = row.split_at(row.len() / LANES * LANES);
-    let (hidden_body, hidden_rest) = hidden.split_at(row_body.len().min(hidden.len()));
-    for (weights, values) in row_body.chunks_exact(LANES).zip(hidden_body.chunks_exact(LANES)) {
-        for lane in 0..LANES {
-            sums[lane] += weights[lane] * values[lane];
-        }
-    }
-    let rest: f32 = row_rest.iter().zip(hidden_rest).map(|(weight, value)| weight * value).sum();
-    sums.iter().sum::<f32>() + rest
-}
-
-/// Predict only for batches this small (decode); a prefill batch loads the union anyway.
-const PREDICT_MAX_TOKENS: usize = 4;
-
 /// Within the graph being computed: when the hook asked for its stop, and how long the eval
 /// callback's questions took since the stop before ended (ggml asks about each node of the
 /// next segment before launching it, the device idle meanwhile), and when that stop ended.
@@ -360,13 +167,6 @@ struct StopClock {
     /// The questions' time and how many nodes they were about.
     asks: Option<(Duration, u64)>,
     ended: Option<(Instant, u64)>,
-}
-
-/// A split pool's CPU side (`store::split`).
-struct SplitSide {
-    worker: SplitWorker,
-    layers: Arc<Vec<Option<SplitLayer>>>,
-    plain: PlainCheck,
 }
 
 /// Drives expert residency from the router's choices.
@@ -483,15 +283,6 @@ impl ExpertStream {
         Ok(self)
     }
 
-    /// Fill the host cache's free room beside the pool with these units first (the recorded
-    /// routing's most picked, after those the slots took), then in the usual order.
-    pub fn with_warm_order(self, order: Vec<usize>) -> ExpertStream {
-        if let Some(warm) = &self.warm {
-            warm.locked().order = order;
-        }
-        self
-    }
-
     /// Whether the device's pool holds expert `expert` of `layer` in a slot now.
     pub fn slot_holds(&self, layer: usize, expert: usize) -> bool {
         self.pool.as_ref().is_some_and(|pool| pool.locked().holds(layer, expert))
@@ -586,176 +377,6 @@ impl ExpertStream {
             }
         }
         Ok(picks)
-    }
-
-    /// Serve a pooled layer from its kept `ffn_moe_weights-L`: its picks' experts that no slot
-    /// holds are made ready in the host cache, then uploaded; the ids are rewritten to slots (or
-    /// the layer staged whole, for a prompt batch of more picks than slots).
-    /// `times` brings the stop's asks and segment (`StopClock`).
-    fn serve_pooled(
-        &self,
-        layer: usize,
-        stop: &ObservedNode<'_>,
-        weights: &ObservedNode<'_>,
-        mut times: StopTimes,
-    ) -> Result<(), ResidencyError> {
-        let pool = self.pool.as_ref().ok_or_else(|| ResidencyError::Pool(format!("layer {layer} has no pool")))?;
-        let (started, stalled) = (Instant::now(), self.residency.stats().stall_nanos());
-        let rows = self.routed_ids(layer, weights)?;
-        times.ids = started.elapsed();
-        let picks = self.picks(&rows)?;
-        self.record_reuse(layer, &rows, &picks);
-        let mut pool = pool.locked();
-        let serving = pool.serve(layer, &picks, self.splits(layer));
-        let units: Vec<usize> =
-            serving.from_host().into_iter().map(|expert| self.numbering.unit(layer, expert)).collect();
-        let hidden = self.predicting(&rows, layer).then(|| Self::router_input(layer, weights)).flatten();
-        let next_pooled = |unit: usize| pool.holds(layer + 1, unit % self.numbering.n_expert);
-        self.route_units(layer, units, &rows, hidden.as_deref(), &next_pooled)?;
-        let mut tiers = HostTier { stream: self, layer };
-        let moving = Instant::now();
-        let remapped = pool.load(layer, &picks, &serving, self.residency.region(), &rows, &mut tiers)?;
-        times.transfer = moving.elapsed();
-        if let Some(remapped) = remapped {
-            let writing = Instant::now();
-            weights.write_input_i32_rows(1, &remapped).map_err(|error| ResidencyError::Pool(error.to_string()))?;
-            times.ids += writing.elapsed();
-        }
-        if let Serving::Split { cpu, .. } = &serving {
-            if !cpu.is_empty() {
-                let bytes = self.submit_cpu_share(layer, stop, weights, &rows, cpu)?;
-                pool.add_cpu_bytes(bytes);
-            }
-        }
-        let waited = Duration::from_nanos(self.residency.stats().stall_nanos() - stalled);
-        times.host = started.elapsed().saturating_sub(waited);
-        pool.add_times(&times);
-        self.served[layer].store(true, Ordering::Release);
-        Ok(())
-    }
-
-    /// Whether `layer`'s misses may be computed by the CPU: a split pool, and a graph of the
-    /// layer seen computing plain SwiGLU experts.
-    fn splits(&self, layer: usize) -> bool {
-        self.split
-            .as_ref()
-            .is_some_and(|split| split.layers.get(layer).is_some_and(Option::is_some) && split.plain.plain(layer))
-    }
-
-    /// Hand the CPU `layer`'s picks of `cpu` (their ids now at the zero slot): the FFN's input
-    /// rows (the router's), and each pick's token and final weight (the weights' run's last
-    /// node, kept up to `stop`). The sum is added at the layer's `ffn_moe_out` stop. The bytes
-    /// of the picks computed.
-    fn submit_cpu_share(
-        &self,
-        layer: usize,
-        stop: &ObservedNode<'_>,
-        weights: &ObservedNode<'_>,
-        rows: &[Vec<i32>],
-        cpu: &[usize],
-    ) -> Result<u64, ResidencyError> {
-        let split = self.split.as_ref().ok_or_else(|| ResidencyError::Pool(format!("layer {layer} does not split")))?;
-        let unreadable = |what: &str| ResidencyError::Pool(format!("layer {layer}'s split: {what} could not be read"));
-        let x = Self::router_input(layer, weights).ok_or_else(|| unreadable("the FFN's input"))?;
-        let final_weights =
-            stop.last_kept().and_then(|node| node.f32_values()).ok_or_else(|| unreadable("the router's weights"))?;
-        let width = rows.first().map_or(0, Vec::len);
-        if x.len() != rows.len() || final_weights.len() != width * rows.len() {
-            return Err(unreadable("the router's weights in the ids' shape"));
-        }
-        let mut picks = Vec::new();
-        for (token, row) in rows.iter().enumerate() {
-            for (k, &expert) in row.iter().enumerate() {
-                let expert = expert as usize;
-                if cpu.contains(&expert) {
-                    picks.push((token, expert, final_weights[token * width + k]));
-                }
-            }
-        }
-        let bytes = split.layers[layer].map_or(0, |shape| shape.expert_bytes()) * picks.len() as u64;
-        split.worker.submit(CpuJob { layer, x, picks })?;
-        self.split_pending.store(layer, Ordering::Release);
-        Ok(bytes)
-    }
-
-    /// At `layer`'s `ffn_moe_out` (`node`): wait for the CPU's share and add it.
-    fn add_cpu_share(&self, layer: usize, node: &ObservedNode<'_>) -> Result<(), ResidencyError> {
-        let split = self.split.as_ref().ok_or_else(|| ResidencyError::Pool(format!("layer {layer} does not split")))?;
-        let waiting = Instant::now();
-        let done = split.worker.take()?;
-        let waited = waiting.elapsed();
-        let mut rows = node.f32_rows().ok_or_else(|| {
-            ResidencyError::Pool(format!("layer {layer}'s split: {} is not an F32 matrix", node.name()))
-        })?;
-        if rows.len() != done.sums.len() {
-            return Err(ResidencyError::Pool(format!(
-                "layer {layer}'s split: the CPU's sums are not the layer's tokens"
-            )));
-        }
-        for (row, sum) in rows.iter_mut().zip(&done.sums) {
-            for (value, add) in row.iter_mut().zip(sum) {
-                *value += add;
-            }
-        }
-        node.write_f32_rows(&rows).map_err(|error| ResidencyError::Pool(error.to_string()))?;
-        if let Some(pool) = &self.pool {
-            pool.locked().add_cpu_times(done.seconds, waited.as_secs_f64());
-        }
-        Ok(())
-    }
-
-    /// Take a CPU share that no stop will add (a decode aborted before the layer's sum), so that
-    /// the worker is idle and its experts free to evict.
-    fn drain_cpu_share(&self) {
-        if self.split_pending.swap(NO_LAYER, Ordering::AcqRel) != NO_LAYER {
-            if let Some(split) = &self.split {
-                let _ = split.worker.take();
-            }
-        }
-    }
-
-    /// Top up the warm fill (`WarmFill`): forget the reads that finished, then issue the next
-    /// candidates that no slot holds and the cache does not, while there is free room.
-    fn warm_step(&self) -> Result<(), ResidencyError> {
-        let Some(warm) = &self.warm else { return Ok(()) };
-        let mut warm = warm.locked();
-        warm.in_flight.retain(|&unit| matches!(self.residency.state(unit), Some((UnitState::Loading, _))));
-        let ExpertUnits { n_layer, n_expert } = self.numbering;
-        while warm.in_flight.len() < WARM_IN_FLIGHT && warm.next < warm.order.len() + n_layer * n_expert {
-            let (expert, layer) = match warm.order.get(warm.next) {
-                Some(&unit) => (unit % n_expert, unit / n_expert),
-                None => {
-                    let position = warm.next - warm.order.len();
-                    (position / n_layer, position % n_layer)
-                }
-            };
-            if !self.streams(layer) {
-                warm.next += 1;
-                continue;
-            }
-            if self.pool.as_ref().is_some_and(|pool| pool.locked().holds(layer, expert)) {
-                warm.next += 1;
-                continue;
-            }
-            let unit = self.numbering.unit(layer, expert);
-            let mut state = self.state.locked();
-            if state.cache.is_resident(unit) {
-                warm.next += 1;
-                continue;
-            }
-            if state.cache.is_full() {
-                break;
-            }
-            let evicted = state.cache.admit(unit, &[]);
-            debug_assert!(evicted.is_empty());
-            drop(state);
-            warm.next += 1;
-            warm.issued += 1;
-            warm.bytes += self.residency.units()[unit].bytes();
-            self.residency.request(unit)?;
-            warm.in_flight.push(unit);
-        }
-        Ok(())
     }
 
     /// Serve a streamed layer from the host cache: `weights` is its kept `ffn_moe_weights-L`,
@@ -910,21 +531,6 @@ impl ExpertStream {
         }
         Ok(())
     }
-
-    /// The next layer's likely units: per token, the experts layer `next`'s router scores
-    /// highest for this layer's hidden state, as many as the router picks.
-    fn predict(&self, routers: &RouterWeights, next: usize, rows: &[Vec<i32>], hidden: &[Vec<f32>]) -> Vec<usize> {
-        let mut predicted = Vec::new();
-        for (token, state) in rows.iter().zip(hidden) {
-            for expert in routers.top_k(next, state, token.len()).unwrap_or_default() {
-                let unit = self.numbering.unit(next, expert);
-                if expert < self.numbering.n_expert && !predicted.contains(&unit) {
-                    predicted.push(unit);
-                }
-            }
-        }
-        predicted
-    }
 }
 
 impl EvalHook for ExpertStream {
@@ -1033,72 +639,6 @@ impl EvalHook for ExpertStream {
     }
 }
 
-/// The host cache as the tier below a layer's device slots: an expert a slot gives up moves
-/// into it (copied back from the device, so it is not read from disk again), and an expert
-/// uploaded into a slot leaves it. The two tiers hold different experts, so together they hold
-/// as many as their sizes add up to.
-struct HostTier<'a> {
-    stream: &'a ExpertStream,
-    layer: usize,
-}
-
-impl Tiers for HostTier<'_> {
-    fn evicted(
-        &mut self,
-        expert: usize,
-        copy: &dyn Fn(&crate::io::Region) -> Result<(), String>,
-    ) -> Result<(), ResidencyError> {
-        let unit = self.stream.numbering.unit(self.layer, expert);
-        let mut state = self.stream.state.locked();
-        if state.cache.is_resident(unit) {
-            return Ok(());
-        }
-        let pinned = state.pinned.clone();
-        for victim in state.cache.admit(unit, &pinned) {
-            self.stream.residency.release(victim)?;
-        }
-        drop(state);
-        self.stream.residency.fill(unit, copy)?;
-        Ok(())
-    }
-
-    fn uploaded(&mut self, expert: usize) -> Result<(), ResidencyError> {
-        let unit = self.stream.numbering.unit(self.layer, expert);
-        let mut state = self.stream.state.locked();
-        if state.cache.is_resident(unit) {
-            state.cache.forget(unit);
-            self.stream.residency.release(unit)?;
-        }
-        Ok(())
-    }
-}
-
-impl ExpertStream {
-    /// A pooled layer's expert matmul is about to be scheduled: its ids must have been
-    /// rewritten to slots in this graph, or the kernels would read past the slots. Fails the
-    /// decode where they were not; the layer's last matmul ends its turn.
-    fn check_served(&self, name: &str) {
-        let (layer, last) = match Self::layer_of(name, LAST_EXPERT_MATMUL) {
-            Some(layer) => (layer, true),
-            None => match EXPERT_MATMULS.iter().find_map(|node| Self::layer_of(name, node)) {
-                Some(layer) => (layer, false),
-                None => return,
-            },
-        };
-        if !self.pooled(layer) {
-            return;
-        }
-        let served = if last {
-            self.served[layer].swap(false, Ordering::AcqRel)
-        } else {
-            self.served[layer].load(Ordering::Acquire)
-        };
-        if !served {
-            self.failure.fail(ResidencyError::PoolUnserved { layer });
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1191,71 +731,5 @@ mod tests {
         assert!(!ExpertStream::in_weights_run("ffn_moe_weights_norm-11 (reshaped)", 1));
         assert_eq!(ExpertStream::expert_matmul_layer("ffn_moe_down-3"), Some(3));
         assert_eq!(ExpertStream::expert_matmul_layer("ffn_moe_down_scaled-3"), None);
-    }
-
-    #[test]
-    fn the_vector_dot_product_matches_the_ordered_sum_at_every_length() {
-        for len in [0, 1, 15, 16, 17, 37, 2048] {
-            let row: Vec<f32> = (0..len).map(|i| ((i * 7 % 13) as f32 - 6.0) / 8.0).collect();
-            let hidden: Vec<f32> = (0..len).map(|i| ((i * 5 % 11) as f32 - 5.0) / 4.0).collect();
-            let ordered: f32 = row.iter().zip(&hidden).map(|(a, b)| a * b).sum();
-            // Eighths times quarters add exactly in f32 at these sizes, so any order agrees.
-            assert_eq!(dot(&row, &hidden), ordered, "length {len}");
-        }
-    }
-
-    #[test]
-    fn lru_evicts_the_least_recent_and_never_a_pinned_unit() {
-        let mut cache = CacheModel::new(CachePolicy::Lru, 10, 3);
-        assert!(cache.admit(0, &[]).is_empty());
-        assert!(cache.admit(1, &[]).is_empty());
-        assert!(cache.admit(2, &[]).is_empty());
-        cache.touch(0);
-        assert_eq!(cache.admit(3, &[]), vec![1]);
-        // 2 is the LRU now, but pinned: 0 goes instead.
-        assert_eq!(cache.admit(4, &[2, 4]), vec![0]);
-        assert!(cache.is_resident(2) && cache.is_resident(3) && cache.is_resident(4));
-    }
-
-    #[test]
-    fn a_prefetch_never_overfills_the_cache_or_evicts_a_protected_unit() {
-        let mut cache = CacheModel::new(CachePolicy::Slru, 10, 3);
-        for unit in 0..3 {
-            cache.admit(unit, &[]);
-        }
-        // Everything resident is protected: no room, and nothing changes.
-        assert_eq!(cache.try_admit(5, &[0, 1, 2, 5]), None);
-        assert!(!cache.is_resident(5) && (0..3).all(|unit| cache.is_resident(unit)));
-        // One unprotected unit: it makes room.
-        assert_eq!(cache.try_admit(5, &[0, 2, 5]), Some(vec![1]));
-        assert!(cache.is_resident(5));
-        // A refresh is not a use: 0 stays probationary and is the first SLRU victim after 2.
-        cache.refresh(0);
-        assert_eq!(cache.admit(6, &[6]), vec![2]);
-    }
-
-    #[test]
-    fn slru_keeps_reused_units_over_one_off_ones() {
-        let mut cache = CacheModel::new(CachePolicy::Slru, 100, 4);
-        for unit in 0..4 {
-            cache.admit(unit, &[]);
-        }
-        cache.touch(0);
-        cache.touch(1);
-        // A scan of one-off units evicts probationary ones only.
-        for unit in 10..20 {
-            cache.admit(unit, &[]);
-        }
-        assert!(cache.is_resident(0) && cache.is_resident(1), "reused units must survive a scan");
-        let mut lru = CacheModel::new(CachePolicy::Lru, 100, 4);
-        for unit in 0..4 {
-            lru.admit(unit, &[]);
-        }
-        lru.touch(0);
-        lru.touch(1);
-        for unit in 10..20 {
-            lru.admit(unit, &[]);
-        }
-        assert!(!lru.is_resident(0) && !lru.is_resident(1), "plain LRU loses them to the scan");
     }
 }

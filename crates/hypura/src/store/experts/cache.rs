@@ -1,0 +1,208 @@
+//! The expert cache's replacement bookkeeping (LRU and SLRU), apart from I/O so that the trace
+//! simulator replays it as the stream runs it.
+use std::collections::BTreeSet;
+
+pub use crate::plan::CachePolicy;
+
+/// Replacement bookkeeping, independent of I/O so the trace simulator can replay it. Resident
+/// units are kept ordered by last use in two sets (SLRU's probationary and protected segments;
+/// LRU uses the first alone), so finding a victim costs O(log units) however many experts the
+/// model has: tens of thousands of units (Qwen3-Next: 48 layers × 512) cost no more per token
+/// than eight.
+#[derive(Clone, Debug)]
+pub struct CacheModel {
+    policy: CachePolicy,
+    capacity: usize,
+    resident: Vec<bool>,
+    protected_segment: Vec<bool>,
+    last_used: Vec<u64>,
+    /// Resident units outside the protected segment, by (last use, unit).
+    probation: BTreeSet<(u64, usize)>,
+    /// Resident units in SLRU's protected segment, by (last use, unit).
+    protected: BTreeSet<(u64, usize)>,
+    resident_count: usize,
+    clock: u64,
+}
+
+impl CacheModel {
+    pub fn new(policy: CachePolicy, units: usize, capacity: usize) -> CacheModel {
+        CacheModel {
+            policy,
+            capacity: capacity.max(1),
+            resident: vec![false; units],
+            protected_segment: vec![false; units],
+            last_used: vec![0; units],
+            probation: BTreeSet::new(),
+            protected: BTreeSet::new(),
+            resident_count: 0,
+            clock: 0,
+        }
+    }
+
+    /// Whether admitting another unit would evict one.
+    pub fn is_full(&self) -> bool {
+        self.resident_count >= self.capacity
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    pub fn is_resident(&self, unit: usize) -> bool {
+        self.resident[unit]
+    }
+
+    /// The segment resident `unit` is in.
+    fn segment(&mut self, unit: usize) -> &mut BTreeSet<(u64, usize)> {
+        if self.protected_segment[unit] {
+            &mut self.protected
+        } else {
+            &mut self.probation
+        }
+    }
+
+    /// Stamp resident `unit` as used now, in `protect`ed segment or not.
+    fn stamp(&mut self, unit: usize, protect: bool) {
+        let key = (self.last_used[unit], unit);
+        self.segment(unit).remove(&key);
+        self.clock += 1;
+        self.last_used[unit] = self.clock;
+        self.protected_segment[unit] = protect;
+        let key = (self.clock, unit);
+        self.segment(unit).insert(key);
+    }
+
+    /// Record a use of resident `unit`.
+    pub fn touch(&mut self, unit: usize) {
+        let promote = self.policy == CachePolicy::Slru;
+        let newly = promote && !self.protected_segment[unit];
+        self.stamp(unit, promote || self.protected_segment[unit]);
+        // Keep the protected segment at most 80% of the cache: demote its LRU.
+        if newly && self.protected.len() > self.capacity * 4 / 5 {
+            if let Some(&(used, victim)) = self.protected.iter().find(|(_, candidate)| *candidate != unit) {
+                self.protected.remove(&(used, victim));
+                self.protected_segment[victim] = false;
+                self.probation.insert((used, victim));
+            }
+        }
+    }
+
+    /// Admit `unit` (a miss), returning the units to evict first so that it fits. `pinned`
+    /// units (the layer about to compute) are never chosen.
+    pub fn admit(&mut self, unit: usize, pinned: &[usize]) -> Vec<usize> {
+        let mut evicted = Vec::new();
+        while self.resident_count >= self.capacity {
+            // The least recent unpinned unit: probationary first (for LRU, the only segment).
+            let oldest = |segment: &BTreeSet<(u64, usize)>| {
+                segment.iter().map(|&(_, candidate)| candidate).find(|candidate| !pinned.contains(candidate))
+            };
+            let Some(victim) = oldest(&self.probation).or_else(|| oldest(&self.protected)) else { break };
+            self.remove(victim);
+            evicted.push(victim);
+        }
+        self.remove(unit);
+        self.resident[unit] = true;
+        self.resident_count += 1;
+        self.stamp(unit, false);
+        evicted
+    }
+
+    /// Admit `unit` only if that needs no eviction of a `protected` unit and keeps the cache
+    /// within its capacity (for prefetches, which must never overfill it); None otherwise.
+    pub fn try_admit(&mut self, unit: usize, protected: &[usize]) -> Option<Vec<usize>> {
+        if self.resident_count >= self.capacity {
+            // Only a full cache needs victims: count the unprotected ones then.
+            let mut shielded = protected.to_vec();
+            shielded.sort_unstable();
+            shielded.dedup();
+            let evictable =
+                self.resident_count - shielded.iter().filter(|&&candidate| self.resident[candidate]).count();
+            if self.resident_count + 1 - self.capacity > evictable {
+                return None;
+            }
+        }
+        Some(self.admit(unit, protected))
+    }
+
+    /// Mark resident `unit` as recently used without counting it as a use (no promotion to
+    /// SLRU's protected segment): a prediction, not a hit.
+    pub fn refresh(&mut self, unit: usize) {
+        let protect = self.protected_segment[unit];
+        self.stamp(unit, protect);
+    }
+
+    /// Drop a unit that is no longer in memory (a cancelled read).
+    pub fn forget(&mut self, unit: usize) {
+        self.remove(unit);
+    }
+
+    fn remove(&mut self, unit: usize) {
+        if self.resident[unit] {
+            let key = (self.last_used[unit], unit);
+            self.segment(unit).remove(&key);
+            self.resident[unit] = false;
+            self.resident_count -= 1;
+        }
+        self.protected_segment[unit] = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lru_evicts_the_least_recent_and_never_a_pinned_unit() {
+        let mut cache = CacheModel::new(CachePolicy::Lru, 10, 3);
+        assert!(cache.admit(0, &[]).is_empty());
+        assert!(cache.admit(1, &[]).is_empty());
+        assert!(cache.admit(2, &[]).is_empty());
+        cache.touch(0);
+        assert_eq!(cache.admit(3, &[]), vec![1]);
+        // 2 is the LRU now, but pinned: 0 goes instead.
+        assert_eq!(cache.admit(4, &[2, 4]), vec![0]);
+        assert!(cache.is_resident(2) && cache.is_resident(3) && cache.is_resident(4));
+    }
+
+    #[test]
+    fn a_prefetch_never_overfills_the_cache_or_evicts_a_protected_unit() {
+        let mut cache = CacheModel::new(CachePolicy::Slru, 10, 3);
+        for unit in 0..3 {
+            cache.admit(unit, &[]);
+        }
+        // Everything resident is protected: no room, and nothing changes.
+        assert_eq!(cache.try_admit(5, &[0, 1, 2, 5]), None);
+        assert!(!cache.is_resident(5) && (0..3).all(|unit| cache.is_resident(unit)));
+        // One unprotected unit: it makes room.
+        assert_eq!(cache.try_admit(5, &[0, 2, 5]), Some(vec![1]));
+        assert!(cache.is_resident(5));
+        // A refresh is not a use: 0 stays probationary and is the first SLRU victim after 2.
+        cache.refresh(0);
+        assert_eq!(cache.admit(6, &[6]), vec![2]);
+    }
+
+    #[test]
+    fn slru_keeps_reused_units_over_one_off_ones() {
+        let mut cache = CacheModel::new(CachePolicy::Slru, 100, 4);
+        for unit in 0..4 {
+            cache.admit(unit, &[]);
+        }
+        cache.touch(0);
+        cache.touch(1);
+        // A scan of one-off units evicts probationary ones only.
+        for unit in 10..20 {
+            cache.admit(unit, &[]);
+        }
+        assert!(cache.is_resident(0) && cache.is_resident(1), "reused units must survive a scan");
+        let mut lru = CacheModel::new(CachePolicy::Lru, 100, 4);
+        for unit in 0..4 {
+            lru.admit(unit, &[]);
+        }
+        lru.touch(0);
+        lru.touch(1);
+        for unit in 10..20 {
+            lru.admit(unit, &[]);
+        }
+        assert!(!lru.is_resident(0) && !lru.is_resident(1), "plain LRU loses them to the scan");
+    }
+}

@@ -1,0 +1,80 @@
+//! The host cache's warm fill beside a device pool (`WarmFill`).
+use super::{ExpertStream, ExpertUnits, ResidencyError, UnitState};
+use crate::sync::Lock;
+
+/// The host cache's warm fill: beside a device pool, the disk is idle most of a decode (the
+/// slots serve most picks), while each pick the slots miss and the host cache does not hold is
+/// read at a queue depth of one. So the cache's free room is filled in the background, expert
+/// `e` of every streamed layer before expert `e + 1`, at most `WARM_IN_FLIGHT` reads at once
+/// (the reader threads stay free for the misses), each unit once, never evicting anything: a
+/// cold start's misses become host hits, uploaded over the bus instead of read from disk.
+#[derive(Default)]
+pub(super) struct WarmFill {
+    /// Units to fill first, the recorded routing's most picked first (`with_warm_order`).
+    pub(super) order: Vec<usize>,
+    /// The next candidate: `order`'s, then every unit in fill order (`position / n_layer` is the
+    /// expert, `% n_layer` the layer); the fill is done when it reaches the end of both.
+    pub(super) next: usize,
+    pub(super) in_flight: Vec<usize>,
+    pub(super) issued: u64,
+    /// The bytes of the units issued.
+    pub(super) bytes: u64,
+}
+
+/// Warm-fill reads in flight at once.
+pub(super) const WARM_IN_FLIGHT: usize = 2;
+
+impl ExpertStream {
+    /// Fill the host cache's free room beside the pool with these units first (the recorded
+    /// routing's most picked, after those the slots took), then in the usual order.
+    pub fn with_warm_order(self, order: Vec<usize>) -> ExpertStream {
+        if let Some(warm) = &self.warm {
+            warm.locked().order = order;
+        }
+        self
+    }
+
+    /// Top up the warm fill (`WarmFill`): forget the reads that finished, then issue the next
+    /// candidates that no slot holds and the cache does not, while there is free room.
+    pub(super) fn warm_step(&self) -> Result<(), ResidencyError> {
+        let Some(warm) = &self.warm else { return Ok(()) };
+        let mut warm = warm.locked();
+        warm.in_flight.retain(|&unit| matches!(self.residency.state(unit), Some((UnitState::Loading, _))));
+        let ExpertUnits { n_layer, n_expert } = self.numbering;
+        while warm.in_flight.len() < WARM_IN_FLIGHT && warm.next < warm.order.len() + n_layer * n_expert {
+            let (expert, layer) = match warm.order.get(warm.next) {
+                Some(&unit) => (unit % n_expert, unit / n_expert),
+                None => {
+                    let position = warm.next - warm.order.len();
+                    (position / n_layer, position % n_layer)
+                }
+            };
+            if !self.streams(layer) {
+                warm.next += 1;
+                continue;
+            }
+            if self.pool.as_ref().is_some_and(|pool| pool.locked().holds(layer, expert)) {
+                warm.next += 1;
+                continue;
+            }
+            let unit = self.numbering.unit(layer, expert);
+            let mut state = self.state.locked();
+            if state.cache.is_resident(unit) {
+                warm.next += 1;
+                continue;
+            }
+            if state.cache.is_full() {
+                break;
+            }
+            let evicted = state.cache.admit(unit, &[]);
+            debug_assert!(evicted.is_empty());
+            drop(state);
+            warm.next += 1;
+            warm.issued += 1;
+            warm.bytes += self.residency.units()[unit].bytes();
+            self.residency.request(unit)?;
+            warm.in_flight.push(unit);
+        }
+        Ok(())
+    }
+}
