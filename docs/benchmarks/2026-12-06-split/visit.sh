@@ -7,8 +7,8 @@
 #                  on the CPU (this machine's CPU rate), S6's model resident on the GPU (the
 #                  device's time) and a short split run (the model's routing: which experts the
 #                  pool starts with), which `auto` predicts from; `inspect`'s three predictions for S6a
-#                  and S6b; S6a tg128, cold, under the memory cgroup: Hypura's default (auto) beside
-#                  `--gpu-experts layers`, then `split` and `pool` as time allows.
+#                  and S6b; S6a tg128, cold, under the memory cgroup: `--gpu-experts split` beside
+#                  `layers` and llama.cpp's --fit, then Hypura's default (auto) as time allows.
 #   ./visit.sh 2   llama.cpp's placements on S6a in the same machine (--fit, --n-cpu-moe 24 and 26; -ot exps=CPU took over 100 s there before),
 #                  then S6b: Hypura's auto and split against llama.cpp's --n-cpu-moe 17.
 set -uo pipefail
@@ -44,9 +44,12 @@ if [ "${1:-1}" = 1 ]; then
     bin/hypura inspect /tmp/q36.gguf --gpu-budget $1 --memory-budget $2 --context 1024 2>/dev/null \
       | grep -E "^(plan|gpu|expert pool|predict)" >> $R/inspect.txt
   done
-  s6a s6a "" HYPURA_B_ARGS="--gpu-experts layers"
-  [ $SECONDS -lt 450 ] && s6a s6a-split "--gpu-experts split"
-  [ $SECONDS -lt 480 ] && s6a s6a-pool "--gpu-experts pool"
+  # The split beside whole layers and llama.cpp's --fit (its best placement within the budget on
+  # this model before), each its own process, cold.
+  env $common OUT=$R/s6a PEERS=fit HYPURA_ARGS="--gpu-budget 8GiB --gpu-experts split" \
+    HYPURA_B_ARGS="--gpu-experts layers" scripts/bench-limited /tmp/q36.gguf 0.5701 128 1 > $R/s6a.txt 2>&1
+  echo "s6a at $SECONDS s" >> $R/time.log
+  [ $SECONDS -lt 500 ] && s6a s6a-auto ""
 else
   env $common OUT=$R/s6a-peers SKIP_HYPURA=1 PEERS="fit n-cpu-moe:24 n-cpu-moe:26" N_CPU_MOE="24 26" HYPURA_ARGS="--gpu-budget 8GiB" \
     scripts/bench-limited /tmp/q36.gguf 0.5701 128 1 > $R/s6a-peers.txt 2>&1
@@ -55,4 +58,4 @@ else
     HYPURA_B_ARGS="--gpu-experts split" scripts/bench-limited /tmp/q36.gguf 1.2474 128 1 > $R/s6b.txt 2>&1
   echo "s6b at $SECONDS s" >> $R/time.log
 fi
-cd $R && tar czf results.tgz s6* 2>/dev/null; rm -rf s6a s6a-split s6a-pool s6a-peers s6b
+cd $R && tar czf results.tgz s6* 2>/dev/null; rm -rf s6a s6a-auto s6a-peers s6b
