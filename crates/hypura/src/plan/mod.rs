@@ -15,6 +15,7 @@
 mod dense;
 mod experts;
 mod gpu;
+mod pool;
 mod predict;
 mod remote;
 mod render;
@@ -27,7 +28,8 @@ mod types;
 
 pub use dense::{limit_tokens_per_sec, DenseLayout, READ_CHUNK_BYTES};
 pub use experts::{ExpertLayout, HUGE_SLICE_MIN_BYTES};
-pub use gpu::{ExpertPoolLayout, GpuExpertsOption, GpuLayout, POOL_ALIGNMENT};
+pub use gpu::{GpuExpertsOption, GpuLayout};
+pub use pool::{ExpertPoolLayout, POOL_ALIGNMENT};
 pub use predict::{cached_units, predict, Prediction, REAL_ROUTING_FROM};
 pub use remote::{RemoteDeviceFacts, RemoteLayout, RemoteShare, REMOTE_RESERVE_BYTES};
 pub use reuse::{uniform_hit_rate, ReuseDepths, ReuseTracker, REAL_ROUTING_BELOW, REAL_ROUTING_FIRST};
