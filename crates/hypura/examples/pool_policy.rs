@@ -14,10 +14,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context;
-use hypura::bench::StopSplit;
 use hypura::engine::{Control, Engine, EngineOptions, GenerateRequest, Prompt, SamplerParams, Session};
 use hypura::model::Inventory;
 use hypura::plan::{self, MachineFacts, ModeChoice, PlanOptions};
+use hypura::store::StopSplit;
 
 const N_CTX: u32 = 4096;
 

@@ -20,6 +20,7 @@ pub mod stats;
 pub mod streams;
 
 pub use dense::DenseWindow;
+pub use experts::limit::{PoolLimit, PoolWorkTotals, PooledDecode, StopSplit};
 pub use experts::pool::{ExpertPool, PoolSnapshot, PooledTensor, StopTimes};
 pub use experts::split::SplitLayer;
 pub use experts::{CacheModel, CachePolicy, ExpertSnapshot, ExpertStream, RouteRecord, RouterWeights};

@@ -18,7 +18,8 @@
 //! The rooms, one per tier of the expert hierarchy and what serves it: this module holds the
 //! hook (its node walk and stops) and routing into the host cache; `cache` the cache's
 //! replacement bookkeeping; `prefetch` the stale gate; `warm` the host cache's warm fill beside
-//! a device pool; `pool` the device's slots and staging area (decision 29) with their counters;
+//! a device pool; `pool` the device's slots and staging area (decision 29) with their counters,
+//! and `limit` their arithmetic over a decode (where a stop's time goes, the pooled limit);
 //! `serve` a pooled layer's stop (the pool's serving, the host cache as the tier below it);
 //! `split` the CPU's share of a split pool (decision 33).
 use crate::sync::Lock;
@@ -30,6 +31,7 @@ use hypura_sys::{EvalHook, ObservedNode};
 use serde::Serialize;
 
 mod cache;
+pub mod limit;
 pub mod pool;
 mod prefetch;
 mod serve;
