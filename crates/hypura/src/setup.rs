@@ -166,6 +166,16 @@ pub fn prepare(path: &Path, spec: &RunSpec) -> Result<Setup, EngineError> {
     Ok(Setup { inventory, facts, options })
 }
 
+/// The context each sequence of a run of `spec` gets on this machine, chosen as the planner
+/// chooses it (`plan::context_for`: the asked length up to the trained one, or, where none is
+/// asked, the default chosen from the budget) without planning the rest and without a draft model's
+/// memory set aside. The server reports it for a model it has not loaded yet.
+pub fn context(path: &Path, spec: &RunSpec) -> Result<u32, EngineError> {
+    let inventory = Inventory::open(path)?;
+    let facts = machine_facts(spec, path)?;
+    Ok(plan::context_for(&inventory, &facts, &spec.ask()))
+}
+
 /// What one run measured about its model, for the next plan of it (`record_run`).
 #[derive(Clone, Debug, Default)]
 pub struct RunMeasurements {

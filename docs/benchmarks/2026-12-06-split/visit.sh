@@ -30,8 +30,8 @@ s6a() { # NAME "HYPURA ARGS" [more env]
   echo "$name at $SECONDS s" >> $R/time.log
 }
 if [ "${1:-1}" = 1 ]; then
-  bin/hypura bench /tmp/d1.gguf --no-baseline --mode resident --gpu-budget 0 -p 16 -n 32 -r 1 -t 16 > $R/cpu.txt 2>&1
-  bin/hypura bench /tmp/q36.gguf --no-baseline --mode resident --no-repack --no-mmap -p 16 -n 128 -r 1 -t 16 \
+  bin/hypura bench /tmp/d1.gguf --no-baseline --mode resident --gpu-budget 0 -p 16 -n 16 -r 1 -t 16 > $R/cpu.txt 2>&1
+  bin/hypura bench /tmp/q36.gguf --no-baseline --mode resident --no-repack --no-mmap -p 16 -n 64 -r 1 -t 16 \
     --context 1024 > $R/resident.txt 2>&1
   # A short streaming run records the model's routing (its reuse and which experts decode picks
   # most): the plans below predict from it, and the pool starts warm with it.

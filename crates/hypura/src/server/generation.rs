@@ -16,9 +16,9 @@ use tokio::sync::mpsc;
 use super::catalog::ModelEntry;
 use super::error::AppError;
 use super::metrics::Recorder;
+use super::model::{Event, GenerateJob};
 use super::scheduler::Scheduler;
 use super::wire::KeepAlive;
-use super::worker::{Event, GenerateJob};
 use crate::engine::{DoneReason, Finished, GenerateRequest};
 
 /// Sets the flag when dropped.

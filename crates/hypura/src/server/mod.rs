@@ -2,7 +2,8 @@
 //!
 //! Data flow: a request is parsed into typed fields (`wire`; a bad body is a 400) and, for a
 //! generation, into one `engine::GenerateRequest`; its model name is found in the `catalog`
-//! (404 if unknown), and `scheduler` hands the request to the model's `worker` thread, which
+//! (404 if unknown), and a lease from the `scheduler` (the registry of loaded models, its types in
+//! `model`) hands the request to the model's `worker` thread, which
 //! batches it with the model's other requests in one llama.cpp context. Text comes back through a channel and leaves as NDJSON (`ollama`) or server-sent
 //! events (`openai`). `router` builds the whole service without a socket, so tests drive it
 //! with `tower::ServiceExt::oneshot`; `serve` binds it.
@@ -12,6 +13,7 @@ pub mod fuzz;
 pub mod generation;
 pub mod grammar;
 pub mod metrics;
+pub mod model;
 pub mod model_details;
 pub mod ollama;
 pub mod openai;
@@ -37,12 +39,12 @@ use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
 
 pub use catalog::{Catalog, ModelEntry};
 pub use error::AppError;
+pub use model::SchedulerConfig;
 pub use model_details::show_model;
-pub use scheduler::{Scheduler, SchedulerConfig};
+pub use scheduler::Scheduler;
 
+use model::{EmbedOutput, Lease};
 use model_details::Details;
-use scheduler::Lease;
-use worker::EmbedOutput;
 
 /// HTTP-level settings.
 #[derive(Clone, Debug)]
@@ -185,7 +187,7 @@ impl AppState {
                 details
             }
         };
-        Ok(ollama::details_object(&details))
+        Ok(model_details::details_object(&details))
     }
 
     pub async fn embed(&self, lease: Lease, inputs: Vec<String>, truncate: bool) -> Result<EmbedOutput, AppError> {

@@ -19,11 +19,11 @@ use serde_json::{json, Map, Value};
 use super::catalog::ModelEntry;
 use super::error::AppError;
 use super::generation::{self, done_reason};
+use super::model::{EmbedJob, Event};
 use super::options::{format_grammar, off_runtime, parse_options, RequestOptions};
 use super::tools;
 use super::wire::{nanos, ndjson_line, parse_body, rfc3339, stream_response, KeepAlive};
-use super::worker::{EmbedJob, Event};
-use super::{model_details, AppState};
+use super::AppState;
 use crate::engine::Prompt;
 use crate::engine::{ChatMessage, ChatRequest, Finished, GenerateRequest};
 
@@ -86,7 +86,7 @@ pub async fn ps(State(state): State<AppState>) -> Result<Json<Value>, AppError> 
 /// The expert hierarchy since the load, for `/api/ps`: the picks each tier served (a GPU pool's
 /// slots, the host's expert cache, the disk) and the bytes read from disk (the host cache's warm
 /// fill among them) and moved over the GPU's bus. None in modes that stream nothing.
-fn load_tiers(info: &super::scheduler::EngineInfo) -> Option<Value> {
+fn load_tiers(info: &super::model::EngineInfo) -> Option<Value> {
     let io = info.io.as_ref()?.snapshot();
     let experts = info.experts.as_ref().map(|experts| experts.snapshot()).unwrap_or_default();
     let device = &experts.device;
@@ -625,25 +625,13 @@ pub async fn embeddings(
 
 /// Embed through the model's worker.
 pub async fn run_embed(
-    lease: super::scheduler::Lease,
+    lease: super::model::Lease,
     inputs: Vec<String>,
     truncate: bool,
-) -> Result<super::worker::EmbedOutput, AppError> {
+) -> Result<super::model::EmbedOutput, AppError> {
     let (reply, answer) = tokio::sync::oneshot::channel();
     lease.embed(EmbedJob { inputs, truncate, reply })?;
     answer.await.map_err(|_| AppError::internal("the model's worker stopped before answering"))?
-}
-
-/// `details` for tags, ps and show.
-pub fn details_object(details: &model_details::Details) -> Value {
-    json!({
-        "parent_model": "",
-        "format": "gguf",
-        "family": details.family,
-        "families": [details.family],
-        "parameter_size": details.parameter_size,
-        "quantization_level": details.quantization_level,
-    })
 }
 
 #[cfg(test)]

@@ -24,11 +24,11 @@ use serde_json::{json, Value};
 
 use super::error::{AppError, OpenAiError};
 use super::generation::{self, done_reason};
+use super::model::Event;
 use super::ollama::{dimensions, embed_inputs, normalise};
 use super::options::{float, integer, max_tokens, seed, RequestOptions};
 use super::tools;
 use super::wire::{parse_body, sse_event, stream_response, unix_seconds};
-use super::worker::Event;
 use super::AppState;
 use crate::engine::Prompt;
 use crate::engine::{ChatMessage, ChatRequest, Finished, GenerateRequest, SamplerParams};

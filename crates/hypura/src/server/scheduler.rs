@@ -1,5 +1,5 @@
-//! The scheduler: the registry of loaded models, each with its worker thread (`worker.rs`), a
-//! bounded queue in front of it, and `keep_alive`.
+//! The scheduler: the registry of loaded models (its types in `model.rs`), each with its worker
+//! thread (`worker.rs`), a bounded queue in front of it, and `keep_alive`.
 //!
 //! A model loads on its first request, on its own thread, which then owns the engine and one
 //! `Batcher`; requests reach it through a channel as `Job`s.
@@ -23,215 +23,27 @@ use crate::sync::Lock;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant, SystemTime};
 
-use tokio::sync::oneshot;
-
 use super::catalog::ModelEntry;
 use super::error::AppError;
+use super::model::{Lease, LoadedModel, Registry, SchedulerConfig, Status, Usage};
 use super::wire::KeepAlive;
-use super::worker::{EmbedJob, GenerateJob, Job, Work, Worker};
-use crate::setup::RunSpec;
-
-#[derive(Clone)]
-pub struct SchedulerConfig {
-    /// Sequences decoded together per model.
-    pub n_parallel: u32,
-    /// Requests that may wait beyond the running ones before the server answers 503.
-    pub max_queue: usize,
-    pub default_keep_alive: KeepAlive,
-    /// How each model is planned and loaded (`n_sequences` is set from `n_parallel`).
-    pub run: RunSpec,
-    /// Longest embedding input in tokens (every token of an input is decoded in one batch, and
-    /// a generative model's logits for all of them are kept).
-    pub embedding_context: u32,
-}
-
-/// What a loaded model reports in `/api/ps`.
-#[derive(Clone, Debug)]
-pub struct EngineInfo {
-    pub size_bytes: u64,
-    pub vram_bytes: u64,
-    pub context_length: usize,
-    /// The context the model was trained for (0: the file does not say).
-    pub trained_context: u64,
-    pub mode: &'static str,
-    /// Streaming I/O counters (streaming modes).
-    pub io: Option<Arc<crate::store::IoStats>>,
-    /// The expert hierarchy's counters (expert-stream).
-    pub experts: Option<Arc<crate::store::ExpertStream>>,
-}
-
-#[derive(Clone, Debug)]
-pub(super) enum Status {
-    Loading,
-    Ready(EngineInfo),
-    Failed,
-}
-
-struct Usage {
-    keep_alive: KeepAlive,
-    /// When the last lease ended; None while a request holds the model.
-    idle_since: Option<Instant>,
-}
-
-/// A model with its worker thread.
-pub struct LoadedModel {
-    pub entry: ModelEntry,
-    /// The context each sequence was asked to have (None: the configured default).
-    context: Option<u32>,
-    sender: Mutex<Option<Sender<Job>>>,
-    pending: AtomicUsize,
-    usage: Mutex<Usage>,
-    status: Mutex<Status>,
-    /// The RPC workers its plan uses (set by its thread before the load).
-    remote: Mutex<Option<Arc<crate::remote::Workers>>>,
-}
-
-impl LoadedModel {
-    /// Its load failed, or a worker of its plan stopped answering. The second is seen here
-    /// as soon as the relay records it, which is before the request that met it is told:
-    /// the model's thread marks itself failed only after that batch, and a request sent at
-    /// once would reach the thread that is about to fail everything it holds.
-    fn failed(&self) -> bool {
-        matches!(*self.status.locked(), Status::Failed)
-            || self.remote.locked().as_ref().is_some_and(|workers| workers.check().is_err())
-    }
-
-    /// Set by the model's worker as its load goes.
-    pub(super) fn set_status(&self, status: Status) {
-        *self.status.locked() = status;
-    }
-
-    /// Set by the model's worker before it plans the load.
-    pub(super) fn set_remote(&self, workers: Option<Arc<crate::remote::Workers>>) {
-        *self.remote.locked() = workers;
-    }
-
-    /// Engine facts once loaded.
-    pub fn info(&self) -> Option<EngineInfo> {
-        match &*self.status.locked() {
-            Status::Ready(info) => Some(info.clone()),
-            _ => None,
-        }
-    }
-
-    /// Whether a request for `n_ctx` tokens needs a reload: the model is loaded with a
-    /// shorter context that could grow (below its training context), or is loading with a
-    /// shorter one asked for. While it loads with the default, the request waits for it and the
-    /// per-request limit applies.
-    fn too_short_for(&self, n_ctx: u32) -> bool {
-        match &*self.status.locked() {
-            Status::Ready(info) => {
-                n_ctx as usize > info.context_length
-                    && (info.trained_context == 0 || (info.context_length as u64) < info.trained_context)
-            }
-            _ => self.context.is_some_and(|asked| n_ctx > asked),
-        }
-    }
-
-    /// Requests holding the model: generating, embedding or queued.
-    pub fn active_requests(&self) -> usize {
-        self.pending.load(Ordering::Acquire)
-    }
-
-    /// When `keep_alive` lapses: None for never; a busy model counts from now.
-    pub fn expires_at(&self) -> Option<SystemTime> {
-        let usage = self.usage.locked();
-        match usage.keep_alive {
-            KeepAlive::Forever => None,
-            KeepAlive::For(duration) => {
-                let idle_for = usage.idle_since.map(|since| since.elapsed()).unwrap_or_default();
-                Some(SystemTime::now() + duration.saturating_sub(idle_for))
-            }
-        }
-    }
-}
-
-/// A request's hold on a model. Dropping it ends the request (see the module documentation).
-pub struct Lease {
-    model: Arc<LoadedModel>,
-    scheduler: Weak<Inner>,
-}
-
-impl Lease {
-    pub fn model(&self) -> &Arc<LoadedModel> {
-        &self.model
-    }
-
-    fn submit(self, work: Work) -> Result<(), AppError> {
-        let sender = self.model.sender.locked().clone();
-        let sender = sender.ok_or_else(|| {
-            AppError::new(axum::http::StatusCode::SERVICE_UNAVAILABLE, "the model is unloading; try again")
-        })?;
-        sender
-            .send(Job { work, received: Instant::now(), lease: self })
-            .map_err(|_| AppError::internal("the model's worker has stopped"))
-    }
-
-    pub fn generate(self, job: GenerateJob) -> Result<(), AppError> {
-        self.submit(Work::Generate(Box::new(job)))
-    }
-
-    pub fn embed(self, job: EmbedJob) -> Result<(), AppError> {
-        self.submit(Work::Embed(job))
-    }
-
-    /// Load the model (if it is not yet) and answer how long that took.
-    pub async fn load(self) -> Result<Duration, AppError> {
-        let (reply, answer) = oneshot::channel();
-        self.submit(Work::Load(reply))?;
-        answer.await.map_err(|_| AppError::internal("the model's worker stopped while loading"))?
-    }
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        if self.model.pending.fetch_sub(1, Ordering::AcqRel) != 1 {
-            return;
-        }
-        let unload_now = {
-            let mut usage = self.model.usage.locked();
-            usage.idle_since = Some(Instant::now());
-            usage.keep_alive == KeepAlive::For(Duration::ZERO)
-        };
-        if let (true, Some(scheduler)) = (unload_now, self.scheduler.upgrade()) {
-            scheduler.unload_if_idle(&self.model.entry.path, Duration::ZERO);
-        }
-    }
-}
+use super::worker::{ParkedPrefixes, Worker};
 
 struct Inner {
     config: SchedulerConfig,
-    models: Mutex<HashMap<PathBuf, Arc<LoadedModel>>>,
+    /// The models loaded (or loading); a lease reaches it weakly, to unload with `keep_alive: 0`.
+    registry: Arc<Registry>,
     /// One per file: a worker holds its file's gate from before it loads until its engine is
     /// gone, so a reload waits for the copy it replaces.
     gates: Mutex<HashMap<PathBuf, Arc<Mutex<()>>>>,
-    parked: super::worker::ParkedPrefixes,
+    parked: ParkedPrefixes,
     /// Set when the server stops: no new lease is given.
     draining: AtomicBool,
     /// The cancel flags of generations started and not yet dropped.
     running: Mutex<Vec<Weak<AtomicBool>>>,
-}
-
-impl Inner {
-    /// Unload the model at `path` if no request holds it and it has been idle for `idle`.
-    fn unload_if_idle(&self, path: &Path, idle: Duration) -> bool {
-        let mut models = self.models.locked();
-        let Some(model) = models.get(path) else { return false };
-        let idle_enough = model.pending.load(Ordering::Acquire) == 0
-            && model.usage.locked().idle_since.is_some_and(|since| since.elapsed() >= idle);
-        if !idle_enough {
-            return false;
-        }
-        let model = models.remove(path).expect("looked up above");
-        // Closing the channel ends the worker, which drops the engine.
-        model.sender.locked().take();
-        tracing::info!("unloaded {}", model.entry.name);
-        true
-    }
 }
 
 /// Shared by every handler.
@@ -245,7 +57,7 @@ impl Scheduler {
         Scheduler {
             inner: Arc::new(Inner {
                 config,
-                models: Mutex::new(HashMap::new()),
+                registry: Default::default(),
                 gates: Mutex::new(HashMap::new()),
                 parked: Default::default(),
                 draining: AtomicBool::new(false),
@@ -275,7 +87,7 @@ impl Scheduler {
         if self.draining() {
             return Err(AppError::shutting_down());
         }
-        let mut models = self.inner.models.locked();
+        let mut models = self.inner.registry.models.locked();
         if let Some(n_ctx) = n_ctx {
             if models.get(&entry.path).is_some_and(|model| model.too_short_for(n_ctx)) {
                 let retired = models.remove(&entry.path).expect("looked up above");
@@ -309,7 +121,7 @@ impl Scheduler {
             usage.idle_since = None;
             usage.keep_alive = keep_alive.unwrap_or(config.default_keep_alive);
         }
-        Ok(Lease { model, scheduler: Arc::downgrade(&self.inner) })
+        Ok(Lease { model, registry: Arc::downgrade(&self.inner.registry) })
     }
 
     fn start_worker(&self, entry: &ModelEntry, n_ctx: Option<u32>) -> Result<Arc<LoadedModel>, AppError> {
@@ -345,19 +157,18 @@ impl Scheduler {
         Ok(model)
     }
 
-    /// The context a model not yet loaded would get by default (chosen from the budget).
+    /// The context a model not yet loaded would get by default (`setup::context`: chosen from
+    /// the budget).
     pub fn default_context(&self, path: &Path) -> Option<u32> {
-        let mut run = RunSpec { n_sequences: self.inner.config.n_parallel, ..self.inner.config.run.clone() };
+        let mut run = self.inner.config.run_spec();
         // The workers as they are now (never a relay of a set that lost a worker).
         run.remote = run.remote.and_then(|workers| workers.current().0);
-        let inventory = crate::model::Inventory::open(path).ok()?;
-        let facts = crate::setup::machine_facts(&run, path).ok()?;
-        Some(crate::plan::context_for(&inventory, &facts, &run.ask()))
+        crate::setup::context(path, &run).ok()
     }
 
     /// Models that are loaded (or loading), most recently expiring first.
     pub fn loaded(&self) -> Vec<Arc<LoadedModel>> {
-        let models = self.inner.models.locked();
+        let models = self.inner.registry.models.locked();
         let mut loaded: Vec<Arc<LoadedModel>> =
             models.values().filter(|model| model.info().is_some()).cloned().collect();
         loaded.sort_by_key(|model| {
@@ -370,13 +181,13 @@ impl Scheduler {
 
     /// Unload a model now if no request holds it (`keep_alive: 0` with an empty prompt).
     pub fn unload(&self, path: &Path) -> bool {
-        self.inner.unload_if_idle(path, Duration::ZERO)
+        self.inner.registry.unload_if_idle(path, Duration::ZERO)
     }
 
     /// Unload every model whose `keep_alive` has lapsed. Called periodically.
     pub fn reap(&self) {
         let expired: Vec<(PathBuf, Duration)> = {
-            let models = self.inner.models.locked();
+            let models = self.inner.registry.models.locked();
             models
                 .values()
                 .filter_map(|model| match model.usage.locked().keep_alive {
@@ -386,7 +197,7 @@ impl Scheduler {
                 .collect()
         };
         for (path, keep_alive) in expired {
-            self.inner.unload_if_idle(&path, keep_alive);
+            self.inner.registry.unload_if_idle(&path, keep_alive);
         }
     }
 
@@ -401,12 +212,12 @@ impl Scheduler {
 
     /// Whether a model is loading now (`/health` answers 503 meanwhile).
     pub fn loading(&self) -> bool {
-        self.inner.models.locked().values().any(|model| matches!(*model.status.locked(), Status::Loading))
+        self.inner.registry.models.locked().values().any(|model| matches!(*model.status.locked(), Status::Loading))
     }
 
     /// Requests holding any model: generating, embedding or queued.
     pub fn active_requests(&self) -> usize {
-        self.inner.models.locked().values().map(|model| model.active_requests()).sum()
+        self.inner.registry.models.locked().values().map(|model| model.active_requests()).sum()
     }
 
     /// Keep a generation's cancel flag, for `cancel_all`.
@@ -424,9 +235,9 @@ impl Scheduler {
 
     /// Unload everything idle (shutdown).
     pub fn unload_all(&self) {
-        let paths: Vec<PathBuf> = self.inner.models.locked().keys().cloned().collect();
+        let paths: Vec<PathBuf> = self.inner.registry.models.locked().keys().cloned().collect();
         for path in paths {
-            self.inner.unload_if_idle(&path, Duration::ZERO);
+            self.inner.registry.unload_if_idle(&path, Duration::ZERO);
         }
     }
 

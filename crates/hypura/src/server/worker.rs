@@ -1,7 +1,8 @@
 //! A model's worker: the thread that loads the model, then owns its engine and one `Batcher`
 //! (one llama.cpp context with `n_parallel` sequences) until the scheduler closes its channel.
 //!
-//! The scheduler (`scheduler.rs`) sends it `Job`s: a generation, an embedding, or a load only.
+//! The scheduler (`scheduler.rs`) starts it; a request's lease sends it `Job`s (`model.rs`): a
+//! generation, an embedding, or a load only.
 //! The thread admits generations into free sequences and steps the batch, so concurrent
 //! requests decode together; llama.cpp calls block, so they never run on the async runtime.
 //! The engine adapter here hands each `GenerateRequest` to the batcher as the handler made it,
@@ -15,63 +16,9 @@ use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use tokio::sync::{mpsc, oneshot};
-
 use super::error::AppError;
-use super::scheduler::{EngineInfo, Lease, LoadedModel, SchedulerConfig, Status};
-use crate::engine::{
-    Batcher, Control, Embedder, Engine, EngineError, Finished, GenerateRequest, Parked, Prompt, SequenceEvent,
-};
-use crate::setup::RunSpec;
-
-/// A generation for a worker: the request as the handler made it, and where its events go.
-pub struct GenerateJob {
-    pub request: GenerateRequest,
-    pub events: mpsc::UnboundedSender<Event>,
-}
-
-/// What a generation sends back.
-#[derive(Debug)]
-pub enum Event {
-    /// The request was admitted (its prompt rendered and tokenized, within the context): the
-    /// handler may answer now, before any text, and later failures end its stream.
-    Started,
-    /// Answer text (a conversation's content).
-    Text(String),
-    /// Reasoning, kept apart from the content.
-    Thinking(String),
-    Done(Box<Finished>),
-    Failed(AppError),
-}
-
-pub struct EmbedJob {
-    pub inputs: Vec<String>,
-    /// Cut inputs to the embedding context instead of failing.
-    pub truncate: bool,
-    pub reply: oneshot::Sender<Result<EmbedOutput, AppError>>,
-}
-
-#[derive(Clone, Debug)]
-pub struct EmbedOutput {
-    /// One pooled vector per input, not normalised.
-    pub vectors: Vec<Vec<f32>>,
-    pub prompt_tokens: usize,
-    pub load_duration: Duration,
-}
-
-pub(super) enum Work {
-    Generate(Box<GenerateJob>),
-    Embed(EmbedJob),
-    /// Reply once the model is loaded (an empty prompt only loads).
-    Load(oneshot::Sender<Result<Duration, AppError>>),
-}
-
-/// One request on its way to the worker, with the lease that holds the model for it.
-pub(super) struct Job {
-    pub work: Work,
-    pub received: Instant,
-    pub lease: Lease,
-}
+use super::model::{EmbedOutput, EngineInfo, Event, GenerateJob, Job, LoadedModel, SchedulerConfig, Status, Work};
+use crate::engine::{Batcher, Control, Embedder, Engine, EngineError, Parked, Prompt, SequenceEvent};
 
 /// The model's thread: load, then serve jobs until the channel closes.
 pub(super) struct Worker {
@@ -113,7 +60,7 @@ impl Worker {
         let gate = self.gate.clone();
         let _loading = gate.locked();
         let started = Instant::now();
-        let mut run = RunSpec { n_sequences: self.config.n_parallel, ..self.config.run.clone() };
+        let mut run = self.config.run_spec();
         // Workers connected when the server started, unless one has failed since: then the
         // ones that answer now (the model is planned again without the others).
         if let Some(workers) = run.remote.take() {

@@ -151,3 +151,111 @@ fn the_import_reader_sees_groups_and_paths_but_not_comments() {
     );
     assert_eq!(named, ["engine", "hw", "plan"].into_iter().map(String::from).collect());
 }
+
+/// The files of a module folder (`src/server/`) that a file names: `super::X` and
+/// `crate::server::X`, paths or grouped imports, where `X` is a sibling file. `mod.rs` is the
+/// folder's root, not a room: what it names and what names it are left out.
+fn siblings_named(code: &str, folder: &str, siblings: &BTreeSet<String>) -> BTreeSet<String> {
+    let mut named = BTreeSet::new();
+    let absolute = format!("crate::{folder}::");
+    for prefix in ["super::", absolute.as_str()] {
+        for (at, _) in code.match_indices(prefix) {
+            if code[..at].chars().next_back().is_some_and(|before| before.is_alphanumeric() || before == '_') {
+                continue;
+            }
+            let rest = &code[at + prefix.len()..];
+            let names: Vec<String> = match rest.strip_prefix('{') {
+                Some(group) => group[..group.find('}').unwrap_or(group.len())]
+                    .split(',')
+                    .map(|item| item.trim().split("::").next().unwrap_or_default().to_string())
+                    .collect(),
+                None => vec![rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect()],
+            };
+            named.extend(names.into_iter().filter(|name| siblings.contains(name)));
+        }
+    }
+    named
+}
+
+/// The file-level graph of a module folder: each file (by stem, `mod.rs` left out) to the
+/// sibling files it names.
+fn file_graph(folder: &str) -> Vec<(String, BTreeSet<String>)> {
+    let files: Vec<(String, PathBuf)> = files_of(folder)
+        .into_iter()
+        .filter(|file| file.parent() == Some(source_dir().join(folder).as_path()))
+        .map(|file| (file.file_stem().unwrap().to_string_lossy().into_owned(), file))
+        .filter(|(stem, _)| stem != "mod")
+        .collect();
+    let siblings: BTreeSet<String> = files.iter().map(|(stem, _)| stem.clone()).collect();
+    let mut graph: Vec<(String, BTreeSet<String>)> = files
+        .iter()
+        .map(|(stem, file)| {
+            let mut named = siblings_named(&code_of(file), folder, &siblings);
+            named.remove(stem);
+            (stem.clone(), named)
+        })
+        .collect();
+    graph.sort();
+    graph
+}
+
+/// A cycle of the graph, as the files around it (the first one again at the end), if any.
+fn a_cycle(graph: &[(String, BTreeSet<String>)]) -> Option<Vec<String>> {
+    fn visit(
+        node: &str,
+        graph: &[(String, BTreeSet<String>)],
+        path: &mut Vec<String>,
+        done: &mut BTreeSet<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(at) = path.iter().position(|on_path| on_path == node) {
+            let mut cycle = path[at..].to_vec();
+            cycle.push(node.to_string());
+            return Some(cycle);
+        }
+        if done.contains(node) {
+            return None;
+        }
+        path.push(node.to_string());
+        let named = graph.iter().find(|(name, _)| name == node).map(|(_, named)| named.clone()).unwrap_or_default();
+        for next in &named {
+            if let Some(cycle) = visit(next, graph, path, done) {
+                return Some(cycle);
+            }
+        }
+        path.pop();
+        done.insert(node.to_string());
+        None
+    }
+    let mut done = BTreeSet::new();
+    graph.iter().find_map(|(node, _)| visit(node, graph, &mut Vec::new(), &mut done))
+}
+
+/// The server's files name one another without a circle: the scheduler starts workers, a
+/// worker and the scheduler share the registry's types (`model.rs`), and none names back up.
+#[test]
+fn the_server_files_name_one_another_without_a_cycle() {
+    let _turn = common::shared_machine();
+    let graph = file_graph("server");
+    assert!(graph.iter().any(|(name, _)| name == "scheduler"), "no scheduler.rs in {graph:?}");
+    if let Some(cycle) = a_cycle(&graph) {
+        panic!("the server's files name one another in a cycle: {}", cycle.join(" -> "));
+    }
+}
+
+/// The graph reader sees `super::` paths and groups and `crate::server::` paths, not comments or
+/// the folder's root, and the cycle finder names the files around a cycle.
+#[test]
+fn the_file_graph_sees_siblings_and_finds_a_cycle() {
+    let _turn = common::shared_machine();
+    let siblings: BTreeSet<String> = ["model", "worker", "scheduler"].into_iter().map(String::from).collect();
+    let code = "use super::{model::Lease, AppState};\nlet w = crate::server::worker::Worker;\n// super::scheduler\nsuper::show_model()";
+    let code = code.lines().map(|line| line.split("//").next().unwrap_or_default()).collect::<Vec<_>>().join("\n");
+    let named = siblings_named(&code, "server", &siblings);
+    assert_eq!(named, ["model", "worker"].into_iter().map(String::from).collect());
+    let edges = |pairs: &[(&str, &[&str])]| -> Vec<(String, BTreeSet<String>)> {
+        pairs.iter().map(|(from, to)| (from.to_string(), to.iter().map(|name| name.to_string()).collect())).collect()
+    };
+    assert_eq!(a_cycle(&edges(&[("model", &[]), ("scheduler", &["model", "worker"]), ("worker", &["model"])])), None);
+    let cycle = a_cycle(&edges(&[("model", &[]), ("scheduler", &["worker"]), ("worker", &["model", "scheduler"])]));
+    assert_eq!(cycle, Some(["scheduler", "worker", "scheduler"].into_iter().map(String::from).collect()));
+}
