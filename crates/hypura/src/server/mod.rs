@@ -2,11 +2,11 @@
 //!
 //! Data flow: a request is parsed into typed fields (`wire`; a bad body is a 400) and, for a
 //! generation, into one `engine::GenerateRequest`; its model name is found in the `catalog`
-//! (404 if unknown), and a lease from the `scheduler` (the registry of loaded models, its types in
-//! `model`) hands the request to the model's `worker` thread, which
-//! batches it with the model's other requests in one llama.cpp context. Text comes back through a channel and leaves as NDJSON (`ollama`) or server-sent
-//! events (`openai`). `router` builds the whole service without a socket, so tests drive it
-//! with `tower::ServiceExt::oneshot`; `serve` binds it.
+//! (404 if unknown), and a lease from the `scheduler` (the registry of loaded models, its types
+//! in `model`) hands the request to the model's `worker` thread, which batches it with the
+//! model's other requests in one llama.cpp context. Text comes back through a channel and leaves
+//! as NDJSON (`ollama`) or server-sent events (`openai`). `router` builds the whole service
+//! without a socket, so tests drive it with `tower::ServiceExt::oneshot`; `serve` binds it.
 pub mod catalog;
 pub mod error;
 pub mod fuzz;
