@@ -227,69 +227,53 @@ impl PoolSnapshot {
     }
 }
 
-impl std::ops::Add for PoolSnapshot {
-    type Output = PoolSnapshot;
+/// `Add` and `Sub` for a struct of counters, field by field (a later snapshot less an earlier
+/// one, or two runs' together).
+macro_rules! counters_add_sub {
+    ($name:ident { $($field:ident),* $(,)? }) => {
+        impl std::ops::Add for $name {
+            type Output = $name;
 
-    fn add(self, other: PoolSnapshot) -> PoolSnapshot {
-        PoolSnapshot {
-            hits: self.hits + other.hits,
-            uploads: self.uploads + other.uploads,
-            evictions: self.evictions + other.evictions,
-            upload_bytes: self.upload_bytes + other.upload_bytes,
-            staged_layers: self.staged_layers + other.staged_layers,
-            staged_bytes: self.staged_bytes + other.staged_bytes,
-            staged_on_device_bytes: self.staged_on_device_bytes + other.staged_on_device_bytes,
-            staged_into_slots: self.staged_into_slots + other.staged_into_slots,
-            copied_back_bytes: self.copied_back_bytes + other.copied_back_bytes,
-            preloaded: self.preloaded + other.preloaded,
-            preloaded_bytes: self.preloaded_bytes + other.preloaded_bytes,
-            cpu_picks: self.cpu_picks + other.cpu_picks,
-            cpu_bytes: self.cpu_bytes + other.cpu_bytes,
-            cpu_seconds: self.cpu_seconds + other.cpu_seconds,
-            cpu_wait_seconds: self.cpu_wait_seconds + other.cpu_wait_seconds,
-            transfer_seconds: self.transfer_seconds + other.transfer_seconds,
-            host_seconds: self.host_seconds + other.host_seconds,
-            stops: self.stops + other.stops,
-            ids_seconds: self.ids_seconds + other.ids_seconds,
-            asked_stops: self.asked_stops + other.asked_stops,
-            asks_seconds: self.asks_seconds + other.asks_seconds,
-            asked_nodes: self.asked_nodes + other.asked_nodes,
-            segment_seconds: self.segment_seconds + other.segment_seconds,
+            fn add(self, other: $name) -> $name {
+                $name { $($field: self.$field + other.$field),* }
+            }
         }
-    }
+
+        impl std::ops::Sub for $name {
+            type Output = $name;
+
+            fn sub(self, earlier: $name) -> $name {
+                $name { $($field: self.$field - earlier.$field),* }
+            }
+        }
+    };
 }
 
-impl std::ops::Sub for PoolSnapshot {
-    type Output = PoolSnapshot;
-
-    fn sub(self, earlier: PoolSnapshot) -> PoolSnapshot {
-        PoolSnapshot {
-            hits: self.hits - earlier.hits,
-            uploads: self.uploads - earlier.uploads,
-            evictions: self.evictions - earlier.evictions,
-            upload_bytes: self.upload_bytes - earlier.upload_bytes,
-            staged_layers: self.staged_layers - earlier.staged_layers,
-            staged_bytes: self.staged_bytes - earlier.staged_bytes,
-            staged_on_device_bytes: self.staged_on_device_bytes - earlier.staged_on_device_bytes,
-            staged_into_slots: self.staged_into_slots - earlier.staged_into_slots,
-            copied_back_bytes: self.copied_back_bytes - earlier.copied_back_bytes,
-            preloaded: self.preloaded - earlier.preloaded,
-            preloaded_bytes: self.preloaded_bytes - earlier.preloaded_bytes,
-            cpu_picks: self.cpu_picks - earlier.cpu_picks,
-            cpu_bytes: self.cpu_bytes - earlier.cpu_bytes,
-            cpu_seconds: self.cpu_seconds - earlier.cpu_seconds,
-            cpu_wait_seconds: self.cpu_wait_seconds - earlier.cpu_wait_seconds,
-            transfer_seconds: self.transfer_seconds - earlier.transfer_seconds,
-            host_seconds: self.host_seconds - earlier.host_seconds,
-            stops: self.stops - earlier.stops,
-            ids_seconds: self.ids_seconds - earlier.ids_seconds,
-            asked_stops: self.asked_stops - earlier.asked_stops,
-            asks_seconds: self.asks_seconds - earlier.asks_seconds,
-            asked_nodes: self.asked_nodes - earlier.asked_nodes,
-            segment_seconds: self.segment_seconds - earlier.segment_seconds,
-        }
-    }
-}
+counters_add_sub!(PoolSnapshot {
+    hits,
+    uploads,
+    evictions,
+    upload_bytes,
+    staged_layers,
+    staged_bytes,
+    staged_on_device_bytes,
+    staged_into_slots,
+    copied_back_bytes,
+    preloaded,
+    preloaded_bytes,
+    cpu_picks,
+    cpu_bytes,
+    cpu_seconds,
+    cpu_wait_seconds,
+    transfer_seconds,
+    host_seconds,
+    stops,
+    ids_seconds,
+    asked_stops,
+    asks_seconds,
+    asked_nodes,
+    segment_seconds,
+});
 
 /// Where one of the pool's stops spent its time (`ExpertPool::add_times`).
 #[derive(Clone, Copy, Debug, Default)]
