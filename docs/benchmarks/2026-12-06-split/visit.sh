@@ -9,6 +9,7 @@
 #                  pool starts with), which `auto` predicts from; `inspect`'s three predictions for S6a
 #                  and S6b; S6a tg128, cold, under the memory cgroup: `--gpu-experts split` beside
 #                  `layers` and llama.cpp's --fit, then Hypura's default (auto) as time allows.
+#   ./visit.sh proof the split and whole layers, one warm run each (the shortest session).
 #   ./visit.sh lean  call 1's essentials for a short session (no device record, no auto run).
 #   ./visit.sh 2   llama.cpp's placements on S6a in the same machine (--fit, --n-cpu-moe 24 and 26; -ot exps=CPU took over 100 s there before),
 #                  then S6b: Hypura's auto and split against llama.cpp's --n-cpu-moe 17.
@@ -30,7 +31,15 @@ s6a() { # NAME "HYPURA ARGS" [more env]
     scripts/bench-limited /tmp/q36.gguf 0.5701 128 1 > $R/$name.txt 2>&1
   echo "$name at $SECONDS s" >> $R/time.log
 }
-if [ "${1:-1}" = lean ]; then
+if [ "${1:-1}" = proof ]; then
+  # The least a device session can show: the split and whole layers on S6a's budgets, each a
+  # run of 128 tokens with its figures (warm: no cgroup, the file in the page cache).
+  for experts in split layers; do
+    timeout 75 bin/hypura run /tmp/q36.gguf --gpu-budget 8GiB --memory-budget 11GiB --gpu-experts $experts \
+      --raw --stats -p "Write a story about the sea." -n 128 --temperature 0 --context 1024 > $R/run-$experts.txt 2>&1
+    echo "$experts at $SECONDS s" >> $R/time.log
+  done
+elif [ "${1:-1}" = lean ]; then
   # What a short device session allows: the CPU's rate, a split run with its figures, then S6a's
   # split beside whole layers, and llama.cpp's --fit while time is left.
   bin/hypura bench /tmp/d1.gguf --no-baseline --mode resident --gpu-budget 0 -p 16 -n 16 -r 1 -t 16 > $R/cpu.txt 2>&1

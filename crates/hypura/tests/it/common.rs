@@ -380,3 +380,21 @@ pub fn expert_pool_budget(inventory: &hypura::model::Inventory, n_ctx: u32, n_ub
         + slots * per_slot
         + expert_tensors * hypura::plan::POOL_ALIGNMENT
 }
+
+/// `count` greedy tokens after `prompt` (raw, no template), past the end token, in a session of
+/// its own: how the agreement tests compare a placement with the resident model.
+pub fn greedy(
+    engine: &std::sync::Arc<hypura::engine::Engine>,
+    prompt: &str,
+    count: u32,
+) -> hypura::engine::GenerateOutput {
+    use hypura::engine::{Control, GenerateRequest, Prompt, SamplerParams, Session};
+    let mut session = Session::new(engine.clone()).unwrap();
+    let request = GenerateRequest {
+        max_tokens: Some(count),
+        sampling: SamplerParams::greedy(),
+        ignore_eos: true,
+        ..GenerateRequest::new(Prompt::Raw(prompt.into()))
+    };
+    session.generate(&request, &mut |_| Control::Continue).unwrap()
+}

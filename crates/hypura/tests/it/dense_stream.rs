@@ -58,17 +58,6 @@ fn engines(path: &Path, pinned: u64, kv: KvTypes) -> (Arc<Engine>, Arc<Engine>) 
     (resident, streaming)
 }
 
-fn greedy(engine: &Arc<Engine>, prompt: &str, count: u32) -> hypura::engine::GenerateOutput {
-    let mut session = Session::new(engine.clone()).unwrap();
-    let request = GenerateRequest {
-        max_tokens: Some(count),
-        sampling: SamplerParams::greedy(),
-        ignore_eos: true,
-        ..GenerateRequest::new(Prompt::Raw(prompt.into()))
-    };
-    session.generate(&request, &mut |_| Control::Continue).unwrap()
-}
-
 /// Bytes of one sweep over the streamed layers, as the store reads them (whole pages).
 fn streaming_plan_bytes(engine: &Engine) -> u64 {
     let residency = engine.streaming().unwrap().driver.residency().clone();
@@ -85,8 +74,8 @@ fn assert_identical(path: &Path, pinned: u64, prompt: &str, kv: KvTypes) {
     let ours = Session::new(streaming.clone()).unwrap().prompt_logits(&Prompt::Raw(prompt.into())).unwrap();
     let theirs = Session::new(resident.clone()).unwrap().prompt_logits(&Prompt::Raw(prompt.into())).unwrap();
     assert!(ours == theirs, "logits differ between dense-stream and resident");
-    let streamed = greedy(&streaming, prompt, 24);
-    let reference = greedy(&resident, prompt, 24);
+    let streamed = common::greedy(&streaming, prompt, 24);
+    let reference = common::greedy(&resident, prompt, 24);
     assert_eq!(streamed.tokens, reference.tokens);
     let io = streamed.stats.io.expect("streaming stats");
     assert!(io.bytes_read > 0, "nothing was streamed: {io:?}");

@@ -3,7 +3,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use hypura::engine::{Control, Engine, EngineOptions, GenerateRequest, Prompt, SamplerParams, Session};
+use hypura::engine::{Engine, EngineOptions, Prompt, Session};
 use hypura::model::Inventory;
 use hypura::plan::{self, MachineFacts, Mode, ModeChoice, PlanOptions};
 use hypura::store::CachePolicy;
@@ -53,17 +53,6 @@ fn unit_bytes(inventory: &Inventory, layer: u32) -> u64 {
         .sum()
 }
 
-fn generate(engine: &Arc<Engine>, prompt: &str) -> hypura::engine::GenerateOutput {
-    let mut session = Session::new(engine.clone()).unwrap();
-    let request = GenerateRequest {
-        max_tokens: Some(20),
-        sampling: SamplerParams::greedy(),
-        ignore_eos: true,
-        ..GenerateRequest::new(Prompt::Raw(prompt.into()))
-    };
-    session.generate(&request, &mut |_| Control::Continue).unwrap()
-}
-
 #[test]
 fn expert_stream_is_bit_identical_to_resident_and_reads_only_misses() {
     let _machine = common::shared_machine();
@@ -74,7 +63,7 @@ fn expert_stream_is_bit_identical_to_resident_and_reads_only_misses() {
         let n_expert = inventory.hparams.n_expert as usize;
         let resident = engine(&path, Mode::Resident, 0, CachePolicy::Lru);
         let prompt = "the king of paris and the queen of the sea walked to the river";
-        let reference = generate(&resident, prompt);
+        let reference = common::greedy(&resident, prompt, 20);
         let reference_logits =
             Session::new(resident.clone()).unwrap().prompt_logits(&Prompt::Raw(prompt.into())).unwrap();
         for policy in [CachePolicy::Lru, CachePolicy::Slru] {
@@ -82,7 +71,7 @@ fn expert_stream_is_bit_identical_to_resident_and_reads_only_misses() {
             let streaming = engine(&path, Mode::ExpertStream, n_expert, policy);
             let logits = Session::new(streaming.clone()).unwrap().prompt_logits(&Prompt::Raw(prompt.into())).unwrap();
             assert!(logits == reference_logits, "{preset} {policy:?}: logits differ from resident");
-            let output = generate(&streaming, prompt);
+            let output = common::greedy(&streaming, prompt, 20);
             assert_eq!(output.tokens, reference.tokens, "{preset} {policy:?}");
             let passes = output.stats.weight_passes();
             let experts = output.stats.experts.expect("expert stats");
@@ -163,9 +152,9 @@ fn prefetch_changes_no_token() {
     // only predict where the hidden state drifts slowly from layer to layer.
     let path = common::forge_with("tiny-moe-30b", directory.path(), |spec| spec.residual_scale = 0.3);
     let prompt = "gold and iron and stone";
-    let reference = generate(&engine(&path, Mode::Resident, 0, CachePolicy::Lru), prompt);
+    let reference = common::greedy(&engine(&path, Mode::Resident, 0, CachePolicy::Lru), prompt, 20);
     let streaming = engine_with(&path, Mode::ExpertStream, 24, CachePolicy::Slru, true);
-    let output = generate(&streaming, prompt);
+    let output = common::greedy(&streaming, prompt, 20);
     assert_eq!(output.tokens, reference.tokens);
     let experts = output.stats.experts.unwrap();
     let io = output.stats.io.unwrap();

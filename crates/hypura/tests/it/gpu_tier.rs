@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use hypura::bench::peer::PlainLlama;
 use hypura::bench::{PeerConfig, PeerPlacement};
-use hypura::engine::{Control, Engine, EngineOptions, GenerateRequest, Prompt, SamplerParams, Session};
+use hypura::engine::{Engine, EngineOptions, Prompt, Session};
 use hypura::model::{Inventory, Role};
 use hypura::plan::{self, GpuExperts, MachineFacts, Mode, ModeChoice, Plan, PlanOptions, Tier};
 
@@ -124,18 +124,7 @@ fn plan_with_whole_layers(inventory: &Inventory, layers: usize, host_spare: u64)
 }
 
 fn greedy(engine: &Arc<Engine>, count: u32) -> hypura::engine::GenerateOutput {
-    greedy_after(engine, PROMPT, count)
-}
-
-fn greedy_after(engine: &Arc<Engine>, prompt: &str, count: u32) -> hypura::engine::GenerateOutput {
-    let mut session = Session::new(engine.clone()).unwrap();
-    let request = GenerateRequest {
-        max_tokens: Some(count),
-        sampling: SamplerParams::greedy(),
-        ignore_eos: true,
-        ..GenerateRequest::new(Prompt::Raw(prompt.into()))
-    };
-    session.generate(&request, &mut |_| Control::Continue).unwrap()
+    common::greedy(engine, PROMPT, count)
 }
 
 /// A tiny model on one thread, as `plan` says (None: resident), without repacking.
@@ -319,8 +308,8 @@ fn the_host_cache_fills_its_free_room_beside_the_pool() {
     // A host budget that holds every expert: the fill never has to stop.
     let plan = pooled_plan(&inventory, gpu, 1 << 30);
     assert!(plan.gpu.as_ref().is_some_and(|gpu| gpu.expert_pool.is_some()), "{}", plan.render());
-    let ours = greedy_after(&open_tiny(&path, Some(plan)), "Hi", 16);
-    assert_eq!(ours.tokens, greedy_after(&open_tiny(&path, None), "Hi", 16).tokens);
+    let ours = common::greedy(&open_tiny(&path, Some(plan)), "Hi", 16);
+    assert_eq!(ours.tokens, common::greedy(&open_tiny(&path, None), "Hi", 16).tokens);
     let experts = ours.stats.experts.clone().expect("expert stats");
     assert!(experts.warm_reads > 0, "{experts:?}");
     // Every read from disk, demanded or not, is of a unit read no time before.
