@@ -137,14 +137,14 @@ fn matrix(preset: &str) {
         gpu_budget_bytes: common::expert_pool_budget(&inventory, 512, 512, hparams.n_expert_used + 1),
         ..MachineFacts::default()
     };
-    let options = PlanOptions {
+    let pool_options = PlanOptions {
         n_ctx: 512,
         n_ubatch: 512,
         expert_prefetch: Some(false),
         gpu_experts: Some(hypura::plan::GpuExperts::Pool),
         ..PlanOptions::default()
     };
-    let plan = plan::plan(&inventory, &facts, &options).unwrap_or_else(|error| panic!("{preset}: {error}"));
+    let plan = plan::plan(&inventory, &facts, &pool_options).unwrap_or_else(|error| panic!("{preset}: {error}"));
     let pool = plan.gpu.as_ref().and_then(|gpu| gpu.expert_pool.clone());
     assert_eq!(pool.is_none(), has_biases, "{preset}: {}", plan.render());
     if let Some(pool) = pool {
@@ -163,6 +163,33 @@ fn matrix(preset: &str) {
         assert_eq!(tokens, reference_tokens, "{preset}: pooled tokens");
         let device = output.stats.experts.expect("expert stats").device;
         assert!(device.hits + device.uploads > 0 && device.staged_layers > 0, "{preset}: {device:?}");
+
+        // Split on the same budget (decision 33): planned where the experts are separate gate,
+        // up and down without biases; a layer splits once its graph showed plain SwiGLU experts.
+        // The greedy tokens agree with resident's (two partial sums: not the same bits).
+        let split_options = PlanOptions { gpu_experts: Some(hypura::plan::GpuExperts::Split), ..pool_options.clone() };
+        let plan = plan::plan(&inventory, &facts, &split_options).unwrap_or_else(|error| panic!("{preset}: {error}"));
+        let split_planned = plan.gpu.as_ref().and_then(|gpu| gpu.expert_pool.as_ref()).is_some_and(|pool| pool.split);
+        let fused_or_biased =
+            inventory.tensors.iter().any(|tensor| matches!(tensor.role, Role::ExpertGateUp | Role::ExpertBias));
+        assert_eq!(split_planned, !fused_or_biased, "{preset}: {}", plan.render());
+        if split_planned {
+            let options = EngineOptions {
+                n_ctx_seq: 512,
+                n_threads: Some(1),
+                repack: false,
+                plan: Some(plan),
+                ..EngineOptions::default()
+            };
+            let split = Arc::new(Engine::open(&path, options).unwrap_or_else(|error| panic!("{preset}: {error}")));
+            let (_, tokens, output) = run(&split);
+            assert_eq!(tokens, reference_tokens, "{preset}: split tokens");
+            let device = output.stats.experts.expect("expert stats").device;
+            // llama4 applies the router's weights before the FFN: never split.
+            if preset == "tiny-llama4" {
+                assert_eq!(device.cpu_picks, 0, "{preset}: {device:?}");
+            }
+        }
     }
 
     // Dense-stream: every FFN tensor (experts whole) through a window of one layer ahead, so

@@ -609,18 +609,27 @@ impl EvalHook for ExpertStream {
             return;
         }
         self.residency.stats().record_observation();
+        // A split layer's CPU share is added before the next layer routes (its `ffn_moe_out`
+        // comes first): one still pending here was never added, and its experts may be evicted
+        // now. Fail the decode rather than compute without it.
+        let pending = self.split_pending.load(Ordering::Acquire);
+        let unadded = (pending != NO_LAYER).then(|| {
+            self.drain_cpu_share();
+            ResidencyError::Pool(format!("layer {pending}'s CPU share was never added to its sum"))
+        });
         let (asks, segment) = {
             let clock = self.clock.locked();
             (clock.asks, clock.asked.map_or(Duration::ZERO, |asked| asked.elapsed()))
         };
         let times = StopTimes { asks, segment, ..StopTimes::default() };
         let weights_name = format!("{WEIGHTS_NODE}{layer}");
-        let result = match node.kept(&weights_name) {
-            Some(weights) if self.pooled(layer) => self.serve_pooled(layer, node, &weights, times),
-            Some(weights) => self.serve_streamed(layer, &weights),
-            None => Err(ResidencyError::Read { unit: layer, reason: format!("{weights_name} was not kept") }),
-        }
-        .and_then(|()| self.warm_step());
+        let served = match (unadded, node.kept(&weights_name)) {
+            (Some(error), _) => Err(error),
+            (None, Some(weights)) if self.pooled(layer) => self.serve_pooled(layer, node, &weights, times),
+            (None, Some(weights)) => self.serve_streamed(layer, &weights),
+            (None, None) => Err(ResidencyError::Read { unit: layer, reason: format!("{weights_name} was not kept") }),
+        };
+        let result = served.and_then(|()| self.warm_step());
         if let Err(error) = result {
             tracing::error!("expert streaming at layer {layer}: {error}");
             self.failure.fail(error);
