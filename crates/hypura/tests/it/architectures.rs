@@ -168,7 +168,13 @@ fn matrix(preset: &str) {
         // up and down without biases; a layer splits once its graph showed plain SwiGLU experts.
         // The greedy tokens agree with resident's (two partial sums: not the same bits).
         let split_options = PlanOptions { gpu_experts: Some(hypura::plan::GpuExperts::Split), ..pool_options.clone() };
-        let plan = plan::plan(&inventory, &facts, &split_options).unwrap_or_else(|error| panic!("{preset}: {error}"));
+        // One slot more: the zero slot.
+        let split_facts = MachineFacts {
+            gpu_budget_bytes: common::expert_pool_budget(&inventory, 512, 512, hparams.n_expert_used + 2),
+            ..facts.clone()
+        };
+        let plan =
+            plan::plan(&inventory, &split_facts, &split_options).unwrap_or_else(|error| panic!("{preset}: {error}"));
         let split_planned = plan.gpu.as_ref().and_then(|gpu| gpu.expert_pool.as_ref()).is_some_and(|pool| pool.split);
         let fused_or_biased =
             inventory.tensors.iter().any(|tensor| matches!(tensor.role, Role::ExpertGateUp | Role::ExpertBias));
