@@ -149,14 +149,17 @@ fn matrix(preset: &str) {
     assert_eq!(pool.is_none(), has_biases, "{preset}: {}", plan.render());
     if let Some(pool) = pool {
         assert!(u64::from(pool.slots) < hparams.n_expert, "{preset}: {}", plan.render());
-        let options = EngineOptions {
-            n_ctx_seq: 512,
-            n_threads: Some(1),
-            repack: false,
-            plan: Some(plan),
-            ..EngineOptions::default()
+        let open_planned = |plan: plan::Plan| {
+            let options = EngineOptions {
+                n_ctx_seq: 512,
+                n_threads: Some(1),
+                repack: false,
+                plan: Some(plan),
+                ..EngineOptions::default()
+            };
+            Arc::new(Engine::open(&path, options).unwrap_or_else(|error| panic!("{preset}: {error}")))
         };
-        let pooled = Arc::new(Engine::open(&path, options).unwrap_or_else(|error| panic!("{preset}: {error}")));
+        let pooled = open_planned(plan);
         let (reference_logits, reference_tokens, _) = run(&engine(&path, Mode::Resident, pooled.n_ubatch(), None));
         let (logits, tokens, output) = run(&pooled);
         assert!(logits == reference_logits, "{preset}: pooled logits differ from resident");
@@ -180,14 +183,7 @@ fn matrix(preset: &str) {
             inventory.tensors.iter().any(|tensor| matches!(tensor.role, Role::ExpertGateUp | Role::ExpertBias));
         assert_eq!(split_planned, !fused_or_biased, "{preset}: {}", plan.render());
         if split_planned {
-            let options = EngineOptions {
-                n_ctx_seq: 512,
-                n_threads: Some(1),
-                repack: false,
-                plan: Some(plan),
-                ..EngineOptions::default()
-            };
-            let split = Arc::new(Engine::open(&path, options).unwrap_or_else(|error| panic!("{preset}: {error}")));
+            let split = open_planned(plan);
             let (_, tokens, output) = run(&split);
             assert_eq!(tokens, reference_tokens, "{preset}: split tokens");
             let device = output.stats.experts.expect("expert stats").device;
