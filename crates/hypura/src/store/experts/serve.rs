@@ -62,9 +62,10 @@ impl Tiers for HostTier<'_> {
 
 impl ExpertStream {
     /// Serve a pooled layer from its kept `ffn_moe_weights-L`: its picks' experts that no slot
-    /// holds are made ready in the host cache, then uploaded; the ids are rewritten to slots (or
-    /// the layer staged whole, for a prompt batch of more picks than slots).
-    /// `times` brings the stop's asks and segment (`StopClock`).
+    /// holds are made ready in the host cache, then uploaded (split: those that earned a slot;
+    /// the CPU computes the others, their ids at the zero slot, handed over here from `stop`'s
+    /// kept weights); the ids are rewritten to slots (or the layer staged whole, for a prompt
+    /// batch of more picks than slots). `times` brings the stop's asks and segment (`StopClock`).
     pub(super) fn serve_pooled(
         &self,
         layer: usize,
