@@ -222,29 +222,27 @@ pub fn record_run(model: &Path, run: &RunMeasurements) {
 
 /// `run`'s measurements into the model's `record`.
 fn fold_run(record: &mut crate::hw::ModelRecord, threads: u32, run: &RunMeasurements) {
-    {
-        if let Some(seconds) = run.decode_seconds_per_token.filter(|_| run.decode_tokens >= 2) {
-            let total = seconds * run.decode_tokens as f64;
-            match (run.streamed, run.pooled) {
-                (_, true) => {}
-                (true, false) => record.add_compute(threads, total, run.decode_tokens, run.host_share),
-                (false, false) => record.add_resident(threads, total, run.decode_tokens, run.host_share),
-            }
+    if let Some(seconds) = run.decode_seconds_per_token.filter(|_| run.decode_tokens >= 2) {
+        let total = seconds * run.decode_tokens as f64;
+        match (run.streamed, run.pooled) {
+            (_, true) => {}
+            (true, false) => record.add_compute(threads, total, run.decode_tokens, run.host_share),
+            (false, false) => record.add_resident(threads, total, run.decode_tokens, run.host_share),
         }
-        if !run.streamed {
-            record.add_prompt(threads, run.prompt_seconds, run.prompt_tokens, run.host_share);
-        }
-        if let Some(routing) = &run.routing {
-            record.add_routing(routing);
-        }
-        record.add_reads(run.read_bytes, run.busy_seconds);
-        record.touched_bytes_per_token = run.touched_bytes_per_token.or(record.touched_bytes_per_token);
-        if let Some((read, modelled)) = run.expert_reads {
-            record.add_expert_reads(read, modelled);
-        }
-        if let Some(pool) = &run.pool {
-            record.add_pool(pool);
-        }
+    }
+    if !run.streamed {
+        record.add_prompt(threads, run.prompt_seconds, run.prompt_tokens, run.host_share);
+    }
+    if let Some(routing) = &run.routing {
+        record.add_routing(routing);
+    }
+    record.add_reads(run.read_bytes, run.busy_seconds);
+    record.touched_bytes_per_token = run.touched_bytes_per_token.or(record.touched_bytes_per_token);
+    if let Some((read, modelled)) = run.expert_reads {
+        record.add_expert_reads(read, modelled);
+    }
+    if let Some(pool) = &run.pool {
+        record.add_pool(pool);
     }
 }
 

@@ -422,10 +422,7 @@ impl ExpertPool {
     ) -> Result<bool, ResidencyError> {
         let Some(pooled) = self.layers.get_mut(layer).and_then(Option::as_mut) else { return Ok(false) };
         let empty = (0..pooled.expert_in.len()).find(|&slot| pooled.expert_in[slot].is_none());
-        let (Some(slot), None) = (empty, pooled.slot_of.get(expert).copied().flatten()) else { return Ok(false) };
-        if expert >= pooled.slot_of.len() {
-            return Ok(false);
-        }
+        let (Some(slot), Some(None)) = (empty, pooled.slot_of.get(expert)) else { return Ok(false) };
         for tensor in &pooled.tensors {
             let bytes = read(tensor.file_offset + expert as u64 * tensor.slice_bytes, tensor.slice_bytes)?;
             tensor.tensor.write(slot * tensor.slice_bytes as usize, &bytes).map_err(pool_error)?;

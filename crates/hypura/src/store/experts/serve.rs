@@ -97,7 +97,7 @@ impl ExpertStream {
         }
         if let Serving::Split { cpu, .. } = &serving {
             if !cpu.is_empty() {
-                let bytes = self.submit_cpu_share(layer, stop, weights, &rows, cpu)?;
+                let bytes = self.submit_cpu_share(layer, stop, weights, hidden, &rows, cpu)?;
                 pool.add_cpu_bytes(bytes);
             }
         }
@@ -117,7 +117,7 @@ impl ExpertStream {
     }
 
     /// Hand the CPU `layer`'s picks of `cpu` (their ids now at the zero slot): the FFN's input
-    /// rows (the router's), and each pick's token and final weight (the weights' run's last
+    /// rows (the router's: `hidden` where already read), and each pick's token and final weight (the weights' run's last
     /// node, kept up to `stop`). The sum is added at the layer's `ffn_moe_out` stop. The bytes
     /// of the picks computed.
     pub(super) fn submit_cpu_share(
@@ -125,12 +125,14 @@ impl ExpertStream {
         layer: usize,
         stop: &ObservedNode<'_>,
         weights: &ObservedNode<'_>,
+        hidden: Option<Vec<Vec<f32>>>,
         rows: &[Vec<i32>],
         cpu: &[usize],
     ) -> Result<u64, ResidencyError> {
         let split = self.split.as_ref().ok_or_else(|| ResidencyError::Pool(format!("layer {layer} does not split")))?;
         let unreadable = |what: &str| ResidencyError::Pool(format!("layer {layer}'s split: {what} could not be read"));
-        let x = Self::router_input(layer, weights).ok_or_else(|| unreadable("the FFN's input"))?;
+        // The router's input, already read where the next layer is predicted from it.
+        let x = hidden.or_else(|| Self::router_input(layer, weights)).ok_or_else(|| unreadable("the FFN's input"))?;
         let final_weights =
             stop.last_kept().and_then(|node| node.f32_values()).ok_or_else(|| unreadable("the router's weights"))?;
         let width = rows.first().map_or(0, Vec::len);
