@@ -11,8 +11,8 @@
 #                  `layers` and llama.cpp's --fit, then Hypura's default (auto) as time allows.
 #   ./visit.sh proof the split and whole layers, one warm run each (the shortest session).
 #   ./visit.sh lean  call 1's essentials for a short session (no device record, no auto run).
-#   ./visit.sh 2   llama.cpp's placements on S6a in the same machine (--fit, --n-cpu-moe 24 and 26; -ot exps=CPU took over 100 s there before),
-#                  then S6b: Hypura's auto and split against llama.cpp's --n-cpu-moe 17.
+#   ./visit.sh 2   S6b: Hypura's auto and split against llama.cpp's --n-cpu-moe 17; then S6a's
+#                  4,096-token prompt, Hypura's default and llama.cpp's --fit (given 5x Hypura's time).
 set -uo pipefail
 cd "$(dirname "$0")"
 R=$OUT
@@ -73,11 +73,19 @@ elif [ "${1:-1}" = 1 ]; then
   echo "s6a at $SECONDS s" >> $R/time.log
   [ $SECONDS -lt 500 ] && s6a s6a-auto ""
 else
-  env $common OUT=$R/s6a-peers SKIP_HYPURA=1 PEERS="fit n-cpu-moe:24 n-cpu-moe:26" N_CPU_MOE="24 26" HYPURA_ARGS="--gpu-budget 8GiB" \
-    scripts/bench-limited /tmp/q36.gguf 0.5701 128 1 > $R/s6a-peers.txt 2>&1
-  echo "s6a peers at $SECONDS s" >> $R/time.log
-  [ $SECONDS -lt 400 ] && env $common OUT=$R/s6b PEERS=n-cpu-moe:17 N_CPU_MOE=17 HYPURA_ARGS="--gpu-budget 12GiB" \
+  # S6b: Hypura's default and the split beside llama.cpp's --n-cpu-moe 17 (its best there under
+  # this routing before); then S6a's 4,096-token prompt: Hypura's default, then llama.cpp's --fit
+  # given five times Hypura's time (a run cut off there is still a ratio: over 5x).
+  env $common OUT=$R/s6b PEERS=n-cpu-moe:17 N_CPU_MOE=17 HYPURA_ARGS="--gpu-budget 12GiB" \
     HYPURA_B_ARGS="--gpu-experts split" scripts/bench-limited /tmp/q36.gguf 1.2474 128 1 > $R/s6b.txt 2>&1
   echo "s6b at $SECONDS s" >> $R/time.log
+  started=$SECONDS
+  env $common RUN_TIMEOUT=150 OUT=$R/s6a-4k PEERS=0 PROMPT_TOKENS=4096 CONTEXT=4352 HYPURA_ARGS="--gpu-budget 8GiB" \
+    scripts/bench-limited /tmp/q36.gguf 0.5701 1 1 > $R/s6a-4k.txt 2>&1
+  own=$((SECONDS - started)); echo "s6a-4k hypura at $SECONDS s ($own s)" >> $R/time.log
+  left=$((560 - SECONDS)); give=$((own * 5 + 20)); [ $give -gt $left ] && give=$left
+  [ $give -gt 30 ] && env $common RUN_TIMEOUT=$give OUT=$R/s6a-4k SKIP_HYPURA=1 PEERS=fit PROMPT_TOKENS=4096 CONTEXT=4352 \
+    HYPURA_ARGS="--gpu-budget 8GiB" scripts/bench-limited /tmp/q36.gguf 0.5701 1 1 > $R/s6a-4k-fit.txt 2>&1
+  echo "s6a-4k fit at $SECONDS s (given $give s)" >> $R/time.log
 fi
-cd $R && tar czf results.tgz s6* 2>/dev/null; rm -rf s6a s6a-auto s6a-peers s6b
+cd $R && tar czf results.tgz s6* 2>/dev/null; rm -rf s6a s6a-auto s6a-peers s6b s6a-4k
