@@ -1,5 +1,5 @@
 //! Prompts: what a generation starts from, and how it becomes tokens. The chat template
-//! renders conversations (`chat.rs`); tokenizing turns special-token text into control
+//! renders conversations (`chat`); tokenizing turns special-token text into control
 //! tokens, adds BOS when the model wants it, and never doubles a BOS the template wrote itself.
 //! A prompt may follow Ollama's `context` (an earlier exchange's tokens), which it continues
 //! without a BOS. A conversation longer than the context may lose its oldest messages, as
