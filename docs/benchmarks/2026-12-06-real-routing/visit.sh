@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # S6 under real routing, in two calls on one H100/H200 machine (each under 10 minutes), run from a
-# `scripts/cuda-bundle` directory with this file copied into it:
+# `scripts/gpu/cuda-bundle` directory with this file copied into it:
 #
 #   ./visit.sh 1   ggml's CUDA library built (kept in /tmp for call 2) while the forge writes S6's
 #                  model with its default routing (real models' statistics); a small dense model

@@ -1,7 +1,7 @@
 //! `bench --svg FILE`: the run's results as one picture, a panel per test (prompt processing and
 //! generation have their own scales). In each, Hypura and llama.cpp side by side: a bar to the
 //! mean, a whisker of one standard deviation, and every sample as a dot, with the ratio in the
-//! panel's caption. `summary_svg` draws `scripts/bench-limited`'s table: each run's decode speed
+//! panel's caption. `summary_svg` draws `scripts/bench/bench-limited`'s table: each run's decode speed
 //! beside the physical limit, and its peak memory beside the memory limit. `budget_svg` draws
 //! `inspect --svg`: the predicted decode speed and the mode the planner picks at each memory
 //! budget, this machine's marked. Drawn with plotters into SVG.
@@ -132,8 +132,8 @@ fn panel<DB: DrawingBackend>(
     Ok(())
 }
 
-/// One run of a `scripts/bench-limited` summary (`summary.json`, written by
-/// `scripts/bench-summary.py`).
+/// One run of a `scripts/bench/bench-limited` summary (`summary.json`, written by
+/// `scripts/bench/bench-summary.py`).
 #[derive(Debug, Clone, serde::Deserialize)]
 pub struct SummaryRun {
     pub label: String,
@@ -144,7 +144,7 @@ pub struct SummaryRun {
     pub peak_bytes: Option<u64>,
 }
 
-/// A `scripts/bench-limited` run as its summary states it.
+/// A `scripts/bench/bench-limited` run as its summary states it.
 #[derive(Debug, Clone, serde::Deserialize)]
 pub struct Summary {
     pub title: String,
@@ -158,7 +158,7 @@ pub struct Summary {
 const SUMMARY_PANEL_WIDTH: u32 = 560;
 const ROW_HEIGHT: u32 = 44;
 
-/// The SVG text of a `scripts/bench-limited` summary: two panels of a bar per run, decode speed
+/// The SVG text of a `scripts/bench/bench-limited` summary: two panels of a bar per run, decode speed
 /// with the physical limit marked, and peak memory with the memory limit marked.
 pub fn summary_svg(summary: &Summary) -> Result<String, String> {
     let rows = summary.runs.len().max(1) as u32;

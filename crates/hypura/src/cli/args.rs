@@ -40,7 +40,7 @@ pub enum Command {
     /// Remove pulled models.
     #[command(alias = "remove")]
     Rm(RemoveArgs),
-    /// Draw a `scripts/bench-limited` summary (its summary.json) as an SVG picture.
+    /// Draw a `scripts/bench/bench-limited` summary (its summary.json) as an SVG picture.
     #[command(hide = true)]
     SummaryPicture(SummaryPictureArgs),
 }
@@ -69,7 +69,7 @@ pub struct RemoveArgs {
 
 #[derive(Args, Debug)]
 pub struct SummaryPictureArgs {
-    /// The summary.json that scripts/bench-summary.py writes.
+    /// The summary.json that scripts/bench/bench-summary.py writes.
     pub summary: PathBuf,
     /// Where to write the picture.
     #[arg(long)]

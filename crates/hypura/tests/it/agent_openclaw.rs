@@ -1,5 +1,5 @@
 //! A real agent against `hypura serve`: OpenClaw (npm `openclaw` 2026.9.6, installed with its
-//! Node by `scripts/install-openclaw`, which `scripts/test` runs) with its tools on, pointed at
+//! Node by `scripts/tools/install-openclaw`, which `scripts/test` runs) with its tools on, pointed at
 //! Hypura as an Ollama provider, on Qwen2.5-Coder-0.5B-Instruct. The agent is asked to read
 //! `notes.txt` in its workspace with the `read` tool and reply with the secret word in it: the
 //! turn must exit 0, the server's log must show the `read` call and the tool result coming
@@ -11,11 +11,15 @@ use std::time::Instant;
 
 use crate::common::{self, Server};
 
-/// The Node directory and the openclaw binary `scripts/install-openclaw` installed.
+/// The Node directory and the openclaw binary `scripts/tools/install-openclaw` installed.
 fn openclaw() -> (PathBuf, PathBuf) {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/install-openclaw");
-    let output = Command::new(&script).output().expect("run scripts/install-openclaw");
-    assert!(output.status.success(), "scripts/install-openclaw failed: {}", String::from_utf8_lossy(&output.stderr));
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/tools/install-openclaw");
+    let output = Command::new(&script).output().expect("run scripts/tools/install-openclaw");
+    assert!(
+        output.status.success(),
+        "scripts/tools/install-openclaw failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let stdout = String::from_utf8(output.stdout).unwrap();
     let mut lines = stdout.lines();
     let node = PathBuf::from(lines.next().expect("the Node directory"));

@@ -219,7 +219,7 @@ fn run_and_inspect_take_a_model_pulled_by_ollama_by_name_and_llama_cpp_flags() {
     assert_fails_with(&with_store(&["run", "nothing:here", "-p", "hi"]), "neither a file nor a model pulled by Ollama");
 }
 
-/// `scripts/bench-limited`'s picture: `bench-summary.py` over a recorded run (S6b with skewed
+/// `scripts/bench/bench-limited`'s picture: `bench-summary.py` over a recorded run (S6b with skewed
 /// routing: Hypura and three llama.cpp placements) writes a summary that `hypura
 /// summary-picture` draws, every run and the memory limit in it.
 #[test]
@@ -233,7 +233,7 @@ fn a_limited_benchmarks_summary_is_drawn() {
             std::fs::copy(&path, directory.path().join(path.file_name().unwrap())).unwrap();
         }
     }
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/bench-summary.py");
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/bench/bench-summary.py");
     let summarised = std::process::Command::new("python3")
         .arg(&script)
         .arg(directory.path())

@@ -150,7 +150,7 @@ fn a_named_tool_choice_renders_only_that_tool() {
 /// (`tests/python/langchain_standard.py`; greedy, batch-invariant so that an answer does not
 /// depend on which requests share its batches). Every test passes but those the 0.5B model
 /// fails, which fail the same way against llama-server on the same file
-/// (`scripts/langchain-standard` runs both, `docs/benchmarks/2026-12-03-langchain/`).
+/// (`scripts/tools/langchain-standard` runs both, `docs/benchmarks/2026-12-03-langchain/`).
 #[test]
 fn langchains_standard_tests_pass_but_where_the_model_fails() {
     let _machine = common::whole_machine();

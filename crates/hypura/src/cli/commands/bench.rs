@@ -99,7 +99,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `hypura summary-picture SUMMARY --svg FILE` (hidden): `scripts/bench-limited`'s picture.
+/// `hypura summary-picture SUMMARY --svg FILE` (hidden): `scripts/bench/bench-limited`'s picture.
 pub fn summary_picture(args: &crate::cli::args::SummaryPictureArgs) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(&args.summary).with_context(|| format!("reading {}", args.summary.display()))?;
     let summary: bench::picture::Summary = serde_json::from_str(&text)

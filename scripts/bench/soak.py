@@ -1,4 +1,4 @@
-"""The soak's driver (see scripts/soak): Python's standard library only, on loopback."""
+"""The soak's driver (see scripts/bench/soak): Python's standard library only, on loopback."""
 import argparse
 import http.client
 import json

@@ -5,7 +5,7 @@ of the experts (0.1 = uniform; real routers give theirs about 0.8), and how many
 picks were not picked for the token before (0 = stuck, 1 - k/E = independent random picks).
 Averages over layers.
 
-    scripts/routing-stats.py N_EXPERT TRACE.jsonl [TRACE.jsonl ...]
+    scripts/bench/routing-stats.py N_EXPERT TRACE.jsonl [TRACE.jsonl ...]
 """
 import collections
 import json

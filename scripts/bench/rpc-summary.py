@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Summary of scripts/bench-rpc: tok/s, link bytes and round trips per token, predicted against
+"""Summary of scripts/bench/bench-rpc: tok/s, link bytes and round trips per token, predicted against
 measured time per token, peak memory; then the planner's choice at every delay.
 
-    scripts/rpc-summary.py OUT "DELAYS" "SWITCH_DELAYS"
+    scripts/bench/rpc-summary.py OUT "DELAYS" "SWITCH_DELAYS"
 """
 import json
 import pathlib

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Summarise a scripts/bench-limited run: tok/s of each side, ratios, bytes per token and the
+"""Summarise a scripts/bench/bench-limited run: tok/s of each side, ratios, bytes per token and the
 fraction of the physical limit 1 / max(t_compute, bytes_streamed_per_token / disk_bandwidth).
 Also writes OUT/summary.json (each run's tok/s, exit status and peak memory, the limits), which
 `hypura summary-picture` draws."""

@@ -1,9 +1,9 @@
-"""A local stand-in for the hub's download paths, for `scripts/test-webui`'s pull: every GGUF
+"""A local stand-in for the hub's download paths, for `scripts/tools/test-webui`'s pull: every GGUF
 file in DIR is served as `hf.co/hypura/local:<its quantization>` under
 `/api/models/hypura/local/tree/main` (sizes and SHA-256 as LFS oids) and
 `/hypura/local/resolve/main/FILE` (with single ranges). Standard library only.
 
-python3 scripts/fake-hub.py DIR PORT"""
+python3 scripts/tools/fake-hub.py DIR PORT"""
 import hashlib
 import http.server
 import json
