@@ -7,8 +7,8 @@
 #                  on the CPU (this machine's CPU rate), S6's model resident on the GPU (the
 #                  device's time) and a short split run (the model's routing: which experts the
 #                  pool starts with), which `auto` predicts from; `inspect`'s three predictions for S6a
-#                  and S6b; S6a tg128, cold, under the memory cgroup: `--gpu-experts split` beside
-#                  `layers` and llama.cpp's --fit, then Hypura's default (auto) as time allows.
+#                  and S6b; S6a tg128, cold, under the memory cgroup: Hypura's default (auto) beside
+#                  `--gpu-experts split` and llama.cpp's --fit, then `layers` and S6b as time allows.
 #   ./visit.sh proof the split and whole layers, one warm run each (the shortest session).
 #   ./visit.sh lean  call 1's essentials for a short session (no device record, no auto run).
 #   ./visit.sh 2   S6b: Hypura's auto and split against llama.cpp's --n-cpu-moe 17; then S6a's
@@ -66,12 +66,15 @@ elif [ "${1:-1}" = 1 ]; then
     bin/hypura inspect /tmp/q36.gguf --gpu-budget $1 --memory-budget $2 --context 1024 2>/dev/null \
       | grep -E "^(plan|gpu|expert pool|predict)" >> $R/inspect.txt
   done
-  # The split beside whole layers and llama.cpp's --fit (its best placement within the budget on
-  # this model before), each its own process, cold.
-  env $common OUT=$R/s6a PEERS=fit HYPURA_ARGS="--gpu-budget 8GiB --gpu-experts split" \
-    HYPURA_B_ARGS="--gpu-experts layers" scripts/bench-limited /tmp/q36.gguf 0.5701 128 1 > $R/s6a.txt 2>&1
+  # Hypura's default (auto) beside the split and llama.cpp's --fit (its best placement within
+  # the budget on this model before), each its own process, cold; then whole layers, and S6b.
+  env $common OUT=$R/s6a PEERS=fit HYPURA_ARGS="--gpu-budget 8GiB" \
+    HYPURA_B_ARGS="--gpu-experts split" scripts/bench-limited /tmp/q36.gguf 0.5701 128 1 > $R/s6a.txt 2>&1
   echo "s6a at $SECONDS s" >> $R/time.log
-  [ $SECONDS -lt 500 ] && s6a s6a-auto ""
+  [ $SECONDS -lt 500 ] && s6a s6a-layers "--gpu-experts layers"
+  [ $SECONDS -lt 420 ] && env $common OUT=$R/s6b PEERS=n-cpu-moe:17 N_CPU_MOE=17 HYPURA_ARGS="--gpu-budget 12GiB" \
+    HYPURA_B_ARGS="--gpu-experts split" scripts/bench-limited /tmp/q36.gguf 1.2474 128 1 > $R/s6b.txt 2>&1
+  echo "s6b at $SECONDS s" >> $R/time.log
 else
   # S6b: Hypura's default and the split beside llama.cpp's --n-cpu-moe 17 (its best there under
   # this routing before); then S6a's 4,096-token prompt: Hypura's default, then llama.cpp's --fit
@@ -88,4 +91,5 @@ else
     HYPURA_ARGS="--gpu-budget 8GiB" scripts/bench-limited /tmp/q36.gguf 0.5701 1 1 > $R/s6a-4k-fit.txt 2>&1
   echo "s6a-4k fit at $SECONDS s (given $give s)" >> $R/time.log
 fi
-cd $R && tar czf results.tgz s6* 2>/dev/null; rm -rf s6a s6a-auto s6a-peers s6b s6a-4k
+# At most eight files come back: the runs' folders and logs go in one archive.
+cd $R && tar czf results.tgz --exclude=results.tgz --exclude=time.log . && find . -mindepth 1 -maxdepth 1 ! -name results.tgz ! -name time.log -exec rm -rf {} +

@@ -8,8 +8,8 @@
 //!   computes them: separate gate and up matmuls, SwiGLU, down, then the router's weights, with
 //!   no biases, scales or clamps between (the nodes' names say so). Until then its misses are
 //!   uploaded, as an unsplit pool's are.
-//! - `SplitWorker`: a thread with a CPU backend of its own that computes one layer's CPU share
-//!   while the device computes the rest of the layer.
+//! - `SplitWorker`: lanes of one thread, each with a CPU backend of its own, that compute one
+//!   layer's CPU share between them while the device computes the rest of the layer.
 use std::ops::Range;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::mpsc;
@@ -112,80 +112,150 @@ pub struct CpuJob {
     pub picks: Vec<(usize, usize, f32)>,
 }
 
-/// What the worker computed: the sums per token, and the time the CPU took.
+/// What the worker computed: the sums per token, and the time from the job's handing over to
+/// its last pick computed.
 pub struct CpuDone {
     pub sums: Vec<Vec<f32>>,
     pub seconds: f64,
 }
 
-/// The thread that computes split layers' CPU shares, one layer at a time.
+/// One lane's part of a job: some of its picks, over the job's input rows.
+struct Part {
+    layer: usize,
+    x: Arc<Vec<Vec<f32>>>,
+    picks: Vec<(usize, usize, f32)>,
+}
+
+/// A lane's sums for its part, and when it finished.
+type PartDone = Result<(Vec<Vec<f32>>, Instant), ResidencyError>;
+
+/// A job handed over and not yet taken: how many lanes compute it, its shape and when.
+struct Pending {
+    parts: usize,
+    rows: usize,
+    width: usize,
+    handed: Instant,
+}
+
+/// The threads that compute split layers' CPU shares, one layer at a time: lanes of one thread
+/// each, with a CPU backend of their own, each computing some of the layer's picks. A lane
+/// computes its experts alone, so one descheduled thread delays its own experts only: a CPU
+/// backend of many threads waits at every node for all of them, and beside the device's
+/// synchronisation and the reads it ran over 50 times slower than its cores.
 pub struct SplitWorker {
-    jobs: Option<mpsc::Sender<CpuJob>>,
-    done: Mutex<mpsc::Receiver<Result<CpuDone, ResidencyError>>>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    lanes: Vec<mpsc::Sender<Part>>,
+    done: Mutex<mpsc::Receiver<PartDone>>,
+    pending: Mutex<Option<Pending>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl SplitWorker {
-    /// A worker computing with `threads` CPU threads, reading experts from `residency`'s region
-    /// (the caller keeps a job's experts ready and unevicted until its result is taken).
+    /// A worker computing on `threads` lanes, reading experts from `residency`'s region (the
+    /// caller keeps a job's experts ready and unevicted until its result is taken).
     pub fn start(
         residency: Arc<Residency>,
         layers: Arc<Vec<Option<SplitLayer>>>,
         threads: usize,
     ) -> Result<SplitWorker, ResidencyError> {
-        let mut cpu = CpuExperts::new(threads).map_err(|error| ResidencyError::Pool(error.to_string()))?;
-        let (jobs, inbox) = mpsc::channel::<CpuJob>();
         let (outbox, done) = mpsc::channel();
-        let thread = std::thread::Builder::new()
-            .name("hypura-split".into())
-            .spawn(move || {
-                for job in inbox {
-                    let started = Instant::now();
-                    let result = compute(&mut cpu, &residency, &layers, &job)
-                        .map(|sums| CpuDone { sums, seconds: started.elapsed().as_secs_f64() });
-                    if outbox.send(result).is_err() {
-                        break;
+        let mut worker =
+            SplitWorker { lanes: Vec::new(), done: Mutex::new(done), pending: Mutex::new(None), threads: Vec::new() };
+        for lane in 0..threads.max(1) {
+            let mut cpu = CpuExperts::new(1).map_err(|error| ResidencyError::Pool(error.to_string()))?;
+            let (jobs, inbox) = mpsc::channel::<Part>();
+            let (residency, layers, outbox) = (residency.clone(), layers.clone(), outbox.clone());
+            let thread = std::thread::Builder::new()
+                .name(format!("hypura-split-{lane}"))
+                .spawn(move || {
+                    for part in inbox {
+                        let result = compute(&mut cpu, &residency, &layers, &part).map(|sums| (sums, Instant::now()));
+                        if outbox.send(result).is_err() {
+                            break;
+                        }
                     }
-                }
-            })
-            .map_err(|error| ResidencyError::Pool(format!("the split's CPU thread: {error}")))?;
-        Ok(SplitWorker { jobs: Some(jobs), done: Mutex::new(done), thread: Some(thread) })
+                })
+                .map_err(|error| ResidencyError::Pool(format!("the split's CPU thread: {error}")))?;
+            worker.lanes.push(jobs);
+            worker.threads.push(thread);
+        }
+        Ok(worker)
     }
 
+    /// Hand `job` over: its picks dealt to as many lanes as it has picks (at most all).
     pub fn submit(&self, job: CpuJob) -> Result<(), ResidencyError> {
         let gone = || ResidencyError::Pool("the split's CPU thread has stopped".into());
-        self.jobs.as_ref().ok_or_else(gone)?.send(job).map_err(|_| gone())
+        let mut pending = self.pending.locked();
+        if pending.is_some() {
+            return Err(ResidencyError::Pool(format!("layer {}'s CPU share: the last one was not taken", job.layer)));
+        }
+        let parts = job.picks.len().min(self.lanes.len());
+        let (rows, width) = (job.x.len(), job.x.first().map_or(0, Vec::len));
+        let x = Arc::new(job.x);
+        let mut dealt: Vec<Vec<(usize, usize, f32)>> = vec![Vec::new(); parts];
+        for (index, pick) in job.picks.into_iter().enumerate() {
+            dealt[index % parts].push(pick);
+        }
+        let handed = Instant::now();
+        for (lane, picks) in self.lanes.iter().zip(dealt) {
+            lane.send(Part { layer: job.layer, x: x.clone(), picks }).map_err(|_| gone())?;
+        }
+        *pending = Some(Pending { parts, rows, width, handed });
+        Ok(())
     }
 
-    /// The result of the job submitted last (waiting for it).
+    /// The result of the job handed over last (waiting for every lane of it).
     pub fn take(&self) -> Result<CpuDone, ResidencyError> {
-        self.done.locked().recv().map_err(|_| ResidencyError::Pool("the split's CPU thread has stopped".into()))?
+        let Pending { parts, rows, width, handed } = self
+            .pending
+            .locked()
+            .take()
+            .ok_or_else(|| ResidencyError::Pool("the split's CPU share was taken before it was handed over".into()))?;
+        let mut sums = vec![vec![0f32; width]; rows];
+        let (mut finished, mut failed) = (handed, None);
+        let done = self.done.locked();
+        for _ in 0..parts {
+            match done.recv().map_err(|_| ResidencyError::Pool("the split's CPU thread has stopped".into()))? {
+                Ok((part, at)) => {
+                    finished = finished.max(at);
+                    for (sum, row) in sums.iter_mut().zip(part) {
+                        for (value, add) in sum.iter_mut().zip(row) {
+                            *value += add;
+                        }
+                    }
+                }
+                Err(error) => failed = failed.or(Some(error)),
+            }
+        }
+        match failed {
+            Some(error) => Err(error),
+            None => Ok(CpuDone { sums, seconds: (finished - handed).as_secs_f64() }),
+        }
     }
 }
 
 impl Drop for SplitWorker {
     fn drop(&mut self) {
-        drop(self.jobs.take());
-        if let Some(thread) = self.thread.take() {
+        self.lanes.clear();
+        for thread in self.threads.drain(..) {
             let _ = thread.join();
         }
     }
 }
 
-/// A job's sums: each pick's expert from the region, through the CPU backend.
+/// A part's sums: each pick's expert from the region, through the lane's CPU backend.
 fn compute(
     cpu: &mut CpuExperts,
     residency: &Residency,
     layers: &[Option<SplitLayer>],
-    job: &CpuJob,
+    part: &Part,
 ) -> Result<Vec<Vec<f32>>, ResidencyError> {
     let split = layers
-        .get(job.layer)
+        .get(part.layer)
         .copied()
         .flatten()
-        .ok_or_else(|| ResidencyError::Pool(format!("layer {} does not split", job.layer)))?;
+        .ok_or_else(|| ResidencyError::Pool(format!("layer {} does not split", part.layer)))?;
     let region = residency.region();
-    let host: Vec<HostExpert<'_>> = job
+    let host: Vec<HostExpert<'_>> = part
         .picks
         .iter()
         .map(|&(token, expert, weight)| {
@@ -193,8 +263,8 @@ fn compute(
             HostExpert { gate, up, down, token, weight }
         })
         .collect();
-    cpu.compute(&split.shape, &job.x, &host)
-        .map_err(|error| ResidencyError::Pool(format!("layer {}'s experts on the CPU: {error}", job.layer)))
+    cpu.compute(&split.shape, &part.x, &host)
+        .map_err(|error| ResidencyError::Pool(format!("layer {}'s experts on the CPU: {error}", part.layer)))
 }
 
 #[cfg(test)]
