@@ -205,11 +205,10 @@ impl SplitWorker {
 
     /// The result of the job handed over last (waiting for every lane of it).
     pub fn take(&self) -> Result<CpuDone, ResidencyError> {
-        let Pending { parts, rows, width, handed } = self
-            .pending
-            .locked()
-            .take()
-            .ok_or_else(|| ResidencyError::Pool("the split's CPU share was taken before it was handed over".into()))?;
+        let Pending { parts, rows, width, handed } =
+            self.pending.locked().take().ok_or_else(|| {
+                ResidencyError::Pool("the split's CPU share was taken before it was handed over".into())
+            })?;
         let mut sums = vec![vec![0f32; width]; rows];
         let (mut finished, mut failed) = (handed, None);
         let done = self.done.locked();
