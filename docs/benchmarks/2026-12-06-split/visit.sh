@@ -41,15 +41,15 @@ if [ "${1:-1}" = proof ]; then
   done
 elif [ "${1:-1}" = lean ]; then
   # What a short device session allows: the CPU's rate, a split run with its figures, then S6a's
-  # split beside whole layers, and llama.cpp's --fit while time is left.
+  # default (auto) beside the split, and llama.cpp's --fit while time is left.
   bin/hypura bench /tmp/d1.gguf --no-baseline --mode resident --gpu-budget 0 -p 16 -n 16 -r 1 -t 16 > $R/cpu.txt 2>&1
   timeout 80 bin/hypura run /tmp/q36.gguf --gpu-budget 8GiB --gpu-experts split --raw --stats \
     -p "Write a story about the sea." -n 128 --temperature 0 --context 1024 > $R/routing-run.txt 2>&1
   echo "recorded at $SECONDS s" >> $R/time.log
   bin/hypura inspect /tmp/q36.gguf --gpu-budget 8GiB --memory-budget 11GiB --context 1024 2>/dev/null \
     | grep -E "^(plan|gpu|expert pool|predict)" > $R/inspect.txt
-  env $common RUN_TIMEOUT=80 OUT=$R/s6a PEERS=fit HYPURA_ARGS="--gpu-budget 8GiB --gpu-experts split" \
-    HYPURA_B_ARGS="--gpu-experts layers" scripts/bench-limited /tmp/q36.gguf 0.5701 128 1 > $R/s6a.txt 2>&1
+  env $common RUN_TIMEOUT=80 OUT=$R/s6a PEERS=fit HYPURA_ARGS="--gpu-budget 8GiB" \
+    HYPURA_B_ARGS="--gpu-experts split" scripts/bench-limited /tmp/q36.gguf 0.5701 128 1 > $R/s6a.txt 2>&1
   echo "s6a at $SECONDS s" >> $R/time.log
 elif [ "${1:-1}" = 1 ]; then
   bin/hypura bench /tmp/d1.gguf --no-baseline --mode resident --gpu-budget 0 -p 16 -n 16 -r 1 -t 16 > $R/cpu.txt 2>&1
@@ -71,8 +71,8 @@ elif [ "${1:-1}" = 1 ]; then
   env $common OUT=$R/s6a PEERS=fit HYPURA_ARGS="--gpu-budget 8GiB" \
     HYPURA_B_ARGS="--gpu-experts split" scripts/bench-limited /tmp/q36.gguf 0.5701 128 1 > $R/s6a.txt 2>&1
   echo "s6a at $SECONDS s" >> $R/time.log
-  [ $SECONDS -lt 500 ] && s6a s6a-layers "--gpu-experts layers"
-  [ $SECONDS -lt 420 ] && env $common OUT=$R/s6b PEERS=n-cpu-moe:17 N_CPU_MOE=17 HYPURA_ARGS="--gpu-budget 12GiB" \
+  [ $SECONDS -lt ${LAYERS_BEFORE:-500} ] && s6a s6a-layers "--gpu-experts layers"
+  [ $SECONDS -lt ${S6B_BEFORE:-420} ] && env $common OUT=$R/s6b PEERS=n-cpu-moe:17 N_CPU_MOE=17 HYPURA_ARGS="--gpu-budget 12GiB" \
     HYPURA_B_ARGS="--gpu-experts split" scripts/bench-limited /tmp/q36.gguf 1.2474 128 1 > $R/s6b.txt 2>&1
   echo "s6b at $SECONDS s" >> $R/time.log
 else
