@@ -1,9 +1,11 @@
 // Routed experts computed by ggml's CPU backend, beside a device that computes the others: the
 // split of a pooled MoE layer (the picks no device slot holds are computed here, from the
 // host's expert cache). Each job is one token's one expert, SwiGLU as llama.cpp's MoE FFN
-// computes it (`build_moe_ffn` with separate gate and up experts, no biases or scales):
+// computes it (`build_moe_ffn` with separate gate and up experts, no biases or scales), over a
+// part of the FFN's width: rows [ff_start, ff_start + ff_len) of gate and up, the same columns
+// of down (whole blocks of down's type), so that the parts of one expert sum to the expert:
 //
-//     out[token] += weight * down(silu(gate . x[token]) * (up . x[token]))
+//     out[token] += weight * down[:, part](silu(gate[part] . x[token]) * (up[part] . x[token]))
 //
 // The expert slices are the file's bytes where they lie in host memory; ggml's own kernels
 // (mul_mat, swiglu, scale, add) compute them through a CPU backend of the caller's, so the CPU's
@@ -21,6 +23,8 @@ struct hypura_expert_job {
     const void * down;
     int32_t token;
     float weight;
+    int64_t ff_start;
+    int64_t ff_len;
 };
 
 // 0 on success; -1 bad arguments, -2 no memory, -3 the backend failed.
@@ -39,15 +43,18 @@ int hypura_expert_ffn(
     if (cpu == NULL || x == NULL || jobs == NULL || out == NULL || n_jobs <= 0 || n_tokens <= 0 || n_embd <= 0 || n_ff <= 0) {
         return -1;
     }
+    const int64_t down_block = ggml_blck_size((enum ggml_type) down_type);
     for (int32_t j = 0; j < n_jobs; j++) {
-        if (jobs[j].token < 0 || jobs[j].token >= n_tokens || !jobs[j].gate || !jobs[j].up || !jobs[j].down) {
+        const int64_t start = jobs[j].ff_start, len = jobs[j].ff_len;
+        if (jobs[j].token < 0 || jobs[j].token >= n_tokens || !jobs[j].gate || !jobs[j].up || !jobs[j].down ||
+            start < 0 || len <= 0 || start + len > n_ff || start % down_block != 0 || len % down_block != 0) {
             return -1;
         }
     }
-    // Weights: three tensors a job, over the slices' own memory. Compute: the input, a view and
-    // five nodes a job, a sum a token.
+    // Weights: three tensors a job, over the slices' own memory. Compute: the input, four views
+    // and five nodes a job, a sum a token.
     const size_t n_weights = 3 * (size_t) n_jobs;
-    const size_t n_nodes = 1 + 6 * (size_t) n_jobs + 2 * (size_t) n_tokens;
+    const size_t n_nodes = 1 + 9 * (size_t) n_jobs + 2 * (size_t) n_tokens;
     const size_t graph_size = n_nodes + 16;
     struct ggml_init_params weight_params = { ggml_tensor_overhead() * n_weights, NULL, true };
     struct ggml_init_params compute_params = {
@@ -99,9 +106,16 @@ int hypura_expert_ffn(
                 goto done;
             }
             const int32_t token = jobs[j].token;
+            const int64_t start = jobs[j].ff_start, len = jobs[j].ff_len;
             struct ggml_tensor * row = ggml_view_1d(ctx, input, n_embd, (size_t) token * input->nb[1]);
-            struct ggml_tensor * hidden = ggml_swiglu_split(ctx, ggml_mul_mat(ctx, gate, row), ggml_mul_mat(ctx, up, row));
-            struct ggml_tensor * result = ggml_scale(ctx, ggml_mul_mat(ctx, down, hidden), jobs[j].weight);
+            // The part's rows of gate and up, and its columns of down (rows of down strided).
+            struct ggml_tensor * gate_part = ggml_view_2d(ctx, gate, n_embd, len, gate->nb[1], (size_t) start * gate->nb[1]);
+            struct ggml_tensor * up_part = ggml_view_2d(ctx, up, n_embd, len, up->nb[1], (size_t) start * up->nb[1]);
+            struct ggml_tensor * down_part =
+                ggml_view_2d(ctx, down, len, n_embd, down->nb[1], ggml_row_size((enum ggml_type) down_type, start));
+            struct ggml_tensor * hidden =
+                ggml_swiglu_split(ctx, ggml_mul_mat(ctx, gate_part, row), ggml_mul_mat(ctx, up_part, row));
+            struct ggml_tensor * result = ggml_scale(ctx, ggml_mul_mat(ctx, down_part, hidden), jobs[j].weight);
             sums[token] = sums[token] == NULL ? result : ggml_add(ctx, sums[token], result);
         }
         struct ggml_cgraph * graph = ggml_new_graph_custom(ctx, graph_size, false);

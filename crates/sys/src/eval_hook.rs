@@ -292,15 +292,34 @@ impl ExpertShape {
             row(self.down_type, self.n_ff)? * self.n_embd,
         ])
     }
+
+    /// The FFN's width in up to `wanted` parts of whole blocks of down's type (an expert's
+    /// parts are computed apart and summed: `HostExpert::ff`).
+    pub fn parts(&self, wanted: usize) -> Vec<std::ops::Range<usize>> {
+        let block = u32::try_from(self.down_type)
+            .ok()
+            .filter(|&value| value < raw::GGML_TYPE_COUNT)
+            // SAFETY: a type below GGML_TYPE_COUNT is one of ggml's; the call only reads its
+            // traits table.
+            .map_or(0, |value| unsafe { raw::ggml_blck_size(value as raw::ggml_type) } as usize);
+        if block == 0 || self.n_ff % block != 0 {
+            return vec![0..self.n_ff];
+        }
+        let blocks = self.n_ff / block;
+        let parts = wanted.clamp(1, blocks);
+        (0..parts).map(|part| (blocks * part / parts) * block..(blocks * (part + 1) / parts) * block).collect()
+    }
 }
 
-/// One token's one expert for the CPU: its slices in host memory and its router weight.
+/// One token's one expert for the CPU: its slices in host memory, its router weight, and the
+/// part of the FFN's width to compute (`ExpertShape::parts`): the parts of an expert sum to it.
 pub struct HostExpert<'a> {
     pub gate: &'a [u8],
     pub up: &'a [u8],
     pub down: &'a [u8],
     pub token: usize,
     pub weight: f32,
+    pub ff: std::ops::Range<usize>,
 }
 
 /// `struct hypura_expert_job` of `csrc/expert_ffn.c`.
@@ -311,6 +330,8 @@ struct RawExpertJob {
     down: *const c_void,
     token: i32,
     weight: f32,
+    ff_start: i64,
+    ff_len: i64,
 }
 
 unsafe extern "C" {
@@ -401,12 +422,17 @@ unsafe fn experts_on(
         if job.token >= x.len() || [job.gate.len(), job.up.len(), job.down.len()] != sizes {
             return Err(bad("a job's token or slices do not fit the shape"));
         }
+        if job.ff.is_empty() || job.ff.end > shape.n_ff {
+            return Err(bad("a job's part is not within the FFN's width"));
+        }
         raw_jobs.push(RawExpertJob {
             gate: job.gate.as_ptr().cast(),
             up: job.up.as_ptr().cast(),
             down: job.down.as_ptr().cast(),
             token: job.token as i32,
             weight: job.weight,
+            ff_start: job.ff.start as i64,
+            ff_len: job.ff.len() as i64,
         });
     }
     let input: Vec<f32> = x.concat();
@@ -665,8 +691,9 @@ mod tests {
     }
 
     /// Experts computed by the CPU backend: each job's `weight × down(silu(gate·x) ⊙ (up·x))`
-    /// summed per token, as a naive computation of the same F32 weights gives it; a token
-    /// without a job gets zeros; slices of the wrong size are refused.
+    /// summed per token, as a naive computation of the same F32 weights gives it, an expert
+    /// computed in parts of the FFN's width (`ExpertShape::parts`) as whole; a token without a
+    /// job gets zeros; slices of the wrong size and parts outside the width are refused.
     #[test]
     fn experts_on_the_cpu_sum_each_tokens_weighted_swiglu() {
         let (n_embd, n_ff) = (8usize, 4usize);
@@ -682,23 +709,28 @@ mod tests {
         let slices: Vec<[Vec<u8>; 3]> = experts.iter().map(|[g, u, d]| [bytes(g), bytes(u), bytes(d)]).collect();
         let x: Vec<Vec<f32>> = (0..3).map(|t| (0..n_embd).map(|i| value(50 + 10 * t + i)).collect()).collect();
         let jobs = [(0usize, 0usize, 0.75f32), (0, 1, 0.25), (2, 1, 1.5)];
-        let host: Vec<HostExpert<'_>> = jobs
-            .iter()
-            .map(|&(token, expert, weight)| HostExpert {
-                gate: &slices[expert][0],
-                up: &slices[expert][1],
-                down: &slices[expert][2],
-                token,
-                weight,
-            })
-            .collect();
         let f32_type = raw::GGML_TYPE_F32 as i32;
         let shape = ExpertShape { gate_type: f32_type, up_type: f32_type, down_type: f32_type, n_embd, n_ff };
+        assert_eq!(shape.parts(3), [0..1, 1..2, 2..4]);
+        assert_eq!(shape.parts(9).len(), n_ff);
+        // The last job in three parts of the width, the others whole.
+        let host: Vec<HostExpert<'_>> = jobs
+            .iter()
+            .enumerate()
+            .flat_map(|(index, &(token, expert, weight))| {
+                let parts = if index == 2 { shape.parts(3) } else { vec![0..n_ff] };
+                let [gate, up, down] = &slices[expert];
+                parts.into_iter().map(move |ff| HostExpert { gate, up, down, token, weight, ff })
+            })
+            .collect();
+        assert_eq!(host.len(), 5);
         let mut cpu = CpuExperts::new(2).unwrap();
         let out = cpu.compute(&shape, &x, &host).unwrap();
-        let short =
-            [HostExpert { gate: &slices[0][0][..4], up: &slices[0][1], down: &slices[0][2], token: 0, weight: 1.0 }];
+        let [gate, up, down] = &slices[0];
+        let short = [HostExpert { gate: &gate[..4], up, down, token: 0, weight: 1.0, ff: 0..n_ff }];
         assert!(cpu.compute(&shape, &x, &short).is_err());
+        let outside = [HostExpert { gate, up, down, token: 0, weight: 1.0, ff: 2..n_ff + 1 }];
+        assert!(cpu.compute(&shape, &x, &outside).is_err());
         let mut expected = vec![vec![0f32; n_embd]; 3];
         for &(token, expert, weight) in &jobs {
             let [gate, up, down] = &experts[expert];

@@ -119,11 +119,12 @@ pub struct CpuDone {
     pub seconds: f64,
 }
 
-/// One lane's part of a job: some of its picks, over the job's input rows.
+/// One lane's share of a job: some of its picks, each over a part of the FFN's width, over
+/// the job's input rows.
 struct Part {
     layer: usize,
     x: Arc<Vec<Vec<f32>>>,
-    picks: Vec<(usize, usize, f32)>,
+    picks: Vec<(usize, usize, f32, Range<usize>)>,
 }
 
 /// A lane's sums for its part, and when it finished.
@@ -138,11 +139,13 @@ struct Pending {
 }
 
 /// The threads that compute split layers' CPU shares, one layer at a time: lanes of one thread
-/// each, with a CPU backend of their own, each computing some of the layer's picks. A lane
-/// computes its experts alone, so one descheduled thread delays its own experts only: a CPU
-/// backend of many threads waits at every node for all of them, and beside the device's
-/// synchronisation and the reads it ran over 50 times slower than its cores.
+/// each, with a CPU backend of their own. A layer's picks are cut into parts of the FFN's width
+/// (whole blocks), about one a lane, and each lane computes its parts alone, so one descheduled
+/// thread delays its own parts only: a CPU backend of many threads waits at every node for all
+/// of them, and beside the device's synchronisation and the reads it ran over 50 times slower
+/// than its cores.
 pub struct SplitWorker {
+    layers: Arc<Vec<Option<SplitLayer>>>,
     lanes: Vec<mpsc::Sender<Part>>,
     done: Mutex<mpsc::Receiver<PartDone>>,
     pending: Mutex<Option<Pending>>,
@@ -158,8 +161,13 @@ impl SplitWorker {
         threads: usize,
     ) -> Result<SplitWorker, ResidencyError> {
         let (outbox, done) = mpsc::channel();
-        let mut worker =
-            SplitWorker { lanes: Vec::new(), done: Mutex::new(done), pending: Mutex::new(None), threads: Vec::new() };
+        let mut worker = SplitWorker {
+            layers: layers.clone(),
+            lanes: Vec::new(),
+            done: Mutex::new(done),
+            pending: Mutex::new(None),
+            threads: Vec::new(),
+        };
         for lane in 0..threads.max(1) {
             let mut cpu = CpuExperts::new(1).map_err(|error| ResidencyError::Pool(error.to_string()))?;
             let (jobs, inbox) = mpsc::channel::<Part>();
@@ -181,19 +189,28 @@ impl SplitWorker {
         Ok(worker)
     }
 
-    /// Hand `job` over: its picks dealt to as many lanes as it has picks (at most all).
+    /// Hand `job` over: its picks cut into parts of the FFN's width, about one a lane, and the
+    /// parts dealt to the lanes.
     pub fn submit(&self, job: CpuJob) -> Result<(), ResidencyError> {
         let gone = || ResidencyError::Pool("the split's CPU thread has stopped".into());
         let mut pending = self.pending.locked();
         if pending.is_some() {
             return Err(ResidencyError::Pool(format!("layer {}'s CPU share: the last one was not taken", job.layer)));
         }
-        let parts = job.picks.len().min(self.lanes.len());
+        let shape = self.layers.get(job.layer).copied().flatten().map(|layer| layer.shape);
+        let shape = shape.ok_or_else(|| ResidencyError::Pool(format!("layer {} does not split", job.layer)))?;
+        let ff = shape.parts(self.lanes.len().div_ceil(job.picks.len().max(1)));
+        let items: Vec<_> = job
+            .picks
+            .iter()
+            .flat_map(|&(token, expert, weight)| ff.iter().map(move |part| (token, expert, weight, part.clone())))
+            .collect();
+        let parts = items.len().min(self.lanes.len());
         let (rows, width) = (job.x.len(), job.x.first().map_or(0, Vec::len));
         let x = Arc::new(job.x);
-        let mut dealt: Vec<Vec<(usize, usize, f32)>> = vec![Vec::new(); parts];
-        for (index, pick) in job.picks.into_iter().enumerate() {
-            dealt[index % parts].push(pick);
+        let mut dealt: Vec<Vec<_>> = vec![Vec::new(); parts];
+        for (index, item) in items.into_iter().enumerate() {
+            dealt[index % parts].push(item);
         }
         let handed = Instant::now();
         for (lane, picks) in self.lanes.iter().zip(dealt) {
@@ -257,9 +274,9 @@ fn compute(
     let host: Vec<HostExpert<'_>> = part
         .picks
         .iter()
-        .map(|&(token, expert, weight)| {
-            let [gate, up, down] = split.ranges(expert).map(|range| region.bytes(range));
-            HostExpert { gate, up, down, token, weight }
+        .map(|(token, expert, weight, ff)| {
+            let [gate, up, down] = split.ranges(*expert).map(|range| region.bytes(range));
+            HostExpert { gate, up, down, token: *token, weight: *weight, ff: ff.clone() }
         })
         .collect();
     cpu.compute(&split.shape, &part.x, &host)
