@@ -311,6 +311,7 @@ pub fn machine_facts(spec: &RunSpec, model: &Path) -> Result<MachineFacts, Engin
         pool_bus_bytes_per_sec: record.pool_bus_bytes_per_sec(),
         pool_stop_host_seconds: record.pool_stop_host_seconds(),
         pool_stop_device_seconds: record.pool_stop_device_seconds(),
+        pool_split_bytes_per_sec: record.pool_split_bytes_per_sec(),
         cpu_bytes_per_sec: ModelRecords::new(default_cache_dir())
             .cpu_bytes_per_sec(threads, model)
             .map(|(rate, _)| rate),

@@ -221,6 +221,8 @@ impl TgTotals {
             host_seconds: work.host_seconds,
             gap_stops: work.gap_stops,
             device_gap_seconds: work.device_gap_seconds,
+            cpu_bytes: work.cpu_bytes,
+            cpu_wait_seconds: work.cpu_wait_seconds,
         }))
     }
 

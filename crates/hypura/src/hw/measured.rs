@@ -75,6 +75,12 @@ pub struct PoolWork {
     pub gap_stops: u64,
     #[serde(default)]
     pub device_gap_seconds: f64,
+    /// Of split pools' runs: the misses' bytes the CPU computed, and the device's wait for
+    /// their sums at the layers' second stops.
+    #[serde(default)]
+    pub cpu_bytes: u64,
+    #[serde(default)]
+    pub cpu_wait_seconds: f64,
 }
 
 /// Fewer moved bytes than this say little about the bus's rate (a few dozen experts).
@@ -183,6 +189,10 @@ impl ModelRecord {
                 total.gap_stops += work.gap_stops;
                 total.device_gap_seconds += work.device_gap_seconds;
             }
+            if work.cpu_wait_seconds.is_finite() && work.cpu_wait_seconds >= 0.0 {
+                total.cpu_bytes += work.cpu_bytes;
+                total.cpu_wait_seconds += work.cpu_wait_seconds;
+            }
         }
     }
 
@@ -191,6 +201,15 @@ impl ModelRecord {
         self.pool
             .filter(|pool| pool.moved_bytes >= POOL_MIN_MOVED_BYTES && pool.transfer_seconds > 0.0)
             .map(|pool| pool.moved_bytes as f64 / pool.transfer_seconds)
+    }
+
+    /// The bytes a split pool's CPU computed per second of the device's wait for them (the
+    /// misses' cost on the decode's path: what the CPU took beyond the device's own share),
+    /// once enough were computed to say.
+    pub fn pool_split_bytes_per_sec(&self) -> Option<f64> {
+        self.pool
+            .filter(|pool| pool.cpu_bytes >= POOL_MIN_MOVED_BYTES && pool.cpu_wait_seconds > 0.0)
+            .map(|pool| pool.cpu_bytes as f64 / pool.cpu_wait_seconds)
     }
 
     /// The host's time at one of the pool's stops, once there were enough to say.
@@ -362,11 +381,13 @@ mod tests {
             host_seconds: 0.03,
             gap_stops: 600,
             device_gap_seconds: 0.024,
+            cpu_bytes: 40 << 20,
+            cpu_wait_seconds: 0.05,
         };
         records.update(&model, |record| record.add_pool(&run)).unwrap();
         let record = records.load(&model);
         assert_eq!((record.pool_bus_bytes_per_sec(), record.pool_stop_host_seconds()), (None, None));
-        assert_eq!(record.pool_stop_device_seconds(), None);
+        assert_eq!((record.pool_stop_device_seconds(), record.pool_split_bytes_per_sec()), (None, None));
         records
             .update(&model, |record| {
                 record.add_pool(&run);
@@ -375,6 +396,7 @@ mod tests {
                 // A run without the model's resident time adds no device gap, nor does a bad one.
                 record.add_pool(&PoolWork { gap_stops: 0, device_gap_seconds: 0.0, ..run });
                 record.add_pool(&PoolWork { device_gap_seconds: f64::INFINITY, ..run });
+                record.add_pool(&PoolWork { cpu_wait_seconds: f64::NAN, ..run });
             })
             .unwrap();
         let record = records.load(&model);
@@ -384,6 +406,9 @@ mod tests {
         assert!((stop - 0.12 / 2400.0).abs() < 1e-12, "{stop}");
         let device = record.pool_stop_device_seconds().expect("1,200 stops beside a resident time");
         assert!((device - 0.048 / 1200.0).abs() < 1e-12, "{device}");
+        // Four runs' CPU shares (a bad wait adds none): 160 MiB over 0.2 s of waiting.
+        let split = record.pool_split_bytes_per_sec().expect("160 MiB computed");
+        assert!((split - (160u64 << 20) as f64 / 0.2).abs() < 1.0, "{split}");
     }
 
     #[test]

@@ -176,8 +176,10 @@ pub(super) fn gpu_tier(
             + machine.pool_stop_device_seconds.unwrap_or(POOL_STOP_DEVICE_SECONDS),
         bus_bytes_per_sec: machine.pool_bus_bytes_per_sec.filter(|rate| *rate > 0.0).unwrap_or(POOL_BUS_BYTES_PER_SEC),
         split: options.gpu_experts == Some(GpuExperts::Split) && splits(inventory),
+        // A split's misses at the rate earlier split runs' CPU took them, else the CPU's.
         cpu_bytes_per_sec: machine
-            .cpu_bytes_per_sec
+            .pool_split_bytes_per_sec
+            .or(machine.cpu_bytes_per_sec)
             .filter(|rate| *rate > 0.0)
             .unwrap_or(super::predict::CPU_BYTES_PER_SEC_UNMEASURED),
     };

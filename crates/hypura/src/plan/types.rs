@@ -135,6 +135,9 @@ pub struct MachineFacts {
     /// The device's time at one of those stops, where runs beside the model resident on the
     /// device measured it; None otherwise (`plan::gpu` then takes the H200 machine's).
     pub pool_stop_device_seconds: Option<f64>,
+    /// The rate a split pool's CPU took its misses at, as the device waited for them, in
+    /// earlier benchmark runs of this model; None if never measured (the CPU's rate is taken).
+    pub pool_split_bytes_per_sec: Option<f64>,
     /// The profile's streaming rate, as measured (a run's limit is stated against it, or
     /// against the run's own rate where that was faster).
     pub profile_disk_bytes_per_sec: Option<f64>,

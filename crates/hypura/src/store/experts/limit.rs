@@ -65,6 +65,9 @@ pub struct PoolWorkTotals {
     pub host_seconds: f64,
     pub gap_stops: u64,
     pub device_gap_seconds: f64,
+    /// A split pool's misses computed by the CPU, and the device's wait for their sums.
+    pub cpu_bytes: u64,
+    pub cpu_wait_seconds: f64,
 }
 
 /// The device's and the bus's terms of a pooled decode's limit. `Work` is the form its totals
@@ -130,6 +133,8 @@ impl PoolLimit {
                 host_seconds: (pool.host_seconds - pool.transfer_seconds).max(0.0),
                 gap_stops: if gap.is_some() { decode.layer_visits } else { 0 },
                 device_gap_seconds: gap.unwrap_or(0.0),
+                cpu_bytes: pool.cpu_bytes,
+                cpu_wait_seconds: pool.cpu_wait_seconds,
             },
             stop: StopSplit::of(pool, graphs),
         })
