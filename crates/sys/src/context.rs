@@ -38,6 +38,10 @@ pub struct ContextParams {
     /// default). llama.cpp refuses a quantized V cache without flash attention.
     pub type_k: u32,
     pub type_v: u32,
+    /// The CPU threads poll for the next graph before they sleep (ggml's default). Off where
+    /// other threads compute beside the context's graphs (a split pool's CPU lanes, while the
+    /// graph waits on the device): polling threads would hold the cores those need.
+    pub cpu_threads_poll: bool,
 }
 
 impl std::fmt::Debug for ContextParams {
@@ -53,6 +57,7 @@ impl std::fmt::Debug for ContextParams {
             .field("batch_invariant", &self.batch_invariant)
             .field("type_k", &self.type_k)
             .field("type_v", &self.type_v)
+            .field("cpu_threads_poll", &self.cpu_threads_poll)
             .finish()
     }
 }
@@ -74,6 +79,7 @@ impl Default for ContextParams {
             batch_invariant: false,
             type_k: raw::GGML_TYPE_F16,
             type_v: raw::GGML_TYPE_F16,
+            cpu_threads_poll: true,
         }
     }
 }
@@ -115,9 +121,11 @@ pub(crate) struct ThreadPool {
 }
 
 impl ThreadPool {
-    /// `n_threads` workers (the caller's thread counts as one). None where this build's CPU
-    /// backend offers no threadpool (ggml then creates threads per graph, as before).
-    pub(crate) fn new(n_threads: i32) -> Option<ThreadPool> {
+    /// `n_threads` workers (the caller's thread counts as one), polling for the next graph at
+    /// ggml's default level before they sleep, or (`poll` false) sleeping at once. None where
+    /// this build's CPU backend offers no threadpool (ggml then creates threads per graph, as
+    /// before).
+    pub(crate) fn new(n_threads: i32, poll: bool) -> Option<ThreadPool> {
         type New = unsafe extern "C" fn(*mut raw::ggml_threadpool_params) -> *mut raw::ggml_threadpool;
         type Free = unsafe extern "C" fn(*mut raw::ggml_threadpool);
         // SAFETY: the CPU device and its registry live for the process; the names are C strings;
@@ -138,6 +146,9 @@ impl ThreadPool {
                 (std::mem::transmute::<*mut c_void, New>(new), std::mem::transmute::<*mut c_void, Free>(free));
             let n_threads = n_threads.max(1);
             let mut params = raw::ggml_threadpool_params_default(n_threads);
+            if !poll {
+                params.poll = 0;
+            }
             NonNull::new(new(&mut params)).map(|pointer| ThreadPool {
                 pointer,
                 n_threads,
@@ -212,7 +223,7 @@ impl Context {
         Context::with_threads(
             model,
             params,
-            ThreadPool::new(params.n_threads.max(params.n_threads_batch)).map(Arc::new),
+            ThreadPool::new(params.n_threads.max(params.n_threads_batch), params.cpu_threads_poll).map(Arc::new),
             raw::LLAMA_CONTEXT_TYPE_DEFAULT,
         )
     }
@@ -239,7 +250,8 @@ impl Context {
     ) -> Result<Context, SysError> {
         let wanted = params.n_threads.max(params.n_threads_batch);
         let shared = other.threadpool.as_ref().filter(|pool| pool.n_threads >= wanted).cloned();
-        Context::with_threads(model, params, shared.or_else(|| ThreadPool::new(wanted).map(Arc::new)), context_type)
+        let new = || ThreadPool::new(wanted, params.cpu_threads_poll).map(Arc::new);
+        Context::with_threads(model, params, shared.or_else(new), context_type)
     }
 
     fn with_threads(

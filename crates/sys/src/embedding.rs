@@ -86,7 +86,7 @@ impl EmbeddingContext {
         }
         // SAFETY: the model pointer is valid while `model` lives.
         let n_embd = unsafe { raw::llama_model_n_embd_out(model.as_ptr()) }.max(0) as usize;
-        let threadpool = ThreadPool::new(n_threads);
+        let threadpool = ThreadPool::new(n_threads, true);
         if let Some(pool) = &threadpool {
             pool.attach(pointer);
         }

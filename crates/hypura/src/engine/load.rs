@@ -438,6 +438,10 @@ impl Engine {
             batch_invariant: self.options.batch_invariant,
             type_k: self.options.kv.k.id(),
             type_v: self.options.kv.v.id(),
+            // A split pool's CPU lanes compute while the graph waits on the device.
+            cpu_threads_poll: !self.options.plan.as_ref().is_some_and(|plan| {
+                plan.gpu.as_ref().and_then(|gpu| gpu.expert_pool.as_ref()).is_some_and(|pool| pool.split)
+            }),
             ..defaults
         }
     }
