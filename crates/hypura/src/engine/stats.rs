@@ -43,6 +43,9 @@ pub struct GenerationStats {
     pub experts: Option<ExpertSnapshot>,
     /// Time the generation phase (after the prompt) waited on streamed reads.
     pub eval_stall: Duration,
+    /// The bytes the generation phase read on demand (the host cache's warm fill left out):
+    /// the decodes' own reads, without the prompt's. None without streaming.
+    pub eval_demand_bytes: Option<u64>,
     /// Speculative decoding: tokens drafted, and how many of them the target accepted.
     pub draft_tokens: u32,
     pub draft_accepted: u32,
@@ -120,14 +123,24 @@ impl GenerationStats {
         }
     }
 
+    /// The bytes a decode read on demand: the generation phase's over its decodes where known,
+    /// else the request's over its passes (the prompt's among them).
+    fn decode_bytes_per_pass(&self) -> Option<f64> {
+        match self.eval_demand_bytes.filter(|_| self.eval_decodes > 0) {
+            Some(bytes) => Some(bytes as f64 / f64::from(self.eval_decodes)),
+            None => Some(self.demand_bytes_read()? as f64 / f64::from(self.weight_passes().max(1))),
+        }
+    }
+
     /// Where a streaming decode stands against its physical limit at `disk_bytes_per_sec`,
-    /// with this run's own figures: its compute per decode while streaming, the bytes it read
-    /// per pass over the weights and the tokens each decode yielded. None without reads or
-    /// decodes.
+    /// with this run's own figures: its compute per decode while streaming, the bytes a decode
+    /// read (not the prompt's: a prompt that read the model whole would lower the decodes'
+    /// limit below what they reached) and the tokens each decode yielded. None without reads
+    /// or decodes.
     pub fn decode_limit(&self, disk_bytes_per_sec: f64) -> Option<DecodeLimit> {
         let io = self.io.as_ref()?;
         let compute_seconds = self.eval_compute_seconds_per_token()?;
-        let bytes_per_pass = self.demand_bytes_read()? as f64 / f64::from(self.weight_passes().max(1));
+        let bytes_per_pass = self.decode_bytes_per_pass()?;
         let tokens_per_sec = crate::plan::limit_tokens_per_sec(
             compute_seconds,
             bytes_per_pass,
@@ -274,6 +287,13 @@ impl Counters {
         }
     }
 
+    /// Bytes read on demand so far, the host cache's warm fill left out (None without
+    /// streaming).
+    pub(super) fn demand_bytes(&self) -> Option<u64> {
+        let warm = self.experts.as_ref().map_or(0, |experts| experts.warm_bytes);
+        self.io.map(|io| io.bytes_read.saturating_sub(warm))
+    }
+
     /// Seconds spent waiting on reads so far (0 without streaming).
     pub(super) fn stall_seconds(&self) -> f64 {
         self.io.map_or(0.0, |io| io.stall_seconds)
@@ -377,6 +397,22 @@ mod tests {
         assert!((limit.tokens_per_sec - 1.0 / 0.06).abs() < 1e-6 && (limit.fraction - 0.6).abs() < 1e-6, "{limit:?}");
         let disk = stats.disk_while_busy().unwrap();
         assert!((disk.bytes_per_sec - 1e9).abs() < 1.0 && (disk.fraction - 0.6).abs() < 1e-6, "{disk:?}");
+    }
+
+    #[test]
+    fn the_prompts_reads_are_not_a_decodes() {
+        // The prompt read 2 GB (the model whole), the 20 decodes 50 MB each: at 1 GB/s a
+        // decode's reads take 50 ms and compute (60 ms) is the limit, which a decode every
+        // 100 ms reaches 0.6 of. Counted over the request's passes, the prompt's reads would
+        // make a pass 143 ms and the decodes "1.43" of that limit.
+        let mut stats = streaming_run(20, 60, 40, 50_000_000);
+        stats.io.as_mut().unwrap().bytes_read = 2_000_000_000 + 20 * 50_000_000;
+        let request = stats.decode_limit(1e9).unwrap();
+        assert!(request.fraction > 1.4, "{request:?}");
+        stats.eval_demand_bytes = Some(20 * 50_000_000);
+        let limit = stats.decode_limit(1e9).unwrap();
+        assert!((limit.read_seconds - 0.05).abs() < 1e-9, "{limit:?}");
+        assert!((limit.tokens_per_sec - 1.0 / 0.06).abs() < 1e-6 && (limit.fraction - 0.6).abs() < 1e-6, "{limit:?}");
     }
 
     #[test]

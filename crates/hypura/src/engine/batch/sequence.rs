@@ -194,6 +194,8 @@ impl Statistics {
                 stats.eval_stall =
                     Duration::from_secs_f64((counters.stall_seconds() - before.stall_seconds()).max(0.0));
                 stats.eval_links = counters.links_since(&before);
+                stats.eval_demand_bytes =
+                    counters.demand_bytes().zip(before.demand_bytes()).map(|(now, then)| now.saturating_sub(then));
             }
             None => stats.prompt_eval_duration = now - self.started,
         }
