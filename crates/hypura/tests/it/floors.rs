@@ -1,7 +1,8 @@
 //! The floors of the main crate (ARCHITECTURE.md, "Floors"): each module names only modules on
 //! floors below its own, `format` is a leaf any floor may use, and `hypura-sys` is named only
-//! where the map says. Read from the source text, so a new import upwards fails here before it
-//! is a habit.
+//! where the map says; and within each module folder (`server/`, `store/experts/`, ...) the
+//! files name one another in one direction, without a cycle. Read from the source text, so a
+//! new import upwards fails here before it is a habit.
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
@@ -35,8 +36,15 @@ fn files_of(module: &str) -> Vec<PathBuf> {
     if single.exists() {
         return vec![single];
     }
+    let files = files_under(&source_dir().join(module));
+    assert!(!files.is_empty(), "no source files for module {module}");
+    files
+}
+
+/// Every Rust file under a folder, its subfolders' included.
+fn files_under(folder: &Path) -> Vec<PathBuf> {
     let mut files = Vec::new();
-    let mut folders = vec![source_dir().join(module)];
+    let mut folders = vec![folder.to_path_buf()];
     while let Some(folder) = folders.pop() {
         for entry in std::fs::read_dir(&folder).unwrap_or_else(|error| panic!("{}: {error}", folder.display())) {
             let path = entry.unwrap().path();
@@ -47,7 +55,6 @@ fn files_of(module: &str) -> Vec<PathBuf> {
             }
         }
     }
-    assert!(!files.is_empty(), "no source files for module {module}");
     files
 }
 
@@ -152,15 +159,62 @@ fn the_import_reader_sees_groups_and_paths_but_not_comments() {
     assert_eq!(named, ["engine", "hw", "plan"].into_iter().map(String::from).collect());
 }
 
-/// The files of a module folder (`src/server/`) that a file names: `super::X` and
-/// `crate::server::X`, paths or grouped imports, where `X` is a sibling file. `mod.rs` is the
-/// folder's root, not a room: what it names and what names it are left out.
-fn siblings_named(code: &str, folder: &str, siblings: &BTreeSet<String>) -> BTreeSet<String> {
+/// Every module folder under `src/` (`server`, `store/experts`, ...), relative to it.
+fn module_folders() -> Vec<String> {
+    let mut found = Vec::new();
+    let mut folders = vec![source_dir()];
+    while let Some(folder) = folders.pop() {
+        for entry in std::fs::read_dir(&folder).unwrap_or_else(|error| panic!("{}: {error}", folder.display())) {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                found.push(path.strip_prefix(source_dir()).unwrap().to_string_lossy().into_owned());
+                folders.push(path);
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
+/// The rooms of a module folder: each file beside its `mod.rs` (by stem) and each folder inside
+/// it (by name, all its files together), every file with the number of `super::` that reach the
+/// folder from it (1 beside `mod.rs` and in a child's `mod.rs`, 2 one folder down, ...).
+/// `mod.rs` is the folder's root, not a room: what it names and what names it are left out.
+fn rooms_of(folder: &str) -> Vec<(String, Vec<(PathBuf, usize)>)> {
+    let root = source_dir().join(folder);
+    let mut rooms: Vec<(String, Vec<(PathBuf, usize)>)> = Vec::new();
+    for file in files_under(&root) {
+        let relative = file.strip_prefix(&root).unwrap().with_extension("");
+        let mut parts: Vec<String> =
+            relative.components().map(|part| part.as_os_str().to_string_lossy().into_owned()).collect();
+        if parts.last().is_some_and(|last| last == "mod") {
+            parts.pop();
+        }
+        let Some(room) = parts.first().cloned() else { continue };
+        let depth = parts.len();
+        match rooms.iter_mut().find(|(name, _)| *name == room) {
+            Some((_, files)) => files.push((file, depth)),
+            None => rooms.push((room, vec![(file, depth)])),
+        }
+    }
+    rooms
+}
+
+/// The rooms of a module folder (`src/server/`) that a file `depth` modules below it names:
+/// `super::X` (`super::super::X` from a child folder's file, ...) and `crate::server::X`, paths
+/// or grouped imports, where `X` is a room.
+fn siblings_named(code: &str, folder: &str, depth: usize, siblings: &BTreeSet<String>) -> BTreeSet<String> {
     let mut named = BTreeSet::new();
-    let absolute = format!("crate::{folder}::");
-    for prefix in ["super::", absolute.as_str()] {
+    let relative = "super::".repeat(depth);
+    let absolute = format!("crate::{}::", folder.replace('/', "::"));
+    for prefix in [relative.as_str(), absolute.as_str()] {
         for (at, _) in code.match_indices(prefix) {
-            if code[..at].chars().next_back().is_some_and(|before| before.is_alphanumeric() || before == '_') {
+            // Not the tail of a longer path (`super::super::X` is not `super::X`).
+            if code[..at]
+                .chars()
+                .next_back()
+                .is_some_and(|before| before.is_alphanumeric() || before == '_' || before == ':')
+            {
                 continue;
             }
             let rest = &code[at + prefix.len()..];
@@ -177,22 +231,19 @@ fn siblings_named(code: &str, folder: &str, siblings: &BTreeSet<String>) -> BTre
     named
 }
 
-/// The file-level graph of a module folder: each file (by stem, `mod.rs` left out) to the
-/// sibling files it names.
+/// The room-level graph of a module folder: each room to the rooms its files name.
 fn file_graph(folder: &str) -> Vec<(String, BTreeSet<String>)> {
-    let files: Vec<(String, PathBuf)> = files_of(folder)
-        .into_iter()
-        .filter(|file| file.parent() == Some(source_dir().join(folder).as_path()))
-        .map(|file| (file.file_stem().unwrap().to_string_lossy().into_owned(), file))
-        .filter(|(stem, _)| stem != "mod")
-        .collect();
-    let siblings: BTreeSet<String> = files.iter().map(|(stem, _)| stem.clone()).collect();
-    let mut graph: Vec<(String, BTreeSet<String>)> = files
+    let rooms = rooms_of(folder);
+    let siblings: BTreeSet<String> = rooms.iter().map(|(room, _)| room.clone()).collect();
+    let mut graph: Vec<(String, BTreeSet<String>)> = rooms
         .iter()
-        .map(|(stem, file)| {
-            let mut named = siblings_named(&code_of(file), folder, &siblings);
-            named.remove(stem);
-            (stem.clone(), named)
+        .map(|(room, files)| {
+            let mut named: BTreeSet<String> = files
+                .iter()
+                .flat_map(|(file, depth)| siblings_named(&code_of(file), folder, *depth, &siblings))
+                .collect();
+            named.remove(room);
+            (room.clone(), named)
         })
         .collect();
     graph.sort();
@@ -230,28 +281,66 @@ fn a_cycle(graph: &[(String, BTreeSet<String>)]) -> Option<Vec<String>> {
     graph.iter().find_map(|(node, _)| visit(node, graph, &mut Vec::new(), &mut done))
 }
 
-/// The server's files name one another without a circle: the scheduler starts workers, a
-/// worker and the scheduler share the registry's types (`model.rs`), and none names back up.
+/// Module folders whose files already name one another both ways, left out of the check below:
+/// in `plan`, `types` and the placement files (`gpu` and `pool`, `dense`, `experts`); in `cli`,
+/// `settings` reads `commands/pull.rs`'s local paths and the commands read `settings`.
+const FOLDERS_WITH_CYCLES: [&str; 2] = ["plan", "cli"];
+
+/// The files of every module folder name one another without a circle: in the server the
+/// scheduler starts workers, a worker and the scheduler share the registry's types
+/// (`model.rs`), and none names back up; a folder split into files (`store/experts/`,
+/// `engine/batch/`, `remote/protocol/`, ...) keeps one direction between its files the same way.
 #[test]
-fn the_server_files_name_one_another_without_a_cycle() {
+fn the_files_of_each_module_folder_name_one_another_without_a_cycle() {
     let _turn = common::shared_machine();
-    let graph = file_graph("server");
-    assert!(graph.iter().any(|(name, _)| name == "scheduler"), "no scheduler.rs in {graph:?}");
-    if let Some(cycle) = a_cycle(&graph) {
-        panic!("the server's files name one another in a cycle: {}", cycle.join(" -> "));
+    let folders = module_folders();
+    for expected in [
+        "server",
+        "store/experts",
+        "store/residency",
+        "engine/batch",
+        "engine/chat",
+        "engine/prompt_cache",
+        "remote/protocol",
+    ]
+    .into_iter()
+    .chain(FOLDERS_WITH_CYCLES)
+    {
+        assert!(folders.iter().any(|folder| folder == expected), "no folder src/{expected} in {folders:?}");
     }
+    let server = file_graph("server");
+    assert!(server.iter().any(|(name, _)| name == "scheduler"), "no scheduler.rs in {server:?}");
+    let mut cycles = Vec::new();
+    for folder in folders.iter().filter(|folder| !FOLDERS_WITH_CYCLES.contains(&folder.as_str())) {
+        if let Some(cycle) = a_cycle(&file_graph(folder)) {
+            cycles.push(format!("src/{folder}: {}", cycle.join(" -> ")));
+        }
+    }
+    assert!(cycles.is_empty(), "files that name one another in a cycle:\n{}", cycles.join("\n"));
 }
 
-/// The graph reader sees `super::` paths and groups and `crate::server::` paths, not comments or
-/// the folder's root, and the cycle finder names the files around a cycle.
+/// The graph reader sees `super::` paths and groups and `crate::server::` paths, not comments,
+/// the folder's root or a longer `super::super::` path; from a child folder's file it reads
+/// `super::super::`; and the cycle finder names the files around a cycle.
 #[test]
 fn the_file_graph_sees_siblings_and_finds_a_cycle() {
     let _turn = common::shared_machine();
+    let strip = |code: &str| {
+        code.lines().map(|line| line.split("//").next().unwrap_or_default()).collect::<Vec<_>>().join("\n")
+    };
     let siblings: BTreeSet<String> = ["model", "worker", "scheduler"].into_iter().map(String::from).collect();
-    let code = "use super::{model::Lease, AppState};\nlet w = crate::server::worker::Worker;\n// super::scheduler\nsuper::show_model()";
-    let code = code.lines().map(|line| line.split("//").next().unwrap_or_default()).collect::<Vec<_>>().join("\n");
-    let named = siblings_named(&code, "server", &siblings);
+    let code = strip(
+        "use super::{model::Lease, AppState};\nlet w = crate::server::worker::Worker;\n// super::scheduler\nsuper::show_model();\nsuper::super::scheduler::x()",
+    );
+    let named = siblings_named(&code, "server", 1, &siblings);
     assert_eq!(named, ["model", "worker"].into_iter().map(String::from).collect());
+    let siblings: BTreeSet<String> = ["pool", "split", "cache"].into_iter().map(String::from).collect();
+    let code =
+        strip("use super::cache::Cache;\nuse super::super::pool::Slots;\nlet s = crate::store::experts::split::run();");
+    assert_eq!(
+        siblings_named(&code, "store/experts", 2, &siblings),
+        ["pool", "split"].into_iter().map(String::from).collect()
+    );
     let edges = |pairs: &[(&str, &[&str])]| -> Vec<(String, BTreeSet<String>)> {
         pairs.iter().map(|(from, to)| (from.to_string(), to.iter().map(|name| name.to_string()).collect())).collect()
     };
