@@ -1,0 +1,126 @@
+# The steps a GPU visit's script repeats, for a bundle from scripts/gpu/cuda-bundle (which copies
+# this file to DIR/scripts/visit-lib.sh). A visit's script, copied to the bundle's top, starts:
+#
+#   cd "$(dirname "$0")" && . scripts/visit-lib.sh || exit 1
+#   visit_forge qwen3.6-35b-a3b /tmp/q36.gguf     # in the background, beside the build
+#   visit_setup || exit 1                         # ggml's CUDA library; waits for the forges
+#   visit_mark "built and forged at $SECONDS s"
+#   visit_case s6a /tmp/q36.gguf 0.5701 128 PEERS=fit HYPURA_ARGS="--gpu-budget 8GiB"
+#   visit_archive
+#
+# Sourcing it sets cuda-smoke's environment (LD_LIBRARY_PATH, HYPURA_GGML_BACKEND_DIR,
+# HYPURA_CACHE_DIR), exports OUT (the folder that comes back; default ./cuda-results, as
+# cuda-smoke's) and restores lib/libggml-cuda.so from /tmp, where visit_setup keeps it between
+# calls on one machine. Outputs go to $OUT; at most eight files come back from a call.
+# Bash, sourced; the functions hold under `set -uo pipefail`.
+
+if [ ! -x ./cuda-smoke ] || [ ! -x scripts/bench-limited ]; then
+  echo "visit-lib.sh: source it from a bundle's top (scripts/gpu/cuda-bundle DIR; cd DIR)" >&2
+  return 1
+fi
+export OUT=${OUT:-$PWD/cuda-results}
+mkdir -p "$OUT"
+eval "$(./cuda-smoke env)"
+[ -f /tmp/libggml-cuda.so ] && cp /tmp/libggml-cuda.so lib/
+
+# The environment every scripts/bench-limited call of a visit takes (a case's own VAR=VALUE
+# words come after it and win).
+VISIT_ENV=${VISIT_ENV:-"HYPURA=bin/hypura THREADS=16 RUN_TIMEOUT=100 SKIP_REFERENCE=1 CONTEXT=1024"}
+_visit_forge_last=""
+_visit_forges=()
+
+# visit_forge PRESET PATH [FORGE ARGS...]
+#   `bin/hypura-forge PRESET -o PATH ARGS` in the background, its output appended to
+#   $OUT/forge.log; nothing when PATH is there (forged by an earlier call on this machine). Forges
+#   run one after another, in the order asked; visit_setup waits for them.
+visit_forge() {
+  local preset=$1 path=$2 before=$_visit_forge_last
+  shift 2
+  (
+    # (an exited forge no shell has reaped yet counts as done)
+    while [ -n "$before" ] && kill -0 "$before" 2>/dev/null &&
+      ! grep -qs '^State:[[:space:]]*Z' "/proc/$before/status"; do sleep 1; done
+    [ -f "$path" ] || bin/hypura-forge "$preset" -o "$path" "$@" >> "$OUT/forge.log" 2>&1
+  ) &
+  _visit_forge_last=$!
+  _visit_forges+=("$! $preset $path")
+}
+
+# visit_setup [CUDA_ARCHITECTURES]
+#   ggml's CUDA library: `./cuda-smoke build` (default 90; about 4 minutes, nothing when the
+#   library was restored from /tmp) with its output in $OUT/build.txt, then kept in /tmp for the
+#   next call; then waits for the forges (and any other background job), telling on stderr of a
+#   forge that failed. A failed build prints its log's last lines and returns 1.
+visit_setup() {
+  if ! ./cuda-smoke build "${1:-90}" > "$OUT/build.txt" 2>&1; then
+    tail -30 "$OUT/build.txt"
+    return 1
+  fi
+  cp lib/libggml-cuda.so /tmp/
+  local forge status
+  for forge in "${_visit_forges[@]}"; do
+    set -- $forge
+    wait "$1"; status=$?
+    [ $status -eq 0 ] || echo "visit_forge $2 -o $3: exit $status (see $OUT/forge.log)" >&2
+  done
+  _visit_forges=()
+  wait
+}
+
+# visit_mark TEXT
+#   One line in $OUT/time.log (e.g. visit_mark "built $SECONDS").
+visit_mark() {
+  echo "$*" >> "$OUT/time.log"
+}
+
+# visit_inspect GGUF GPU_BUDGET HOST_BUDGET
+#   The plan at those budgets (context 1024) appended to $OUT/inspect.txt: a line
+#   "== gpu GPU_BUDGET host HOST_BUDGET ctx 1024", then `bin/hypura inspect`'s plan, gpu, expert
+#   pool and predict lines.
+visit_inspect() {
+  echo "== gpu $2 host $3 ctx 1024" >> "$OUT/inspect.txt"
+  bin/hypura inspect "$1" --gpu-budget "$2" --memory-budget "$3" --context 1024 2>/dev/null \
+    | grep -E "^(plan|gpu|expert pool|predict)" >> "$OUT/inspect.txt"
+}
+
+# visit_bench NAME GGUF FRACTION N_GEN [VAR=VALUE...]
+#   One scripts/bench-limited run (one repetition), cold under the memory cgroup: the environment
+#   $VISIT_ENV, OUT=$OUT/NAME, then the VAR=VALUEs (PEERS, HYPURA_ARGS, a RUN_TIMEOUT or an OUT
+#   of their own...); its summary in $OUT/NAME.txt. Returns bench-limited's status.
+visit_bench() {
+  local name=$1 gguf=$2 fraction=$3 n_gen=$4
+  shift 4
+  # shellcheck disable=SC2086 # VISIT_ENV is words
+  env $VISIT_ENV OUT="$OUT/$name" "$@" scripts/bench-limited "$gguf" "$fraction" "$n_gen" 1 > "$OUT/$name.txt" 2>&1
+}
+
+# visit_case NAME GGUF FRACTION N_GEN [VAR=VALUE...]
+#   visit_bench, then "NAME at S s" in $OUT/time.log. Returns bench-limited's status.
+visit_case() {
+  local status
+  visit_bench "$@"; status=$?
+  visit_mark "$1 at $SECONDS s"
+  return $status
+}
+
+# visit_archive [NAME...]
+#   With no NAME: everything in $OUT but results.tgz and time.log into $OUT/results.tgz, then
+#   removed (the call brings back two files). With NAMEs (patterns in $OUT, quoted: 's6*'): those
+#   there into results.tgz, then the folders among them removed (a named file stays beside it).
+visit_archive() {
+  (
+    cd "$OUT" || exit 1
+    if [ $# -eq 0 ]; then
+      tar czf results.tgz --exclude=results.tgz --exclude=time.log . &&
+        find . -mindepth 1 -maxdepth 1 ! -name results.tgz ! -name time.log -exec rm -rf {} +
+      exit
+    fi
+    local names=() name
+    # shellcheck disable=SC2068 # the patterns expand here, in $OUT
+    for name in $@; do [ -e "$name" ] && names+=("$name"); done
+    [ ${#names[@]} -gt 0 ] || exit 0
+    tar czf results.tgz "${names[@]}" || exit
+    for name in "${names[@]}"; do [ -d "$name" ] && rm -rf "$name"; done
+    exit 0
+  )
+}
