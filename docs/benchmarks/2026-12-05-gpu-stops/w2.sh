@@ -3,8 +3,15 @@
 # against waiting for each copy (bin/hypura-a, the commit before, carried beside it). Build with
 # the S6 model forged beside it, the model resident on the GPU (recorded); tiny-moe-30b pooled
 # against resident (the same greedy tokens?); S6a tg128 cold, A B B A; S6b with bin/hypura.
-# At most 8 files come back: build.log goes.
-. "$(dirname "$0")/vsetup.sh"
+# At most 8 files come back: build.log goes. The setup (the build, the forge, the time lines in
+# forge.log) through the bundle's scripts/visit-lib.sh (scripts/gpu/visit-lib.sh).
+cd "$(dirname "$0")" && . scripts/visit-lib.sh || exit 1
+R=$OUT
+visit_forge qwen3.6-35b-a3b /tmp/q36s8.gguf --router-skew 8
+visit_setup 90 || exit 1
+echo "built and forged at $SECONDS s" >> $R/forge.log
+bin/hypura bench /tmp/q36s8.gguf --no-baseline --mode resident --no-repack --no-mmap -p 16 -n 128 -r 1 -t 16 \
+  --context 1024 > $R/resident.txt 2>&1
 tail -3 $R/build.txt >> $R/forge.log; rm -f $R/build.log $R/build.txt
 prompt="The history of the lighthouse begins with fires lit on hills to guide ships home, and over the centuries keepers, lenses and lamps changed how far the light could reach across the sea"
 p=tiny-moe-30b
@@ -23,17 +30,14 @@ for m in $(seq 380 6 560); do pool $m | grep -q "slots" && { mib=$m; break; }; d
 } > $R/agree.txt 2>&1
 rm -f $R/resident-tiny.txt
 echo "agreement at $SECONDS s" >> $R/forge.log
-common="THREADS=16 RUN_TIMEOUT=100 SKIP_REFERENCE=1 CONTEXT=1024"
 # LIMIT: the call's seconds (a cold S6a run takes about 35 s, S6b about 45 s).
 limit=${LIMIT:-560}
 for side in a1 b1 b2 a2; do
   [ $side = b2 ] && [ $SECONDS -gt $((limit - 90)) ] && break
   binary=bin/hypura; case $side in a*) binary=bin/hypura-a;; esac
-  env $common HYPURA=$binary OUT=$R/s6a PEERS=0 HYPURA_ARGS="--gpu-budget 8GiB" \
-    scripts/bench-limited /tmp/q36s8.gguf 0.5701 128 1 > $R/s6a-$side.txt 2>&1
+  visit_bench s6a-$side /tmp/q36s8.gguf 0.5701 128 HYPURA=$binary OUT=$R/s6a PEERS=0 HYPURA_ARGS="--gpu-budget 8GiB"
   echo "s6a $side at $SECONDS s" >> $R/forge.log
 done
-[ $SECONDS -lt $((limit - 60)) ] && env $common HYPURA=bin/hypura OUT=$R/s6b PEERS=0 HYPURA_ARGS="--gpu-budget 12GiB" \
-  scripts/bench-limited /tmp/q36s8.gguf 1.2474 128 1 > $R/s6b.txt 2>&1
+[ $SECONDS -lt $((limit - 60)) ] && visit_bench s6b /tmp/q36s8.gguf 1.2474 128 PEERS=0 HYPURA_ARGS="--gpu-budget 12GiB"
 echo "done at $SECONDS s" >> $R/forge.log
 rm -rf $R/s6a $R/s6b

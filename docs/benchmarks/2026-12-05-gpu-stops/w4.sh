@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The queued ids' agreement in a short visit (about 5 minutes): ggml's CUDA backend built without
 # its FlashAttention kernels (about half the build; both sides run the same kernels), then the tiny
-# MoE presets pooled against resident, as ../2026-12-03-pool-agreement/agree.sh does, until LIMIT
+# MoE presets pooled against resident, as the 2026-12-03 pool-agreement visit did, until LIMIT
 # seconds have passed (default 270).
 set -uo pipefail
 cd "$(dirname "$0")"
 eval "$(./cuda-smoke env)"
 limit=${LIMIT:-270}
 # Each preset with the GPU budget and host budget (MiB) that gave about k + 1 slots a layer in
-# ../2026-12-03-pool-agreement/agree.sh; the pool forms in a window a few MiB wide, so each is
+# the 2026-12-03 pool-agreement visit; the pool forms in a window a few MiB wide, so each is
 # scanned around its budget.
 table="tiny-moe-30b 435 48,tiny-qwen35moe 427 42,tiny-deepseek2 435 47,tiny-gpt-oss 436 50,tiny-glm4moe 435 47,tiny-llama4 428 42,tiny-minimax-m2 434 48,tiny-gemma4 431 43,tiny-kimi-k3 444 50,tiny-moe 434 48,tiny-moe-8x 434 48,tiny-qwen3next 427 42,tiny-deepseek4 439 47,tiny-glm5-next 437 47"
 presets=$(echo "$table" | tr ',' '\n' | cut -d' ' -f1)

@@ -12,23 +12,19 @@
 #   ./visit.sh 2   llama.cpp's placements on S6a, each in its own process (--fit, -ot exps=CPU,
 #                  --n-cpu-moe 24/26/28), then S6b (Hypura auto and layers, llama.cpp's
 #                  --n-cpu-moe 17) as time allows. Rebuilds or re-forges what a fresh machine lacks.
+# The steps every visit repeats come from the bundle's scripts/visit-lib.sh (scripts/gpu/visit-lib.sh).
 set -uo pipefail
-cd "$(dirname "$0")"
+cd "$(dirname "$0")" && . scripts/visit-lib.sh || exit 1
 R=$OUT
-eval "$(./cuda-smoke env)"
-[ -f /tmp/libggml-cuda.so ] && cp /tmp/libggml-cuda.so lib/
-forge() { [ -f /tmp/q36.gguf ] || bin/hypura-forge qwen3.6-35b-a3b -o /tmp/q36.gguf > $R/forge.log 2>&1; }
-( forge; [ -f /tmp/d1.gguf ] || bin/hypura-forge dense-1b -o /tmp/d1.gguf >> $R/forge.log 2>&1 ) &
-./cuda-smoke build 90 > $R/build.txt 2>&1 || { tail -30 $R/build.txt; exit 1; }
-cp lib/libggml-cuda.so /tmp/
-wait
-echo "built and forged at $SECONDS s" >> $R/time.log
-common="HYPURA=bin/hypura THREADS=16 RUN_TIMEOUT=100 SKIP_REFERENCE=1 CONTEXT=1024"
+visit_forge qwen3.6-35b-a3b /tmp/q36.gguf
+visit_forge dense-1b /tmp/d1.gguf
+visit_setup 90 || exit 1
+visit_mark "built and forged at $SECONDS s"
 if [ "${1:-1}" = 1 ]; then
   bin/hypura bench /tmp/d1.gguf --no-baseline --mode resident --gpu-budget 0 -p 16 -n 32 -r 1 -t 16 > $R/cpu.txt 2>&1
   bin/hypura bench /tmp/q36.gguf --no-baseline --mode resident --no-repack --no-mmap -p 16 -n 128 -r 1 -t 16 \
     --context 1024 > $R/resident.txt 2>&1
-  echo "recorded at $SECONDS s" >> $R/time.log
+  visit_mark "recorded at $SECONDS s"
   # What the benchmark decodes (greedy from a short start), traced through the pool's hook.
   i=0
   for p in "The" "Write a story about the sea." "def fibonacci(n):"; do
@@ -38,25 +34,20 @@ if [ "${1:-1}" = 1 ]; then
   done
   bin/hypura simulate --model /tmp/q36.gguf /tmp/trace*.jsonl > $R/routing.txt 2>&1
   head -c 400 /tmp/text1.txt >> $R/routing.txt
-  for budget in "8GiB 11GiB" "12GiB 22GiB"; do
-    set -- $budget
-    echo "== gpu $1 host $2 ctx 1024" >> $R/inspect.txt
-    bin/hypura inspect /tmp/q36.gguf --gpu-budget $1 --memory-budget $2 --context 1024 2>/dev/null \
-      | grep -E "^(plan|gpu|expert pool|predict)" >> $R/inspect.txt
-  done
-  echo "inspected at $SECONDS s" >> $R/time.log
-  env $common OUT=$R/s6a PEERS=0 HYPURA_ARGS="--gpu-budget 8GiB" HYPURA_B_ARGS="--gpu-experts layers" \
-    scripts/bench-limited /tmp/q36.gguf 0.5701 128 1 > $R/s6a.txt 2>&1
-  echo "s6a at $SECONDS s" >> $R/time.log
-  [ $SECONDS -lt 470 ] && env $common OUT=$R/s6a-pool PEERS=0 HYPURA_ARGS="--gpu-budget 8GiB --gpu-experts pool" \
-    scripts/bench-limited /tmp/q36.gguf 0.5701 128 1 > $R/s6a-pool.txt 2>&1
-  echo "s6a pool at $SECONDS s" >> $R/time.log
+  visit_inspect /tmp/q36.gguf 8GiB 11GiB
+  visit_inspect /tmp/q36.gguf 12GiB 22GiB
+  visit_mark "inspected at $SECONDS s"
+  visit_case s6a /tmp/q36.gguf 0.5701 128 PEERS=0 HYPURA_ARGS="--gpu-budget 8GiB" HYPURA_B_ARGS="--gpu-experts layers"
+  [ $SECONDS -lt 470 ] && visit_bench s6a-pool /tmp/q36.gguf 0.5701 128 PEERS=0 \
+    HYPURA_ARGS="--gpu-budget 8GiB --gpu-experts pool"
+  visit_mark "s6a pool at $SECONDS s"
 else
-  env $common OUT=$R/s6a-peers SKIP_HYPURA=1 PEERS=gpu N_CPU_MOE="24 26 28" HYPURA_ARGS="--gpu-budget 8GiB" \
-    scripts/bench-limited /tmp/q36.gguf 0.5701 128 1 > $R/s6a-peers.txt 2>&1
-  echo "s6a peers at $SECONDS s" >> $R/time.log
-  [ $SECONDS -lt 420 ] && env $common OUT=$R/s6b PEERS=n-cpu-moe:17 N_CPU_MOE=17 HYPURA_ARGS="--gpu-budget 12GiB" \
-    HYPURA_B_ARGS="--gpu-experts layers" scripts/bench-limited /tmp/q36.gguf 1.2474 128 1 > $R/s6b.txt 2>&1
-  echo "s6b at $SECONDS s" >> $R/time.log
+  visit_bench s6a-peers /tmp/q36.gguf 0.5701 128 SKIP_HYPURA=1 PEERS=gpu N_CPU_MOE="24 26 28" \
+    HYPURA_ARGS="--gpu-budget 8GiB"
+  visit_mark "s6a peers at $SECONDS s"
+  [ $SECONDS -lt 420 ] && visit_bench s6b /tmp/q36.gguf 1.2474 128 PEERS=n-cpu-moe:17 N_CPU_MOE=17 \
+    HYPURA_ARGS="--gpu-budget 12GiB" HYPURA_B_ARGS="--gpu-experts layers"
+  visit_mark "s6b at $SECONDS s"
 fi
-cd $R && tar czf results.tgz s6* 2>/dev/null; rm -rf s6a s6a-pool s6a-peers s6b
+# The runs' folders in results.tgz with their summaries (which stay beside it too).
+visit_archive 's6*'
