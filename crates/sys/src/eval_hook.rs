@@ -302,8 +302,8 @@ impl ExpertShape {
             // SAFETY: a type below GGML_TYPE_COUNT is one of ggml's; the call only reads its
             // traits table.
             .map_or(0, |value| unsafe { raw::ggml_blck_size(value as raw::ggml_type) } as usize);
-        if block == 0 || self.n_ff % block != 0 {
-            return vec![0..self.n_ff];
+        if block == 0 || !self.n_ff.is_multiple_of(block) {
+            return std::iter::once(0..self.n_ff).collect();
         }
         let blocks = self.n_ff / block;
         let parts = wanted.clamp(1, blocks);
@@ -718,7 +718,7 @@ mod tests {
             .iter()
             .enumerate()
             .flat_map(|(index, &(token, expert, weight))| {
-                let parts = if index == 2 { shape.parts(3) } else { vec![0..n_ff] };
+                let parts = if index == 2 { shape.parts(3) } else { shape.parts(1) };
                 let [gate, up, down] = &slices[expert];
                 parts.into_iter().map(move |ff| HostExpert { gate, up, down, token, weight, ff })
             })
