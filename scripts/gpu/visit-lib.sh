@@ -73,6 +73,15 @@ visit_mark() {
   echo "$*" >> "$OUT/time.log"
 }
 
+# visit_resident GGUF N_GEN [FILE]
+#   The model resident on the GPU (every weight loaded before the clock starts), tg N_GEN after a
+#   16-token prompt, in $OUT/FILE (default resident.txt): the device's time, which a pooled
+#   decode's limit and the plan's predictions take from the model's record.
+visit_resident() {
+  bin/hypura bench "$1" --no-baseline --mode resident --no-repack --no-mmap -p 16 -n "$2" -r 1 -t 16 \
+    --context 1024 > "$OUT/${3:-resident.txt}" 2>&1
+}
+
 # visit_inspect GGUF GPU_BUDGET HOST_BUDGET
 #   The plan at those budgets (context 1024) appended to $OUT/inspect.txt: a line
 #   "== gpu GPU_BUDGET host HOST_BUDGET ctx 1024", then `bin/hypura inspect`'s plan, gpu, expert

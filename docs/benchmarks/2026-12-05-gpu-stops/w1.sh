@@ -5,17 +5,15 @@
 # buffer, carried beside it) then bin/hypura; the pool and the resident model with ggml's CUDA
 # graphs on and off, warm (does a segment between stops replay a graph?); then S6b with the
 # routing recorded beside llama.cpp's --n-cpu-moe 17 and --fit, as time allows. At most 8 files.
-# The setup as it ran: the CUDA library built with the S6 model forged beside it, then the model
-# resident on the GPU (recorded: the pooled decode's limit and the plan's prediction take its time).
+# The setup, through the bundle's scripts/visit-lib.sh: the CUDA library built with the S6 model
+# forged beside it, then the model resident on the GPU (recorded: the pooled decode's limit and
+# the plan's prediction take its time).
+cd "$(dirname "$0")" && . scripts/visit-lib.sh || exit 1
+visit_forge qwen3.6-35b-a3b /tmp/q36s8.gguf --router-skew 8
+visit_setup 90 || exit 1
+echo "built and forged at $SECONDS s" >> $OUT/forge.log
+visit_resident /tmp/q36s8.gguf 128
 R=$OUT
-cd "$(dirname "$0")"
-eval "$(./cuda-smoke env)"
-( bin/hypura-forge qwen3.6-35b-a3b --router-skew 8 -o /tmp/q36s8.gguf > $R/forge.log 2>&1; echo "forged $?" >> $R/forge.log ) &
-./cuda-smoke build 90 > $R/build.txt 2>&1 || { tail -30 $R/build.txt; exit 1; }
-wait
-echo "built and forged at $SECONDS s" >> $R/forge.log
-bin/hypura bench /tmp/q36s8.gguf --no-baseline --mode resident --no-repack --no-mmap -p 16 -n 128 -r 1 -t 16 \
-  --context 1024 > $R/resident.txt 2>&1
 tail -3 $R/build.txt >> $R/forge.log; rm -f $R/build.txt
 common="HYPURA=bin/hypura THREADS=16 RUN_TIMEOUT=100 SKIP_REFERENCE=1 CONTEXT=1024"
 for side in a b; do
