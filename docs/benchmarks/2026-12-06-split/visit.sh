@@ -9,6 +9,7 @@
 #                  pool starts with), which `auto` predicts from; `inspect`'s three predictions for S6a
 #                  and S6b; S6a tg128, cold, under the memory cgroup: Hypura's default (auto) beside
 #                  `--gpu-experts split` and llama.cpp's --fit, then `layers` and S6b as time allows.
+#   ./visit.sh agree every tiny MoE preset split on the GPU against resident (32 greedy tokens).
 #   ./visit.sh proof the split and whole layers, one warm run each (the shortest session).
 #   ./visit.sh lean  call 1's essentials for a short session (no device record, no auto run).
 #   ./visit.sh 2   S6b: Hypura's auto and split against llama.cpp's --n-cpu-moe 17; then S6a's
@@ -21,7 +22,12 @@ visit_forge qwen3.6-35b-a3b /tmp/q36.gguf
 visit_forge dense-1b /tmp/d1.gguf
 visit_setup 90 || exit 1
 visit_mark "built and forged at $SECONDS s"
-if [ "${1:-1}" = proof ]; then
+if [ "${1:-1}" = agree ]; then
+  # Every tiny MoE preset split on the GPU against the same model resident there (the pool's
+  # agreement, kept with the split's CPU share summed in).
+  scripts/pool-agreement $R split > /dev/null 2>&1
+  visit_mark "agreement at $SECONDS s"
+elif [ "${1:-1}" = proof ]; then
   # The least a device session can show: the split and whole layers on S6a's budgets, each a
   # run of 128 tokens with its figures (warm: no cgroup, the file in the page cache).
   for experts in split layers; do
