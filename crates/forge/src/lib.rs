@@ -22,6 +22,45 @@ pub use spec::{preset, presets, Arch, ForgeSpec, Init, QuantMix, Shape, TensorPl
 pub use vocab::Vocabulary;
 pub use write::{metadata, plan_model, write_model, ForgeSummary};
 
+/// Calls `$callback! { test_name => "tiny-preset", ... }` with every tiny MoE preset, after any
+/// pairs given first: the one list the tests make a test per preset from (each test file also
+/// checks it against `presets()`).
+#[macro_export]
+macro_rules! with_tiny_moe_presets {
+    ($callback:ident $(, $test:ident => $preset:literal)* $(,)?) => {
+        $callback! {
+            $($test => $preset,)*
+            tiny_moe_8x => "tiny-moe-8x",
+            tiny_moe_30b => "tiny-moe-30b",
+            tiny_qwen35moe => "tiny-qwen35moe",
+            tiny_qwen3next => "tiny-qwen3next",
+            tiny_gpt_oss => "tiny-gpt-oss",
+            tiny_deepseek2 => "tiny-deepseek2",
+            tiny_deepseek4 => "tiny-deepseek4",
+            tiny_kimi_k3 => "tiny-kimi-k3",
+            tiny_glm4moe => "tiny-glm4moe",
+            tiny_glm5_next => "tiny-glm5-next",
+            tiny_gemma4 => "tiny-gemma4",
+            tiny_llama4 => "tiny-llama4",
+            tiny_minimax_m2 => "tiny-minimax-m2",
+        }
+    };
+}
+
+/// Calls `$callback! { test_name => "tiny-preset", ... }` with every tiny preset, dense then MoE
+/// (`with_tiny_moe_presets`).
+#[macro_export]
+macro_rules! with_tiny_presets {
+    ($callback:ident) => {
+        $crate::with_tiny_moe_presets! {
+            $callback,
+            tiny_dense_1b => "tiny-dense-1b",
+            tiny_dense_8b => "tiny-dense-8b",
+            tiny_qwen3 => "tiny-qwen3",
+        }
+    };
+}
+
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ForgeError {

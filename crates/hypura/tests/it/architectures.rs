@@ -228,18 +228,4 @@ macro_rules! matrix {
     };
 }
 
-matrix! {
-    tiny_moe_8x => "tiny-moe-8x",
-    tiny_moe_30b => "tiny-moe-30b",
-    tiny_qwen35moe => "tiny-qwen35moe",
-    tiny_qwen3next => "tiny-qwen3next",
-    tiny_gpt_oss => "tiny-gpt-oss",
-    tiny_deepseek2 => "tiny-deepseek2",
-    tiny_deepseek4 => "tiny-deepseek4",
-    tiny_kimi_k3 => "tiny-kimi-k3",
-    tiny_glm4moe => "tiny-glm4moe",
-    tiny_glm5_next => "tiny-glm5-next",
-    tiny_gemma4 => "tiny-gemma4",
-    tiny_llama4 => "tiny-llama4",
-    tiny_minimax_m2 => "tiny-minimax-m2",
-}
+hypura_forge::with_tiny_moe_presets!(matrix);
