@@ -2,6 +2,7 @@
 //! and each command is one thin file in `commands` that calls the library.
 pub mod args;
 pub mod commands;
+pub mod models;
 pub mod progress;
 pub mod settings;
 

@@ -31,7 +31,7 @@ pub fn model_path(model: Option<&str>) -> anyhow::Result<PathBuf> {
     if path.exists() {
         return Ok(path);
     }
-    if let Some(path) = crate::cli::commands::pull::local_path(model)? {
+    if let Some(path) = crate::cli::models::local_path(model)? {
         return Ok(path);
     }
     let catalog = crate::server::Catalog {

@@ -4,7 +4,8 @@
 use serde::Serialize;
 
 use super::pool::{
-    splits, ExpertPoolLayout, PoolCosts, POOL_BUS_BYTES_PER_SEC, POOL_STOP_DEVICE_SECONDS, POOL_STOP_HOST_SECONDS,
+    splits, ExpertPoolLayout, PoolCosts, PoolRates, POOL_ALIGNMENT, POOL_BUS_BYTES_PER_SEC, POOL_STOP_DEVICE_SECONDS,
+    POOL_STOP_HOST_SECONDS,
 };
 use super::remote::RemoteLayout;
 use super::reuse::ReuseDepths;
@@ -110,17 +111,9 @@ pub(super) struct DeviceCosts<'a> {
     pub(super) tied_output_bytes: u64,
     /// What an expert pool is sized from; None where the model's experts cannot be pooled.
     pub(super) pool: Option<PoolCosts>,
-    /// The model's routing as earlier runs recorded it, else real models' routing: how few
-    /// slots serve it, and so which MoE layers are worth more whole (`pool_decode_cost`).
-    pub(super) reuse: &'a ReuseDepths,
-    /// What a stop costs a token and the rate a miss moves at: as benchmark runs recorded them
-    /// here, else the H200 machine's.
-    pub(super) stop_seconds: f64,
-    pub(super) bus_bytes_per_sec: f64,
-    /// A split pool (`ExpertPoolLayout::split`), and the rate the CPU computes its misses at: as
-    /// runs recorded it here, else `predict::CPU_BYTES_PER_SEC_UNMEASURED`.
-    pub(super) split: bool,
-    pub(super) cpu_bytes_per_sec: f64,
+    /// What a pool layout's cost is weighed with (the recorded routing: how few slots serve it,
+    /// and so which MoE layers are worth more whole; the stops', the bus's and the CPU's rates).
+    pub(super) rates: PoolRates<'a>,
 }
 
 /// The GPU tier for `budget` bytes of device memory: Ok(None) without a budget, Err(why) when
@@ -171,22 +164,92 @@ pub(super) fn gpu_tier(
             && matches!(options.mode, ModeChoice::Auto | ModeChoice::Forced(Mode::ExpertStream)))
         .then(|| PoolCosts::of(inventory, n_layer))
         .flatten(),
-        reuse: machine.expert_reuse.as_ref().unwrap_or(&real_routing),
-        stop_seconds: machine.pool_stop_host_seconds.unwrap_or(POOL_STOP_HOST_SECONDS)
-            + machine.pool_stop_device_seconds.unwrap_or(POOL_STOP_DEVICE_SECONDS),
-        bus_bytes_per_sec: machine.pool_bus_bytes_per_sec.filter(|rate| *rate > 0.0).unwrap_or(POOL_BUS_BYTES_PER_SEC),
-        split: options.gpu_experts == Some(GpuExperts::Split) && splits(inventory),
-        // A split's misses at the rate earlier split runs' CPU took them, else the CPU's.
-        cpu_bytes_per_sec: machine
-            .pool_split_bytes_per_sec
-            .or(machine.cpu_bytes_per_sec)
-            .filter(|rate| *rate > 0.0)
-            .unwrap_or(super::predict::CPU_BYTES_PER_SEC_UNMEASURED),
+        rates: PoolRates {
+            reuse: machine.expert_reuse.as_ref().unwrap_or(&real_routing),
+            stop_seconds: machine.pool_stop_host_seconds.unwrap_or(POOL_STOP_HOST_SECONDS)
+                + machine.pool_stop_device_seconds.unwrap_or(POOL_STOP_DEVICE_SECONDS),
+            bus_bytes_per_sec: machine
+                .pool_bus_bytes_per_sec
+                .filter(|rate| *rate > 0.0)
+                .unwrap_or(POOL_BUS_BYTES_PER_SEC),
+            split: options.gpu_experts == Some(GpuExperts::Split) && splits(inventory),
+            // A split's misses at the rate earlier split runs' CPU took them, else the CPU's.
+            cpu_bytes_per_sec: machine
+                .pool_split_bytes_per_sec
+                .or(machine.cpu_bytes_per_sec)
+                .filter(|rate| *rate > 0.0)
+                .unwrap_or(super::predict::CPU_BYTES_PER_SEC_UNMEASURED),
+        },
     };
     costs.every_layers_attention(ffn).map_or_else(|| costs.whole_last_layers(ffn), |gpu| Ok(Some(gpu)))
 }
 
 impl DeviceCosts<'_> {
+    /// Every layer's attention, the output and the KV cache, then the layers without routed
+    /// experts' FFN from the last layer down, then an expert pool in what is left: a staging
+    /// area for one layer's experts whole and as many slots per pooled MoE layer as fit. With a
+    /// recorded routing, the MoE layers whose experts whole are worth more than their stop and
+    /// the slots they would take go on the device whole, from the last layer down: the count
+    /// with the least `PoolRates::pool_decode_cost`. None where the pool would hold fewer slots than the
+    /// router picks per token, or every expert.
+    pub(super) fn with_expert_pool(&self, every_token: u64, base: u64) -> Option<GpuLayout> {
+        let pool = self.pool.as_ref()?;
+        let staging = pool.layer_bytes.iter().copied().max()?;
+        let mut spare = self.budget.checked_sub(base + self.runtime + staging)?;
+        let mut ffn_layers = Vec::new();
+        for (layer, &bytes) in self.layer_ffn.iter().enumerate().rev() {
+            if pool.expert_bytes[layer] == 0 && bytes > 0 && bytes <= spare {
+                spare -= bytes;
+                ffn_layers.push(layer as u32);
+            }
+        }
+        // A layer left without its FFN on the device would be copied there for prompt batches.
+        let dense_left = (0..self.layer_ffn.len())
+            .filter(|&layer| pool.expert_bytes[layer] == 0 && !ffn_layers.contains(&(layer as u32)))
+            .map(|layer| self.layer_ffn[layer])
+            .max()
+            .unwrap_or(0);
+        let spare = spare.checked_sub(self.runtime.max(dense_left) - self.runtime)?;
+        let moe: Vec<u32> =
+            (0..pool.expert_bytes.len() as u32).filter(|&layer| pool.expert_bytes[layer as usize] > 0).collect();
+        let candidates = (0..moe.len()).map_while(|whole| {
+            let (pooled, whole) = moe.split_at(moe.len() - whole);
+            let spare = spare.checked_sub(whole.iter().map(|&layer| self.layer_ffn[layer as usize]).sum())?;
+            let per_slot: u64 = pooled.iter().map(|&layer| pool.expert_bytes[layer as usize]).sum();
+            let alignment = pooled.iter().map(|&layer| pool.tensors[layer as usize]).sum::<u64>() * POOL_ALIGNMENT;
+            // A split pool's zero slot is one more.
+            let zero = u64::from(self.rates.split);
+            let slots = (spare.checked_sub(alignment)? / per_slot.max(1)).min(pool.n_expert - 1 + zero);
+            (slots >= pool.n_expert_used + zero).then(|| ExpertPoolLayout {
+                layers: pooled.to_vec(),
+                whole_layers: whole.to_vec(),
+                slots: slots as u32,
+                split: self.rates.split,
+                warm_order: Vec::new(),
+                slot_bytes: slots * per_slot + alignment,
+                staging_bytes: staging,
+                decode_overhead_seconds: None,
+            })
+        });
+        let chosen = candidates
+            .map(|layout| (self.rates.pool_decode_cost(&layout, pool), layout))
+            .min_by(|(one, _), (other, _)| one.total_cmp(other))
+            .map(|(cost, layout)| ExpertPoolLayout {
+                decode_overhead_seconds: Some(cost),
+                warm_order: self.rates.warm_order(&layout.layers, self.layer_ffn.len(), pool.n_expert as usize),
+                ..layout
+            })?;
+        ffn_layers.extend_from_slice(&chosen.whole_layers);
+        ffn_layers.sort_unstable();
+        Some(self.with_every_layers_attention(
+            every_token,
+            ffn_layers,
+            self.runtime.max(dense_left),
+            true,
+            Some(chosen),
+        ))
+    }
+
     /// The design's layout: every layer's attention, the output and the KV cache, then whole
     /// layers' FFN (with `ffn`) from the last layer down. None where that does not fit.
     fn every_layers_attention(&self, ffn: bool) -> Option<GpuLayout> {

@@ -3,7 +3,6 @@
 //! recorded routing (split or not, decision 33), and which experts it starts with.
 use serde::Serialize;
 
-use super::gpu::{DeviceCosts, GpuLayout};
 use super::reuse::ReuseDepths;
 use crate::model::Inventory;
 
@@ -129,76 +128,25 @@ pub(super) fn splits(inventory: &Inventory) -> bool {
         && !has(Role::ExpertBias)
 }
 
-impl DeviceCosts<'_> {
-    /// Every layer's attention, the output and the KV cache, then the layers without routed
-    /// experts' FFN from the last layer down, then an expert pool in what is left: a staging
-    /// area for one layer's experts whole and as many slots per pooled MoE layer as fit. With a
-    /// recorded routing, the MoE layers whose experts whole are worth more than their stop and
-    /// the slots they would take go on the device whole, from the last layer down: the count
-    /// with the least `pool_decode_cost`. None where the pool would hold fewer slots than the
-    /// router picks per token, or every expert.
-    pub(super) fn with_expert_pool(&self, every_token: u64, base: u64) -> Option<GpuLayout> {
-        let pool = self.pool.as_ref()?;
-        let staging = pool.layer_bytes.iter().copied().max()?;
-        let mut spare = self.budget.checked_sub(base + self.runtime + staging)?;
-        let mut ffn_layers = Vec::new();
-        for (layer, &bytes) in self.layer_ffn.iter().enumerate().rev() {
-            if pool.expert_bytes[layer] == 0 && bytes > 0 && bytes <= spare {
-                spare -= bytes;
-                ffn_layers.push(layer as u32);
-            }
-        }
-        // A layer left without its FFN on the device would be copied there for prompt batches.
-        let dense_left = (0..self.layer_ffn.len())
-            .filter(|&layer| pool.expert_bytes[layer] == 0 && !ffn_layers.contains(&(layer as u32)))
-            .map(|layer| self.layer_ffn[layer])
-            .max()
-            .unwrap_or(0);
-        let spare = spare.checked_sub(self.runtime.max(dense_left) - self.runtime)?;
-        let moe: Vec<u32> =
-            (0..pool.expert_bytes.len() as u32).filter(|&layer| pool.expert_bytes[layer as usize] > 0).collect();
-        let candidates = (0..moe.len()).map_while(|whole| {
-            let (pooled, whole) = moe.split_at(moe.len() - whole);
-            let spare = spare.checked_sub(whole.iter().map(|&layer| self.layer_ffn[layer as usize]).sum())?;
-            let per_slot: u64 = pooled.iter().map(|&layer| pool.expert_bytes[layer as usize]).sum();
-            let alignment = pooled.iter().map(|&layer| pool.tensors[layer as usize]).sum::<u64>() * POOL_ALIGNMENT;
-            // A split pool's zero slot is one more.
-            let zero = u64::from(self.split);
-            let slots = (spare.checked_sub(alignment)? / per_slot.max(1)).min(pool.n_expert - 1 + zero);
-            (slots >= pool.n_expert_used + zero).then(|| ExpertPoolLayout {
-                layers: pooled.to_vec(),
-                whole_layers: whole.to_vec(),
-                slots: slots as u32,
-                split: self.split,
-                warm_order: Vec::new(),
-                slot_bytes: slots * per_slot + alignment,
-                staging_bytes: staging,
-                decode_overhead_seconds: None,
-            })
-        });
-        let chosen = candidates
-            .map(|layout| (self.pool_decode_cost(&layout, pool, self.reuse), layout))
-            .min_by(|(one, _), (other, _)| one.total_cmp(other))
-            .map(|(cost, layout)| ExpertPoolLayout {
-                decode_overhead_seconds: Some(cost),
-                warm_order: self.warm_order(&layout.layers, pool.n_expert as usize),
-                ..layout
-            })?;
-        ffn_layers.extend_from_slice(&chosen.whole_layers);
-        ffn_layers.sort_unstable();
-        Some(self.with_every_layers_attention(
-            every_token,
-            ffn_layers,
-            self.runtime.max(dense_left),
-            true,
-            Some(chosen),
-        ))
-    }
+/// What a pool layout's cost is weighed with: the model's routing as earlier runs recorded it
+/// (else real models'), what a stop costs a token and the rate a miss moves at over the bus (as
+/// benchmark runs recorded them here, else the H200 machine's), and for a split pool the rate the
+/// CPU takes its misses at (as split runs recorded it, else the CPU's, else
+/// `predict::CPU_BYTES_PER_SEC_UNMEASURED`).
+pub(super) struct PoolRates<'a> {
+    pub(super) reuse: &'a ReuseDepths,
+    pub(super) stop_seconds: f64,
+    pub(super) bus_bytes_per_sec: f64,
+    /// A split pool (`ExpertPoolLayout::split`).
+    pub(super) split: bool,
+    pub(super) cpu_bytes_per_sec: f64,
+}
 
+impl PoolRates<'_> {
     /// `layers`' units by the recorded decode picks, most picked first (`warm_order`).
-    fn warm_order(&self, layers: &[u32], n_expert: usize) -> Vec<(u32, u32)> {
+    pub(super) fn warm_order(&self, layers: &[u32], n_layer: usize, n_expert: usize) -> Vec<(u32, u32)> {
         let picks = &self.reuse.unit_picks;
-        if picks.len() != self.layer_ffn.len() * n_expert {
+        if picks.len() != n_layer * n_expert {
             return Vec::new();
         }
         let mut units: Vec<(u32, u32)> = layers
@@ -218,11 +166,11 @@ impl DeviceCosts<'_> {
     ///
     /// Split, a miss is computed by the CPU from the host cache instead (at the CPU's rate, not
     /// counted as hidden behind the device's compute), and a layer with misses stops twice.
-    fn pool_decode_cost(&self, layout: &ExpertPoolLayout, pool: &PoolCosts, reuse: &ReuseDepths) -> f64 {
+    pub(super) fn pool_decode_cost(&self, layout: &ExpertPoolLayout, pool: &PoolCosts) -> f64 {
         let layers = layout.layers.len() as u64;
         let usable = layout.slots - u32::from(layout.split);
         let trusted = f64::from(usable) * POOL_SLOTS_TRUSTED;
-        let hit = reuse.steady_hit_rate(trusted * layers as f64, layers).unwrap_or(0.0);
+        let hit = self.reuse.steady_hit_rate(trusted * layers as f64, layers).unwrap_or(0.0);
         let experts: u64 = layout.layers.iter().map(|&layer| pool.expert_bytes[layer as usize]).sum();
         let misses = pool.n_expert_used as f64 * (1.0 - hit);
         if layout.split {

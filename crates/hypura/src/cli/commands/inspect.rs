@@ -47,7 +47,7 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
     // A hub name not yet pulled is planned from its first file's index on the hub.
     let hub_address = match model.and_then(crate::hub::Source::parse).transpose()? {
         Some(source @ crate::hub::Source::Repo { .. }) => {
-            let hub = super::pull::hub();
+            let hub = crate::cli::models::hub();
             match hub.pulled(&source) {
                 Some(_) => None,
                 None => Some(hub.resolve(&source)?.remove(0).url),

@@ -134,7 +134,7 @@ fn catalog(args: &ServeArgs) -> anyhow::Result<Catalog> {
         anyhow::ensure!(directory.is_dir(), "--models-dir {} is not a directory", directory.display());
         add_directory(&mut catalog, directory.clone());
     }
-    catalog.hub = Some(super::pull::hub());
+    catalog.hub = Some(crate::cli::models::hub());
     if let Some(store) = Catalog::default_ollama_store() {
         if !catalog.ollama_stores.contains(&store) {
             catalog.ollama_stores.push(store);
@@ -147,7 +147,7 @@ fn catalog(args: &ServeArgs) -> anyhow::Result<Catalog> {
             add_directory(&mut catalog, path);
         } else if path.is_file() {
             catalog.files.push(path);
-        } else if let Some(path) = super::pull::local_path(model)? {
+        } else if let Some(path) = crate::cli::models::local_path(model)? {
             // A hub name: pulled now if it was not (the catalog lists it by its name).
             tracing::info!("{model} is {}", path.display());
         } else if ModelName::parse(model).is_some() && !crate::server::is_gguf(&path) {
