@@ -82,6 +82,19 @@ visit_resident() {
     --context 1024 > "$OUT/${3:-resident.txt}" 2>&1
 }
 
+# visit_setup_resident PRESET GGUF N_GEN [FORGE ARGS...]
+#   The common start of a visit of one model: PRESET forged to GGUF beside ggml's CUDA build,
+#   "built and forged at S s" in $OUT/forge.log, then the model resident on the GPU
+#   (visit_resident, tg N_GEN). Returns 1 where the build failed.
+visit_setup_resident() {
+  local preset=$1 gguf=$2 n_gen=$3
+  shift 3
+  visit_forge "$preset" "$gguf" "$@"
+  visit_setup 90 || return 1
+  echo "built and forged at $SECONDS s" >> "$OUT/forge.log"
+  visit_resident "$gguf" "$n_gen"
+}
+
 # visit_inspect GGUF GPU_BUDGET HOST_BUDGET
 #   The plan at those budgets (context 1024) appended to $OUT/inspect.txt: a line
 #   "== gpu GPU_BUDGET host HOST_BUDGET ctx 1024", then `bin/hypura inspect`'s plan, gpu, expert
