@@ -1,6 +1,7 @@
-//! The GPU tier: which tensors go to device memory (`gpu_tier`, from the model's `DeviceCosts`),
-//! the resulting `GpuLayout`, each tensor's tier under it (`place`), and how llama.cpp is told:
-//! `n_gpu_layers` and the override patterns that keep host tensors in host memory.
+//! The GPU tier: which tensors go to device memory (`gpu_tier`, from the model's `DeviceCosts`:
+//! whole layers, or an expert pool fitted beside them, `with_expert_pool`), the resulting
+//! `GpuLayout`, each tensor's tier under it (`place`), and how llama.cpp is told: `n_gpu_layers`
+//! and the override patterns that keep host tensors in host memory.
 use serde::Serialize;
 
 use super::pool::{

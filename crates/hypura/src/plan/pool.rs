@@ -1,6 +1,7 @@
-//! The device's expert pool as the plan lays it out (decision 29): how many slots each pooled MoE
-//! layer gets, which MoE layers are worth more whole, what a layout costs a decoded token by the
-//! recorded routing (split or not, decision 33), and which experts it starts with.
+//! The device's expert pool as the plan lays it out (decision 29): the layout (`ExpertPoolLayout`),
+//! what the model's experts cost a slot (`PoolCosts`), what a layout costs a decoded token by the
+//! recorded routing, split or not (`PoolRates`, decision 33), and which experts it starts with.
+//! The GPU tier (`gpu.rs`) fits it in the budget beside whole layers.
 use serde::Serialize;
 
 use super::reuse::ReuseDepths;
