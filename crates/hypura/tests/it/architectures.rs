@@ -32,6 +32,13 @@ fn engine(path: &Path, mode: Mode, n_ubatch: u32, cache_units: Option<usize>) ->
     let plan =
         plan::plan(&inventory, &MachineFacts { memory_budget_bytes: 8 << 30, ..MachineFacts::default() }, &options)
             .unwrap_or_else(|error| panic!("{}: {error}", path.display()));
+    let engine = open_planned(path, plan, n_ubatch);
+    assert_eq!(engine.mode(), mode);
+    engine
+}
+
+/// An engine of `path` on `plan`: the matrix's context, one thread, no repacking.
+fn open_planned(path: &Path, plan: plan::Plan, n_ubatch: u32) -> Arc<Engine> {
     let options = EngineOptions {
         n_ctx_seq: 512,
         n_ubatch,
@@ -40,9 +47,7 @@ fn engine(path: &Path, mode: Mode, n_ubatch: u32, cache_units: Option<usize>) ->
         plan: Some(plan),
         ..EngineOptions::default()
     };
-    let engine = Arc::new(Engine::open(path, options).unwrap_or_else(|error| panic!("{}: {error}", path.display())));
-    assert_eq!(engine.mode(), mode);
-    engine
+    Arc::new(Engine::open(path, options).unwrap_or_else(|error| panic!("{}: {error}", path.display())))
 }
 
 /// The prompt's logits and 24 greedy tokens, each from an empty cache.
@@ -149,17 +154,7 @@ fn matrix(preset: &str) {
     assert_eq!(pool.is_none(), has_biases, "{preset}: {}", plan.render());
     if let Some(pool) = pool {
         assert!(u64::from(pool.slots) < hparams.n_expert, "{preset}: {}", plan.render());
-        let open_planned = |plan: plan::Plan| {
-            let options = EngineOptions {
-                n_ctx_seq: 512,
-                n_threads: Some(1),
-                repack: false,
-                plan: Some(plan),
-                ..EngineOptions::default()
-            };
-            Arc::new(Engine::open(&path, options).unwrap_or_else(|error| panic!("{preset}: {error}")))
-        };
-        let pooled = open_planned(plan);
+        let pooled = open_planned(&path, plan, pool_options.n_ubatch);
         let (reference_logits, reference_tokens, _) = run(&engine(&path, Mode::Resident, pooled.n_ubatch(), None));
         let (logits, tokens, output) = run(&pooled);
         assert!(logits == reference_logits, "{preset}: pooled logits differ from resident");
@@ -183,7 +178,7 @@ fn matrix(preset: &str) {
             inventory.tensors.iter().any(|tensor| matches!(tensor.role, Role::ExpertGateUp | Role::ExpertBias));
         assert_eq!(split_planned, !fused_or_biased, "{preset}: {}", plan.render());
         if split_planned {
-            let split = open_planned(plan);
+            let split = open_planned(&path, plan, pool_options.n_ubatch);
             let (_, tokens, output) = run(&split);
             assert_eq!(tokens, reference_tokens, "{preset}: split tokens");
             let device = output.stats.experts.expect("expert stats").device;

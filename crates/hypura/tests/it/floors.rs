@@ -161,19 +161,14 @@ fn the_import_reader_sees_groups_and_paths_but_not_comments() {
 
 /// Every module folder under `src/` (`server`, `store/experts`, ...), relative to it.
 fn module_folders() -> Vec<String> {
-    let mut found = Vec::new();
-    let mut folders = vec![source_dir()];
-    while let Some(folder) = folders.pop() {
-        for entry in std::fs::read_dir(&folder).unwrap_or_else(|error| panic!("{}: {error}", folder.display())) {
-            let path = entry.unwrap().path();
-            if path.is_dir() {
-                found.push(path.strip_prefix(source_dir()).unwrap().to_string_lossy().into_owned());
-                folders.push(path);
-            }
-        }
-    }
-    found.sort();
-    found
+    let source = source_dir();
+    let found: BTreeSet<String> = files_under(&source)
+        .iter()
+        .filter_map(|file| file.parent()?.strip_prefix(&source).ok())
+        .filter(|folder| !folder.as_os_str().is_empty())
+        .map(|folder| folder.to_string_lossy().into_owned())
+        .collect();
+    found.into_iter().collect()
 }
 
 /// The rooms of a module folder: each file beside its `mod.rs` (by stem) and each folder inside

@@ -117,9 +117,9 @@ impl ExpertStream {
     }
 
     /// Hand the CPU `layer`'s picks of `cpu` (their ids now at the zero slot): the FFN's input
-    /// rows (the router's: `hidden` where already read), and each pick's token and final weight (the weights' run's last
-    /// node, kept up to `stop`). The sum is added at the layer's `ffn_moe_out` stop. The bytes
-    /// of the picks computed.
+    /// rows (the router's: `hidden` where already read), and each pick's token and final weight
+    /// (the weights' run's last node, kept up to `stop`). The sum is added at the layer's
+    /// `ffn_moe_out` stop. The bytes of the picks computed.
     pub(super) fn submit_cpu_share(
         &self,
         layer: usize,
