@@ -226,7 +226,6 @@ impl<'a> StreamLoad<'a> {
             return Err(StoreError::Placed { placed, planned });
         }
         let (path, inventory, plan, region) = (self.path, self.inventory, self.plan, &self.region);
-        let load_bytes = self.stats.snapshot().bytes_read;
 
         let file = Arc::new(DirectFile::open(path)?);
         if !self.mapped.is_empty() {
@@ -262,6 +261,13 @@ impl<'a> StreamLoad<'a> {
                     if pool.split {
                         driver = driver.with_split(split_layers(inventory, pool), cpu_threads)?;
                     }
+                    let started = std::time::Instant::now();
+                    let (units, bytes) = driver.warm_now()?;
+                    tracing::info!(
+                        "host cache warm: {units} experts ({:.2} GiB) read in {:.2} s",
+                        bytes as f64 / (1u64 << 30) as f64,
+                        started.elapsed().as_secs_f64()
+                    );
                 }
                 Some(Arc::new(driver))
             }
@@ -292,6 +298,8 @@ impl<'a> StreamLoad<'a> {
             _ if experts.is_none() => return Err(StoreError::NoLayout),
             _ => None,
         };
+        // The load's reads: llama.cpp's, and the host cache's warm fill.
+        let load_bytes = self.stats.snapshot().bytes_read;
         Ok(Streams { dense, experts, stats: self.stats.clone(), load_bytes, hooked: !self.streamed.is_empty() })
     }
 }

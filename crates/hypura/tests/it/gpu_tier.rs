@@ -295,30 +295,32 @@ fn whole_moe_layers_beside_the_pool_are_not_hooked_and_tokens_equal_resident() {
     assert!(device.hits > 0, "{device:?}");
 }
 
-/// Beside the pool, the host cache's free room is filled from disk in the background (each
-/// unit once, nothing evicted), so that decode's slot misses find their experts in RAM: a
-/// two-token prompt leaves most experts unread, the fill reads them, and the tokens are the
-/// resident model's.
+/// The pool starts warm: at load, the host cache's free room is filled from disk (each unit
+/// once, nothing evicted), so that decode's slot misses find their experts in RAM. With a host
+/// budget that holds every expert, the load reads them all and the request reads nothing from
+/// disk; the tokens are the resident model's.
 #[test]
-fn the_host_cache_fills_its_free_room_beside_the_pool() {
+fn the_host_cache_fills_its_free_room_at_load_beside_the_pool() {
     let _machine = common::shared_machine();
     let (_directory, path, inventory) = tiny_moe();
     let hparams = &inventory.hparams;
     let gpu = common::expert_pool_budget(&inventory, N_CTX, 512, hparams.n_expert_used + 1);
     // A host budget that holds every expert: the fill never has to stop.
     let plan = pooled_plan(&inventory, gpu, 1 << 30);
-    assert!(plan.gpu.as_ref().is_some_and(|gpu| gpu.expert_pool.is_some()), "{}", plan.render());
-    let ours = common::greedy(&open_tiny(&path, Some(plan)), "Hi", 16);
+    let pool = plan.gpu.as_ref().and_then(|gpu| gpu.expert_pool.clone()).expect("a pool");
+    let engine = open_tiny(&path, Some(plan));
+    let streaming = engine.streaming().expect("streaming");
+    let at_load = streaming.driver.experts().expect("experts").snapshot();
+    // Every expert no slot took at load was read once, into the cache.
+    let units = hparams.n_layer * hparams.n_expert;
+    assert_eq!(at_load.warm_reads, units - at_load.device.preloaded, "{at_load:?}");
+    assert!(at_load.warm_bytes > 0 && at_load.warm_bytes <= streaming.load_bytes, "{at_load:?}");
+    assert_eq!(pool.layers.len() as u64, hparams.n_layer, "every layer pooled: {pool:?}");
+    let ours = common::greedy(&engine, "Hi", 16);
     assert_eq!(ours.tokens, common::greedy(&open_tiny(&path, None), "Hi", 16).tokens);
     let experts = ours.stats.experts.clone().expect("expert stats");
-    assert!(experts.warm_reads > 0, "{experts:?}");
-    // Every read from disk, demanded or not, is of a unit read no time before.
-    let units = hparams.n_layer * hparams.n_expert;
-    assert!(experts.misses + experts.warm_reads <= units, "{experts:?}");
-    // The fill's bytes are within the request's reads, and a decode's limit leaves them out.
-    let read = ours.stats.io.expect("io stats").bytes_read;
-    assert!(experts.warm_bytes > 0 && experts.warm_bytes < read, "{experts:?}, {read} bytes read");
-    assert_eq!(ours.stats.demand_bytes_read(), Some(read - experts.warm_bytes));
+    assert_eq!((experts.misses, experts.warm_reads), (0, 0), "{experts:?}");
+    assert_eq!(ours.stats.io.expect("io stats").bytes_read, 0);
 }
 
 /// The expert pool: every MoE layer's routed experts in `slots` device slots (here the CPU's

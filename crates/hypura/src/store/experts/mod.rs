@@ -280,7 +280,7 @@ impl ExpertStream {
         threads: usize,
     ) -> Result<ExpertStream, ResidencyError> {
         let layers = Arc::new(layers);
-        let worker = SplitWorker::start(self.residency.clone(), layers.clone(), threads)?;
+        let worker = SplitWorker::start(self.residency.clone(), self.numbering, layers.clone(), threads)?;
         self.split = Some(SplitSide { worker, layers, plain: PlainCheck::new(self.numbering.n_layer) });
         Ok(self)
     }
@@ -437,15 +437,18 @@ impl ExpertStream {
         let picks = self.picks(rows)?;
         self.record_reuse(layer, rows, &picks);
         let chosen = picks.into_iter().map(|expert| self.numbering.unit(layer, expert)).collect();
-        self.route_units(layer, chosen, rows, hidden, &|_| false)
+        self.route_units(layer, chosen, &[], rows, hidden, &|_| false)
     }
 
     /// Make `chosen` (units of `layer`) ready in the cache, and prefetch the next layer's
-    /// predicted units that `skip` (the device's slots) does not hold.
+    /// predicted units that `skip` (the device's slots) does not hold. The units of `later`
+    /// (some of `chosen`) are requested and pinned but not waited for: their reader waits
+    /// (the split's CPU lanes), while the device computes.
     fn route_units(
         &self,
         layer: usize,
         chosen: Vec<usize>,
+        later: &[usize],
         rows: &[Vec<i32>],
         hidden: Option<&[Vec<f32>]>,
         skip: &dyn Fn(usize) -> bool,
@@ -525,7 +528,7 @@ impl ExpertStream {
                 self.residency.request(unit)?;
             }
         }
-        for &unit in &chosen {
+        for &unit in chosen.iter().filter(|unit| !later.contains(unit)) {
             // A hit on a unit a failed read left empty reloads it here.
             if self.residency.state(unit).map(|(state, _)| state) != Some(UnitState::Ready) {
                 self.residency.wait_ready(unit)?;

@@ -85,7 +85,12 @@ impl ExpertStream {
             serving.from_host().into_iter().map(|expert| self.numbering.unit(layer, expert)).collect();
         let hidden = self.predicting(&rows, layer).then(|| Self::router_input(layer, weights)).flatten();
         let next_pooled = |unit: usize| pool.holds(layer + 1, unit % self.numbering.n_expert);
-        self.route_units(layer, units, &rows, hidden.as_deref(), &next_pooled)?;
+        // The CPU's picks are waited for by the lane that computes each, beside the device.
+        let later: Vec<usize> = match &serving {
+            Serving::Split { cpu, .. } => cpu.iter().map(|&expert| self.numbering.unit(layer, expert)).collect(),
+            _ => Vec::new(),
+        };
+        self.route_units(layer, units, &later, &rows, hidden.as_deref(), &next_pooled)?;
         let mut tiers = HostTier { stream: self, layer };
         let moving = Instant::now();
         let remapped = pool.load(layer, &picks, &serving, self.residency.region(), &rows, &mut tiers)?;

@@ -18,6 +18,7 @@ use std::time::Instant;
 
 use hypura_sys::{CpuExperts, ExpertShape, HostExpert};
 
+use crate::store::layout::ExpertUnits;
 use crate::store::residency::{Residency, ResidencyError};
 use crate::sync::Lock;
 
@@ -153,10 +154,12 @@ pub struct SplitWorker {
 }
 
 impl SplitWorker {
-    /// A worker computing on `threads` lanes, reading experts from `residency`'s region (the
-    /// caller keeps a job's experts ready and unevicted until its result is taken).
+    /// A worker computing on `threads` lanes, reading experts from `residency`'s region (units
+    /// numbered by `numbering`): each lane waits for its picks' reads; the caller has requested
+    /// them and keeps them unevicted until the job's result is taken.
     pub fn start(
         residency: Arc<Residency>,
+        numbering: ExpertUnits,
         layers: Arc<Vec<Option<SplitLayer>>>,
         threads: usize,
     ) -> Result<SplitWorker, ResidencyError> {
@@ -176,7 +179,8 @@ impl SplitWorker {
                 .name(format!("hypura-split-{lane}"))
                 .spawn(move || {
                     for part in inbox {
-                        let result = compute(&mut cpu, &residency, &layers, &part).map(|sums| (sums, Instant::now()));
+                        let result =
+                            compute(&mut cpu, &residency, numbering, &layers, &part).map(|sums| (sums, Instant::now()));
                         if outbox.send(result).is_err() {
                             break;
                         }
@@ -258,10 +262,12 @@ impl Drop for SplitWorker {
     }
 }
 
-/// A part's sums: each pick's expert from the region, through the lane's CPU backend.
+/// A part's sums: each pick's expert from the region, through the lane's CPU backend, once
+/// it is ready there (a host cache miss is read while the device computes the slots' picks).
 fn compute(
     cpu: &mut CpuExperts,
     residency: &Residency,
+    numbering: ExpertUnits,
     layers: &[Option<SplitLayer>],
     part: &Part,
 ) -> Result<Vec<Vec<f32>>, ResidencyError> {
@@ -270,6 +276,9 @@ fn compute(
         .copied()
         .flatten()
         .ok_or_else(|| ResidencyError::Pool(format!("layer {} does not split", part.layer)))?;
+    for &(_, expert, _, _) in &part.picks {
+        residency.wait_ready_quietly(numbering.unit(part.layer, expert))?;
+    }
     let region = residency.region();
     let host: Vec<HostExpert<'_>> = part
         .picks

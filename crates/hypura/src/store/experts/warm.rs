@@ -2,12 +2,14 @@
 use super::{ExpertStream, ExpertUnits, ResidencyError, UnitState};
 use crate::sync::Lock;
 
-/// The host cache's warm fill: beside a device pool, the disk is idle most of a decode (the
-/// slots serve most picks), while each pick the slots miss and the host cache does not hold is
-/// read at a queue depth of one. So the cache's free room is filled in the background, expert
-/// `e` of every streamed layer before expert `e + 1`, at most `WARM_IN_FLIGHT` reads at once
-/// (the reader threads stay free for the misses), each unit once, never evicting anything: a
-/// cold start's misses become host hits, uploaded over the bus instead of read from disk.
+/// The host cache's warm fill: beside a device pool, each pick the slots miss and the host
+/// cache does not hold is read from disk at its stop, at a queue depth of one. So the cache's
+/// free room is filled with the experts the recorded routing picks most (then expert `e` of
+/// every streamed layer before expert `e + 1`), each unit once, never evicting anything: at
+/// load, all of it at once by every reader thread (`warm_now`, the pool starts warm); behind a
+/// decode, room the cache gets back, at most `WARM_IN_FLIGHT` reads at once (the reader
+/// threads stay free for the misses). A cold start's misses become host hits, computed by the
+/// CPU or uploaded over the bus instead of read from disk.
 #[derive(Default)]
 pub(super) struct WarmFill {
     /// Units to fill first, the recorded routing's most picked first (`with_warm_order`).
@@ -34,14 +36,37 @@ impl ExpertStream {
         self
     }
 
-    /// Top up the warm fill (`WarmFill`): forget the reads that finished, then issue the next
-    /// candidates that no slot holds and the cache does not, while there is free room.
+    /// Fill the host cache's free room now, before the first decode (the pool starts warm):
+    /// every candidate `warm_step` would issue, read at once by all the reader threads, and
+    /// waited for. Returns the units and bytes read; a later `warm_step` finds nothing to do
+    /// until the cache has room again.
+    pub fn warm_now(&self) -> Result<(u64, u64), ResidencyError> {
+        let Some(warm) = &self.warm else { return Ok((0, 0)) };
+        let (issued, bytes) = {
+            let warm = warm.locked();
+            (warm.issued, warm.bytes)
+        };
+        self.warm_issue(usize::MAX)?;
+        let mut warm = warm.locked();
+        for unit in std::mem::take(&mut warm.in_flight) {
+            self.residency.wait_ready(unit)?;
+        }
+        Ok((warm.issued - issued, warm.bytes - bytes))
+    }
+
+    /// Top up the warm fill (`WarmFill`) behind a decode, `WARM_IN_FLIGHT` reads at most.
     pub(super) fn warm_step(&self) -> Result<(), ResidencyError> {
+        self.warm_issue(WARM_IN_FLIGHT)
+    }
+
+    /// Forget the warm reads that finished, then issue the next candidates that no slot holds
+    /// and the cache does not, while there is free room and fewer than `in_flight` are reading.
+    fn warm_issue(&self, in_flight: usize) -> Result<(), ResidencyError> {
         let Some(warm) = &self.warm else { return Ok(()) };
         let mut warm = warm.locked();
         warm.in_flight.retain(|&unit| matches!(self.residency.state(unit), Some((UnitState::Loading, _))));
         let ExpertUnits { n_layer, n_expert } = self.numbering;
-        while warm.in_flight.len() < WARM_IN_FLIGHT && warm.next < warm.order.len() + n_layer * n_expert {
+        while warm.in_flight.len() < in_flight && warm.next < warm.order.len() + n_layer * n_expert {
             let (expert, layer) = match warm.order.get(warm.next) {
                 Some(&unit) => (unit % n_expert, unit / n_expert),
                 None => {

@@ -114,8 +114,18 @@ impl Residency {
     }
 
     /// Block until `unit` is ready (loading it if needed, into its slot if it has one).
-    /// Returns the time spent waiting.
+    /// Returns the time spent waiting, counted as the compute's stall.
     pub fn wait_ready(&self, unit: usize) -> Result<Duration, ResidencyError> {
+        let waited = self.wait_ready_quietly(unit)?;
+        if !waited.is_zero() {
+            self.stats.record_stall(waited);
+        }
+        Ok(waited)
+    }
+
+    /// `wait_ready` for a thread beside the compute (the split's CPU lanes): its wait is not
+    /// the compute's stall, which waits for that thread's result instead.
+    pub fn wait_ready_quietly(&self, unit: usize) -> Result<Duration, ResidencyError> {
         self.check(unit)?;
         self.claim_slot(unit);
         self.request(unit)?;
@@ -151,11 +161,7 @@ impl Residency {
                 }
             }
         }
-        let elapsed = started.elapsed();
-        if waited {
-            self.stats.record_stall(elapsed);
-        }
-        Ok(if waited { elapsed } else { Duration::ZERO })
+        Ok(if waited { started.elapsed() } else { Duration::ZERO })
     }
 
     /// Abandon a load nobody needs any more (a mispredicted prefetch) if none of its reads has
