@@ -15,11 +15,22 @@ fn engine(path: &Path, mode: Mode, cache_units: usize, policy: CachePolicy) -> A
 }
 
 fn engine_with(path: &Path, mode: Mode, cache_units: usize, policy: CachePolicy, prefetch: bool) -> Arc<Engine> {
+    engine_batched(path, mode, cache_units, policy, prefetch, 512)
+}
+
+fn engine_batched(
+    path: &Path,
+    mode: Mode,
+    cache_units: usize,
+    policy: CachePolicy,
+    prefetch: bool,
+    n_ubatch: u32,
+) -> Arc<Engine> {
     let inventory = Inventory::open(path).unwrap();
     let options = PlanOptions {
         mode: ModeChoice::Forced(mode),
         n_ctx: 512,
-        n_ubatch: 512,
+        n_ubatch,
         window_layers: Some(2),
         expert_cache_units: Some(cache_units),
         expert_prefetch: Some(prefetch),
@@ -34,6 +45,7 @@ fn engine_with(path: &Path, mode: Mode, cache_units: usize, policy: CachePolicy,
     .unwrap();
     let engine_options = EngineOptions {
         n_ctx_seq: 512,
+        n_ubatch,
         n_threads: Some(1),
         repack: false,
         plan: Some(plan),
@@ -99,6 +111,27 @@ fn expert_stream_is_bit_identical_to_resident_and_reads_only_misses() {
             assert!(picks <= 21 * inventory.hparams.n_layer * inventory.hparams.n_expert_used * 20, "{picks}");
         }
     }
+}
+
+/// A prompt in many batches sweeps every layer's experts again and again through a cache of
+/// half of them: each batch after the first finds much of what the cache holds (under LRU,
+/// every pick of such a sweep was a miss), and the tokens stay the resident model's.
+#[test]
+fn a_long_prompts_sweeps_keep_what_the_cache_holds() {
+    let _machine = common::shared_machine();
+    let directory = tempfile::tempdir().unwrap();
+    let path = common::forge("tiny-moe-30b", directory.path());
+    let inventory = Inventory::open(&path).unwrap();
+    let units = (inventory.hparams.n_layer * inventory.hparams.n_expert) as usize;
+    let prompt = "the king of paris and the queen of the sea walked to the river ".repeat(8);
+    let reference = common::greedy(&engine(&path, Mode::Resident, 0, CachePolicy::Lru), &prompt, 2);
+    let streaming = engine_batched(&path, Mode::ExpertStream, units / 2, CachePolicy::Slru, false, 16);
+    let output = common::greedy(&streaming, &prompt, 2);
+    assert_eq!(output.tokens, reference.tokens);
+    let batches = u64::from(output.stats.prompt_eval_count.div_ceil(16));
+    assert!(batches >= 4, "{batches} batches");
+    let experts = output.stats.experts.expect("expert stats");
+    assert!(experts.hits >= (batches - 1) * units as u64 / 4, "{batches} batches: {experts:?}");
 }
 
 #[test]

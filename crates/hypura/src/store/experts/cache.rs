@@ -107,6 +107,28 @@ impl CacheModel {
         evicted
     }
 
+    /// Admit `unit` (a miss) during a sweep over every layer (a prompt batch picks nearly every
+    /// expert of each layer in turn, and the next batch does again): the victims are the most
+    /// recent unpinned units, probationary first, as Belady's choice for a cycle, whose least
+    /// recent unit is the one needed soonest. So a sweep reads what the cache cannot hold, not
+    /// everything: under LRU every unit of a cycle longer than the cache is a miss.
+    pub fn admit_sweeping(&mut self, unit: usize, pinned: &[usize]) -> Vec<usize> {
+        let mut evicted = Vec::new();
+        while self.resident_count >= self.capacity {
+            let newest = |segment: &BTreeSet<(u64, usize)>| {
+                segment.iter().rev().map(|&(_, candidate)| candidate).find(|candidate| !pinned.contains(candidate))
+            };
+            let Some(victim) = newest(&self.probation).or_else(|| newest(&self.protected)) else { break };
+            self.remove(victim);
+            evicted.push(victim);
+        }
+        self.remove(unit);
+        self.resident[unit] = true;
+        self.resident_count += 1;
+        self.stamp(unit, false);
+        evicted
+    }
+
     /// Admit `unit` only if that needs no eviction of a `protected` unit and keeps the cache
     /// within its capacity (for prefetches, which must never overfill it); None otherwise.
     pub fn try_admit(&mut self, unit: usize, protected: &[usize]) -> Option<Vec<usize>> {
@@ -179,6 +201,41 @@ mod tests {
         // A refresh is not a use: 0 stays probationary and is the first SLRU victim after 2.
         cache.refresh(0);
         assert_eq!(cache.admit(6, &[6]), vec![2]);
+    }
+
+    /// Sweeps over 10 units (one layer after another, again and again) through a cache of 6:
+    /// under LRU every pick is a miss; sweeping, the cache keeps most of what it holds, and a
+    /// pinned unit (the layer computing) is never a victim.
+    #[test]
+    fn a_sweep_keeps_what_the_cache_holds_where_lru_keeps_nothing() {
+        let hits = |sweeping: bool| {
+            let mut cache = CacheModel::new(CachePolicy::Slru, 10, 6);
+            let mut hits = 0;
+            for _ in 0..5 {
+                for unit in 0..10 {
+                    if cache.is_resident(unit) {
+                        hits += 1;
+                        if sweeping {
+                            cache.refresh(unit);
+                        } else {
+                            cache.touch(unit);
+                        }
+                    } else if sweeping {
+                        assert!(!cache.admit_sweeping(unit, &[unit]).contains(&unit));
+                    } else {
+                        cache.admit(unit, &[unit]);
+                    }
+                }
+            }
+            hits
+        };
+        assert_eq!(hits(false), 0);
+        // After the first sweep, each of the four keeps at least 5 of its 10 picks.
+        assert!(hits(true) >= 4 * 5, "{}", hits(true));
+        let mut cache = CacheModel::new(CachePolicy::Lru, 10, 2);
+        cache.admit(0, &[]);
+        cache.admit(1, &[]);
+        assert_eq!(cache.admit_sweeping(2, &[1, 2]), vec![0]);
     }
 
     #[test]

@@ -476,15 +476,27 @@ impl ExpertStream {
                     self.prefetch_cancelled.fetch_add(1, Ordering::Relaxed);
                 }
             }
+            // A prompt batch sweeps the layers, each nearly whole, and the next batch again: its
+            // hits are not the reuse a decode's are, and its misses evict the most recent units.
+            let sweeping = rows.len() > PREDICT_MAX_TOKENS;
             for &unit in &chosen {
                 if state.cache.is_resident(unit) {
                     self.counters.hits.fetch_add(1, Ordering::Relaxed);
-                    state.cache.touch(unit);
+                    if sweeping {
+                        state.cache.refresh(unit);
+                    } else {
+                        state.cache.touch(unit);
+                    }
                 } else {
                     self.counters.misses.fetch_add(1, Ordering::Relaxed);
                     self.counters.misses_by_layer[layer].fetch_add(1, Ordering::Relaxed);
                     let pinned = state.pinned.clone();
-                    for victim in state.cache.admit(unit, &pinned) {
+                    let victims = if sweeping {
+                        state.cache.admit_sweeping(unit, &pinned)
+                    } else {
+                        state.cache.admit(unit, &pinned)
+                    };
+                    for victim in victims {
                         self.residency.release(victim)?;
                     }
                     to_load.push(unit);
