@@ -90,21 +90,8 @@ impl CacheModel {
     /// Admit `unit` (a miss), returning the units to evict first so that it fits. `pinned`
     /// units (the layer about to compute) are never chosen.
     pub fn admit(&mut self, unit: usize, pinned: &[usize]) -> Vec<usize> {
-        let mut evicted = Vec::new();
-        while self.resident_count >= self.capacity {
-            // The least recent unpinned unit: probationary first (for LRU, the only segment).
-            let oldest = |segment: &BTreeSet<(u64, usize)>| {
-                segment.iter().map(|&(_, candidate)| candidate).find(|candidate| !pinned.contains(candidate))
-            };
-            let Some(victim) = oldest(&self.probation).or_else(|| oldest(&self.protected)) else { break };
-            self.remove(victim);
-            evicted.push(victim);
-        }
-        self.remove(unit);
-        self.resident[unit] = true;
-        self.resident_count += 1;
-        self.stamp(unit, false);
-        evicted
+        // The least recent unpinned unit: probationary first (for LRU, the only segment).
+        self.admit_evicting(unit, pinned, false)
     }
 
     /// Admit `unit` (a miss) during a sweep over every layer (a prompt batch picks nearly every
@@ -113,12 +100,24 @@ impl CacheModel {
     /// recent unit is the one needed soonest. So a sweep reads what the cache cannot hold, not
     /// everything: under LRU every unit of a cycle longer than the cache is a miss.
     pub fn admit_sweeping(&mut self, unit: usize, pinned: &[usize]) -> Vec<usize> {
+        self.admit_evicting(unit, pinned, true)
+    }
+
+    /// Admit `unit`, evicting unpinned units, probationary first, the least recent (or with
+    /// `newest`, the most recent) of each segment, until it fits.
+    fn admit_evicting(&mut self, unit: usize, pinned: &[usize], newest: bool) -> Vec<usize> {
         let mut evicted = Vec::new();
         while self.resident_count >= self.capacity {
-            let newest = |segment: &BTreeSet<(u64, usize)>| {
-                segment.iter().rev().map(|&(_, candidate)| candidate).find(|candidate| !pinned.contains(candidate))
+            let pick = |segment: &BTreeSet<(u64, usize)>| {
+                let unpinned = |candidate: &usize| !pinned.contains(candidate);
+                let mut units = segment.iter().map(|&(_, candidate)| candidate);
+                if newest {
+                    units.rev().find(unpinned)
+                } else {
+                    units.find(unpinned)
+                }
             };
-            let Some(victim) = newest(&self.probation).or_else(|| newest(&self.protected)) else { break };
+            let Some(victim) = pick(&self.probation).or_else(|| pick(&self.protected)) else { break };
             self.remove(victim);
             evicted.push(victim);
         }
