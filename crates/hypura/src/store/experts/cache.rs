@@ -130,7 +130,8 @@ impl CacheModel {
 
     /// Admit `unit` only if that needs no eviction of a `protected` unit and keeps the cache
     /// within its capacity (for prefetches, which must never overfill it); None otherwise.
-    pub fn try_admit(&mut self, unit: usize, protected: &[usize]) -> Option<Vec<usize>> {
+    /// `sweeping`: the victims are `admit_sweeping`'s.
+    pub fn try_admit(&mut self, unit: usize, protected: &[usize], sweeping: bool) -> Option<Vec<usize>> {
         if self.resident_count >= self.capacity {
             // Only a full cache needs victims: count the unprotected ones then.
             let mut shielded = protected.to_vec();
@@ -142,7 +143,7 @@ impl CacheModel {
                 return None;
             }
         }
-        Some(self.admit(unit, protected))
+        Some(self.admit_evicting(unit, protected, sweeping))
     }
 
     /// Mark resident `unit` as recently used without counting it as a use (no promotion to
@@ -192,10 +193,10 @@ mod tests {
             cache.admit(unit, &[]);
         }
         // Everything resident is protected: no room, and nothing changes.
-        assert_eq!(cache.try_admit(5, &[0, 1, 2, 5]), None);
+        assert_eq!(cache.try_admit(5, &[0, 1, 2, 5], false), None);
         assert!(!cache.is_resident(5) && (0..3).all(|unit| cache.is_resident(unit)));
         // One unprotected unit: it makes room.
-        assert_eq!(cache.try_admit(5, &[0, 2, 5]), Some(vec![1]));
+        assert_eq!(cache.try_admit(5, &[0, 2, 5], false), Some(vec![1]));
         assert!(cache.is_resident(5));
         // A refresh is not a use: 0 stays probationary and is the first SLRU victim after 2.
         cache.refresh(0);

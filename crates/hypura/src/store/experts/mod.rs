@@ -454,6 +454,10 @@ impl ExpertStream {
         skip: &dyn Fn(usize) -> bool,
     ) -> Result<(), ResidencyError> {
         self.counters.layer_visits.fetch_add(1, Ordering::Relaxed);
+        // A prompt batch sweeps the layers, each nearly whole, and the next batch again: its
+        // hits are not the reuse a decode's are, and its misses (and the next layer's reads
+        // ahead) evict the most recent units (decision 34).
+        let sweeping = rows.len() > PREDICT_MAX_TOKENS;
         let mut to_load = Vec::new();
         {
             let mut state = self.state.locked();
@@ -476,9 +480,6 @@ impl ExpertStream {
                     self.prefetch_cancelled.fetch_add(1, Ordering::Relaxed);
                 }
             }
-            // A prompt batch sweeps the layers, each nearly whole, and the next batch again: its
-            // hits are not the reuse a decode's are, and its misses evict the most recent units.
-            let sweeping = rows.len() > PREDICT_MAX_TOKENS;
             for &unit in &chosen {
                 if state.cache.is_resident(unit) {
                     self.counters.hits.fetch_add(1, Ordering::Relaxed);
@@ -531,7 +532,7 @@ impl ExpertStream {
                     state.cache.refresh(unit);
                     continue;
                 }
-                let Some(victims) = state.cache.try_admit(unit, &protect) else { break };
+                let Some(victims) = state.cache.try_admit(unit, &protect, sweeping) else { break };
                 for victim in victims {
                     self.residency.release(victim)?;
                 }
