@@ -11,8 +11,8 @@
 #                  cgroup: Hypura's default (auto) beside `--gpu-experts split` and llama.cpp's
 #                  --fit; then, as time allows, S6a's 4,096-token prompt (Hypura's default),
 #                  whole layers, and S6b beside llama.cpp's --n-cpu-moe 17.
-#   ./visit.sh short  the split run with its figures, S6a's default beside the split, then --fit as
-#                  time allows (DEADLINE set to the session's device time left).
+#   ./visit.sh short  S6a's default beside the split, then the split run with its figures and
+#                  --fit as time allows (DEADLINE set to the session's device time left).
 #   ./visit.sh 2   S6a's 4,096-token prompt: Hypura's default, then llama.cpp's --fit given five
 #                  times Hypura's time; then S6b as in call 1 if it was not reached there.
 #
@@ -40,13 +40,14 @@ s6b() {
     HYPURA_ARGS="--gpu-budget 12GiB" HYPURA_B_ARGS="--gpu-experts split"
 }
 if [ "${1:-1}" = short ]; then
-  # What a short session allows: the warm split run with its figures (it records the routing),
-  # then S6a cold, Hypura's default beside the split, then llama.cpp's --fit if time is left.
-  timeout 60 bin/hypura run /tmp/q36.gguf --gpu-budget 8GiB --memory-budget 11GiB --gpu-experts split --raw --stats \
-    -p "Write a story about the sea." -n 96 --temperature 0 --context 1024 > $R/split-run.txt 2>&1
-  visit_mark "split run at $SECONDS s"
+  # What a short session allows: S6a cold, Hypura's default beside the split (no record yet:
+  # planned for real models' routing), then a warm split run with its figures, then llama.cpp's
+  # --fit if time is left.
   visit_case s6a /tmp/q36.gguf 0.5701 128 PEERS=0 RUN_TIMEOUT=60 HYPURA_ARGS="--gpu-budget 8GiB" \
     HYPURA_B_ARGS="--gpu-experts split"
+  fits 50 && timeout 45 bin/hypura run /tmp/q36.gguf --gpu-budget 8GiB --memory-budget 11GiB --gpu-experts split \
+    --raw --stats -p "Write a story about the sea." -n 96 --temperature 0 --context 1024 > $R/split-run.txt 2>&1
+  visit_mark "split run at $SECONDS s"
   fits 70 && visit_case s6a-fit /tmp/q36.gguf 0.5701 128 SKIP_HYPURA=1 OUT=$R/s6a PEERS=fit RUN_TIMEOUT=60 \
     HYPURA_ARGS="--gpu-budget 8GiB"
 elif [ "${1:-1}" = 1 ]; then
