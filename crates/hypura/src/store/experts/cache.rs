@@ -90,28 +90,22 @@ impl CacheModel {
     /// Admit `unit` (a miss), returning the units to evict first so that it fits. `pinned`
     /// units (the layer about to compute) are never chosen.
     pub fn admit(&mut self, unit: usize, pinned: &[usize]) -> Vec<usize> {
-        // The least recent unpinned unit: probationary first (for LRU, the only segment).
         self.admit_evicting(unit, pinned, false)
     }
 
-    /// Admit `unit` (a miss) during a sweep over every layer (a prompt batch picks nearly every
-    /// expert of each layer in turn, and the next batch does again): the victims are the most
-    /// recent unpinned units, probationary first, as Belady's choice for a cycle, whose least
-    /// recent unit is the one needed soonest. So a sweep reads what the cache cannot hold, not
-    /// everything: under LRU every unit of a cycle longer than the cache is a miss.
-    pub fn admit_sweeping(&mut self, unit: usize, pinned: &[usize]) -> Vec<usize> {
-        self.admit_evicting(unit, pinned, true)
-    }
-
-    /// Admit `unit`, evicting unpinned units, probationary first, the least recent (or with
-    /// `newest`, the most recent) of each segment, until it fits.
-    fn admit_evicting(&mut self, unit: usize, pinned: &[usize], newest: bool) -> Vec<usize> {
+    /// `admit`, with the victims unpinned units, probationary first (for LRU, the only
+    /// segment), the least recent of each segment; or, `sweeping`, the most recent. A sweep over
+    /// every layer (a prompt batch picks nearly every expert of each layer in turn, and the
+    /// next batch does again) is a cycle, whose least recent unit is the one needed soonest:
+    /// evicting the most recent (Belady's choice for a cycle), a sweep reads what the cache
+    /// cannot hold, where under LRU every unit of a cycle longer than the cache is a miss.
+    pub fn admit_evicting(&mut self, unit: usize, pinned: &[usize], sweeping: bool) -> Vec<usize> {
         let mut evicted = Vec::new();
         while self.resident_count >= self.capacity {
             let pick = |segment: &BTreeSet<(u64, usize)>| {
                 let unpinned = |candidate: &usize| !pinned.contains(candidate);
                 let mut units = segment.iter().map(|&(_, candidate)| candidate);
-                if newest {
+                if sweeping {
                     units.rev().find(unpinned)
                 } else {
                     units.find(unpinned)
@@ -130,7 +124,7 @@ impl CacheModel {
 
     /// Admit `unit` only if that needs no eviction of a `protected` unit and keeps the cache
     /// within its capacity (for prefetches, which must never overfill it); None otherwise.
-    /// `sweeping`: the victims are `admit_sweeping`'s.
+    /// `sweeping`: the victims are a sweep's (`admit_evicting`).
     pub fn try_admit(&mut self, unit: usize, protected: &[usize], sweeping: bool) -> Option<Vec<usize>> {
         if self.resident_count >= self.capacity {
             // Only a full cache needs victims: count the unprotected ones then.
@@ -221,7 +215,7 @@ mod tests {
                             cache.touch(unit);
                         }
                     } else if sweeping {
-                        assert!(!cache.admit_sweeping(unit, &[unit]).contains(&unit));
+                        assert!(!cache.admit_evicting(unit, &[unit], true).contains(&unit));
                     } else {
                         cache.admit(unit, &[unit]);
                     }
@@ -235,7 +229,7 @@ mod tests {
         let mut cache = CacheModel::new(CachePolicy::Lru, 10, 2);
         cache.admit(0, &[]);
         cache.admit(1, &[]);
-        assert_eq!(cache.admit_sweeping(2, &[1, 2]), vec![0]);
+        assert_eq!(cache.admit_evicting(2, &[1, 2], true), vec![0]);
     }
 
     #[test]

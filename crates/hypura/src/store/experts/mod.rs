@@ -492,12 +492,7 @@ impl ExpertStream {
                     self.counters.misses.fetch_add(1, Ordering::Relaxed);
                     self.counters.misses_by_layer[layer].fetch_add(1, Ordering::Relaxed);
                     let pinned = state.pinned.clone();
-                    let victims = if sweeping {
-                        state.cache.admit_sweeping(unit, &pinned)
-                    } else {
-                        state.cache.admit(unit, &pinned)
-                    };
-                    for victim in victims {
+                    for victim in state.cache.admit_evicting(unit, &pinned, sweeping) {
                         self.residency.release(victim)?;
                     }
                     to_load.push(unit);
