@@ -94,8 +94,9 @@ pub struct BenchReport {
     pub draft_acceptance: Option<f64>,
     pub tokens_per_pass: Option<f64>,
     pub bytes_read_per_generated_token: Option<f64>,
-    /// Streaming, over tg runs: the physical limit with this run's compute per pass and bytes
-    /// read per pass at `disk_bytes_per_sec` (the profile's streaming rate, or tg's rate while
+    /// Streaming, over tg runs: the physical limit with this run's compute per decode and the
+    /// decodes' own bytes read per decode (the start token's pass is not timed) at
+    /// `disk_bytes_per_sec` (the profile's streaming rate, or tg's rate while
     /// reads were in flight where that was faster: the profile was low), and the share of it
     /// Hypura's tg reached.
     pub disk_bytes_per_sec: Option<f64>,
