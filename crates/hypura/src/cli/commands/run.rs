@@ -265,10 +265,12 @@ fn print_stats(gpu_free_before: Option<&[(String, u64)]>, disk_rate: Option<f64>
             );
             if device.cpu_picks > 0 {
                 eprintln!(
-                    "split {} picks no slot held computed by the CPU ({} in {:.3} s beside the GPU; the GPU waited {:.3} s for them at the layers' sums)",
+                    "split {} picks no slot held computed by the CPU ({} in {:.3} s beside the GPU: {:.3} s handing them to the lanes, {:.3} s the slowest lane waiting for reads; the GPU waited {:.3} s for them at the layers' sums)",
                     device.cpu_picks,
                     crate::format::format_bytes(device.cpu_bytes),
                     device.cpu_seconds,
+                    device.cpu_start_seconds,
+                    device.cpu_read_wait_seconds,
                     device.cpu_wait_seconds
                 );
             }

@@ -195,6 +195,10 @@ pub struct PoolSnapshot {
     pub cpu_bytes: u64,
     pub cpu_seconds: f64,
     pub cpu_wait_seconds: f64,
+    /// Of `cpu_seconds`, per layer summed: the hand-over to the lanes (the last lane's start),
+    /// and the longest wait of a lane for its picks' reads (host cache misses read from disk).
+    pub cpu_start_seconds: f64,
+    pub cpu_read_wait_seconds: f64,
     /// Time moving experts between the tiers (uploads, copies back, staging): the bus's share.
     pub transfer_seconds: f64,
     /// Time the host spent at the pool's stops, waits for the disk left out: reading the
@@ -265,6 +269,8 @@ counters_add_sub!(PoolSnapshot {
     cpu_bytes,
     cpu_seconds,
     cpu_wait_seconds,
+    cpu_start_seconds,
+    cpu_read_wait_seconds,
     transfer_seconds,
     host_seconds,
     stops,
@@ -612,9 +618,12 @@ impl ExpertPool {
         self.counters.cpu_bytes += bytes;
     }
 
-    /// A split layer's CPU share was added: the CPU's time for it, and the decode's wait for it.
-    pub fn add_cpu_times(&mut self, cpu: f64, waited: f64) {
-        self.counters.cpu_seconds += cpu;
+    /// A split layer's CPU share was added: the CPU's times for it (`CpuDone`), and the
+    /// decode's wait for it.
+    pub fn add_cpu_times(&mut self, done: &super::split::CpuDone, waited: f64) {
+        self.counters.cpu_seconds += done.seconds;
+        self.counters.cpu_start_seconds += done.start_seconds;
+        self.counters.cpu_read_wait_seconds += done.read_wait_seconds;
         self.counters.cpu_wait_seconds += waited;
     }
 

@@ -180,7 +180,7 @@ impl ExpertStream {
         }
         node.write_f32_rows(&rows).map_err(|error| ResidencyError::Pool(error.to_string()))?;
         if let Some(pool) = &self.pool {
-            pool.locked().add_cpu_times(done.seconds, waited.as_secs_f64());
+            pool.locked().add_cpu_times(&done, waited.as_secs_f64());
         }
         Ok(())
     }

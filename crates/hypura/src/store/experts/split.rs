@@ -14,7 +14,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use hypura_sys::{CpuExperts, ExpertShape, HostExpert};
 
@@ -113,11 +113,14 @@ pub struct CpuJob {
     pub picks: Vec<(usize, usize, f32)>,
 }
 
-/// What the worker computed: the sums per token, and the time from the job's handing over to
-/// its last pick computed.
+/// What the worker computed: the sums per token, the time from the job's handing over to its
+/// last pick computed, and within it the last lane's start (the hand-over's latency) and the
+/// longest wait of a lane for its picks' reads.
 pub struct CpuDone {
     pub sums: Vec<Vec<f32>>,
     pub seconds: f64,
+    pub start_seconds: f64,
+    pub read_wait_seconds: f64,
 }
 
 /// One lane's share of a job: some of its picks, each over a part of the FFN's width, over
@@ -128,8 +131,15 @@ struct Part {
     picks: Vec<(usize, usize, f32, Range<usize>)>,
 }
 
-/// A lane's sums for its part, and when it finished.
-type PartDone = Result<(Vec<Vec<f32>>, Instant), ResidencyError>;
+/// A lane's sums for its part, when it started and finished, and how long it waited for reads.
+type PartDone = Result<LaneDone, ResidencyError>;
+
+struct LaneDone {
+    sums: Vec<Vec<f32>>,
+    started: Instant,
+    finished: Instant,
+    read_wait: Duration,
+}
 
 /// A job handed over and not yet taken: how many lanes compute it, its shape and when.
 struct Pending {
@@ -179,8 +189,9 @@ impl SplitWorker {
                 .name(format!("hypura-split-{lane}"))
                 .spawn(move || {
                     for part in inbox {
-                        let result =
-                            compute(&mut cpu, &residency, numbering, &layers, &part).map(|sums| (sums, Instant::now()));
+                        let started = Instant::now();
+                        let result = compute(&mut cpu, &residency, numbering, &layers, &part)
+                            .map(|(sums, read_wait)| LaneDone { sums, started, finished: Instant::now(), read_wait });
                         if outbox.send(result).is_err() {
                             break;
                         }
@@ -231,13 +242,15 @@ impl SplitWorker {
                 ResidencyError::Pool("the split's CPU share was taken before it was handed over".into())
             })?;
         let mut sums = vec![vec![0f32; width]; rows];
-        let (mut finished, mut failed) = (handed, None);
+        let (mut finished, mut started, mut read_wait, mut failed) = (handed, handed, Duration::ZERO, None);
         let done = self.done.locked();
         for _ in 0..parts {
             match done.recv().map_err(|_| ResidencyError::Pool("the split's CPU thread has stopped".into()))? {
-                Ok((part, at)) => {
-                    finished = finished.max(at);
-                    for (sum, row) in sums.iter_mut().zip(part) {
+                Ok(lane) => {
+                    finished = finished.max(lane.finished);
+                    started = started.max(lane.started);
+                    read_wait = read_wait.max(lane.read_wait);
+                    for (sum, row) in sums.iter_mut().zip(lane.sums) {
                         for (value, add) in sum.iter_mut().zip(row) {
                             *value += add;
                         }
@@ -248,7 +261,12 @@ impl SplitWorker {
         }
         match failed {
             Some(error) => Err(error),
-            None => Ok(CpuDone { sums, seconds: (finished - handed).as_secs_f64() }),
+            None => Ok(CpuDone {
+                sums,
+                seconds: (finished - handed).as_secs_f64(),
+                start_seconds: (started - handed).as_secs_f64(),
+                read_wait_seconds: read_wait.as_secs_f64(),
+            }),
         }
     }
 }
@@ -263,22 +281,25 @@ impl Drop for SplitWorker {
 }
 
 /// A part's sums: each pick's expert from the region, through the lane's CPU backend, once
-/// it is ready there (a host cache miss is read while the device computes the slots' picks).
+/// it is ready there (a host cache miss is read while the device computes the slots' picks);
+/// and the time waited for that.
 fn compute(
     cpu: &mut CpuExperts,
     residency: &Residency,
     numbering: ExpertUnits,
     layers: &[Option<SplitLayer>],
     part: &Part,
-) -> Result<Vec<Vec<f32>>, ResidencyError> {
+) -> Result<(Vec<Vec<f32>>, Duration), ResidencyError> {
     let split = layers
         .get(part.layer)
         .copied()
         .flatten()
         .ok_or_else(|| ResidencyError::Pool(format!("layer {} does not split", part.layer)))?;
+    let waiting = Instant::now();
     for &(_, expert, _, _) in &part.picks {
         residency.wait_ready_quietly(numbering.unit(part.layer, expert))?;
     }
+    let read_wait = waiting.elapsed();
     let region = residency.region();
     let host: Vec<HostExpert<'_>> = part
         .picks
@@ -288,8 +309,10 @@ fn compute(
             HostExpert { gate, up, down, token: *token, weight: *weight, ff: ff.clone() }
         })
         .collect();
-    cpu.compute(&split.shape, &part.x, &host)
-        .map_err(|error| ResidencyError::Pool(format!("layer {}'s experts on the CPU: {error}", part.layer)))
+    let sums = cpu
+        .compute(&split.shape, &part.x, &host)
+        .map_err(|error| ResidencyError::Pool(format!("layer {}'s experts on the CPU: {error}", part.layer)))?;
+    Ok((sums, read_wait))
 }
 
 #[cfg(test)]

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The second call of 2026-12-07, for the device time the first left (about 15 minutes, a start
+# included): where a split layer's CPU share spends its time, and S6a cold with every log kept.
+# The first call's S6a case ran past its deadline and its logs did not come back (more than
+# eight files, no archive), so this one archives from the calling command:
+#
+#   DEADLINE=430 ./visit-b.sh; cd "$OUT" && tar czf /tmp/r.tgz . && rm -rf ./* && mv /tmp/r.tgz .
+#
+#   1. a warm split run at S6a's budgets (GPU 8 GiB, host 11 GiB), `run --stats`: the CPU
+#      share's time split into the hand-over to the lanes, the slowest lane's wait for reads,
+#      and the rest;
+#   2. S6a cold under the memory cgroup: Hypura's default (auto) beside llama.cpp's --fit;
+#   3. as time allows, the split run again with a host budget that holds every expert (no
+#      read on the CPU's path), and whole layers warm with their figures.
+set -uo pipefail
+cd "$(dirname "$0")" && . scripts/visit-lib.sh || exit 1
+R=$OUT
+DEADLINE=${DEADLINE:-430}
+(
+  sleep "$DEADLINE"
+  echo "deadline: runs stopped at $DEADLINE s" >> "$R/time.log"
+  pkill -f scripts/bench-limited; pkill -f bin/hypura; pkill -f llama-
+  sleep 5
+  pkill -9 -f bin/hypura; pkill -9 -f llama-
+) &
+watchdog=$!
+fits() { [ $((SECONDS + $1)) -lt "$DEADLINE" ]; }
+run_split() {
+  timeout -k 5 "$1" bin/hypura run /tmp/q36.gguf --gpu-budget 8GiB --memory-budget "$2" --gpu-experts "$3" --raw \
+    --stats -p "Write a story about the sea." -n 96 --temperature 0 --context 1024 > "$R/$4" 2>&1
+  visit_mark "$4 at $SECONDS s"
+}
+
+visit_forge qwen3.6-35b-a3b /tmp/q36.gguf
+visit_setup 90 || exit 1
+visit_mark "built and forged at $SECONDS s"
+run_split 60 11GiB split split-11.txt
+fits 150 && visit_case s6a /tmp/q36.gguf 0.5701 128 PEERS=fit RUN_TIMEOUT=70 HYPURA_ARGS="--gpu-budget 8GiB"
+fits 70 && run_split 65 22GiB split split-22.txt
+fits 50 && run_split 45 11GiB layers layers-11.txt
+kill $watchdog 2>/dev/null
+free -g > "$R/free.txt"; dmesg 2>/dev/null | tail -40 > "$R/dmesg.txt"
+visit_mark "done at $SECONDS s"
