@@ -9,9 +9,10 @@
 #   1. a warm split run at S6a's budgets (GPU 8 GiB, host 11 GiB), `run --stats`: the CPU
 #      share's time split into the hand-over to the lanes, the slowest lane's wait for reads,
 #      and the rest;
-#   2. S6a cold under the memory cgroup: Hypura's default (auto) beside llama.cpp's --fit;
-#   3. as time allows, the split run again with a host budget that holds every expert (no
-#      read on the CPU's path), and whole layers warm with their figures.
+#   2. the split run again with a host budget that holds every expert (no read on the CPU's
+#      path);
+#   3. as time allows, S6a cold under the memory cgroup (Hypura's default beside llama.cpp's
+#      --fit), and whole layers warm with their figures.
 set -uo pipefail
 cd "$(dirname "$0")" && . scripts/visit-lib.sh || exit 1
 R=$OUT
@@ -35,8 +36,8 @@ visit_forge qwen3.6-35b-a3b /tmp/q36.gguf
 visit_setup 90 || exit 1
 visit_mark "built and forged at $SECONDS s"
 run_split 60 11GiB split split-11.txt
-fits 150 && visit_case s6a /tmp/q36.gguf 0.5701 128 PEERS=fit RUN_TIMEOUT=70 HYPURA_ARGS="--gpu-budget 8GiB"
 fits 70 && run_split 65 22GiB split split-22.txt
+fits 150 && visit_case s6a /tmp/q36.gguf 0.5701 128 PEERS=fit RUN_TIMEOUT=70 HYPURA_ARGS="--gpu-budget 8GiB"
 fits 50 && run_split 45 11GiB layers layers-11.txt
 kill $watchdog 2>/dev/null
 free -g > "$R/free.txt"; dmesg 2>/dev/null | tail -40 > "$R/dmesg.txt"
