@@ -43,7 +43,7 @@ run_split() {
 }
 
 visit_forge qwen3.6-35b-a3b /tmp/q36.gguf
-visit_setup 90 || exit 1
+visit_setup 90 || { snapshot; exit 1; }
 visit_mark "built and forged at $SECONDS s"
 snapshot
 run_split 60 11GiB split split-11.txt
