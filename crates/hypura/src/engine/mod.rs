@@ -31,7 +31,7 @@ pub use load::{Engine, EngineOptions, Speculation, StreamDriver, Streaming, DEFA
 pub use prompt::Prompt;
 pub use request::{Control, DoneReason, GenerateOutput, GenerateRequest};
 pub use session::Session;
-pub use stats::{DecodeLimit, DiskWhileBusy, GenerationStats, TierFigures};
+pub use stats::{DecodeLimit, DiskWhileBusy, GenerationStats, LimitFacts, TierFigures};
 pub use text::{StopMatcher, Utf8Stream};
 
 pub use hypura_sys::{json_schema_to_grammar, LoadMode, SamplerParams, SysError, Token};

@@ -93,9 +93,9 @@ impl GenerationStats {
     /// request's wall time that was so (the rest it idled), and the request's passes against
     /// the limit at that rate (all over the whole request, as the busy time is). None without
     /// reads.
-    pub fn disk_while_busy(&self) -> Option<DiskWhileBusy> {
+    pub fn disk_while_busy(&self, facts: &LimitFacts) -> Option<DiskWhileBusy> {
         let io = self.io.as_ref()?;
-        let limit_at = |rate| self.decode_limit(rate).map(|limit| limit.tokens_per_sec);
+        let limit_at = |rate| self.decode_limit(rate, facts).map(|limit| limit.tokens_per_sec);
         DiskWhileBusy::from_totals(
             io.bytes_read,
             io.busy_seconds,
@@ -135,11 +135,18 @@ impl GenerationStats {
     /// Where a streaming decode stands against its physical limit at `disk_bytes_per_sec`,
     /// with this run's own figures: its compute per decode while streaming, the bytes a decode
     /// read (not the prompt's: a prompt that read the model whole would lower the decodes'
-    /// limit below what they reached) and the tokens each decode yielded. None without reads
-    /// or decodes.
-    pub fn decode_limit(&self, disk_bytes_per_sec: f64) -> Option<DecodeLimit> {
+    /// limit below what they reached) and the tokens each decode yielded. With a device expert
+    /// pool the compute term is the pool's (`crate::store::PoolLimit`): the device's time
+    /// resident (`facts`, else this run's device side without the host's work at the stops),
+    /// or the misses moved over the bus and computed by the CPU at once where that takes
+    /// longer; never this run's waits for its own transfers or its CPU share. None without
+    /// reads or decodes.
+    pub fn decode_limit(&self, disk_bytes_per_sec: f64, facts: &LimitFacts) -> Option<DecodeLimit> {
         let io = self.io.as_ref()?;
-        let compute_seconds = self.eval_compute_seconds_per_token()?;
+        let compute_seconds = match self.pool_limit(facts) {
+            Some(pool) => pool.device_compute_seconds_per_token().max(pool.miss_seconds_per_token()),
+            None => self.eval_compute_seconds_per_token()?,
+        };
         let bytes_per_pass = self.decode_bytes_per_pass()?;
         let tokens_per_sec = crate::plan::limit_tokens_per_sec(
             compute_seconds,
@@ -156,6 +163,20 @@ impl GenerationStats {
             fraction: achieved / tokens_per_sec,
             disk_busy: if wall > 0.0 { io.bytes_read as f64 / disk_bytes_per_sec / wall } else { 0.0 },
         })
+    }
+
+    /// A pooled decode's limit terms from this request's counters (`PoolLimit::from_decode`);
+    /// None without a pool's stops or a decode.
+    pub fn pool_limit(&self, facts: &LimitFacts) -> Option<crate::store::PoolLimit> {
+        let experts = self.experts.as_ref()?;
+        let decode = crate::store::PooledDecode {
+            pool: experts.device,
+            graphs: u64::from(self.weight_passes()),
+            generated: u64::from(self.eval_decodes),
+            compute_seconds: self.eval_compute_seconds_per_token()? * f64::from(self.eval_decodes),
+            layer_visits: experts.layer_visits,
+        };
+        crate::store::PoolLimit::from_decode(&decode, facts.resident_seconds_per_token, facts.cpu_bytes_per_sec)
     }
 
     /// The expert hierarchy's figures for the request: picks served by each tier, bytes a pass
@@ -268,6 +289,15 @@ fn rate(count: u32, duration: Duration) -> f64 {
     }
 }
 
+/// What a pooled decode's limit takes from earlier runs on this machine
+/// (`GenerationStats::decode_limit`): the model's decode time resident on the device, and the
+/// weight bytes a second the CPU computes. Either may be unknown.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LimitFacts {
+    pub resident_seconds_per_token: Option<f64>,
+    pub cpu_bytes_per_sec: Option<f64>,
+}
+
 /// The engine's streaming counters at one moment, to subtract from a later reading.
 #[derive(Clone, Debug, Default)]
 pub(super) struct Counters {
@@ -339,7 +369,7 @@ mod tests {
     fn a_disk_bound_decode_that_waits_only_for_reads_is_at_its_limit() {
         // 100 MB per pass at 1 GB/s is 100 ms; compute 60 ms, stall 40 ms: the limit is 10 tok/s
         // and a decode every 100 ms reaches it.
-        let limit = streaming_run(20, 60, 40, 100_000_000).decode_limit(1e9).unwrap();
+        let limit = streaming_run(20, 60, 40, 100_000_000).decode_limit(1e9, &LimitFacts::default()).unwrap();
         assert!((limit.read_seconds - 0.1).abs() < 1e-9 && (limit.compute_seconds - 0.06).abs() < 1e-9, "{limit:?}");
         assert!((limit.tokens_per_sec - 10.0).abs() < 1e-6, "{limit:?}");
         assert!((limit.fraction - 1.0).abs() < 1e-6, "{limit:?}");
@@ -350,12 +380,14 @@ mod tests {
     fn stalls_beyond_the_read_time_fall_short_of_the_limit() {
         // 50 MB per pass reads in 50 ms, compute 60 ms: the limit is 1 / 60 ms; 40 ms of stall
         // per decode makes it 100 ms, 0.6 of the limit, with the disk busy half the time.
-        let limit = streaming_run(20, 60, 40, 50_000_000).decode_limit(1e9).unwrap();
+        let limit = streaming_run(20, 60, 40, 50_000_000).decode_limit(1e9, &LimitFacts::default()).unwrap();
         assert!((limit.tokens_per_sec - 1.0 / 0.06).abs() < 1e-6, "{limit:?}");
         assert!((limit.fraction - 0.6).abs() < 1e-6, "{limit:?}");
         assert!((limit.disk_busy - 0.5).abs() < 1e-6, "{limit:?}");
         assert!(
-            GenerationStats { io: None, ..streaming_run(20, 60, 40, 1) }.decode_limit(1e9).is_none(),
+            GenerationStats { io: None, ..streaming_run(20, 60, 40, 1) }
+                .decode_limit(1e9, &LimitFacts::default())
+                .is_none(),
             "a resident run has no streaming limit"
         );
     }
@@ -368,7 +400,7 @@ mod tests {
         // 100 ms is 0.6, with the disk idle half the time.
         let mut stats = streaming_run(20, 60, 40, 100_000_000);
         stats.io.as_mut().unwrap().busy_seconds = 1.05;
-        let disk = stats.disk_while_busy().unwrap();
+        let disk = stats.disk_while_busy(&LimitFacts::default()).unwrap();
         assert!((disk.bytes_per_sec - 2e9).abs() < 1.0 && (disk.busy - 0.5).abs() < 1e-9, "{disk:?}");
         assert!(
             (disk.limit_tokens_per_sec - 1.0 / 0.06).abs() < 1e-6 && (disk.fraction - 0.6).abs() < 1e-6,
@@ -376,11 +408,11 @@ mod tests {
         );
         // Busy the whole request: the disk was the limit, and the passes reached it.
         stats.io.as_mut().unwrap().busy_seconds = 2.1;
-        let disk = stats.disk_while_busy().unwrap();
+        let disk = stats.disk_while_busy(&LimitFacts::default()).unwrap();
         assert!((disk.busy - 1.0).abs() < 1e-9 && (disk.fraction - 1.0).abs() < 1e-6, "{disk:?}");
         // No busy time recorded (nothing read): no figure.
         stats.io.as_mut().unwrap().busy_seconds = 0.0;
-        assert!(stats.disk_while_busy().is_none());
+        assert!(stats.disk_while_busy(&LimitFacts::default()).is_none());
     }
 
     #[test]
@@ -392,10 +424,10 @@ mod tests {
         stats.io.as_mut().unwrap().busy_seconds = 2.1;
         stats.experts = Some(ExpertSnapshot { warm_bytes: 21 * 95_000_000, ..ExpertSnapshot::default() });
         assert_eq!(stats.demand_bytes_read(), Some(21 * 5_000_000));
-        let limit = stats.decode_limit(1e9).unwrap();
+        let limit = stats.decode_limit(1e9, &LimitFacts::default()).unwrap();
         assert!((limit.read_seconds - 0.005).abs() < 1e-9, "{limit:?}");
         assert!((limit.tokens_per_sec - 1.0 / 0.06).abs() < 1e-6 && (limit.fraction - 0.6).abs() < 1e-6, "{limit:?}");
-        let disk = stats.disk_while_busy().unwrap();
+        let disk = stats.disk_while_busy(&LimitFacts::default()).unwrap();
         assert!((disk.bytes_per_sec - 1e9).abs() < 1.0 && (disk.fraction - 0.6).abs() < 1e-6, "{disk:?}");
     }
 
@@ -407,12 +439,44 @@ mod tests {
         // make a pass 143 ms and the decodes "1.43" of that limit.
         let mut stats = streaming_run(20, 60, 40, 50_000_000);
         stats.io.as_mut().unwrap().bytes_read = 2_000_000_000 + 20 * 50_000_000;
-        let request = stats.decode_limit(1e9).unwrap();
+        let request = stats.decode_limit(1e9, &LimitFacts::default()).unwrap();
         assert!(request.fraction > 1.4, "{request:?}");
         stats.eval_demand_bytes = Some(20 * 50_000_000);
-        let limit = stats.decode_limit(1e9).unwrap();
+        let limit = stats.decode_limit(1e9, &LimitFacts::default()).unwrap();
         assert!((limit.read_seconds - 0.05).abs() < 1e-9, "{limit:?}");
         assert!((limit.tokens_per_sec - 1.0 / 0.06).abs() < 1e-6 && (limit.fraction - 0.6).abs() < 1e-6, "{limit:?}");
+    }
+
+    #[test]
+    fn a_split_decodes_wait_for_its_cpu_share_is_not_its_limit() {
+        // A split pool: 100 ms a decode, 60 of them "compute", of which the host's work at the
+        // stops took 4 ms a pass and most of the rest the device waiting for the CPU's share
+        // (100 MB of misses a pass). The model resident on the device decodes in 5 ms and the
+        // CPU computes 50 GB/s: the misses take 2 ms, so the limit's compute is 5 ms, the
+        // reads (5 MB at 1 GB/s) 5 ms, and the run reaches 0.05 of 200 tok/s, not 0.6 of its
+        // own compute.
+        let mut stats = streaming_run(20, 60, 40, 5_000_000);
+        stats.eval_demand_bytes = Some(20 * 5_000_000);
+        let device = crate::store::PoolSnapshot {
+            hits: 2_000,
+            cpu_picks: 1_000,
+            cpu_bytes: 21 * 100_000_000,
+            host_seconds: 21.0 * 0.004,
+            stops: 21 * 80,
+            ..crate::store::PoolSnapshot::default()
+        };
+        stats.experts = Some(ExpertSnapshot { device, layer_visits: 21 * 40, ..ExpertSnapshot::default() });
+        let facts = LimitFacts { resident_seconds_per_token: Some(0.005), cpu_bytes_per_sec: Some(50e9) };
+        let limit = stats.decode_limit(1e9, &facts).unwrap();
+        assert!((limit.compute_seconds - 0.005).abs() < 1e-9, "{limit:?}");
+        assert!((limit.tokens_per_sec - 200.0).abs() < 1e-6 && (limit.fraction - 0.05).abs() < 1e-6, "{limit:?}");
+        // Without a resident record the device's side is the run's less the host's work at
+        // the stops (the wait within it: only a resident run tells the device's own time)...
+        let unknown = stats.decode_limit(1e9, &LimitFacts::default()).unwrap();
+        assert!((unknown.compute_seconds - 0.056).abs() < 1e-9, "{unknown:?}");
+        // ...and a run without a pool keeps its own compute.
+        stats.experts = None;
+        assert!((stats.decode_limit(1e9, &facts).unwrap().compute_seconds - 0.06).abs() < 1e-9);
     }
 
     #[test]

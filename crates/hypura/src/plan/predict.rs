@@ -127,10 +127,7 @@ fn at_share(seconds: f64, measured_share: f64, share: f64) -> Option<(f64, bool)
 fn pooled_on_device(plan: &Plan, facts: &MachineFacts, touched_bytes: f64) -> Option<(f64, String)> {
     let pool = plan.gpu.as_ref()?.expert_pool.as_ref()?;
     let overhead = pool.decode_overhead_seconds?;
-    let (device, device_from) = match facts
-        .resident_seconds_per_token
-        .filter(|_| facts.resident_host_share.is_some_and(|share| share < 0.05))
-    {
+    let (device, device_from) = match facts.device_resident_seconds_per_token() {
         Some(seconds) => (seconds, "resident runs"),
         None => (touched_bytes / GPU_DECODE_BYTES_PER_SEC, "estimated at the H200 machine's rate"),
     };

@@ -151,6 +151,14 @@ pub struct MachineFacts {
     pub remote_devices: Vec<RemoteDeviceFacts>,
 }
 
+impl MachineFacts {
+    /// This model's decode time a token resident on the device, where a resident run recorded
+    /// it with under 5% of the weights computed on the host: a pooled decode's device term.
+    pub fn device_resident_seconds_per_token(&self) -> Option<f64> {
+        self.resident_seconds_per_token.filter(|_| self.resident_host_share.is_some_and(|share| share < 0.05))
+    }
+}
+
 /// What the GPU tier does with routed experts it cannot hold whole (`--gpu-experts`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]

@@ -55,9 +55,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         engine,
         threads,
         disk_bytes_per_sec: facts.profile_disk_bytes_per_sec,
-        device_resident_seconds_per_token: facts
-            .resident_seconds_per_token
-            .filter(|_| facts.resident_host_share.is_some_and(|share| share < 0.05)),
+        device_resident_seconds_per_token: facts.device_resident_seconds_per_token(),
         cpu_bytes_per_sec: facts.cpu_bytes_per_sec,
     };
     let report = bench::run(&path, &options, &|stage| tracing::info!("bench: {stage}"))?;

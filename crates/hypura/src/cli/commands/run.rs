@@ -8,7 +8,7 @@ use anyhow::Context;
 use crate::cli::args::RunArgs;
 use crate::cli::settings;
 use crate::engine::{
-    ChatMessage, ChatRequest, Control, DoneReason, Engine, GenerateOutput, GenerateRequest, Prompt, Session,
+    ChatMessage, ChatRequest, Control, DoneReason, Engine, GenerateOutput, GenerateRequest, LimitFacts, Prompt, Session,
 };
 
 pub fn run(args: &RunArgs) -> anyhow::Result<()> {
@@ -18,7 +18,13 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
     setup.options.prompt_cache = settings::prompt_cache(&args.prompt_cache)?;
     // Free memory of each GPU before the load, so --stats can say what the model took there.
     let gpu_free_before = args.stats.then(crate::setup::gpu_free_by_name);
-    let disk_rate = setup.facts.profile_disk_bytes_per_sec;
+    let limits = Limits {
+        disk_rate: setup.facts.profile_disk_bytes_per_sec,
+        facts: LimitFacts {
+            resident_seconds_per_token: setup.facts.device_resident_seconds_per_token(),
+            cpu_bytes_per_sec: setup.facts.cpu_bytes_per_sec,
+        },
+    };
     let engine =
         Arc::new(Engine::load(setup.inventory, setup.options).with_context(|| format!("loading {}", path.display()))?);
     if args.stats {
@@ -60,7 +66,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
             Prompt::Chat(ChatRequest::new(messages))
         };
         let output = answer(&mut session, &request(prompt))?;
-        print_stats(gpu_free_before.as_deref(), disk_rate, &output);
+        print_stats(gpu_free_before.as_deref(), &limits, &output);
         // A run with remote layers measured other machines and links too: not this machine's
         // compute for the model.
         if output.stats.links.is_none() {
@@ -106,7 +112,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
         write_trace(&session, args.model_args.plan.trace.as_deref())?;
         return Ok(());
     }
-    chat_loop(&mut session, &request, &cancel, &mut messages, gpu_free_before.as_deref(), disk_rate)?;
+    chat_loop(&mut session, &request, &cancel, &mut messages, gpu_free_before.as_deref(), &limits)?;
     write_trace(&session, args.model_args.plan.trace.as_deref())?;
     Ok(())
 }
@@ -119,7 +125,7 @@ fn chat_loop(
     messages: &mut Vec<ChatMessage>,
     // With --stats: the GPUs' free memory before the load.
     stats: Option<&[(String, u64)]>,
-    disk_rate: Option<f64>,
+    limits: &Limits,
 ) -> anyhow::Result<()> {
     let stdin = std::io::stdin();
     loop {
@@ -147,7 +153,7 @@ fn chat_loop(
             eprintln!("[stopped]");
         }
         messages.push(ChatMessage::new("assistant", output.text.clone()));
-        print_stats(stats, disk_rate, &output);
+        print_stats(stats, limits, &output);
     }
 }
 
@@ -179,9 +185,16 @@ fn answer(session: &mut Session, request: &GenerateRequest) -> anyhow::Result<Ge
     Ok(output)
 }
 
-/// With --stats (`gpu_free_before`: the GPUs' free memory before the load), what a run took;
-/// `disk_rate` is the profile's streaming rate, for the physical limit.
-fn print_stats(gpu_free_before: Option<&[(String, u64)]>, disk_rate: Option<f64>, output: &GenerateOutput) {
+/// What the physical limit takes from earlier runs on this machine: the profile's streaming
+/// rate, and a pooled decode's facts.
+struct Limits {
+    disk_rate: Option<f64>,
+    facts: LimitFacts,
+}
+
+/// With --stats (`gpu_free_before`: the GPUs' free memory before the load), what a run took,
+/// against its physical limit (`limits`).
+fn print_stats(gpu_free_before: Option<&[(String, u64)]>, limits: &Limits, output: &GenerateOutput) {
     let Some(gpu_free_before) = gpu_free_before else {
         return;
     };
@@ -332,19 +345,31 @@ fn print_stats(gpu_free_before: Option<&[(String, u64)]>, disk_rate: Option<f64>
         // The profile's rate, or this request's while busy where that was faster: a run that
         // reads faster than the profile says shows the profile low, and a limit it beats is no
         // limit.
-        let busy = stats.disk_while_busy();
-        let (rate, source) = match (disk_rate, busy.map(|disk| disk.bytes_per_sec)) {
+        let busy = stats.disk_while_busy(&limits.facts);
+        let (rate, source) = match (limits.disk_rate, busy.map(|disk| disk.bytes_per_sec)) {
             (Some(profile), Some(busy)) if busy > profile => {
                 (Some(busy), format!("this request's reads, faster than the profile's {:.2} GB/s", profile / 1e9))
             }
             (Some(profile), _) => (Some(profile), "the profile's".to_string()),
             (None, busy) => (busy, "this request's reads".to_string()),
         };
-        if let Some((rate, limit)) = rate.and_then(|rate| stats.decode_limit(rate).map(|limit| (rate, limit))) {
+        if let Some((rate, limit)) =
+            rate.and_then(|rate| stats.decode_limit(rate, &limits.facts).map(|limit| (rate, limit)))
+        {
+            // A pooled decode's compute term is the device's or the misses' (not this run's).
+            let compute = match stats.pool_limit(&limits.facts) {
+                Some(pool) => format!(
+                    "compute {:.1} ms: the device's {:.1} ms{}, the misses over the bus and on the CPU {:.1} ms",
+                    limit.compute_seconds * 1e3,
+                    pool.device_compute_seconds_per_token() * 1e3,
+                    if pool.resident_seconds_per_token.is_some() { " resident" } else { "" },
+                    pool.miss_seconds_per_token() * 1e3
+                ),
+                None => format!("compute {:.1} ms", limit.compute_seconds * 1e3),
+            };
             eprintln!(
-                "limit {:.2} tok/s (per pass: compute {:.1} ms, reads {:.1} ms at {:.2} GB/s, {source}) -> reached {:.2} of it | disk busy {:.0}% of that rate over the request",
+                "limit {:.2} tok/s (per pass: {compute}, reads {:.1} ms at {:.2} GB/s, {source}) -> reached {:.2} of it | disk busy {:.0}% of that rate over the request",
                 limit.tokens_per_sec,
-                limit.compute_seconds * 1e3,
                 limit.read_seconds * 1e3,
                 rate / 1e9,
                 limit.fraction,
