@@ -11,8 +11,9 @@
 #   1. a warm split run at S6a's budgets (GPU 8 GiB, host 11 GiB), `run --stats`: the CPU
 #      share's time split into the hand-over to the lanes, the slowest lane's wait for reads,
 #      and the rest;
-#   2. the split run again with a host budget that holds every expert (no read on the CPU's
-#      path);
+#   2. the same with the lanes sleeping between parts (bin/hypura-base, the bundle's binary
+#      before they polled: carried beside it), then the split with a host budget that holds
+#      every expert (no read on the CPU's path);
 #   3. as time allows, S6a cold under the memory cgroup (Hypura's default beside llama.cpp's
 #      --fit), and whole layers warm with their figures.
 set -uo pipefail
@@ -35,8 +36,9 @@ DEADLINE=${DEADLINE:-430}
 ) &
 watchdog=$!
 fits() { [ $((SECONDS + $1)) -lt "$DEADLINE" ]; }
+# run_split SECONDS HOST_BUDGET GPU_EXPERTS FILE [BINARY]
 run_split() {
-  timeout -k 5 "$1" bin/hypura run /tmp/q36.gguf --gpu-budget 8GiB --memory-budget "$2" --gpu-experts "$3" --raw \
+  timeout -k 5 "$1" "${5:-bin/hypura}" run /tmp/q36.gguf --gpu-budget 8GiB --memory-budget "$2" --gpu-experts "$3" --raw \
     --stats -p "Write a story about the sea." -n 96 --temperature 0 --context 1024 > "$R/$4" 2>&1
   visit_mark "$4 at $SECONDS s"
   snapshot
@@ -47,6 +49,8 @@ visit_setup 90 || { snapshot; exit 1; }
 visit_mark "built and forged at $SECONDS s"
 snapshot
 run_split 60 11GiB split split-11.txt
+# The same without the lanes polling for their next part (bin/hypura-base: the commit before).
+fits 70 && run_split 60 11GiB split split-11-base.txt bin/hypura-base
 fits 70 && run_split 65 22GiB split split-22.txt
 fits 150 && visit_case s6a /tmp/q36.gguf 0.5701 128 PEERS=fit RUN_TIMEOUT=70 HYPURA_ARGS="--gpu-budget 8GiB"
 snapshot
