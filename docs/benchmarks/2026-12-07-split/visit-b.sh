@@ -48,9 +48,10 @@ visit_forge qwen3.6-35b-a3b /tmp/q36.gguf
 visit_setup 90 || { snapshot; exit 1; }
 visit_mark "built and forged at $SECONDS s"
 snapshot
-run_split 60 11GiB split split-11.txt
-# The same without the lanes polling for their next part (bin/hypura-base: the commit before).
-fits 70 && run_split 60 11GiB split split-11-base.txt bin/hypura-base
+# The lanes sleeping between parts (bin/hypura-base: the commit before they polled), then
+# polling (bin/hypura).
+run_split 60 11GiB split split-11-base.txt bin/hypura-base
+fits 70 && run_split 60 11GiB split split-11.txt
 fits 70 && run_split 65 22GiB split split-22.txt
 fits 150 && visit_case s6a /tmp/q36.gguf 0.5701 128 PEERS=fit RUN_TIMEOUT=70 HYPURA_ARGS="--gpu-budget 8GiB"
 snapshot

@@ -50,6 +50,12 @@ use serve::SplitSide;
 use split::{PlainCheck, SplitLayer, SplitWorker, MOE_OUT_NODE};
 use warm::WarmFill;
 
+/// Whether a batch of these rows (one a token) is a prompt batch, which sweeps each layer's
+/// experts (decision 34): more tokens than a decode's prediction serves.
+fn sweeps(rows: &[Vec<i32>]) -> bool {
+    rows.len() > PREDICT_MAX_TOKENS
+}
+
 /// The router's weights gathered by its ids (`get_rows(probs, ids)`), kept for the stop after
 /// it. Input 1 is the ids the expert matmuls read: where a pooled layer's are rewritten to slots.
 const WEIGHTS_NODE: &str = "ffn_moe_weights-";
@@ -338,7 +344,7 @@ impl ExpertStream {
     /// the cache holds what the prompt read).
     fn record_reuse(&self, layer: usize, rows: &[Vec<i32>], picks: &[usize]) {
         let mut state = self.state.locked();
-        if rows.len() > PREDICT_MAX_TOKENS {
+        if sweeps(rows) {
             state.reuse.touch(layer, picks);
             return;
         }
@@ -457,7 +463,7 @@ impl ExpertStream {
         // A prompt batch sweeps the layers, each nearly whole, and the next batch again: its
         // hits are not the reuse a decode's are, and its misses (and the next layer's reads
         // ahead) evict the most recent units (decision 34).
-        let sweeping = rows.len() > PREDICT_MAX_TOKENS;
+        let sweeping = sweeps(rows);
         let mut to_load = Vec::new();
         {
             let mut state = self.state.locked();

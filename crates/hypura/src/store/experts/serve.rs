@@ -23,10 +23,12 @@ pub(super) struct SplitSide {
 /// The host cache as the tier below a layer's device slots: an expert a slot gives up moves
 /// into it (copied back from the device, so it is not read from disk again), and an expert
 /// uploaded into a slot leaves it. The two tiers hold different experts, so together they hold
-/// as many as their sizes add up to.
+/// as many as their sizes add up to. In a prompt batch's sweep (decision 34) an expert copied
+/// back evicts the most recent unit, as the sweep's own misses do.
 pub(super) struct HostTier<'a> {
     stream: &'a ExpertStream,
     layer: usize,
+    sweeping: bool,
 }
 
 impl Tiers for HostTier<'_> {
@@ -41,7 +43,7 @@ impl Tiers for HostTier<'_> {
             return Ok(());
         }
         let pinned = state.pinned.clone();
-        for victim in state.cache.admit(unit, &pinned) {
+        for victim in state.cache.admit_evicting(unit, &pinned, self.sweeping) {
             self.stream.residency.release(victim)?;
         }
         drop(state);
@@ -91,7 +93,7 @@ impl ExpertStream {
             _ => Vec::new(),
         };
         self.route_units(layer, units, &later, &rows, hidden.as_deref(), &next_pooled)?;
-        let mut tiers = HostTier { stream: self, layer };
+        let mut tiers = HostTier { stream: self, layer, sweeping: super::sweeps(&rows) };
         let moving = Instant::now();
         let remapped = pool.load(layer, &picks, &serving, self.residency.region(), &rows, &mut tiers)?;
         times.transfer = moving.elapsed();
