@@ -56,6 +56,9 @@ visit_setup() {
     tail -30 "$OUT/build.txt"
     return 1
   fi
+  # A library built here (not restored) goes back compressed, in parts the call returns, so
+  # that the next visit carries it instead of building (scripts/gpu/cuda-lib-keep).
+  grep -q "built in" "$OUT/build.txt" && visit_return_cuda "${1:-90}" &
   cp lib/libggml-cuda.so /tmp/
   local forge status
   for forge in "${_visit_forges[@]}"; do
@@ -65,6 +68,22 @@ visit_setup() {
   done
   _visit_forges=()
   wait
+}
+
+# visit_return_cuda CUDA_ARCHITECTURES
+#   lib/libggml-cuda.so xz-compressed into ${VISIT_RETURN:-$OUT}/libggml-cuda-smARCH.so.xz.NN,
+#   parts of 15 MiB (a returned file holds at most 16), which visit_archive leaves out of its
+#   archive. Two or three of the call's eight returned files.
+visit_return_cuda() {
+  python3 - "$1" "${VISIT_RETURN:-$OUT}" <<'PY'
+import lzma, sys
+arch, into = sys.argv[1], sys.argv[2]
+data = lzma.compress(open("lib/libggml-cuda.so", "rb").read(), preset=6)
+part = 15 << 20
+for index in range(0, len(data), part):
+    with open(f"{into}/libggml-cuda-sm{arch}.so.xz.{index // part:02d}", "wb") as out:
+        out.write(data[index:index + part])
+PY
 }
 
 # visit_mark TEXT
@@ -126,15 +145,16 @@ visit_case() {
 }
 
 # visit_archive [NAME...]
-#   With no NAME: everything in $OUT but results.tgz and time.log into $OUT/results.tgz, then
-#   removed (the call brings back two files). With NAMEs (patterns in $OUT, quoted: 's6*'): those
+#   With no NAME: everything in $OUT but results.tgz, time.log and a returned CUDA library's
+#   parts into $OUT/results.tgz, then removed (the call brings back two files and the parts). With NAMEs (patterns in $OUT, quoted: 's6*'): those
 #   there into results.tgz, then the folders among them removed (a named file stays beside it).
 visit_archive() {
   (
     cd "$OUT" || exit 1
     if [ $# -eq 0 ]; then
-      tar czf results.tgz --exclude=results.tgz --exclude=time.log . &&
-        find . -mindepth 1 -maxdepth 1 ! -name results.tgz ! -name time.log -exec rm -rf {} +
+      tar czf results.tgz --exclude=results.tgz --exclude=time.log --exclude='libggml-cuda-*.so.xz.*' . &&
+        find . -mindepth 1 -maxdepth 1 ! -name results.tgz ! -name time.log ! -name 'libggml-cuda-*.so.xz.*' \
+          -exec rm -rf {} +
       exit
     fi
     local names=() name
