@@ -18,7 +18,7 @@
 #      --fit), and whole layers warm with their figures.
 set -uo pipefail
 RETURNED=${OUT:?the folder that comes back}
-export OUT=/tmp/visit-b
+export OUT=/tmp/visit-b VISIT_RETURN=$RETURNED
 mkdir -p "$OUT"
 cd "$(dirname "$0")" && . scripts/visit-lib.sh || exit 1
 R=$OUT
