@@ -234,9 +234,8 @@ impl TgTotals {
     fn limits(&self, options: &BenchOptions) -> Limits {
         let tokens_per_pass = if self.drafted > 0 { self.tokens as f64 / self.passes as f64 } else { 1.0 };
         let pool = self.pool_limit(options);
-        let compute_per_token = pool.map_or(self.compute_seconds / self.generated as f64, |pool| {
-            pool.device_compute_seconds_per_token().max(pool.miss_seconds_per_token())
-        });
+        let compute_per_token =
+            pool.map_or(self.compute_seconds / self.generated as f64, |pool| pool.compute_seconds_per_token());
         // The limit of the passes the tg rate times: the decodes, with their own reads. The
         // start token's pass is not timed, and a decode after it finds what it read (with one
         // decoded token, a bytes-per-graph average put the limit below the run).

@@ -144,7 +144,7 @@ impl GenerationStats {
     pub fn decode_limit(&self, disk_bytes_per_sec: f64, facts: &LimitFacts) -> Option<DecodeLimit> {
         let io = self.io.as_ref()?;
         let compute_seconds = match self.pool_limit(facts) {
-            Some(pool) => pool.device_compute_seconds_per_token().max(pool.miss_seconds_per_token()),
+            Some(pool) => pool.compute_seconds_per_token(),
             None => self.eval_compute_seconds_per_token()?,
         };
         let bytes_per_pass = self.decode_bytes_per_pass()?;

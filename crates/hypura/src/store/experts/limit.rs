@@ -168,6 +168,12 @@ impl<Work> PoolLimit<Work> {
         }
     }
 
+    /// The limit's compute term: the device's, or the misses' where they take longer (their
+    /// transfers and the CPU's share overlap the device's compute at best).
+    pub fn compute_seconds_per_token(&self) -> f64 {
+        self.device_compute_seconds_per_token().max(self.miss_seconds_per_token())
+    }
+
     /// The GPU's compute term of the limit: the model resident on the device where a run
     /// recorded it (never more than this run's own GPU side), else this run's GPU side.
     pub fn device_compute_seconds_per_token(&self) -> f64 {
