@@ -44,6 +44,7 @@ run_split() {
   snapshot
 }
 
+lscpu > "$R/lscpu.txt" 2>&1; nvidia-smi -q -d CLOCK,POWER > "$R/gpu.txt" 2>&1
 visit_forge qwen3.6-35b-a3b /tmp/q36.gguf
 visit_setup 90 || { snapshot; exit 1; }
 visit_mark "built and forged at $SECONDS s"
