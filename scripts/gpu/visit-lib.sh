@@ -28,6 +28,7 @@ eval "$(./cuda-smoke env)"
 VISIT_ENV=${VISIT_ENV:-"HYPURA=bin/hypura THREADS=16 RUN_TIMEOUT=100 SKIP_REFERENCE=1 CONTEXT=1024"}
 _visit_forge_last=""
 _visit_forges=()
+_visit_cuda_return=
 
 # visit_forge PRESET PATH [FORGE ARGS...]
 #   `bin/hypura-forge PRESET -o PATH ARGS` in the background, its output appended to
@@ -56,9 +57,6 @@ visit_setup() {
     tail -30 "$OUT/build.txt"
     return 1
   fi
-  # A library built here (not restored) goes back compressed, in parts the call returns, so
-  # that the next visit carries it instead of building (scripts/gpu/cuda-lib-keep).
-  grep -q "built in" "$OUT/build.txt" && visit_return_cuda "${1:-90}" &
   cp lib/libggml-cuda.so /tmp/
   local forge status
   for forge in "${_visit_forges[@]}"; do
@@ -68,22 +66,45 @@ visit_setup() {
   done
   _visit_forges=()
   wait
+  # A library built here (not restored) goes back compressed, in parts the call returns, so
+  # that the next visit carries it instead of building (cuda-bundle --keep-cuda): compressed
+  # at the lowest priority beside the runs; visit_archive waits for it.
+  if grep -q "built in" "$OUT/build.txt"; then
+    visit_return_cuda "${1:-90}" >> "$OUT/build.txt" 2>&1 &
+    _visit_cuda_return=$!
+  fi
 }
 
 # visit_return_cuda CUDA_ARCHITECTURES
 #   lib/libggml-cuda.so xz-compressed into ${VISIT_RETURN:-$OUT}/libggml-cuda-smARCH.so.xz.NN,
 #   parts of 15 MiB (a returned file holds at most 16), which visit_archive leaves out of its
-#   archive. Two or three of the call's eight returned files.
+#   archive: at most two of the call's eight returned files. Over 30 MiB compressed it stays
+#   here (a bundle, 64 MiB at most, could not carry it beside the binaries).
 visit_return_cuda() {
-  python3 - "$1" "${VISIT_RETURN:-$OUT}" <<'PY'
+  nice -n 19 python3 - "$1" "${VISIT_RETURN:-$OUT}" <<'PY'
 import lzma, sys
 arch, into = sys.argv[1], sys.argv[2]
 data = lzma.compress(open("lib/libggml-cuda.so", "rb").read(), preset=6)
+if len(data) > 30 << 20:
+    print(f"libggml-cuda.so not returned: {len(data) >> 20} MiB compressed, over 30")
+    sys.exit(0)
 part = 15 << 20
 for index in range(0, len(data), part):
-    with open(f"{into}/libggml-cuda-sm{arch}.so.xz.{index // part:02d}", "wb") as out:
+    with open(f"{into}/libggml-cuda-sm{arch}.so.xz.{index // part:02d}.part", "wb") as out:
         out.write(data[index:index + part])
+for index in range(0, len(data), part):
+    name = f"{into}/libggml-cuda-sm{arch}.so.xz.{index // part:02d}"
+    __import__("os").rename(name + ".part", name)
+print(f"libggml-cuda.so returned: {len(data) >> 20} MiB compressed")
 PY
+}
+
+# visit_wait_cuda
+#   Wait for visit_return_cuda's parts, if a build started it (before the call's files go back).
+visit_wait_cuda() {
+  [ -n "${_visit_cuda_return:-}" ] && wait "$_visit_cuda_return" 2>/dev/null
+  _visit_cuda_return=
+  return 0
 }
 
 # visit_mark TEXT
@@ -149,6 +170,7 @@ visit_case() {
 #   parts into $OUT/results.tgz, then removed (the call brings back two files and the parts). With NAMEs (patterns in $OUT, quoted: 's6*'): those
 #   there into results.tgz, then the folders among them removed (a named file stays beside it).
 visit_archive() {
+  visit_wait_cuda
   (
     cd "$OUT" || exit 1
     if [ $# -eq 0 ]; then

@@ -60,4 +60,5 @@ fits 50 && run_split 45 11GiB layers layers-11.txt
 kill $watchdog 2>/dev/null
 free -g > "$R/free.txt"; dmesg 2>/dev/null | tail -40 > "$R/dmesg.txt"
 visit_mark "done at $SECONDS s"
+visit_wait_cuda
 snapshot
