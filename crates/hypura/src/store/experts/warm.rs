@@ -7,8 +7,9 @@ use crate::sync::Lock;
 /// free room is filled with the experts the recorded routing picks most (then expert `e` of
 /// every streamed layer before expert `e + 1`), each unit once, never evicting anything: at
 /// load, all of it at once by every reader thread (`warm_now`, the pool starts warm); behind a
-/// decode, room the cache gets back, at most `WARM_IN_FLIGHT` reads at once (the reader
-/// threads stay free for the misses). A cold start's misses become host hits, computed by the
+/// decode, room the cache gets back, at most `WARM_IN_FLIGHT` reads at once, queued behind
+/// every read a computation asks for (`Residency::request_background`: the reader threads stay
+/// free for the misses). A cold start's misses become host hits, computed by the
 /// CPU or uploaded over the bus instead of read from disk.
 #[derive(Default)]
 pub(super) struct WarmFill {
@@ -98,7 +99,7 @@ impl ExpertStream {
             warm.next += 1;
             warm.issued += 1;
             warm.bytes += self.residency.units()[unit].bytes();
-            self.residency.request(unit)?;
+            self.residency.request_background(unit)?;
             warm.in_flight.push(unit);
         }
         Ok(())

@@ -90,6 +90,9 @@ struct Chunk {
     shift: u64,
     /// At its mirror position (not in a slot): read into parked pages where there are some.
     recycle: bool,
+    /// A read no computation waits for yet (`Residency::request_background`): queued behind
+    /// every other.
+    background: bool,
 }
 
 impl Chunk {

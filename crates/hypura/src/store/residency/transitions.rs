@@ -43,10 +43,26 @@ impl Residency {
 
     /// Start loading `unit` if it is empty. Never blocks on I/O. A unit whose slot another
     /// unit still holds is not loaded yet (a read-ahead that comes too early); `wait_ready`
-    /// takes the slot.
+    /// takes the slot. Its chunks are read before every background read's (and a background
+    /// load of it under way moves ahead with them).
     pub fn request(&self, unit: usize) -> Result<(), ResidencyError> {
+        self.enqueue(unit, false)
+    }
+
+    /// `request`, for a read no computation waits for yet (the host cache's warm fill): queued
+    /// behind every other read, so that it takes only the time the disk would idle.
+    pub fn request_background(&self, unit: usize) -> Result<(), ResidencyError> {
+        self.enqueue(unit, true)
+    }
+
+    fn enqueue(&self, unit: usize, background: bool) -> Result<(), ResidencyError> {
         self.check(unit)?;
         let mut units = self.shared.units.locked();
+        if units[unit].state == UnitState::Loading && !background {
+            drop(units);
+            self.promote(unit);
+            return Ok(());
+        }
         if units[unit].state != UnitState::Empty || self.slot_holder(&units, unit).is_some() {
             return Ok(());
         }
@@ -75,6 +91,7 @@ impl Residency {
                 range,
                 shift,
                 recycle: self.units[unit].slot.is_none(),
+                background,
             })
             .collect();
         if chunks.is_empty() {
@@ -86,13 +103,42 @@ impl Residency {
         state.error = None;
         drop(units);
         let woken = chunks.len();
-        self.shared.queue.locked().extend(chunks);
+        let mut queue = self.shared.queue.locked();
+        // Behind the other reads asked for, ahead of the background ones.
+        let at = if background {
+            queue.len()
+        } else {
+            queue.iter().position(|chunk| chunk.background).unwrap_or(queue.len())
+        };
+        let behind = queue.split_off(at);
+        queue.extend(chunks);
+        queue.extend(behind);
+        drop(queue);
         // One reader per chunk: waking all of them for a chunk or two makes the idle ones
         // preempt the compute thread only to find the queue empty.
         for _ in 0..woken {
             self.shared.queue_changed.notify_one();
         }
         Ok(())
+    }
+
+    /// A background load of `unit` is now asked for: its chunks still queued move ahead of the
+    /// background ones (behind the other reads asked for).
+    fn promote(&self, unit: usize) {
+        let mut queue = self.shared.queue.locked();
+        if !queue.iter().any(|chunk| chunk.unit == unit && chunk.background) {
+            return;
+        }
+        let (mut mine, mut rest): (Vec<Chunk>, Vec<Chunk>) =
+            queue.drain(..).partition(|chunk| chunk.unit == unit && chunk.background);
+        for chunk in &mut mine {
+            chunk.background = false;
+        }
+        let at = rest.iter().position(|chunk| chunk.background).unwrap_or(rest.len());
+        let background = rest.split_off(at);
+        queue.extend(rest);
+        queue.extend(mine);
+        queue.extend(background);
     }
 
     /// Take `unit`'s slot from the unit holding it: that unit's load is waited for, then it is
@@ -525,6 +571,46 @@ mod tests {
         assert!(residency.region().copy_out(0..(9 << 20)).iter().all(|&byte| byte == 0));
         residency.wait_ready(0).unwrap();
         assert_eq!(residency.state(0).unwrap().0, UnitState::Ready);
+    }
+
+    /// Background reads (the warm fill) queue behind every read asked for: with one reader
+    /// held on unit 0, units 1 and 2 asked in the background, then unit 3 asked for and unit 2
+    /// waited for, the reader takes 3, then 2 (moved ahead when waited for), then 1.
+    #[test]
+    fn background_reads_wait_behind_the_reads_asked_for() {
+        let region = Arc::new(Region::reserve(64 << 20, false).unwrap());
+        let unit = |mib: u64| StreamUnit::mirrored(std::iter::once((mib << 20)..((mib + 1) << 20)).collect());
+        let units = vec![unit(0), unit(8), unit(16), unit(24)];
+        let reader =
+            Arc::new(GatedReader { open: Mutex::new(false), opened: Condvar::new(), calls: AtomicUsize::new(0) });
+        let order = Arc::new(Mutex::new(Vec::new()));
+        struct Recorded {
+            gate: Arc<GatedReader>,
+            order: Arc<Mutex<Vec<u64>>>,
+        }
+        impl UnitReader for Recorded {
+            fn read(&self, region: &Region, range: Range<u64>, shift: u64) -> Result<u64, IoError> {
+                self.order.lock().unwrap().push(range.start >> 23);
+                self.gate.read(region, range, shift)
+            }
+        }
+        let recorded = Arc::new(Recorded { gate: reader.clone(), order: order.clone() });
+        let residency = Residency::new(region, recorded, units, 1, Arc::new(IoStats::default()));
+        residency.request_background(0).unwrap();
+        while reader.calls.load(Ordering::SeqCst) == 0 {
+            std::thread::yield_now();
+        }
+        residency.request_background(1).unwrap();
+        residency.request_background(2).unwrap();
+        residency.request(3).unwrap();
+        // Asked for while its background load waits: it moves ahead of unit 1, behind unit 3.
+        residency.request(2).unwrap();
+        *reader.open.lock().unwrap() = true;
+        reader.opened.notify_all();
+        for unit in 0..4 {
+            residency.wait_ready(unit).unwrap();
+        }
+        assert_eq!(*order.lock().unwrap(), vec![0, 3, 2, 1]);
     }
 
     #[test]
