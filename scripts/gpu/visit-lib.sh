@@ -82,7 +82,7 @@ visit_setup() {
 #   here (a bundle, 64 MiB at most, could not carry it beside the binaries).
 visit_return_cuda() {
   nice -n 19 python3 - "$1" "${VISIT_RETURN:-$OUT}" <<'PY'
-import lzma, sys
+import lzma, os, sys
 arch, into = sys.argv[1], sys.argv[2]
 data = lzma.compress(open("lib/libggml-cuda.so", "rb").read(), preset=6)
 if len(data) > 30 << 20:
@@ -94,7 +94,7 @@ for index in range(0, len(data), part):
         out.write(data[index:index + part])
 for index in range(0, len(data), part):
     name = f"{into}/libggml-cuda-sm{arch}.so.xz.{index // part:02d}"
-    __import__("os").rename(name + ".part", name)
+    os.rename(name + ".part", name)
 print(f"libggml-cuda.so returned: {len(data) >> 20} MiB compressed")
 PY
 }

@@ -236,25 +236,15 @@ impl TgTotals {
         let pool = self.pool_limit(options);
         let compute_per_token =
             pool.map_or(self.compute_seconds / self.generated as f64, |pool| pool.compute_seconds_per_token());
-        // The limit of the passes the tg rate times: the decodes, with their own reads. The
-        // start token's pass is not timed, and a decode after it finds what it read (with one
-        // decoded token, a bytes-per-graph average put the limit below the run).
-        let decode_limit_at = |rate: f64| {
-            crate::plan::limit_tokens_per_sec(
-                compute_per_token,
-                self.decode_demand_bytes as f64 / self.passes as f64,
-                rate,
-                tokens_per_pass,
-            )
+        let limit = |bytes_per_pass: f64, rate: f64| {
+            crate::plan::limit_tokens_per_sec(compute_per_token, bytes_per_pass, rate, tokens_per_pass)
         };
-        let limit_at = |rate: f64| {
-            crate::plan::limit_tokens_per_sec(
-                compute_per_token,
-                self.demand_bytes() as f64 / self.graphs as f64,
-                rate,
-                tokens_per_pass,
-            )
-        };
+        // Every pass of the requests (the busy figure's span), and the passes the tg rate times:
+        // the decodes with their own reads. The start token's pass is not timed, and a decode
+        // after it finds what it read (with one decoded token, a bytes-per-graph average put the
+        // limit below the run).
+        let limit_at = |rate: f64| limit(self.demand_bytes() as f64 / self.graphs as f64, rate);
+        let decode_limit_at = |rate: f64| limit(self.decode_demand_bytes as f64 / self.passes as f64, rate);
         let measured = self.graphs > 0 && self.generated > 0 && self.passes > 0;
         // The rate the disk delivered in the tg runs while a read was in flight, the limit at it,
         // and every pass of the tg requests (their start token's too) against it, over the same

@@ -47,7 +47,9 @@ impl ExpertStream {
             let warm = warm.locked();
             (warm.issued, warm.bytes)
         };
-        self.warm_issue(usize::MAX)?;
+        // Nothing else reads at load: asked for, not in the background (waiting for a unit
+        // then finds nothing to move ahead).
+        self.warm_issue(usize::MAX, false)?;
         let mut warm = warm.locked();
         // No compute waits at load: the fill's wait is not a stall.
         for unit in std::mem::take(&mut warm.in_flight) {
@@ -58,12 +60,13 @@ impl ExpertStream {
 
     /// Top up the warm fill (`WarmFill`) behind a decode, `WARM_IN_FLIGHT` reads at most.
     pub(super) fn warm_step(&self) -> Result<(), ResidencyError> {
-        self.warm_issue(WARM_IN_FLIGHT)
+        self.warm_issue(WARM_IN_FLIGHT, true)
     }
 
     /// Forget the warm reads that finished, then issue the next candidates that no slot holds
-    /// and the cache does not, while there is free room and fewer than `in_flight` are reading.
-    fn warm_issue(&self, in_flight: usize) -> Result<(), ResidencyError> {
+    /// and the cache does not, while there is free room and fewer than `in_flight` are reading;
+    /// `background`: behind every read a computation asks for (a decode's).
+    fn warm_issue(&self, in_flight: usize, background: bool) -> Result<(), ResidencyError> {
         let Some(warm) = &self.warm else { return Ok(()) };
         let mut warm = warm.locked();
         warm.in_flight.retain(|&unit| matches!(self.residency.state(unit), Some((UnitState::Loading, _))));
@@ -99,7 +102,11 @@ impl ExpertStream {
             warm.next += 1;
             warm.issued += 1;
             warm.bytes += self.residency.units()[unit].bytes();
-            self.residency.request_background(unit)?;
+            if background {
+                self.residency.request_background(unit)?;
+            } else {
+                self.residency.request(unit)?;
+            }
             warm.in_flight.push(unit);
         }
         Ok(())

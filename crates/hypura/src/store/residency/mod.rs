@@ -66,6 +66,9 @@ struct UnitRecord {
     state: UnitState,
     generation: u64,
     pending_chunks: usize,
+    /// The current load was asked for in the background and not asked for since: its queued
+    /// chunks wait behind the others (`Residency::request_background`).
+    background: bool,
     /// The first read error of the current load.
     error: Option<String>,
 }
@@ -125,7 +128,13 @@ impl Residency {
             units: Mutex::new(
                 units
                     .iter()
-                    .map(|_| UnitRecord { state: UnitState::Empty, generation: 0, pending_chunks: 0, error: None })
+                    .map(|_| UnitRecord {
+                        state: UnitState::Empty,
+                        generation: 0,
+                        pending_chunks: 0,
+                        background: false,
+                        error: None,
+                    })
                     .collect(),
             ),
             unit_bytes: units.iter().map(StreamUnit::bytes).collect(),

@@ -58,7 +58,8 @@ impl Residency {
     fn enqueue(&self, unit: usize, background: bool) -> Result<(), ResidencyError> {
         self.check(unit)?;
         let mut units = self.shared.units.locked();
-        if units[unit].state == UnitState::Loading && !background {
+        if units[unit].state == UnitState::Loading && !background && units[unit].background {
+            units[unit].background = false;
             drop(units);
             self.promote(unit);
             return Ok(());
@@ -100,6 +101,7 @@ impl Residency {
         }
         state.state = UnitState::Loading;
         state.pending_chunks = chunks.len();
+        state.background = background;
         state.error = None;
         drop(units);
         let woken = chunks.len();
@@ -126,9 +128,6 @@ impl Residency {
     /// background ones (behind the other reads asked for).
     fn promote(&self, unit: usize) {
         let mut queue = self.shared.queue.locked();
-        if !queue.iter().any(|chunk| chunk.unit == unit && chunk.background) {
-            return;
-        }
         let (mut mine, mut rest): (Vec<Chunk>, Vec<Chunk>) =
             queue.drain(..).partition(|chunk| chunk.unit == unit && chunk.background);
         for chunk in &mut mine {
