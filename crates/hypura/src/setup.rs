@@ -133,7 +133,7 @@ pub fn choose(inventory: &Inventory, spec: &RunSpec, facts: &MachineFacts) -> Re
 /// Open the model's index, read the machine facts once, plan, and build the engine options.
 pub fn prepare(path: &Path, spec: &RunSpec) -> Result<Setup, EngineError> {
     let inventory = Inventory::open(path)?;
-    let facts = machine_facts(spec, path)?;
+    let facts = machine_facts(spec, &inventory)?;
     let Choice { n_ctx_seq, n_batch, plan } = choose(&inventory, spec, &facts)?;
     let mode = plan.mode;
     let options = EngineOptions {
@@ -172,7 +172,7 @@ pub fn prepare(path: &Path, spec: &RunSpec) -> Result<Setup, EngineError> {
 /// memory set aside. The server reports it for a model it has not loaded yet.
 pub fn context(path: &Path, spec: &RunSpec) -> Result<u32, EngineError> {
     let inventory = Inventory::open(path)?;
-    let facts = machine_facts(spec, path)?;
+    let facts = machine_facts(spec, &inventory)?;
     Ok(plan::context_for(&inventory, &facts, &spec.ask()))
 }
 
@@ -196,6 +196,8 @@ pub struct RunMeasurements {
     /// Of a token's weight bytes, the share the run computed on the host's CPU, and the bytes.
     pub host_share: f64,
     pub touched_bytes_per_token: Option<f64>,
+    /// The model routes experts (MoE).
+    pub routes_experts: bool,
     /// Decode's expert bytes read, and the bytes of the picks an LRU cache of the run's size
     /// missed (benchmarks' tg runs).
     pub expert_reads: Option<(f64, f64)>,
@@ -238,6 +240,7 @@ fn fold_run(record: &mut crate::hw::ModelRecord, threads: u32, run: &RunMeasurem
     }
     record.add_reads(run.read_bytes, run.busy_seconds);
     record.touched_bytes_per_token = run.touched_bytes_per_token.or(record.touched_bytes_per_token);
+    record.routes_experts = Some(run.routes_experts);
     if let Some((read, modelled)) = run.expert_reads {
         record.add_expert_reads(read, modelled);
     }
@@ -273,7 +276,8 @@ pub fn default_memory_budget(available: u64, gpu: bool) -> u64 {
 /// The machine facts the planner needs: the budget (the spec's, or available memory minus
 /// headroom), the disk bandwidth from the cached profile (if `hypura profile` has run), the
 /// reader threads, and the compute time per token earlier runs of this model measured.
-pub fn machine_facts(spec: &RunSpec, model: &Path) -> Result<MachineFacts, EngineError> {
+pub fn machine_facts(spec: &RunSpec, inventory: &Inventory) -> Result<MachineFacts, EngineError> {
+    let model = inventory.path.as_path();
     let gpu_free = dedicated_gpu_free(&hypura_sys::Backend::get().devices());
     let gpu_budget_bytes = gpu_budget(spec.gpu_budget_bytes, &gpu_free);
     // Asking a GPU for its free memory already starts its runtime in this process, so its host
@@ -298,6 +302,8 @@ pub fn machine_facts(spec: &RunSpec, model: &Path) -> Result<MachineFacts, Engin
     // Streaming runs of this model read at this rate while busy: where they did, that is the
     // rate streaming gets here, whatever the profile's short reads said.
     let from_runs = record.disk_bytes_per_sec();
+    let cpu_rate =
+        ModelRecords::new(default_cache_dir()).cpu_bytes_per_sec(threads, model, inventory.hparams.n_expert > 1);
     Ok(MachineFacts {
         memory_budget_bytes,
         disk_bytes_per_sec: from_runs.or(disk_bytes_per_sec),
@@ -312,9 +318,8 @@ pub fn machine_facts(spec: &RunSpec, model: &Path) -> Result<MachineFacts, Engin
         pool_stop_host_seconds: record.pool_stop_host_seconds(),
         pool_stop_device_seconds: record.pool_stop_device_seconds(),
         pool_split_bytes_per_sec: record.pool_split_bytes_per_sec(),
-        cpu_bytes_per_sec: ModelRecords::new(default_cache_dir())
-            .cpu_bytes_per_sec(threads, model)
-            .map(|(rate, _)| rate),
+        cpu_bytes_per_sec: cpu_rate.map(|rate| rate.bytes_per_sec),
+        cpu_rate_of_moe: cpu_rate.is_some_and(|rate| rate.routes_experts),
         read_queue_depth: Some(io_workers as u32),
         disk_read_points,
         compute_seconds_per_token: record.compute(threads).map(|(seconds, _)| seconds),

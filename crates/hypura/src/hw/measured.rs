@@ -47,6 +47,12 @@ pub struct ModelRecord {
     /// the CPU alone, this machine's CPU rate for models never run here.
     #[serde(default)]
     pub touched_bytes_per_token: Option<f64>,
+    /// Whether the model routes experts (MoE): with the CPU rate above, an estimate for MoE
+    /// models never run here (a token's small expert matmuls run well below the rate of a dense
+    /// model's: S6's shape at about 17 GB/s on the H100 machine's CPU, a dense 1B at 70 GB/s).
+    /// None in records from before it was kept.
+    #[serde(default)]
+    pub routes_experts: Option<bool>,
     /// A GPU's expert pool in benchmark runs, summed (the next plan's stop and bus costs).
     #[serde(default)]
     pub pool: Option<PoolWork>,
@@ -81,6 +87,16 @@ pub struct PoolWork {
     pub cpu_bytes: u64,
     #[serde(default)]
     pub cpu_wait_seconds: f64,
+}
+
+/// This machine's CPU rate over the weight bytes other models' resident runs computed on it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CpuRate {
+    pub bytes_per_sec: f64,
+    /// The models it is the median of.
+    pub models: usize,
+    /// Those models route experts.
+    pub routes_experts: bool,
 }
 
 /// Fewer moved bytes than this say little about the bus's rate (a few dozen experts).
@@ -312,11 +328,13 @@ impl ModelRecords {
     }
 
     /// The median CPU rate (`ModelRecord::cpu_bytes_per_sec`) of this machine's records of
-    /// models other than `except`, and how many there were; None without one.
-    pub fn cpu_bytes_per_sec(&self, threads: u32, except: &Path) -> Option<(f64, usize)> {
+    /// models other than `except` of its kind (routing experts or not), else of the other kind;
+    /// None without one.
+    pub fn cpu_bytes_per_sec(&self, threads: u32, except: &Path, routes_experts: bool) -> Option<CpuRate> {
         let except = std::fs::canonicalize(except).unwrap_or_else(|_| except.to_path_buf());
         let key = machine_key();
-        let mut rates: Vec<f64> = std::fs::read_dir(&self.dir)
+        type Rates = Vec<(f64, bool)>;
+        let (mut same, mut other): (Rates, Rates) = std::fs::read_dir(&self.dir)
             .ok()?
             .flatten()
             .filter_map(|entry| serde_json::from_str::<ModelRecord>(&std::fs::read_to_string(entry.path()).ok()?).ok())
@@ -324,10 +342,12 @@ impl ModelRecords {
                 record.schema_version == RECORD_SCHEMA_VERSION && record.machine_key.as_deref() == Some(key.as_str())
             })
             .filter(|record| std::fs::canonicalize(&record.model_path).map_or(true, |path| path != except))
-            .filter_map(|record| record.cpu_bytes_per_sec(threads))
-            .collect();
-        rates.sort_by(f64::total_cmp);
-        (!rates.is_empty()).then(|| (rates[rates.len() / 2], rates.len()))
+            .filter_map(|record| Some((record.cpu_bytes_per_sec(threads)?, record.routes_experts.unwrap_or(false))))
+            .partition(|&(_, routes)| routes == routes_experts);
+        let rates = if same.is_empty() { &mut other } else { &mut same };
+        rates.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let &(bytes_per_sec, routes_experts) = rates.get(rates.len() / 2)?;
+        Some(CpuRate { bytes_per_sec, models: rates.len(), routes_experts })
     }
 
     /// Load, change and write back the record of `model` (through a temporary file and a
@@ -441,9 +461,28 @@ mod tests {
             other_models.push(path);
         }
         // a: 10 GB/s, b: 20 GB/s; c computed mostly on a GPU and says nothing of the CPU.
-        assert_eq!(records.cpu_bytes_per_sec(2, &model), Some((20e9, 2)));
-        assert_eq!(records.cpu_bytes_per_sec(2, &other_models[1]), Some((10e9, 1)), "not its own");
-        assert_eq!(records.cpu_bytes_per_sec(4, &model), None);
+        let rate = |threads, except: &Path, routes| {
+            records
+                .cpu_bytes_per_sec(threads, except, routes)
+                .map(|rate| (rate.bytes_per_sec, rate.models, rate.routes_experts))
+        };
+        assert_eq!(rate(2, &model, false), Some((20e9, 2, false)));
+        assert_eq!(rate(2, &other_models[1], false), Some((10e9, 1, false)), "not its own");
+        assert_eq!(rate(4, &model, false), None);
+        // An MoE model with no MoE model run here: the dense ones' rate, said to be theirs.
+        assert_eq!(rate(2, &model, true), Some((20e9, 2, false)));
+        // Once one ran, MoE models are estimated at MoE models' rate alone, and dense at dense.
+        let moe = directory.path().join("moe.gguf");
+        std::fs::write(&moe, "moe").unwrap();
+        records
+            .update(&moe, |record| {
+                record.add_resident(2, 0.25 * 10.0, 10, 1.0);
+                record.touched_bytes_per_token = Some(1e9);
+                record.routes_experts = Some(true);
+            })
+            .unwrap();
+        assert_eq!(rate(2, &model, true), Some((4e9, 1, true)));
+        assert_eq!(rate(2, &model, false), Some((20e9, 2, false)));
     }
 
     #[test]

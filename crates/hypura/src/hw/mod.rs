@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 pub use cache::{default_cache_dir, machine_key, ProfileCache};
 pub use cpu::{cpu_info, CpuInfo};
 pub use disk::{measure_disk, volume_of, DiskOptions, DiskProfile, ReadPoint, Volume, STORE_READERS};
-pub use measured::{BusyReads, ComputeMeasurement, ModelRecord, ModelRecords, PoolWork};
+pub use measured::{BusyReads, ComputeMeasurement, CpuRate, ModelRecord, ModelRecords, PoolWork};
 pub use memory::{memory_info, peak_rss_bytes, CgroupLimit, MemoryInfo};
 
 use crate::io::IoError;

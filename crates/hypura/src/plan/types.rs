@@ -114,6 +114,8 @@ pub struct MachineFacts {
     /// Weight bytes per second this machine's CPU computed in resident runs of other models,
     /// all on the CPU (their median): a model never run here is estimated at it.
     pub cpu_bytes_per_sec: Option<f64>,
+    /// `cpu_bytes_per_sec` is MoE models' rate (else dense models').
+    pub cpu_rate_of_moe: bool,
     /// Prompt time per token of this model resident over prompts of at least a few dozen
     /// tokens, measured by an earlier run; None if never measured.
     pub prompt_seconds_per_token: Option<f64>,

@@ -279,7 +279,7 @@ fn a_worker_with_less_memory_than_planned_is_refused_at_load_and_its_link_is_pro
     // The machine as it is now (the worker's free memory), without what earlier runs measured.
     let facts_now = || hypura::plan::MachineFacts {
         compute_seconds_per_token: None,
-        ..hypura::setup::machine_facts(&spec, &model).unwrap()
+        ..hypura::setup::machine_facts(&spec, &inventory).unwrap()
     };
     let mut facts = facts_now();
     // The plan believes in twice the memory.
@@ -356,7 +356,7 @@ fn remote_and_local_streaming_are_weighed_each_at_its_own_batch() {
             round_trip_secs,
             link_bytes_per_sec: Some(1e8),
         }],
-        ..hypura::setup::machine_facts(&spec, &model).unwrap()
+        ..hypura::setup::machine_facts(&spec, &inventory).unwrap()
     };
     // At the default batch the host cannot stream alone (its compute buffers are too large).
     let at_default = hypura::plan::plan_for(

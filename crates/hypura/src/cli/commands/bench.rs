@@ -23,6 +23,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         );
     }
     let setup = settings::setup(&args.model_args, &path)?;
+    let routes_experts = setup.inventory.hparams.n_expert > 1;
     let (engine, facts) = (setup.options, setup.facts);
     let threads = settings::threads(engine.n_threads);
     let placement = PeerPlacement::parse(&args.baseline_placement, engine.plan.as_ref(), facts.gpu_budget_bytes)
@@ -79,6 +80,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
                     .prediction
                     .as_ref()
                     .map(|prediction| prediction.touched_bytes_per_token),
+                routes_experts,
                 expert_reads: report.expert_reads,
                 pool: report.pool_limit.map(|pool| pool.work),
                 pooled: report.pool_limit.is_some(),

@@ -69,7 +69,7 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
         None => (Inventory::open(&crate::cli::settings::model_path(model)?)?, None),
     };
     let spec = crate::cli::settings::run_spec(&args.model_args)?;
-    let facts = crate::setup::machine_facts(&spec, &inventory.path)?;
+    let facts = crate::setup::machine_facts(&spec, &inventory)?;
     if let Some(svg) = &args.svg {
         let picture = budget_picture(&inventory, &spec, &facts)?;
         std::fs::write(svg, picture).with_context(|| format!("writing {}", svg.display()))?;

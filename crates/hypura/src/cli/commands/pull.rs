@@ -58,7 +58,7 @@ fn plan_before_pull(url: &str, model_args: &crate::cli::args::ModelArgs) -> anyh
     let (files, _) = crate::model::url::open(url)?;
     let inventory = Inventory::from_files(std::path::Path::new(url), &files)?;
     let spec = crate::cli::settings::run_spec(model_args)?;
-    let facts = crate::setup::machine_facts(&spec, &inventory.path)?;
+    let facts = crate::setup::machine_facts(&spec, &inventory)?;
     let choice = crate::setup::choose(&inventory, &spec, &facts)?;
     Ok(choice.plan.render())
 }

@@ -96,6 +96,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
                         .as_ref()
                         .and_then(|plan| plan.prediction.as_ref())
                         .map(|prediction| prediction.touched_bytes_per_token),
+                    routes_experts: engine.inventory().hparams.n_expert > 1,
                     // A request's reads include its prompt's sweep: only benchmarks' tg runs
                     // measure decode's reads alone.
                     expert_reads: None,
