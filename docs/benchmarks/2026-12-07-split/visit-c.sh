@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One call for a session whose device starts keep failing: the predictions' new inputs, then
+# S6a cold beside llama.cpp's --fit, then S6b beside --n-cpu-moe 17 as time allows. Outputs are
+# written outside the returned folder and archived into it (results.tgz) after every step, so a
+# call cut off at any time brings back what the steps before finished.
+#
+#   DEADLINE=S ./visit-c.sh
+#
+#   1. ggml's CUDA build beside the forges: S6's model (real routing) and the same shape with
+#      4 layers, which fits the CPU;
+#   2. the CPU's record of an MoE model (the 4 layers resident on the CPU: the rate a plan's
+#      host experts are predicted at), the device's record (S6's model resident on the GPU);
+#   3. a warm split run with --stats (its lanes poll before they sleep: lane-spin.patch), which
+#      records the routing; `inspect` at S6a's and S6b's budgets;
+#   4. S6a cold under the memory cgroup: Hypura's default, llama.cpp's --fit, Hypura's split;
+#   5. S6b: Hypura's default beside --n-cpu-moe 17.
+set -uo pipefail
+RETURNED=${OUT:?the folder that comes back}
+export OUT=/tmp/visit-c VISIT_RETURN=$RETURNED
+mkdir -p "$OUT"
+cd "$(dirname "$0")" && . scripts/visit-lib.sh || exit 1
+R=$OUT
+snapshot() {
+  tar czf "$RETURNED/results.tgz.part" -C "$R" . && mv "$RETURNED/results.tgz.part" "$RETURNED/results.tgz"
+}
+DEADLINE=${DEADLINE:-560}
+(
+  sleep "$DEADLINE"
+  echo "deadline: runs stopped at $DEADLINE s" >> "$R/time.log"
+  pkill -f scripts/bench-limited; pkill -f bin/hypura; pkill -f llama-
+  sleep 5
+  pkill -9 -f bin/hypura; pkill -9 -f llama-
+) &
+watchdog=$!
+fits() { [ $((SECONDS + $1)) -lt "$DEADLINE" ]; }
+
+lscpu > "$R/lscpu.txt" 2>&1; nvidia-smi -q -d CLOCK,POWER > "$R/gpu.txt" 2>&1
+visit_forge qwen3.6-35b-a3b /tmp/q36.gguf
+visit_forge qwen3.6-35b-a3b /tmp/q36-4.gguf --n-layer 4
+visit_setup 90 || { snapshot; exit 1; }
+visit_mark "built and forged at $SECONDS s"
+snapshot
+bin/hypura bench /tmp/q36-4.gguf --no-baseline --mode resident --gpu-budget 0 -p 16 -n 32 -r 1 -t 16 > "$R/cpu-moe.txt" 2>&1
+visit_resident /tmp/q36.gguf 64
+visit_mark "records at $SECONDS s"
+timeout -k 5 50 bin/hypura run /tmp/q36.gguf --gpu-budget 8GiB --memory-budget 11GiB --gpu-experts split --raw --stats \
+  -p "Write a story about the sea." -n 64 --temperature 0 --context 1024 > "$R/split-run.txt" 2>&1
+visit_mark "split run at $SECONDS s"
+visit_inspect /tmp/q36.gguf 8GiB 11GiB
+visit_inspect /tmp/q36.gguf 12GiB 22GiB
+snapshot
+fits 120 && visit_case s6a /tmp/q36.gguf 0.5701 128 PEERS=fit RUN_TIMEOUT=70 HYPURA_ARGS="--gpu-budget 8GiB" \
+  HYPURA_B_ARGS="--gpu-experts split"
+snapshot
+fits 100 && visit_case s6b /tmp/q36.gguf 1.2474 128 PEERS=n-cpu-moe:17 N_CPU_MOE=17 RUN_TIMEOUT=60 \
+  HYPURA_ARGS="--gpu-budget 12GiB"
+kill $watchdog 2>/dev/null
+free -g > "$R/free.txt"; dmesg 2>/dev/null | tail -40 > "$R/dmesg.txt"
+visit_mark "done at $SECONDS s"
+visit_wait_cuda
+snapshot
