@@ -6,10 +6,11 @@
 #
 #   DEADLINE=S ./visit-c.sh
 #
-#   1. ggml's CUDA build beside the forges: S6's model (real routing) and the same shape with
-#      4 layers, which fits the CPU;
-#   2. the CPU's record of an MoE model (the 4 layers resident on the CPU: the rate a plan's
-#      host experts are predicted at), the device's record (S6's model resident on the GPU);
+#   1. ggml's CUDA build beside the forge of S6's model (real routing);
+#   2. the CPU's record of an MoE model: S6's model resident on the CPU, through a hard link (a
+#      model of its own to the records), without repacking as streamed experts are not: the
+#      rate a plan's host experts are predicted at; then the device's record (S6's model
+#      resident on the GPU);
 #   3. a warm split run with --stats (its lanes poll before they sleep: lane-spin.patch), which
 #      records the routing; `inspect` at S6a's and S6b's budgets;
 #   4. S6a cold under the memory cgroup: Hypura's default, llama.cpp's --fit, Hypura's split;
@@ -36,11 +37,12 @@ fits() { [ $((SECONDS + $1)) -lt "$DEADLINE" ]; }
 
 lscpu > "$R/lscpu.txt" 2>&1; nvidia-smi -q -d CLOCK,POWER > "$R/gpu.txt" 2>&1
 visit_forge qwen3.6-35b-a3b /tmp/q36.gguf
-visit_forge qwen3.6-35b-a3b /tmp/q36-4.gguf --n-layer 4
 visit_setup 90 || { snapshot; exit 1; }
 visit_mark "built and forged at $SECONDS s"
 snapshot
-bin/hypura bench /tmp/q36-4.gguf --no-baseline --mode resident --gpu-budget 0 -p 16 -n 32 -r 1 -t 16 > "$R/cpu-moe.txt" 2>&1
+ln -f /tmp/q36.gguf /tmp/q36-cpu.gguf
+timeout -k 5 90 bin/hypura bench /tmp/q36-cpu.gguf --no-baseline --mode resident --no-repack --gpu-budget 0 -p 16 -n 32 -r 1 \
+  -t 16 > "$R/cpu-moe.txt" 2>&1
 visit_resident /tmp/q36.gguf 64
 visit_mark "records at $SECONDS s"
 timeout -k 5 50 bin/hypura run /tmp/q36.gguf --gpu-budget 8GiB --memory-budget 11GiB --gpu-experts split --raw --stats \
