@@ -14,7 +14,9 @@
 #   3. a warm split run with --stats (its lanes poll before they sleep: lane-spin.patch), which
 #      records the routing; `inspect` at S6a's and S6b's budgets;
 #   4. S6a cold under the memory cgroup: Hypura's default, llama.cpp's --fit, Hypura's split;
-#   5. S6b: Hypura's default beside --n-cpu-moe 17.
+#   5. whole layers warm at S6a's budgets with the stale-gate prefetch on, then off (auto turns
+#      it off where every layer attends on the GPU, as measured under skewed routing);
+#   6. S6b: Hypura's default beside --n-cpu-moe 17.
 set -uo pipefail
 RETURNED=${OUT:?the folder that comes back}
 export OUT=/tmp/visit-c VISIT_RETURN=$RETURNED
@@ -54,6 +56,12 @@ snapshot
 fits 120 && visit_case s6a /tmp/q36.gguf 0.5701 128 PEERS=fit RUN_TIMEOUT=70 HYPURA_ARGS="--gpu-budget 8GiB" \
   HYPURA_B_ARGS="--gpu-experts split"
 snapshot
+for prefetch in on off; do
+  fits 50 && timeout -k 5 45 bin/hypura run /tmp/q36.gguf --gpu-budget 8GiB --memory-budget 11GiB --gpu-experts layers \
+    --prefetch $prefetch --raw --stats -p "Write a story about the sea." -n 64 --temperature 0 --context 1024 \
+    > "$R/layers-prefetch-$prefetch.txt" 2>&1 && visit_mark "layers, prefetch $prefetch, at $SECONDS s"
+  snapshot
+done
 fits 100 && visit_case s6b /tmp/q36.gguf 1.2474 128 PEERS=n-cpu-moe:17 N_CPU_MOE=17 RUN_TIMEOUT=60 \
   HYPURA_ARGS="--gpu-budget 12GiB"
 kill $watchdog 2>/dev/null
