@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One call for a session whose device starts keep failing: the predictions' new inputs, then
-# S6a cold beside llama.cpp's --fit, then S6b beside --n-cpu-moe 17 as time allows. Outputs are
+# One call for a session whose device starts keep failing: S6a cold beside llama.cpp's --fit,
+# the prefetch under real routing, the predictions' new inputs, then more as time allows. Outputs are
 # written outside the returned folder and archived into it (results.tgz) after every step, so a
 # call cut off at any time brings back what the steps before finished.
 #
