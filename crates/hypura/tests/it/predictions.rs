@@ -90,7 +90,8 @@ fn a_run_records_what_the_next_plan_predicts_from() {
 
 /// The benchmark cases of `docs/benchmarks/2026-12-04-predictions/`: each Hypura run's report
 /// carries the prediction its plan made before it ran; it is `1 / max(compute, bytes / rate)`
-/// of the figures it names, and within 30% of the tg rate measured.
+/// of the figures it names (the form of that day: an expert stream's reads now add to its
+/// compute, `plan::predict`), and within 30% of the tg rate measured.
 #[test]
 fn recorded_predictions_hold_within_30_percent() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/benchmarks/2026-12-04-predictions");
