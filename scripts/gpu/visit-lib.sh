@@ -107,6 +107,33 @@ visit_wait_cuda() {
   return 0
 }
 
+# visit_snapshot
+#   For a visit that writes outside the returned folder (OUT elsewhere, VISIT_RETURN the folder
+#   that comes back): everything in $OUT so far into $VISIT_RETURN/results.tgz, replaced whole,
+#   so a call cut off at any time brings back what the steps before it finished.
+visit_snapshot() {
+  tar czf "$VISIT_RETURN/results.tgz.part" -C "$OUT" . && mv "$VISIT_RETURN/results.tgz.part" "$VISIT_RETURN/results.tgz"
+}
+
+# visit_watchdog DEADLINE
+#   In the background: at DEADLINE seconds the runs are stopped (bench-limited, hypura and
+#   llama.cpp's tools; killed 5 s later), and time.log says so. visit_fits SECONDS tells whether
+#   a step of about that long still ends before it; kill "$visit_watchdog" once the steps are done.
+visit_watchdog() {
+  _visit_deadline=$1
+  (
+    sleep "$1"
+    echo "deadline: runs stopped at $1 s" >> "$OUT/time.log"
+    pkill -f scripts/bench-limited; pkill -f bin/hypura; pkill -f llama-
+    sleep 5
+    pkill -9 -f bin/hypura; pkill -9 -f llama-
+  ) &
+  visit_watchdog=$!
+}
+visit_fits() {
+  [ $((SECONDS + $1)) -lt "${_visit_deadline:-560}" ]
+}
+
 # visit_mark TEXT
 #   One line in $OUT/time.log (e.g. visit_mark "built $SECONDS").
 visit_mark() {

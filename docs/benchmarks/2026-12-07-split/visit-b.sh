@@ -22,43 +22,30 @@ export OUT=/tmp/visit-b VISIT_RETURN=$RETURNED
 mkdir -p "$OUT"
 cd "$(dirname "$0")" && . scripts/visit-lib.sh || exit 1
 R=$OUT
-# Every step's outputs so far, into the folder that comes back.
-snapshot() {
-  tar czf "$RETURNED/results.tgz.part" -C "$R" . && mv "$RETURNED/results.tgz.part" "$RETURNED/results.tgz"
-}
-DEADLINE=${DEADLINE:-430}
-(
-  sleep "$DEADLINE"
-  echo "deadline: runs stopped at $DEADLINE s" >> "$R/time.log"
-  pkill -f scripts/bench-limited; pkill -f bin/hypura; pkill -f llama-
-  sleep 5
-  pkill -9 -f bin/hypura; pkill -9 -f llama-
-) &
-watchdog=$!
-fits() { [ $((SECONDS + $1)) -lt "$DEADLINE" ]; }
+visit_watchdog "${DEADLINE:-430}"
 # run_split SECONDS HOST_BUDGET GPU_EXPERTS FILE [BINARY]
 run_split() {
   timeout -k 5 "$1" "${5:-bin/hypura}" run /tmp/q36.gguf --gpu-budget 8GiB --memory-budget "$2" --gpu-experts "$3" --raw \
     --stats -p "Write a story about the sea." -n 96 --temperature 0 --context 1024 > "$R/$4" 2>&1
   visit_mark "$4 at $SECONDS s"
-  snapshot
+  visit_snapshot
 }
 
 lscpu > "$R/lscpu.txt" 2>&1; nvidia-smi -q -d CLOCK,POWER > "$R/gpu.txt" 2>&1
 visit_forge qwen3.6-35b-a3b /tmp/q36.gguf
-visit_setup 90 || { snapshot; exit 1; }
+visit_setup 90 || { visit_snapshot; exit 1; }
 visit_mark "built and forged at $SECONDS s"
-snapshot
+visit_snapshot
 # The lanes sleeping between parts (bin/hypura-base: the commit before they polled), then
 # polling (bin/hypura).
 run_split 60 11GiB split split-11-base.txt bin/hypura-base
-fits 70 && run_split 60 11GiB split split-11.txt
-fits 70 && run_split 65 22GiB split split-22.txt
-fits 150 && visit_case s6a /tmp/q36.gguf 0.5701 128 PEERS=fit RUN_TIMEOUT=70 HYPURA_ARGS="--gpu-budget 8GiB"
-snapshot
-fits 50 && run_split 45 11GiB layers layers-11.txt
-kill $watchdog 2>/dev/null
+visit_fits 70 && run_split 60 11GiB split split-11.txt
+visit_fits 70 && run_split 65 22GiB split split-22.txt
+visit_fits 150 && visit_case s6a /tmp/q36.gguf 0.5701 128 PEERS=fit RUN_TIMEOUT=70 HYPURA_ARGS="--gpu-budget 8GiB"
+visit_snapshot
+visit_fits 50 && run_split 45 11GiB layers layers-11.txt
+kill "$visit_watchdog" 2>/dev/null
 free -g > "$R/free.txt"; dmesg 2>/dev/null | tail -40 > "$R/dmesg.txt"
 visit_mark "done at $SECONDS s"
 visit_wait_cuda
-snapshot
+visit_snapshot

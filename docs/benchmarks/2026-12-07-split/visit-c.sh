@@ -23,50 +23,38 @@ export OUT=/tmp/visit-c VISIT_RETURN=$RETURNED
 mkdir -p "$OUT"
 cd "$(dirname "$0")" && . scripts/visit-lib.sh || exit 1
 R=$OUT
-snapshot() {
-  tar czf "$RETURNED/results.tgz.part" -C "$R" . && mv "$RETURNED/results.tgz.part" "$RETURNED/results.tgz"
-}
-DEADLINE=${DEADLINE:-560}
-(
-  sleep "$DEADLINE"
-  echo "deadline: runs stopped at $DEADLINE s" >> "$R/time.log"
-  pkill -f scripts/bench-limited; pkill -f bin/hypura; pkill -f llama-
-  sleep 5
-  pkill -9 -f bin/hypura; pkill -9 -f llama-
-) &
-watchdog=$!
-fits() { [ $((SECONDS + $1)) -lt "$DEADLINE" ]; }
+visit_watchdog "${DEADLINE:-560}"
 
 lscpu > "$R/lscpu.txt" 2>&1; nvidia-smi -q -d CLOCK,POWER > "$R/gpu.txt" 2>&1
 visit_forge qwen3.6-35b-a3b /tmp/q36.gguf
-visit_setup 90 || { snapshot; exit 1; }
+visit_setup 90 || { visit_snapshot; exit 1; }
 visit_mark "built and forged at $SECONDS s"
-snapshot
+visit_snapshot
 # S6a first, as a user meets it: no record of the model yet (planned for real models' routing).
-fits 120 && visit_case s6a /tmp/q36.gguf 0.5701 128 PEERS=fit RUN_TIMEOUT=70 HYPURA_ARGS="--gpu-budget 8GiB"
-snapshot
+visit_fits 120 && visit_case s6a /tmp/q36.gguf 0.5701 128 PEERS=fit RUN_TIMEOUT=70 HYPURA_ARGS="--gpu-budget 8GiB"
+visit_snapshot
 for prefetch in on off; do
-  fits 50 && timeout -k 5 45 bin/hypura run /tmp/q36.gguf --gpu-budget 8GiB --memory-budget 11GiB --gpu-experts layers \
+  visit_fits 50 && timeout -k 5 45 bin/hypura run /tmp/q36.gguf --gpu-budget 8GiB --memory-budget 11GiB --gpu-experts layers \
     --prefetch $prefetch --raw --stats -p "Write a story about the sea." -n 64 --temperature 0 --context 1024 \
     > "$R/layers-prefetch-$prefetch.txt" 2>&1 && visit_mark "layers, prefetch $prefetch, at $SECONDS s"
-  snapshot
+  visit_snapshot
 done
 ln -f /tmp/q36.gguf /tmp/q36-cpu.gguf
-fits 60 && timeout -k 5 50 bin/hypura bench /tmp/q36-cpu.gguf --no-baseline --mode resident --no-repack --gpu-budget 0 \
+visit_fits 60 && timeout -k 5 50 bin/hypura bench /tmp/q36-cpu.gguf --no-baseline --mode resident --no-repack --gpu-budget 0 \
   -p 16 -n 32 -r 1 -t 16 > "$R/cpu-moe.txt" 2>&1
 visit_mark "cpu record at $SECONDS s"
 visit_inspect /tmp/q36.gguf 8GiB 11GiB
 visit_inspect /tmp/q36.gguf 12GiB 22GiB
-snapshot
-fits 40 && visit_resident /tmp/q36.gguf 64 && visit_mark "resident at $SECONDS s"
-fits 60 && timeout -k 5 50 bin/hypura run /tmp/q36.gguf --gpu-budget 8GiB --memory-budget 11GiB --gpu-experts split --raw \
+visit_snapshot
+visit_fits 40 && visit_resident /tmp/q36.gguf 64 && visit_mark "resident at $SECONDS s"
+visit_fits 60 && timeout -k 5 50 bin/hypura run /tmp/q36.gguf --gpu-budget 8GiB --memory-budget 11GiB --gpu-experts split --raw \
   --stats -p "Write a story about the sea." -n 64 --temperature 0 --context 1024 > "$R/split-run.txt" 2>&1 &&
   visit_mark "split run at $SECONDS s"
-snapshot
-fits 100 && visit_case s6b /tmp/q36.gguf 1.2474 128 PEERS=n-cpu-moe:17 N_CPU_MOE=17 RUN_TIMEOUT=60 \
+visit_snapshot
+visit_fits 100 && visit_case s6b /tmp/q36.gguf 1.2474 128 PEERS=n-cpu-moe:17 N_CPU_MOE=17 RUN_TIMEOUT=60 \
   HYPURA_ARGS="--gpu-budget 12GiB"
-kill $watchdog 2>/dev/null
+kill "$visit_watchdog" 2>/dev/null
 free -g > "$R/free.txt"; dmesg 2>/dev/null | tail -40 > "$R/dmesg.txt"
 visit_mark "done at $SECONDS s"
 visit_wait_cuda
-snapshot
+visit_snapshot
