@@ -107,10 +107,18 @@ visit_wait_cuda() {
   return 0
 }
 
+# visit_write_outside DIR
+#   Outputs go to DIR from here on, outside the folder that comes back (VISIT_RETURN, which
+#   visit_snapshot archives them into and visit_return_cuda writes to).
+visit_write_outside() {
+  export VISIT_RETURN=$OUT OUT=$1
+  mkdir -p "$OUT"
+}
+
 # visit_snapshot
-#   For a visit that writes outside the returned folder (OUT elsewhere, VISIT_RETURN the folder
-#   that comes back): everything in $OUT so far into $VISIT_RETURN/results.tgz, replaced whole,
-#   so a call cut off at any time brings back what the steps before it finished.
+#   For a visit that writes outside the returned folder (visit_write_outside): everything in
+#   $OUT so far into $VISIT_RETURN/results.tgz, replaced whole, so a call cut off at any time
+#   brings back what the steps before it finished.
 visit_snapshot() {
   tar czf "$VISIT_RETURN/results.tgz.part" -C "$OUT" . && mv "$VISIT_RETURN/results.tgz.part" "$VISIT_RETURN/results.tgz"
 }

@@ -17,10 +17,8 @@
 #   3. as time allows, S6a cold under the memory cgroup (Hypura's default beside llama.cpp's
 #      --fit), and whole layers warm with their figures.
 set -uo pipefail
-RETURNED=${OUT:?the folder that comes back}
-export OUT=/tmp/visit-b VISIT_RETURN=$RETURNED
-mkdir -p "$OUT"
 cd "$(dirname "$0")" && . scripts/visit-lib.sh || exit 1
+visit_write_outside /tmp/visit-b
 R=$OUT
 visit_watchdog "${DEADLINE:-430}"
 # run_split SECONDS HOST_BUDGET GPU_EXPERTS FILE [BINARY]

@@ -18,10 +18,8 @@
 #      with --stats (its lanes poll before they sleep: lane-spin.patch), and S6b beside
 #      llama.cpp's --n-cpu-moe 17.
 set -uo pipefail
-RETURNED=${OUT:?the folder that comes back}
-export OUT=/tmp/visit-c VISIT_RETURN=$RETURNED
-mkdir -p "$OUT"
 cd "$(dirname "$0")" && . scripts/visit-lib.sh || exit 1
+visit_write_outside /tmp/visit-c
 R=$OUT
 visit_watchdog "${DEADLINE:-560}"
 
