@@ -430,6 +430,19 @@ mod tests {
         assert!((record.compute(16).unwrap().0 - 0.03).abs() < 1e-12);
     }
 
+    /// A run says whether its model routes experts, so that MoE models never run here are
+    /// estimated at MoE models' CPU rate (`ModelRecords::cpu_bytes_per_sec`).
+    #[test]
+    fn a_run_records_whether_its_model_routes_experts() {
+        let mut record = crate::hw::ModelRecord::default();
+        assert_eq!(record.routes_experts, None);
+        let moe = RunMeasurements { threads: 2, routes_experts: true, ..RunMeasurements::default() };
+        fold_run(&mut record, 2, &moe);
+        assert_eq!(record.routes_experts, Some(true));
+        fold_run(&mut record, 2, &RunMeasurements { routes_experts: false, ..moe });
+        assert_eq!(record.routes_experts, Some(false));
+    }
+
     #[test]
     fn headroom_is_a_tenth_within_limits() {
         assert_eq!(headroom_bytes(2 << 30), (2 << 30) / 10);
