@@ -49,7 +49,8 @@ pub struct ModelRecord {
     pub touched_bytes_per_token: Option<f64>,
     /// Whether the model routes experts (MoE): with the CPU rate above, an estimate for MoE
     /// models never run here (a token's small expert matmuls run well below the rate of a dense
-    /// model's: S6's shape at about 17 GB/s on the H100 machine's CPU, a dense 1B at 70 GB/s).
+    /// model's: S6's host experts at about 20 GB/s within whole layers' 23.8 ms a token on the
+    /// H100 machine's CPU, a dense 1B at 70 GB/s).
     /// None in records from before it was kept.
     #[serde(default)]
     pub routes_experts: Option<bool>,
