@@ -334,8 +334,7 @@ impl ModelRecords {
     pub fn cpu_bytes_per_sec(&self, threads: u32, except: &Path, routes_experts: bool) -> Option<CpuRate> {
         let except = std::fs::canonicalize(except).unwrap_or_else(|_| except.to_path_buf());
         let key = machine_key();
-        type Rates = Vec<(f64, bool)>;
-        let (mut same, mut other): (Rates, Rates) = std::fs::read_dir(&self.dir)
+        let (mut same, mut other): (Vec<_>, Vec<_>) = std::fs::read_dir(&self.dir)
             .ok()?
             .flatten()
             .filter_map(|entry| serde_json::from_str::<ModelRecord>(&std::fs::read_to_string(entry.path()).ok()?).ok())
@@ -345,9 +344,10 @@ impl ModelRecords {
             .filter(|record| std::fs::canonicalize(&record.model_path).map_or(true, |path| path != except))
             .filter_map(|record| Some((record.cpu_bytes_per_sec(threads)?, record.routes_experts.unwrap_or(false))))
             .partition(|&(_, routes)| routes == routes_experts);
-        let rates = if same.is_empty() { &mut other } else { &mut same };
+        let (rates, routes_experts) =
+            if same.is_empty() { (&mut other, !routes_experts) } else { (&mut same, routes_experts) };
         rates.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let &(bytes_per_sec, routes_experts) = rates.get(rates.len() / 2)?;
+        let &(bytes_per_sec, _) = rates.get(rates.len() / 2)?;
         Some(CpuRate { bytes_per_sec, models: rates.len(), routes_experts })
     }
 
