@@ -65,7 +65,9 @@ visit_setup() {
     [ $status -eq 0 ] || echo "visit_forge $2 -o $3: exit $status (see $OUT/forge.log)" >&2
   done
   _visit_forges=()
-  wait
+  # Any other background job, but not the watchdog (it ends at the deadline).
+  local job
+  for job in $(jobs -p); do [ "$job" = "${visit_watchdog:-}" ] || wait "$job"; done
   # A library built here (not restored) goes back compressed, in parts the call returns, so
   # that the next visit carries it instead of building (cuda-bundle --keep-cuda): compressed
   # at the lowest priority beside the runs; visit_archive waits for it.
