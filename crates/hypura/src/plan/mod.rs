@@ -30,7 +30,7 @@ pub use dense::{limit_tokens_per_sec, DenseLayout, READ_CHUNK_BYTES};
 pub use experts::{ExpertLayout, HUGE_SLICE_MIN_BYTES};
 pub use gpu::{GpuExpertsOption, GpuLayout};
 pub use pool::{ExpertPoolLayout, POOL_ALIGNMENT};
-pub use predict::{cached_units, predict, Prediction, REAL_ROUTING_FROM};
+pub use predict::{cached_units, predict, Prediction, CPU_BYTES_PER_SEC_UNMEASURED, REAL_ROUTING_FROM};
 pub use remote::{RemoteDeviceFacts, RemoteLayout, RemoteShare, REMOTE_RESERVE_BYTES};
 pub use reuse::{uniform_hit_rate, ReuseDepths, ReuseTracker, REAL_ROUTING_BELOW, REAL_ROUTING_FIRST};
 pub use search::{choose, context_for, plan_for, Ask, Choice, DRAFT_UBATCH};
@@ -166,8 +166,9 @@ fn plan_local(inventory: &Inventory, machine: &MachineFacts, options: &PlanOptio
             (choice, plan, rate)
         })
         .collect();
-    // The fastest predicted; one unpredictable (no disk profile for a plan that reads) loses to
-    // any predicted, and among the unpredictable the first listed (a pool needs no CPU) wins.
+    // The fastest predicted. A GPU plan is always predicted (a CPU or a disk never measured at
+    // an assumed rate: S6a's first run on a fresh machine took the split by rule, 0.75 of whole
+    // layers); one unpredictable all the same loses to any predicted.
     let best = (0..weighed.len())
         .reduce(|best, next| match (weighed[best].2, weighed[next].2) {
             (Some(rate), Some(other)) if other > rate => next,

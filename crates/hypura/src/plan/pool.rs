@@ -295,6 +295,18 @@ mod tests {
         .unwrap();
         assert_eq!(layered.mode, Mode::ExpertStream, "{}", layered.render());
         assert!(streaming.gpu.as_ref().unwrap().expert_pool.is_some(), "{}", streaming.render());
+        // A machine never profiled and no model run on it: every option is predicted all the
+        // same (its disk and CPU at assumed rates) and the fastest is taken, not one by rule.
+        let fresh = MachineFacts { disk_bytes_per_sec: None, ..with_gpu(host, gpu_budget) };
+        let chosen = plan(&inventory, &fresh, &auto).unwrap();
+        let options = &chosen.gpu.as_ref().unwrap().experts_options;
+        let rates: Vec<f64> = options.iter().filter_map(|option| option.decode_tokens_per_sec).collect();
+        assert_eq!(rates.len(), 3, "{}", chosen.render());
+        let fastest = rates.iter().copied().fold(0.0, f64::max);
+        assert!(options.iter().any(|option| option.chosen && option.decode_tokens_per_sec == Some(fastest)));
+        let prediction = crate::plan::predict(&chosen, &fresh, 256, crate::plan::predict::touched(&inventory, &chosen));
+        assert_eq!(prediction.disk_bytes_per_sec, Some(crate::plan::predict::DISK_BYTES_PER_SEC_UNPROFILED));
+        assert!(prediction.render().contains("assumed: no disk profile"), "{}", prediction.render());
         let small_gpu = fixed + staging + alignment + 3 * 24 * slice;
         let too_small = plan(&inventory, &with_gpu(host, small_gpu), &auto).unwrap();
         assert!(too_small.gpu.as_ref().unwrap().expert_pool.is_none(), "{}", too_small.render());

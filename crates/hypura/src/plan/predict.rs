@@ -25,6 +25,14 @@ pub const GPU_DECODE_BYTES_PER_SEC: f64 = 3.0e11;
 /// whole layers against the pool. Records replace it after one resident run of any model.
 pub const CPU_BYTES_PER_SEC_UNMEASURED: f64 = 2.0e10;
 
+/// The disk's rate for a GPU plan on a machine whose disk was never profiled nor streamed from,
+/// so that `--gpu-experts auto` weighs its options by their reads too, instead of taking one by
+/// rule: about the sustained rates profiled on the machines the GPU figures come from (1.09 and
+/// 1.74 GB/s on the H100 machines, 2026-12-06 and -07; 2.27 on the 2-core machine). A profile or
+/// one streaming run replaces it.
+pub const DISK_BYTES_PER_SEC_UNPROFILED: f64 = 1.5e9;
+const DISK_RATE_ASSUMED: &str = "assumed: no disk profile, `hypura profile`";
+
 /// What `predict` says, with the figures it used (`inspect` prints them; `--json` carries them).
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct Prediction {
@@ -165,51 +173,74 @@ pub fn predict(plan: &Plan, facts: &MachineFacts, n_batch: u32, (touched_bytes, 
     let resident =
         facts.resident_seconds_per_token.map(|seconds| (seconds, facts.resident_host_share, "resident runs"));
     let order = if plan.mode == Mode::Resident { [resident, streaming] } else { [streaming, resident] };
-    let (compute, compute_from) = pooled_on_device(plan, facts, touched_bytes)
-        .or_else(|| {
-            order.into_iter().flatten().find_map(|(seconds, measured_share, from)| {
-                let (seconds, scaled) = at_share(seconds, measured_share.unwrap_or(1.0), host_share)?;
-                Some((
-                    seconds,
-                    if scaled { format!("{from}, scaled to this plan's CPU share") } else { from.to_string() },
-                ))
+    let recorded = |scale: bool| {
+        order.into_iter().flatten().find_map(|(seconds, measured_share, from)| {
+            let (seconds, scaled) = at_share(seconds, measured_share.unwrap_or(1.0), host_share)?;
+            (scale || !scaled).then(|| {
+                (seconds, if scaled { format!("{from}, scaled to this plan's CPU share") } else { from.to_string() })
             })
         })
-        // A model never run here: its host's bytes at the rate this machine's CPU computed
-        // other models' (resident, all on the CPU).
-        // A GPU plan is always predicted (`--gpu-experts auto` weighs its options): a CPU that
-        // never ran a model at an assumed rate, and the device's share at the H200 machine's.
-        .or_else(|| {
-            let gpu = plan.gpu.is_some();
-            let (rate, rate_from) = match facts.cpu_bytes_per_sec.filter(|rate| *rate > 0.0) {
-                Some(rate) if facts.cpu_rate_of_moe => (rate, "other MoE models computed at here"),
-                Some(rate) => (rate, "other models, dense, computed at here"),
-                None if gpu => (CPU_BYTES_PER_SEC_UNMEASURED, "assumed: no model ran on this CPU yet"),
-                None => return None,
-            };
-            if host_share < 0.05 && !gpu {
-                return None;
-            }
-            let device = if gpu { touched_bytes * (1.0 - host_share) / GPU_DECODE_BYTES_PER_SEC } else { 0.0 };
-            Some((
-                touched_bytes * host_share / rate + device,
-                format!(
-                    "estimated: {} a token on the CPU at {} ({rate_from}){}",
-                    crate::format::format_bytes((touched_bytes * host_share) as u64),
-                    format_bytes_per_sec(rate),
-                    if gpu { ", the rest on the GPU at the H200 machine's rate" } else { "" }
-                ),
-            ))
-        })
+    };
+    // The host's bytes at the rate this machine's CPU computed models resident (MoE ones first),
+    // beside the device's share: the model's own time resident on the GPU, for the share of its
+    // bytes there, else the H200 machine's rate. `measured`: only with both rates measured here.
+    // A GPU plan is always predicted (`--gpu-experts auto` weighs its options): a CPU that never
+    // ran a model at an assumed rate.
+    let estimated = |measured: bool| {
+        let gpu = plan.gpu.is_some();
+        let device_resident = facts.device_resident_seconds_per_token();
+        let (rate, rate_from) = match facts.cpu_bytes_per_sec.filter(|rate| *rate > 0.0) {
+            Some(rate) if facts.cpu_rate_of_moe => (rate, "other MoE models computed at here"),
+            Some(rate) => (rate, "other models, dense, computed at here"),
+            None if gpu && !measured => (CPU_BYTES_PER_SEC_UNMEASURED, "assumed: no model ran on this CPU yet"),
+            None => return None,
+        };
+        if (host_share < 0.05 && !gpu) || (measured && (!gpu || device_resident.is_none())) {
+            return None;
+        }
+        let (device, device_from) = match device_resident {
+            Some(seconds) if gpu => (
+                seconds * (1.0 - host_share),
+                format!(", the rest on the GPU at this model's time resident there ({:.1} ms)", seconds * 1e3),
+            ),
+            _ if gpu => (
+                touched_bytes * (1.0 - host_share) / GPU_DECODE_BYTES_PER_SEC,
+                ", the rest on the GPU at the H200 machine's rate".to_string(),
+            ),
+            _ => (0.0, String::new()),
+        };
+        Some((
+            touched_bytes * host_share / rate + device,
+            format!(
+                "estimated: {} a token on the CPU at {} ({rate_from}){device_from}",
+                crate::format::format_bytes((touched_bytes * host_share) as u64),
+                format_bytes_per_sec(rate),
+            ),
+        ))
+    };
+    // The model's own record at this plan's share first; then, on a GPU, the two tiers' rates as
+    // measured here (S6b's whole layers: S6a's streaming runs scaled to S6b's share predicted
+    // 53.1 tok/s, the run measured 92.6, these rates 91); then a record scaled; then estimates.
+    let (compute, compute_from) = pooled_on_device(plan, facts, touched_bytes)
+        .or_else(|| recorded(false))
+        .or_else(|| estimated(true))
+        .or_else(|| recorded(true))
+        .or_else(|| estimated(false))
         .unzip();
-    let disk = facts.disk_bytes_per_sec.filter(|rate| *rate > 0.0);
+    let (disk, disk_rate_from) = match facts.disk_bytes_per_sec.filter(|rate| *rate > 0.0) {
+        Some(rate) => (Some(rate), Some(if facts.disk_rate_from_runs { "streaming runs" } else { "profile" })),
+        // A GPU plan is always predicted, as its CPU's share is: a disk never profiled at an
+        // assumed rate.
+        None if plan.gpu.is_some() => (Some(DISK_BYTES_PER_SEC_UNPROFILED), Some(DISK_RATE_ASSUMED)),
+        None => (None, None),
+    };
     let ubatch =
         plan.experts.as_ref().and_then(|experts| experts.max_ubatch).unwrap_or(n_batch).clamp(1, n_batch.max(1));
     let mut prediction = Prediction {
         compute_seconds_per_token: compute,
         compute_from,
         disk_bytes_per_sec: disk,
-        disk_rate_from: disk.map(|_| if facts.disk_rate_from_runs { "streaming runs" } else { "profile" }),
+        disk_rate_from,
         prompt_seconds_per_token: facts.prompt_seconds_per_token,
         host_share,
         touched_bytes_per_token: touched_bytes,
@@ -377,6 +408,41 @@ mod tests {
         let read = 0.5 * f64::from(1536u32 << 20) / 1e9;
         assert!((sticky.prompt_tokens_per_sec.unwrap() - 512.0 / read).abs() < 1.0, "{sticky:?}");
         assert!(sticky.render().contains("recorded routing"), "{}", sticky.render());
+    }
+
+    /// Whole layers on a GPU at a share no run of the model had: the host's bytes at the CPU's
+    /// MoE rate and the rest at the model's own time resident on the device, before any record
+    /// scaled to the share. S6b on the H100 machine (2026-12-07): 18% of a token's 1.56 GB on
+    /// the CPU at 41 GB/s (S6's model resident there: 26.5 tok/s), 5.2 ms resident on the GPU:
+    /// 10.9 ms (91 tok/s) against the 10.8 ms measured, where S6a's streaming runs (25% on the
+    /// CPU) scaled to S6b's share had predicted 18.8 ms.
+    #[test]
+    fn a_gpu_plan_at_a_new_share_takes_both_tiers_measured_rates() {
+        let inventory = moe_inventory(4, 128, 8, 1 << 20);
+        let options = PlanOptions { gpu_experts: Some(crate::plan::GpuExperts::Layers), ..PlanOptions::default() };
+        let facts = MachineFacts {
+            resident_seconds_per_token: Some(0.0052),
+            resident_host_share: Some(0.0),
+            compute_seconds_per_token: Some(0.0195),
+            compute_host_share: Some(0.253),
+            cpu_bytes_per_sec: Some(41.2e9),
+            cpu_rate_of_moe: true,
+            ..with_gpu(64 << 30, 64 << 30)
+        };
+        let plan = plan(&inventory, &facts, &options).unwrap();
+        assert!(plan.gpu.is_some(), "{}", plan.render());
+        let at = |share: f64| predict(&plan, &facts, 512, (1.556e9, share));
+        let new_share = at(0.176);
+        let expected: f64 = 0.176 * 1.556e9 / 41.2e9 + 0.0052 * 0.824;
+        assert!((1.0 / expected / 92.6 - 1.0).abs() < 0.05, "S6b measured 92.6 tok/s: {expected}");
+        assert!((new_share.compute_seconds_per_token.unwrap() - expected).abs() < 1e-12, "{new_share:?}");
+        assert!(new_share.compute_from.as_deref().unwrap().contains("this model's time resident there"));
+        // The streaming runs' own share: their record as it is.
+        assert_eq!(at(0.253).compute_seconds_per_token, Some(0.0195));
+        // No CPU rate measured here: the record scaled, as before.
+        let unmeasured = MachineFacts { cpu_bytes_per_sec: None, ..facts.clone() };
+        let scaled = predict(&plan, &unmeasured, 512, (1.556e9, 0.176));
+        assert!((scaled.compute_seconds_per_token.unwrap() - 0.0195 * 0.176 / 0.253).abs() < 1e-12, "{scaled:?}");
     }
 
     #[test]

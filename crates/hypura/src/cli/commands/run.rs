@@ -360,11 +360,15 @@ fn print_stats(gpu_free_before: Option<&[(String, u64)]>, limits: &Limits, outpu
             // A pooled decode's compute term is the device's or the misses' (not this run's).
             let compute = match stats.pool_limit(&limits.facts) {
                 Some(pool) => format!(
-                    "compute {:.1} ms: the device's {:.1} ms{}, the misses over the bus and on the CPU {:.1} ms",
+                    "compute {:.1} ms: the device's {:.1} ms{}, the misses over the bus and on the CPU {:.1} ms ({})",
                     limit.compute_seconds * 1e3,
                     pool.device_compute_seconds_per_token() * 1e3,
                     if pool.resident_seconds_per_token.is_some() { " resident" } else { "" },
-                    pool.miss_seconds_per_token() * 1e3
+                    pool.miss_seconds_per_token() * 1e3,
+                    pool.cpu_bytes_per_sec.map_or_else(
+                        || pool.cpu_rate_from.describe().to_string(),
+                        |rate| format!("the CPU at {:.1} GB/s, {}", rate / 1e9, pool.cpu_rate_from.describe())
+                    )
                 ),
                 None => format!("compute {:.1} ms", limit.compute_seconds * 1e3),
             };

@@ -4,6 +4,7 @@
 use serde::Serialize;
 
 use super::pool::PoolSnapshot;
+use crate::plan::CPU_BYTES_PER_SEC_UNMEASURED;
 
 /// A pool's stop in a decode, on average (`PoolSnapshot`'s stop times per stop): what the
 /// device waits for at each, beside its compute.
@@ -90,6 +91,8 @@ pub struct PoolLimit<Work = PoolWorkTotals> {
     /// run's own way of moving them, not part of it.
     pub miss_bytes_per_token: f64,
     pub cpu_bytes_per_sec: Option<f64>,
+    /// Where the CPU's rate came from (`CpuRateFrom`).
+    pub cpu_rate_from: CpuRateFrom,
     /// The totals they come from, as the model's record keeps them for the next plan
     /// (`PoolWorkTotals`).
     pub work: Work,
@@ -97,10 +100,36 @@ pub struct PoolLimit<Work = PoolWorkTotals> {
     pub stop: StopSplit,
 }
 
+/// Where a pooled limit's CPU rate came from: a resident run here recorded it; without one, a
+/// split's own share of misses computed at this rate in this run, or the rate assumed where no
+/// model ran on this CPU (`plan::predict::CPU_BYTES_PER_SEC_UNMEASURED`), whichever is faster
+/// (a limit takes the faster); no split and no record: none (the bus alone).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum CpuRateFrom {
+    Recorded,
+    ThisRun,
+    Assumed,
+    Unknown,
+}
+
+impl CpuRateFrom {
+    pub fn describe(self) -> &'static str {
+        match self {
+            CpuRateFrom::Recorded => "a run here recorded",
+            CpuRateFrom::ThisRun => "this run's CPU share: no CPU rate recorded here yet",
+            CpuRateFrom::Assumed => "assumed: no CPU rate recorded here yet",
+            CpuRateFrom::Unknown => "no CPU rate recorded here yet",
+        }
+    }
+}
+
 impl PoolLimit {
     /// From a decode's totals, the model's recorded time resident on the device, if any, and
     /// the CPU's recorded rate; None without a pool's stops or a decode. The host's and the
-    /// bus's times are the decode requests' (their start tokens' passes too) per pass.
+    /// bus's times are the decode requests' (their start tokens' passes too) per pass. A split
+    /// pool's device side leaves out its waits for the CPU's share at the layers' sums: those
+    /// misses are the misses' term, at the CPU's rate (without a recorded one, the faster of
+    /// this run's own and the assumed rate), so the device's idle time is not counted twice.
     pub fn from_decode(
         decode: &PooledDecode,
         resident: Option<f64>,
@@ -113,8 +142,17 @@ impl PoolLimit {
         let graphs = decode.graphs as f64;
         let host_seconds_per_token = pool.host_seconds / graphs;
         let moved = pool.bus_bytes();
-        let device_seconds_per_token =
-            (decode.compute_seconds / decode.generated as f64 - host_seconds_per_token).max(0.0);
+        let device_seconds_per_token = (decode.compute_seconds / decode.generated as f64
+            - host_seconds_per_token
+            - pool.cpu_wait_seconds / graphs)
+            .max(0.0);
+        let this_run = (pool.cpu_bytes > 0 && pool.cpu_seconds > 0.0).then(|| pool.cpu_bytes as f64 / pool.cpu_seconds);
+        let (cpu_bytes_per_sec, cpu_rate_from) = match (cpu_bytes_per_sec.filter(|rate| *rate > 0.0), this_run) {
+            (Some(rate), _) => (Some(rate), CpuRateFrom::Recorded),
+            (None, Some(rate)) if rate > CPU_BYTES_PER_SEC_UNMEASURED => (Some(rate), CpuRateFrom::ThisRun),
+            (None, Some(_)) => (Some(CPU_BYTES_PER_SEC_UNMEASURED), CpuRateFrom::Assumed),
+            (None, None) => (None, CpuRateFrom::Unknown),
+        };
         let resident = resident.filter(|seconds| seconds.is_finite() && *seconds > 0.0);
         // Beside the resident time, what the stops cost the device: its side beyond it.
         let gap = resident.map(|resident| (device_seconds_per_token - resident).max(0.0) * graphs);
@@ -125,7 +163,8 @@ impl PoolLimit {
             bus_seconds_per_token: pool.transfer_seconds / graphs,
             bus_bytes_per_sec: if pool.transfer_seconds > 0.0 { moved as f64 / pool.transfer_seconds } else { 0.0 },
             miss_bytes_per_token: pool.miss_bytes() as f64 / graphs,
-            cpu_bytes_per_sec: cpu_bytes_per_sec.filter(|rate| *rate > 0.0),
+            cpu_bytes_per_sec,
+            cpu_rate_from,
             work: PoolWorkTotals {
                 moved_bytes: moved,
                 transfer_seconds: pool.transfer_seconds,
@@ -152,6 +191,7 @@ impl<Work> PoolLimit<Work> {
             bus_bytes_per_sec: self.bus_bytes_per_sec,
             miss_bytes_per_token: self.miss_bytes_per_token,
             cpu_bytes_per_sec: self.cpu_bytes_per_sec,
+            cpu_rate_from: self.cpu_rate_from,
             work: form(self.work),
             stop: self.stop,
         }
@@ -224,6 +264,54 @@ mod tests {
         let recorded = resident.with_work(|work| (work.moved_bytes, work.gap_stops));
         assert_eq!(recorded.work, (5_000_000, 44));
         assert_eq!(recorded.with_work(|_| resident.work), resident);
+    }
+
+    /// A split decode with no rate recorded here (S6a's first run on the H100 machine: 51.6 ms
+    /// a token, the host's 10.8 ms at the stops, the GPU waiting 29.5 ms at the layers' sums
+    /// for the CPU's 277 MB computed in 31.4 ms): the device's side leaves the wait out, and
+    /// the misses go at the faster of the assumed rate and this run's own, so the limit's
+    /// compute stays below what the run took. That run's limit had charged the misses to the
+    /// bus alone and read 1.60.
+    #[test]
+    fn a_split_without_records_is_limited_by_the_cpus_rate_not_by_its_own_waits() {
+        let graphs = 129.0;
+        let pool = PoolSnapshot {
+            host_seconds: 0.0108 * graphs,
+            cpu_bytes: (277e6 * graphs) as u64,
+            cpu_seconds: 0.0314 * graphs,
+            cpu_wait_seconds: 0.0295 * graphs,
+            upload_bytes: (11.7e6 * graphs) as u64,
+            transfer_seconds: 0.0036 * graphs,
+            ..Default::default()
+        };
+        let decode =
+            PooledDecode { graphs: 129, generated: 128, compute_seconds: 0.0516 * 128.0, layer_visits: 40 * 129, pool };
+        let limit = PoolLimit::from_decode(&decode, None, None).expect("a pooled run");
+        assert!((limit.device_seconds_per_token - 0.0113).abs() < 1e-9, "{limit:?}");
+        assert_eq!(
+            (limit.cpu_bytes_per_sec, limit.cpu_rate_from),
+            (Some(CPU_BYTES_PER_SEC_UNMEASURED), CpuRateFrom::Assumed)
+        );
+        let misses = (277e6 + 11.7e6) / (CPU_BYTES_PER_SEC_UNMEASURED + 11.7e6 / 0.0036);
+        assert!((limit.miss_seconds_per_token() - misses).abs() < 1e-9, "{limit:?}");
+        assert!(limit.compute_seconds_per_token() < 0.0516 / 2.0, "{limit:?}");
+        // The record's gaps are the stops' alone, not the waits for the CPU's share.
+        let resident = PoolLimit::from_decode(&decode, Some(0.0052), None).expect("a pooled run");
+        assert!((resident.work.device_gap_seconds - (0.0113 - 0.0052) * graphs).abs() < 1e-6, "{resident:?}");
+        // A CPU share faster than the assumed rate is taken at its own; a recorded rate first.
+        let fast = PooledDecode { pool: PoolSnapshot { cpu_seconds: 0.0055 * graphs, ..pool }, ..decode };
+        let own = PoolLimit::from_decode(&fast, None, None).expect("a pooled run");
+        assert_eq!(own.cpu_rate_from, CpuRateFrom::ThisRun);
+        assert!((own.cpu_bytes_per_sec.unwrap() - 277e6 / 0.0055).abs() < 1.0, "{own:?}");
+        let recorded = PoolLimit::from_decode(&fast, None, Some(38e9)).expect("a pooled run");
+        assert_eq!((recorded.cpu_bytes_per_sec, recorded.cpu_rate_from), (Some(38e9), CpuRateFrom::Recorded));
+        // Unsplit, no CPU computed a miss: no rate but a recorded one.
+        let unsplit = PooledDecode {
+            pool: PoolSnapshot { cpu_bytes: 0, cpu_seconds: 0.0, cpu_wait_seconds: 0.0, ..pool },
+            ..decode
+        };
+        let bus = PoolLimit::from_decode(&unsplit, None, None).expect("a pooled run");
+        assert_eq!((bus.cpu_bytes_per_sec, bus.cpu_rate_from), (None, CpuRateFrom::Unknown));
     }
 
     /// A stop's split is each total over the stops it belongs to: the callback's questions
