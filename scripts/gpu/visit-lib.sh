@@ -117,6 +117,21 @@ visit_write_outside() {
   mkdir -p "$OUT"
 }
 
+# visit_begin DIR PRESET GGUF
+#   The start of a visit that writes outside the returned folder and stops its runs at
+#   ${DEADLINE:-560} s: outputs to DIR (visit_write_outside), the watchdog, the machine's CPU and
+#   clocks (lscpu.txt, gpu.txt), PRESET forged to GGUF beside ggml's CUDA build (visit_setup),
+#   "built and forged at S s" in time.log. Returns 1 (after a snapshot) where the build failed.
+visit_begin() {
+  visit_write_outside "$1"
+  visit_watchdog "${DEADLINE:-560}"
+  lscpu > "$OUT/lscpu.txt" 2>&1
+  nvidia-smi -q -d CLOCK,POWER > "$OUT/gpu.txt" 2>&1
+  visit_forge "$2" "$3"
+  visit_setup 90 || { visit_snapshot; return 1; }
+  visit_mark "built and forged at $SECONDS s"
+}
+
 # visit_snapshot
 #   For a visit that writes outside the returned folder (visit_write_outside): everything in
 #   $OUT so far into $VISIT_RETURN/results.tgz, replaced whole, so a call cut off at any time

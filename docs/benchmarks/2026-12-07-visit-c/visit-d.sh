@@ -8,14 +8,8 @@
 #   DEADLINE=S ./visit-d.sh        (from a scripts/gpu/cuda-bundle folder, carried)
 set -uo pipefail
 cd "$(dirname "$0")" && . scripts/visit-lib.sh || exit 1
-visit_write_outside /tmp/visit-d
+visit_begin /tmp/visit-d qwen3.6-35b-a3b /tmp/q36.gguf || exit 1
 R=$OUT
-visit_watchdog "${DEADLINE:-560}"
-
-lscpu > "$R/lscpu.txt" 2>&1; nvidia-smi -q -d CLOCK,POWER > "$R/gpu.txt" 2>&1
-visit_forge qwen3.6-35b-a3b /tmp/q36.gguf
-visit_setup 90 || { visit_snapshot; exit 1; }
-visit_mark "built and forged at $SECONDS s"
 visit_inspect /tmp/q36.gguf 8GiB 11GiB
 visit_snapshot
 # No record, no profile: auto by prediction (at S6a's budgets it predicts whole layers 22.4,
