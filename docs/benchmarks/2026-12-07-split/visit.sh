@@ -28,6 +28,7 @@ DEADLINE=${DEADLINE:-560}
   pkill -f scripts/bench-limited; pkill -f bin/hypura; pkill -f llama-
 ) &
 watchdog=$!
+visit_watchdog=$watchdog   # visit_setup waits for every background job but this one
 # Whether a step that takes about $1 seconds still fits before the deadline.
 fits() { [ $((SECONDS + $1)) -lt "$DEADLINE" ]; }
 

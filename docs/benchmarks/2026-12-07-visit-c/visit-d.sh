@@ -6,10 +6,26 @@
 # --n-cpu-moe 17 and 20 (its best placement at 12 GiB is near there), predicted from those records.
 #
 #   DEADLINE=S ./visit-d.sh        (from a scripts/gpu/cuda-bundle folder, carried)
+#   DEADLINE=S ./visit-d.sh 2      a second call: S6a's 4,096-token prompt, Hypura's default (by
+#                                  prediction) then llama.cpp's --fit given five times its time
 set -uo pipefail
 cd "$(dirname "$0")" && . scripts/visit-lib.sh || exit 1
 visit_begin /tmp/visit-d qwen3.6-35b-a3b /tmp/q36.gguf || exit 1
 R=$OUT
+if [ "${1:-1}" = 2 ]; then
+  started=$SECONDS
+  visit_case s6a-4k /tmp/q36.gguf 0.5701 1 RUN_TIMEOUT=200 PEERS=0 PROMPT_TOKENS=4096 CONTEXT=4352 \
+    HYPURA_ARGS="--gpu-budget 8GiB"
+  own=$((SECONDS - started)); give=$((own * 5 + 20)); left=$((${DEADLINE:-560} - 20 - SECONDS))
+  [ $give -gt $left ] && give=$left
+  # llama.cpp's side in the same run folder (s6a-4k), its summary in s6a-4k-fit.txt.
+  [ $give -gt 30 ] && visit_case s6a-4k-fit /tmp/q36.gguf 0.5701 1 RUN_TIMEOUT=$give OUT=$R/s6a-4k SKIP_HYPURA=1 \
+    PEERS=fit PROMPT_TOKENS=4096 CONTEXT=4352 HYPURA_ARGS="--gpu-budget 8GiB"
+  kill "$visit_watchdog" 2>/dev/null
+  visit_mark "done at $SECONDS s (fit given $give s)"
+  visit_snapshot
+  exit 0
+fi
 visit_inspect /tmp/q36.gguf 8GiB 11GiB
 visit_snapshot
 # No record, no profile: auto by prediction (at S6a's budgets it predicts whole layers 22.4,
