@@ -183,9 +183,11 @@ pub fn predict(plan: &Plan, facts: &MachineFacts, n_batch: u32, (touched_bytes, 
     };
     // The host's bytes at the rate this machine's CPU computed models resident (MoE ones first),
     // beside the device's share: the model's own time resident on the GPU, for the share of its
-    // bytes there, else the H200 machine's rate. `measured`: only with both rates measured here.
-    // A GPU plan is always predicted (`--gpu-experts auto` weighs its options): a CPU that never
-    // ran a model at an assumed rate.
+    // bytes there, else the H200 machine's rate. `measured`: only with both rates measured here,
+    // and only for a plan that streams nothing (a streamed layer's stop costs what neither rate
+    // holds: S6a's whole layers computed their host experts at about 20 GB/s, stops included,
+    // where the CPU computes S6's model resident at 41). A GPU plan is always predicted
+    // (`--gpu-experts auto` weighs its options): a CPU that never ran a model at an assumed rate.
     let estimated = |measured: bool| {
         let gpu = plan.gpu.is_some();
         let device_resident = facts.device_resident_seconds_per_token();
@@ -195,7 +197,9 @@ pub fn predict(plan: &Plan, facts: &MachineFacts, n_batch: u32, (touched_bytes, 
             None if gpu && !measured => (CPU_BYTES_PER_SEC_UNMEASURED, "assumed: no model ran on this CPU yet"),
             None => return None,
         };
-        if (host_share < 0.05 && !gpu) || (measured && (!gpu || device_resident.is_none())) {
+        if (host_share < 0.05 && !gpu)
+            || (measured && (!gpu || device_resident.is_none() || plan.mode != Mode::Resident))
+        {
             return None;
         }
         let (device, device_from) = match device_resident {
@@ -410,7 +414,7 @@ mod tests {
         assert!(sticky.render().contains("recorded routing"), "{}", sticky.render());
     }
 
-    /// Whole layers on a GPU at a share no run of the model had: the host's bytes at the CPU's
+    /// Whole layers on a GPU, nothing streamed, at a share no run of the model had: the host's bytes at the CPU's
     /// MoE rate and the rest at the model's own time resident on the device, before any record
     /// scaled to the share. S6b on the H100 machine (2026-12-07): 18% of a token's 1.56 GB on
     /// the CPU at 41 GB/s (S6's model resident there: 26.5 tok/s), 5.2 ms resident on the GPU:
@@ -430,7 +434,7 @@ mod tests {
             ..with_gpu(64 << 30, 64 << 30)
         };
         let plan = plan(&inventory, &facts, &options).unwrap();
-        assert!(plan.gpu.is_some(), "{}", plan.render());
+        assert!(plan.gpu.is_some() && plan.mode == Mode::Resident, "{}", plan.render());
         let at = |share: f64| predict(&plan, &facts, 512, (1.556e9, share));
         let new_share = at(0.176);
         let expected: f64 = 0.176 * 1.556e9 / 41.2e9 + 0.0052 * 0.824;
@@ -443,6 +447,13 @@ mod tests {
         let unmeasured = MachineFacts { cpu_bytes_per_sec: None, ..facts.clone() };
         let scaled = predict(&plan, &unmeasured, 512, (1.556e9, 0.176));
         assert!((scaled.compute_seconds_per_token.unwrap() - 0.0195 * 0.176 / 0.253).abs() < 1e-12, "{scaled:?}");
+        // A plan that streams: its stops cost what neither rate holds, so the streaming record
+        // scaled to its share comes first.
+        let streams = MachineFacts { memory_budget_bytes: 400 << 20, gpu_budget_bytes: 1 << 30, ..facts.clone() };
+        let streaming = super::super::plan(&inventory, &streams, &options).unwrap();
+        assert!(streaming.gpu.is_some() && streaming.mode == Mode::ExpertStream, "{}", streaming.render());
+        let streamed = predict(&streaming, &streams, 512, (1.556e9, 0.176));
+        assert!((streamed.compute_seconds_per_token.unwrap() - 0.0195 * 0.176 / 0.253).abs() < 1e-12, "{streamed:?}");
     }
 
     #[test]
