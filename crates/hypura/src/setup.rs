@@ -303,7 +303,7 @@ pub fn machine_facts(spec: &RunSpec, inventory: &Inventory) -> Result<MachineFac
     // rate streaming gets here, whatever the profile's short reads said.
     let from_runs = record.disk_bytes_per_sec();
     let cpu_rate =
-        ModelRecords::new(default_cache_dir()).cpu_bytes_per_sec(threads, model, inventory.hparams.n_expert > 1);
+        ModelRecords::new(default_cache_dir()).cpu_bytes_per_sec(threads, model, inventory.hparams.routes_experts());
     Ok(MachineFacts {
         memory_budget_bytes,
         disk_bytes_per_sec: from_runs.or(disk_bytes_per_sec),

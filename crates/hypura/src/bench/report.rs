@@ -319,10 +319,7 @@ fn pool_compute(pool: &PoolLimit) -> String {
             pool.host_seconds_per_token * 1e3,
         ),
     };
-    let from = pool.cpu_rate_from.describe();
-    let cpu = pool
-        .cpu_bytes_per_sec
-        .map_or_else(|| from.to_string(), |rate| format!("the CPU at {:.1} GB/s ({from})", rate / 1e9));
+    let cpu = pool.cpu_rate_text();
     format!(
         "{gpu}; the slots' misses {:.2} ms a token: {:.1} MB over the bus at {:.1} GB/s and {cpu} together (this run's transfers took {:.2} ms);",
         pool.miss_seconds_per_token() * 1e3,

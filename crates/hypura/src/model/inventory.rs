@@ -54,6 +54,13 @@ pub struct Hparams {
     pub recurrent_state_bytes: u64,
 }
 
+impl Hparams {
+    /// The model routes each token to some of several experts (MoE).
+    pub fn routes_experts(&self) -> bool {
+        self.n_expert > 1
+    }
+}
+
 /// Where each expert's bytes lie inside an expert tensor (`[.., .., n_expert]`, expert-major).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct ExpertSlices {

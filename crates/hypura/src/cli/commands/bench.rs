@@ -23,7 +23,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         );
     }
     let setup = settings::setup(&args.model_args, &path)?;
-    let routes_experts = setup.inventory.hparams.n_expert > 1;
+    let routes_experts = setup.inventory.hparams.routes_experts();
     let (engine, facts) = (setup.options, setup.facts);
     let threads = settings::threads(engine.n_threads);
     let placement = PeerPlacement::parse(&args.baseline_placement, engine.plan.as_ref(), facts.gpu_budget_bytes)

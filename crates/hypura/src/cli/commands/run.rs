@@ -96,7 +96,7 @@ pub fn run(args: &RunArgs) -> anyhow::Result<()> {
                         .as_ref()
                         .and_then(|plan| plan.prediction.as_ref())
                         .map(|prediction| prediction.touched_bytes_per_token),
-                    routes_experts: engine.inventory().hparams.n_expert > 1,
+                    routes_experts: engine.inventory().hparams.routes_experts(),
                     // A request's reads include its prompt's sweep: only benchmarks' tg runs
                     // measure decode's reads alone.
                     expert_reads: None,
@@ -365,10 +365,7 @@ fn print_stats(gpu_free_before: Option<&[(String, u64)]>, limits: &Limits, outpu
                     pool.device_compute_seconds_per_token() * 1e3,
                     if pool.resident_seconds_per_token.is_some() { " resident" } else { "" },
                     pool.miss_seconds_per_token() * 1e3,
-                    pool.cpu_bytes_per_sec.map_or_else(
-                        || pool.cpu_rate_from.describe().to_string(),
-                        |rate| format!("the CPU at {:.1} GB/s, {}", rate / 1e9, pool.cpu_rate_from.describe())
-                    )
+                    pool.cpu_rate_text()
                 ),
                 None => format!("compute {:.1} ms", limit.compute_seconds * 1e3),
             };

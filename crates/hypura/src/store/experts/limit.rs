@@ -208,6 +208,13 @@ impl<Work> PoolLimit<Work> {
         }
     }
 
+    /// The CPU's rate in the misses' term and where it came from, for a report line.
+    pub fn cpu_rate_text(&self) -> String {
+        let from = self.cpu_rate_from.describe();
+        self.cpu_bytes_per_sec
+            .map_or_else(|| from.to_string(), |rate| format!("the CPU at {:.1} GB/s ({from})", rate / 1e9))
+    }
+
     /// The limit's compute term: the device's, or the misses' where they take longer (their
     /// transfers and the CPU's share overlap the device's compute at best).
     pub fn compute_seconds_per_token(&self) -> f64 {
@@ -302,6 +309,7 @@ mod tests {
         let fast = PooledDecode { pool: PoolSnapshot { cpu_seconds: 0.0055 * graphs, ..pool }, ..decode };
         let own = PoolLimit::from_decode(&fast, None, None).expect("a pooled run");
         assert_eq!(own.cpu_rate_from, CpuRateFrom::ThisRun);
+        assert!(own.cpu_rate_text().contains("(this run's CPU share"), "{}", own.cpu_rate_text());
         assert!((own.cpu_bytes_per_sec.unwrap() - 277e6 / 0.0055).abs() < 1.0, "{own:?}");
         let recorded = PoolLimit::from_decode(&fast, None, Some(38e9)).expect("a pooled run");
         assert_eq!((recorded.cpu_bytes_per_sec, recorded.cpu_rate_from), (Some(38e9), CpuRateFrom::Recorded));
